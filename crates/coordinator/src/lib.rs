@@ -1,0 +1,1 @@
+//! kvbridge-coordinator (work in progress).

@@ -1,0 +1,5 @@
+//! Planner benchmarks (divan).
+
+fn main() {
+    divan::main();
+}

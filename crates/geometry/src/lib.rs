@@ -1,0 +1,1 @@
+//! kvbridge-geometry (work in progress).

@@ -1,0 +1,1 @@
+//! kvbridge-handshake (work in progress).

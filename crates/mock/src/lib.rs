@@ -1,0 +1,1 @@
+//! kvbridge-mock (work in progress).

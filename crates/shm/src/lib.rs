@@ -1,0 +1,1 @@
+//! kvbridge-shm (work in progress).

@@ -1,0 +1,1 @@
+//! kvbridge-tcp (work in progress).

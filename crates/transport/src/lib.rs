@@ -1,0 +1,1 @@
+//! kvbridge-transport (work in progress).

@@ -1,0 +1,1 @@
+//! Example custom transport (work in progress).

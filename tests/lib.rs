@@ -1,0 +1,1 @@
+//! Shared helpers for kvbridge's cross-crate tests (the tests themselves are `[[test]]` targets).
