@@ -1,1 +1,437 @@
-//! kvbridge-transport (work in progress).
+//! The `KvTransport` trait: how kvbridge moves KV bytes between processes.
+//!
+//! KV data never crosses this trait as a buffer. It stays in [`MemoryRegion`]s registered with
+//! a transport and moves as one-sided `(local region, offset, remote region, offset, len)`
+//! descriptors, the way RDMA engines (Mooncake's transfer engine, NIXL, UCX) work: register
+//! memory, exchange a descriptor through the handshake, post a batch of writes, learn when it
+//! is done.
+//!
+//! # The contract
+//!
+//! Every implementation promises the following; the conformance suite in [`testing`] (feature
+//! `testing`) checks each point, and every transport in this workspace runs it.
+//!
+//! 1. **Bounds before bytes.** A batch in which any descriptor addresses bytes outside its
+//!    registered region (local or remote), or names an unknown region, is refused as a whole
+//!    with [`TransportError::OutOfBounds`] / [`TransportError::UnknownRegion`] before any byte
+//!    of it moves. The remote side checks again: a peer can never make a transport write
+//!    outside a region registered with it.
+//! 2. **Every batch ends.** A posted batch reaches exactly one final state — done, failed,
+//!    cancelled or timed out — no later than its deadline (plus a small, bounded grace for the
+//!    transport to fence it). [`KvTransport::wait`] never hangs past that.
+//! 3. **Fencing.** Once `wait` or `cancel` has reported a batch failed, cancelled or timed out,
+//!    no byte of that batch lands in the peer's memory later. Bytes that landed before may stay.
+//! 4. **Notifications follow data.** A batch's notification is delivered to the peer only after
+//!    every byte of that batch is visible in the peer's memory, and never for a batch that did
+//!    not complete.
+//! 5. **Peer loss is an error, not a hang.** When a peer dies or disconnects, its pending batches
+//!    fail (by their deadline at the latest) with [`TransportError::PeerLost`] or
+//!    [`TransportError::BatchFailed`].
+//!
+//! A batch's final state stays available until `wait` has returned it once.
+//!
+//! # Example
+//!
+//! ```
+//! use kvbridge_transport::{TransferBatch, TransferOp, RegionId};
+//! use std::time::Duration;
+//!
+//! let batch = TransferBatch::write(vec![TransferOp {
+//!     local_region: RegionId(1),
+//!     local_offset: 0,
+//!     remote_region: RegionId(7),
+//!     remote_offset: 4096,
+//!     len: 73_728,
+//! }])
+//! .with_notification(bytes::Bytes::from_static(b"room 42 chunk 0"))
+//! .with_timeout(Duration::from_secs(5));
+//! assert_eq!(batch.total_bytes(), 73_728);
+//! ```
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+mod error;
+pub mod memory;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
+
+pub use error::{Result, Side, TransportError};
+pub use memory::{AllocError, CopyError, MemoryRegion, RangeError, RegionSliceMut};
+
+macro_rules! id_type {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub struct $name(pub u64);
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "#{}", self.0)
+            }
+        }
+    };
+}
+
+id_type!(
+    /// A region registered with one transport instance. Remote region ids are the peer's own ids,
+    /// learned through the handshake.
+    RegionId
+);
+id_type!(
+    /// A peer known to one transport instance: an outbound connection made by `connect`, or an
+    /// inbound one (the origin of a [`Notification`]).
+    PeerId
+);
+id_type!(
+    /// A batch posted on one transport instance.
+    BatchId
+);
+
+/// Whether a batch writes local bytes into the peer (push) or reads the peer's bytes (pull).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// Copy `local[offset..+len]` into `remote[offset..+len]`.
+    Write,
+    /// Copy `remote[offset..+len]` into `local[offset..+len]` (needs [`Capabilities::reads`]).
+    Read,
+}
+
+/// One contiguous copy between a local and a remote region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TransferOp {
+    /// Region registered with the transport that posts the batch.
+    pub local_region: RegionId,
+    /// Byte offset in the local region.
+    pub local_offset: u64,
+    /// Region registered with the peer.
+    pub remote_region: RegionId,
+    /// Byte offset in the remote region.
+    pub remote_offset: u64,
+    /// Bytes to copy (zero is allowed and moves nothing).
+    pub len: u64,
+}
+
+/// Default deadline of a batch when none is given.
+pub const DEFAULT_BATCH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A batch of one-sided copies to one peer, with an optional notification and a deadline.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferBatch {
+    /// Write (push) or read (pull).
+    pub direction: Direction,
+    /// The copies, in any order; they must not overlap on the destination side.
+    pub ops: Vec<TransferOp>,
+    /// Delivered to the peer after all bytes of the batch are visible there.
+    pub notification: Option<Bytes>,
+    /// Time from posting by which the batch reaches a final state.
+    pub timeout: Duration,
+}
+
+impl TransferBatch {
+    /// A write batch with the default deadline and no notification.
+    pub fn write(ops: Vec<TransferOp>) -> Self {
+        Self {
+            direction: Direction::Write,
+            ops,
+            notification: None,
+            timeout: DEFAULT_BATCH_TIMEOUT,
+        }
+    }
+
+    /// A read batch with the default deadline and no notification.
+    pub fn read(ops: Vec<TransferOp>) -> Self {
+        Self {
+            direction: Direction::Read,
+            ops,
+            notification: None,
+            timeout: DEFAULT_BATCH_TIMEOUT,
+        }
+    }
+
+    /// Attaches a notification delivered to the peer after the data.
+    pub fn with_notification(mut self, payload: Bytes) -> Self {
+        self.notification = Some(payload);
+        self
+    }
+
+    /// Sets the deadline, counted from posting.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sum of all descriptor lengths (saturating).
+    pub fn total_bytes(&self) -> u64 {
+        self.ops
+            .iter()
+            .fold(0u64, |acc, op| acc.saturating_add(op.len))
+    }
+}
+
+/// What a transport can do. Callers and the conformance suite branch on these, never on names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// [`Direction::Read`] batches are supported.
+    pub reads: bool,
+    /// Peers may live in another OS process.
+    pub cross_process: bool,
+    /// Largest number of descriptors in one batch, if limited. Must be at least 100,000 to pass
+    /// the conformance suite's large-batch case unless declared smaller here.
+    pub max_ops_per_batch: Option<usize>,
+}
+
+impl Capabilities {
+    /// Capabilities with every optional feature off and no batch limit.
+    pub const fn minimal() -> Self {
+        Self {
+            reads: false,
+            cross_process: false,
+            max_ops_per_batch: None,
+        }
+    }
+
+    /// Sets [`reads`](Self::reads).
+    pub const fn with_reads(mut self, reads: bool) -> Self {
+        self.reads = reads;
+        self
+    }
+
+    /// Sets [`cross_process`](Self::cross_process).
+    pub const fn with_cross_process(mut self, cross_process: bool) -> Self {
+        self.cross_process = cross_process;
+        self
+    }
+
+    /// Sets [`max_ops_per_batch`](Self::max_ops_per_batch).
+    pub const fn with_max_ops_per_batch(mut self, max: Option<usize>) -> Self {
+        self.max_ops_per_batch = max;
+        self
+    }
+}
+
+/// Where a batch is in its life.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchState {
+    /// Posted, not finished.
+    Pending,
+    /// Every byte is visible in the peer's memory.
+    Done,
+    /// Failed; no byte of it lands later.
+    Failed(String),
+    /// Cancelled; no byte of it lands later.
+    Cancelled,
+    /// Deadline passed; no byte of it lands later.
+    TimedOut,
+}
+
+impl BatchState {
+    /// Whether the state is final.
+    pub fn is_final(&self) -> bool {
+        !matches!(self, BatchState::Pending)
+    }
+}
+
+/// A notification received from a peer, after the data of its batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// The peer (inbound connection) that sent it.
+    pub from: PeerId,
+    /// The payload given to [`TransferBatch::with_notification`].
+    pub payload: Bytes,
+}
+
+/// A transport that moves bytes between registered memory regions of two peers.
+///
+/// See the [crate docs](crate) for the contract every implementation honours. Use it as
+/// `Arc<dyn KvTransport>` ([`DynKvTransport`]); convenience methods live in [`KvTransportExt`].
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
+#[async_trait::async_trait]
+pub trait KvTransport: Send + Sync + 'static {
+    /// A short static name for logs and errors, e.g. `"tcp"`.
+    fn name(&self) -> &'static str;
+
+    /// What this transport supports.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Allocates memory suited to this transport (e.g. shared memory a peer process can map).
+    /// The default is an owned, page-aligned, pre-faulted heap region.
+    fn allocate(&self, len: usize) -> Result<MemoryRegion> {
+        MemoryRegion::allocate(len).map_err(|e| TransportError::InvalidArgument {
+            transport: self.name(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Registers a region so local batches may read or write it and peers may target it.
+    /// The transport keeps the region alive until it is deregistered.
+    async fn register(&self, region: MemoryRegion) -> Result<RegionId>;
+
+    /// Deregisters a region. Batches posted later that name it are refused.
+    async fn deregister(&self, region: RegionId) -> Result<()>;
+
+    /// The bytes a peer passes to [`connect`](Self::connect) to reach this transport.
+    fn local_descriptor(&self) -> Bytes;
+
+    /// Connects to the peer described by `descriptor` (its `local_descriptor()`).
+    async fn connect(&self, descriptor: &[u8]) -> Result<PeerId>;
+
+    /// Disconnects a peer; its pending batches fail.
+    async fn disconnect(&self, peer: PeerId) -> Result<()>;
+
+    /// Posts a batch to a peer. Bounds are checked here, before any byte moves.
+    async fn post(&self, peer: PeerId, batch: TransferBatch) -> Result<BatchId>;
+
+    /// Current state of a batch, without waiting.
+    fn batch_state(&self, batch: BatchId) -> Result<BatchState>;
+
+    /// Waits until the batch reaches a final state (by its deadline at the latest) and returns
+    /// `Ok(())` when done, or the failure ([`TransportError::TimedOut`],
+    /// [`TransportError::Cancelled`], [`TransportError::BatchFailed`], ...).
+    async fn wait(&self, batch: BatchId) -> Result<()>;
+
+    /// Cancels a batch and returns its final state once no byte of it can land any more.
+    /// A batch that already finished keeps its final state.
+    async fn cancel(&self, batch: BatchId) -> Result<BatchState>;
+
+    /// Waits for the next notification from any peer.
+    async fn recv_notification(&self) -> Result<Notification>;
+
+    /// Checks within `timeout` that a peer is alive and answering.
+    async fn probe(&self, peer: PeerId, timeout: Duration) -> Result<()>;
+
+    /// Stops the transport: every connection closes, pending batches fail, later calls return
+    /// [`TransportError::Closed`].
+    async fn shutdown(&self) -> Result<()>;
+}
+
+/// A trait object of any transport.
+pub type DynKvTransport = dyn KvTransport;
+
+#[async_trait::async_trait]
+impl<T: KvTransport + ?Sized> KvTransport for Arc<T> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn capabilities(&self) -> Capabilities {
+        (**self).capabilities()
+    }
+    fn allocate(&self, len: usize) -> Result<MemoryRegion> {
+        (**self).allocate(len)
+    }
+    async fn register(&self, region: MemoryRegion) -> Result<RegionId> {
+        (**self).register(region).await
+    }
+    async fn deregister(&self, region: RegionId) -> Result<()> {
+        (**self).deregister(region).await
+    }
+    fn local_descriptor(&self) -> Bytes {
+        (**self).local_descriptor()
+    }
+    async fn connect(&self, descriptor: &[u8]) -> Result<PeerId> {
+        (**self).connect(descriptor).await
+    }
+    async fn disconnect(&self, peer: PeerId) -> Result<()> {
+        (**self).disconnect(peer).await
+    }
+    async fn post(&self, peer: PeerId, batch: TransferBatch) -> Result<BatchId> {
+        (**self).post(peer, batch).await
+    }
+    fn batch_state(&self, batch: BatchId) -> Result<BatchState> {
+        (**self).batch_state(batch)
+    }
+    async fn wait(&self, batch: BatchId) -> Result<()> {
+        (**self).wait(batch).await
+    }
+    async fn cancel(&self, batch: BatchId) -> Result<BatchState> {
+        (**self).cancel(batch).await
+    }
+    async fn recv_notification(&self) -> Result<Notification> {
+        (**self).recv_notification().await
+    }
+    async fn probe(&self, peer: PeerId, timeout: Duration) -> Result<()> {
+        (**self).probe(peer, timeout).await
+    }
+    async fn shutdown(&self) -> Result<()> {
+        (**self).shutdown().await
+    }
+}
+
+/// Convenience built on [`KvTransport`]; implemented for every transport, never by hand.
+#[async_trait::async_trait]
+pub trait KvTransportExt: KvTransport {
+    /// Posts a batch and waits for it.
+    async fn transfer(&self, peer: PeerId, batch: TransferBatch) -> Result<()> {
+        let id = self.post(peer, batch).await?;
+        self.wait(id).await
+    }
+
+    /// Allocates and registers a region in one step.
+    async fn allocate_registered(&self, len: usize) -> Result<(RegionId, MemoryRegion)> {
+        let region = self.allocate(len)?;
+        let id = self.register(region.clone()).await?;
+        Ok((id, region))
+    }
+}
+
+impl<T: KvTransport + ?Sized> KvTransportExt for T {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn mock_is_usable_as_dyn_transport() {
+        let mut mock = MockKvTransport::new();
+        mock.expect_name().return_const("mock");
+        mock.expect_post()
+            .withf(|peer, batch| *peer == PeerId(3) && batch.ops.len() == 1)
+            .returning(|_, _| Ok(BatchId(9)));
+        mock.expect_wait()
+            .withf(|b| *b == BatchId(9))
+            .returning(|_| Ok(()));
+        let transport: Arc<DynKvTransport> = Arc::new(mock);
+        let op = TransferOp {
+            local_region: RegionId(0),
+            local_offset: 0,
+            remote_region: RegionId(0),
+            remote_offset: 0,
+            len: 8,
+        };
+        transport
+            .transfer(PeerId(3), TransferBatch::write(vec![op]))
+            .await
+            .unwrap();
+        assert_eq!(transport.name(), "mock");
+    }
+
+    #[test]
+    fn batch_total_saturates() {
+        let op = TransferOp {
+            local_region: RegionId(0),
+            local_offset: 0,
+            remote_region: RegionId(0),
+            remote_offset: 0,
+            len: u64::MAX,
+        };
+        assert_eq!(TransferBatch::write(vec![op, op]).total_bytes(), u64::MAX);
+    }
+
+    #[test]
+    fn errors_name_values_and_remedy() {
+        let e = TransportError::OutOfBounds {
+            side: Side::Remote,
+            region: RegionId(4),
+            offset: 10,
+            len: 20,
+            region_len: 16,
+        };
+        let text = e.to_string();
+        assert!(text.contains("remote region #4 is 16 bytes"), "{text}");
+        assert!(text.contains("[10, 10+20)"), "{text}");
+    }
+}

@@ -1,0 +1,1 @@
+//! Conformance suite for [`KvTransport`](crate::KvTransport) implementations (not API-stable).
