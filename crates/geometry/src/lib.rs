@@ -1,20 +1,62 @@
 //! kvbridge-geometry: sans-IO KV pool geometry and transfer planning.
+//!
+//! Decides which KV rows leave which prefill page and land in which decode row, and turns
+//! that into byte-range copy descriptors. No I/O, no clocks, no async runtime, no `unsafe`;
+//! nothing is allocated per token unless a caller asks for per-token arrays.
+//!
+//! * [`PoolGeometry`] — a side's pool: page size, ordered entries (`item_len` = bytes per
+//!   page), target vs draft entries, [`PoolFormat`] (MHA/GQA heads, MLA, hybrid MLA), dtype.
+//! * [`DcpPlanInput::plan`] — SGLang 0.5.23's DCP token plan (prefill DCP 1 → decode DCP `d`),
+//!   target and draft rows, as arrays ([`DcpPlan::to_token_plan`]), coalesced runs
+//!   ([`DcpPlan::target_runs`]) or byte ranges ([`DcpPlan::byte_ranges`]).
+//! * [`ReshardPlan`] — any prefill DCP size `a` to any decode DCP size `b`, any page sizes.
+//! * [`group_concurrent_contiguous`], [`coalesce_pairs`], [`coalesce_runs`] — run coalescing.
+//! * [`page_path_ranges`], [`head_slice_ranges`], [`HeadSharding`] — non-DCP byte ranges,
+//!   MHA head slicing.
+//! * [`pair_entries_by_layer_ids`], [`pair_entries_flat_pp`], [`pair_entries_mha_pp`] —
+//!   entry pairing and PP slicing.
+//! * [`prepare_dcp_token_item_lens`], [`dcp_pack_buffer_bytes`] — DCP geometry check and
+//!   pack-buffer sizing; [`align_prefix_down`] / [`align_prefix_up`] — prefix alignment.
+//!
+//! ```
+//! use kvbridge_geometry::{DcpPlanInput, Run};
+//! // Spec 01 §5.4 example A, rank 2: tokens 2 and 6 of the chunk.
+//! let plan = DcpPlanInput {
+//!     src_pages: &[5, 2, 11, 4],
+//!     dst_pages: &[7],
+//!     page_size: 2,
+//!     dcp_size: 4,
+//!     dcp_rank: 2,
+//!     ..DcpPlanInput::default()
+//! }
+//! .plan()?;
+//! let runs: Vec<Run> = plan.target_runs().collect();
+//! assert_eq!(runs, [Run::new(4, 14, 1), Run::new(8, 15, 1)]);
+//! # Ok::<(), kvbridge_geometry::GeometryError>(())
+//! ```
 
 #![forbid(unsafe_code)]
 
-/// The attention family of a KV pool.
-///
-/// Head counts and head dims live in the pool geometry, not here: this enum is the small,
-/// stable tag that peers exchange during the handshake. With the `serde` feature it serialises
-/// as `"mha"`, `"mla"` or `"hybrid_mla"`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
-#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
-pub enum PoolKind {
-    /// Multi-head (or grouped-query) attention: one K and one V entry per layer, split by heads.
-    Mha,
-    /// Multi-head latent attention: one compressed latent entry per layer, replicated across TP.
-    Mla,
-    /// MLA plus extra per-layer state entries (e.g. an indexer cache) sharing the same pages.
-    HybridMla,
-}
+mod align;
+mod bytes;
+mod dcp;
+mod error;
+mod heads;
+mod pack;
+mod pairs;
+mod pool;
+mod reshard;
+mod rows;
+mod runs;
+
+pub use align::{align_prefix_down, align_prefix_up, virtual_page_size};
+pub use bytes::{ByteRange, ByteRanges, EntryPair, RegionRange, identity_pairs, page_path_ranges};
+pub use dcp::{DcpPlan, DcpPlanInput, DcpTokenPlan, PlanRuns, build_dcp_token_transfer_plan};
+pub use error::{GeometryError, Result, Side};
+pub use heads::{HeadSharding, HeadSlice, HeadSource, compute_head_slice_params, head_slice_ranges};
+pub use pack::{dcp_pack_buffer_bytes, dcp_token_item_lens, prepare_dcp_token_item_lens};
+pub use pairs::{pair_entries_by_layer_ids, pair_entries_flat_pp, pair_entries_mha_pp};
+pub use pool::{Entry, EntryRole, PoolFormat, PoolGeometry, PoolGeometryBuilder, PoolKind};
+pub use reshard::ReshardPlan;
+pub use rows::SegmentRuns;
+pub use runs::{Coalesce, Run, coalesce_pairs, coalesce_runs, group_concurrent_contiguous};

@@ -1,0 +1,357 @@
+//! The DCP token transfer plan (prefill DCP 1 → decode DCP `d`) with SGLang 0.5.23 semantics.
+
+use crate::error::{GeometryError, Result};
+use crate::rows::{Fault, Progression, SegmentRuns};
+use crate::runs::{Coalesce, Run};
+
+/// Inputs of one chunk's DCP token plan (spec 01 §5.3). Build with struct-update syntax:
+///
+/// ```
+/// use kvbridge_geometry::DcpPlanInput;
+/// let plan = DcpPlanInput {
+///     src_pages: &[5, 2, 11, 4],
+///     dst_pages: &[7],
+///     page_size: 2,
+///     dcp_size: 4,
+///     dcp_rank: 1,
+///     ..DcpPlanInput::default()
+/// }
+/// .plan()
+/// .unwrap();
+/// let tokens = plan.to_token_plan();
+/// assert_eq!(tokens.target_src, [11, 23]);
+/// assert_eq!(tokens.target_dst, [14, 15]);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DcpPlanInput<'a> {
+    /// `S`: prefill page ids of this chunk (page size `page_size`).
+    pub src_pages: &'a [u64],
+    /// `D`: decode **virtual** page ids of the whole send range (one per `page_size · dcp_size`
+    /// tokens); never sliced per chunk.
+    pub dst_pages: &'a [u64],
+    /// `P`: physical page size, equal on both sides.
+    pub page_size: u64,
+    /// `d`: decode DCP size.
+    pub dcp_size: u64,
+    /// `r`: the destination's DCP rank.
+    pub dcp_rank: u64,
+    /// `o`: pages of the send range sent before this chunk.
+    pub src_page_offset: u64,
+    /// `L`: tokens the decode already holds; must be a multiple of `P · d`.
+    pub decode_prefix_len: u64,
+    /// `n`: tokens in this chunk; `None` means `|S| · P`.
+    pub num_kv_tokens: Option<u64>,
+}
+
+impl<'a> DcpPlanInput<'a> {
+    /// Validates the inputs (recommended Rust contract of spec §5.3) and returns the plan.
+    ///
+    /// Order: `P = 0`, `d = 0`, `r ≥ d` up front; then (1) prefix alignment (0.5.23 text);
+    /// (2) `n == 0` → empty plan, no further checks; (3) `n > |S|·P` (seed capacity text);
+    /// (4) `|D| < ceil((o·P + n) / V)` (`Insufficient destination DCP pages`, with the 0.5.23
+    /// requirement, which covers the draft rows).
+    ///
+    /// # Errors
+    /// [`GeometryError::ZeroPageSize`], [`GeometryError::ZeroDcpSize`],
+    /// [`GeometryError::DcpRankOutOfRange`], [`GeometryError::PrefixMisaligned`],
+    /// [`GeometryError::SrcCapacity`], [`GeometryError::DstInsufficient`],
+    /// [`GeometryError::Overflow`].
+    pub fn plan(&self) -> Result<DcpPlan<'a>> {
+        let (p, d, r) = (self.page_size, self.dcp_size, self.dcp_rank);
+        if p == 0 {
+            return Err(GeometryError::ZeroPageSize { page_size: p });
+        }
+        if d == 0 {
+            return Err(GeometryError::ZeroDcpSize { dcp_size: d });
+        }
+        if r >= d {
+            return Err(GeometryError::DcpRankOutOfRange {
+                dcp_rank: r,
+                dcp_size: d,
+            });
+        }
+        let overflow = |what| GeometryError::Overflow { what };
+        let v = p.checked_mul(d).ok_or(overflow("page_size x dcp_size"))?;
+        let l = self.decode_prefix_len;
+        if l % v != 0 {
+            return Err(GeometryError::PrefixMisaligned {
+                virtual_page_size: v,
+                decode_prefix_len: l,
+            });
+        }
+        let capacity = (self.src_pages.len() as u64)
+            .checked_mul(p)
+            .ok_or(overflow("|src_pages| x page_size"))?;
+        let n = self.num_kv_tokens.unwrap_or(capacity);
+        let empty = DcpPlan {
+            input: *self,
+            num_tokens: 0,
+            target: Progression::empty(),
+            draft: Progression::empty(),
+        };
+        if n == 0 {
+            return Ok(empty);
+        }
+        if n > capacity {
+            return Err(GeometryError::SrcCapacity {
+                tokens: n,
+                capacity,
+            });
+        }
+        let o = self.src_page_offset;
+        let sent = o.checked_mul(p).ok_or(overflow("src_page_offset x page_size"))?;
+        let rel_end = sent.checked_add(n).ok_or(overflow("send range end"))?;
+        let required = rel_end.div_ceil(v);
+        if (self.dst_pages.len() as u64) < required {
+            return Err(GeometryError::DstInsufficient {
+                required,
+                provided: self.dst_pages.len() as u64,
+                src_page_offset: o,
+                dcp_rank: r,
+            });
+        }
+        let chunk_start = (l % d + sent % d) % d;
+        let first = (r + d - chunk_start) % d;
+        let target_count = if first < n { (n - first - 1) / d + 1 } else { 0 };
+        let target = Progression {
+            src_pages: self.src_pages,
+            src_page_size: p,
+            src_row0: first,
+            src_step: d,
+            dst_pages: self.dst_pages,
+            dst_page_size: p,
+            dst_row0: (sent + first) / d,
+            dst_step: 1,
+            count: target_count,
+        };
+        let draft = Progression {
+            src_pages: self.src_pages,
+            src_page_size: p,
+            src_row0: 0,
+            src_step: 1,
+            dst_pages: self.dst_pages,
+            dst_page_size: v,
+            dst_row0: sent,
+            dst_step: 1,
+            count: n,
+        };
+        for prog in [&target, &draft] {
+            match prog.check() {
+                Ok(()) => {}
+                // Unreachable after the checks above; kept as errors, never panics.
+                Err(Fault::SrcPages(_)) => {
+                    return Err(GeometryError::SrcCapacity {
+                        tokens: n,
+                        capacity,
+                    });
+                }
+                Err(Fault::DstPages(required)) => {
+                    return Err(GeometryError::DstInsufficient {
+                        required,
+                        provided: self.dst_pages.len() as u64,
+                        src_page_offset: o,
+                        dcp_rank: r,
+                    });
+                }
+                Err(Fault::Overflow) => return Err(overflow("page id x page size")),
+            }
+        }
+        Ok(DcpPlan {
+            num_tokens: n,
+            target,
+            draft,
+            ..empty
+        })
+    }
+}
+
+/// A validated DCP token plan for one chunk and one destination rank.
+///
+/// Nothing per token is stored: rows are generated on demand, page by page. Use
+/// [`DcpPlan::target_runs`] / [`DcpPlan::draft_runs`] for coalesced runs without per-token
+/// arrays, [`DcpPlan::to_token_plan`] for SGLang's four arrays.
+#[derive(Debug, Clone, Copy)]
+pub struct DcpPlan<'a> {
+    input: DcpPlanInput<'a>,
+    num_tokens: u64,
+    target: Progression<'a>,
+    draft: Progression<'a>,
+}
+
+/// Iterator of coalesced runs of a plan.
+pub type PlanRuns<'a> = Coalesce<SegmentRuns<'a>>;
+
+impl<'a> DcpPlan<'a> {
+    /// The inputs the plan was built from.
+    #[must_use]
+    pub fn input(&self) -> &DcpPlanInput<'a> {
+        &self.input
+    }
+
+    /// Tokens in the chunk (`n`).
+    #[must_use]
+    pub fn num_tokens(&self) -> u64 {
+        self.num_tokens
+    }
+
+    /// Target rows owned by the destination rank in this chunk.
+    #[must_use]
+    pub fn target_len(&self) -> u64 {
+        self.target.count
+    }
+
+    /// Draft rows (every token of the chunk).
+    #[must_use]
+    pub fn draft_len(&self) -> u64 {
+        self.draft.count
+    }
+
+    /// Whether the plan moves nothing.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.num_tokens == 0
+    }
+
+    /// Coalesced target runs `(src_row, dst_row, len)`, identical to
+    /// `group_concurrent_contiguous(target_src, target_dst)`; no per-token allocation.
+    #[must_use]
+    pub fn target_runs(&self) -> PlanRuns<'a> {
+        self.target.runs()
+    }
+
+    /// Coalesced draft runs (draft destination rows use page size `P · d`).
+    #[must_use]
+    pub fn draft_runs(&self) -> PlanRuns<'a> {
+        self.draft.runs()
+    }
+
+    /// Target `(src_row, dst_row)` pairs in ascending chunk order.
+    pub fn target_pairs(&self) -> impl Iterator<Item = (u64, u64)> + 'a {
+        let runs = self.target.runs();
+        runs.flat_map(Run::pairs)
+    }
+
+    /// Draft `(src_row, dst_row)` pairs in ascending chunk order.
+    pub fn draft_pairs(&self) -> impl Iterator<Item = (u64, u64)> + 'a {
+        let runs = self.draft.runs();
+        runs.flat_map(Run::pairs)
+    }
+
+    /// The target arrays `(target_src, target_dst)`.
+    #[must_use]
+    pub fn target_arrays(&self) -> (Vec<u64>, Vec<u64>) {
+        let (mut s, mut d) = (Vec::new(), Vec::new());
+        self.target.extend_arrays(&mut s, &mut d);
+        (s, d)
+    }
+
+    /// The draft arrays `(draft_src, draft_dst)`.
+    #[must_use]
+    pub fn draft_arrays(&self) -> (Vec<u64>, Vec<u64>) {
+        let (mut s, mut d) = (Vec::new(), Vec::new());
+        self.draft.extend_arrays(&mut s, &mut d);
+        (s, d)
+    }
+
+    /// SGLang's four arrays.
+    #[must_use]
+    pub fn to_token_plan(&self) -> DcpTokenPlan {
+        let (target_src, target_dst) = self.target_arrays();
+        let (draft_src, draft_dst) = self.draft_arrays();
+        DcpTokenPlan {
+            target_src,
+            target_dst,
+            draft_src,
+            draft_dst,
+        }
+    }
+}
+
+/// The materialised per-token plan: SGLang's `DCPTokenTransferPlan`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct DcpTokenPlan {
+    /// Prefill token rows of the target KV owned by the destination rank.
+    pub target_src: Vec<u64>,
+    /// Rows in the destination rank's target pool (page size `P`).
+    pub target_dst: Vec<u64>,
+    /// Prefill token rows of the draft KV (every token of the chunk).
+    pub draft_src: Vec<u64>,
+    /// Rows in the destination's draft pool (page size `P · d`).
+    pub draft_dst: Vec<u64>,
+}
+
+/// `build_dcp_token_transfer_plan`: validates and materialises the four arrays.
+///
+/// # Errors
+/// As [`DcpPlanInput::plan`].
+pub fn build_dcp_token_transfer_plan(input: &DcpPlanInput<'_>) -> Result<DcpTokenPlan> {
+    Ok(input.plan()?.to_token_plan())
+}
+
+impl DcpPlan<'_> {
+    /// Byte ranges of this plan (spec §5.6): for every entry pair whose source is a target
+    /// entry, the coalesced target runs at `row · token_bytes`; for every pair whose source is
+    /// a draft entry, the draft runs. Pairs are walked in the given order (entry-major), and
+    /// the empty plan posts nothing.
+    ///
+    /// `src` is the prefill pool (page size `P`); `dst` the decode pool: target entries of
+    /// page size `P`, draft entries holding `P · d` rows per page (`item_len = P·d·token_bytes`).
+    ///
+    /// # Errors
+    /// [`GeometryError::InvalidGeometry`] when a pool's page size is not the plan's `P`;
+    /// [`GeometryError::EntryOutOfRange`]; [`GeometryError::WidthMismatch`] when paired token
+    /// widths differ (the per-pair form of the §5.7 check); [`GeometryError::PageOutOfRange`].
+    pub fn byte_ranges(
+        &self,
+        src: &crate::PoolGeometry,
+        dst: &crate::PoolGeometry,
+        pairs: &[crate::EntryPair],
+    ) -> Result<crate::ByteRanges> {
+        use crate::bytes::{RowCopy, pair_item_lens};
+        use crate::pool::EntryRole;
+        let p = self.input.page_size;
+        let d = self.input.dcp_size;
+        for (pool, side) in [(src, "prefill"), (dst, "decode")] {
+            if pool.page_size() != p {
+                return Err(GeometryError::InvalidGeometry {
+                    reason: format!(
+                        "the {side} pool has page_size={} but the DCP plan uses page_size={p}; \
+                         both peers must use the plan's physical page size",
+                        pool.page_size()
+                    ),
+                });
+            }
+        }
+        let mut out = crate::ByteRanges::new();
+        if self.is_empty() {
+            return Ok(out);
+        }
+        let used_src = self.num_tokens.div_ceil(p) as usize;
+        src.check_pages(crate::Side::Prefill, &self.input.src_pages[..used_src])?;
+        let (_, last_dst) = self.draft.last_rows().unwrap_or((0, 0));
+        let used_dst = (last_dst / (p * d) + 1) as usize;
+        dst.check_pages(crate::Side::Decode, &self.input.dst_pages[..used_dst])?;
+        for &pair in pairs {
+            let (s_len, d_len) = pair_item_lens(src, dst, pair)?;
+            let draft = src.entries()[pair.src].role == EntryRole::Draft;
+            let src_w = s_len / p;
+            let dst_w = if draft { d_len / (p * d) } else { d_len / p };
+            if src_w != dst_w || (draft && d_len % (p * d) != 0) {
+                return Err(GeometryError::WidthMismatch {
+                    src_entry: pair.src,
+                    dst_entry: pair.dst,
+                    src_bytes: src_w,
+                    dst_bytes: dst_w,
+                    unit: "token",
+                });
+            }
+            let copy = RowCopy::whole(pair, src_w);
+            if draft {
+                copy.push_runs(&mut out, self.draft_runs());
+            } else {
+                copy.push_runs(&mut out, self.target_runs());
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,329 @@
+//! The crate's single error type.
+
+/// Which side of a transfer a value belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Side {
+    /// The sender (prefill).
+    Prefill,
+    /// The receiver (decode).
+    Decode,
+}
+
+impl std::fmt::Display for Side {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Side::Prefill => "prefill",
+            Side::Decode => "decode",
+        })
+    }
+}
+
+/// Everything the planner can refuse.
+///
+/// Messages say what was wrong, the values seen and how to fix it. Texts quoted from the
+/// behavioural spec (`PD DCP transfer requires decode_prefix_len to align …`,
+/// `Insufficient destination DCP pages: …`, …) appear word for word at the start of the
+/// message; a remedy may follow after `; `.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GeometryError {
+    /// A page size of zero.
+    #[error("page_size must be positive, got {page_size}; pass the KV pool's tokens per page")]
+    ZeroPageSize {
+        /// The page size seen.
+        page_size: u64,
+    },
+    /// A DCP (or prefill DCP) size of zero.
+    #[error("dcp_size must be positive, got {dcp_size}; use 1 when context parallelism is off")]
+    ZeroDcpSize {
+        /// The DCP size seen.
+        dcp_size: u64,
+    },
+    /// A DCP rank outside `0..dcp_size`.
+    #[error(
+        "dcp_rank must be below dcp_size, got dcp_rank={dcp_rank} with dcp_size={dcp_size}; \
+         pass the destination's rank inside its DCP group"
+    )]
+    DcpRankOutOfRange {
+        /// The rank seen.
+        dcp_rank: u64,
+        /// The group size seen.
+        dcp_size: u64,
+    },
+    /// `decode_prefix_len` is not a multiple of the virtual page (spec text, verbatim).
+    #[error(
+        "PD DCP transfer requires decode_prefix_len to align to the virtual DCP page size \
+         ({virtual_page_size}), got {decode_prefix_len}; round the decode prefix down with \
+         align_prefix_down before planning"
+    )]
+    PrefixMisaligned {
+        /// `page_size · dcp_size`.
+        virtual_page_size: u64,
+        /// The prefix seen.
+        decode_prefix_len: u64,
+    },
+    /// More tokens than the source pages hold (seed text, verbatim).
+    #[error(
+        "num_kv_tokens must fit in the provided source pages, got tokens={tokens}, \
+         capacity={capacity}; pass every source page of the chunk or lower num_kv_tokens"
+    )]
+    SrcCapacity {
+        /// Tokens requested.
+        tokens: u64,
+        /// `|src_pages| · page_size`.
+        capacity: u64,
+    },
+    /// Too few destination pages (seed text, verbatim; `required` is the 0.5.23 requirement).
+    #[error(
+        "Insufficient destination DCP pages: required={required}, provided={provided}, \
+         src_page_offset={src_page_offset}, dcp_rank={dcp_rank}; the decode must send one \
+         virtual page id per virtual page of the whole send range"
+    )]
+    DstInsufficient {
+        /// Destination pages needed.
+        required: u64,
+        /// Destination pages given.
+        provided: u64,
+        /// Pages of the send range sent before this chunk.
+        src_page_offset: u64,
+        /// Destination DCP rank.
+        dcp_rank: u64,
+    },
+    /// Run coalescing got arrays of different lengths (spec text, verbatim).
+    #[error(
+        "group_concurrent_contiguous requires equal-length src/dst index arrays, got {len_src} \
+         and {len_dst}; pair every source index with one destination index"
+    )]
+    UnequalIndexArrays {
+        /// Source length.
+        len_src: usize,
+        /// Destination length.
+        len_dst: usize,
+    },
+    /// A pool entry whose `item_len` is zero or not a multiple of the page size.
+    #[error(
+        "entry {entry} has item_len={item_len}, which is not a positive multiple of \
+         page_size={page_size}; item_len is the bytes of one page of one entry \
+         (page_size · token bytes)"
+    )]
+    BadItemLen {
+        /// Entry index.
+        entry: usize,
+        /// Its `item_len`.
+        item_len: u64,
+        /// The pool's page size.
+        page_size: u64,
+    },
+    /// A pool description that is inconsistent in itself.
+    #[error("invalid pool geometry: {reason}")]
+    InvalidGeometry {
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+    /// A page id beyond the pool.
+    #[error(
+        "{side} page id {page} is outside the pool of {num_pages} pages; page ids must come \
+         from the {side} allocator of this pool"
+    )]
+    PageOutOfRange {
+        /// Side of the page list.
+        side: Side,
+        /// The page id seen.
+        page: u64,
+        /// Pages in the pool.
+        num_pages: u64,
+    },
+    /// An entry index beyond a pool.
+    #[error("{side} entry index {entry} is outside the pool's {num_entries} entries; pair entries that exist")]
+    EntryOutOfRange {
+        /// Side of the entry.
+        side: Side,
+        /// The entry index seen.
+        entry: usize,
+        /// Entries in the pool.
+        num_entries: usize,
+    },
+    /// Paired entries whose per-row byte widths differ where they must be equal.
+    #[error(
+        "paired entries have different widths: src entry {src_entry} has {src_bytes} bytes per \
+         {unit}, dst entry {dst_entry} has {dst_bytes}; both peers must register the same \
+         per-{unit} layout (same page size, dtype and heads per rank)"
+    )]
+    WidthMismatch {
+        /// Source entry.
+        src_entry: usize,
+        /// Destination entry.
+        dst_entry: usize,
+        /// Source bytes per unit.
+        src_bytes: u64,
+        /// Destination bytes per unit.
+        dst_bytes: u64,
+        /// `"page"` or `"token"`.
+        unit: &'static str,
+    },
+    /// Arithmetic on the given ids and sizes would overflow `u64`.
+    #[error("{what} overflows u64; page ids, page sizes or item lengths are implausibly large")]
+    Overflow {
+        /// The quantity that overflowed.
+        what: &'static str,
+    },
+    /// Layer ids published by only one peer (spec text, verbatim).
+    #[error(
+        "Layer metadata must be provided by both PD peers or neither; publish kv_layer_ids on \
+         both sides or on none"
+    )]
+    LayerMetadataOneSided,
+    /// Layer id list lengths that do not match the entry counts (spec text, verbatim).
+    #[error(
+        "Layer metadata length must match transfer entries: src metadata={src_ids} \
+         entries={n_src}, dst metadata={dst_ids} entries={n_dst}"
+    )]
+    LayerMetadataLength {
+        /// Source layer ids given.
+        src_ids: usize,
+        /// Source entries.
+        n_src: usize,
+        /// Destination layer ids given.
+        dst_ids: usize,
+        /// Destination entries.
+        n_dst: usize,
+    },
+    /// A source layer with no matching destination entry (spec text, verbatim).
+    #[error(
+        "Decode peer is missing a transfer entry for model layer {layer_id}; the decode must \
+         register every layer the prefill sends"
+    )]
+    MissingLayer {
+        /// The layer id.
+        layer_id: u64,
+    },
+    /// Different entry counts without layer ids (spec text, verbatim).
+    #[error(
+        "PP-heterogeneous transfer requires layer ids on both peers; got src={n_src} \
+         dst={n_dst} entries"
+    )]
+    PpNeedsLayerIds {
+        /// Source entries.
+        n_src: usize,
+        /// Destination entries.
+        n_dst: usize,
+    },
+    /// A head slice wider than the destination token slot (spec log text).
+    #[error(
+        "slice size ({slice_bytes}) exceeds target token slot size ({slot_bytes}); check \
+         total_kv_heads and both attention TP sizes"
+    )]
+    HeadSliceTooWide {
+        /// `num_heads · head bytes`.
+        slice_bytes: u64,
+        /// Destination bytes per token.
+        slot_bytes: u64,
+    },
+    /// Head counts and TP sizes that do not split evenly.
+    #[error(
+        "KV heads do not split: total_kv_heads={total_kv_heads}, prefill attn TP={tp_src}, \
+         decode attn TP={tp_dst}; each TP size must divide the head count or be a multiple of it"
+    )]
+    HeadsDoNotSplit {
+        /// Total KV heads of the model.
+        total_kv_heads: u64,
+        /// Prefill attention TP size.
+        tp_src: u64,
+        /// Decode attention TP size.
+        tp_dst: u64,
+    },
+    /// A TP rank outside its group.
+    #[error("{side} attention TP rank {rank} is outside a TP group of {size}")]
+    TpRankOutOfRange {
+        /// Side.
+        side: Side,
+        /// Rank seen.
+        rank: u64,
+        /// Group size.
+        size: u64,
+    },
+    /// Decode registered a different number of entries (spec text, verbatim).
+    #[error(
+        "PD DCP requires the decode to register one KV entry per prefill entry: src={n_src} \
+         (draft={n_draft}), dst={n_dst}"
+    )]
+    DcpEntryCount {
+        /// Prefill entries.
+        n_src: usize,
+        /// Prefill draft entries.
+        n_draft: usize,
+        /// Decode entries.
+        n_dst: usize,
+    },
+    /// Per-entry token widths differ between peers (spec text, verbatim).
+    #[error(
+        "PD DCP source/destination KV geometry differs at entry {entry}: src token \
+         bytes={src_token_bytes}, dst token bytes={dst_token_bytes} (dst item_len={dst_item_len}, \
+         page scale={page_scale})"
+    )]
+    DcpGeometryDiffers {
+        /// Entry index.
+        entry: usize,
+        /// `src_item_len div P`.
+        src_token_bytes: u64,
+        /// `dst_item_len div scale`.
+        dst_token_bytes: u64,
+        /// Decode item length.
+        dst_item_len: u64,
+        /// `P` for target entries, `P · d` for draft entries.
+        page_scale: u64,
+    },
+    /// Pack sizing with an item length below one page (spec text, verbatim).
+    #[error(
+        "PD DCP pack requires each kv_item_len to span at least one page, got {item_lens:?} \
+         with page_size={page_size}"
+    )]
+    PackItemLenTooSmall {
+        /// The item lengths seen.
+        item_lens: Vec<u64>,
+        /// Page size.
+        page_size: u64,
+    },
+    /// Pack sizing with an item length that is not page aligned (spec text, verbatim).
+    #[error("PD DCP pack requires page-aligned kv_item_lens, got {item_lens:?} with page_size={page_size}")]
+    PackItemLenUnaligned {
+        /// The item lengths seen.
+        item_lens: Vec<u64>,
+        /// Page size.
+        page_size: u64,
+    },
+    /// A resharding request with a prefix that is not a multiple of the decode virtual page.
+    #[error(
+        "decode_prefix_len={decode_prefix_len} is not a multiple of the decode virtual page \
+         ({virtual_page_size} = page_size {page_size} x dcp_size {dcp_size}); round it down with \
+         align_prefix_down"
+    )]
+    ReshardPrefixMisaligned {
+        /// Prefix seen.
+        decode_prefix_len: u64,
+        /// Decode virtual page size.
+        virtual_page_size: u64,
+        /// Decode physical page size.
+        page_size: u64,
+        /// Decode DCP size.
+        dcp_size: u64,
+    },
+    /// Too few pages for the rows a resharding plan addresses.
+    #[error(
+        "{side} rank {rank} needs at least {required} pages for this chunk, got {provided}; pass \
+         the rank's page ids covering every row of the chunk"
+    )]
+    ReshardPagesInsufficient {
+        /// Side.
+        side: Side,
+        /// Rank on that side.
+        rank: u64,
+        /// Pages needed.
+        required: u64,
+        /// Pages given.
+        provided: u64,
+    },
+}
+
+/// `Result` with [`GeometryError`] as the default error.
+pub type Result<T, E = GeometryError> = std::result::Result<T, E>;

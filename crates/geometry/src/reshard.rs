@@ -1,0 +1,4 @@
+//! placeholder
+/// placeholder
+#[derive(Debug)]
+pub struct ReshardPlan;

@@ -1,0 +1,90 @@
+//! All 90 conformance cases of `dcp_plan_vectors.json` (SGLang 0.5.23), from the in-repo copy
+//! of the spec's vector file.
+
+use kvbridge_geometry::{DcpPlanInput, Run, build_dcp_token_transfer_plan, group_concurrent_contiguous};
+use serde_json::Value;
+
+const VECTORS: &str = include_str!("data/dcp_plan_vectors.json");
+
+fn u64s(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("unsigned"))
+        .collect()
+}
+
+fn cases() -> Vec<Value> {
+    let doc: Value = serde_json::from_str(VECTORS).expect("vector file parses");
+    doc["cases"].as_array().expect("cases").clone()
+}
+
+#[test]
+fn the_file_has_ninety_cases() {
+    assert_eq!(cases().len(), 90);
+}
+
+#[test]
+fn every_case_matches_arrays_or_error_text() {
+    let mut ok = 0;
+    let mut errors = 0;
+    for case in cases() {
+        let name = case["name"].as_str().unwrap();
+        let inp = &case["inputs"];
+        let src = u64s(&inp["src_page_indices"]);
+        let dst = u64s(&inp["dst_page_indices"]);
+        let input = DcpPlanInput {
+            src_pages: &src,
+            dst_pages: &dst,
+            page_size: inp["physical_page_size"].as_u64().unwrap(),
+            dcp_size: inp["dcp_size"].as_u64().unwrap(),
+            dcp_rank: inp["dcp_rank"].as_u64().unwrap(),
+            src_page_offset: inp["src_page_offset"].as_u64().unwrap(),
+            decode_prefix_len: inp["decode_prefix_len"].as_u64().unwrap(),
+            num_kv_tokens: inp["num_kv_tokens"].as_u64(),
+        };
+        let result = build_dcp_token_transfer_plan(&input);
+        if let Some(exp) = case.get("expected") {
+            let plan = result.unwrap_or_else(|e| panic!("{name}: unexpected error {e}"));
+            assert_eq!(plan.target_src, u64s(&exp["target_src"]), "{name} target_src");
+            assert_eq!(plan.target_dst, u64s(&exp["target_dst"]), "{name} target_dst");
+            assert_eq!(plan.draft_src, u64s(&exp["draft_src"]), "{name} draft_src");
+            assert_eq!(plan.draft_dst, u64s(&exp["draft_dst"]), "{name} draft_dst");
+            // The lazy run form agrees with coalescing the arrays.
+            let lazy = input.plan().unwrap();
+            let runs: Vec<Run> = lazy.target_runs().collect();
+            assert_eq!(
+                runs,
+                group_concurrent_contiguous(&plan.target_src, &plan.target_dst).unwrap(),
+                "{name} target runs"
+            );
+            let runs: Vec<Run> = lazy.draft_runs().collect();
+            assert_eq!(
+                runs,
+                group_concurrent_contiguous(&plan.draft_src, &plan.draft_dst).unwrap(),
+                "{name} draft runs"
+            );
+            ok += 1;
+        } else {
+            let want = case["error_substring"].as_str().unwrap();
+            let err = result.expect_err(name).to_string();
+            assert!(err.contains(want), "{name}: {err:?} does not contain {want:?}");
+            errors += 1;
+        }
+    }
+    assert_eq!((ok, errors), (81, 9));
+}
+
+#[test]
+fn in_repo_copy_matches_the_spec_when_the_spec_is_beside_the_repo() {
+    let spec = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../../shared/spec/vectors/dcp_plan_vectors.json"
+    );
+    // CI places shared/ beside the clone; elsewhere only the in-repo copy is used.
+    if let Ok(text) = std::fs::read_to_string(spec) {
+        let a: Value = serde_json::from_str(&text).unwrap();
+        let b: Value = serde_json::from_str(VECTORS).unwrap();
+        assert_eq!(a, b, "tests/data/dcp_plan_vectors.json is stale; copy the spec's file");
+    }
+}
