@@ -300,7 +300,11 @@ pub fn page_path_ranges(
     Ok(out)
 }
 
-fn page_copies(src: &PoolGeometry, dst: &PoolGeometry, pairs: &[EntryPair]) -> Result<Vec<RowCopy>> {
+fn page_copies(
+    src: &PoolGeometry,
+    dst: &PoolGeometry,
+    pairs: &[EntryPair],
+) -> Result<Vec<RowCopy>> {
     pairs
         .iter()
         .map(|&pair| {

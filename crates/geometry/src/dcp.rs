@@ -99,7 +99,9 @@ impl<'a> DcpPlanInput<'a> {
             });
         }
         let o = self.src_page_offset;
-        let sent = o.checked_mul(p).ok_or(overflow("src_page_offset x page_size"))?;
+        let sent = o
+            .checked_mul(p)
+            .ok_or(overflow("src_page_offset x page_size"))?;
         let rel_end = sent.checked_add(n).ok_or(overflow("send range end"))?;
         let required = rel_end.div_ceil(v);
         if (self.dst_pages.len() as u64) < required {
@@ -112,7 +114,11 @@ impl<'a> DcpPlanInput<'a> {
         }
         let chunk_start = (l % d + sent % d) % d;
         let first = (r + d - chunk_start) % d;
-        let target_count = if first < n { (n - first - 1) / d + 1 } else { 0 };
+        let target_count = if first < n {
+            (n - first - 1) / d + 1
+        } else {
+            0
+        };
         let target = Progression {
             src_pages: self.src_pages,
             src_page_size: p,

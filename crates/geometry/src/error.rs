@@ -134,7 +134,9 @@ pub enum GeometryError {
         num_pages: u64,
     },
     /// An entry index beyond a pool.
-    #[error("{side} entry index {entry} is outside the pool's {num_entries} entries; pair entries that exist")]
+    #[error(
+        "{side} entry index {entry} is outside the pool's {num_entries} entries; pair entries that exist"
+    )]
     EntryOutOfRange {
         /// Side of the entry.
         side: Side,
@@ -285,7 +287,9 @@ pub enum GeometryError {
         page_size: u64,
     },
     /// Pack sizing with an item length that is not page aligned (spec text, verbatim).
-    #[error("PD DCP pack requires page-aligned kv_item_lens, got {item_lens:?} with page_size={page_size}")]
+    #[error(
+        "PD DCP pack requires page-aligned kv_item_lens, got {item_lens:?} with page_size={page_size}"
+    )]
     PackItemLenUnaligned {
         /// The item lengths seen.
         item_lens: Vec<u64>,

@@ -129,14 +129,20 @@ pub(crate) fn head_copy(
     hb: u64,
 ) -> Result<RowCopy> {
     let width = slice.num_heads.saturating_mul(hb);
-    let dst_end = slice.dst_head_start.saturating_mul(hb).saturating_add(width);
+    let dst_end = slice
+        .dst_head_start
+        .saturating_mul(hb)
+        .saturating_add(width);
     if width > dst_tok || dst_end > dst_tok {
         return Err(GeometryError::HeadSliceTooWide {
             slice_bytes: width,
             slot_bytes: dst_tok,
         });
     }
-    let src_end = slice.src_head_start.saturating_mul(hb).saturating_add(width);
+    let src_end = slice
+        .src_head_start
+        .saturating_mul(hb)
+        .saturating_add(width);
     if src_end > src_tok {
         return Err(GeometryError::HeadSliceTooWide {
             slice_bytes: src_end,

@@ -53,7 +53,9 @@ pub use align::{align_prefix_down, align_prefix_up, virtual_page_size};
 pub use bytes::{ByteRange, ByteRanges, EntryPair, RegionRange, identity_pairs, page_path_ranges};
 pub use dcp::{DcpPlan, DcpPlanInput, DcpTokenPlan, PlanRuns, build_dcp_token_transfer_plan};
 pub use error::{GeometryError, Result, Side};
-pub use heads::{HeadSharding, HeadSlice, HeadSource, compute_head_slice_params, head_slice_ranges};
+pub use heads::{
+    HeadSharding, HeadSlice, HeadSource, compute_head_slice_params, head_slice_ranges,
+};
 pub use pack::{dcp_pack_buffer_bytes, dcp_token_item_lens, prepare_dcp_token_item_lens};
 pub use pairs::{pair_entries_by_layer_ids, pair_entries_flat_pp, pair_entries_mha_pp};
 pub use pool::{Entry, EntryRole, PoolFormat, PoolGeometry, PoolGeometryBuilder, PoolKind};

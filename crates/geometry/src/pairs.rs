@@ -128,7 +128,11 @@ pub fn pair_entries_flat_pp(
 ///
 /// # Errors
 /// [`GeometryError::InvalidGeometry`] for odd entry counts or slices past the decode entries.
-pub fn pair_entries_mha_pp(n_src: usize, n_dst: usize, start_layer: usize) -> Result<Vec<EntryPair>> {
+pub fn pair_entries_mha_pp(
+    n_src: usize,
+    n_dst: usize,
+    start_layer: usize,
+) -> Result<Vec<EntryPair>> {
     if n_src % 2 != 0 || n_dst % 2 != 0 {
         return Err(GeometryError::InvalidGeometry {
             reason: format!(
@@ -149,7 +153,11 @@ pub fn pair_entries_mha_pp(n_src: usize, n_dst: usize, start_layer: usize) -> Re
         (start_layer, ld + start_layer)
     };
     if k0 + n > n_dst || v0 + n > n_dst {
-        return Err(slice_out_of_range("K/V layers", (k0 + n).max(v0 + n), n_dst));
+        return Err(slice_out_of_range(
+            "K/V layers",
+            (k0 + n).max(v0 + n),
+            n_dst,
+        ));
     }
     let k = (0..n).map(|i| EntryPair::new(i, k0 + i));
     let v = (0..n).map(|i| EntryPair::new(n + i, v0 + i));

@@ -172,8 +172,9 @@ impl PoolGeometryBuilder {
         }
         if self.dtype.is_empty() {
             return Err(GeometryError::InvalidGeometry {
-                reason: "the dtype label is empty; pass the engine's kv_cache_dtype (e.g. \"auto\")"
-                    .to_owned(),
+                reason:
+                    "the dtype label is empty; pass the engine's kv_cache_dtype (e.g. \"auto\")"
+                        .to_owned(),
             });
         }
         let mut entries = Vec::with_capacity(self.target.len() + self.draft.len());

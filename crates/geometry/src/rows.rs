@@ -191,15 +191,21 @@ impl Progression<'_> {
             return Err(Fault::DstPages(need_d));
         }
         let fits = |pages: &[u64], size: u64| {
-            pages
-                .iter()
-                .all(|&p| p.checked_mul(size).and_then(|v| v.checked_add(size)).is_some())
+            pages.iter().all(|&p| {
+                p.checked_mul(size)
+                    .and_then(|v| v.checked_add(size))
+                    .is_some()
+            })
         };
         let first_s = (self.src_row0 / self.src_page_size) as usize;
         let first_d = (self.dst_row0 / self.dst_page_size) as usize;
-        if !fits(&self.src_pages[first_s..need_s as usize], self.src_page_size)
-            || !fits(&self.dst_pages[first_d..need_d as usize], self.dst_page_size)
-        {
+        if !fits(
+            &self.src_pages[first_s..need_s as usize],
+            self.src_page_size,
+        ) || !fits(
+            &self.dst_pages[first_d..need_d as usize],
+            self.dst_page_size,
+        ) {
             return Err(Fault::Overflow);
         }
         Ok(())

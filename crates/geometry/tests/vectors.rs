@@ -1,7 +1,9 @@
 //! All 90 conformance cases of `dcp_plan_vectors.json` (SGLang 0.5.23), from the in-repo copy
 //! of the spec's vector file.
 
-use kvbridge_geometry::{DcpPlanInput, Run, build_dcp_token_transfer_plan, group_concurrent_contiguous};
+use kvbridge_geometry::{
+    DcpPlanInput, Run, build_dcp_token_transfer_plan, group_concurrent_contiguous,
+};
 use serde_json::Value;
 
 const VECTORS: &str = include_str!("data/dcp_plan_vectors.json");
@@ -46,8 +48,16 @@ fn every_case_matches_arrays_or_error_text() {
         let result = build_dcp_token_transfer_plan(&input);
         if let Some(exp) = case.get("expected") {
             let plan = result.unwrap_or_else(|e| panic!("{name}: unexpected error {e}"));
-            assert_eq!(plan.target_src, u64s(&exp["target_src"]), "{name} target_src");
-            assert_eq!(plan.target_dst, u64s(&exp["target_dst"]), "{name} target_dst");
+            assert_eq!(
+                plan.target_src,
+                u64s(&exp["target_src"]),
+                "{name} target_src"
+            );
+            assert_eq!(
+                plan.target_dst,
+                u64s(&exp["target_dst"]),
+                "{name} target_dst"
+            );
             assert_eq!(plan.draft_src, u64s(&exp["draft_src"]), "{name} draft_src");
             assert_eq!(plan.draft_dst, u64s(&exp["draft_dst"]), "{name} draft_dst");
             // The lazy run form agrees with coalescing the arrays.
@@ -68,7 +78,10 @@ fn every_case_matches_arrays_or_error_text() {
         } else {
             let want = case["error_substring"].as_str().unwrap();
             let err = result.expect_err(name).to_string();
-            assert!(err.contains(want), "{name}: {err:?} does not contain {want:?}");
+            assert!(
+                err.contains(want),
+                "{name}: {err:?} does not contain {want:?}"
+            );
             errors += 1;
         }
     }
@@ -85,6 +98,9 @@ fn in_repo_copy_matches_the_spec_when_the_spec_is_beside_the_repo() {
     if let Ok(text) = std::fs::read_to_string(spec) {
         let a: Value = serde_json::from_str(&text).unwrap();
         let b: Value = serde_json::from_str(VECTORS).unwrap();
-        assert_eq!(a, b, "tests/data/dcp_plan_vectors.json is stale; copy the spec's file");
+        assert_eq!(
+            a, b,
+            "tests/data/dcp_plan_vectors.json is stale; copy the spec's file"
+        );
     }
 }
