@@ -8,28 +8,54 @@
 //!
 //! # The contract
 //!
-//! Every implementation promises the following; the conformance suite in [`testing`] (feature
+//! Every implementation promises the following; the conformance suite in `testing` (feature
 //! `testing`) checks each point, and every transport in this workspace runs it.
 //!
 //! 1. **Bounds before bytes.** A batch in which any descriptor addresses bytes outside its
-//!    registered region (local or remote), or names an unknown region, is refused as a whole
-//!    with [`TransportError::OutOfBounds`] / [`TransportError::UnknownRegion`] before any byte
-//!    of it moves. The remote side checks again: a peer can never make a transport write
-//!    outside a region registered with it.
+//!    registered region (local or remote), or names an unknown or deregistered region, is
+//!    refused as a whole before any byte of it moves — its valid descriptors included. Bounds
+//!    are those of [`memory::checked_range`]: `offset + len <= region length` without overflow,
+//!    so a zero-length descriptor may sit at the very end of a region but not past it. Local
+//!    problems are refused by [`KvTransport::post`] with [`TransportError::OutOfBounds`] /
+//!    [`TransportError::UnknownRegion`] (side [`Side::Local`]; an `offset + len` overflow may be
+//!    [`TransportError::InvalidArgument`]). Remote problems are refused by `post` when the
+//!    transport knows the peer's regions, otherwise the peer checks the whole batch on arrival
+//!    and `wait` reports the failure; either way nothing lands. A peer can never make a
+//!    transport write outside a region registered with it.
 //! 2. **Every batch ends.** A posted batch reaches exactly one final state — done, failed,
 //!    cancelled or timed out — no later than its deadline (plus a small, bounded grace for the
 //!    transport to fence it). [`KvTransport::wait`] never hangs past that.
-//! 3. **Fencing.** Once `wait` or `cancel` has reported a batch failed, cancelled or timed out,
-//!    no byte of that batch lands in the peer's memory later. Bytes that landed before may stay.
+//! 3. **Fencing.** Once `wait`, `batch_state` or `cancel` has reported a batch failed,
+//!    cancelled or timed out, no byte of that batch lands in the destination memory later.
+//!    Bytes that landed before may stay (each destination byte holds its old or its new value).
+//!    The same holds for a region once `deregister` or `shutdown` has returned.
 //! 4. **Notifications follow data.** A batch's notification is delivered to the peer only after
-//!    every byte of that batch is visible in the peer's memory, and never for a batch that did
-//!    not complete.
-//! 5. **Peer loss is an error, not a hang.** When a peer dies or disconnects, its pending batches
-//!    fail (by their deadline at the latest) with [`TransportError::PeerLost`] or
-//!    [`TransportError::BatchFailed`].
+//!    every byte of that batch is visible in the peer's memory, exactly once, and never for a
+//!    batch that did not complete (refused, failed, cancelled, timed out).
+//! 5. **Peer loss is an error, not a hang.** When a peer dies, shuts down or is disconnected,
+//!    its pending batches fail (by their deadline at the latest) with
+//!    [`TransportError::PeerLost`] or [`TransportError::BatchFailed`]; later batches to it fail
+//!    and [`KvTransport::probe`] reports it.
+//! 6. **Exact data.** When a batch is done, every destination byte equals its source byte, for
+//!    any mix of regions, offsets and lengths (zero included), and for batches of at least
+//!    100,000 descriptors unless [`Capabilities::max_ops_per_batch`] declares fewer (larger
+//!    batches are then refused at `post`). An empty batch completes (and notifies).
+//! 7. **Ids.** `wait` returns a batch's final state exactly once; afterwards, and for ids never
+//!    handed out, `wait`, `cancel` and `batch_state` fail with [`TransportError::UnknownBatch`].
+//!    Until then `batch_state` reports the state and `cancel` of a finished batch returns its
+//!    final state. Batch ids are not reused. Unknown peers are refused with
+//!    [`TransportError::UnknownPeer`]; a descriptor that is not the transport's with
+//!    [`TransportError::BadDescriptor`].
+//! 8. **Capabilities are declared.** Whatever [`Capabilities`] says is off (reads, batch sizes)
+//!    is refused at `post` with [`TransportError::Unsupported`] (or `InvalidArgument` for a
+//!    batch over the limit), never silently ignored.
+//! 9. **Shutdown.** After [`KvTransport::shutdown`], `post`, `register`, `connect` and
+//!    `recv_notification` fail with [`TransportError::Closed`]; batches in flight still reach a
+//!    final state.
 //!
-//! A batch's final state stays available until `wait` has returned it once.
-//!
+//! Destinations of one batch must not overlap (the caller's rule, as with RDMA); batches that
+//! run concurrently must not write the same bytes either.
+
 //! # Example
 //!
 //! ```
@@ -271,7 +297,8 @@ pub trait KvTransport: Send + Sync + 'static {
     /// The transport keeps the region alive until it is deregistered.
     async fn register(&self, region: MemoryRegion) -> Result<RegionId>;
 
-    /// Deregisters a region. Batches posted later that name it are refused.
+    /// Deregisters a region. Batches posted later that name it — local ones, and peers' batches
+    /// targeting it — are refused, and once this returns no byte lands in it any more.
     async fn deregister(&self, region: RegionId) -> Result<()>;
 
     /// The bytes a peer passes to [`connect`](Self::connect) to reach this transport.
@@ -294,8 +321,9 @@ pub trait KvTransport: Send + Sync + 'static {
     /// [`TransportError::Cancelled`], [`TransportError::BatchFailed`], ...).
     async fn wait(&self, batch: BatchId) -> Result<()>;
 
-    /// Cancels a batch and returns its final state once no byte of it can land any more.
-    /// A batch that already finished keeps its final state.
+    /// Cancels a batch and returns its final state once no byte of it can land any more:
+    /// [`BatchState::Cancelled`], or the final state it already had (e.g. `Done`). `wait` then
+    /// returns that state once.
     async fn cancel(&self, batch: BatchId) -> Result<BatchState>;
 
     /// Waits for the next notification from any peer.

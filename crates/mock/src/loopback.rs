@@ -1,0 +1,795 @@
+//! [`LoopbackTransport`]: an in-process transport with the full contract and no sockets.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvbridge_transport::{
+    BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
+    RegionId, Result, Side, TransferBatch, TransportError,
+};
+use tokio::sync::{Notify, mpsc, watch};
+use tokio::time::Instant;
+
+const NAME: &str = "loopback";
+const DESCRIPTOR_PREFIX: &str = "kvbridge-loopback/1:";
+
+/// Tuning of a [`LoopbackTransport`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LoopbackConfig {
+    /// Whether read batches are supported (default `true`). Turn off to test callers' handling
+    /// of a push-only transport.
+    pub reads: bool,
+    /// Declared batch size limit (default none); larger batches are refused at `post`.
+    pub max_ops_per_batch: Option<usize>,
+    /// Notifications queued for this transport before senders wait (default 1024).
+    pub notification_capacity: usize,
+    /// Batches queued for the copy worker before `post` waits (default 1024).
+    pub queue_capacity: usize,
+    /// Bytes copied per step; cancel and deadline checks happen between steps (default 256 KiB).
+    pub chunk_bytes: usize,
+}
+
+impl Default for LoopbackConfig {
+    fn default() -> Self {
+        Self {
+            reads: true,
+            max_ops_per_batch: None,
+            notification_capacity: 1024,
+            queue_capacity: 1024,
+            chunk_bytes: 256 * 1024,
+        }
+    }
+}
+
+impl LoopbackConfig {
+    /// Sets [`reads`](Self::reads).
+    pub fn with_reads(mut self, reads: bool) -> Self {
+        self.reads = reads;
+        self
+    }
+
+    /// Sets [`max_ops_per_batch`](Self::max_ops_per_batch).
+    pub fn with_max_ops_per_batch(mut self, max: Option<usize>) -> Self {
+        self.max_ops_per_batch = max;
+        self
+    }
+
+    /// Sets [`notification_capacity`](Self::notification_capacity) (at least 1).
+    pub fn with_notification_capacity(mut self, capacity: usize) -> Self {
+        self.notification_capacity = capacity.max(1);
+        self
+    }
+
+    /// Sets [`queue_capacity`](Self::queue_capacity) (at least 1).
+    pub fn with_queue_capacity(mut self, capacity: usize) -> Self {
+        self.queue_capacity = capacity.max(1);
+        self
+    }
+
+    /// Sets [`chunk_bytes`](Self::chunk_bytes) (at least 1).
+    pub fn with_chunk_bytes(mut self, bytes: usize) -> Self {
+        self.chunk_bytes = bytes.max(1);
+        self
+    }
+}
+
+/// Every live loopback endpoint in the process, by the id in its descriptor.
+fn registry() -> &'static Mutex<HashMap<u64, Weak<Endpoint>>> {
+    static REGISTRY: OnceLock<Mutex<HashMap<u64, Weak<Endpoint>>>> = OnceLock::new();
+    REGISTRY.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// An in-process [`KvTransport`] with the full contract: bounds checked at `post`, copies on a
+/// worker task between registered regions, deadlines, cancel fencing, notifications after the
+/// data, reads, peer loss. No sockets, no threads of its own: it needs a tokio runtime (with
+/// the time driver) when batches are posted.
+///
+/// Instances find each other through a process-wide registry keyed by the unique id in their
+/// [`local_descriptor`](KvTransport::local_descriptor); any number of them can connect to each
+/// other (and to themselves).
+///
+/// ```
+/// use std::sync::Arc;
+/// use kvbridge_mock::LoopbackTransport;
+/// use kvbridge_transport::{KvTransport, KvTransportExt, TransferBatch, TransferOp};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> kvbridge_transport::Result<()> {
+/// let prefill: Arc<dyn KvTransport> = Arc::new(LoopbackTransport::new());
+/// let decode: Arc<dyn KvTransport> = Arc::new(LoopbackTransport::new());
+/// let (src_id, src) = prefill.allocate_registered(4096).await?;
+/// let (dst_id, dst) = decode.allocate_registered(4096).await?;
+/// src.write_at(0, b"kv bytes").unwrap();
+///
+/// let peer = prefill.connect(&decode.local_descriptor()).await?;
+/// let op = TransferOp { local_region: src_id, local_offset: 0, remote_region: dst_id, remote_offset: 100, len: 8 };
+/// prefill.transfer(peer, TransferBatch::write(vec![op])).await?;
+/// assert_eq!(dst.to_vec(100, 8).unwrap(), b"kv bytes");
+/// # Ok(()) }
+/// ```
+pub struct LoopbackTransport {
+    ep: Arc<Endpoint>,
+}
+
+impl std::fmt::Debug for LoopbackTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoopbackTransport")
+            .field("id", &self.ep.id)
+            .field("config", &self.ep.config)
+            .finish()
+    }
+}
+
+impl Default for LoopbackTransport {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+struct Endpoint {
+    id: u64,
+    config: LoopbackConfig,
+    state: Mutex<EndpointState>,
+    peers: Mutex<HashMap<PeerId, Arc<Link>>>,
+    batches: Mutex<HashMap<BatchId, Arc<Batch>>>,
+    next_region: AtomicU64,
+    next_peer: AtomicU64,
+    next_batch: AtomicU64,
+    notif_tx: mpsc::Sender<Notification>,
+    notif_rx: tokio::sync::Mutex<mpsc::Receiver<Notification>>,
+    closed_tx: watch::Sender<bool>,
+    worker: Mutex<Option<mpsc::Sender<Job>>>,
+}
+
+struct EndpointState {
+    regions: HashMap<RegionId, MemoryRegion>,
+    closed: bool,
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        let mut reg = lock(registry());
+        if reg.get(&self.id).is_some_and(|w| w.strong_count() == 0) {
+            reg.remove(&self.id);
+        }
+    }
+}
+
+/// An outbound connection.
+struct Link {
+    target: Weak<Endpoint>,
+    /// How the target knows us (the `from` of our notifications).
+    inbound_id: PeerId,
+    alive: AtomicBool,
+}
+
+struct Batch {
+    id: BatchId,
+    peer: PeerId,
+    timeout: Duration,
+    deadline: Instant,
+    fence: Mutex<Fence>,
+    done: Notify,
+}
+
+/// A batch's state; the worker holds this lock while it copies a chunk, so whoever sets a final
+/// state under it knows no byte of the batch moves afterwards.
+struct Fence {
+    state: BatchState,
+    error: Option<TransportError>,
+}
+
+impl Batch {
+    fn finish(&self, fence: &mut Fence, state: BatchState, error: Option<TransportError>) {
+        if fence.state.is_final() {
+            return;
+        }
+        tracing::debug!(transport = NAME, ?state, "batch finished");
+        fence.state = state;
+        fence.error = error;
+        self.done.notify_waiters();
+    }
+
+    /// Marks the batch timed out if its deadline has passed.
+    fn check_deadline(&self, fence: &mut Fence) {
+        if !fence.state.is_final() && Instant::now() >= self.deadline {
+            self.finish(fence, BatchState::TimedOut, None);
+        }
+    }
+}
+
+struct ResolvedOp {
+    local: MemoryRegion,
+    local_offset: usize,
+    remote_id: RegionId,
+    remote: MemoryRegion,
+    remote_offset: usize,
+    len: usize,
+}
+
+struct Job {
+    batch: Arc<Batch>,
+    target: Arc<Endpoint>,
+    link: Arc<Link>,
+    direction: Direction,
+    ops: Vec<ResolvedOp>,
+    notification: Option<Bytes>,
+    chunk_bytes: usize,
+}
+
+fn peer_lost(peer: PeerId, reason: &str) -> TransportError {
+    TransportError::PeerLost {
+        peer,
+        transport: NAME,
+        reason: reason.to_string(),
+    }
+}
+
+async fn worker(mut rx: mpsc::Receiver<Job>) {
+    while let Some(job) = rx.recv().await {
+        run(job).await;
+    }
+}
+
+/// Copies one batch in chunks, checking fence, deadline and peer between chunks.
+async fn run(job: Job) {
+    let batch = &job.batch;
+    let mut i = 0;
+    let mut done_in_op = 0;
+    while i < job.ops.len() {
+        {
+            let mut fence = lock(&batch.fence);
+            if fence.state.is_final() {
+                return;
+            }
+            batch.check_deadline(&mut fence);
+            if fence.state.is_final() {
+                return;
+            }
+            if !job.link.alive.load(Ordering::Acquire) {
+                let e = peer_lost(batch.peer, "disconnected while the batch was in flight");
+                batch.finish(&mut fence, BatchState::Failed(e.to_string()), Some(e));
+                return;
+            }
+            let target = lock(&job.target.state);
+            if target.closed {
+                let e = peer_lost(
+                    batch.peer,
+                    "the peer shut down while the batch was in flight",
+                );
+                batch.finish(&mut fence, BatchState::Failed(e.to_string()), Some(e));
+                return;
+            }
+            let mut budget = job.chunk_bytes;
+            let mut steps = 0;
+            while i < job.ops.len() && budget > 0 && steps < 4096 {
+                let op = &job.ops[i];
+                if !target
+                    .regions
+                    .get(&op.remote_id)
+                    .is_some_and(|r| r.same_region(&op.remote))
+                {
+                    let e = TransportError::UnknownRegion {
+                        side: Side::Remote,
+                        region: op.remote_id,
+                        transport: NAME,
+                    };
+                    batch.finish(&mut fence, BatchState::Failed(e.to_string()), Some(e));
+                    return;
+                }
+                let n = (op.len - done_in_op).min(budget);
+                let (lo, ro) = (
+                    (op.local_offset + done_in_op) as u64,
+                    (op.remote_offset + done_in_op) as u64,
+                );
+                let copied = match job.direction {
+                    Direction::Write => op.local.copy_to(lo, &op.remote, ro, n as u64),
+                    Direction::Read => op.remote.copy_to(ro, &op.local, lo, n as u64),
+                };
+                if let Err(e) = copied {
+                    // Only possible if a caller holds a `borrow_mut` over the bytes.
+                    let e = TransportError::BatchFailed {
+                        batch: batch.id,
+                        peer: batch.peer,
+                        reason: format!("copy refused: {e}; release borrowed region slices"),
+                    };
+                    batch.finish(&mut fence, BatchState::Failed(e.to_string()), Some(e));
+                    return;
+                }
+                done_in_op += n;
+                budget -= n;
+                steps += 1;
+                if done_in_op == op.len {
+                    i += 1;
+                    done_in_op = 0;
+                }
+            }
+        }
+        tokio::task::yield_now().await;
+    }
+
+    // All bytes are in place. Reserve room for the notification before declaring the batch
+    // done, so a done batch always notifies and a failed one never does.
+    let permit = match &job.notification {
+        None => None,
+        Some(payload) => {
+            match tokio::time::timeout_at(batch.deadline, job.target.notif_tx.reserve()).await {
+                Ok(Ok(permit)) => Some((permit, payload.clone())),
+                Ok(Err(_)) => {
+                    let mut fence = lock(&batch.fence);
+                    let e = peer_lost(batch.peer, "the peer stopped receiving notifications");
+                    batch.finish(&mut fence, BatchState::Failed(e.to_string()), Some(e));
+                    return;
+                }
+                Err(_) => {
+                    let mut fence = lock(&batch.fence);
+                    batch.finish(&mut fence, BatchState::TimedOut, None);
+                    return;
+                }
+            }
+        }
+    };
+    let mut fence = lock(&batch.fence);
+    batch.check_deadline(&mut fence);
+    if fence.state.is_final() {
+        return;
+    }
+    if lock(&job.target.state).closed {
+        let e = peer_lost(batch.peer, "the peer shut down before the batch completed");
+        batch.finish(&mut fence, BatchState::Failed(e.to_string()), Some(e));
+        return;
+    }
+    if let Some((permit, payload)) = permit {
+        permit.send(Notification {
+            from: job.link.inbound_id,
+            payload,
+        });
+    }
+    batch.finish(&mut fence, BatchState::Done, None);
+}
+
+impl LoopbackTransport {
+    /// A transport with the default [`LoopbackConfig`].
+    pub fn new() -> Self {
+        Self::with_config(LoopbackConfig::default())
+    }
+
+    /// A transport with the given configuration.
+    pub fn with_config(config: LoopbackConfig) -> Self {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        let (notif_tx, notif_rx) = mpsc::channel(config.notification_capacity.max(1));
+        let ep = Arc::new(Endpoint {
+            id,
+            config,
+            state: Mutex::new(EndpointState {
+                regions: HashMap::new(),
+                closed: false,
+            }),
+            peers: Mutex::new(HashMap::new()),
+            batches: Mutex::new(HashMap::new()),
+            next_region: AtomicU64::new(1),
+            next_peer: AtomicU64::new(1),
+            next_batch: AtomicU64::new(1),
+            notif_tx,
+            notif_rx: tokio::sync::Mutex::new(notif_rx),
+            closed_tx: watch::Sender::new(false),
+            worker: Mutex::new(None),
+        });
+        lock(registry()).insert(id, Arc::downgrade(&ep));
+        Self { ep }
+    }
+
+    /// Two fresh, unconnected transports with the default configuration.
+    pub fn pair() -> (Self, Self) {
+        (Self::new(), Self::new())
+    }
+
+    /// The configuration this transport was built with.
+    pub fn config(&self) -> &LoopbackConfig {
+        &self.ep.config
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if lock(&self.ep.state).closed {
+            return Err(TransportError::Closed { transport: NAME });
+        }
+        Ok(())
+    }
+
+    fn batch(&self, id: BatchId) -> Result<Arc<Batch>> {
+        lock(&self.ep.batches)
+            .get(&id)
+            .cloned()
+            .ok_or(TransportError::UnknownBatch {
+                batch: id,
+                transport: NAME,
+            })
+    }
+
+    async fn enqueue(&self, job: Job) -> Result<()> {
+        let tx = {
+            let mut slot = lock(&self.ep.worker);
+            match slot.as_ref().filter(|tx| !tx.is_closed()) {
+                Some(tx) => tx.clone(),
+                None => {
+                    let handle = tokio::runtime::Handle::try_current().map_err(|_| {
+                        TransportError::InvalidArgument {
+                            transport: NAME,
+                            message: "post was called outside a tokio runtime; the loopback \
+                                      transport copies on a tokio task, so call it from one"
+                                .into(),
+                        }
+                    })?;
+                    let (tx, rx) = mpsc::channel(self.ep.config.queue_capacity.max(1));
+                    handle.spawn(worker(rx));
+                    *slot = Some(tx.clone());
+                    tx
+                }
+            }
+        };
+        tx.send(job)
+            .await
+            .map_err(|_| TransportError::Closed { transport: NAME })
+    }
+
+    /// Fails every pending batch matching `pred` with `error()`.
+    fn fail_pending(
+        &self,
+        pred: impl Fn(&Batch) -> bool,
+        error: impl Fn(&Batch) -> TransportError,
+    ) {
+        let batches: Vec<_> = lock(&self.ep.batches).values().cloned().collect();
+        for b in batches.iter().filter(|b| pred(b)) {
+            let mut fence = lock(&b.fence);
+            if !fence.state.is_final() {
+                let e = error(b);
+                b.finish(&mut fence, BatchState::Failed(e.to_string()), Some(e));
+            }
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl KvTransport for LoopbackTransport {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::minimal()
+            .with_reads(self.ep.config.reads)
+            .with_max_ops_per_batch(self.ep.config.max_ops_per_batch)
+    }
+
+    async fn register(&self, region: MemoryRegion) -> Result<RegionId> {
+        let mut state = lock(&self.ep.state);
+        if state.closed {
+            return Err(TransportError::Closed { transport: NAME });
+        }
+        let id = RegionId(self.ep.next_region.fetch_add(1, Ordering::Relaxed));
+        state.regions.insert(id, region);
+        Ok(id)
+    }
+
+    async fn deregister(&self, region: RegionId) -> Result<()> {
+        // Taking the state lock fences in-flight copies into the region: they check its
+        // registration under this lock before every chunk.
+        let mut state = lock(&self.ep.state);
+        if state.closed {
+            return Err(TransportError::Closed { transport: NAME });
+        }
+        state
+            .regions
+            .remove(&region)
+            .map(|_| ())
+            .ok_or(TransportError::UnknownRegion {
+                side: Side::Local,
+                region,
+                transport: NAME,
+            })
+    }
+
+    fn local_descriptor(&self) -> Bytes {
+        Bytes::from(format!("{DESCRIPTOR_PREFIX}{}", self.ep.id))
+    }
+
+    async fn connect(&self, descriptor: &[u8]) -> Result<PeerId> {
+        self.check_open()?;
+        let bad = |message: String| TransportError::BadDescriptor {
+            transport: NAME,
+            message,
+        };
+        let id: u64 = std::str::from_utf8(descriptor)
+            .ok()
+            .and_then(|s| s.strip_prefix(DESCRIPTOR_PREFIX))
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| {
+                bad(format!(
+                    "expected `{DESCRIPTOR_PREFIX}<id>`, got {:?}",
+                    String::from_utf8_lossy(&descriptor[..descriptor.len().min(64)])
+                ))
+            })?;
+        let target = lock(registry())
+            .get(&id)
+            .and_then(Weak::upgrade)
+            .ok_or_else(|| {
+                bad(format!(
+                    "no loopback transport #{id} is alive in this process"
+                ))
+            })?;
+        if lock(&target.state).closed {
+            return Err(bad(format!("loopback transport #{id} is shut down")));
+        }
+        let inbound_id = PeerId(target.next_peer.fetch_add(1, Ordering::Relaxed));
+        let peer = PeerId(self.ep.next_peer.fetch_add(1, Ordering::Relaxed));
+        let link = Arc::new(Link {
+            target: Arc::downgrade(&target),
+            inbound_id,
+            alive: AtomicBool::new(true),
+        });
+        lock(&self.ep.peers).insert(peer, link);
+        tracing::debug!(transport = NAME, %peer, target = id, "connected");
+        Ok(peer)
+    }
+
+    async fn disconnect(&self, peer: PeerId) -> Result<()> {
+        self.check_open()?;
+        let link = lock(&self.ep.peers)
+            .remove(&peer)
+            .ok_or(TransportError::UnknownPeer {
+                peer,
+                transport: NAME,
+            })?;
+        link.alive.store(false, Ordering::Release);
+        self.fail_pending(
+            |b| b.peer == peer,
+            |b| peer_lost(b.peer, "disconnected by this side"),
+        );
+        Ok(())
+    }
+
+    async fn post(&self, peer: PeerId, batch: TransferBatch) -> Result<BatchId> {
+        self.check_open()?;
+        let config = &self.ep.config;
+        if batch.direction == Direction::Read && !config.reads {
+            return Err(TransportError::Unsupported {
+                transport: NAME,
+                operation: "read batches",
+                remedy: "build the loopback transport with LoopbackConfig::with_reads(true) or post writes",
+            });
+        }
+        if let Some(max) = config.max_ops_per_batch.filter(|&m| batch.ops.len() > m) {
+            return Err(TransportError::InvalidArgument {
+                transport: NAME,
+                message: format!(
+                    "a batch of {} descriptors exceeds the declared limit of {max}; split it",
+                    batch.ops.len()
+                ),
+            });
+        }
+        let link = lock(&self.ep.peers)
+            .get(&peer)
+            .cloned()
+            .ok_or(TransportError::UnknownPeer {
+                peer,
+                transport: NAME,
+            })?;
+        let target = link
+            .target
+            .upgrade()
+            .ok_or_else(|| peer_lost(peer, "the peer transport was dropped"))?;
+
+        // Resolve and bounds-check every descriptor before anything is queued.
+        let mut ops = Vec::with_capacity(batch.ops.len());
+        {
+            let state = lock(&self.ep.state);
+            for op in &batch.ops {
+                let region =
+                    state
+                        .regions
+                        .get(&op.local_region)
+                        .ok_or(TransportError::UnknownRegion {
+                            side: Side::Local,
+                            region: op.local_region,
+                            transport: NAME,
+                        })?;
+                let range = region.range(op.local_offset, op.len).map_err(|e| {
+                    TransportError::OutOfBounds {
+                        side: Side::Local,
+                        region: op.local_region,
+                        offset: e.offset,
+                        len: e.len,
+                        region_len: e.region_len,
+                    }
+                })?;
+                ops.push(ResolvedOp {
+                    local: region.clone(),
+                    local_offset: range.start,
+                    remote_id: op.remote_region,
+                    remote: region.clone(),
+                    remote_offset: 0,
+                    len: range.len(),
+                });
+            }
+        }
+        {
+            let state = lock(&target.state);
+            if state.closed {
+                return Err(peer_lost(peer, "the peer is shut down"));
+            }
+            for (op, resolved) in batch.ops.iter().zip(ops.iter_mut()) {
+                let region =
+                    state
+                        .regions
+                        .get(&op.remote_region)
+                        .ok_or(TransportError::UnknownRegion {
+                            side: Side::Remote,
+                            region: op.remote_region,
+                            transport: NAME,
+                        })?;
+                let range = region.range(op.remote_offset, op.len).map_err(|e| {
+                    TransportError::OutOfBounds {
+                        side: Side::Remote,
+                        region: op.remote_region,
+                        offset: e.offset,
+                        len: e.len,
+                        region_len: e.region_len,
+                    }
+                })?;
+                resolved.remote = region.clone();
+                resolved.remote_offset = range.start;
+            }
+        }
+
+        let id = BatchId(self.ep.next_batch.fetch_add(1, Ordering::Relaxed));
+        let entry = Arc::new(Batch {
+            id,
+            peer,
+            timeout: batch.timeout,
+            deadline: Instant::now() + batch.timeout,
+            fence: Mutex::new(Fence {
+                state: BatchState::Pending,
+                error: None,
+            }),
+            done: Notify::new(),
+        });
+        lock(&self.ep.batches).insert(id, entry.clone());
+        tracing::debug!(transport = NAME, %peer, batch = %id, ops = ops.len(), "posted");
+        let job = Job {
+            batch: entry.clone(),
+            target,
+            link,
+            direction: batch.direction,
+            ops,
+            notification: batch.notification,
+            chunk_bytes: config.chunk_bytes.max(1),
+        };
+        if let Err(e) = self.enqueue(job).await {
+            lock(&self.ep.batches).remove(&id);
+            return Err(e);
+        }
+        Ok(id)
+    }
+
+    fn batch_state(&self, batch: BatchId) -> Result<BatchState> {
+        let b = self.batch(batch)?;
+        let mut fence = lock(&b.fence);
+        b.check_deadline(&mut fence);
+        Ok(fence.state.clone())
+    }
+
+    async fn wait(&self, id: BatchId) -> Result<()> {
+        let b = self.batch(id)?;
+        loop {
+            let notified = b.done.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut fence = lock(&b.fence);
+                b.check_deadline(&mut fence);
+                if fence.state.is_final() {
+                    // Whoever removes the entry returns the final state; others see it unknown.
+                    if lock(&self.ep.batches).remove(&id).is_none() {
+                        return Err(TransportError::UnknownBatch {
+                            batch: id,
+                            transport: NAME,
+                        });
+                    }
+                    let error = fence.error.take();
+                    return match (&fence.state, error) {
+                        (BatchState::Done, _) => Ok(()),
+                        (_, Some(e)) => Err(e),
+                        (BatchState::TimedOut, None) => Err(TransportError::TimedOut {
+                            batch: id,
+                            timeout: b.timeout,
+                        }),
+                        (BatchState::Cancelled, None) => {
+                            Err(TransportError::Cancelled { batch: id })
+                        }
+                        (state, None) => Err(TransportError::BatchFailed {
+                            batch: id,
+                            peer: b.peer,
+                            reason: format!("{state:?}"),
+                        }),
+                    };
+                }
+            }
+            tokio::select! {
+                _ = &mut notified => {}
+                _ = tokio::time::sleep_until(b.deadline) => {}
+            }
+        }
+    }
+
+    async fn cancel(&self, batch: BatchId) -> Result<BatchState> {
+        let b = self.batch(batch)?;
+        // The worker copies while holding this lock, so once we hold it no chunk is in flight.
+        let mut fence = lock(&b.fence);
+        b.check_deadline(&mut fence);
+        b.finish(&mut fence, BatchState::Cancelled, None);
+        Ok(fence.state.clone())
+    }
+
+    async fn recv_notification(&self) -> Result<Notification> {
+        let mut closed = self.ep.closed_tx.subscribe();
+        if *closed.borrow_and_update() {
+            return Err(TransportError::Closed { transport: NAME });
+        }
+        let mut rx = tokio::select! {
+            rx = self.ep.notif_rx.lock() => rx,
+            _ = closed.wait_for(|c| *c) => return Err(TransportError::Closed { transport: NAME }),
+        };
+        tokio::select! {
+            biased;
+            _ = closed.wait_for(|c| *c) => Err(TransportError::Closed { transport: NAME }),
+            n = rx.recv() => n.ok_or(TransportError::Closed { transport: NAME }),
+        }
+    }
+
+    async fn probe(&self, peer: PeerId, _timeout: Duration) -> Result<()> {
+        self.check_open()?;
+        let link = lock(&self.ep.peers)
+            .get(&peer)
+            .cloned()
+            .ok_or(TransportError::UnknownPeer {
+                peer,
+                transport: NAME,
+            })?;
+        let target = link
+            .target
+            .upgrade()
+            .ok_or_else(|| peer_lost(peer, "the peer transport was dropped"))?;
+        if lock(&target.state).closed {
+            return Err(peer_lost(peer, "the peer is shut down"));
+        }
+        Ok(())
+    }
+
+    async fn shutdown(&self) -> Result<()> {
+        {
+            let mut state = lock(&self.ep.state);
+            if state.closed {
+                return Ok(());
+            }
+            // Under the state lock: no copy into our regions is in flight, and none starts.
+            state.closed = true;
+            state.regions.clear();
+        }
+        self.ep.closed_tx.send_replace(true);
+        lock(registry()).remove(&self.ep.id);
+        for link in lock(&self.ep.peers).drain() {
+            link.1.alive.store(false, Ordering::Release);
+        }
+        self.fail_pending(|_| true, |_| TransportError::Closed { transport: NAME });
+        tracing::info!(transport = NAME, id = self.ep.id, "shut down");
+        Ok(())
+    }
+}

@@ -1,0 +1,32 @@
+//! The conformance suite against `LoopbackTransport`, directly and as `Arc<dyn KvTransport>`,
+//! in its default configuration and with reads off and a small batch limit.
+
+use std::sync::Arc;
+
+use kvbridge_mock::{LoopbackConfig, LoopbackTransport};
+use kvbridge_transport::testing::TransportPair;
+
+async fn loopback_pair() -> TransportPair {
+    TransportPair::new(
+        Arc::new(LoopbackTransport::new()),
+        Arc::new(LoopbackTransport::new()),
+    )
+}
+
+async fn restricted_pair() -> TransportPair {
+    let config = LoopbackConfig::default()
+        .with_reads(false)
+        .with_max_ops_per_batch(Some(1000));
+    TransportPair::new(
+        Arc::new(LoopbackTransport::with_config(config.clone())),
+        Arc::new(LoopbackTransport::with_config(config)),
+    )
+}
+
+mod loopback {
+    kvbridge_transport::conformance_tests!(super::loopback_pair);
+}
+
+mod loopback_push_only_small_batches {
+    kvbridge_transport::conformance_tests!(super::restricted_pair);
+}
