@@ -1,5 +1,127 @@
-//! Planner benchmarks (divan).
+//! Planner benchmarks (divan): page size 64, DCP 8, one 131072-token chunk (2048 source pages,
+//! 256 destination virtual pages), every destination rank per iteration.
+//!
+//! Run with `cargo xtask bench planner`. `scripts/sglang_planner_bench.py` times SGLang
+//! 0.5.23's numpy planner on the same inputs.
+
+use divan::{Bencher, black_box};
+use kvbridge_geometry::{DcpPlanInput, Run, group_concurrent_contiguous};
+
+const PAGE_SIZE: u64 = 64;
+const DCP: u64 = 8;
+const TOKENS: u64 = 131_072;
 
 fn main() {
     divan::main();
+}
+
+/// Scattered but deterministic page ids (same formulas as the Python script).
+fn pages() -> (Vec<u64>, Vec<u64>) {
+    let src = (0..TOKENS / PAGE_SIZE).map(|i| (i * 1031) % 4096).collect();
+    let dst = (0..TOKENS / (PAGE_SIZE * DCP))
+        .map(|i| (i * 257 + 3) % 1024)
+        .collect();
+    (src, dst)
+}
+
+fn input<'a>(src: &'a [u64], dst: &'a [u64], rank: u64) -> DcpPlanInput<'a> {
+    DcpPlanInput {
+        src_pages: src,
+        dst_pages: dst,
+        page_size: PAGE_SIZE,
+        dcp_size: DCP,
+        dcp_rank: rank,
+        num_kv_tokens: Some(TOKENS),
+        ..DcpPlanInput::default()
+    }
+}
+
+/// (a) Per-token target arrays `(target_src, target_dst)` for all 8 ranks.
+#[divan::bench]
+fn a_target_arrays_all_ranks(bencher: Bencher<'_, '_>) {
+    let (src, dst) = pages();
+    bencher.bench(|| {
+        for rank in 0..DCP {
+            let plan = input(black_box(&src), black_box(&dst), rank)
+                .plan()
+                .unwrap();
+            black_box(plan.target_arrays());
+        }
+    });
+}
+
+/// (a') SGLang's full output (target and draft arrays) for all 8 ranks.
+#[divan::bench]
+fn a_full_token_plan_all_ranks(bencher: Bencher<'_, '_>) {
+    let (src, dst) = pages();
+    bencher.bench(|| {
+        for rank in 0..DCP {
+            let plan = input(black_box(&src), black_box(&dst), rank)
+                .plan()
+                .unwrap();
+            black_box(plan.to_token_plan());
+        }
+    });
+}
+
+/// (a'') The full output written into reused buffers (no allocation per iteration).
+#[divan::bench]
+fn a_full_token_plan_reused_all_ranks(bencher: Bencher<'_, '_>) {
+    let (src, dst) = pages();
+    let mut out = kvbridge_geometry::DcpTokenPlan::default();
+    bencher.bench_local(|| {
+        for rank in 0..DCP {
+            let plan = input(black_box(&src), black_box(&dst), rank)
+                .plan()
+                .unwrap();
+            plan.fill_token_plan(&mut out);
+            black_box(&out);
+        }
+    });
+}
+
+/// (b) Plan plus coalesced target runs (collected), for all 8 ranks, no per-token arrays.
+#[divan::bench]
+fn b_target_runs_all_ranks(bencher: Bencher<'_, '_>) {
+    let (src, dst) = pages();
+    bencher.bench(|| {
+        for rank in 0..DCP {
+            let plan = input(black_box(&src), black_box(&dst), rank)
+                .plan()
+                .unwrap();
+            black_box(plan.target_runs().collect::<Vec<Run>>());
+        }
+    });
+}
+
+/// (b') Plan plus runs, iterated without collecting (a caller emitting descriptors directly).
+#[divan::bench]
+fn b_target_runs_streamed_all_ranks(bencher: Bencher<'_, '_>) {
+    let (src, dst) = pages();
+    bencher.bench(|| {
+        for rank in 0..DCP {
+            let plan = input(black_box(&src), black_box(&dst), rank)
+                .plan()
+                .unwrap();
+            black_box(
+                plan.target_runs()
+                    .fold(0u64, |acc, r| acc ^ r.src_start ^ r.len),
+            );
+        }
+    });
+}
+
+/// (b'') The array route: per-token arrays, then `group_concurrent_contiguous`.
+#[divan::bench]
+fn b_arrays_then_group_all_ranks(bencher: Bencher<'_, '_>) {
+    let (src, dst) = pages();
+    bencher.bench(|| {
+        for rank in 0..DCP {
+            let plan = input(black_box(&src), black_box(&dst), rank)
+                .plan()
+                .unwrap();
+            let (s, d) = plan.target_arrays();
+            black_box(group_concurrent_contiguous(&s, &d).unwrap());
+        }
+    });
 }

@@ -259,6 +259,19 @@ impl<'a> DcpPlan<'a> {
         (s, d)
     }
 
+    /// Writes SGLang's four arrays into `out`, reusing its capacity (clears it first), so a
+    /// caller planning many chunks allocates once.
+    pub fn fill_token_plan(&self, out: &mut DcpTokenPlan) {
+        out.target_src.clear();
+        out.target_dst.clear();
+        out.draft_src.clear();
+        out.draft_dst.clear();
+        self.target
+            .extend_arrays(&mut out.target_src, &mut out.target_dst);
+        self.draft
+            .extend_arrays(&mut out.draft_src, &mut out.draft_dst);
+    }
+
     /// SGLang's four arrays.
     #[must_use]
     pub fn to_token_plan(&self) -> DcpTokenPlan {

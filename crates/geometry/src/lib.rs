@@ -61,4 +61,6 @@ pub use pairs::{pair_entries_by_layer_ids, pair_entries_flat_pp, pair_entries_mh
 pub use pool::{Entry, EntryRole, PoolFormat, PoolGeometry, PoolGeometryBuilder, PoolKind};
 pub use reshard::ReshardPlan;
 pub use rows::SegmentRuns;
-pub use runs::{Coalesce, Run, coalesce_pairs, coalesce_runs, group_concurrent_contiguous};
+pub use runs::{
+    Coalesce, PairRuns, Run, coalesce_pairs, coalesce_runs, group_concurrent_contiguous,
+};

@@ -66,8 +66,11 @@ pub fn group_concurrent_contiguous(src: &[u64], dst: &[u64]) -> Result<Vec<Run>>
     Ok(coalesce_pairs(src.iter().copied().zip(dst.iter().copied())).collect())
 }
 
+/// Single-index runs of `(src, dst)` pairs, the input [`coalesce_pairs`] coalesces.
+pub type PairRuns<I> = std::iter::Map<I, fn((u64, u64)) -> Run>;
+
 /// Coalesces `(src, dst)` index pairs into runs lazily; allocates nothing.
-pub fn coalesce_pairs<I>(pairs: I) -> Coalesce<std::iter::Map<I::IntoIter, fn((u64, u64)) -> Run>>
+pub fn coalesce_pairs<I>(pairs: I) -> Coalesce<PairRuns<I::IntoIter>>
 where
     I: IntoIterator<Item = (u64, u64)>,
 {
