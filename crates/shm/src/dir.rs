@@ -1,0 +1,120 @@
+//! The private directory holding the control socket: mode 0700, socket 0600, removed on drop.
+
+use std::fs;
+use std::io::{self, Read};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+/// Longest socket path the kernel accepts (`sun_path` is 108 bytes including the NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
+/// Random bytes from the kernel.
+pub(crate) fn random_bytes<const N: usize>() -> io::Result<[u8; N]> {
+    let mut out = [0u8; N];
+    fs::File::open("/dev/urandom")?.read_exact(&mut out)?;
+    Ok(out)
+}
+
+/// The directory `$XDG_RUNTIME_DIR` (if set and a directory) or the system temp directory.
+pub(crate) fn default_base() -> PathBuf {
+    std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute() && p.is_dir())
+        .unwrap_or_else(std::env::temp_dir)
+}
+
+/// A freshly created private directory with a socket path inside; both are removed on drop.
+#[derive(Debug)]
+pub(crate) struct PrivateDir {
+    dir: PathBuf,
+    socket: PathBuf,
+}
+
+impl PrivateDir {
+    /// Creates `<base>/kvbridge-shm-<pid>-<random>` with mode 0700.
+    pub(crate) fn create(base: &Path) -> io::Result<Self> {
+        let base = if base.is_absolute() {
+            base.to_path_buf()
+        } else {
+            std::env::current_dir()?.join(base)
+        };
+        for _ in 0..8 {
+            let tag: [u8; 6] = random_bytes()?;
+            let tag: String = tag.iter().map(|b| format!("{b:02x}")).collect();
+            let dir = base.join(format!("kvbridge-shm-{}-{tag}", std::process::id()));
+            match fs::DirBuilder::new().mode(0o700).create(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e),
+            }
+            // The umask can only clear bits, but say the mode explicitly anyway.
+            let made = Self {
+                socket: dir.join("ctl.sock"),
+                dir,
+            };
+            fs::set_permissions(&made.dir, fs::Permissions::from_mode(0o700))?;
+            if made.socket.as_os_str().len() > MAX_SOCKET_PATH {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "the socket path {} is {} bytes; Unix sockets allow {MAX_SOCKET_PATH}",
+                        made.socket.display(),
+                        made.socket.as_os_str().len()
+                    ),
+                ));
+            }
+            return Ok(made);
+        }
+        Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "could not find a fresh directory name after 8 tries",
+        ))
+    }
+
+    pub(crate) fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub(crate) fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Removes the socket and the directory (idempotent).
+    pub(crate) fn remove(&self) {
+        let _ = fs::remove_file(&self.socket);
+        let _ = fs::remove_dir(&self.dir);
+    }
+}
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        self.remove();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    #[test]
+    fn directory_is_private_and_removed_on_drop() {
+        let base = std::env::temp_dir();
+        let d = PrivateDir::create(&base).unwrap();
+        let meta = fs::metadata(d.dir()).unwrap();
+        assert_eq!(meta.mode() & 0o777, 0o700);
+        assert!(d.socket().starts_with(d.dir()));
+        let dir = d.dir().to_path_buf();
+        drop(d);
+        assert!(!dir.exists());
+    }
+
+    #[test]
+    fn overlong_base_is_refused() {
+        let base = std::env::temp_dir().join("x".repeat(120));
+        fs::create_dir_all(&base).unwrap();
+        let err = PrivateDir::create(&base).unwrap_err();
+        fs::remove_dir_all(&base).unwrap();
+        assert!(err.to_string().contains("Unix sockets allow"), "{err}");
+    }
+}

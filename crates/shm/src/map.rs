@@ -1,0 +1,227 @@
+//! The mapping layer: the only module of `kvbridge-shm` with `unsafe` code.
+//!
+//! It creates sealed memfd regions, maps region files handed over by a peer, and wraps both as
+//! [`MemoryRegion`]s. Every bounds check on transfers happens in safe code elsewhere (through
+//! [`MemoryRegion::copy_to`], which checks both ranges); the `unsafe` blocks here only assert that
+//! a mapping stays valid for as long as the region that wraps it.
+//!
+//! Why the checks on a peer's file matter: a writable shared mapping of a file that can shrink
+//! turns a truncation by the peer into `SIGBUS` in this process. So a peer's file is mapped only
+//! if it is sealed against shrinking (`F_SEAL_SHRINK`), is at least as long as the peer says, and
+//! is fully allocated (so mapping it cannot make this process allocate memory for the peer).
+#![allow(unsafe_code)]
+
+use std::any::Any;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use kvbridge_transport::MemoryRegion;
+use memmap2::{Advice, MmapOptions, MmapRaw};
+use rustix::fs::{FallocateFlags, FileType, MemfdFlags, SealFlags};
+
+use crate::ShmError;
+
+/// A shared, sealed memfd mapping owned by this process (the owner of a region allocated by
+/// [`ShmTransport::allocate`](crate::ShmTransport)), or this process's mapping of a peer's region.
+pub(crate) struct SharedMapping {
+    map: MmapRaw,
+    fd: OwnedFd,
+}
+
+impl std::fmt::Debug for SharedMapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedMapping")
+            .field("len", &self.map.len())
+            .finish()
+    }
+}
+
+impl SharedMapping {
+    /// The memfd, to hand to a peer.
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+fn map_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ShmError {
+    let what = what.into();
+    move |source| ShmError::Map { what, source }
+}
+
+/// Maps `len` bytes of `fd` shared and read-write, with page tables populated for writing so
+/// the first copy into it pays no page faults, and transparent huge pages requested.
+fn map_populated(fd: &OwnedFd, len: usize) -> Result<MmapRaw, ShmError> {
+    let map = MmapOptions::new()
+        .len(len)
+        .map_raw(fd)
+        .map_err(map_err(format!("mmap of a {len}-byte shared region")))?;
+    // Transparent huge pages for shared memory depend on
+    // /sys/kernel/mm/transparent_hugepage/shmem_enabled; the advice is harmless where off.
+    let _ = map.advise(Advice::HugePage);
+    if map.advise(Advice::PopulateWrite).is_ok() {
+        return Ok(map);
+    }
+    // Kernels before 5.14 lack MADV_POPULATE_WRITE: map again with MAP_POPULATE.
+    drop(map);
+    MmapOptions::new()
+        .len(len)
+        .populate()
+        .map_raw(fd)
+        .map_err(map_err(format!(
+            "mmap (populate) of a {len}-byte shared region"
+        )))
+}
+
+fn wrap(mapping: Arc<SharedMapping>) -> Result<MemoryRegion, ShmError> {
+    let len = mapping.map.len();
+    let ptr = NonNull::new(mapping.map.as_mut_ptr()).ok_or_else(|| ShmError::Map {
+        what: "mmap".into(),
+        source: std::io::Error::other("the kernel returned a null mapping"),
+    })?;
+    let owner: Arc<dyn Any + Send + Sync> = mapping;
+    // SAFETY: `ptr` is the start of a live shared read-write mapping of exactly `len` bytes.
+    // `owner` keeps the `MmapRaw` (and so the mapping) alive for as long as any clone of the
+    // region exists. The file behind it is sealed against shrinking and fully allocated (checked
+    // in `allocate` / `map_remote`), so no access within `len` can fault with SIGBUS. This crate
+    // creates no Rust references to the bytes: all access goes through `MemoryRegion`'s raw
+    // copies; other processes writing them is the shared-memory case the contract allows.
+    Ok(unsafe { MemoryRegion::from_raw_parts(ptr, len, owner) })
+}
+
+/// Allocates a sealed, pre-faulted memfd region of `len` bytes. A zero-length region is an empty
+/// heap region (there is nothing to share).
+pub(crate) fn allocate(len: usize) -> Result<MemoryRegion, ShmError> {
+    if len == 0 {
+        return MemoryRegion::allocate(0).map_err(|e| ShmError::Map {
+            what: "allocate".into(),
+            source: std::io::Error::other(e.to_string()),
+        });
+    }
+    let fd = rustix::fs::memfd_create(
+        "kvbridge-shm",
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )
+    .map_err(|e| map_err("memfd_create")(e.into()))?;
+    rustix::fs::ftruncate(&fd, len as u64)
+        .map_err(|e| map_err(format!("ftruncate of a memfd to {len} bytes"))(e.into()))?;
+    // Allocate every page now: a full tmpfs fails here, not with SIGBUS in the middle of a copy,
+    // and a peer can verify (st_blocks) that mapping this file costs it no memory of its own.
+    rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, len as u64)
+        .map_err(|e| map_err(format!("fallocate of {len} bytes of shared memory"))(e.into()))?;
+    rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+        .map_err(|e| map_err("sealing a memfd against SHRINK|GROW")(e.into()))?;
+    let map = map_populated(&fd, len)?;
+    wrap(Arc::new(SharedMapping { map, fd }))
+}
+
+/// The shared mapping behind `region`, if `region` is exactly a mapping made by [`allocate`].
+pub(crate) fn shared_of(region: &MemoryRegion) -> Option<Arc<SharedMapping>> {
+    let owner = Arc::clone(region.owner()?);
+    let mapping = owner.downcast::<SharedMapping>().ok()?;
+    (mapping.map.as_mut_ptr() == region.as_ptr() && mapping.map.len() == region.len())
+        .then_some(mapping)
+}
+
+/// Checks a region file received from a peer and maps its first `len` bytes.
+pub(crate) fn map_remote(region: u64, fd: OwnedFd, len: u64) -> Result<MemoryRegion, ShmError> {
+    let refuse = |reason: String| ShmError::UnsafeRemoteRegion { region, reason };
+    if len == 0 {
+        return allocate(0);
+    }
+    let len_usize = usize::try_from(len)
+        .ok()
+        .filter(|l| *l <= isize::MAX as usize)
+        .ok_or_else(|| refuse(format!("its length {len} does not fit this address space")))?;
+    let stat =
+        rustix::fs::fstat(&fd).map_err(|e| refuse(format!("fstat of its file failed: {e}")))?;
+    if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile {
+        return Err(refuse(
+            "its descriptor is not a regular (memfd) file".into(),
+        ));
+    }
+    let size = u64::try_from(stat.st_size).unwrap_or(0);
+    if size < len {
+        return Err(refuse(format!(
+            "its file has {size} bytes but the peer declared {len}"
+        )));
+    }
+    let allocated = u64::try_from(stat.st_blocks)
+        .unwrap_or(0)
+        .saturating_mul(512);
+    if allocated < len {
+        return Err(refuse(format!(
+            "only {allocated} of its {len} bytes are allocated (a sparse file)"
+        )));
+    }
+    let seals = rustix::fs::fcntl_get_seals(&fd)
+        .map_err(|e| refuse(format!("it is not a sealable memfd ({e})")))?;
+    if !seals.contains(SealFlags::SHRINK) {
+        return Err(refuse(
+            "its file is not sealed against shrinking (F_SEAL_SHRINK), so the peer could make \
+             writes into it fault"
+                .into(),
+        ));
+    }
+    let map = map_populated(&fd, len_usize)?;
+    wrap(Arc::new(SharedMapping { map, fd }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocated_regions_are_sealed_shared_and_recognised() {
+        let r = allocate(3 * 4096 + 17).unwrap();
+        assert_eq!(r.len(), 3 * 4096 + 17);
+        r.write_at(5, b"hello").unwrap();
+        let shared = shared_of(&r).expect("an allocated region is recognised");
+        let seals = rustix::fs::fcntl_get_seals(shared.fd()).unwrap();
+        assert!(seals.contains(SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL));
+        // A peer that tries to shrink (or grow) the file is refused by the kernel.
+        assert!(rustix::fs::ftruncate(shared.fd(), 0).is_err());
+        assert!(rustix::fs::ftruncate(shared.fd(), 1 << 20).is_err());
+        // A second mapping of the same file sees the same bytes (what a peer does).
+        let dup = shared.fd().try_clone_to_owned().unwrap();
+        let peer = map_remote(1, dup, r.len() as u64).unwrap();
+        assert_eq!(peer.to_vec(5, 5).unwrap(), b"hello");
+        peer.write_at(0, b"xy").unwrap();
+        assert_eq!(r.to_vec(0, 2).unwrap(), b"xy");
+    }
+
+    #[test]
+    fn heap_regions_are_not_shared() {
+        let heap = MemoryRegion::allocate(4096).unwrap();
+        assert!(shared_of(&heap).is_none());
+        assert!(allocate(0).unwrap().is_empty());
+    }
+
+    #[test]
+    fn unsealed_short_or_sparse_files_are_refused() {
+        let unsealed = rustix::fs::memfd_create("t", MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&unsealed, 4096).unwrap();
+        rustix::fs::fallocate(&unsealed, FallocateFlags::empty(), 0, 4096).unwrap();
+        let err = map_remote(3, unsealed, 4096).unwrap_err().to_string();
+        assert!(err.contains("not sealed against shrinking"), "{err}");
+
+        let r = allocate(4096).unwrap();
+        let fd = shared_of(&r).unwrap().fd().try_clone_to_owned().unwrap();
+        let err = map_remote(4, fd, 8192).unwrap_err().to_string();
+        assert!(
+            err.contains("has 4096 bytes but the peer declared 8192"),
+            "{err}"
+        );
+
+        let sparse =
+            rustix::fs::memfd_create("t", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+        rustix::fs::ftruncate(&sparse, 1 << 30).unwrap();
+        rustix::fs::fcntl_add_seals(&sparse, SealFlags::SHRINK).unwrap();
+        let err = map_remote(5, sparse, 1 << 30).unwrap_err().to_string();
+        assert!(err.contains("sparse"), "{err}");
+
+        let file = std::fs::File::open("/proc/self/status").unwrap();
+        let err = map_remote(6, file.into(), 10).unwrap_err().to_string();
+        assert!(err.contains("region 6 cannot be mapped"), "{err}");
+    }
+}

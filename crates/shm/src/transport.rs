@@ -1,0 +1,1427 @@
+//! [`ShmTransport`]: connections, batches, the copy worker and the `KvTransport` impl.
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::PermissionsExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvbridge_transport::memory::checked_range;
+use kvbridge_transport::{
+    BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
+    RegionId, Result, Side, TransferBatch, TransportError,
+};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+
+use crate::descriptor::Descriptor;
+use crate::dir::{PrivateDir, default_base, random_bytes};
+use crate::map::{self, SharedMapping};
+use crate::proto::{self, Frame, RegionStatus};
+use crate::wire::{ReadError, Wire, WireReader};
+use crate::{NAME, ShmError, ShmOptions};
+
+/// Bytes copied between two checks of a batch's cancel flag, deadline and peer.
+pub(crate) const CHUNK_BYTES: u64 = 1 << 20;
+/// Budget charged per descriptor at least, so a chunk of tiny descriptors stays short too.
+const OP_COST: u64 = 256;
+/// Batches whose final state has not been collected by `wait`, at most.
+const MAX_TRACKED_BATCHES: usize = 1 << 16;
+/// Copy jobs queued for the worker thread, at most.
+const JOB_QUEUE: usize = 256;
+/// Notifications received but not yet taken by `recv_notification`, at most.
+const NOTIFICATION_QUEUE: usize = 4096;
+/// Extra time past a deadline for a notification write to be fenced.
+const FENCE_GRACE: Duration = Duration::from_millis(250);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A local registration.
+struct LocalRegion {
+    region: MemoryRegion,
+    shared: Option<Arc<SharedMapping>>,
+}
+
+/// A peer's region mapped into this process.
+struct RemoteRegion {
+    id: RegionId,
+    region: MemoryRegion,
+    revoked: AtomicBool,
+}
+
+/// One control connection: outbound (made by `connect`; batches go out on it) or inbound
+/// (accepted; notifications come in on it).
+struct Conn {
+    id: PeerId,
+    outbound: bool,
+    wire: Wire,
+    lost: AtomicBool,
+    lost_reason: Mutex<Option<String>>,
+    /// Outbound: the peer's regions mapped so far.
+    remote: Mutex<HashMap<RegionId, Arc<RemoteRegion>>>,
+    region_waiters: Mutex<HashMap<u64, oneshot::Sender<Result<Arc<RemoteRegion>>>>>,
+    pings: Mutex<HashMap<u64, oneshot::Sender<()>>>,
+    /// Inbound: regions whose file this peer received, and revocations awaiting its ack.
+    shared: Mutex<HashSet<RegionId>>,
+    revokes: Mutex<HashMap<u64, oneshot::Sender<()>>>,
+    /// Inbound: orders region answers against revocations on the wire.
+    region_order: tokio::sync::Mutex<()>,
+    /// Held (shared) by the copy worker while it copies a chunk for this peer; taken exclusively
+    /// to fence copies (revocation, peer loss).
+    copy_lock: RwLock<()>,
+    task: Mutex<Option<AbortHandle>>,
+    next_req: AtomicU64,
+}
+
+impl Conn {
+    fn new(id: PeerId, outbound: bool, wire: Wire) -> Self {
+        Self {
+            id,
+            outbound,
+            wire,
+            lost: AtomicBool::new(false),
+            lost_reason: Mutex::new(None),
+            remote: Mutex::new(HashMap::new()),
+            region_waiters: Mutex::new(HashMap::new()),
+            pings: Mutex::new(HashMap::new()),
+            shared: Mutex::new(HashSet::new()),
+            revokes: Mutex::new(HashMap::new()),
+            region_order: tokio::sync::Mutex::new(()),
+            copy_lock: RwLock::new(()),
+            task: Mutex::new(None),
+            next_req: AtomicU64::new(1),
+        }
+    }
+
+    fn lost_reason(&self) -> String {
+        lock(&self.lost_reason)
+            .clone()
+            .unwrap_or_else(|| "the connection was closed".to_owned())
+    }
+
+    fn peer_lost(&self) -> TransportError {
+        TransportError::PeerLost {
+            peer: self.id,
+            transport: NAME,
+            reason: self.lost_reason(),
+        }
+    }
+
+    /// The peer's region `id`, mapping it on first use.
+    async fn remote_region(&self, id: RegionId, deadline: Instant) -> Result<Arc<RemoteRegion>> {
+        if let Some(r) = lock(&self.remote).get(&id) {
+            return Ok(Arc::clone(r));
+        }
+        if self.lost.load(Ordering::Acquire) {
+            return Err(self.peer_lost());
+        }
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        lock(&self.region_waiters).insert(req, tx);
+        let asked = tokio::time::timeout_at(
+            deadline,
+            self.wire
+                .send(&Frame::GetRegion { req, region: id.0 }, None),
+        )
+        .await;
+        let answer = match asked {
+            Ok(Ok(())) => tokio::time::timeout_at(deadline, rx).await,
+            Ok(Err(_)) => {
+                lock(&self.region_waiters).remove(&req);
+                return Err(self.peer_lost());
+            }
+            Err(_) => {
+                lock(&self.region_waiters).remove(&req);
+                return Err(self.no_answer("a region lookup"));
+            }
+        };
+        match answer {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(self.peer_lost()),
+            Err(_) => {
+                lock(&self.region_waiters).remove(&req);
+                Err(self.no_answer("a region lookup"))
+            }
+        }
+    }
+
+    fn no_answer(&self, what: &str) -> TransportError {
+        TransportError::PeerLost {
+            peer: self.id,
+            transport: NAME,
+            reason: format!("the peer did not answer {what} in time"),
+        }
+    }
+}
+
+/// Where a batch is.
+enum Phase {
+    /// Queued or being copied; cancel, deadline and peer loss stop it between chunks.
+    Pending,
+    /// Copied; its notification is being written. It ends when the write does.
+    Committing,
+    Final(Outcome),
+}
+
+#[derive(Clone, Debug)]
+enum Outcome {
+    Done,
+    Failed { peer_lost: bool, reason: String },
+    Cancelled,
+    TimedOut,
+}
+
+struct Batch {
+    id: BatchId,
+    peer: PeerId,
+    timeout: Duration,
+    deadline: Instant,
+    conn: Arc<Conn>,
+    state: Mutex<Phase>,
+    changed: Notify,
+}
+
+impl Batch {
+    /// Moves a pending batch to `outcome`; returns whether it did.
+    fn finish_pending(&self, outcome: Outcome) -> bool {
+        let mut st = lock(&self.state);
+        if matches!(*st, Phase::Pending) {
+            *st = Phase::Final(outcome);
+            drop(st);
+            self.changed.notify_waiters();
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Moves a batch that is not final yet to `outcome`.
+    fn finish(&self, outcome: Outcome) {
+        let mut st = lock(&self.state);
+        if !matches!(*st, Phase::Final(_)) {
+            *st = Phase::Final(outcome);
+            drop(st);
+            self.changed.notify_waiters();
+        }
+    }
+
+    fn state(&self) -> BatchState {
+        let mut st = lock(&self.state);
+        if matches!(*st, Phase::Pending) && Instant::now() >= self.deadline {
+            *st = Phase::Final(Outcome::TimedOut);
+            drop(st);
+            self.changed.notify_waiters();
+            return BatchState::TimedOut;
+        }
+        match &*st {
+            Phase::Pending | Phase::Committing => BatchState::Pending,
+            Phase::Final(o) => outcome_state(o),
+        }
+    }
+
+    /// Waits for the final state; enforces the deadline (fencing a notification write that
+    /// outlives it by [`FENCE_GRACE`] by closing the connection).
+    async fn settle(&self) -> Outcome {
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let now = Instant::now();
+            let until = {
+                let mut st = lock(&self.state);
+                match &*st {
+                    Phase::Final(o) => return o.clone(),
+                    Phase::Pending if now >= self.deadline => {
+                        *st = Phase::Final(Outcome::TimedOut);
+                        drop(st);
+                        self.changed.notify_waiters();
+                        return Outcome::TimedOut;
+                    }
+                    Phase::Committing if now >= self.deadline + FENCE_GRACE => {
+                        // The write did not finish by the deadline: cut the connection so no
+                        // byte of the notification can arrive later.
+                        self.conn.wire.shutdown();
+                        *st = Phase::Final(Outcome::TimedOut);
+                        drop(st);
+                        self.changed.notify_waiters();
+                        return Outcome::TimedOut;
+                    }
+                    Phase::Pending => self.deadline,
+                    Phase::Committing => self.deadline + FENCE_GRACE,
+                }
+            };
+            tokio::select! {
+                _ = &mut notified => {}
+                _ = tokio::time::sleep_until(until) => {}
+            }
+        }
+    }
+
+    fn result(&self, outcome: Outcome) -> Result<()> {
+        match outcome {
+            Outcome::Done => Ok(()),
+            Outcome::Failed {
+                peer_lost: true,
+                reason,
+            } => Err(TransportError::PeerLost {
+                peer: self.peer,
+                transport: NAME,
+                reason,
+            }),
+            Outcome::Failed { reason, .. } => Err(TransportError::BatchFailed {
+                batch: self.id,
+                peer: self.peer,
+                reason,
+            }),
+            Outcome::Cancelled => Err(TransportError::Cancelled { batch: self.id }),
+            Outcome::TimedOut => Err(TransportError::TimedOut {
+                batch: self.id,
+                timeout: self.timeout,
+            }),
+        }
+    }
+}
+
+fn outcome_state(o: &Outcome) -> BatchState {
+    match o {
+        Outcome::Done => BatchState::Done,
+        Outcome::Failed { reason, .. } => BatchState::Failed(reason.clone()),
+        Outcome::Cancelled => BatchState::Cancelled,
+        Outcome::TimedOut => BatchState::TimedOut,
+    }
+}
+
+/// One descriptor, resolved to indices into the job's region tables.
+#[derive(Debug, Clone, Copy)]
+struct PlannedOp {
+    local: u32,
+    remote: u32,
+    local_offset: u64,
+    remote_offset: u64,
+    len: u64,
+}
+
+/// A validated batch, ready for the copy worker.
+struct Job {
+    batch: Arc<Batch>,
+    direction: Direction,
+    locals: Vec<MemoryRegion>,
+    remotes: Vec<Arc<RemoteRegion>>,
+    ops: Vec<PlannedOp>,
+    notification: Option<Bytes>,
+    deadline: std::time::Instant,
+    rt: tokio::runtime::Handle,
+}
+
+/// The copy worker: one OS thread per transport, fed through a bounded queue.
+fn worker(mut jobs: mpsc::Receiver<Job>) {
+    while let Some(job) = jobs.blocking_recv() {
+        run_job(job);
+    }
+}
+
+fn run_job(job: Job) {
+    let Job {
+        batch,
+        direction,
+        locals,
+        remotes,
+        ops,
+        notification,
+        deadline,
+        rt,
+    } = job;
+    let conn = Arc::clone(&batch.conn);
+    let mut next = 0usize;
+    let mut done_in_op = 0u64;
+    loop {
+        // The phase lock is held while a chunk is copied: cancel, the deadline and peer loss
+        // take it to fence the batch, so once they report, no further chunk starts.
+        let mut phase = lock(&batch.state);
+        if !matches!(*phase, Phase::Pending) {
+            return;
+        }
+        if std::time::Instant::now() >= deadline {
+            *phase = Phase::Final(Outcome::TimedOut);
+            drop(phase);
+            batch.changed.notify_waiters();
+            return;
+        }
+        let fence = conn
+            .copy_lock
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        let failure = if conn.lost.load(Ordering::Acquire) {
+            Some(Outcome::Failed {
+                peer_lost: true,
+                reason: conn.lost_reason(),
+            })
+        } else {
+            copy_chunk(
+                direction,
+                &locals,
+                &remotes,
+                &ops,
+                &mut next,
+                &mut done_in_op,
+            )
+            .err()
+        };
+        drop(fence);
+        if let Some(outcome) = failure {
+            *phase = Phase::Final(outcome);
+            drop(phase);
+            batch.changed.notify_waiters();
+            return;
+        }
+        if next == ops.len() {
+            match notification {
+                None => *phase = Phase::Final(Outcome::Done),
+                Some(payload) => {
+                    *phase = Phase::Committing;
+                    drop(phase);
+                    rt.spawn(commit(batch, payload));
+                    return;
+                }
+            }
+            drop(phase);
+            batch.changed.notify_waiters();
+            return;
+        }
+    }
+}
+
+/// Copies up to [`CHUNK_BYTES`] of the batch, from descriptor `next` (`done_in_op` bytes into it).
+fn copy_chunk(
+    direction: Direction,
+    locals: &[MemoryRegion],
+    remotes: &[Arc<RemoteRegion>],
+    ops: &[PlannedOp],
+    next: &mut usize,
+    done_in_op: &mut u64,
+) -> std::result::Result<(), Outcome> {
+    let mut budget = CHUNK_BYTES;
+    while *next < ops.len() && budget > 0 {
+        let op = ops[*next];
+        let remote = &remotes[op.remote as usize];
+        if remote.revoked.load(Ordering::Acquire) {
+            return Err(Outcome::Failed {
+                peer_lost: false,
+                reason: format!(
+                    "the peer deregistered its region {} while the batch was running",
+                    remote.id
+                ),
+            });
+        }
+        let local = &locals[op.local as usize];
+        let n = (op.len - *done_in_op).min(budget);
+        let (lo, ro) = (
+            op.local_offset + *done_in_op,
+            op.remote_offset + *done_in_op,
+        );
+        let copied = match direction {
+            Direction::Write => local.copy_to(lo, &remote.region, ro, n),
+            Direction::Read => remote.region.copy_to(ro, local, lo, n),
+        };
+        if let Err(e) = copied {
+            return Err(Outcome::Failed {
+                peer_lost: false,
+                reason: format!("a copy was refused by the region: {e}"),
+            });
+        }
+        *done_in_op += n;
+        budget = budget.saturating_sub(n.max(OP_COST));
+        if *done_in_op == op.len {
+            *next += 1;
+            *done_in_op = 0;
+        }
+    }
+    Ok(())
+}
+
+/// Sends a copied batch's notification and finishes the batch. The write is bounded by the
+/// batch's deadline; a write abandoned half-way closes the connection (see `Wire::send`).
+async fn commit(batch: Arc<Batch>, payload: Bytes) {
+    let sent = tokio::time::timeout_at(
+        batch.deadline,
+        batch.conn.wire.send(&Frame::Notify { payload }, None),
+    )
+    .await;
+    let outcome = match sent {
+        Ok(Ok(())) => Outcome::Done,
+        Ok(Err(e)) => Outcome::Failed {
+            peer_lost: true,
+            reason: format!("the notification could not be sent ({e}): the peer is gone"),
+        },
+        Err(_) => Outcome::TimedOut,
+    };
+    batch.finish(outcome);
+}
+
+struct Inner {
+    options: ShmOptions,
+    own_uid: u32,
+    token: [u8; 16],
+    descriptor: Bytes,
+    dir: PrivateDir,
+    rt: tokio::runtime::Handle,
+    next_id: AtomicU64,
+    closed: AtomicBool,
+    closed_notify: Notify,
+    regions: Mutex<HashMap<RegionId, LocalRegion>>,
+    conns: Mutex<HashMap<PeerId, Arc<Conn>>>,
+    batches: Mutex<HashMap<BatchId, Arc<Batch>>>,
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    notif_tx: mpsc::Sender<Notification>,
+    notif_rx: tokio::sync::Mutex<mpsc::Receiver<Notification>>,
+    accept_task: Mutex<Option<AbortHandle>>,
+}
+
+impl Inner {
+    fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            Err(TransportError::Closed { transport: NAME })
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Marks a connection lost: closes it, fences copies into the peer's regions and fails the
+    /// peer's pending batches.
+    fn lose(&self, conn: &Arc<Conn>, reason: String) {
+        if conn.lost.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tracing::debug!(peer = %conn.id, %reason, "shm: connection lost");
+        *lock(&conn.lost_reason) = Some(reason.clone());
+        conn.wire.shutdown();
+        lock(&conn.region_waiters).clear();
+        lock(&conn.pings).clear();
+        lock(&conn.revokes).clear();
+        {
+            let _fence = conn
+                .copy_lock
+                .write()
+                .unwrap_or_else(PoisonError::into_inner);
+            for (_, r) in lock(&conn.remote).drain() {
+                r.revoked.store(true, Ordering::Release);
+            }
+        }
+        let pending: Vec<Arc<Batch>> = lock(&self.batches)
+            .values()
+            .filter(|b| b.peer == conn.id)
+            .cloned()
+            .collect();
+        for b in pending {
+            b.finish_pending(Outcome::Failed {
+                peer_lost: true,
+                reason: reason.clone(),
+            });
+        }
+    }
+
+    fn conn(&self, peer: PeerId) -> Result<Arc<Conn>> {
+        lock(&self.conns)
+            .get(&peer)
+            .cloned()
+            .ok_or(TransportError::UnknownPeer {
+                peer,
+                transport: NAME,
+            })
+    }
+
+    fn batch(&self, id: BatchId) -> Result<Arc<Batch>> {
+        lock(&self.batches)
+            .get(&id)
+            .cloned()
+            .ok_or(TransportError::UnknownBatch {
+                batch: id,
+                transport: NAME,
+            })
+    }
+
+    /// Stops everything that can be stopped without awaiting; used by `shutdown` and `Drop`.
+    fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Some(task) = lock(&self.accept_task).take() {
+            task.abort();
+        }
+        let conns: Vec<Arc<Conn>> = lock(&self.conns).drain().map(|(_, c)| c).collect();
+        for conn in conns {
+            self.lose(&conn, "the transport was shut down".to_owned());
+            if let Some(task) = lock(&conn.task).take() {
+                task.abort();
+            }
+        }
+        let pending: Vec<Arc<Batch>> = lock(&self.batches).values().cloned().collect();
+        for b in pending {
+            b.finish_pending(Outcome::Failed {
+                peer_lost: false,
+                reason: "the transport was shut down".to_owned(),
+            });
+        }
+        *lock(&self.jobs) = None;
+        lock(&self.regions).clear();
+        self.dir.remove();
+        self.closed_notify.notify_waiters();
+    }
+
+    /// Accepts control connections until the transport closes.
+    async fn accept_loop(self: Arc<Self>, listener: UnixListener) {
+        loop {
+            match listener.accept().await {
+                Ok((stream, _)) => {
+                    let inner = Arc::clone(&self);
+                    tokio::spawn(inner.serve_inbound(stream));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "shm: accept on the control socket failed");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    }
+
+    /// Serves one inbound connection: credential check, handshake, then region lookups,
+    /// notifications and liveness checks.
+    async fn serve_inbound(self: Arc<Self>, stream: UnixStream) {
+        let wire = Wire::new(stream);
+        let (uid, pid) = match wire.peer_cred() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "shm: could not read a peer's credentials; refused");
+                return;
+            }
+        };
+        if !self.options.allows(uid, self.own_uid) {
+            let reason = ShmError::PeerRejected {
+                uid,
+                pid,
+                allowed: self.options.describe_allowed(self.own_uid),
+            }
+            .to_string();
+            tracing::warn!(uid, pid, "shm: {reason}");
+            let _ = tokio::time::timeout(
+                self.options.handshake_timeout,
+                wire.send(&Frame::Reject { reason }, None),
+            )
+            .await;
+            return;
+        }
+        let mut reader = WireReader::default();
+        let hello = tokio::time::timeout(self.options.handshake_timeout, reader.next(&wire)).await;
+        let refusal = match hello {
+            Ok(Ok(Some((Frame::Hello { version, token }, _)))) => {
+                if version != proto::VERSION {
+                    Some(format!(
+                        "protocol version {version} is not supported (this side speaks {})",
+                        proto::VERSION
+                    ))
+                } else if token != self.token {
+                    Some(
+                        "the descriptor's token does not match this transport: the descriptor is \
+                         stale or belongs to another transport"
+                            .to_owned(),
+                    )
+                } else {
+                    None
+                }
+            }
+            Ok(Ok(Some((other, _)))) => Some(format!("expected Hello first, got {other:?}")),
+            Ok(Ok(None)) | Ok(Err(_)) | Err(_) => return,
+        };
+        if let Some(reason) = refusal {
+            tracing::warn!(uid, pid, "shm: refused a connection: {reason}");
+            let _ = wire.send(&Frame::Reject { reason }, None).await;
+            return;
+        }
+        if wire
+            .send(
+                &Frame::Welcome {
+                    version: proto::VERSION,
+                },
+                None,
+            )
+            .await
+            .is_err()
+        {
+            return;
+        }
+        let conn = Arc::new(Conn::new(PeerId(self.next_id()), false, wire));
+        {
+            let mut conns = lock(&self.conns);
+            if self.closed.load(Ordering::Acquire) {
+                return;
+            }
+            conns.insert(conn.id, Arc::clone(&conn));
+        }
+        tracing::debug!(peer = %conn.id, uid, pid, "shm: accepted a peer");
+        let reason = self.inbound_frames(&conn, &mut reader).await;
+        self.lose(&conn, reason);
+        lock(&self.conns).remove(&conn.id);
+    }
+
+    async fn inbound_frames(&self, conn: &Arc<Conn>, reader: &mut WireReader) -> String {
+        loop {
+            let (frame, _fd) = match reader.next(&conn.wire).await {
+                Ok(Some(f)) => f,
+                Ok(None) => return "the peer closed the connection".to_owned(),
+                Err(e) => return e.to_string(),
+            };
+            let sent = match frame {
+                Frame::GetRegion { req, region } => self.answer_region(conn, req, region).await,
+                Frame::Notify { payload } => {
+                    let n = Notification {
+                        from: conn.id,
+                        payload,
+                    };
+                    if self.notif_tx.send(n).await.is_err() {
+                        return "the transport was shut down".to_owned();
+                    }
+                    Ok(())
+                }
+                Frame::Ping { nonce } => conn.wire.send(&Frame::Pong { nonce }, None).await,
+                Frame::Pong { nonce } => {
+                    if let Some(tx) = lock(&conn.pings).remove(&nonce) {
+                        let _ = tx.send(());
+                    }
+                    Ok(())
+                }
+                Frame::RevokeAck { id } => {
+                    if let Some(tx) = lock(&conn.revokes).remove(&id) {
+                        let _ = tx.send(());
+                    }
+                    Ok(())
+                }
+                other => {
+                    let message = format!("unexpected frame from a connecting peer: {other:?}");
+                    tracing::warn!(peer = %conn.id, "shm: {message}");
+                    return message;
+                }
+            };
+            if let Err(e) = sent {
+                return format!("writing to the control socket failed: {e}");
+            }
+        }
+    }
+
+    async fn answer_region(&self, conn: &Conn, req: u64, region: u64) -> std::io::Result<()> {
+        let _order = conn.region_order.lock().await;
+        let id = RegionId(region);
+        let (status, len, shared) = match lock(&self.regions).get(&id) {
+            None => (RegionStatus::Unknown, 0, None),
+            Some(r) if r.region.is_empty() => (RegionStatus::Shared, 0, None),
+            Some(r) => match &r.shared {
+                Some(s) => {
+                    lock(&conn.shared).insert(id);
+                    (
+                        RegionStatus::Shared,
+                        r.region.len() as u64,
+                        Some(Arc::clone(s)),
+                    )
+                }
+                None => (RegionStatus::NotShared, r.region.len() as u64, None),
+            },
+        };
+        let frame = Frame::Region {
+            req,
+            region,
+            status,
+            len,
+        };
+        conn.wire
+            .send(&frame, shared.as_ref().map(|s| s.fd()))
+            .await
+    }
+
+    /// Reads an outbound connection: region answers (mapping them), pongs, revocations.
+    async fn outbound_frames(self: Arc<Self>, conn: Arc<Conn>, mut reader: WireReader) {
+        let reason = loop {
+            let (frame, fd) = match reader.next(&conn.wire).await {
+                Ok(Some(f)) => f,
+                Ok(None) => {
+                    break "the peer closed the connection (it shut down or died)".to_owned();
+                }
+                Err(ReadError::Io(e)) => break format!("the control socket failed: {e}"),
+                Err(ReadError::Proto(e)) => break format!("the peer broke the protocol: {e}"),
+            };
+            let sent = match frame {
+                Frame::Region {
+                    req,
+                    region,
+                    status,
+                    len,
+                } => {
+                    let result = self
+                        .map_answer(&conn, RegionId(region), status, len, fd)
+                        .await;
+                    if let Some(tx) = lock(&conn.region_waiters).remove(&req) {
+                        let _ = tx.send(result);
+                    }
+                    Ok(())
+                }
+                Frame::Ping { nonce } => conn.wire.send(&Frame::Pong { nonce }, None).await,
+                Frame::Pong { nonce } => {
+                    if let Some(tx) = lock(&conn.pings).remove(&nonce) {
+                        let _ = tx.send(());
+                    }
+                    Ok(())
+                }
+                Frame::Revoke { id, region } => {
+                    {
+                        // Waits for the chunk in flight (if any), after which no copy touches
+                        // the region.
+                        let _fence = conn
+                            .copy_lock
+                            .write()
+                            .unwrap_or_else(PoisonError::into_inner);
+                        if let Some(r) = lock(&conn.remote).remove(&RegionId(region)) {
+                            r.revoked.store(true, Ordering::Release);
+                        }
+                    }
+                    conn.wire.send(&Frame::RevokeAck { id }, None).await
+                }
+                other => break format!("the peer broke the protocol: unexpected {other:?}"),
+            };
+            if let Err(e) = sent {
+                break format!("writing to the control socket failed: {e}");
+            }
+        };
+        self.lose(&conn, reason);
+    }
+
+    async fn map_answer(
+        &self,
+        conn: &Conn,
+        id: RegionId,
+        status: RegionStatus,
+        len: u64,
+        fd: Option<OwnedFd>,
+    ) -> Result<Arc<RemoteRegion>> {
+        match status {
+            RegionStatus::Unknown => Err(TransportError::UnknownRegion {
+                side: Side::Remote,
+                region: id,
+                transport: NAME,
+            }),
+            RegionStatus::NotShared => Err(TransportError::InvalidArgument {
+                transport: NAME,
+                message: format!(
+                    "the peer's region {id} ({len} bytes) is not shared memory, so this process \
+                     cannot write into it; the peer must allocate regions that others write into \
+                     with `ShmTransport::allocate` (KvTransport::allocate of the shm transport)"
+                ),
+            }),
+            RegionStatus::Shared => {
+                let mapped = match fd {
+                    None => map::allocate(0),
+                    Some(fd) => tokio::task::spawn_blocking(move || map::map_remote(id.0, fd, len))
+                        .await
+                        .unwrap_or_else(|e| {
+                            Err(ShmError::Map {
+                                what: "mapping a peer region".into(),
+                                source: std::io::Error::other(e.to_string()),
+                            })
+                        }),
+                };
+                let region = mapped.map_err(TransportError::from)?;
+                let fresh = Arc::new(RemoteRegion {
+                    id,
+                    region,
+                    revoked: AtomicBool::new(false),
+                });
+                if conn.lost.load(Ordering::Acquire) {
+                    return Err(conn.peer_lost());
+                }
+                Ok(Arc::clone(lock(&conn.remote).entry(id).or_insert(fresh)))
+            }
+        }
+    }
+}
+
+/// The shared-memory transport. See the [crate docs](crate).
+pub struct ShmTransport {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ShmTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmTransport")
+            .field("socket", &self.inner.dir.socket())
+            .field("closed", &self.inner.closed.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl Drop for ShmTransport {
+    fn drop(&mut self) {
+        self.inner.close();
+    }
+}
+
+impl ShmTransport {
+    /// A transport with default [`ShmOptions`]. Must be called inside a Tokio runtime with I/O
+    /// and time enabled.
+    pub fn new() -> Result<Self> {
+        Self::with_options(ShmOptions::default())
+    }
+
+    /// A transport with the given options. Must be called inside a Tokio runtime with I/O and
+    /// time enabled. Creates the private control directory and socket and starts the copy
+    /// worker thread.
+    pub fn with_options(options: ShmOptions) -> Result<Self> {
+        let rt =
+            tokio::runtime::Handle::try_current().map_err(|_| TransportError::InvalidArgument {
+                transport: NAME,
+                message: "ShmTransport must be created inside a Tokio runtime (with I/O and time \
+                          enabled); call it from async code or within Runtime::enter"
+                    .to_owned(),
+            })?;
+        let base = options.runtime_dir.clone().unwrap_or_else(default_base);
+        let control = |source: std::io::Error| -> TransportError {
+            ShmError::Control {
+                dir: base.display().to_string(),
+                source,
+            }
+            .into()
+        };
+        let dir = PrivateDir::create(&base).map_err(control)?;
+        let std_listener = std::os::unix::net::UnixListener::bind(dir.socket()).map_err(control)?;
+        std::fs::set_permissions(dir.socket(), std::fs::Permissions::from_mode(0o600))
+            .map_err(control)?;
+        std_listener.set_nonblocking(true).map_err(control)?;
+        let listener = UnixListener::from_std(std_listener).map_err(control)?;
+        let token: [u8; 16] = random_bytes().map_err(control)?;
+        let descriptor = Descriptor {
+            token,
+            socket: dir.socket().to_path_buf(),
+        }
+        .encode()
+        .ok_or_else(|| {
+            control(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "the socket path is not UTF-8, so it cannot travel in a descriptor",
+            ))
+        })?;
+        let (job_tx, job_rx) = mpsc::channel(JOB_QUEUE);
+        std::thread::Builder::new()
+            .name("kvbridge-shm-copy".into())
+            .spawn(move || worker(job_rx))
+            .map_err(|e| TransportError::Io {
+                transport: NAME,
+                context: "starting the copy worker thread".into(),
+                source: e,
+            })?;
+        let (notif_tx, notif_rx) = mpsc::channel(NOTIFICATION_QUEUE);
+        let inner = Arc::new(Inner {
+            options,
+            own_uid: rustix::process::geteuid().as_raw(),
+            token,
+            descriptor: Bytes::from(descriptor),
+            dir,
+            rt,
+            next_id: AtomicU64::new(1),
+            closed: AtomicBool::new(false),
+            closed_notify: Notify::new(),
+            regions: Mutex::new(HashMap::new()),
+            conns: Mutex::new(HashMap::new()),
+            batches: Mutex::new(HashMap::new()),
+            jobs: Mutex::new(Some(job_tx)),
+            notif_tx,
+            notif_rx: tokio::sync::Mutex::new(notif_rx),
+            accept_task: Mutex::new(None),
+        });
+        let task = inner
+            .rt
+            .spawn(Arc::clone(&inner).accept_loop(listener))
+            .abort_handle();
+        *lock(&inner.accept_task) = Some(task);
+        tracing::info!(socket = %inner.dir.socket().display(), "shm: transport listening");
+        Ok(Self { inner })
+    }
+
+    /// The private directory holding the control socket (removed by `shutdown` and on drop).
+    pub fn control_dir(&self) -> &std::path::Path {
+        self.inner.dir.dir()
+    }
+
+    /// Whether `region` is shared memory made by [`allocate`](KvTransport::allocate) of a
+    /// shared-memory transport (so peers can write into it once it is registered).
+    pub fn is_shared(region: &MemoryRegion) -> bool {
+        map::shared_of(region).is_some()
+    }
+
+    async fn validate(
+        &self,
+        conn: &Arc<Conn>,
+        batch: &TransferBatch,
+        deadline: Instant,
+    ) -> Result<(Vec<MemoryRegion>, Vec<Arc<RemoteRegion>>, Vec<PlannedOp>)> {
+        let mut locals: Vec<MemoryRegion> = Vec::new();
+        let mut local_idx: HashMap<RegionId, u32> = HashMap::new();
+        let mut planned = Vec::with_capacity(batch.ops.len());
+        {
+            let regions = lock(&self.inner.regions);
+            let mut last: Option<(RegionId, u32)> = None;
+            for op in &batch.ops {
+                let idx = match last {
+                    Some((id, idx)) if id == op.local_region => idx,
+                    _ => {
+                        let idx = match local_idx.get(&op.local_region) {
+                            Some(i) => *i,
+                            None => {
+                                let r = regions.get(&op.local_region).ok_or(
+                                    TransportError::UnknownRegion {
+                                        side: Side::Local,
+                                        region: op.local_region,
+                                        transport: NAME,
+                                    },
+                                )?;
+                                locals.push(r.region.clone());
+                                let i = (locals.len() - 1) as u32;
+                                local_idx.insert(op.local_region, i);
+                                i
+                            }
+                        };
+                        last = Some((op.local_region, idx));
+                        idx
+                    }
+                };
+                checked_range(op.local_offset, op.len, locals[idx as usize].len()).map_err(
+                    |e| TransportError::OutOfBounds {
+                        side: Side::Local,
+                        region: op.local_region,
+                        offset: op.local_offset,
+                        len: op.len,
+                        region_len: e.region_len,
+                    },
+                )?;
+                planned.push(PlannedOp {
+                    local: idx,
+                    remote: 0,
+                    local_offset: op.local_offset,
+                    remote_offset: op.remote_offset,
+                    len: op.len,
+                });
+            }
+        }
+        let mut remotes: Vec<Arc<RemoteRegion>> = Vec::new();
+        let mut remote_idx: HashMap<RegionId, u32> = HashMap::new();
+        let mut last: Option<(RegionId, u32)> = None;
+        for (op, plan) in batch.ops.iter().zip(planned.iter_mut()) {
+            let idx = match last {
+                Some((id, idx)) if id == op.remote_region => idx,
+                _ => {
+                    let idx = match remote_idx.get(&op.remote_region) {
+                        Some(i) => *i,
+                        None => {
+                            let r = conn.remote_region(op.remote_region, deadline).await?;
+                            remotes.push(r);
+                            let i = (remotes.len() - 1) as u32;
+                            remote_idx.insert(op.remote_region, i);
+                            i
+                        }
+                    };
+                    last = Some((op.remote_region, idx));
+                    idx
+                }
+            };
+            checked_range(op.remote_offset, op.len, remotes[idx as usize].region.len()).map_err(
+                |e| TransportError::OutOfBounds {
+                    side: Side::Remote,
+                    region: op.remote_region,
+                    offset: op.remote_offset,
+                    len: op.len,
+                    region_len: e.region_len,
+                },
+            )?;
+            plan.remote = idx;
+        }
+        Ok((locals, remotes, planned))
+    }
+}
+
+#[async_trait::async_trait]
+impl KvTransport for ShmTransport {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::minimal()
+            .with_reads(true)
+            .with_cross_process(true)
+            .with_max_ops_per_batch(None)
+    }
+
+    fn allocate(&self, len: usize) -> Result<MemoryRegion> {
+        self.inner.check_open()?;
+        map::allocate(len).map_err(TransportError::from)
+    }
+
+    async fn register(&self, region: MemoryRegion) -> Result<RegionId> {
+        self.inner.check_open()?;
+        let id = RegionId(self.inner.next_id());
+        let shared = map::shared_of(&region);
+        lock(&self.inner.regions).insert(id, LocalRegion { region, shared });
+        Ok(id)
+    }
+
+    async fn deregister(&self, region: RegionId) -> Result<()> {
+        self.inner.check_open()?;
+        if lock(&self.inner.regions).remove(&region).is_none() {
+            return Err(TransportError::UnknownRegion {
+                side: Side::Local,
+                region,
+                transport: NAME,
+            });
+        }
+        // Peers that mapped the region must stop writing into it before this returns.
+        let conns: Vec<Arc<Conn>> = lock(&self.inner.conns)
+            .values()
+            .filter(|c| !c.outbound)
+            .cloned()
+            .collect();
+        for conn in conns {
+            let ack = {
+                let _order = conn.region_order.lock().await;
+                if !lock(&conn.shared).remove(&region) {
+                    continue;
+                }
+                let id = conn.next_req.fetch_add(1, Ordering::Relaxed);
+                let (tx, rx) = oneshot::channel();
+                lock(&conn.revokes).insert(id, tx);
+                let sent = tokio::time::timeout(
+                    self.inner.options.revoke_timeout,
+                    conn.wire.send(
+                        &Frame::Revoke {
+                            id,
+                            region: region.0,
+                        },
+                        None,
+                    ),
+                )
+                .await;
+                match sent {
+                    Ok(Ok(())) => rx,
+                    _ => {
+                        self.inner
+                            .lose(&conn, "could not tell the peer to stop writing".into());
+                        continue;
+                    }
+                }
+            };
+            match tokio::time::timeout(self.inner.options.revoke_timeout, ack).await {
+                Ok(Ok(())) => {}
+                _ => {
+                    tracing::warn!(peer = %conn.id, %region, "shm: peer did not confirm a deregistration; disconnecting it");
+                    self.inner.lose(
+                        &conn,
+                        format!(
+                            "it did not confirm within {:?} that it stopped writing into region {region}",
+                            self.inner.options.revoke_timeout
+                        ),
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn local_descriptor(&self) -> Bytes {
+        self.inner.descriptor.clone()
+    }
+
+    async fn connect(&self, descriptor: &[u8]) -> Result<PeerId> {
+        self.inner.check_open()?;
+        let inner = &self.inner;
+        let d = Descriptor::parse(descriptor).map_err(|message| TransportError::BadDescriptor {
+            transport: NAME,
+            message,
+        })?;
+        let hs = inner.options.handshake_timeout;
+        let io = |context: String, source: std::io::Error| TransportError::Io {
+            transport: NAME,
+            context,
+            source,
+        };
+        let path = d.socket.display().to_string();
+        let stream = match tokio::time::timeout(hs, UnixStream::connect(&d.socket)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                return Err(io(
+                    format!(
+                        "connecting to the peer's control socket {path} (is the peer running, and \
+                         is its directory accessible to this user?)"
+                    ),
+                    e,
+                ));
+            }
+            Err(_) => {
+                return Err(io(
+                    format!("connecting to {path}"),
+                    std::io::ErrorKind::TimedOut.into(),
+                ));
+            }
+        };
+        let wire = Wire::new(stream);
+        let (uid, pid) = wire
+            .peer_cred()
+            .map_err(|e| io("reading the peer's credentials".into(), e))?;
+        if !inner.options.allows(uid, inner.own_uid) {
+            tracing::warn!(
+                uid,
+                pid,
+                "shm: refusing to connect to a peer of another user"
+            );
+            return Err(ShmError::PeerRejected {
+                uid,
+                pid,
+                allowed: inner.options.describe_allowed(inner.own_uid),
+            }
+            .into());
+        }
+        let hello = Frame::Hello {
+            version: proto::VERSION,
+            token: d.token,
+        };
+        let mut reader = WireReader::default();
+        let handshake = async {
+            wire.send(&hello, None).await.map_err(ReadError::Io)?;
+            reader.next(&wire).await
+        };
+        let peer = PeerId(inner.next_id());
+        match tokio::time::timeout(hs, handshake).await {
+            Ok(Ok(Some((Frame::Welcome { .. }, _)))) => {}
+            Ok(Ok(Some((Frame::Reject { reason }, _)))) => {
+                return Err(ShmError::RefusedByPeer { reason }.into());
+            }
+            Ok(Ok(Some((other, _)))) => {
+                return Err(TransportError::Protocol {
+                    peer,
+                    transport: NAME,
+                    message: format!("expected Welcome, got {other:?}"),
+                });
+            }
+            Ok(Ok(None)) => {
+                return Err(TransportError::PeerLost {
+                    peer,
+                    transport: NAME,
+                    reason: "the peer closed the connection during the opening exchange".into(),
+                });
+            }
+            Ok(Err(e)) => {
+                return Err(TransportError::PeerLost {
+                    peer,
+                    transport: NAME,
+                    reason: format!("the opening exchange failed: {e}"),
+                });
+            }
+            Err(_) => {
+                return Err(TransportError::PeerLost {
+                    peer,
+                    transport: NAME,
+                    reason: format!("no answer to the opening exchange within {hs:?}"),
+                });
+            }
+        }
+        let conn = Arc::new(Conn::new(peer, true, wire));
+        {
+            let mut conns = lock(&inner.conns);
+            inner.check_open()?;
+            conns.insert(peer, Arc::clone(&conn));
+        }
+        let task = inner
+            .rt
+            .spawn(Arc::clone(inner).outbound_frames(Arc::clone(&conn), reader))
+            .abort_handle();
+        *lock(&conn.task) = Some(task);
+        tracing::debug!(%peer, socket = %path, "shm: connected");
+        Ok(peer)
+    }
+
+    async fn disconnect(&self, peer: PeerId) -> Result<()> {
+        self.inner.check_open()?;
+        let conn = lock(&self.inner.conns)
+            .remove(&peer)
+            .ok_or(TransportError::UnknownPeer {
+                peer,
+                transport: NAME,
+            })?;
+        self.inner
+            .lose(&conn, "disconnected by this side".to_owned());
+        if let Some(task) = lock(&conn.task).take() {
+            task.abort();
+        }
+        Ok(())
+    }
+
+    async fn post(&self, peer: PeerId, batch: TransferBatch) -> Result<BatchId> {
+        self.inner.check_open()?;
+        let conn = self.inner.conn(peer)?;
+        if !conn.outbound {
+            return Err(TransportError::Unsupported {
+                transport: NAME,
+                operation: "posting batches to a peer that connected to this transport",
+                remedy: "connect to the peer's descriptor and post on that connection",
+            });
+        }
+        if conn.lost.load(Ordering::Acquire) {
+            return Err(conn.peer_lost());
+        }
+        if let Some(n) = &batch.notification {
+            if n.len() > proto::MAX_NOTIFICATION {
+                return Err(TransportError::InvalidArgument {
+                    transport: NAME,
+                    message: format!(
+                        "a notification of {} bytes exceeds the limit of {} bytes; send large \
+                         data through a region",
+                        n.len(),
+                        proto::MAX_NOTIFICATION
+                    ),
+                });
+            }
+        }
+        let now = Instant::now();
+        let deadline = now
+            .checked_add(batch.timeout)
+            .unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600));
+        let (locals, remotes, ops) = self.validate(&conn, &batch, deadline).await?;
+        let id = BatchId(self.inner.next_id());
+        let entry = Arc::new(Batch {
+            id,
+            peer,
+            timeout: batch.timeout,
+            deadline,
+            conn: Arc::clone(&conn),
+            state: Mutex::new(Phase::Pending),
+            changed: Notify::new(),
+        });
+        {
+            let mut batches = lock(&self.inner.batches);
+            if batches.len() >= MAX_TRACKED_BATCHES {
+                return Err(TransportError::InvalidArgument {
+                    transport: NAME,
+                    message: format!(
+                        "{} batches are waiting for `wait` to collect their final state; call \
+                         `wait` on finished batches before posting more",
+                        batches.len()
+                    ),
+                });
+            }
+            batches.insert(id, Arc::clone(&entry));
+        }
+        let jobs = lock(&self.inner.jobs).clone();
+        let Some(jobs) = jobs else {
+            lock(&self.inner.batches).remove(&id);
+            return Err(TransportError::Closed { transport: NAME });
+        };
+        let job = Job {
+            batch: Arc::clone(&entry),
+            direction: batch.direction,
+            locals,
+            remotes,
+            ops,
+            notification: batch.notification,
+            deadline: deadline.into_std(),
+            rt: self.inner.rt.clone(),
+        };
+        match tokio::time::timeout_at(deadline, jobs.send(job)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => {
+                entry.finish_pending(Outcome::Failed {
+                    peer_lost: false,
+                    reason: "the transport was shut down".into(),
+                });
+            }
+            Err(_) => {
+                entry.finish_pending(Outcome::TimedOut);
+            }
+        }
+        Ok(id)
+    }
+
+    fn batch_state(&self, batch: BatchId) -> Result<BatchState> {
+        self.inner.check_open()?;
+        Ok(self.inner.batch(batch)?.state())
+    }
+
+    async fn wait(&self, batch: BatchId) -> Result<()> {
+        self.inner.check_open()?;
+        let entry = self.inner.batch(batch)?;
+        let outcome = entry.settle().await;
+        lock(&self.inner.batches).remove(&batch);
+        entry.result(outcome)
+    }
+
+    async fn cancel(&self, batch: BatchId) -> Result<BatchState> {
+        self.inner.check_open()?;
+        let entry = self.inner.batch(batch)?;
+        if entry.finish_pending(Outcome::Cancelled) {
+            return Ok(BatchState::Cancelled);
+        }
+        // Final already, or its notification is being written: report how it ends.
+        Ok(outcome_state(&entry.settle().await))
+    }
+
+    async fn recv_notification(&self) -> Result<Notification> {
+        self.inner.check_open()?;
+        let closed = self.inner.closed_notify.notified();
+        tokio::pin!(closed);
+        closed.as_mut().enable();
+        self.inner.check_open()?;
+        let mut rx = tokio::select! {
+            rx = self.inner.notif_rx.lock() => rx,
+            _ = &mut closed => return Err(TransportError::Closed { transport: NAME }),
+        };
+        tokio::select! {
+            n = rx.recv() => n.ok_or(TransportError::Closed { transport: NAME }),
+            _ = &mut closed => Err(TransportError::Closed { transport: NAME }),
+        }
+    }
+
+    async fn probe(&self, peer: PeerId, timeout: Duration) -> Result<()> {
+        self.inner.check_open()?;
+        let conn = self.inner.conn(peer)?;
+        if conn.lost.load(Ordering::Acquire) {
+            return Err(conn.peer_lost());
+        }
+        let nonce = conn.next_req.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        lock(&conn.pings).insert(nonce, tx);
+        let exchange = async {
+            conn.wire.send(&Frame::Ping { nonce }, None).await.ok()?;
+            rx.await.ok()
+        };
+        let answered = tokio::time::timeout(timeout, exchange).await;
+        lock(&conn.pings).remove(&nonce);
+        match answered {
+            Ok(Some(())) => Ok(()),
+            Ok(None) => Err(conn.peer_lost()),
+            Err(_) => Err(TransportError::PeerLost {
+                peer,
+                transport: NAME,
+                reason: format!("no answer to a probe within {timeout:?}"),
+            }),
+        }
+    }
+
+    async fn shutdown(&self) -> Result<()> {
+        self.inner.check_open()?;
+        self.inner.close();
+        tracing::info!("shm: transport shut down");
+        Ok(())
+    }
+}
