@@ -578,6 +578,58 @@ impl Inner {
         self.closed_notify.notify_waiters();
     }
 
+    /// Tells an inbound peer to stop writing into `only` (or every region it mapped) and waits
+    /// for its confirmation; a peer that does not confirm in time is disconnected. Afterwards its
+    /// transport writes nothing more into those regions.
+    async fn revoke(&self, conn: &Arc<Conn>, only: Option<RegionId>) {
+        let timeout = self.options.revoke_timeout;
+        let acks = {
+            let _order = conn.region_order.lock().await;
+            let regions: Vec<RegionId> = {
+                let mut shared = lock(&conn.shared);
+                match only {
+                    Some(r) if shared.remove(&r) => vec![r],
+                    Some(_) => Vec::new(),
+                    None => shared.drain().collect(),
+                }
+            };
+            let mut acks = Vec::with_capacity(regions.len());
+            for region in regions {
+                let id = conn.next_req.fetch_add(1, Ordering::Relaxed);
+                let (tx, rx) = oneshot::channel();
+                lock(&conn.revokes).insert(id, tx);
+                let frame = Frame::Revoke {
+                    id,
+                    region: region.0,
+                };
+                match tokio::time::timeout(timeout, conn.wire.send(&frame, None)).await {
+                    Ok(Ok(())) => acks.push(rx),
+                    _ => {
+                        self.lose(conn, "could not tell the peer to stop writing".into());
+                        return;
+                    }
+                }
+            }
+            acks
+        };
+        if acks.is_empty() {
+            return;
+        }
+        let confirmed = async {
+            for rx in acks {
+                rx.await.ok()?;
+            }
+            Some(())
+        };
+        if !matches!(tokio::time::timeout(timeout, confirmed).await, Ok(Some(()))) {
+            tracing::warn!(peer = %conn.id, "shm: a peer did not confirm it stopped writing; disconnecting it");
+            self.lose(
+                conn,
+                format!("it did not confirm within {timeout:?} that it stopped writing into this side's regions"),
+            );
+        }
+    }
+
     /// Accepts control connections until the transport closes.
     async fn accept_loop(self: Arc<Self>, listener: UnixListener) {
         loop {
@@ -1095,47 +1147,7 @@ impl KvTransport for ShmTransport {
             .cloned()
             .collect();
         for conn in conns {
-            let ack = {
-                let _order = conn.region_order.lock().await;
-                if !lock(&conn.shared).remove(&region) {
-                    continue;
-                }
-                let id = conn.next_req.fetch_add(1, Ordering::Relaxed);
-                let (tx, rx) = oneshot::channel();
-                lock(&conn.revokes).insert(id, tx);
-                let sent = tokio::time::timeout(
-                    self.inner.options.revoke_timeout,
-                    conn.wire.send(
-                        &Frame::Revoke {
-                            id,
-                            region: region.0,
-                        },
-                        None,
-                    ),
-                )
-                .await;
-                match sent {
-                    Ok(Ok(())) => rx,
-                    _ => {
-                        self.inner
-                            .lose(&conn, "could not tell the peer to stop writing".into());
-                        continue;
-                    }
-                }
-            };
-            match tokio::time::timeout(self.inner.options.revoke_timeout, ack).await {
-                Ok(Ok(())) => {}
-                _ => {
-                    tracing::warn!(peer = %conn.id, %region, "shm: peer did not confirm a deregistration; disconnecting it");
-                    self.inner.lose(
-                        &conn,
-                        format!(
-                            "it did not confirm within {:?} that it stopped writing into region {region}",
-                            self.inner.options.revoke_timeout
-                        ),
-                    );
-                }
-            }
+            self.inner.revoke(&conn, Some(region)).await;
         }
         Ok(())
     }
@@ -1298,7 +1310,10 @@ impl KvTransport for ShmTransport {
         let deadline = now
             .checked_add(batch.timeout)
             .unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600));
-        let (locals, remotes, ops) = self.validate(&conn, &batch, deadline).await?;
+        // Looking up the peer's regions is part of validation: bounded by the handshake timeout,
+        // not by the batch deadline (a batch past its deadline still validates, then times out).
+        let lookup_deadline = deadline.max(now + self.inner.options.handshake_timeout);
+        let (locals, remotes, ops) = self.validate(&conn, &batch, lookup_deadline).await?;
         let id = BatchId(self.inner.next_id());
         let entry = Arc::new(Batch {
             id,
@@ -1420,6 +1435,15 @@ impl KvTransport for ShmTransport {
 
     async fn shutdown(&self) -> Result<()> {
         self.inner.check_open()?;
+        // Fence peers first: once this returns, no peer's transport writes into our regions.
+        let conns: Vec<Arc<Conn>> = lock(&self.inner.conns)
+            .values()
+            .filter(|c| !c.outbound)
+            .cloned()
+            .collect();
+        for conn in &conns {
+            self.inner.revoke(conn, None).await;
+        }
         self.inner.close();
         tracing::info!("shm: transport shut down");
         Ok(())

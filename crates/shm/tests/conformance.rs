@@ -1,0 +1,18 @@
+//! The whole conformance suite against two in-process shared-memory transports (directly and
+//! through `Arc<dyn KvTransport>`). The cross-process runs live in `tests/peer_process.rs`.
+
+use std::sync::Arc;
+
+use kvbridge_shm::ShmTransport;
+use kvbridge_transport::testing::TransportPair;
+
+async fn shm_pair() -> TransportPair {
+    TransportPair::new(
+        Arc::new(ShmTransport::new().expect("sender transport")),
+        Arc::new(ShmTransport::new().expect("receiver transport")),
+    )
+}
+
+mod conformance {
+    kvbridge_transport::conformance_tests!(super::shm_pair);
+}
