@@ -1,0 +1,494 @@
+//! Rank mapping (spec 02 §6): which prefill ranks a decode rank talks to, and how many
+//! registrations and responses each side waits for.
+//!
+//! Two layers:
+//! * [`sglang_rank_mapping`] is SGLang 0.5.23's `_resolve_rank_mapping`, rule for rule,
+//!   including its lack of a divisibility check (decode TP 6 against prefill TP 4 targets the
+//!   non-existent prefill rank 5). [`crate::check`] refuses such inputs before mapping.
+//! * [`RankMapping`] (from [`crate::check_with`] or [`rank_mapping`]) is what the coordinator
+//!   uses: the target ranks plus the ordered bootstrap list ([`PeerTarget`]), dummy flags,
+//!   per-peer registration counts, DCP ranks and the transfer path. Where SGLang defines the
+//!   result it is SGLang's; kvbridge's any-to-any DCP topologies use the owner rule (below).
+//!
+//! **Owner rule (any prefill DCP `a` → decode DCP `b`, MLA/hybrid-MLA).** Prefill DCP rank
+//! `a_r` holds position `p` iff `p mod a == a_r`; decode DCP rank `b_r` needs `p` iff
+//! `p mod b == b_r`. Both hold for some `p` iff `a_r ≡ b_r (mod gcd(a, b))`, so decode rank
+//! `b_r` receives from the `a / gcd(a, b)` prefill DCP ranks `{a_r : a_r ≡ b_r mod gcd}`.
+//! DCP ranks are nested in attention TP (`dcp_rank = tp_rank mod dcp_size`); of the prefill
+//! TP ranks holding DCP rank `a_r`, decode rank `e` uses the one in the DCP group of SGLang's
+//! base target (`e div (tp_d div tp_p)` or `e · (tp_p div tp_d)`). Prefill ranks no decode
+//! rank reads from get metadata as dummies from the decode rank whose SGLang range contains
+//! them, so every prefill rank still learns every room.
+//!
+//! ```text
+//!  prefill DCP 2 (TP 2)          decode DCP 4 (TP 4)
+//!  rank 0: p = 0,2,4,6,... ──┬──> rank 0: p = 0,4,8,...
+//!                            └──> rank 2: p = 2,6,10,...
+//!  rank 1: p = 1,3,5,7,... ──┬──> rank 1: p = 1,5,9,...
+//!                            └──> rank 3: p = 3,7,11,...
+//! ```
+
+use std::collections::BTreeSet;
+
+use kvbridge_geometry::PoolKind;
+use serde::Serialize;
+
+use crate::error::{HandshakeError, Result};
+use crate::problem::ProblemCode;
+
+/// Inputs of SGLang's rank mapping (spec 02 §6), decode side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MappingInput {
+    /// Decode attention TP size (`tp_d`).
+    pub decode_tp_size: u32,
+    /// Decode engine rank (attention TP rank); reduced `mod tp_d` as SGLang does.
+    pub decode_engine_rank: u32,
+    /// Decode attention CP size (must be 1).
+    pub decode_cp_size: u32,
+    /// Decode PP size.
+    pub decode_pp_size: u32,
+    /// Decode PP rank.
+    pub decode_pp_rank: u32,
+    /// Decode pool kind.
+    pub decode_pool: PoolKind,
+    /// Decode runs `--enable-kv-cache-sharding` (implies all-CP transfer).
+    pub decode_kv_cache_sharding: bool,
+    /// Prefill attention TP size (`tp_p`).
+    pub prefill_tp_size: u32,
+    /// Prefill attention CP size (`cp_p`).
+    pub prefill_cp_size: u32,
+    /// Prefill PP size (`pp_p`).
+    pub prefill_pp_size: u32,
+    /// Prefill runs `--enable-kv-cache-sharding`.
+    pub prefill_kv_cache_sharding: bool,
+    /// Prefill `enable_dsa_cache_layer_split` (not carried by descriptors; DSA is out of scope).
+    pub prefill_dsa_layer_split: bool,
+    /// `SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER` on the decode.
+    pub all_cp_ranks_transfer: bool,
+}
+
+impl MappingInput {
+    /// SGLang's `all_cp`: the env flag, or a hybrid-MLA decode pool, or decode KV sharding.
+    pub fn all_cp(&self) -> bool {
+        self.all_cp_ranks_transfer
+            || self.decode_pool == PoolKind::HybridMla
+            || self.decode_kv_cache_sharding
+    }
+
+    /// Decode engine rank reduced modulo the decode TP size (`e` in spec 02 §6).
+    pub fn engine_rank(&self) -> u32 {
+        self.decode_engine_rank % self.decode_tp_size.max(1)
+    }
+}
+
+/// The six values SGLang's rank mapping fills into `PrefillServerInfo`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TargetRanks {
+    /// The "main" prefill TP rank (`None` = all ranks are real, MLA with prefill sharding).
+    pub target_tp_rank: Option<u32>,
+    /// Prefill attention TP ranks this decode rank registers with.
+    pub target_tp_ranks: Vec<u32>,
+    /// Prefill attention CP ranks this decode rank registers with.
+    pub target_cp_ranks: Vec<u32>,
+    /// Prefill PP ranks this decode rank registers with.
+    pub target_pp_ranks: Vec<u32>,
+    /// How many decode ranks register the same room at each target prefill rank.
+    pub required_dst_info_num: u32,
+    /// How many distinct prefill ranks' Success this decode rank waits for.
+    pub required_prefill_response_num: u32,
+}
+
+/// A failed mapping precondition, with the problem code `check` reports for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct MappingFailure {
+    pub(crate) code: ProblemCode,
+    pub(crate) message: String,
+    pub(crate) remedy: String,
+}
+
+impl From<MappingFailure> for HandshakeError {
+    fn from(f: MappingFailure) -> Self {
+        HandshakeError::MappingPrecondition {
+            message: f.message,
+            remedy: f.remedy,
+        }
+    }
+}
+
+pub(crate) fn mla_sharding_failure(tp_p: u32, tp_d: u32) -> MappingFailure {
+    MappingFailure {
+        code: ProblemCode::MlaShardingTp,
+        message: format!(
+            "MLA KV cache sharding requires equal prefill/decode attn TP sizes, got prefill={tp_p} decode={tp_d}"
+        ),
+        remedy: format!(
+            "run both sides with the same attention TP size (prefill {tp_p}, decode {tp_d}), \
+             or start the prefill without --enable-kv-cache-sharding"
+        ),
+    }
+}
+
+pub(crate) fn decode_cp_failure(cp_d: u32) -> MappingFailure {
+    MappingFailure {
+        code: ProblemCode::DecodeCp,
+        message: format!("Decode cp size ({cp_d}) should be equal to 1"),
+        remedy: "start the decode with attention CP 1; to split the decode KV by position use \
+                 decode context parallelism (--dcp-size) instead"
+            .to_owned(),
+    }
+}
+
+pub(crate) fn pp_failure(pp_d: u32, pp_p: u32) -> MappingFailure {
+    MappingFailure {
+        code: ProblemCode::PpMismatch,
+        message: format!(
+            "Decode pp size ({pp_d}) should be equal to prefill pp size ({pp_p}) or 1"
+        ),
+        remedy: format!(
+            "start the decode with --pp-size {pp_p} (same stages as the prefill) or --pp-size 1"
+        ),
+    }
+}
+
+/// SGLang 0.5.23's rank mapping (spec 02 §6), exactly — including its silent reduction of the
+/// engine rank modulo `tp_d` and the absence of a TP divisibility check.
+///
+/// # Errors
+/// [`HandshakeError::MappingPrecondition`] with SGLang's assertion text for the three
+/// preconditions (MLA sharding with different TP, decode CP ≠ 1, decode PP neither prefill PP
+/// nor 1), and for zero sizes (which SGLang would divide by).
+pub fn sglang_rank_mapping(input: &MappingInput) -> Result<TargetRanks> {
+    Ok(sglang_targets(input)?)
+}
+
+pub(crate) fn sglang_targets(i: &MappingInput) -> std::result::Result<TargetRanks, MappingFailure> {
+    for (name, v) in [
+        ("decode attn_tp_size", i.decode_tp_size),
+        ("prefill attn_tp_size", i.prefill_tp_size),
+        ("prefill attn_cp_size", i.prefill_cp_size),
+        ("decode pp_size", i.decode_pp_size),
+        ("prefill pp_size", i.prefill_pp_size),
+    ] {
+        if v == 0 {
+            return Err(MappingFailure {
+                code: ProblemCode::ZeroSize,
+                message: format!("{name} must be >= 1 (got 0)"),
+                remedy: format!("set {name} to the server's real size"),
+            });
+        }
+    }
+    let tp_d = i.decode_tp_size;
+    let tp_p = i.prefill_tp_size;
+    let e = i.engine_rank();
+    let mla = i.decode_pool == PoolKind::Mla;
+
+    // TP
+    let (target_tp_rank, target_tp_ranks, dst_info, mut responses) =
+        if mla && i.prefill_kv_cache_sharding && i.prefill_cp_size == 1 {
+            if tp_d != tp_p {
+                return Err(mla_sharding_failure(tp_p, tp_d));
+            }
+            (None, (0..tp_p).collect::<Vec<_>>(), tp_d, tp_p)
+        } else if tp_d == tp_p {
+            (Some(e), vec![e], 1, 1)
+        } else if tp_d > tp_p {
+            let ratio = tp_d / tp_p;
+            let t = e / ratio;
+            (Some(t), vec![t], ratio, 1)
+        } else {
+            let k = tp_p / tp_d;
+            let start = e * k;
+            (
+                Some(start),
+                (start..start + k).collect(),
+                1,
+                if mla { 1 } else { k },
+            )
+        };
+
+    // CP
+    if i.decode_cp_size != 1 {
+        return Err(decode_cp_failure(i.decode_cp_size));
+    }
+    let cp_p = i.prefill_cp_size;
+    let target_cp_ranks = if cp_p == 1 {
+        vec![0]
+    } else if i.all_cp() || i.prefill_dsa_layer_split || i.prefill_kv_cache_sharding {
+        responses *= cp_p;
+        (0..cp_p).collect()
+    } else {
+        vec![0]
+    };
+
+    // PP
+    let (pp_d, pp_p) = (i.decode_pp_size, i.prefill_pp_size);
+    let target_pp_ranks = if pp_d == pp_p {
+        vec![i.decode_pp_rank]
+    } else if pp_d == 1 {
+        responses *= pp_p;
+        (0..pp_p).collect()
+    } else {
+        return Err(pp_failure(pp_d, pp_p));
+    };
+
+    Ok(TargetRanks {
+        target_tp_rank,
+        target_tp_ranks,
+        target_cp_ranks,
+        target_pp_ranks,
+        required_dst_info_num: dst_info,
+        required_prefill_response_num: responses,
+    })
+}
+
+/// A prefill rank's id in status messages:
+/// `attn_tp_rank·(pp_size·attn_cp_size) + pp_rank·attn_cp_size + attn_cp_rank`.
+pub fn prefill_unique_rank(
+    tp_rank: u32,
+    cp_rank: u32,
+    pp_rank: u32,
+    cp_size: u32,
+    pp_size: u32,
+) -> u32 {
+    tp_rank * (pp_size * cp_size) + pp_rank * cp_size + cp_rank
+}
+
+/// SGLang's bootstrap list order: for each target CP rank, for each target TP rank, for each
+/// target PP rank in **descending** order. Returns `(tp, cp, pp)` triples.
+pub fn bootstrap_order(targets: &TargetRanks) -> Vec<(u32, u32, u32)> {
+    let mut out = Vec::new();
+    for &cp in &targets.target_cp_ranks {
+        for &tp in &targets.target_tp_ranks {
+            for &pp in targets.target_pp_ranks.iter().rev() {
+                out.push((tp, cp, pp));
+            }
+        }
+    }
+    out
+}
+
+/// SGLang's dummy rule: an MLA pool and `tp != target_tp_rank` (never a dummy when
+/// `target_tp_rank` is `None` or the pool is not pure MLA).
+pub fn sglang_is_dummy(pool: PoolKind, target_tp_rank: Option<u32>, tp: u32) -> bool {
+    pool == PoolKind::Mla && target_tp_rank.is_some_and(|t| t != tp)
+}
+
+/// How KV moves between one decode rank and its prefill peers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+#[non_exhaustive]
+pub enum TransferPath {
+    /// Whole pages: same page size, same per-entry item lengths, no DCP or equal DCP sizes with
+    /// matching ranks (spec 01 §3).
+    Pages,
+    /// MHA/GQA with different attention TP sizes and the same page size: per-token head slices
+    /// (spec 01 §4).
+    HeadSlices,
+    /// SGLang's relayout: prefill DCP 1 → decode DCP N, MLA/hybrid-MLA, same page size; the
+    /// DCP token plan (spec 01 §5.3).
+    DcpTokenPlan,
+    /// kvbridge only: row-level moves by the owner rule — any prefill DCP `a` → decode DCP `b`
+    /// and/or different page sizes (issue 9). `head_slices`: MHA with different TP too.
+    Rows {
+        /// Each row also carries a head slice (MHA, different attention TP sizes).
+        head_slices: bool,
+    },
+}
+
+impl TransferPath {
+    /// A short human description.
+    pub fn describe(self) -> &'static str {
+        match self {
+            TransferPath::Pages => "whole pages (page path)",
+            TransferPath::HeadSlices => {
+                "per-token KV head slices (MHA/GQA, different attention TP)"
+            }
+            TransferPath::DcpTokenPlan => "DCP token plan (prefill DCP 1 -> decode DCP N relayout)",
+            TransferPath::Rows { head_slices: false } => {
+                "row-level owner-rule relayout (kvbridge: any DCP sizes / page sizes)"
+            }
+            TransferPath::Rows { head_slices: true } => {
+                "row-level relayout with KV head slices (kvbridge: different page sizes, MHA TP differs)"
+            }
+        }
+    }
+}
+
+/// One prefill rank in a decode rank's bootstrap list.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PeerTarget {
+    /// Prefill attention TP rank.
+    pub tp_rank: u32,
+    /// Prefill attention CP rank.
+    pub cp_rank: u32,
+    /// Prefill PP rank.
+    pub pp_rank: u32,
+    /// The prefill rank's DCP rank (`tp_rank mod prefill dcp_size`).
+    pub dcp_rank: u32,
+    /// The prefill rank's id in status messages ([`prefill_unique_rank`]).
+    pub unique_rank: u32,
+    /// Gets the room's metadata but sends nothing (and sends no Success to the decode).
+    pub is_dummy: bool,
+    /// How many decode ranks register the same room at this prefill rank.
+    pub required_dst_info_num: u32,
+}
+
+/// Everything a decode rank needs to know about whom it talks to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RankMapping {
+    /// The main prefill TP rank (`None` = all real, MLA with prefill sharding).
+    pub target_tp_rank: Option<u32>,
+    /// Prefill attention TP ranks this decode rank registers with (real and dummy).
+    pub target_tp_ranks: Vec<u32>,
+    /// Prefill attention CP ranks.
+    pub target_cp_ranks: Vec<u32>,
+    /// Prefill PP ranks.
+    pub target_pp_ranks: Vec<u32>,
+    /// Decode ranks registering the same room at each target prefill rank (the maximum over
+    /// [`RankMapping::peers`]; equal for all peers in every SGLang-defined topology).
+    pub required_dst_info_num: u32,
+    /// Distinct prefill ranks whose Success this decode rank waits for.
+    pub required_prefill_response_num: u32,
+    /// The bootstrap list, in SGLang's order (CP, TP, then PP descending).
+    pub peers: Vec<PeerTarget>,
+    /// How the KV moves.
+    pub path: TransferPath,
+    /// This decode rank's attention TP rank.
+    pub decode_tp_rank: u32,
+    /// This decode rank's PP rank.
+    pub decode_pp_rank: u32,
+    /// Prefill DCP size (`a`).
+    pub prefill_dcp_size: u32,
+    /// Decode DCP size (`b`).
+    pub decode_dcp_size: u32,
+    /// This decode rank's DCP rank.
+    pub decode_dcp_rank: u32,
+    /// Decode virtual page size in tokens (`page_size · dcp_size`); decode prefixes must be
+    /// multiples of it under DCP.
+    pub decode_virtual_page_size: u64,
+}
+
+impl RankMapping {
+    /// The six SGLang fields.
+    pub fn targets(&self) -> TargetRanks {
+        TargetRanks {
+            target_tp_rank: self.target_tp_rank,
+            target_tp_ranks: self.target_tp_ranks.clone(),
+            target_cp_ranks: self.target_cp_ranks.clone(),
+            target_pp_ranks: self.target_pp_ranks.clone(),
+            required_dst_info_num: self.required_dst_info_num,
+            required_prefill_response_num: self.required_prefill_response_num,
+        }
+    }
+
+    /// The peers that actually send KV (not dummies).
+    pub fn senders(&self) -> impl Iterator<Item = &PeerTarget> {
+        self.peers.iter().filter(|p| !p.is_dummy)
+    }
+}
+
+pub(crate) fn gcd(mut a: u32, mut b: u32) -> u32 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+/// SGLang's base target TP rank for decode rank `e` (assumes sizes ≥ 1).
+fn base_target(e: u32, tp_d: u32, tp_p: u32) -> u32 {
+    if tp_d >= tp_p {
+        e / (tp_d / tp_p)
+    } else {
+        e * (tp_p / tp_d)
+    }
+}
+
+/// Owner-rule senders of decode rank `e`: prefill TP ranks holding positions it needs.
+/// Assumes sizes ≥ 1, `a | tp_p`, `b | tp_d`.
+pub(crate) fn owner_rule_senders(e: u32, tp_d: u32, b: u32, tp_p: u32, a: u32) -> Vec<u32> {
+    let base = base_target(e, tp_d, tp_p);
+    let group = base / a;
+    let g = gcd(a, b);
+    let b_r = e % b;
+    (0..a)
+        .filter(|a_r| a_r % g == b_r % g)
+        .map(|a_r| group * a + a_r)
+        .collect()
+}
+
+/// Owner-rule TP targets for every decode rank: `(real senders, dummies)` per decode rank.
+pub(crate) fn owner_rule_table(tp_d: u32, b: u32, tp_p: u32, a: u32) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let real: Vec<Vec<u32>> = (0..tp_d)
+        .map(|e| owner_rule_senders(e, tp_d, b, tp_p, a))
+        .collect();
+    let covered: BTreeSet<u32> = real.iter().flatten().copied().collect();
+    real.into_iter()
+        .enumerate()
+        .map(|(e, senders)| {
+            let dummies = if tp_d < tp_p {
+                let k = tp_p / tp_d;
+                let e = e as u32;
+                (e * k..(e + 1) * k)
+                    .filter(|t| !covered.contains(t))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            (senders, dummies)
+        })
+        .collect()
+}
+
+/// One target prefill TP rank of a decode rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TpTarget {
+    pub(crate) tp: u32,
+    pub(crate) is_dummy: bool,
+    /// Decode ranks registering at this prefill TP rank.
+    pub(crate) dst_info: u32,
+}
+
+/// The owner-rule mapping for kvbridge's DCP topologies (see the module docs).
+/// Preconditions as for [`owner_rule_senders`]; CP and PP follow SGLang.
+pub(crate) fn owner_rule_targets(
+    i: &MappingInput,
+    prefill_dcp: u32,
+    decode_dcp: u32,
+) -> std::result::Result<(TargetRanks, Vec<TpTarget>), MappingFailure> {
+    // CP/PP rules and their preconditions are SGLang's; reuse them on a non-sharded input.
+    let sg = sglang_targets(&MappingInput {
+        prefill_kv_cache_sharding: false,
+        ..*i
+    })?;
+    let (tp_d, tp_p) = (i.decode_tp_size, i.prefill_tp_size);
+    let e = i.engine_rank();
+    let table = owner_rule_table(tp_d, decode_dcp, tp_p, prefill_dcp);
+    let (real, dummies) = &table[e as usize];
+    let mut all: Vec<u32> = real.iter().chain(dummies).copied().collect();
+    all.sort_unstable();
+    let per_tp: Vec<TpTarget> = all
+        .iter()
+        .map(|&t| {
+            let n = table
+                .iter()
+                .filter(|(r, d)| r.contains(&t) || d.contains(&t))
+                .count() as u32;
+            TpTarget {
+                tp: t,
+                is_dummy: !real.contains(&t),
+                dst_info: n,
+            }
+        })
+        .collect();
+    let cp_factor = sg.target_cp_ranks.len() as u32;
+    let pp_factor = sg.target_pp_ranks.len() as u32;
+    let targets = TargetRanks {
+        target_tp_rank: real.first().copied(),
+        target_tp_ranks: all,
+        target_cp_ranks: sg.target_cp_ranks,
+        target_pp_ranks: sg.target_pp_ranks,
+        required_dst_info_num: per_tp.iter().map(|x| x.dst_info).max().unwrap_or(0),
+        required_prefill_response_num: real.len() as u32 * cp_factor * pp_factor,
+    };
+    Ok((targets, per_tp))
+}
