@@ -296,22 +296,6 @@ pub enum GeometryError {
         /// Page size.
         page_size: u64,
     },
-    /// A resharding request with a prefix that is not a multiple of the decode virtual page.
-    #[error(
-        "decode_prefix_len={decode_prefix_len} is not a multiple of the decode virtual page \
-         ({virtual_page_size} = page_size {page_size} x dcp_size {dcp_size}); round it down with \
-         align_prefix_down"
-    )]
-    ReshardPrefixMisaligned {
-        /// Prefix seen.
-        decode_prefix_len: u64,
-        /// Decode virtual page size.
-        virtual_page_size: u64,
-        /// Decode physical page size.
-        page_size: u64,
-        /// Decode DCP size.
-        dcp_size: u64,
-    },
     /// Too few pages for the rows a resharding plan addresses.
     #[error(
         "{side} rank {rank} needs at least {required} pages for this chunk, got {provided}; pass \

@@ -59,7 +59,7 @@ pub use heads::{
 pub use pack::{dcp_pack_buffer_bytes, dcp_token_item_lens, prepare_dcp_token_item_lens};
 pub use pairs::{pair_entries_by_layer_ids, pair_entries_flat_pp, pair_entries_mha_pp};
 pub use pool::{Entry, EntryRole, PoolFormat, PoolGeometry, PoolGeometryBuilder, PoolKind};
-pub use reshard::ReshardPlan;
+pub use reshard::{ReshardInput, ReshardPlan, reshard_sources, reshard_targets};
 pub use rows::SegmentRuns;
 pub use runs::{
     Coalesce, PairRuns, Run, coalesce_pairs, coalesce_runs, group_concurrent_contiguous,
