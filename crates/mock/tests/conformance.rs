@@ -1,9 +1,10 @@
 //! The conformance suite against `LoopbackTransport`, directly and as `Arc<dyn KvTransport>`,
-//! in its default configuration and with reads off and a small batch limit.
+//! in its default configuration and with reads off and a small batch limit; and against
+//! `FaultInjector` in pass-through mode.
 
 use std::sync::Arc;
 
-use kvbridge_mock::{LoopbackConfig, LoopbackTransport};
+use kvbridge_mock::{FaultInjector, LoopbackConfig, LoopbackTransport};
 use kvbridge_transport::testing::TransportPair;
 
 async fn loopback_pair() -> TransportPair {
@@ -29,4 +30,15 @@ mod loopback {
 
 mod loopback_push_only_small_batches {
     kvbridge_transport::conformance_tests!(super::restricted_pair);
+}
+
+async fn fault_injector_pair() -> TransportPair {
+    TransportPair::new(
+        Arc::new(FaultInjector::pass_through(LoopbackTransport::new())),
+        Arc::new(FaultInjector::pass_through(LoopbackTransport::new())),
+    )
+}
+
+mod fault_injector_pass_through {
+    kvbridge_transport::conformance_tests!(super::fault_injector_pair);
 }

@@ -1,0 +1,168 @@
+//! The conformance suite must fail transports that break the contract. Each test wraps
+//! `LoopbackTransport` in a decorator that breaks one contract point and checks that the case
+//! covering it panics, naming that point.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvbridge_mock::{LoopbackConfig, LoopbackTransport};
+use kvbridge_transport::testing::{self, TransportPair};
+use kvbridge_transport::{
+    BatchId, BatchState, Capabilities, KvTransport, MemoryRegion, Notification, PeerId, RegionId,
+    Result, TransferBatch,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flaw {
+    /// Drops the second half of every batch's descriptors.
+    DropsDescriptors,
+    /// Delivers the notification before the data.
+    NotifiesEarly,
+    /// Reports success for batch ids it never handed out.
+    AcceptsUnknownBatches,
+    /// Claims not to support reads, but performs them.
+    UndeclaredReads,
+    /// Reports `Cancelled` without stopping the copy.
+    CancelDoesNotFence,
+    /// `wait` never returns.
+    HangingWait,
+}
+
+struct Broken {
+    inner: LoopbackTransport,
+    flaw: Flaw,
+}
+
+#[async_trait::async_trait]
+impl KvTransport for Broken {
+    fn name(&self) -> &'static str {
+        "broken-loopback"
+    }
+    fn capabilities(&self) -> Capabilities {
+        let caps = self.inner.capabilities();
+        if self.flaw == Flaw::UndeclaredReads {
+            caps.with_reads(false)
+        } else {
+            caps
+        }
+    }
+    fn allocate(&self, len: usize) -> Result<MemoryRegion> {
+        self.inner.allocate(len)
+    }
+    async fn register(&self, region: MemoryRegion) -> Result<RegionId> {
+        self.inner.register(region).await
+    }
+    async fn deregister(&self, region: RegionId) -> Result<()> {
+        self.inner.deregister(region).await
+    }
+    fn local_descriptor(&self) -> Bytes {
+        self.inner.local_descriptor()
+    }
+    async fn connect(&self, descriptor: &[u8]) -> Result<PeerId> {
+        self.inner.connect(descriptor).await
+    }
+    async fn disconnect(&self, peer: PeerId) -> Result<()> {
+        self.inner.disconnect(peer).await
+    }
+    async fn post(&self, peer: PeerId, mut batch: TransferBatch) -> Result<BatchId> {
+        match self.flaw {
+            Flaw::DropsDescriptors => {
+                let keep = batch.ops.len().div_ceil(2);
+                batch.ops.truncate(keep);
+            }
+            Flaw::NotifiesEarly => {
+                if let Some(n) = batch.notification.take() {
+                    let early = TransferBatch::write(vec![]).with_notification(n);
+                    self.inner.post(peer, early).await?;
+                }
+            }
+            _ => {}
+        }
+        self.inner.post(peer, batch).await
+    }
+    fn batch_state(&self, batch: BatchId) -> Result<BatchState> {
+        self.inner.batch_state(batch)
+    }
+    async fn wait(&self, batch: BatchId) -> Result<()> {
+        match self.flaw {
+            Flaw::HangingWait => std::future::pending().await,
+            Flaw::AcceptsUnknownBatches => match self.inner.wait(batch).await {
+                Err(kvbridge_transport::TransportError::UnknownBatch { .. }) => Ok(()),
+                other => other,
+            },
+            _ => self.inner.wait(batch).await,
+        }
+    }
+    async fn cancel(&self, batch: BatchId) -> Result<BatchState> {
+        if self.flaw == Flaw::CancelDoesNotFence {
+            return Ok(BatchState::Cancelled);
+        }
+        self.inner.cancel(batch).await
+    }
+    async fn recv_notification(&self) -> Result<Notification> {
+        self.inner.recv_notification().await
+    }
+    async fn probe(&self, peer: PeerId, timeout: Duration) -> Result<()> {
+        self.inner.probe(peer, timeout).await
+    }
+    async fn shutdown(&self) -> Result<()> {
+        self.inner.shutdown().await
+    }
+}
+
+fn pair(flaw: Flaw) -> TransportPair {
+    // Small copy steps make batches take long enough for cancel and notification races.
+    let config = LoopbackConfig::default().with_chunk_bytes(512);
+    let make = || {
+        Arc::new(Broken {
+            inner: LoopbackTransport::with_config(config.clone()),
+            flaw,
+        })
+    };
+    TransportPair::new(make(), make())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "contract 6")]
+async fn dropped_descriptors_fail_random_batches() {
+    testing::random_batches(pair(Flaw::DropsDescriptors)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "contract 4")]
+async fn early_notifications_fail_notification_after_data() {
+    testing::notification_after_data(pair(Flaw::NotifiesEarly)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "contract 7")]
+async fn accepting_unknown_batches_fails_unknown_ids() {
+    testing::unknown_ids_refused(pair(Flaw::AcceptsUnknownBatches)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "contract 8")]
+async fn undeclared_reads_fail_reads_or_unsupported() {
+    testing::reads_or_unsupported(pair(Flaw::UndeclaredReads)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "[broken-loopback]")]
+async fn unfenced_cancel_fails_cancel_fences() {
+    testing::cancel_fences(pair(Flaw::CancelDoesNotFence)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "did not return within")]
+async fn hanging_wait_fails_by_a_bound_instead_of_hanging() {
+    testing::deadline_expiry(pair(Flaw::HangingWait)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wrapper_passes_cases_its_flaw_does_not_touch() {
+    // Control: the decorator itself (small copy steps included) is not what the cases catch.
+    testing::random_batches(pair(Flaw::UndeclaredReads)).await;
+    testing::cancel_fences(pair(Flaw::UndeclaredReads)).await;
+    testing::notification_after_data(pair(Flaw::UndeclaredReads)).await;
+}
