@@ -1,1 +1,607 @@
-//! Example custom transport (work in progress).
+//! Example: a custom [`KvTransport`] over a trivial medium, checked by the conformance suite.
+//!
+//! The medium is a simulated NIC: every [`NicTransport`] owns one OS "progress thread" that
+//! executes work requests from a bounded queue, the way one-sided engines (RDMA verbs, Mooncake's
+//! transfer engine, NIXL, UCX) run their own progress threads. Endpoints find each other in a
+//! process-wide `Mutex<HashMap>` "fabric", keyed by the id in their descriptor. The interesting
+//! part is the adaptation to the trait, which any real engine needs too:
+//!
+//! - **Bounds before bytes**: every descriptor is resolved and checked in `post`, against the
+//!   local regions and the peer's, before a work request is queued.
+//! - **Fencing**: the progress thread copies while holding the batch's status lock and
+//!   re-checks the status (cancelled? timed out? peer gone?) before each descriptor, so whoever
+//!   sets a final state under that lock knows no byte lands afterwards.
+//! - **Deadlines**: `wait` sleeps until the deadline at most, then marks the batch timed out
+//!   under the same lock.
+//! - **Notifications after data**: pushed to the peer's queue only after the last copy, under
+//!   the lock, when the batch is declared done.
+//!
+//! Its tests run `kvbridge_transport::conformance_tests!` (see `tests/conformance.rs`).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvbridge_transport::{
+    BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
+    RegionId, Result, Side, TransferBatch, TransportError,
+};
+use tokio::sync::Notify;
+
+const NAME: &str = "example-nic";
+const PREFIX: &str = "example-nic:";
+/// Work requests queued per NIC before `post` waits.
+const QUEUE: usize = 256;
+/// Notifications queued per NIC before senders wait (until their deadline).
+const NOTIFICATIONS: usize = 1024;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The fabric: every live NIC in the process.
+fn fabric() -> &'static Mutex<HashMap<u64, Weak<Nic>>> {
+    static FABRIC: OnceLock<Mutex<HashMap<u64, Weak<Nic>>>> = OnceLock::new();
+    FABRIC.get_or_init(Default::default)
+}
+
+/// A transport over a simulated NIC with its own progress thread.
+pub struct NicTransport {
+    nic: Arc<Nic>,
+}
+
+impl std::fmt::Debug for NicTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NicTransport")
+            .field("id", &self.nic.id)
+            .finish()
+    }
+}
+
+struct Nic {
+    id: u64,
+    /// Registered regions and the closed flag. Copies into this NIC's memory hold this lock,
+    /// so `deregister` and `shutdown` fence them.
+    memory: Mutex<Memory>,
+    peers: Mutex<HashMap<PeerId, Arc<Link>>>,
+    batches: Mutex<HashMap<BatchId, Arc<Batch>>>,
+    counter: AtomicU64,
+    queue: SyncSender<WorkRequest>,
+    inbox: Mutex<VecDeque<Notification>>,
+    inbox_room: Condvar,
+    inbox_ready: Notify,
+}
+
+struct Memory {
+    regions: HashMap<RegionId, MemoryRegion>,
+    closed: bool,
+}
+
+struct Link {
+    target: Weak<Nic>,
+    inbound: PeerId,
+    alive: AtomicBool,
+}
+
+struct Batch {
+    id: BatchId,
+    peer: PeerId,
+    timeout: Duration,
+    deadline: Instant,
+    status: Mutex<Status>,
+    finished: Notify,
+}
+
+struct Status {
+    state: BatchState,
+    error: Option<TransportError>,
+}
+
+impl Batch {
+    fn finish(&self, status: &mut Status, state: BatchState, error: Option<TransportError>) {
+        if !status.state.is_final() {
+            status.state = state;
+            status.error = error;
+            self.finished.notify_waiters();
+        }
+    }
+
+    fn expire(&self, status: &mut Status) {
+        if Instant::now() >= self.deadline {
+            self.finish(status, BatchState::TimedOut, None);
+        }
+    }
+
+    fn fail(&self, status: &mut Status, error: TransportError) {
+        self.finish(status, BatchState::Failed(error.to_string()), Some(error));
+    }
+}
+
+/// One descriptor, resolved to region handles and checked.
+struct Copy {
+    local: MemoryRegion,
+    local_offset: u64,
+    remote_id: RegionId,
+    remote: MemoryRegion,
+    remote_offset: u64,
+    len: u64,
+}
+
+struct WorkRequest {
+    batch: Arc<Batch>,
+    link: Arc<Link>,
+    target: Arc<Nic>,
+    direction: Direction,
+    copies: Vec<Copy>,
+    notification: Option<Bytes>,
+}
+
+fn lost(peer: PeerId, reason: &str) -> TransportError {
+    TransportError::PeerLost {
+        peer,
+        transport: NAME,
+        reason: reason.into(),
+    }
+}
+
+/// The progress thread: executes work requests until the NIC is dropped.
+fn progress(queue: Receiver<WorkRequest>) {
+    for wr in queue {
+        execute(wr);
+    }
+}
+
+fn execute(wr: WorkRequest) {
+    let batch = &wr.batch;
+    for copy in &wr.copies {
+        let mut status = lock(&batch.status);
+        batch.expire(&mut status);
+        if status.state.is_final() {
+            return;
+        }
+        if !wr.link.alive.load(Ordering::Acquire) {
+            return batch.fail(&mut status, lost(batch.peer, "disconnected"));
+        }
+        let memory = lock(&wr.target.memory);
+        if memory.closed {
+            return batch.fail(&mut status, lost(batch.peer, "the peer shut down"));
+        }
+        if !memory
+            .regions
+            .get(&copy.remote_id)
+            .is_some_and(|r| r.same_region(&copy.remote))
+        {
+            let e = TransportError::UnknownRegion {
+                side: Side::Remote,
+                region: copy.remote_id,
+                transport: NAME,
+            };
+            return batch.fail(&mut status, e);
+        }
+        let moved = match wr.direction {
+            Direction::Write => copy.local.copy_to(
+                copy.local_offset,
+                &copy.remote,
+                copy.remote_offset,
+                copy.len,
+            ),
+            Direction::Read => {
+                copy.remote
+                    .copy_to(copy.remote_offset, &copy.local, copy.local_offset, copy.len)
+            }
+        };
+        if let Err(e) = moved {
+            let e = TransportError::BatchFailed {
+                batch: batch.id,
+                peer: batch.peer,
+                reason: e.to_string(),
+            };
+            return batch.fail(&mut status, e);
+        }
+    }
+
+    // Data is in place. Wait (bounded by the deadline) for room in the peer's inbox, then
+    // declare the batch done and deliver the notification in one step.
+    let mut inbox = lock(&wr.target.inbox);
+    while wr.notification.is_some() && inbox.len() >= NOTIFICATIONS {
+        let left = batch.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        inbox = wr
+            .target
+            .inbox_room
+            .wait_timeout(inbox, left)
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
+    let mut status = lock(&batch.status);
+    batch.expire(&mut status);
+    if status.state.is_final() {
+        return;
+    }
+    if lock(&wr.target.memory).closed {
+        return batch.fail(&mut status, lost(batch.peer, "the peer shut down"));
+    }
+    if let Some(payload) = &wr.notification {
+        inbox.push_back(Notification {
+            from: wr.link.inbound,
+            payload: payload.clone(),
+        });
+        wr.target.inbox_ready.notify_waiters();
+    }
+    batch.finish(&mut status, BatchState::Done, None);
+}
+
+impl Default for NicTransport {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl NicTransport {
+    /// A NIC joined to the process-wide fabric, with its progress thread started.
+    pub fn new() -> Self {
+        static IDS: AtomicU64 = AtomicU64::new(1);
+        let id = IDS.fetch_add(1, Ordering::Relaxed);
+        let (queue, rx) = sync_channel(QUEUE);
+        std::thread::Builder::new()
+            .name(format!("example-nic-{id}"))
+            .spawn(move || progress(rx))
+            .expect("spawn the NIC progress thread");
+        let nic = Arc::new(Nic {
+            id,
+            memory: Mutex::new(Memory {
+                regions: HashMap::new(),
+                closed: false,
+            }),
+            peers: Mutex::default(),
+            batches: Mutex::default(),
+            counter: AtomicU64::new(1),
+            queue,
+            inbox: Mutex::default(),
+            inbox_room: Condvar::new(),
+            inbox_ready: Notify::new(),
+        });
+        lock(fabric()).insert(id, Arc::downgrade(&nic));
+        Self { nic }
+    }
+
+    fn next_id(&self) -> u64 {
+        self.nic.counter.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn closed(&self) -> Result<()> {
+        if lock(&self.nic.memory).closed {
+            return Err(TransportError::Closed { transport: NAME });
+        }
+        Ok(())
+    }
+
+    fn batch(&self, id: BatchId) -> Result<Arc<Batch>> {
+        lock(&self.nic.batches)
+            .get(&id)
+            .cloned()
+            .ok_or(TransportError::UnknownBatch {
+                batch: id,
+                transport: NAME,
+            })
+    }
+
+    fn link(&self, peer: PeerId) -> Result<Arc<Link>> {
+        lock(&self.nic.peers)
+            .get(&peer)
+            .cloned()
+            .ok_or(TransportError::UnknownPeer {
+                peer,
+                transport: NAME,
+            })
+    }
+
+    fn fail_pending(
+        &self,
+        which: impl Fn(&Batch) -> bool,
+        error: impl Fn(&Batch) -> TransportError,
+    ) {
+        let all: Vec<_> = lock(&self.nic.batches).values().cloned().collect();
+        for b in all.iter().filter(|b| which(b)) {
+            let mut status = lock(&b.status);
+            if !status.state.is_final() {
+                b.fail(&mut status, error(b));
+            }
+        }
+    }
+}
+
+/// Resolves `(region, offset, len)` against `regions`, or says why not.
+fn resolve(
+    regions: &HashMap<RegionId, MemoryRegion>,
+    side: Side,
+    region: RegionId,
+    offset: u64,
+    len: u64,
+) -> Result<MemoryRegion> {
+    let r = regions.get(&region).ok_or(TransportError::UnknownRegion {
+        side,
+        region,
+        transport: NAME,
+    })?;
+    r.range(offset, len)
+        .map_err(|e| TransportError::OutOfBounds {
+            side,
+            region,
+            offset,
+            len,
+            region_len: e.region_len,
+        })?;
+    Ok(r.clone())
+}
+
+#[async_trait::async_trait]
+impl KvTransport for NicTransport {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::minimal().with_reads(true)
+    }
+
+    async fn register(&self, region: MemoryRegion) -> Result<RegionId> {
+        let mut memory = lock(&self.nic.memory);
+        if memory.closed {
+            return Err(TransportError::Closed { transport: NAME });
+        }
+        let id = RegionId(self.next_id());
+        memory.regions.insert(id, region);
+        Ok(id)
+    }
+
+    async fn deregister(&self, region: RegionId) -> Result<()> {
+        self.closed()?;
+        lock(&self.nic.memory)
+            .regions
+            .remove(&region)
+            .map(drop)
+            .ok_or(TransportError::UnknownRegion {
+                side: Side::Local,
+                region,
+                transport: NAME,
+            })
+    }
+
+    fn local_descriptor(&self) -> Bytes {
+        Bytes::from(format!("{PREFIX}{}", self.nic.id))
+    }
+
+    async fn connect(&self, descriptor: &[u8]) -> Result<PeerId> {
+        self.closed()?;
+        let bad = |message: String| TransportError::BadDescriptor {
+            transport: NAME,
+            message,
+        };
+        let id: u64 = std::str::from_utf8(descriptor)
+            .ok()
+            .and_then(|s| s.strip_prefix(PREFIX)?.parse().ok())
+            .ok_or_else(|| {
+                bad(format!(
+                    "expected `{PREFIX}<id>`, got {} bytes",
+                    descriptor.len()
+                ))
+            })?;
+        let target = lock(fabric())
+            .get(&id)
+            .and_then(Weak::upgrade)
+            .filter(|t| !lock(&t.memory).closed)
+            .ok_or_else(|| {
+                bad(format!(
+                    "NIC {id} is not on the fabric (dropped or shut down)"
+                ))
+            })?;
+        let inbound = PeerId(target.counter.fetch_add(1, Ordering::Relaxed));
+        let peer = PeerId(self.next_id());
+        let link = Link {
+            target: Arc::downgrade(&target),
+            inbound,
+            alive: AtomicBool::new(true),
+        };
+        lock(&self.nic.peers).insert(peer, Arc::new(link));
+        Ok(peer)
+    }
+
+    async fn disconnect(&self, peer: PeerId) -> Result<()> {
+        self.closed()?;
+        let link = lock(&self.nic.peers)
+            .remove(&peer)
+            .ok_or(TransportError::UnknownPeer {
+                peer,
+                transport: NAME,
+            })?;
+        link.alive.store(false, Ordering::Release);
+        self.fail_pending(|b| b.peer == peer, |b| lost(b.peer, "disconnected"));
+        Ok(())
+    }
+
+    async fn post(&self, peer: PeerId, batch: TransferBatch) -> Result<BatchId> {
+        self.closed()?;
+        let link = self.link(peer)?;
+        let target = link
+            .target
+            .upgrade()
+            .ok_or_else(|| lost(peer, "the peer was dropped"))?;
+        // Bounds before bytes: resolve every descriptor on both sides first.
+        let mut copies = Vec::with_capacity(batch.ops.len());
+        {
+            let mine = lock(&self.nic.memory);
+            for op in &batch.ops {
+                let local = resolve(
+                    &mine.regions,
+                    Side::Local,
+                    op.local_region,
+                    op.local_offset,
+                    op.len,
+                )?;
+                copies.push(Copy {
+                    remote: local.clone(),
+                    local,
+                    local_offset: op.local_offset,
+                    remote_id: op.remote_region,
+                    remote_offset: op.remote_offset,
+                    len: op.len,
+                });
+            }
+        }
+        {
+            let theirs = lock(&target.memory);
+            if theirs.closed {
+                return Err(lost(peer, "the peer shut down"));
+            }
+            for (op, copy) in batch.ops.iter().zip(&mut copies) {
+                copy.remote = resolve(
+                    &theirs.regions,
+                    Side::Remote,
+                    op.remote_region,
+                    op.remote_offset,
+                    op.len,
+                )?;
+            }
+        }
+        let id = BatchId(self.next_id());
+        let entry = Arc::new(Batch {
+            id,
+            peer,
+            timeout: batch.timeout,
+            deadline: Instant::now() + batch.timeout,
+            status: Mutex::new(Status {
+                state: BatchState::Pending,
+                error: None,
+            }),
+            finished: Notify::new(),
+        });
+        lock(&self.nic.batches).insert(id, entry.clone());
+        let mut wr = WorkRequest {
+            batch: entry,
+            link,
+            target,
+            direction: batch.direction,
+            copies,
+            notification: batch.notification,
+        };
+        // The queue is bounded: when the NIC is busy, back off asynchronously.
+        loop {
+            match self.nic.queue.try_send(wr) {
+                Ok(()) => break,
+                Err(TrySendError::Full(back)) => {
+                    wr = back;
+                    tokio::time::sleep(Duration::from_micros(200)).await;
+                }
+                Err(TrySendError::Disconnected(_)) => {
+                    lock(&self.nic.batches).remove(&id);
+                    return Err(TransportError::Closed { transport: NAME });
+                }
+            }
+        }
+        Ok(id)
+    }
+
+    fn batch_state(&self, batch: BatchId) -> Result<BatchState> {
+        let b = self.batch(batch)?;
+        let mut status = lock(&b.status);
+        b.expire(&mut status);
+        Ok(status.state.clone())
+    }
+
+    async fn wait(&self, id: BatchId) -> Result<()> {
+        let b = self.batch(id)?;
+        loop {
+            let finished = b.finished.notified();
+            tokio::pin!(finished);
+            finished.as_mut().enable();
+            {
+                let mut status = lock(&b.status);
+                b.expire(&mut status);
+                if status.state.is_final() {
+                    if lock(&self.nic.batches).remove(&id).is_none() {
+                        return Err(TransportError::UnknownBatch {
+                            batch: id,
+                            transport: NAME,
+                        });
+                    }
+                    let error = status.error.take();
+                    return match (&status.state, error) {
+                        (BatchState::Done, _) => Ok(()),
+                        (_, Some(e)) => Err(e),
+                        (BatchState::Cancelled, None) => {
+                            Err(TransportError::Cancelled { batch: id })
+                        }
+                        (_, None) => Err(TransportError::TimedOut {
+                            batch: id,
+                            timeout: b.timeout,
+                        }),
+                    };
+                }
+            }
+            let left = b.deadline.saturating_duration_since(Instant::now());
+            let _ = tokio::time::timeout(left, finished).await;
+        }
+    }
+
+    async fn cancel(&self, batch: BatchId) -> Result<BatchState> {
+        let b = self.batch(batch)?;
+        let mut status = lock(&b.status);
+        b.expire(&mut status);
+        b.finish(&mut status, BatchState::Cancelled, None);
+        Ok(status.state.clone())
+    }
+
+    async fn recv_notification(&self) -> Result<Notification> {
+        loop {
+            let ready = self.nic.inbox_ready.notified();
+            tokio::pin!(ready);
+            ready.as_mut().enable();
+            self.closed()?;
+            if let Some(n) = lock(&self.nic.inbox).pop_front() {
+                self.nic.inbox_room.notify_one();
+                return Ok(n);
+            }
+            ready.await;
+        }
+    }
+
+    async fn probe(&self, peer: PeerId, _timeout: Duration) -> Result<()> {
+        self.closed()?;
+        let link = self.link(peer)?;
+        match link.target.upgrade() {
+            Some(t) if !lock(&t.memory).closed && link.alive.load(Ordering::Acquire) => Ok(()),
+            _ => Err(lost(peer, "the peer is gone")),
+        }
+    }
+
+    async fn shutdown(&self) -> Result<()> {
+        {
+            let mut memory = lock(&self.nic.memory);
+            memory.closed = true;
+            memory.regions.clear();
+        }
+        lock(fabric()).remove(&self.nic.id);
+        for (_, link) in lock(&self.nic.peers).drain() {
+            link.alive.store(false, Ordering::Release);
+        }
+        self.fail_pending(|_| true, |_| TransportError::Closed { transport: NAME });
+        self.nic.inbox_ready.notify_waiters();
+        self.nic.inbox_room.notify_all();
+        Ok(())
+    }
+}
+
+impl Drop for Nic {
+    fn drop(&mut self) {
+        let mut fabric = lock(fabric());
+        if fabric.get(&self.id).is_some_and(|w| w.strong_count() == 0) {
+            fabric.remove(&self.id);
+        }
+    }
+}
