@@ -80,7 +80,8 @@ fn a_full_token_plan_reused_all_ranks(bencher: Bencher<'_, '_>) {
     });
 }
 
-/// (b) Plan plus coalesced target runs (collected), for all 8 ranks, no per-token arrays.
+/// (b) Plan plus coalesced target runs collected into a `Vec<Run>`, for all 8 ranks, no
+/// per-token arrays.
 #[divan::bench]
 fn b_target_runs_all_ranks(bencher: Bencher<'_, '_>) {
     let (src, dst) = pages();
@@ -89,7 +90,7 @@ fn b_target_runs_all_ranks(bencher: Bencher<'_, '_>) {
             let plan = input(black_box(&src), black_box(&dst), rank)
                 .plan()
                 .unwrap();
-            black_box(plan.target_runs().collect::<Vec<Run>>());
+            black_box(plan.target_runs_vec());
         }
     });
 }
@@ -111,6 +112,20 @@ fn b_target_runs_streamed_all_ranks(bencher: Bencher<'_, '_>) {
     });
 }
 
+/// (b''') Runs pulled one by one with `Iterator::next` and collected.
+#[divan::bench]
+fn b_target_runs_collect_all_ranks(bencher: Bencher<'_, '_>) {
+    let (src, dst) = pages();
+    bencher.bench(|| {
+        for rank in 0..DCP {
+            let plan = input(black_box(&src), black_box(&dst), rank)
+                .plan()
+                .unwrap();
+            black_box(plan.target_runs().collect::<Vec<Run>>());
+        }
+    });
+}
+
 /// (b'') The array route: per-token arrays, then `group_concurrent_contiguous`.
 #[divan::bench]
 fn b_arrays_then_group_all_ranks(bencher: Bencher<'_, '_>) {
@@ -122,6 +137,35 @@ fn b_arrays_then_group_all_ranks(bencher: Bencher<'_, '_>) {
                 .unwrap();
             let (s, d) = plan.target_arrays();
             black_box(group_concurrent_contiguous(&s, &d).unwrap());
+        }
+    });
+}
+
+/// (c) General resharding, prefill DCP 2 (page 32) → decode DCP 8 (page 64), same chunk:
+/// runs of every (prefill rank, decode rank) pair that holds rows.
+#[divan::bench]
+fn c_reshard_2_to_8_runs_all_pairs(bencher: Bencher<'_, '_>) {
+    let src: Vec<u64> = (0..TOKENS / 2 / 32).map(|i| (i * 1031) % 4096).collect();
+    let (_, dst) = pages();
+    bencher.bench(|| {
+        for ar in 0..2 {
+            for br in kvbridge_geometry::reshard_targets(2, DCP, ar).unwrap() {
+                let plan = kvbridge_geometry::ReshardInput {
+                    src_pages: black_box(&src),
+                    dst_pages: black_box(&dst),
+                    src_page_size: 32,
+                    dst_page_size: PAGE_SIZE,
+                    src_dcp_size: 2,
+                    src_dcp_rank: ar,
+                    dst_dcp_size: DCP,
+                    dst_dcp_rank: br,
+                    num_tokens: TOKENS,
+                    ..kvbridge_geometry::ReshardInput::default()
+                }
+                .plan()
+                .unwrap();
+                black_box(plan.runs().fold(0u64, |acc, r| acc ^ r.src_start ^ r.len));
+            }
         }
     });
 }

@@ -220,7 +220,7 @@ impl RowCopy {
             && self.dst_col == 0
             && self.width == self.src_width
             && self.width == self.dst_width;
-        for run in runs {
+        runs.for_each(|run| {
             if whole {
                 out.push(ByteRange {
                     src_entry: self.pair.src,
@@ -240,7 +240,7 @@ impl RowCopy {
                     });
                 }
             }
-        }
+        });
     }
 }
 

@@ -257,6 +257,14 @@ impl<'a> ReshardPlan<'a> {
         self.prog.runs()
     }
 
+    /// [`ReshardPlan::runs`] collected into a vector (through internal iteration).
+    #[must_use]
+    pub fn runs_vec(&self) -> Vec<crate::Run> {
+        let mut out = Vec::new();
+        self.runs().for_each(|r| out.push(r));
+        out
+    }
+
     /// `(src_row, dst_row)` pairs in ascending position order.
     pub fn pairs(&self) -> impl Iterator<Item = (u64, u64)> + 'a {
         self.prog.runs().flat_map(crate::Run::pairs)

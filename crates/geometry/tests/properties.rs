@@ -104,6 +104,7 @@ proptest! {
         prop_assert_eq!(&expanded, &pairs);
         prop_assert_eq!(plan.target_pairs().collect::<Vec<_>>(), pairs);
         prop_assert_eq!(plan.target_len(), tokens.target_src.len() as u64);
+        prop_assert_eq!(plan.target_runs_vec(), target);
     }
 
     #[test]

@@ -240,6 +240,7 @@ proptest! {
         }.plan().unwrap();
         prop_assert_eq!(ours.arrays(), sglang.target_arrays());
         prop_assert_eq!(ours.runs().collect::<Vec<_>>(), sglang.target_runs().collect::<Vec<_>>());
+        prop_assert_eq!(ours.runs_vec(), sglang.target_runs_vec());
     }
 
     /// Equal DCP sizes and page sizes: rank r → rank r moves rows the page path moves, to the
