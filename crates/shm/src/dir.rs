@@ -23,6 +23,41 @@ pub(crate) fn default_base() -> PathBuf {
         .unwrap_or_else(std::env::temp_dir)
 }
 
+/// Removes control directories in `base` left behind by processes of this user that died
+/// without cleaning up (killed, crashed): `kvbridge-shm-<pid>-*` whose `<pid>` no longer runs.
+/// Only the socket and the then-empty directory are removed; anything else is left alone.
+pub(crate) fn sweep_stale(base: &Path) {
+    let Ok(entries) = fs::read_dir(base) else {
+        return;
+    };
+    let own_uid = rustix::process::geteuid().as_raw();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("kvbridge-shm-"))
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == std::process::id() || Path::new("/proc").join(pid.to_string()).exists() {
+            continue;
+        }
+        let path = entry.path();
+        let Ok(meta) = fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if !meta.is_dir() || std::os::unix::fs::MetadataExt::uid(&meta) != own_uid {
+            continue;
+        }
+        let _ = fs::remove_file(path.join("ctl.sock"));
+        if fs::remove_dir(&path).is_ok() {
+            tracing::debug!(dir = %path.display(), "shm: removed the control directory of a dead process");
+        }
+    }
+}
+
 /// A freshly created private directory with a socket path inside; both are removed on drop.
 #[derive(Debug)]
 pub(crate) struct PrivateDir {
@@ -107,6 +142,26 @@ mod tests {
         let dir = d.dir().to_path_buf();
         drop(d);
         assert!(!dir.exists());
+    }
+
+    #[test]
+    fn stale_directories_of_dead_processes_are_swept() {
+        let base = std::env::temp_dir().join(format!("kvb-sweep-{}", std::process::id()));
+        fs::create_dir_all(&base).unwrap();
+        // pid_max is at most 2^22, so this pid cannot be running.
+        let dead = base.join("kvbridge-shm-4999999-abcdef");
+        fs::create_dir(&dead).unwrap();
+        fs::write(dead.join("ctl.sock"), b"").unwrap();
+        let live = base.join(format!("kvbridge-shm-{}-abcdef", std::process::id()));
+        fs::create_dir(&live).unwrap();
+        let kept = base.join("kvbridge-shm-4999998-abcdef");
+        fs::create_dir(&kept).unwrap();
+        fs::write(kept.join("other-file"), b"").unwrap();
+        sweep_stale(&base);
+        assert!(!dead.exists());
+        assert!(live.exists(), "a live process's directory is kept");
+        assert!(kept.exists(), "a directory holding unknown files is kept");
+        fs::remove_dir_all(&base).unwrap();
     }
 
     #[test]

@@ -19,7 +19,7 @@ use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
 use crate::descriptor::Descriptor;
-use crate::dir::{PrivateDir, default_base, random_bytes};
+use crate::dir::{PrivateDir, default_base, random_bytes, sweep_stale};
 use crate::map::{self, SharedMapping};
 use crate::proto::{self, Frame, RegionStatus};
 use crate::wire::{ReadError, Wire, WireReader};
@@ -949,6 +949,7 @@ impl ShmTransport {
             }
             .into()
         };
+        sweep_stale(&base);
         let dir = PrivateDir::create(&base).map_err(control)?;
         let std_listener = std::os::unix::net::UnixListener::bind(dir.socket()).map_err(control)?;
         std::fs::set_permissions(dir.socket(), std::fs::Permissions::from_mode(0o600))
