@@ -1,0 +1,154 @@
+//! Sender-side batch state: one final outcome, reached once, observable without waiting.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use kvbridge_transport::{BatchId, BatchState, PeerId, TransportError};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::{NAME, Shared};
+
+/// How a batch ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    Done,
+    Cancelled,
+    TimedOut,
+    Failed { reason: String, peer_lost: bool },
+}
+
+impl Outcome {
+    pub(crate) fn into_result(self, b: &TxBatch) -> Result<(), TransportError> {
+        match self {
+            Outcome::Done => Ok(()),
+            Outcome::Cancelled => Err(TransportError::Cancelled { batch: b.id }),
+            Outcome::TimedOut => Err(TransportError::TimedOut {
+                batch: b.id,
+                timeout: b.timeout,
+            }),
+            Outcome::Failed {
+                reason,
+                peer_lost: true,
+            } => Err(TransportError::PeerLost {
+                peer: b.peer,
+                transport: NAME,
+                reason,
+            }),
+            Outcome::Failed { reason, .. } => Err(TransportError::BatchFailed {
+                batch: b.id,
+                peer: b.peer,
+                reason,
+            }),
+        }
+    }
+}
+
+/// A batch posted by this transport.
+pub(crate) struct TxBatch {
+    pub(crate) id: BatchId,
+    pub(crate) peer: PeerId,
+    pub(crate) timeout: Duration,
+    pub(crate) deadline: Instant,
+    state: watch::Sender<Option<Outcome>>,
+    /// Set once the batch is being fenced: no further piece of it is sent.
+    stop: AtomicBool,
+    fence_started: AtomicBool,
+    /// Upper bound of the receiver's own deadline for this batch (set when it accepted it):
+    /// after this instant the receiver applies no byte of it, whatever happens to the link.
+    anchor: Mutex<Option<Instant>>,
+}
+
+impl TxBatch {
+    pub(crate) fn new(id: BatchId, peer: PeerId, timeout: Duration, posted: Instant) -> Self {
+        Self {
+            id,
+            peer,
+            timeout,
+            deadline: posted + timeout,
+            state: watch::Sender::new(None),
+            stop: AtomicBool::new(false),
+            fence_started: AtomicBool::new(false),
+            anchor: Mutex::new(None),
+        }
+    }
+
+    /// Records the final outcome unless one is recorded already; returns whether it did.
+    pub(crate) fn finish(&self, outcome: Outcome) -> bool {
+        self.stop.store(true, Ordering::Release);
+        self.state.send_if_modified(|s| {
+            if s.is_none() {
+                tracing::debug!(batch = %self.id, ?outcome, "batch final");
+                *s = Some(outcome);
+                true
+            } else {
+                false
+            }
+        })
+    }
+
+    pub(crate) fn is_final(&self) -> bool {
+        self.state.borrow().is_some()
+    }
+
+    pub(crate) fn outcome(&self) -> Option<Outcome> {
+        self.state.borrow().clone()
+    }
+
+    pub(crate) fn state(&self) -> BatchState {
+        match &*self.state.borrow() {
+            None => BatchState::Pending,
+            Some(Outcome::Done) => BatchState::Done,
+            Some(Outcome::Cancelled) => BatchState::Cancelled,
+            Some(Outcome::TimedOut) => BatchState::TimedOut,
+            Some(Outcome::Failed { reason, .. }) => BatchState::Failed(reason.clone()),
+        }
+    }
+
+    pub(crate) fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+    }
+
+    /// Claims the right to fence this batch; false if someone else already does.
+    pub(crate) fn start_fence(&self) -> bool {
+        !self.fence_started.swap(true, Ordering::AcqRel)
+    }
+
+    pub(crate) fn set_anchor(&self, at: Instant) {
+        *self.anchor.lock().unwrap_or_else(|e| e.into_inner()) = Some(at);
+    }
+
+    pub(crate) fn anchor(&self) -> Option<Instant> {
+        *self.anchor.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits for the final outcome. The deadline watchdog guarantees one; as a last resort
+    /// (it cannot be reached unless a task died) the batch is failed well past its deadline.
+    pub(crate) async fn wait_final(&self, shared: &Shared) -> Outcome {
+        let mut rx = self.state.subscribe();
+        let limit = self.deadline + shared.config.fence_grace * 2 + Duration::from_secs(1);
+        tokio::select! {
+            r = rx.wait_for(Option::is_some) => {
+                if let Ok(v) = r {
+                    if let Some(o) = v.clone() {
+                        return o;
+                    }
+                }
+            }
+            () = tokio::time::sleep_until(limit) => {}
+        }
+        self.finish(Outcome::TimedOut);
+        self.outcome().unwrap_or(Outcome::TimedOut)
+    }
+
+    /// Resolves when the batch is final.
+    pub(crate) async fn finished(&self) {
+        let mut rx = self.state.subscribe();
+        let _ = rx.wait_for(Option::is_some).await;
+    }
+}

@@ -1,0 +1,260 @@
+//! Connection plumbing shared by both directions: timed reads, frame I/O and the handshake.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::TcpConfig;
+use crate::auth::{self, HelloFields};
+use crate::error::TcpError;
+use crate::wire::{self, FLAG_SECRET, Frame, HEADER_LEN, PREFACE_LEN, Preface, VERSION};
+
+/// Why a connection ended.
+#[derive(Debug)]
+pub(crate) enum LinkError {
+    Io(std::io::Error),
+    Eof,
+    Silent(Duration),
+    Protocol(TcpError),
+}
+
+impl std::fmt::Display for LinkError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LinkError::Io(e) => write!(f, "connection error: {e}"),
+            LinkError::Eof => f.write_str("the peer closed the connection"),
+            LinkError::Silent(d) => write!(
+                f,
+                "nothing heard from the peer for {d:?} (keep-alive timeout); it is dead or stalled"
+            ),
+            LinkError::Protocol(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl From<TcpError> for LinkError {
+    fn from(e: TcpError) -> Self {
+        LinkError::Protocol(e)
+    }
+}
+
+fn io_err(e: std::io::Error) -> LinkError {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        LinkError::Eof
+    } else {
+        LinkError::Io(e)
+    }
+}
+
+/// Reads exactly `buf.len()` bytes, failing if the peer is silent for `idle`.
+pub(crate) async fn read_exact_timed<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut [u8],
+    idle: Duration,
+) -> Result<(), LinkError> {
+    match tokio::time::timeout(idle, r.read_exact(buf)).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(io_err(e)),
+        Err(_) => Err(LinkError::Silent(idle)),
+    }
+}
+
+/// Reads one frame (a `Data` frame's payload stays on the stream). `buf` is reused; it never
+/// grows beyond `max_body`.
+pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+    max_body: u32,
+    idle: Duration,
+) -> Result<Frame, LinkError> {
+    let mut h = [0u8; HEADER_LEN];
+    read_exact_timed(r, &mut h, idle).await?;
+    let (ty, len) = wire::decode_header(&h, max_body)?;
+    buf.clear();
+    buf.resize(len as usize, 0);
+    read_exact_timed(r, buf, idle).await?;
+    Ok(wire::decode_body(ty, buf)?)
+}
+
+/// Best-effort: tells the peer why the connection closes.
+pub(crate) async fn send_error<W: AsyncWrite + Unpin>(w: &mut W, e: &TcpError) {
+    let frame = Frame::Error {
+        code: e.code(),
+        message: e.to_string(),
+    }
+    .encode();
+    let _ = tokio::time::timeout(Duration::from_millis(200), async {
+        w.write_all(&frame).await?;
+        w.flush().await
+    })
+    .await;
+}
+
+fn my_preface(config: &TcpConfig) -> [u8; PREFACE_LEN] {
+    Preface {
+        version: VERSION,
+        flags: if config.secret.is_some() {
+            FLAG_SECRET
+        } else {
+            0
+        },
+        nonce: auth::nonce(),
+    }
+    .encode()
+}
+
+async fn read_preface<R: AsyncRead + Unpin>(
+    r: &mut R,
+    idle: Duration,
+) -> Result<([u8; PREFACE_LEN], Preface), LinkError> {
+    let mut raw = [0u8; PREFACE_LEN];
+    read_exact_timed(r, &mut raw, idle).await?;
+    let p = Preface::decode(&raw)?;
+    Ok((raw, p))
+}
+
+/// The connecting side's handshake: prefaces, proof of the secret, `Welcome`.
+pub(crate) async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    config: &TcpConfig,
+    hello: HelloFields,
+) -> Result<(), LinkError> {
+    let idle = config.connect_timeout;
+    let mine = my_preface(config);
+    s.write_all(&mine).await.map_err(io_err)?;
+    let (theirs_raw, theirs) = read_preface(s, idle).await?;
+    let they_have_secret = theirs.flags & FLAG_SECRET != 0;
+    match (&config.secret, they_have_secret) {
+        (Some(_), false) => {
+            return Err(TcpError::SecretMissing {
+                side: "this transport",
+                other: "listener",
+            }
+            .into());
+        }
+        (None, true) => {
+            // Let the listener say so in its own words if it does; otherwise say it here.
+            return Err(TcpError::SecretMissing {
+                side: "the listener",
+                other: "connecting transport",
+            }
+            .into());
+        }
+        _ => {}
+    }
+    let mac = config
+        .secret
+        .as_ref()
+        .map(|k| auth::client_proof(k, &mine, &theirs_raw, hello));
+    let frame = Frame::Hello {
+        session: hello.session,
+        conn_index: hello.conn_index,
+        conn_count: hello.conn_count,
+        keepalive_ms: hello.keepalive_ms,
+        mac,
+    };
+    s.write_all(&frame.encode()).await.map_err(io_err)?;
+    let mut buf = Vec::new();
+    match read_frame(s, &mut buf, 4096, idle).await? {
+        Frame::Welcome { mac } => match (&config.secret, mac) {
+            (None, None) => Ok(()),
+            (Some(k), Some(tag)) if auth::verify_server(k, &mine, &theirs_raw, &tag) => Ok(()),
+            (Some(_), _) => Err(TcpError::SecretMismatch { who: "listener" }.into()),
+            (None, Some(_)) => Err(TcpError::UnexpectedFrame {
+                got: "Welcome with a proof",
+                state: "connecting without a secret",
+            }
+            .into()),
+        },
+        Frame::Error { code, message } => Err(TcpError::Rejected { code, message }.into()),
+        other => Err(TcpError::UnexpectedFrame {
+            got: other.frame_type().name(),
+            state: "waiting for Welcome",
+        }
+        .into()),
+    }
+}
+
+/// The listener's handshake; returns the client's `Hello`. On a protocol failure the peer is
+/// told why before the caller closes the connection.
+pub(crate) async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    config: &TcpConfig,
+) -> Result<HelloFields, LinkError> {
+    let r = server_handshake_inner(s, config).await;
+    if let Err(LinkError::Protocol(e)) = &r {
+        send_error(s, e).await;
+    }
+    r
+}
+
+async fn server_handshake_inner<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    config: &TcpConfig,
+) -> Result<HelloFields, LinkError> {
+    let idle = config.connect_timeout;
+    let mine = my_preface(config);
+    s.write_all(&mine).await.map_err(io_err)?;
+    let (theirs_raw, theirs) = read_preface(s, idle).await?;
+    let they_have_secret = theirs.flags & FLAG_SECRET != 0;
+    match (&config.secret, they_have_secret) {
+        (Some(_), false) => {
+            return Err(TcpError::SecretMissing {
+                side: "this listener",
+                other: "connecting peer",
+            }
+            .into());
+        }
+        (None, true) => {
+            return Err(TcpError::SecretMissing {
+                side: "the connecting peer",
+                other: "listener",
+            }
+            .into());
+        }
+        _ => {}
+    }
+    let mut buf = Vec::new();
+    let frame = read_frame(s, &mut buf, 4096, idle).await?;
+    let Frame::Hello {
+        session,
+        conn_index,
+        conn_count,
+        keepalive_ms,
+        mac,
+    } = frame
+    else {
+        return Err(TcpError::UnexpectedFrame {
+            got: frame.frame_type().name(),
+            state: "waiting for Hello",
+        }
+        .into());
+    };
+    let hello = HelloFields {
+        session,
+        conn_index,
+        conn_count,
+        keepalive_ms,
+    };
+    let proof = match (&config.secret, mac) {
+        (None, None) => None,
+        (Some(k), Some(tag)) => {
+            if !auth::verify_client(k, &theirs_raw, &mine, hello, &tag) {
+                return Err(TcpError::SecretMismatch { who: "peer" }.into());
+            }
+            Some(auth::server_proof(k, &theirs_raw, &mine))
+        }
+        (Some(_), None) => return Err(TcpError::SecretMismatch { who: "peer" }.into()),
+        (None, Some(_)) => {
+            return Err(TcpError::UnexpectedFrame {
+                got: "Hello with a proof",
+                state: "accepting without a secret",
+            }
+            .into());
+        }
+    };
+    s.write_all(&Frame::Welcome { mac: proof }.encode())
+        .await
+        .map_err(io_err)?;
+    Ok(hello)
+}

@@ -1,0 +1,838 @@
+//! The sending side: connect, post, stream pieces, fence.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::io::IoSlice;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvbridge_transport::memory::checked_range;
+use kvbridge_transport::{
+    BatchId, MemoryRegion, PeerId, RegionId, RegionSliceMut, Result, Side, TransferBatch,
+    TransportError,
+};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::auth::{self, HelloFields};
+use crate::batch::{Outcome, TxBatch};
+use crate::conn::{self, LinkError};
+use crate::error::TcpError;
+use crate::wire::{self, BeginStatus, CancelStatus, Frame, RegionNeed, WireOp};
+use crate::{NAME, Shared};
+
+/// Descriptors in one `Data` frame (one `writev` carries the header and all their payloads,
+/// and stays below the kernel's 1024-iovec limit).
+const MAX_OPS_PER_FRAME: usize = 512;
+/// Control frames queued per connection.
+const CTRL_QUEUE: usize = 1024;
+
+/// One descriptor with its local region resolved.
+struct LocalOp {
+    region: MemoryRegion,
+    local_offset: u64,
+    remote_region: u64,
+    remote_offset: u64,
+    len: u64,
+}
+
+/// A posted batch's descriptors and how far the writers got.
+struct Job {
+    batch: Arc<TxBatch>,
+    ops: Vec<LocalOp>,
+    next: usize,
+    offset: u64,
+}
+
+/// A slice of a job, written by one connection as one or more `Data` frames.
+struct Piece {
+    batch: Arc<TxBatch>,
+    ops: Vec<LocalOp>,
+}
+
+struct CancelWait {
+    remaining: usize,
+    not_pending: bool,
+    tx: Option<oneshot::Sender<bool>>,
+}
+
+#[derive(Default)]
+struct Waiters {
+    begin: HashMap<u64, oneshot::Sender<Frame>>,
+    cancel: HashMap<u64, CancelWait>,
+    ping: HashMap<u64, oneshot::Sender<()>>,
+}
+
+/// An outbound peer: the connections one `connect` opened.
+pub(crate) struct OutPeer {
+    pub(crate) id: PeerId,
+    addr: SocketAddr,
+    ctrl: Vec<mpsc::Sender<Vec<u8>>>,
+    queue: Mutex<VecDeque<Job>>,
+    work: Notify,
+    waiters: Mutex<Waiters>,
+    lost: AtomicBool,
+    lost_reason: Mutex<Option<String>>,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+    ping_seq: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl OutPeer {
+    fn lost_error(&self) -> TransportError {
+        TransportError::PeerLost {
+            peer: self.id,
+            transport: NAME,
+            reason: lock(&self.lost_reason)
+                .clone()
+                .unwrap_or_else(|| "the connection is closed".into()),
+        }
+    }
+
+    pub(crate) fn abort_tasks(&self) {
+        for t in lock(&self.tasks).iter() {
+            t.abort();
+        }
+    }
+
+    pub(crate) async fn join_tasks(&self) {
+        let tasks: Vec<_> = lock(&self.tasks).drain(..).collect();
+        for t in tasks {
+            t.abort();
+            let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+        }
+    }
+
+    /// Declares the peer lost: stops its tasks and fails its pending batches. When the peer
+    /// itself closed the link (`remote_closed`), it applies nothing more and batches fail at
+    /// once; when this side gave up on it, a batch fails once the receiver's own deadline for
+    /// it has passed, so no byte of it can land after the failure is reported.
+    fn lose(self: &Arc<Self>, shared: &Arc<Shared>, reason: String, remote_closed: bool) {
+        if self.lost.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tracing::warn!(peer = %self.id, addr = %self.addr, %reason, "lost peer");
+        *lock(&self.lost_reason) = Some(reason.clone());
+        {
+            let mut peers = lock(&shared.out_peers);
+            if peers.get(&self.id.0).is_some_and(|p| Arc::ptr_eq(p, self)) {
+                peers.remove(&self.id.0);
+            }
+        }
+        lock(&self.queue).clear();
+        {
+            let mut w = lock(&self.waiters);
+            w.begin.clear();
+            w.cancel.clear();
+            w.ping.clear();
+        }
+        self.abort_tasks();
+        let pending: Vec<_> = lock(&shared.batches)
+            .values()
+            .filter(|b| b.peer == self.id && !b.is_final())
+            .cloned()
+            .collect();
+        for b in pending {
+            b.stop();
+            let outcome = Outcome::Failed {
+                reason: reason.clone(),
+                peer_lost: true,
+            };
+            match b.anchor().filter(|a| !remote_closed && *a > Instant::now()) {
+                None => {
+                    b.finish(outcome);
+                }
+                Some(anchor) => {
+                    tokio::spawn(async move {
+                        tokio::time::sleep_until(anchor).await;
+                        b.finish(outcome);
+                    });
+                }
+            }
+        }
+    }
+
+    /// Fences every pending batch, then closes the connections.
+    pub(crate) async fn close(self: &Arc<Self>, shared: &Arc<Shared>, reason: &str) {
+        let pending: Vec<_> = lock(&shared.batches)
+            .values()
+            .filter(|b| b.peer == self.id && !b.is_final())
+            .cloned()
+            .collect();
+        let mut fences = Vec::new();
+        for b in pending {
+            let shared = shared.clone();
+            let peer = self.clone();
+            let reason = reason.to_owned();
+            fences.push(tokio::spawn(async move {
+                fence_on(
+                    &shared,
+                    Some(peer),
+                    &b,
+                    Outcome::Failed {
+                        reason,
+                        peer_lost: false,
+                    },
+                )
+                .await;
+            }));
+        }
+        for f in fences {
+            let _ = f.await;
+        }
+        self.lose(shared, reason.to_owned(), true);
+        self.join_tasks().await;
+    }
+
+    pub(crate) async fn probe(&self, timeout: Duration) -> Result<()> {
+        if self.lost.load(Ordering::Acquire) {
+            return Err(self.lost_error());
+        }
+        let nonce = self.ping_seq.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        lock(&self.waiters).ping.insert(nonce, tx);
+        let r = tokio::time::timeout(timeout, async {
+            self.ctrl[0]
+                .send(Frame::Ping { nonce }.encode())
+                .await
+                .ok()?;
+            rx.await.ok()
+        })
+        .await;
+        lock(&self.waiters).ping.remove(&nonce);
+        match r {
+            Ok(Some(())) => Ok(()),
+            _ if self.lost.load(Ordering::Acquire) => Err(self.lost_error()),
+            _ => Err(TransportError::PeerLost {
+                peer: self.id,
+                transport: NAME,
+                reason: format!("no answer to a probe within {timeout:?}"),
+            }),
+        }
+    }
+
+    /// Takes the next piece to send: at most `piece_bytes` of payload and
+    /// [`MAX_OPS_PER_FRAME`] descriptors of the oldest unfinished batch.
+    fn take_piece(&self, piece_bytes: u64) -> Option<Piece> {
+        let mut q = lock(&self.queue);
+        loop {
+            let job = q.front_mut()?;
+            if job.batch.stopped() {
+                q.pop_front();
+                continue;
+            }
+            let mut ops = Vec::new();
+            let mut bytes = 0u64;
+            while job.next < job.ops.len() && ops.len() < MAX_OPS_PER_FRAME && bytes < piece_bytes {
+                let op = &job.ops[job.next];
+                let take = (op.len - job.offset).min(piece_bytes - bytes);
+                if take > 0 {
+                    ops.push(LocalOp {
+                        region: op.region.clone(),
+                        local_offset: op.local_offset + job.offset,
+                        remote_region: op.remote_region,
+                        remote_offset: op.remote_offset + job.offset,
+                        len: take,
+                    });
+                }
+                bytes += take;
+                job.offset += take;
+                if job.offset == op.len {
+                    job.next += 1;
+                    job.offset = 0;
+                }
+            }
+            let batch = job.batch.clone();
+            if job.next >= job.ops.len() {
+                q.pop_front();
+            }
+            if !ops.is_empty() {
+                return Some(Piece { batch, ops });
+            }
+        }
+    }
+}
+
+fn link_to_transport(addr: SocketAddr, e: LinkError) -> TransportError {
+    match e {
+        LinkError::Protocol(e) => e.into(),
+        LinkError::Io(source) => TransportError::Io {
+            transport: NAME,
+            context: format!("connecting to {addr}"),
+            source,
+        },
+        LinkError::Eof => TransportError::Io {
+            transport: NAME,
+            context: format!(
+                "connecting to {addr}: the listener closed the connection during the handshake \
+                 (it may require a secret, or speak another protocol)"
+            ),
+            source: std::io::ErrorKind::ConnectionAborted.into(),
+        },
+        LinkError::Silent(d) => TransportError::Io {
+            transport: NAME,
+            context: format!("connecting to {addr}: no handshake answer within {d:?}"),
+            source: std::io::ErrorKind::TimedOut.into(),
+        },
+    }
+}
+
+/// Opens the connections to a peer and starts their tasks.
+pub(crate) async fn connect(shared: &Arc<Shared>, addr: SocketAddr) -> Result<Arc<OutPeer>> {
+    let cfg = &shared.config;
+    let count = cfg.connections_per_peer as u16;
+    let session = auth::random_u64();
+    let keepalive_ms = u32::try_from(cfg.keepalive_interval.as_millis()).unwrap_or(u32::MAX);
+    let mut streams = Vec::with_capacity(usize::from(count));
+    for index in 0..count {
+        let hello = HelloFields {
+            session,
+            conn_index: index,
+            conn_count: count,
+            keepalive_ms,
+        };
+        let attempt = tokio::time::timeout(cfg.connect_timeout, async {
+            let mut s = TcpStream::connect(addr).await.map_err(LinkError::Io)?;
+            let _ = s.set_nodelay(true);
+            conn::client_handshake(&mut s, cfg, hello).await?;
+            Ok::<_, LinkError>(s)
+        })
+        .await;
+        match attempt {
+            Ok(Ok(s)) => streams.push(s),
+            Ok(Err(e)) => return Err(link_to_transport(addr, e)),
+            Err(_) => {
+                return Err(link_to_transport(
+                    addr,
+                    LinkError::Silent(cfg.connect_timeout),
+                ));
+            }
+        }
+    }
+    let mut ctrl = Vec::new();
+    let mut halves = Vec::new();
+    for s in streams {
+        let (tx, rx) = mpsc::channel(CTRL_QUEUE);
+        ctrl.push(tx);
+        halves.push((s.into_split(), rx));
+    }
+    let peer = Arc::new(OutPeer {
+        id: shared.alloc_peer_id(),
+        addr,
+        ctrl,
+        queue: Mutex::new(VecDeque::new()),
+        work: Notify::new(),
+        waiters: Mutex::new(Waiters::default()),
+        lost: AtomicBool::new(false),
+        lost_reason: Mutex::new(None),
+        tasks: Mutex::new(Vec::new()),
+        ping_seq: AtomicU64::new(1),
+    });
+    {
+        let mut tasks = lock(&peer.tasks);
+        for (index, ((r, w), rx)) in halves.into_iter().enumerate() {
+            tasks.push(tokio::spawn(writer_task(
+                shared.clone(),
+                peer.clone(),
+                w,
+                rx,
+            )));
+            tasks.push(tokio::spawn(reader_task(
+                shared.clone(),
+                peer.clone(),
+                r,
+                index,
+            )));
+        }
+        tasks.push(tokio::spawn(keepalive_task(
+            peer.clone(),
+            cfg.keepalive_interval,
+        )));
+    }
+    lock(&shared.out_peers).insert(peer.id.0, peer.clone());
+    if shared.is_closed() {
+        peer.lose(shared, "the transport was shut down".into(), true);
+        return Err(shared.closed_err());
+    }
+    tracing::debug!(peer = %peer.id, %addr, connections = count, "connected");
+    Ok(peer)
+}
+
+async fn keepalive_task(peer: Arc<OutPeer>, interval: Duration) {
+    let ping = Frame::Ping { nonce: 0 }.encode();
+    loop {
+        tokio::time::sleep(interval).await;
+        for c in &peer.ctrl {
+            // A full queue already keeps the link busy; the reader's timeout does the detecting.
+            let _ = c.try_send(ping.clone());
+        }
+    }
+}
+
+async fn reader_task(shared: Arc<Shared>, peer: Arc<OutPeer>, mut r: OwnedReadHalf, index: usize) {
+    let mut buf = Vec::new();
+    let max = shared.config.max_frame_len;
+    let idle = shared.config.keepalive_timeout;
+    loop {
+        let frame = match conn::read_frame(&mut r, &mut buf, max, idle).await {
+            Ok(f) => f,
+            Err(e) => {
+                let remote_closed = !matches!(e, LinkError::Silent(_));
+                peer.lose(&shared, e.to_string(), remote_closed);
+                return;
+            }
+        };
+        match frame {
+            Frame::Pong { nonce } => {
+                if let Some(tx) = lock(&peer.waiters).ping.remove(&nonce) {
+                    let _ = tx.send(());
+                }
+            }
+            Frame::Ping { nonce } => {
+                let _ = peer.ctrl[index].try_send(Frame::Pong { nonce }.encode());
+            }
+            Frame::BeginAck { batch, .. } => {
+                if let Some(tx) = lock(&peer.waiters).begin.remove(&batch) {
+                    let _ = tx.send(frame);
+                }
+            }
+            Frame::Done { batch } => {
+                if let Some(b) = shared.batch(batch).filter(|b| b.peer == peer.id) {
+                    b.finish(Outcome::Done);
+                }
+            }
+            Frame::CancelAck { batch, status } => {
+                let mut w = lock(&peer.waiters);
+                if let Some(c) = w.cancel.get_mut(&batch) {
+                    c.remaining = c.remaining.saturating_sub(1);
+                    c.not_pending |= status == CancelStatus::NotPending;
+                    if c.remaining == 0 {
+                        if let Some(tx) = c.tx.take() {
+                            let _ = tx.send(c.not_pending);
+                        }
+                        w.cancel.remove(&batch);
+                    }
+                }
+            }
+            Frame::Error { code, message } => {
+                peer.lose(
+                    &shared,
+                    format!("the peer closed the connection with error {code}: {message}"),
+                    true,
+                );
+                return;
+            }
+            other => {
+                let e = TcpError::UnexpectedFrame {
+                    got: other.frame_type().name(),
+                    state: "sending batches",
+                };
+                peer.lose(&shared, e.to_string(), true);
+                return;
+            }
+        }
+    }
+}
+
+async fn writer_task(
+    shared: Arc<Shared>,
+    peer: Arc<OutPeer>,
+    mut w: OwnedWriteHalf,
+    mut ctrl: mpsc::Receiver<Vec<u8>>,
+) {
+    let piece_bytes = shared.config.piece_bytes;
+    let r: std::io::Result<()> = async {
+        loop {
+            // Control frames (cancels, pongs, pings) go first, between pieces.
+            match ctrl.try_recv() {
+                Ok(f) => {
+                    w.write_all(&f).await?;
+                    continue;
+                }
+                Err(mpsc::error::TryRecvError::Disconnected) => return Ok(()),
+                Err(mpsc::error::TryRecvError::Empty) => {}
+            }
+            let notified = peer.work.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(piece) = peer.take_piece(piece_bytes) {
+                send_piece(&w, piece).await?;
+                continue;
+            }
+            tokio::select! {
+                biased;
+                f = ctrl.recv() => match f {
+                    Some(f) => w.write_all(&f).await?,
+                    None => return Ok(()),
+                },
+                () = &mut notified => {}
+            }
+        }
+    }
+    .await;
+    if let Err(e) = r {
+        peer.lose(&shared, format!("sending to the peer failed: {e}"), true);
+    }
+}
+
+/// Bytes offered to one non-blocking vectored write (about a loopback socket buffer).
+const ATTEMPT_BYTES: u64 = 2 << 20;
+
+/// Source bytes of part of one descriptor: borrowed in place (zero-copy), or copied when the
+/// range is momentarily borrowed by another in-flight send.
+enum Source {
+    Borrowed(RegionSliceMut),
+    Copied(Vec<u8>),
+}
+
+impl Source {
+    fn acquire(region: &MemoryRegion, offset: u64, len: u64) -> Option<Self> {
+        if let Ok(s) = region.borrow_mut(offset, len) {
+            return Some(Source::Borrowed(s));
+        }
+        let mut v = vec![0u8; len as usize];
+        region
+            .read_at(offset, &mut v)
+            .ok()
+            .map(|()| Source::Copied(v))
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Source::Borrowed(s) => s,
+            Source::Copied(v) => v,
+        }
+    }
+}
+
+/// Writes a piece as one `Data` frame: header, descriptors and payloads in vectored writes.
+///
+/// Source ranges are borrowed only for the duration of each non-blocking `writev`, never
+/// while waiting for the socket, so the application can read its own memory meanwhile.
+async fn send_piece(w: &OwnedWriteHalf, piece: Piece) -> std::io::Result<()> {
+    let ops: Vec<WireOp> = piece
+        .ops
+        .iter()
+        .map(|op| WireOp {
+            region: op.remote_region,
+            offset: op.remote_offset,
+            len: op.len,
+        })
+        .collect();
+    let header = wire::encode_data_header(piece.batch.id.0, &ops);
+    let head = header.len() as u64;
+    let total = head + piece.ops.iter().map(|op| op.len).sum::<u64>();
+    let mut done = 0u64;
+    while done < total {
+        w.writable().await?;
+        let mut sources = Vec::new();
+        let mut budget = ATTEMPT_BYTES;
+        let mut at = head;
+        for op in &piece.ops {
+            let end = at + op.len;
+            if end <= done {
+                at = end;
+                continue;
+            }
+            let skip = done.saturating_sub(at);
+            let len = (op.len - skip).min(budget);
+            match Source::acquire(&op.region, op.local_offset + skip, len) {
+                Some(s) => sources.push(s),
+                None => break,
+            }
+            budget -= len;
+            at = end;
+            if budget == 0 {
+                break;
+            }
+        }
+        let header_left = &header[(done.min(head)) as usize..];
+        if header_left.is_empty() && sources.is_empty() {
+            // Another send holds the range for the length of one write; try again shortly.
+            tokio::time::sleep(Duration::from_micros(100)).await;
+            continue;
+        }
+        let mut slices = Vec::with_capacity(1 + sources.len());
+        if !header_left.is_empty() {
+            slices.push(IoSlice::new(header_left));
+        }
+        slices.extend(sources.iter().map(|s| IoSlice::new(s.bytes())));
+        match w.try_write_vectored(&slices) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => done += n as u64,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Posts a batch: local checks, `Begin` round trip (remote checks), then queue its pieces.
+pub(crate) async fn post(
+    shared: &Arc<Shared>,
+    peer: &Arc<OutPeer>,
+    id: BatchId,
+    batch: TransferBatch,
+) -> Result<()> {
+    if peer.lost.load(Ordering::Acquire) {
+        return Err(peer.lost_error());
+    }
+    let cfg = &shared.config;
+    // Bounds before bytes, local side.
+    let mut ops = Vec::with_capacity(batch.ops.len());
+    let mut needs: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut total = 0u64;
+    {
+        let regions = shared.regions.read().unwrap_or_else(|e| e.into_inner());
+        for op in &batch.ops {
+            let region = regions
+                .get(&op.local_region.0)
+                .ok_or(TransportError::UnknownRegion {
+                    side: Side::Local,
+                    region: op.local_region,
+                    transport: NAME,
+                })?;
+            region
+                .range(op.local_offset, op.len)
+                .map_err(|e| TransportError::OutOfBounds {
+                    side: Side::Local,
+                    region: op.local_region,
+                    offset: op.local_offset,
+                    len: op.len,
+                    region_len: e.region_len,
+                })?;
+            let end = op.remote_offset.saturating_add(op.len);
+            let need = needs.entry(op.remote_region.0).or_insert(0);
+            *need = (*need).max(end);
+            total = total
+                .checked_add(op.len)
+                .ok_or_else(|| TransportError::InvalidArgument {
+                    transport: NAME,
+                    message: "the batch's lengths add up to more than 2^64 bytes; split it".into(),
+                })?;
+            ops.push(LocalOp {
+                region: region.clone(),
+                local_offset: op.local_offset,
+                remote_region: op.remote_region.0,
+                remote_offset: op.remote_offset,
+                len: op.len,
+            });
+        }
+    }
+    let notification_len = batch.notification.as_ref().map_or(0, |n| n.len());
+    let begin_len = 29 + 16 * needs.len() + notification_len;
+    if begin_len > cfg.max_frame_len as usize {
+        return Err(TransportError::InvalidArgument {
+            transport: NAME,
+            message: format!(
+                "the notification ({notification_len} bytes) and {} distinct remote regions do not fit \
+                 one frame of {} bytes; shorten the notification or raise TcpConfig::max_frame_len",
+                needs.len(),
+                cfg.max_frame_len
+            ),
+        });
+    }
+    let posted = Instant::now();
+    let b = Arc::new(TxBatch::new(id, peer.id, batch.timeout, posted));
+    lock(&shared.batches).insert(id.0, b.clone());
+    let forget = || {
+        lock(&shared.batches).remove(&id.0);
+        lock(&peer.waiters).begin.remove(&id.0);
+    };
+    let (tx, rx) = oneshot::channel();
+    lock(&peer.waiters).begin.insert(id.0, tx);
+    let remaining = b.deadline.saturating_duration_since(Instant::now());
+    let remaining_ms = u64::try_from(remaining.as_millis()).unwrap_or(u64::MAX);
+    let begin = Frame::Begin {
+        batch: id.0,
+        remaining_ms,
+        total_bytes: total,
+        regions: needs
+            .iter()
+            .map(|(&region, &end)| RegionNeed { region, end })
+            .collect(),
+        notification: batch.notification.clone(),
+    };
+    let answer = tokio::time::timeout_at(b.deadline, async {
+        peer.ctrl[0].send(begin.encode()).await.ok()?;
+        rx.await.ok()
+    })
+    .await;
+    let ack = match answer {
+        Ok(Some(ack)) => ack,
+        Ok(None) => {
+            forget();
+            return Err(peer.lost_error());
+        }
+        Err(_) => {
+            // The deadline passed before the receiver answered: no byte was sent, so the batch
+            // ends timed out. Let the receiver forget it if it accepts it later.
+            lock(&peer.waiters).begin.remove(&id.0);
+            b.finish(Outcome::TimedOut);
+            for c in &peer.ctrl {
+                let _ = c.try_send(Frame::Cancel { batch: id.0 }.encode());
+            }
+            return Ok(());
+        }
+    };
+    let Frame::BeginAck {
+        status, regions, ..
+    } = ack
+    else {
+        forget();
+        return Err(peer.lost_error());
+    };
+    match status {
+        BeginStatus::Accepted => {}
+        BeginStatus::RegionRefused => {
+            forget();
+            let lens: HashMap<u64, Option<u64>> =
+                regions.iter().map(|r| (r.region, r.len)).collect();
+            for op in &batch.ops {
+                match lens.get(&op.remote_region.0).copied().flatten() {
+                    None => {
+                        return Err(TransportError::UnknownRegion {
+                            side: Side::Remote,
+                            region: op.remote_region,
+                            transport: NAME,
+                        });
+                    }
+                    Some(region_len) => {
+                        if checked_range(op.remote_offset, op.len, usize::MAX).is_err()
+                            || op.remote_offset.saturating_add(op.len) > region_len
+                        {
+                            return Err(TransportError::OutOfBounds {
+                                side: Side::Remote,
+                                region: op.remote_region,
+                                offset: op.remote_offset,
+                                len: op.len,
+                                region_len,
+                            });
+                        }
+                    }
+                }
+            }
+            return Err(TransportError::UnknownRegion {
+                side: Side::Remote,
+                region: regions.first().map_or(RegionId(0), |r| RegionId(r.region)),
+                transport: NAME,
+            });
+        }
+        BeginStatus::Busy => {
+            forget();
+            return Err(TransportError::BatchFailed {
+                batch: id,
+                peer: peer.id,
+                reason:
+                    "the peer has too many batches in flight from this transport; wait for some \
+                         (or raise its TcpConfig::max_inbound_batches)"
+                        .into(),
+            });
+        }
+    }
+    // The receiver stops applying this batch at most `remaining` after it saw the Begin,
+    // which was before now.
+    b.set_anchor(Instant::now() + remaining + Duration::from_millis(1));
+    if total > 0 {
+        lock(&peer.queue).push_back(Job {
+            batch: b.clone(),
+            ops,
+            next: 0,
+            offset: 0,
+        });
+        peer.work.notify_waiters();
+    }
+    let shared2 = shared.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            () = tokio::time::sleep_until(b.deadline) => fence(&shared2, &b, Outcome::TimedOut).await,
+            () = b.finished() => {}
+            () = shared2.wait_closed() => {}
+        }
+    });
+    Ok(())
+}
+
+/// Brings a pending batch to `outcome` so that no byte of it lands afterwards.
+pub(crate) async fn fence(shared: &Arc<Shared>, b: &Arc<TxBatch>, outcome: Outcome) {
+    let peer = shared.out_peer(b.peer.0);
+    fence_on(shared, peer, b, outcome).await;
+}
+
+async fn fence_on(
+    shared: &Arc<Shared>,
+    peer: Option<Arc<OutPeer>>,
+    b: &Arc<TxBatch>,
+    outcome: Outcome,
+) {
+    if b.is_final() {
+        return;
+    }
+    let grace = shared.config.fence_grace;
+    if !b.start_fence() {
+        // Someone else fences it; they finish it within their grace (or at the anchor).
+        let limit = b.anchor().unwrap_or_else(Instant::now).max(Instant::now()) + grace * 2;
+        if tokio::time::timeout_at(limit, b.finished()).await.is_err() {
+            b.finish(outcome);
+        }
+        return;
+    }
+    b.stop();
+    let Some(peer) = peer.filter(|p| !p.lost.load(Ordering::Acquire)) else {
+        // The peer is gone; losing it scheduled this batch's failure (at its anchor).
+        let limit = b.anchor().unwrap_or_else(Instant::now).max(Instant::now()) + grace;
+        if tokio::time::timeout_at(limit, b.finished()).await.is_err() {
+            b.finish(outcome);
+        }
+        return;
+    };
+    let (tx, rx) = oneshot::channel();
+    lock(&peer.waiters).cancel.insert(
+        b.id.0,
+        CancelWait {
+            remaining: peer.ctrl.len(),
+            not_pending: false,
+            tx: Some(tx),
+        },
+    );
+    let cancel = Frame::Cancel { batch: b.id.0 }.encode();
+    let acked = tokio::time::timeout(grace, async {
+        for c in &peer.ctrl {
+            c.send(cancel.clone()).await.ok()?;
+        }
+        rx.await.ok()
+    })
+    .await;
+    lock(&peer.waiters).cancel.remove(&b.id.0);
+    match acked {
+        // The receiver had already completed it: its `Done` is on the way.
+        Ok(Some(true)) => {
+            b.finish(Outcome::Done);
+        }
+        Ok(Some(false)) => {
+            b.finish(outcome);
+        }
+        _ => {
+            peer.lose(
+                shared,
+                format!(
+                    "the peer did not acknowledge the cancel of batch {} within {grace:?}",
+                    b.id
+                ),
+                false,
+            );
+            if let Some(anchor) = b.anchor() {
+                tokio::time::sleep_until(anchor).await;
+            }
+            b.finish(outcome);
+        }
+    }
+}
