@@ -1,0 +1,350 @@
+//! The control channel: how agents exchange small control messages (registration, per-room
+//! metadata, status, abort, abort-ack, heartbeat).
+//!
+//! KV bytes never travel here; they go through the [`KvTransport`](kvbridge_transport::KvTransport).
+//! The channel is a deliberately small trait so the same agents run in one process
+//! ([`InProcessControlHub`]) and across processes (a TCP implementation framing
+//! [`ControlMessage`]s as JSON).
+//!
+//! # Contract for implementations
+//!
+//! 1. **Addressing.** Endpoints are opaque strings ([`Endpoint`]); a channel knows its own
+//!    ([`ControlChannel::local_endpoint`]) and can send to any endpoint string a peer advertised.
+//! 2. **Order.** Messages from one sender to one receiver arrive in the order they were sent
+//!    (the agents rely on a room's metadata arriving before its abort).
+//! 3. **Bounded.** Queues are bounded; `send` may wait for room in the receiver's queue but
+//!    the agents always wrap it in a deadline, and report a [`SendTimeout`] naming the peer.
+//! 4. **No hang on loss.** Sending to a peer that is gone fails (or is dropped, like a lost
+//!    datagram) instead of blocking forever; the agents' timeouts and heartbeat turn silence
+//!    into failures.
+//! 5. **Self-contained messages.** Every [`ControlMessage`] is plain data (serde); nothing in it
+//!    refers to memory of the sending process, so a network implementation can frame it as JSON.
+//! 6. **Sender identity.** [`Envelope::from`] is the sender's endpoint as the sender named
+//!    itself (for logs); replies are addressed with the endpoints carried inside the messages.
+//!
+//! [`SendTimeout`]: crate::CoordinatorError::SendTimeout
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use crate::error::{CoordinatorError, Result};
+use crate::messages::ControlMessage;
+
+/// The address of an agent's control endpoint: an opaque string (`"prefill-0"` in process,
+/// `"10.0.0.5:17000"` over TCP).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Endpoint(pub String);
+
+impl Endpoint {
+    /// An endpoint from any string.
+    pub fn new(s: impl Into<String>) -> Self {
+        Endpoint(s.into())
+    }
+
+    /// The string.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for Endpoint {
+    fn from(s: &str) -> Self {
+        Endpoint(s.to_owned())
+    }
+}
+
+impl From<String> for Endpoint {
+    fn from(s: String) -> Self {
+        Endpoint(s)
+    }
+}
+
+/// A received control message and who sent it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Envelope {
+    /// The sender's endpoint, as the sender named itself.
+    pub from: Endpoint,
+    /// The message.
+    pub message: ControlMessage,
+}
+
+/// A bidirectional control channel bound to one local endpoint. See the [module docs](self)
+/// for the contract.
+#[async_trait::async_trait]
+pub trait ControlChannel: Send + Sync + 'static {
+    /// A short static name for logs and errors, e.g. `"in-process"` or `"tcp"`.
+    fn name(&self) -> &'static str;
+
+    /// This channel's own endpoint, which peers use to reach it.
+    fn local_endpoint(&self) -> Endpoint;
+
+    /// Sends `message` to `to`. May wait for queue space; never reorders messages to one peer.
+    async fn send(&self, to: &Endpoint, message: ControlMessage) -> Result<()>;
+
+    /// Waits for the next message from any peer. Returns
+    /// [`CoordinatorError::ChannelClosed`] once the channel is closed.
+    async fn recv(&self) -> Result<Envelope>;
+}
+
+/// A trait object of any control channel.
+pub type DynControlChannel = dyn ControlChannel;
+
+#[async_trait::async_trait]
+impl<T: ControlChannel + ?Sized> ControlChannel for Arc<T> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn local_endpoint(&self) -> Endpoint {
+        (**self).local_endpoint()
+    }
+    async fn send(&self, to: &Endpoint, message: ControlMessage) -> Result<()> {
+        (**self).send(to, message).await
+    }
+    async fn recv(&self) -> Result<Envelope> {
+        (**self).recv().await
+    }
+}
+
+const IN_PROCESS: &str = "in-process";
+
+/// Default per-endpoint queue length of the in-process hub.
+pub const DEFAULT_HUB_QUEUE: usize = 1024;
+
+#[derive(Debug)]
+struct Slot {
+    tx: mpsc::Sender<Envelope>,
+    id: u64,
+    partitioned: bool,
+    stalled: bool,
+}
+
+#[derive(Debug, Default)]
+struct HubState {
+    slots: HashMap<Endpoint, Slot>,
+    next_id: u64,
+}
+
+#[derive(Debug)]
+struct HubInner {
+    queue: usize,
+    json_roundtrip: bool,
+    state: Mutex<HubState>,
+}
+
+/// An in-process "network" of control endpoints: each [`InProcessChannel`] created from the
+/// hub gets a bounded queue, and sends go straight into the destination's queue.
+///
+/// By default every message is serialised to JSON and parsed back on the way, so in-process
+/// tests exercise exactly what crosses a process boundary. For fault tests the hub can
+/// partition an endpoint (its messages in both directions vanish, like a dead host) or stall it
+/// (sends to it never complete, like a peer that stopped reading its socket).
+///
+/// ```
+/// use kvbridge_coordinator::{ControlChannel, ControlMessage, Heartbeat, InProcessControlHub};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let hub = InProcessControlHub::new();
+/// let a = hub.channel("a").unwrap();
+/// let b = hub.channel("b").unwrap();
+/// a.send(&b.local_endpoint(), ControlMessage::Ping(Heartbeat { nonce: 1 })).await.unwrap();
+/// let got = b.recv().await.unwrap();
+/// assert_eq!(got.from.as_str(), "a");
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct InProcessControlHub {
+    inner: Arc<HubInner>,
+}
+
+impl Default for InProcessControlHub {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl InProcessControlHub {
+    /// A hub with [`DEFAULT_HUB_QUEUE`] messages per endpoint and JSON round-tripping on.
+    pub fn new() -> Self {
+        Self::with_options(DEFAULT_HUB_QUEUE, true)
+    }
+
+    /// A hub with `queue` messages per endpoint (at least 1) and JSON round-tripping on or off.
+    pub fn with_options(queue: usize, json_roundtrip: bool) -> Self {
+        Self {
+            inner: Arc::new(HubInner {
+                queue: queue.max(1),
+                json_roundtrip,
+                state: Mutex::new(HubState::default()),
+            }),
+        }
+    }
+
+    /// Creates the channel of endpoint `name`. Fails if the name is taken by a live channel.
+    ///
+    /// # Errors
+    /// [`CoordinatorError::ChannelClosed`] when the endpoint name is in use.
+    pub fn channel(&self, name: impl Into<String>) -> Result<InProcessChannel> {
+        let endpoint = Endpoint(name.into());
+        let (tx, rx) = mpsc::channel(self.inner.queue);
+        let mut st = self.inner.lock();
+        if st.slots.contains_key(&endpoint) {
+            return Err(CoordinatorError::ChannelClosed {
+                channel: IN_PROCESS,
+                reason: format!(
+                    "endpoint {endpoint} is already taken on this hub; give every agent its own endpoint name"
+                ),
+            });
+        }
+        st.next_id += 1;
+        let id = st.next_id;
+        st.slots.insert(
+            endpoint.clone(),
+            Slot {
+                tx,
+                id,
+                partitioned: false,
+                stalled: false,
+            },
+        );
+        Ok(InProcessChannel {
+            hub: self.inner.clone(),
+            endpoint,
+            id,
+            rx: tokio::sync::Mutex::new(rx),
+        })
+    }
+
+    /// Partitions `endpoint` (or heals it): while partitioned, messages to it and from it are
+    /// silently dropped, like packets to a dead or unreachable host.
+    pub fn set_partitioned(&self, endpoint: &Endpoint, partitioned: bool) {
+        if let Some(slot) = self.inner.lock().slots.get_mut(endpoint) {
+            slot.partitioned = partitioned;
+        }
+    }
+
+    /// Stalls `endpoint` (or un-stalls it): while stalled, sends to it never complete, like a
+    /// peer that stopped reading a full socket.
+    pub fn set_stalled(&self, endpoint: &Endpoint, stalled: bool) {
+        if let Some(slot) = self.inner.lock().slots.get_mut(endpoint) {
+            slot.stalled = stalled;
+        }
+    }
+
+    /// Endpoints currently registered on the hub.
+    pub fn endpoints(&self) -> Vec<Endpoint> {
+        let mut v: Vec<_> = self.inner.lock().slots.keys().cloned().collect();
+        v.sort();
+        v
+    }
+}
+
+impl HubInner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HubState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// One endpoint of an [`InProcessControlHub`]. Dropping it removes the endpoint from the hub
+/// (later sends to it fail with [`CoordinatorError::UnknownEndpoint`]).
+#[derive(Debug)]
+pub struct InProcessChannel {
+    hub: Arc<HubInner>,
+    endpoint: Endpoint,
+    id: u64,
+    rx: tokio::sync::Mutex<mpsc::Receiver<Envelope>>,
+}
+
+impl Drop for InProcessChannel {
+    fn drop(&mut self) {
+        let mut st = self.hub.lock();
+        if st
+            .slots
+            .get(&self.endpoint)
+            .is_some_and(|s| s.id == self.id)
+        {
+            st.slots.remove(&self.endpoint);
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl ControlChannel for InProcessChannel {
+    fn name(&self) -> &'static str {
+        IN_PROCESS
+    }
+
+    fn local_endpoint(&self) -> Endpoint {
+        self.endpoint.clone()
+    }
+
+    async fn send(&self, to: &Endpoint, message: ControlMessage) -> Result<()> {
+        let message = if self.hub.json_roundtrip {
+            let text = serde_json::to_string(&message).map_err(|e| CoordinatorError::Protocol {
+                channel: IN_PROCESS,
+                endpoint: self.endpoint.clone(),
+                message: format!("message does not serialise to JSON: {e}"),
+            })?;
+            serde_json::from_str(&text).map_err(|e| CoordinatorError::Protocol {
+                channel: IN_PROCESS,
+                endpoint: self.endpoint.clone(),
+                message: format!("message does not parse back from its JSON {text}: {e}"),
+            })?
+        } else {
+            message
+        };
+        let (tx, drop_it, stalled) = {
+            let st = self.hub.lock();
+            let me_partitioned = st.slots.get(&self.endpoint).is_some_and(|s| s.partitioned);
+            match st.slots.get(to) {
+                None => {
+                    return Err(CoordinatorError::UnknownEndpoint {
+                        channel: IN_PROCESS,
+                        endpoint: to.clone(),
+                    });
+                }
+                Some(slot) => (
+                    slot.tx.clone(),
+                    me_partitioned || slot.partitioned,
+                    slot.stalled,
+                ),
+            }
+        };
+        if stalled {
+            std::future::pending::<()>().await;
+        }
+        if drop_it {
+            tracing::trace!(to = %to, kind = message.kind(), "in-process hub: partitioned, message dropped");
+            return Ok(());
+        }
+        tx.send(Envelope {
+            from: self.endpoint.clone(),
+            message,
+        })
+        .await
+        .map_err(|_| CoordinatorError::UnknownEndpoint {
+            channel: IN_PROCESS,
+            endpoint: to.clone(),
+        })
+    }
+
+    async fn recv(&self) -> Result<Envelope> {
+        let mut rx = self.rx.lock().await;
+        rx.recv()
+            .await
+            .ok_or_else(|| CoordinatorError::ChannelClosed {
+                channel: IN_PROCESS,
+                reason: format!("endpoint {} was removed from its hub", self.endpoint),
+            })
+    }
+}

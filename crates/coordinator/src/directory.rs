@@ -1,0 +1,78 @@
+//! How a decode agent finds the prefill ranks behind a bootstrap address.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use kvbridge_handshake::PeerDescriptor;
+use serde::{Deserialize, Serialize};
+
+use crate::channel::Endpoint;
+use crate::error::{CoordinatorError, Result};
+
+/// One prefill rank as published to a bootstrap registry: its descriptor and control endpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrefillRankInfo {
+    /// The rank's control endpoint.
+    pub endpoint: Endpoint,
+    /// The rank's descriptor (its TP/CP/PP/DCP coordinates identify it).
+    pub descriptor: PeerDescriptor,
+}
+
+/// Resolves a bootstrap address (`host:port` of a prefill deployment) to its prefill ranks.
+///
+/// In one process use [`StaticDirectory`]; across processes an HTTP client of the prefill's
+/// bootstrap service implements it. Implementations return every rank of the deployment, or
+/// an error ([`CoordinatorError::Directory`]) while the deployment is not fully registered.
+#[async_trait::async_trait]
+pub trait PrefillDirectory: Send + Sync + 'static {
+    /// Every prefill rank behind `bootstrap_addr`.
+    async fn prefill_ranks(&self, bootstrap_addr: &str) -> Result<Vec<PrefillRankInfo>>;
+}
+
+/// A fixed, in-memory [`PrefillDirectory`].
+#[derive(Debug, Clone, Default)]
+pub struct StaticDirectory {
+    map: Arc<Mutex<HashMap<String, Vec<PrefillRankInfo>>>>,
+}
+
+impl StaticDirectory {
+    /// An empty directory.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Publishes (or replaces) the ranks behind `bootstrap_addr`.
+    pub fn insert(&self, bootstrap_addr: impl Into<String>, ranks: Vec<PrefillRankInfo>) {
+        self.lock().insert(bootstrap_addr.into(), ranks);
+    }
+
+    /// Adds one rank behind `bootstrap_addr`.
+    pub fn add_rank(&self, bootstrap_addr: impl Into<String>, rank: PrefillRankInfo) {
+        self.lock()
+            .entry(bootstrap_addr.into())
+            .or_default()
+            .push(rank);
+    }
+
+    /// Forgets `bootstrap_addr`.
+    pub fn remove(&self, bootstrap_addr: &str) {
+        self.lock().remove(bootstrap_addr);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<PrefillRankInfo>>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[async_trait::async_trait]
+impl PrefillDirectory for StaticDirectory {
+    async fn prefill_ranks(&self, bootstrap_addr: &str) -> Result<Vec<PrefillRankInfo>> {
+        self.lock()
+            .get(bootstrap_addr)
+            .cloned()
+            .ok_or_else(|| CoordinatorError::Directory {
+                addr: bootstrap_addr.to_owned(),
+                reason: "no prefill ranks are registered under this address".to_owned(),
+            })
+    }
+}

@@ -1,0 +1,334 @@
+//! Control messages (spec 03 §4), as plain serde data.
+//!
+//! Every message carries everything a process boundary needs: endpoints to reply to, region
+//! ids *as the peer's transport knows them*, the transport descriptor bytes, the room and its
+//! generation. Nothing refers to memory of the sending process. The JSON form is
+//! `{"type": "<kind>", ...fields}` (e.g. `{"type":"ping","nonce":7}`), stable within a
+//! [`CONTROL_PROTOCOL_VERSION`].
+
+use serde::{Deserialize, Serialize};
+
+use kvbridge_handshake::PeerDescriptor;
+
+use crate::channel::Endpoint;
+use crate::state::{FailureCause, RoomState};
+
+/// Version of the control protocol. A registration with another major version is refused.
+pub const CONTROL_PROTOCOL_VERSION: u32 = 1;
+
+/// One control message. See each payload for its fields and when it is sent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ControlMessage {
+    /// Decode rank → each target prefill rank, once per peer pair.
+    Register(Registration),
+    /// Prefill rank → decode rank: the answer to a [`Registration`].
+    RegisterReply(RegistrationReply),
+    /// Decode rank → each target prefill rank, once per room (SGLang's "TransferInfo").
+    TransferInfo(TransferInfo),
+    /// Prefill rank → decode rank: a room's state on the prefill (Success / Failed).
+    Status(StatusUpdate),
+    /// Decode rank → each prefill peer of a room: stop, and acknowledge when nothing of the
+    /// room can land any more.
+    Abort(AbortRequest),
+    /// Prefill rank → decode rank: no byte of the room can land any more.
+    AbortAck(AbortAck),
+    /// Heartbeat request (decode → prefill).
+    Ping(Heartbeat),
+    /// Heartbeat answer (prefill → decode), echoing the nonce.
+    Pong(Heartbeat),
+}
+
+impl ControlMessage {
+    /// The message kind, as in the JSON `type` field.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ControlMessage::Register(_) => "register",
+            ControlMessage::RegisterReply(_) => "register_reply",
+            ControlMessage::TransferInfo(_) => "transfer_info",
+            ControlMessage::Status(_) => "status",
+            ControlMessage::Abort(_) => "abort",
+            ControlMessage::AbortAck(_) => "abort_ack",
+            ControlMessage::Ping(_) => "ping",
+            ControlMessage::Pong(_) => "pong",
+        }
+    }
+
+    /// The room the message is about, if any.
+    pub fn room(&self) -> Option<u64> {
+        match self {
+            ControlMessage::TransferInfo(m) => Some(m.room),
+            ControlMessage::Status(m) => Some(m.room),
+            ControlMessage::Abort(m) => Some(m.room),
+            ControlMessage::AbortAck(m) => Some(m.room),
+            _ => None,
+        }
+    }
+}
+
+/// A piece of registered memory as the owning side's transport knows it: `len` bytes at
+/// `offset` inside region `region`. One per KV entry (target then draft) and one per aux buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct WireRegion {
+    /// The region id on the owner's transport (`RegionId.0`).
+    pub region: u64,
+    /// Byte offset of the entry inside the region.
+    pub offset: u64,
+    /// Bytes of the entry.
+    pub len: u64,
+}
+
+/// How to reach a side's [`KvTransport`](kvbridge_transport::KvTransport).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransportInfo {
+    /// The transport's `name()`; both sides must use the same kind of transport.
+    pub name: String,
+    /// The transport's `local_descriptor()` bytes, hex encoded in JSON.
+    #[serde(with = "hex_bytes")]
+    pub descriptor: Vec<u8>,
+}
+
+/// Decode rank → prefill rank, once per peer pair (spec 02 §2.4): who the decode is and where
+/// its memory is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Registration {
+    /// [`CONTROL_PROTOCOL_VERSION`] of the sender.
+    pub protocol: u32,
+    /// The decode rank's control endpoint (status, acks and pongs go here).
+    pub decode_endpoint: Endpoint,
+    /// A value unique to this incarnation of the decode agent; a new value from the same
+    /// endpoint means the decode restarted, and its old rooms are failed.
+    pub session: u64,
+    /// The decode rank's descriptor (checked against the prefill's with `kvbridge_handshake`).
+    pub descriptor: PeerDescriptor,
+    /// How to reach the decode's transport.
+    pub transport: TransportInfo,
+    /// One region per KV entry, in descriptor order (target then draft).
+    pub kv_regions: Vec<WireRegion>,
+    /// One region per aux buffer, in descriptor order.
+    pub aux_regions: Vec<WireRegion>,
+}
+
+/// One compatibility problem on the wire (code, message, remedy), as `kvbridge_handshake`
+/// reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireProblem {
+    /// Stable problem code, e.g. `KVB-E007`.
+    pub code: String,
+    /// What is wrong, with the values seen.
+    pub message: String,
+    /// How to fix it.
+    pub remedy: String,
+}
+
+impl From<&kvbridge_handshake::Problem> for WireProblem {
+    fn from(p: &kvbridge_handshake::Problem) -> Self {
+        WireProblem {
+            code: p.code.as_str().to_owned(),
+            message: p.message.clone(),
+            remedy: p.remedy.clone(),
+        }
+    }
+}
+
+impl std::fmt::Display for WireProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {} (fix: {})", self.code, self.message, self.remedy)
+    }
+}
+
+/// Renders every problem on one line each, prefixed by a count.
+pub fn render_problems(problems: &[WireProblem]) -> String {
+    let mut out = format!(
+        "prefill and decode are incompatible ({} problem{}):",
+        problems.len(),
+        if problems.len() == 1 { "" } else { "s" }
+    );
+    for p in problems {
+        out.push_str("\n  ");
+        out.push_str(&p.to_string());
+    }
+    out
+}
+
+/// The outcome of a registration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum RegistrationOutcome {
+    /// The prefill will serve this decode rank.
+    Accepted {
+        /// The prefill rank's descriptor.
+        descriptor: PeerDescriptor,
+    },
+    /// The prefill refuses this decode rank; every problem is listed.
+    Rejected {
+        /// Every problem found (never empty).
+        problems: Vec<WireProblem>,
+    },
+}
+
+/// Prefill rank → decode rank: the answer to a [`Registration`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RegistrationReply {
+    /// [`CONTROL_PROTOCOL_VERSION`] of the sender.
+    pub protocol: u32,
+    /// The prefill rank's control endpoint.
+    pub prefill_endpoint: Endpoint,
+    /// The prefill rank's id in status messages (spec 03 §1).
+    pub prefill_rank: u32,
+    /// The decode session this answers.
+    pub session: u64,
+    /// Accepted or rejected.
+    pub result: RegistrationOutcome,
+}
+
+/// Decode rank → prefill rank, once per room: where this decode rank wants the room's KV.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferInfo {
+    /// The room.
+    pub room: u64,
+    /// The room's generation on the decode (echoed in statuses).
+    pub generation: u64,
+    /// The decode rank's control endpoint.
+    pub decode_endpoint: Endpoint,
+    /// The decode session (must match the registration).
+    pub session: u64,
+    /// Destination page ids for the whole send range (virtual pages under DCP); empty for a
+    /// dummy peer.
+    pub dst_pages: Vec<u64>,
+    /// The decode's aux (metadata) row for this room; `None` for a dummy peer.
+    pub dst_aux_index: Option<u64>,
+    /// This prefill rank sends nothing for this decode rank (it only learns the room).
+    pub is_dummy: bool,
+    /// How many decode ranks register this room at this prefill rank.
+    pub required_dst_info_num: u32,
+    /// Tokens the decode already holds; the prefill sends from here.
+    pub decode_prefix_len: u64,
+}
+
+/// Prefill rank → decode rank: a room's state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatusUpdate {
+    /// The room.
+    pub room: u64,
+    /// The generation from the room's [`TransferInfo`].
+    pub generation: u64,
+    /// The state (Success or Failed; others are ignored by the decode).
+    pub state: RoomState,
+    /// The sender's prefill unique rank.
+    pub prefill_rank: u32,
+    /// The failure reason, when Failed.
+    pub reason: Option<String>,
+    /// The failure cause, when Failed.
+    pub cause: Option<FailureCause>,
+}
+
+/// Decode rank → prefill rank: abort the room and acknowledge once nothing can land.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AbortRequest {
+    /// The room.
+    pub room: u64,
+    /// A fresh generation armed for this abort; only acks carrying it count.
+    pub generation: u64,
+    /// Where to send the ack.
+    pub decode_endpoint: Endpoint,
+    /// Why (for the prefill's log and its room's failure reason).
+    pub reason: String,
+}
+
+/// Prefill rank → decode rank: no byte of the room can land any more (every batch of the room
+/// reached a final state, and none will be posted).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AbortAck {
+    /// The room.
+    pub room: u64,
+    /// The generation of the abort being acknowledged.
+    pub generation: u64,
+    /// The acknowledging prefill unique rank.
+    pub prefill_rank: u32,
+    /// The acknowledging prefill endpoint.
+    pub prefill_endpoint: Endpoint,
+}
+
+/// Heartbeat payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// Echoed by the answer.
+    pub nonce: u64,
+}
+
+mod hex_bytes {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut out = String::with_capacity(bytes.len() * 2);
+        for b in bytes {
+            out.push(HEX[(b >> 4) as usize] as char);
+            out.push(HEX[(b & 15) as usize] as char);
+        }
+        s.serialize_str(&out)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        if s.len() % 2 != 0 {
+            return Err(serde::de::Error::custom(format!(
+                "hex string has odd length {}",
+                s.len()
+            )));
+        }
+        let nibble = |c: u8| -> Result<u8, D::Error> {
+            match c {
+                b'0'..=b'9' => Ok(c - b'0'),
+                b'a'..=b'f' => Ok(c - b'a' + 10),
+                b'A'..=b'F' => Ok(c - b'A' + 10),
+                _ => Err(serde::de::Error::custom(format!(
+                    "invalid hex digit {:?}",
+                    c as char
+                ))),
+            }
+        };
+        s.as_bytes()
+            .chunks_exact(2)
+            .map(|p| Ok((nibble(p[0])? << 4) | nibble(p[1])?))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_shape_is_tagged_and_round_trips() {
+        let m = ControlMessage::Ping(Heartbeat { nonce: 7 });
+        assert_eq!(
+            serde_json::to_string(&m).unwrap(),
+            r#"{"type":"ping","nonce":7}"#
+        );
+        let t = TransportInfo {
+            name: "loopback".into(),
+            descriptor: vec![0, 1, 0xab, 0xff],
+        };
+        let j = serde_json::to_string(&t).unwrap();
+        assert_eq!(j, r#"{"name":"loopback","descriptor":"0001abff"}"#);
+        assert_eq!(serde_json::from_str::<TransportInfo>(&j).unwrap(), t);
+        assert!(
+            serde_json::from_str::<TransportInfo>(r#"{"name":"x","descriptor":"0g"}"#).is_err()
+        );
+        let s = ControlMessage::Status(StatusUpdate {
+            room: 9,
+            generation: 2,
+            state: RoomState::Failed,
+            prefill_rank: 1,
+            reason: Some("boom".into()),
+            cause: Some(FailureCause::TransferError),
+        });
+        let j = serde_json::to_string(&s).unwrap();
+        assert!(j.starts_with(r#"{"type":"status","room":9"#), "{j}");
+        assert_eq!(serde_json::from_str::<ControlMessage>(&j).unwrap(), s);
+        assert_eq!(s.room(), Some(9));
+        assert_eq!(s.kind(), "status");
+    }
+}

@@ -1,0 +1,220 @@
+//! Counters and a latency histogram per agent, read as a [`MetricsSnapshot`].
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::state::{FailureCause, RoomState};
+
+/// Upper bounds (milliseconds) of the transfer latency histogram buckets; a last, unbounded
+/// bucket catches the rest.
+pub const LATENCY_BUCKETS_MS: [u64; 14] = [
+    1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 30_000,
+];
+
+/// A fixed-bucket latency histogram.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LatencyHistogram {
+    /// Upper bound of each bucket in milliseconds ([`LATENCY_BUCKETS_MS`]).
+    pub bounds_ms: Vec<u64>,
+    /// Samples per bucket; one more entry than `bounds_ms` (the overflow bucket).
+    pub counts: Vec<u64>,
+    /// Number of samples.
+    pub count: u64,
+    /// Sum of all samples in microseconds.
+    pub sum_us: u64,
+}
+
+impl LatencyHistogram {
+    fn new() -> Self {
+        Self {
+            bounds_ms: LATENCY_BUCKETS_MS.to_vec(),
+            counts: vec![0; LATENCY_BUCKETS_MS.len() + 1],
+            count: 0,
+            sum_us: 0,
+        }
+    }
+
+    fn record(&mut self, d: Duration) {
+        let ms = d.as_millis();
+        let i = LATENCY_BUCKETS_MS
+            .iter()
+            .position(|&b| ms <= u128::from(b))
+            .unwrap_or(LATENCY_BUCKETS_MS.len());
+        self.counts[i] += 1;
+        self.count += 1;
+        self.sum_us = self
+            .sum_us
+            .saturating_add(u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+    }
+
+    /// The upper bound (ms) of the bucket holding quantile `q` (0..=1); `None` when empty or
+    /// in the overflow bucket.
+    pub fn quantile_upper_ms(&self, q: f64) -> Option<u64> {
+        if self.count == 0 {
+            return None;
+        }
+        let rank = ((q.clamp(0.0, 1.0) * self.count as f64).ceil() as u64).max(1);
+        let mut seen = 0;
+        for (i, c) in self.counts.iter().enumerate() {
+            seen += c;
+            if seen >= rank {
+                return self.bounds_ms.get(i).copied();
+            }
+        }
+        None
+    }
+}
+
+/// A point-in-time copy of an agent's metrics.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MetricsSnapshot {
+    /// Rooms currently held, by state.
+    pub rooms_by_state: BTreeMap<RoomState, u64>,
+    /// Rooms created since start.
+    pub rooms_created: u64,
+    /// Rooms that reached Success.
+    pub rooms_succeeded: u64,
+    /// Rooms that reached Failed.
+    pub rooms_failed: u64,
+    /// Payload bytes in batches that completed (prefill: sent; decode: 0, the decode does not
+    /// post).
+    pub bytes_transferred: u64,
+    /// Batches posted.
+    pub batches_posted: u64,
+    /// Batches that completed.
+    pub batches_done: u64,
+    /// Batches that failed, timed out or were cancelled.
+    pub batches_failed: u64,
+    /// Descriptors (byte ranges) posted.
+    pub descriptors_posted: u64,
+    /// Failed rooms by cause.
+    pub failures_by_cause: BTreeMap<FailureCause, u64>,
+    /// Rooms whose pages were proven fenced after a failure (decode).
+    pub rooms_fenced: u64,
+    /// Control messages sent.
+    pub control_sent: u64,
+    /// Control messages received.
+    pub control_received: u64,
+    /// Time from a room's creation to Success.
+    pub transfer_latency: LatencyHistogram,
+}
+
+/// The live counters behind a snapshot (shared by an agent's tasks).
+#[derive(Debug)]
+pub(crate) struct Metrics {
+    pub(crate) rooms_created: AtomicU64,
+    pub(crate) rooms_succeeded: AtomicU64,
+    pub(crate) rooms_failed: AtomicU64,
+    pub(crate) bytes_transferred: AtomicU64,
+    pub(crate) batches_posted: AtomicU64,
+    pub(crate) batches_done: AtomicU64,
+    pub(crate) batches_failed: AtomicU64,
+    pub(crate) descriptors_posted: AtomicU64,
+    pub(crate) rooms_fenced: AtomicU64,
+    pub(crate) control_sent: AtomicU64,
+    pub(crate) control_received: AtomicU64,
+    failures: Mutex<BTreeMap<FailureCause, u64>>,
+    latency: Mutex<LatencyHistogram>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            rooms_created: AtomicU64::new(0),
+            rooms_succeeded: AtomicU64::new(0),
+            rooms_failed: AtomicU64::new(0),
+            bytes_transferred: AtomicU64::new(0),
+            batches_posted: AtomicU64::new(0),
+            batches_done: AtomicU64::new(0),
+            batches_failed: AtomicU64::new(0),
+            descriptors_posted: AtomicU64::new(0),
+            rooms_fenced: AtomicU64::new(0),
+            control_sent: AtomicU64::new(0),
+            control_received: AtomicU64::new(0),
+            failures: Mutex::new(BTreeMap::new()),
+            latency: Mutex::new(LatencyHistogram::new()),
+        }
+    }
+}
+
+pub(crate) fn inc(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+pub(crate) fn add(c: &AtomicU64, v: u64) {
+    c.fetch_add(v, Ordering::Relaxed);
+}
+
+impl Metrics {
+    pub(crate) fn failed(&self, cause: FailureCause) {
+        inc(&self.rooms_failed);
+        *self
+            .failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(cause)
+            .or_default() += 1;
+    }
+
+    pub(crate) fn succeeded(&self, latency: Duration) {
+        inc(&self.rooms_succeeded);
+        self.latency
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .record(latency);
+    }
+
+    pub(crate) fn snapshot(&self, rooms_by_state: BTreeMap<RoomState, u64>) -> MetricsSnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        MetricsSnapshot {
+            rooms_by_state,
+            rooms_created: get(&self.rooms_created),
+            rooms_succeeded: get(&self.rooms_succeeded),
+            rooms_failed: get(&self.rooms_failed),
+            bytes_transferred: get(&self.bytes_transferred),
+            batches_posted: get(&self.batches_posted),
+            batches_done: get(&self.batches_done),
+            batches_failed: get(&self.batches_failed),
+            descriptors_posted: get(&self.descriptors_posted),
+            failures_by_cause: self
+                .failures
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+            rooms_fenced: get(&self.rooms_fenced),
+            control_sent: get(&self.control_sent),
+            control_received: get(&self.control_received),
+            transfer_latency: self
+                .latency
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_and_quantiles() {
+        let mut h = LatencyHistogram::new();
+        assert_eq!(h.quantile_upper_ms(0.5), None);
+        for ms in [1, 3, 3, 40, 100_000] {
+            h.record(Duration::from_millis(ms));
+        }
+        assert_eq!(h.count, 5);
+        assert_eq!(h.counts[0], 1);
+        assert_eq!(h.counts[2], 2);
+        assert_eq!(h.counts[5], 1);
+        assert_eq!(*h.counts.last().unwrap(), 1);
+        assert_eq!(h.quantile_upper_ms(0.5), Some(5));
+        assert_eq!(h.quantile_upper_ms(0.8), Some(50));
+        assert_eq!(h.quantile_upper_ms(1.0), None);
+    }
+}

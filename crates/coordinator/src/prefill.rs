@@ -1,0 +1,1691 @@
+//! The prefill (sending) agent.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use kvbridge_handshake::{PeerDescriptor, check_with, prefill_unique_rank};
+use kvbridge_transport::{BatchId, KvTransport, PeerId, TransferBatch, TransportError};
+use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::task::{AbortHandle, JoinSet};
+use tokio::time::Instant;
+use tracing::{Span, field};
+
+use crate::agreement::{LocalOnly, RankAgreement};
+use crate::channel::{ControlChannel, Endpoint, Envelope};
+use crate::config::PrefillConfig;
+use crate::directory::PrefillRankInfo;
+use crate::error::{CoordinatorError, Result};
+use crate::memory::KvMemory;
+use crate::messages::{
+    AbortAck, AbortRequest, CONTROL_PROTOCOL_VERSION, ControlMessage, Registration,
+    RegistrationOutcome, RegistrationReply, StatusUpdate, TransferInfo, WireProblem,
+    render_problems,
+};
+use crate::metrics::{Metrics, MetricsSnapshot, add, inc};
+use crate::outbox::Outbox;
+use crate::plan::{Chunk, PeerPlan};
+use crate::state::{
+    FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, wait_at_least,
+    wait_terminal,
+};
+use crate::timer::{TimerGuard, spawn_timer};
+
+const SIDE: &str = "prefill";
+
+/// Registrations handled concurrently (each may connect the transport).
+const REGISTRATION_CONCURRENCY: usize = 16;
+
+/// Builder of a [`PrefillAgent`]; see [`PrefillAgent::builder`].
+pub struct PrefillAgentBuilder {
+    descriptor: PeerDescriptor,
+    memory: KvMemory,
+    transport: Arc<dyn KvTransport>,
+    channel: Arc<dyn ControlChannel>,
+    config: PrefillConfig,
+    agreement: Arc<dyn RankAgreement>,
+}
+
+impl std::fmt::Debug for PrefillAgentBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillAgentBuilder")
+            .field("descriptor", &self.descriptor)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PrefillAgentBuilder {
+    /// Sets the configuration (default [`PrefillConfig::default`]).
+    #[must_use]
+    pub fn config(mut self, config: PrefillConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Sets the cross-rank agreement hook (default [`LocalOnly`]).
+    #[must_use]
+    pub fn agreement(mut self, agreement: Arc<dyn RankAgreement>) -> Self {
+        self.agreement = agreement;
+        self
+    }
+
+    /// Validates the setup and starts the agent's control loop. Must be called inside a tokio
+    /// runtime (with the time driver).
+    ///
+    /// # Errors
+    /// [`CoordinatorError::InvalidSetup`] when the descriptor is not a prefill's, its memory
+    /// does not match it, or no tokio runtime is running.
+    pub fn start(self) -> Result<PrefillAgent> {
+        let d = &self.descriptor;
+        if d.role != kvbridge_handshake::Role::Prefill {
+            return Err(CoordinatorError::InvalidSetup {
+                message: format!(
+                    "a PrefillAgent needs a descriptor with role \"prefill\", got \"{}\"",
+                    d.role
+                ),
+            });
+        }
+        self.memory.validate(d)?;
+        let runtime =
+            tokio::runtime::Handle::try_current().map_err(|_| CoordinatorError::InvalidSetup {
+                message: "PrefillAgent::start must be called inside a tokio runtime".to_owned(),
+            })?;
+        let metrics = Arc::new(Metrics::default());
+        let unique_rank = prefill_unique_rank(
+            d.attn_tp_rank,
+            d.attn_cp_rank,
+            d.pp_rank,
+            d.attn_cp_size.max(1),
+            d.pp_size.max(1),
+        );
+        let inner = Arc::new_cyclic(|weak: &Weak<PrefillInner>| {
+            let w = weak.clone();
+            let outbox = Outbox::new(
+                self.channel.clone(),
+                self.config.control_send_timeout,
+                self.config.control_queue,
+                metrics.clone(),
+                Arc::new(move |to, kind, room, err| {
+                    let w = w.clone();
+                    let to = to.clone();
+                    tokio::spawn(async move {
+                        if let Some(inner) = w.upgrade() {
+                            inner.on_send_failed(&to, kind, room, err);
+                        }
+                    });
+                }),
+            );
+            PrefillInner {
+                endpoint: self.channel.local_endpoint(),
+                config: self.config,
+                descriptor: self.descriptor,
+                unique_rank,
+                memory: self.memory,
+                transport: self.transport,
+                channel: self.channel,
+                outbox,
+                metrics,
+                agreement: self.agreement,
+                state: Mutex::new(PrefillState::default()),
+                control_task: Mutex::new(None),
+                registrations: Arc::new(Semaphore::new(REGISTRATION_CONCURRENCY)),
+            }
+        });
+        let task = runtime.spawn(control_loop(inner.channel.clone(), Arc::downgrade(&inner)));
+        *inner.control_task.lock().unwrap_or_else(|e| e.into_inner()) = Some(task.abort_handle());
+        tracing::info!(
+            endpoint = %inner.endpoint,
+            rank = inner.unique_rank,
+            transport = inner.transport.name(),
+            "prefill agent started"
+        );
+        Ok(PrefillAgent { inner })
+    }
+}
+
+/// The sending side of kvbridge: serves decode ranks that register with it, and sends each
+/// room's chunks to the decode ranks that asked for it.
+///
+/// Lifecycle of a room: [`create_room`](Self::create_room) (Bootstrapping) → every decode rank
+/// of the room sends its metadata (WaitingForInput; [`wait_ready`](Self::wait_ready) returns
+/// the decode prefix to send from) → [`send_chunk`](Self::send_chunk) for each chunk
+/// (Transferring) → Success once the KV and aux rows of the last chunk landed at every decode
+/// rank, or Failed with the first reason → [`clear`](Self::clear).
+///
+/// Cloning gives another handle to the same agent.
+#[derive(Clone)]
+pub struct PrefillAgent {
+    inner: Arc<PrefillInner>,
+}
+
+impl std::fmt::Debug for PrefillAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillAgent")
+            .field("endpoint", &self.inner.endpoint)
+            .field("rank", &self.inner.unique_rank)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) struct AcceptedPeer {
+    endpoint: Endpoint,
+    session: u64,
+    peer: PeerId,
+    plan: PeerPlan,
+}
+
+enum DecodePeer {
+    Accepted(Arc<AcceptedPeer>),
+    Rejected {
+        session: u64,
+        problems: Vec<WireProblem>,
+    },
+}
+
+#[derive(Clone)]
+struct RoomPeer {
+    info: TransferInfo,
+    /// `None` for a dummy peer.
+    peer: Option<Arc<AcceptedPeer>>,
+}
+
+struct PrefillRoom {
+    status: RoomStatus,
+    incarnation: u64,
+    created_at: Instant,
+    cleared: bool,
+    infos: Vec<RoomPeer>,
+    required: u32,
+    prefix: Option<u64>,
+    pages_sent: u64,
+    last_sent: bool,
+    driver: Option<mpsc::Sender<Job>>,
+    driver_alive: bool,
+    pending_acks: Vec<(Endpoint, u64)>,
+    poisoned: bool,
+    notified: HashSet<Endpoint>,
+    bootstrap_timer: Option<TimerGuard>,
+    span: Span,
+}
+
+struct Pending {
+    infos: Vec<RoomPeer>,
+    _expiry: TimerGuard,
+}
+
+struct Tombstone {
+    reason: FailureReason,
+    _expiry: TimerGuard,
+}
+
+#[derive(Default)]
+struct PrefillState {
+    peers: HashMap<Endpoint, DecodePeer>,
+    rooms: HashMap<u64, PrefillRoom>,
+    pending: HashMap<u64, Pending>,
+    tombstones: HashMap<u64, Tombstone>,
+    next_incarnation: u64,
+    closed: bool,
+}
+
+struct Job {
+    chunk: Chunk,
+    page_offset: u64,
+}
+
+pub(crate) struct PrefillInner {
+    config: PrefillConfig,
+    descriptor: PeerDescriptor,
+    unique_rank: u32,
+    memory: KvMemory,
+    transport: Arc<dyn KvTransport>,
+    channel: Arc<dyn ControlChannel>,
+    endpoint: Endpoint,
+    outbox: Outbox,
+    metrics: Arc<Metrics>,
+    agreement: Arc<dyn RankAgreement>,
+    state: Mutex<PrefillState>,
+    control_task: Mutex<Option<AbortHandle>>,
+    registrations: Arc<Semaphore>,
+}
+
+impl Drop for PrefillInner {
+    fn drop(&mut self) {
+        if let Some(t) = self
+            .control_task
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            t.abort();
+        }
+    }
+}
+
+async fn control_loop(channel: Arc<dyn ControlChannel>, weak: Weak<PrefillInner>) {
+    loop {
+        let env = match channel.recv().await {
+            Ok(env) => env,
+            Err(e) => {
+                tracing::info!(error = %e, "prefill control loop stops");
+                return;
+            }
+        };
+        let Some(inner) = weak.upgrade() else { return };
+        inc(&inner.metrics.control_received);
+        inner.handle(env).await;
+    }
+}
+
+impl PrefillAgent {
+    /// Starts building an agent from its descriptor, registered memory, transport and control
+    /// channel.
+    pub fn builder(
+        descriptor: PeerDescriptor,
+        memory: KvMemory,
+        transport: Arc<dyn KvTransport>,
+        channel: Arc<dyn ControlChannel>,
+    ) -> PrefillAgentBuilder {
+        PrefillAgentBuilder {
+            descriptor,
+            memory,
+            transport,
+            channel,
+            config: PrefillConfig::default(),
+            agreement: Arc::new(LocalOnly),
+        }
+    }
+
+    /// This rank's control endpoint.
+    pub fn endpoint(&self) -> Endpoint {
+        self.inner.endpoint.clone()
+    }
+
+    /// This rank's descriptor.
+    pub fn descriptor(&self) -> &PeerDescriptor {
+        &self.inner.descriptor
+    }
+
+    /// This rank's id in status messages (spec 03 §1).
+    pub fn unique_rank(&self) -> u32 {
+        self.inner.unique_rank
+    }
+
+    /// What this rank publishes to a bootstrap registry (or a [`StaticDirectory`](crate::StaticDirectory)).
+    pub fn rank_info(&self) -> PrefillRankInfo {
+        PrefillRankInfo {
+            endpoint: self.endpoint(),
+            descriptor: self.inner.descriptor.clone(),
+        }
+    }
+
+    /// Creates a room (Bootstrapping) and starts its bootstrap timer. Metadata decode ranks
+    /// sent before this call is applied now.
+    ///
+    /// # Errors
+    /// [`CoordinatorError::DuplicateRoom`] if the room exists (or is still draining after
+    /// `clear`); [`CoordinatorError::Shutdown`]; [`CoordinatorError::InvalidRequest`] when
+    /// the agent holds `max_rooms` rooms.
+    pub fn create_room(&self, room: u64) -> Result<()> {
+        self.inner.create_room(room)
+    }
+
+    /// The room's state on this rank.
+    ///
+    /// # Errors
+    /// [`CoordinatorError::UnknownRoom`].
+    pub fn poll(&self, room: u64) -> Result<RoomState> {
+        let st = self.inner.lock();
+        st.visible(room).map(|r| r.status.state())
+    }
+
+    /// The room's state agreed with the other ranks through the [`RankAgreement`] hook.
+    ///
+    /// # Errors
+    /// [`CoordinatorError::UnknownRoom`].
+    pub async fn poll_agreed(&self, room: u64) -> Result<RoomState> {
+        let local = self.poll(room)?;
+        Ok(self.inner.agreement.agree(room, local).await)
+    }
+
+    /// The failure of a Failed room (`None` otherwise), with its first recorded reason.
+    pub fn failure(&self, room: u64) -> Option<KvTransferError> {
+        let st = self.inner.lock();
+        st.visible(room).ok().and_then(|r| r.status.error(room))
+    }
+
+    /// The decode prefix (tokens the decode already holds) once every decode rank sent its
+    /// metadata; the prefill sends tokens from here.
+    pub fn decode_prefix_len(&self, room: u64) -> Option<u64> {
+        let st = self.inner.lock();
+        st.visible(room).ok().and_then(|r| r.prefix)
+    }
+
+    /// Waits until every decode rank of the room sent its metadata (WaitingForInput) and
+    /// returns the decode prefix length to send from.
+    ///
+    /// # Errors
+    /// The room's [`KvTransferError`] if it fails first; [`CoordinatorError::UnknownRoom`].
+    pub async fn wait_ready(&self, room: u64) -> Result<u64> {
+        let rx = {
+            let st = self.inner.lock();
+            st.visible(room)?.status.subscribe()
+        };
+        let state = wait_at_least(rx, RoomState::WaitingForInput).await;
+        let st = self.inner.lock();
+        let r = st.visible(room)?;
+        match state {
+            Some(RoomState::Failed) | None => Err(r
+                .status
+                .error(room)
+                .map(CoordinatorError::from)
+                .unwrap_or(CoordinatorError::UnknownRoom { room, side: SIDE })),
+            Some(_) => Ok(r.prefix.unwrap_or(0)),
+        }
+    }
+
+    /// Sends one chunk of the room to every decode rank that asked for it: plans it with the
+    /// pair's path, posts one batch per destination, and returns once the batches are posted
+    /// (it waits only when `max_inflight_batches` are in flight). The last chunk's aux rows
+    /// follow its KV.
+    ///
+    /// # Errors
+    /// [`CoordinatorError::RoomNotReady`] before WaitingForInput; the room's
+    /// [`KvTransferError`] when it failed (the chunk is dropped);
+    /// [`CoordinatorError::InvalidRequest`] for chunks that break the chunking rules;
+    /// [`CoordinatorError::UnknownRoom`].
+    pub async fn send_chunk(&self, room: u64, chunk: Chunk) -> Result<()> {
+        self.inner.clone().send_chunk(room, chunk).await
+    }
+
+    /// Waits until the room is terminal: `Ok` on Success, its [`KvTransferError`] on Failed.
+    ///
+    /// # Errors
+    /// [`CoordinatorError::Transfer`]; [`CoordinatorError::UnknownRoom`] (also when the room
+    /// is cleared while waiting).
+    pub async fn wait(&self, room: u64) -> Result<()> {
+        let rx = {
+            let st = self.inner.lock();
+            st.visible(room)?.status.subscribe()
+        };
+        let state = wait_terminal(rx).await;
+        let st = self.inner.lock();
+        let r = st.visible(room)?;
+        match state {
+            Some(RoomState::Success) => Ok(()),
+            _ => Err(r
+                .status
+                .error(room)
+                .map(CoordinatorError::from)
+                .unwrap_or(CoordinatorError::UnknownRoom { room, side: SIDE })),
+        }
+    }
+
+    /// Aborts the room (`Aborted by AbortReq.`): no further chunk is posted, batches in flight
+    /// are cancelled, and the decode ranks are told.
+    pub fn abort(&self, room: u64) {
+        self.inner.fail_room(
+            room,
+            None,
+            FailureReason::new(FailureCause::Aborted, "Aborted by AbortReq."),
+        );
+    }
+
+    /// Forgets a room. A room that is not terminal is aborted first; a room whose batches are
+    /// still being fenced stays hidden until they are, so its id cannot be reused too early.
+    pub fn clear(&self, room: u64) {
+        self.inner.clear(room);
+    }
+
+    /// A snapshot of this agent's metrics.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let by_state = {
+            let st = self.inner.lock();
+            let mut m = std::collections::BTreeMap::new();
+            for r in st.rooms.values().filter(|r| !r.cleared) {
+                *m.entry(r.status.state()).or_insert(0) += 1;
+            }
+            m
+        };
+        self.inner.metrics.snapshot(by_state)
+    }
+
+    /// Rooms currently held (not cleared).
+    pub fn room_count(&self) -> usize {
+        self.inner
+            .lock()
+            .rooms
+            .values()
+            .filter(|r| !r.cleared)
+            .count()
+    }
+
+    /// Stops the agent: every room that is not terminal fails (`the prefill agent shut down`),
+    /// the control loop stops. Batches in flight are fenced by their rooms' drivers.
+    pub fn shutdown(&self) {
+        let rooms: Vec<u64> = {
+            let mut st = self.inner.lock();
+            st.closed = true;
+            st.rooms.keys().copied().collect()
+        };
+        for room in rooms {
+            self.inner.fail_room(
+                room,
+                None,
+                FailureReason::with_peer(
+                    FailureCause::Shutdown,
+                    &self.inner.endpoint,
+                    format!("the prefill agent at {} shut down", self.inner.endpoint),
+                ),
+            );
+        }
+        if let Some(t) = self
+            .inner
+            .control_task
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            t.abort();
+        }
+    }
+}
+
+impl PrefillState {
+    fn visible(&self, room: u64) -> Result<&PrefillRoom> {
+        self.rooms
+            .get(&room)
+            .filter(|r| !r.cleared)
+            .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
+    }
+}
+
+fn status_failed(
+    room: u64,
+    info: &TransferInfo,
+    rank: u32,
+    reason: &FailureReason,
+) -> ControlMessage {
+    ControlMessage::Status(StatusUpdate {
+        room,
+        generation: info.generation,
+        state: RoomState::Failed,
+        prefill_rank: rank,
+        reason: Some(reason.message.clone()),
+        cause: Some(reason.cause),
+    })
+}
+
+impl PrefillInner {
+    fn lock(&self) -> MutexGuard<'_, PrefillState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn weak(self: &Arc<Self>) -> Weak<Self> {
+        Arc::downgrade(self)
+    }
+
+    async fn handle(self: &Arc<Self>, env: Envelope) {
+        match env.message {
+            ControlMessage::Register(reg) => {
+                let permit = self.registrations.clone().acquire_owned().await;
+                let me = self.clone();
+                tokio::spawn(async move {
+                    let _permit = permit;
+                    me.on_register(reg).await;
+                });
+            }
+            ControlMessage::TransferInfo(info) => self.on_transfer_info(info),
+            ControlMessage::Abort(a) => self.on_abort(a),
+            ControlMessage::Ping(h) => self.outbox.send(&env.from, ControlMessage::Pong(h)),
+            other => tracing::debug!(
+                from = %env.from,
+                kind = other.kind(),
+                "prefill ignores a message meant for a decode"
+            ),
+        }
+    }
+
+    fn on_send_failed(
+        &self,
+        to: &Endpoint,
+        kind: &'static str,
+        room: Option<u64>,
+        err: CoordinatorError,
+    ) {
+        tracing::warn!(peer = %to, kind, room, error = %err, "prefill could not deliver a control message");
+    }
+
+    fn reply_rejected(&self, reg: &Registration, problems: Vec<WireProblem>) {
+        tracing::warn!(
+            decode = %reg.decode_endpoint,
+            problems = %render_problems(&problems),
+            "refusing an incompatible decode rank; still serving the others"
+        );
+        self.lock().peers.insert(
+            reg.decode_endpoint.clone(),
+            DecodePeer::Rejected {
+                session: reg.session,
+                problems: problems.clone(),
+            },
+        );
+        self.outbox.send(
+            &reg.decode_endpoint,
+            ControlMessage::RegisterReply(RegistrationReply {
+                protocol: CONTROL_PROTOCOL_VERSION,
+                prefill_endpoint: self.endpoint.clone(),
+                prefill_rank: self.unique_rank,
+                session: reg.session,
+                result: RegistrationOutcome::Rejected { problems },
+            }),
+        );
+    }
+
+    async fn on_register(self: &Arc<Self>, reg: Registration) {
+        let problem = |code: &str, message: String, remedy: &str| WireProblem {
+            code: code.to_owned(),
+            message,
+            remedy: remedy.to_owned(),
+        };
+        if reg.protocol != CONTROL_PROTOCOL_VERSION {
+            let p = problem(
+                "KVB-PROTOCOL",
+                format!(
+                    "control protocol version mismatch: decode speaks {}, this prefill speaks {}",
+                    reg.protocol, CONTROL_PROTOCOL_VERSION
+                ),
+                "run the same kvbridge release on both sides",
+            );
+            return self.reply_rejected(&reg, vec![p]);
+        }
+        // Same session again (e.g. the decode retried): answer as before.
+        let existing = match self.lock().peers.get(&reg.decode_endpoint) {
+            Some(DecodePeer::Accepted(p)) if p.session == reg.session => Some(true),
+            Some(DecodePeer::Rejected { session, problems }) if *session == reg.session => {
+                let problems = problems.clone();
+                return self.reply_rejected(&reg, problems);
+            }
+            Some(_) => Some(false),
+            None => None,
+        };
+        if existing == Some(true) {
+            return self.reply_accepted(&reg);
+        }
+        let report = check_with(&self.descriptor, &reg.descriptor, &self.config.check);
+        let mut problems: Vec<WireProblem> =
+            report.problems.iter().map(WireProblem::from).collect();
+        if reg.transport.name != self.transport.name() {
+            problems.push(problem(
+                "KVB-TRANSPORT",
+                format!(
+                    "transport mismatch: the decode uses \"{}\", this prefill uses \"{}\"",
+                    reg.transport.name,
+                    self.transport.name()
+                ),
+                "start both sides with the same --transport",
+            ));
+        }
+        let plan = match (&report.mapping, problems.is_empty()) {
+            (Some(m), true) => match PeerPlan::new(
+                m.path,
+                &self.descriptor,
+                &self.memory,
+                &reg.descriptor,
+                &reg.kv_regions,
+                &reg.aux_regions,
+            ) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    problems.push(problem(
+                        "KVB-PLAN",
+                        e.0,
+                        "register the decode's KV memory with the geometry its descriptor states",
+                    ));
+                    None
+                }
+            },
+            _ => None,
+        };
+        let Some(plan) = plan.filter(|_| problems.is_empty()) else {
+            return self.reply_rejected(&reg, problems);
+        };
+        let connect = tokio::time::timeout(
+            self.config.control_send_timeout,
+            self.transport.connect(&reg.transport.descriptor),
+        )
+        .await;
+        let peer = match connect {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => {
+                let p = problem(
+                    "KVB-CONNECT",
+                    format!(
+                        "connecting the {} transport to the decode failed: {e}",
+                        self.transport.name()
+                    ),
+                    "check the decode's transport is reachable from the prefill",
+                );
+                return self.reply_rejected(&reg, vec![p]);
+            }
+            Err(_) => {
+                let p = problem(
+                    "KVB-CONNECT",
+                    format!(
+                        "connecting the {} transport to the decode did not finish within {:?}",
+                        self.transport.name(),
+                        self.config.control_send_timeout
+                    ),
+                    "check the decode's transport is reachable from the prefill",
+                );
+                return self.reply_rejected(&reg, vec![p]);
+            }
+        };
+        let accepted = Arc::new(AcceptedPeer {
+            endpoint: reg.decode_endpoint.clone(),
+            session: reg.session,
+            peer,
+            plan,
+        });
+        let old = self
+            .lock()
+            .peers
+            .insert(reg.decode_endpoint.clone(), DecodePeer::Accepted(accepted));
+        if let Some(DecodePeer::Accepted(old)) = old {
+            self.fail_rooms_of(
+                &old.endpoint,
+                Some(old.session),
+                FailureReason::with_peer(
+                    FailureCause::RemoteFailure,
+                    &old.endpoint,
+                    format!(
+                        "decode {} registered again with a new session (it restarted); its \
+                         earlier rooms are failed",
+                        old.endpoint
+                    ),
+                ),
+            );
+            let _ = self.transport.disconnect(old.peer).await;
+        }
+        tracing::info!(
+            decode = %reg.decode_endpoint,
+            path = ?report.mapping.as_ref().map(|m| m.path),
+            "decode rank registered"
+        );
+        self.reply_accepted(&reg);
+    }
+
+    fn reply_accepted(&self, reg: &Registration) {
+        self.outbox.send(
+            &reg.decode_endpoint,
+            ControlMessage::RegisterReply(RegistrationReply {
+                protocol: CONTROL_PROTOCOL_VERSION,
+                prefill_endpoint: self.endpoint.clone(),
+                prefill_rank: self.unique_rank,
+                session: reg.session,
+                result: RegistrationOutcome::Accepted {
+                    descriptor: self.descriptor.clone(),
+                },
+            }),
+        );
+    }
+
+    fn fail_rooms_of(&self, endpoint: &Endpoint, session: Option<u64>, reason: FailureReason) {
+        let rooms: Vec<u64> = self
+            .lock()
+            .rooms
+            .iter()
+            .filter(|(_, r)| {
+                r.infos.iter().any(|p| {
+                    &p.info.decode_endpoint == endpoint
+                        && session.is_none_or(|s| p.info.session == s)
+                })
+            })
+            .map(|(&k, _)| k)
+            .collect();
+        for room in rooms {
+            self.fail_room(room, None, reason.clone());
+        }
+    }
+
+    fn on_transfer_info(self: &Arc<Self>, info: TransferInfo) {
+        let room = info.room;
+        let mut st = self.lock();
+        let reply_failed = |st: &PrefillState, reason: FailureReason| {
+            let _ = st;
+            self.outbox.send(
+                &info.decode_endpoint,
+                status_failed(room, &info, self.unique_rank, &reason),
+            );
+        };
+        let peer = match st.peers.get(&info.decode_endpoint) {
+            None => {
+                let reason = FailureReason::with_peer(
+                    FailureCause::ControlChannel,
+                    &info.decode_endpoint,
+                    format!(
+                        "decode {} sent metadata for room {room} without registering with prefill \
+                         {} first",
+                        info.decode_endpoint, self.endpoint
+                    ),
+                );
+                return reply_failed(&st, reason);
+            }
+            Some(DecodePeer::Rejected { problems, .. }) => {
+                let reason = FailureReason::with_peer(
+                    FailureCause::PeerRejected,
+                    &self.endpoint,
+                    render_problems(problems),
+                );
+                return reply_failed(&st, reason);
+            }
+            Some(DecodePeer::Accepted(p)) if p.session != info.session => {
+                let reason = FailureReason::with_peer(
+                    FailureCause::RemoteFailure,
+                    &info.decode_endpoint,
+                    format!(
+                        "room {room}: metadata from an old session of decode {} (session {} != {})",
+                        info.decode_endpoint, info.session, p.session
+                    ),
+                );
+                return reply_failed(&st, reason);
+            }
+            Some(DecodePeer::Accepted(p)) => p.clone(),
+        };
+        let rp = RoomPeer {
+            peer: (!info.is_dummy).then(|| peer.clone()),
+            info: info.clone(),
+        };
+        // Validate what the decode asks for before accepting it.
+        let invalid = if info.is_dummy {
+            None
+        } else if let Err(e) = peer.plan.check_prefix(info.decode_prefix_len) {
+            Some(FailureReason::with_peer(
+                FailureCause::Planning,
+                &info.decode_endpoint,
+                e.0,
+            ))
+        } else if !self.memory.aux.is_empty() && info.dst_aux_index.is_none() {
+            Some(FailureReason::with_peer(
+                FailureCause::Planning,
+                &info.decode_endpoint,
+                format!(
+                    "room {room}: decode {} sent no aux index, but both sides register aux buffers",
+                    info.decode_endpoint
+                ),
+            ))
+        } else {
+            None
+        };
+        if st.rooms.get(&room).is_some_and(|r| !r.cleared) {
+            let r = st.rooms.get_mut(&room).unwrap_or_else(|| unreachable!());
+            if let Some(reason) = invalid {
+                drop(st);
+                self.add_info_to_failed(room, rp);
+                self.fail_room(room, None, reason);
+                return;
+            }
+            let sends = add_info(r, rp, self.unique_rank);
+            for (to, msg) in sends {
+                self.outbox.send(&to, msg);
+            }
+            return;
+        }
+        if let Some(reason) = invalid {
+            // Fail fast: tell the decode now, and fail the room when it is created.
+            reply_failed(&st, reason.clone());
+            self.tombstone(&mut st, room, reason);
+            return;
+        }
+        if let Some(t) = st.tombstones.get(&room) {
+            let reason = t.reason.clone();
+            return reply_failed(&st, reason);
+        }
+        if st.pending.len() + st.rooms.len() >= self.config.max_rooms
+            && !st.pending.contains_key(&room)
+        {
+            let reason = FailureReason::with_peer(
+                FailureCause::ControlChannel,
+                &self.endpoint,
+                format!(
+                    "prefill {} holds {} rooms (max_rooms); room {room} is refused",
+                    self.endpoint, self.config.max_rooms
+                ),
+            );
+            return reply_failed(&st, reason);
+        }
+        let weak = self.weak();
+        let timeout = self.config.bootstrap_timeout;
+        st.pending
+            .entry(room)
+            .or_insert_with(|| Pending {
+                infos: Vec::new(),
+                _expiry: spawn_timer(timeout, move || {
+                    if let Some(inner) = weak.upgrade() {
+                        inner.expire_pending(room);
+                    }
+                }),
+            })
+            .infos
+            .push(rp);
+    }
+
+    /// Records a peer on a room that is about to fail, so it is told.
+    fn add_info_to_failed(&self, room: u64, rp: RoomPeer) {
+        if let Some(r) = self.lock().rooms.get_mut(&room) {
+            r.infos.push(rp);
+        }
+    }
+
+    fn tombstone(self: &Arc<Self>, st: &mut PrefillState, room: u64, reason: FailureReason) {
+        let weak = self.weak();
+        st.tombstones.insert(
+            room,
+            Tombstone {
+                reason,
+                _expiry: spawn_timer(self.config.bootstrap_timeout, move || {
+                    if let Some(inner) = weak.upgrade() {
+                        inner.lock().tombstones.remove(&room);
+                    }
+                }),
+            },
+        );
+    }
+
+    fn expire_pending(&self, room: u64) {
+        let Some(p) = self.lock().pending.remove(&room) else {
+            return;
+        };
+        let reason = FailureReason::with_peer(
+            FailureCause::BootstrapTimeout,
+            &self.endpoint,
+            format!(
+                "prefill {} never created room {room} within the bootstrap timeout of {:.1}s",
+                self.endpoint,
+                self.config.bootstrap_timeout.as_secs_f64()
+            ),
+        );
+        tracing::warn!(room, reason = %reason, "dropping metadata of a room that was never created");
+        for rp in p.infos.iter().filter(|p| !p.info.is_dummy) {
+            self.outbox.send(
+                &rp.info.decode_endpoint,
+                status_failed(room, &rp.info, self.unique_rank, &reason),
+            );
+        }
+    }
+
+    fn create_room(self: &Arc<Self>, room: u64) -> Result<()> {
+        let mut st = self.lock();
+        if st.closed {
+            return Err(CoordinatorError::Shutdown { side: SIDE });
+        }
+        if let Some(r) = st.rooms.get(&room) {
+            return Err(CoordinatorError::DuplicateRoom {
+                room,
+                side: SIDE,
+                state: r.status.state(),
+            });
+        }
+        if st.rooms.len() >= self.config.max_rooms {
+            return Err(CoordinatorError::InvalidRequest {
+                what: "room",
+                message: format!(
+                    "this prefill agent already holds {} rooms (max_rooms); clear finished rooms \
+                     or raise PrefillConfig::max_rooms",
+                    st.rooms.len()
+                ),
+            });
+        }
+        st.next_incarnation += 1;
+        let incarnation = st.next_incarnation;
+        let span = tracing::info_span!(
+            parent: None,
+            "kv_room",
+            side = SIDE,
+            room,
+            peer = field::Empty,
+            bytes = field::Empty,
+            duration_ms = field::Empty
+        );
+        let weak = self.weak();
+        let timeout = self.config.bootstrap_timeout;
+        let timer = spawn_timer(timeout, move || {
+            if let Some(inner) = weak.upgrade() {
+                inner.on_bootstrap_timeout(room, incarnation);
+            }
+        });
+        let mut r = PrefillRoom {
+            status: RoomStatus::new(RoomState::Bootstrapping),
+            incarnation,
+            created_at: Instant::now(),
+            cleared: false,
+            infos: Vec::new(),
+            required: 0,
+            prefix: None,
+            pages_sent: 0,
+            last_sent: false,
+            driver: None,
+            driver_alive: false,
+            pending_acks: Vec::new(),
+            poisoned: false,
+            notified: HashSet::new(),
+            bootstrap_timer: Some(timer),
+            span,
+        };
+        inc(&self.metrics.rooms_created);
+        tracing::debug!(parent: &r.span, "room created");
+        let tomb = st.tombstones.remove(&room).map(|t| t.reason);
+        let mut sends = Vec::new();
+        if let Some(p) = st.pending.remove(&room) {
+            for rp in p.infos {
+                sends.extend(add_info(&mut r, rp, self.unique_rank));
+            }
+        }
+        st.rooms.insert(room, r);
+        drop(st);
+        for (to, msg) in sends {
+            self.outbox.send(&to, msg);
+        }
+        if let Some(reason) = tomb {
+            self.fail_room(room, Some(incarnation), reason);
+        }
+        Ok(())
+    }
+
+    fn on_bootstrap_timeout(&self, room: u64, incarnation: u64) {
+        let still = self.lock().rooms.get(&room).is_some_and(|r| {
+            r.incarnation == incarnation && r.status.state() == RoomState::Bootstrapping
+        });
+        if still {
+            let secs = self.config.bootstrap_timeout.as_secs_f64();
+            self.fail_room(
+                room,
+                Some(incarnation),
+                FailureReason::new(
+                    FailureCause::BootstrapTimeout,
+                    format!("Request {room} timed out after {secs:.1}s in KVPoll.Bootstrapping"),
+                ),
+            );
+        }
+    }
+
+    /// Fails a room (first reason wins). When no driver runs, the decode peers are told now;
+    /// otherwise the driver fences its batches first and tells them when it ends.
+    fn fail_room(&self, room: u64, incarnation: Option<u64>, reason: FailureReason) {
+        let mut st = self.lock();
+        let Some(r) = st.rooms.get_mut(&room) else {
+            return;
+        };
+        if incarnation.is_some_and(|i| i != r.incarnation) {
+            return;
+        }
+        if !r.status.fail(reason.clone()) {
+            return;
+        }
+        self.metrics.failed(reason.cause);
+        r.bootstrap_timer = None;
+        tracing::warn!(parent: &r.span, cause = %reason.cause, peer = reason.peer.as_deref(), reason = %reason.message, "room failed");
+        if !r.driver_alive {
+            let sends = failure_notices(room, r, self.unique_rank);
+            drop(st);
+            for (to, msg) in sends {
+                self.outbox.send(&to, msg);
+            }
+        }
+    }
+
+    fn on_abort(&self, a: AbortRequest) {
+        let room = a.room;
+        let ack = ControlMessage::AbortAck(AbortAck {
+            room,
+            generation: a.generation,
+            prefill_rank: self.unique_rank,
+            prefill_endpoint: self.endpoint.clone(),
+        });
+        let known = {
+            let st = self.lock();
+            st.rooms
+                .get(&room)
+                .filter(|r| {
+                    r.infos
+                        .iter()
+                        .any(|p| p.info.decode_endpoint == a.decode_endpoint)
+                        || !r.cleared
+                })
+                .map(|r| r.status.state())
+        };
+        match known {
+            Some(state) => {
+                if state != RoomState::Success {
+                    self.fail_room(
+                        room,
+                        None,
+                        FailureReason::with_peer(
+                            FailureCause::RemoteFailure,
+                            &a.decode_endpoint,
+                            format!("Aborted by decode {}: {}", a.decode_endpoint, a.reason),
+                        ),
+                    );
+                }
+                let mut st = self.lock();
+                let Some(r) = st.rooms.get_mut(&room) else {
+                    drop(st);
+                    return self.outbox.send(&a.decode_endpoint, ack);
+                };
+                if r.driver_alive {
+                    r.pending_acks.push((a.decode_endpoint, a.generation));
+                } else if r.poisoned {
+                    tracing::error!(parent: &r.span, decode = %a.decode_endpoint, "room is poisoned (a batch could not be fenced): no ABORT_ACK");
+                } else {
+                    drop(st);
+                    self.outbox.send(&a.decode_endpoint, ack);
+                }
+            }
+            None => {
+                let mut st = self.lock();
+                if st.pending.remove(&room).is_some() {
+                    tracing::debug!(room, "abort before the room was created: tombstoned");
+                    let reason = FailureReason::with_peer(
+                        FailureCause::DuplicateRoom,
+                        &a.decode_endpoint,
+                        "Duplicate or cancelled bootstrap room",
+                    );
+                    st.tombstones.insert(
+                        room,
+                        Tombstone {
+                            reason,
+                            _expiry: TimerGuard::none(),
+                        },
+                    );
+                }
+                drop(st);
+                self.outbox.send(&a.decode_endpoint, ack);
+            }
+        }
+    }
+
+    fn clear(&self, room: u64) {
+        let state = {
+            let st = self.lock();
+            st.visible(room).ok().map(|r| r.status.state())
+        };
+        let Some(state) = state else { return };
+        if !state.is_terminal() {
+            self.fail_room(
+                room,
+                None,
+                FailureReason::new(FailureCause::Aborted, "Cleared before the transfer ended"),
+            );
+        }
+        let mut st = self.lock();
+        if let Some(r) = st.rooms.get_mut(&room) {
+            if r.driver_alive {
+                r.cleared = true;
+                r.driver = None;
+            } else {
+                st.rooms.remove(&room);
+            }
+        }
+        drop(st);
+        self.agreement.forget(room);
+    }
+
+    async fn send_chunk(self: Arc<Self>, room: u64, chunk: Chunk) -> Result<()> {
+        let p = self.descriptor.page_size;
+        let capacity = (chunk.pages.len() as u64).saturating_mul(p);
+        let invalid = |message: String| {
+            Err(CoordinatorError::InvalidRequest {
+                what: "chunk",
+                message,
+            })
+        };
+        if chunk.num_kv_tokens > capacity {
+            return invalid(format!(
+                "num_kv_tokens must fit in the provided source pages, got tokens={}, capacity={capacity}",
+                chunk.num_kv_tokens
+            ));
+        }
+        if !chunk.is_last && chunk.num_kv_tokens != capacity {
+            return invalid(format!(
+                "only the last chunk may end mid-page: this chunk has {} pages ({capacity} token \
+                 slots) but {} tokens; floor non-last chunks to whole pages",
+                chunk.pages.len(),
+                chunk.num_kv_tokens
+            ));
+        }
+        if chunk.is_last && !self.memory.aux.is_empty() && chunk.aux_index.is_none() {
+            return invalid(
+                "the last chunk needs the prefill's aux row (aux_index) because aux buffers are \
+                 registered"
+                    .to_owned(),
+            );
+        }
+        if let Some(i) = chunk.aux_index {
+            for (j, (e, &item)) in self
+                .memory
+                .aux
+                .iter()
+                .zip(&self.descriptor.aux_item_lens)
+                .enumerate()
+            {
+                if i.checked_add(1)
+                    .and_then(|n| n.checked_mul(item))
+                    .is_none_or(|end| end > e.len)
+                {
+                    return invalid(format!(
+                        "aux_index {i} is outside aux buffer {j} ({} rows of {item} bytes)",
+                        e.len / item.max(1)
+                    ));
+                }
+            }
+        }
+        let (tx, job) = {
+            let mut st = self.lock();
+            let r = match st.rooms.get_mut(&room).filter(|r| !r.cleared) {
+                Some(r) => r,
+                None => return Err(CoordinatorError::UnknownRoom { room, side: SIDE }),
+            };
+            match r.status.state() {
+                RoomState::Failed => {
+                    return Err(r
+                        .status
+                        .error(room)
+                        .map(CoordinatorError::from)
+                        .unwrap_or(CoordinatorError::UnknownRoom { room, side: SIDE }));
+                }
+                RoomState::Bootstrapping => {
+                    return Err(CoordinatorError::RoomNotReady {
+                        room,
+                        state: RoomState::Bootstrapping,
+                        operation: "send_chunk",
+                        needed: RoomState::WaitingForInput,
+                    });
+                }
+                RoomState::Success => {
+                    return invalid(format!("room {room} already ended in Success"));
+                }
+                _ => {}
+            }
+            if r.last_sent {
+                return invalid(format!("the last chunk of room {room} was already sent"));
+            }
+            let page_offset = r.pages_sent;
+            r.pages_sent += chunk.pages.len() as u64;
+            r.last_sent = chunk.is_last;
+            r.status.update(RoomState::Transferring);
+            let senders: Vec<RoomPeer> = r
+                .infos
+                .iter()
+                .filter(|p| p.peer.is_some())
+                .cloned()
+                .collect();
+            if senders.is_empty() {
+                // Only dummy peers: nothing to send; the last chunk concludes locally.
+                if chunk.is_last {
+                    drop(st);
+                    self.conclude_success(room, None, 0);
+                }
+                return Ok(());
+            }
+            if r.driver.is_none() && !r.driver_alive {
+                let (tx, rx) = mpsc::channel(self.config.max_inflight_batches.max(1));
+                r.driver = Some(tx);
+                r.driver_alive = true;
+                let status_rx = r.status.subscribe();
+                let prefix = r.prefix.unwrap_or(0);
+                let span = r.span.clone();
+                let incarnation = r.incarnation;
+                let me = self.clone();
+                tokio::spawn(tracing::Instrument::instrument(
+                    drive_room(me, room, incarnation, senders, prefix, rx, status_rx),
+                    span,
+                ));
+            }
+            let Some(tx) = r.driver.clone() else {
+                return invalid(format!("room {room} is no longer accepting chunks"));
+            };
+            (tx, Job { chunk, page_offset })
+        };
+        if tx.send(job).await.is_err() {
+            let st = self.lock();
+            let r = st.visible(room)?;
+            return Err(r.status.error(room).map(CoordinatorError::from).unwrap_or(
+                CoordinatorError::InvalidRequest {
+                    what: "chunk",
+                    message: format!("room {room} stopped accepting chunks"),
+                },
+            ));
+        }
+        Ok(())
+    }
+
+    fn conclude_success(&self, room: u64, incarnation: Option<u64>, bytes: u64) {
+        let mut st = self.lock();
+        let Some(r) = st.rooms.get_mut(&room) else {
+            return;
+        };
+        if incarnation.is_some_and(|i| i != r.incarnation) {
+            return;
+        }
+        if r.status.state() == RoomState::Failed {
+            return;
+        }
+        r.status.update(RoomState::Success);
+        let elapsed = r.created_at.elapsed();
+        self.metrics.succeeded(elapsed);
+        r.span.record("bytes", bytes);
+        r.span.record("duration_ms", elapsed.as_millis() as u64);
+        tracing::info!(parent: &r.span, bytes, duration_ms = elapsed.as_millis() as u64, "room transferred");
+        let sends: Vec<(Endpoint, ControlMessage)> = r
+            .infos
+            .iter()
+            .filter(|p| p.peer.is_some())
+            .map(|p| {
+                (
+                    p.info.decode_endpoint.clone(),
+                    ControlMessage::Status(StatusUpdate {
+                        room,
+                        generation: p.info.generation,
+                        state: RoomState::Success,
+                        prefill_rank: self.unique_rank,
+                        reason: None,
+                        cause: None,
+                    }),
+                )
+            })
+            .collect();
+        drop(st);
+        for (to, msg) in sends {
+            self.outbox.send(&to, msg);
+        }
+    }
+
+    /// The driver of `room` ended: its batches are all final (or the room is poisoned).
+    fn driver_finished(&self, room: u64, incarnation: u64, poisoned: bool) {
+        let mut st = self.lock();
+        let Some(r) = st
+            .rooms
+            .get_mut(&room)
+            .filter(|r| r.incarnation == incarnation)
+        else {
+            return;
+        };
+        r.driver_alive = false;
+        r.driver = None;
+        r.poisoned |= poisoned;
+        let mut sends = Vec::new();
+        if r.status.state() == RoomState::Failed {
+            sends.extend(failure_notices(room, r, self.unique_rank));
+        }
+        let acks = std::mem::take(&mut r.pending_acks);
+        if r.poisoned {
+            if !acks.is_empty() {
+                tracing::error!(parent: &r.span, "room is poisoned (a batch could not be fenced): no ABORT_ACK is sent");
+            }
+        } else {
+            for (to, generation) in acks {
+                sends.push((
+                    to,
+                    ControlMessage::AbortAck(AbortAck {
+                        room,
+                        generation,
+                        prefill_rank: self.unique_rank,
+                        prefill_endpoint: self.endpoint.clone(),
+                    }),
+                ));
+            }
+        }
+        if r.cleared {
+            st.rooms.remove(&room);
+        }
+        drop(st);
+        for (to, msg) in sends {
+            self.outbox.send(&to, msg);
+        }
+    }
+}
+
+/// Adds a decode rank's metadata to a room; returns messages to send (failure notices for a
+/// room that already failed).
+fn add_info(r: &mut PrefillRoom, rp: RoomPeer, rank: u32) -> Vec<(Endpoint, ControlMessage)> {
+    let e = rp.info.decode_endpoint.clone();
+    if let Some(existing) = r.infos.iter().find(|p| p.info.decode_endpoint == e) {
+        if existing.info.generation != rp.info.generation {
+            let reason = FailureReason::with_peer(
+                FailureCause::DuplicateRoom,
+                &e,
+                "Duplicate decode bootstrap room",
+            );
+            r.status.fail(reason);
+        }
+        return Vec::new();
+    }
+    if r.span.is_disabled() || r.infos.is_empty() {
+        r.span.record("peer", e.as_str());
+    }
+    r.required = r.required.max(rp.info.required_dst_info_num);
+    if r.prefix.is_none() {
+        r.prefix = Some(rp.info.decode_prefix_len);
+    }
+    r.infos.push(rp);
+    match r.status.state() {
+        RoomState::Failed => failure_notices_for_new(r, rank),
+        RoomState::Bootstrapping if r.infos.len() as u32 >= r.required.max(1) => {
+            r.status.update(RoomState::WaitingForInput);
+            r.bootstrap_timer = None;
+            tracing::debug!(parent: &r.span, decode_ranks = r.infos.len(), prefix = r.prefix, "room ready");
+            Vec::new()
+        }
+        _ => Vec::new(),
+    }
+}
+
+fn failure_notices_for_new(r: &mut PrefillRoom, rank: u32) -> Vec<(Endpoint, ControlMessage)> {
+    if r.driver_alive {
+        return Vec::new();
+    }
+    failure_notices_inner(r, rank)
+}
+
+/// Failure statuses for every non-dummy peer not told yet.
+fn failure_notices(room: u64, r: &mut PrefillRoom, rank: u32) -> Vec<(Endpoint, ControlMessage)> {
+    let _ = room;
+    failure_notices_inner(r, rank)
+}
+
+fn failure_notices_inner(r: &mut PrefillRoom, rank: u32) -> Vec<(Endpoint, ControlMessage)> {
+    let reason = r
+        .status
+        .reason()
+        .cloned()
+        .unwrap_or_else(|| FailureReason::new(FailureCause::OtherRank, "KV transfer failed"));
+    let mut out = Vec::new();
+    for p in r.infos.iter().filter(|p| p.peer.is_some()) {
+        if r.notified.insert(p.info.decode_endpoint.clone()) {
+            out.push((
+                p.info.decode_endpoint.clone(),
+                status_failed(p.info.room, &p.info, rank, &reason),
+            ));
+        }
+    }
+    out
+}
+
+/// Per decode peer progress inside a room's driver.
+struct SendPeer {
+    rp: RoomPeer,
+    outstanding: usize,
+    last_posted: bool,
+    aux_posted: bool,
+    done: bool,
+    bytes: u64,
+}
+
+impl SendPeer {
+    /// Every KV batch of the last chunk is done and the aux rows are not posted yet.
+    fn ready_for_aux(&self) -> bool {
+        self.last_posted && self.outstanding == 0 && !self.aux_posted && !self.done
+    }
+}
+
+enum Waited {
+    Final(std::result::Result<(), TransportError>),
+    Hung,
+}
+
+/// Posts a room's chunks and waits for its batches; on failure, fences every batch in flight
+/// before the decode peers are told (and before any abort is acknowledged).
+async fn drive_room(
+    inner: Arc<PrefillInner>,
+    room: u64,
+    incarnation: u64,
+    senders: Vec<RoomPeer>,
+    prefix: u64,
+    mut rx: mpsc::Receiver<Job>,
+    mut status_rx: watch::Receiver<RoomState>,
+) {
+    let mut peers: Vec<SendPeer> = senders
+        .into_iter()
+        .map(|rp| SendPeer {
+            rp,
+            outstanding: 0,
+            last_posted: false,
+            aux_posted: false,
+            done: false,
+            bytes: 0,
+        })
+        .collect();
+    let mut waits: JoinSet<(usize, bool, BatchId, u64, u64, Waited)> = JoinSet::new();
+    let mut inflight: HashMap<BatchId, usize> = HashMap::new();
+    let mut input_open = true;
+    let mut src_aux: Option<u64> = None;
+    let mut failure: Option<FailureReason> = None;
+    let max_inflight = inner.config.max_inflight_batches.max(1);
+    let wait_limit = inner.config.batch_timeout + inner.config.fence_grace;
+
+    // Posts `ops` to peer `pi`; records the wait. Returns a failure reason on error.
+    macro_rules! post {
+        ($pi:expr, $ops:expr, $aux:expr) => {{
+            let pi: usize = $pi;
+            let ops: Vec<kvbridge_transport::TransferOp> = $ops;
+            let n_ops = ops.len() as u64;
+            let bytes: u64 = ops.iter().map(|o| o.len).sum();
+            let batch = TransferBatch::write(ops).with_timeout(inner.config.batch_timeout);
+            let peer = peers[pi].rp.peer.as_ref().map(|p| p.peer);
+            match peer {
+                None => None,
+                Some(peer_id) => match inner.transport.post(peer_id, batch).await {
+                    Ok(id) => {
+                        inc(&inner.metrics.batches_posted);
+                        add(&inner.metrics.descriptors_posted, n_ops);
+                        inflight.insert(id, pi);
+                        let t = inner.transport.clone();
+                        waits.spawn(async move {
+                            let w = match tokio::time::timeout(wait_limit, t.wait(id)).await {
+                                Ok(r) => Waited::Final(r),
+                                Err(_) => Waited::Hung,
+                            };
+                            (pi, $aux, id, bytes, n_ops, w)
+                        });
+                        None
+                    }
+                    Err(e) => Some(batch_failure(
+                        room,
+                        &peers[pi].rp.info.decode_endpoint,
+                        $aux,
+                        &e,
+                    )),
+                },
+            }
+        }};
+    }
+
+    loop {
+        if failure.is_some() {
+            break;
+        }
+        if peers.iter().all(|p| p.done) {
+            let total: u64 = peers.iter().map(|p| p.bytes).sum();
+            inner.conclude_success(room, Some(incarnation), total);
+            break;
+        }
+        if *status_rx.borrow() == RoomState::Failed {
+            break;
+        }
+        tokio::select! {
+            biased;
+            changed = status_rx.changed() => {
+                if changed.is_err() || *status_rx.borrow() == RoomState::Failed {
+                    break;
+                }
+            }
+            Some(joined) = waits.join_next(), if !waits.is_empty() => {
+                let Ok((pi, is_aux, id, bytes, _n_ops, waited)) = joined else {
+                    failure = Some(FailureReason::new(FailureCause::TransferError, format!("Failed to send kv chunk of {room}: a batch waiter task died")));
+                    continue;
+                };
+                match waited {
+                    Waited::Final(Ok(())) => {
+                        inflight.remove(&id);
+                        inc(&inner.metrics.batches_done);
+                        add(&inner.metrics.bytes_transferred, bytes);
+                        let p = &mut peers[pi];
+                        p.bytes += bytes;
+                        if is_aux {
+                            p.done = true;
+                        } else {
+                            p.outstanding -= 1;
+                        }
+                    }
+                    Waited::Final(Err(e)) => {
+                        inflight.remove(&id);
+                        inc(&inner.metrics.batches_failed);
+                        failure = Some(batch_failure(room, &peers[pi].rp.info.decode_endpoint, is_aux, &e));
+                        continue;
+                    }
+                    Waited::Hung => {
+                        inc(&inner.metrics.batches_failed);
+                        failure = Some(FailureReason::with_peer(
+                            FailureCause::BatchTimeout,
+                            &peers[pi].rp.info.decode_endpoint,
+                            format!(
+                                "Failed to send kv chunk of {room} to {}: the transport did not finish batch {id} within {wait_limit:?} (its deadline plus grace)",
+                                peers[pi].rp.info.decode_endpoint
+                            ),
+                        ));
+                        continue;
+                    }
+                }
+            }
+            job = rx.recv(), if input_open && waits.len() < max_inflight => {
+                let Some(job) = job else {
+                    input_open = false;
+                    continue;
+                };
+                for pi in 0..peers.len() {
+                    let (ops, endpoint) = {
+                        let p = &peers[pi];
+                        let Some(ap) = p.rp.peer.as_ref() else { continue };
+                        (
+                            ap.plan.chunk_ops(&job.chunk, job.page_offset, &p.rp.info.dst_pages, prefix),
+                            p.rp.info.decode_endpoint.clone(),
+                        )
+                    };
+                    match ops {
+                        Ok(ops) if ops.is_empty() => {}
+                        Ok(ops) => {
+                            if let Some(f) = post!(pi, ops, false) {
+                                failure = Some(f);
+                                break;
+                            }
+                            peers[pi].outstanding += 1;
+                        }
+                        Err(e) => {
+                            failure = Some(FailureReason::with_peer(
+                                FailureCause::Planning,
+                                &endpoint,
+                                format!("Failed to send kv chunk of {room} to {endpoint}: {}", e.0),
+                            ));
+                            break;
+                        }
+                    }
+                }
+                if job.chunk.is_last {
+                    src_aux = job.chunk.aux_index;
+                    for p in &mut peers {
+                        p.last_posted = true;
+                    }
+                }
+            }
+        }
+        if failure.is_some() {
+            break;
+        }
+        // Aux rows follow the KV: post them once every KV batch of the peer is done.
+        for pi in 0..peers.len() {
+            let p = &peers[pi];
+            if !p.ready_for_aux() {
+                continue;
+            }
+            let ops = match (src_aux, p.rp.info.dst_aux_index, p.rp.peer.as_ref()) {
+                (Some(s), Some(d), Some(ap)) => ap.plan.aux_ops(s, d),
+                _ => Ok(Vec::new()),
+            };
+            peers[pi].aux_posted = true;
+            match ops {
+                Ok(ops) if ops.is_empty() => peers[pi].done = true,
+                Ok(ops) => {
+                    if let Some(f) = post!(pi, ops, true) {
+                        failure = Some(f);
+                        break;
+                    }
+                }
+                Err(e) => {
+                    let endpoint = peers[pi].rp.info.decode_endpoint.clone();
+                    failure = Some(FailureReason::with_peer(
+                        FailureCause::Planning,
+                        &endpoint,
+                        format!("Failed to send aux data of {room} to {endpoint}: {}", e.0),
+                    ));
+                    break;
+                }
+            }
+        }
+    }
+    drop(rx);
+    if let Some(reason) = failure {
+        inner.fail_room(room, Some(incarnation), reason);
+    }
+    // Fence: cancel every batch still in flight; each cancel returns once no byte of it can land.
+    let mut poisoned = false;
+    for (&id, _) in inflight.iter() {
+        match tokio::time::timeout(inner.config.fence_grace, inner.transport.cancel(id)).await {
+            Ok(_) => {}
+            Err(_) => poisoned = true,
+        }
+    }
+    let drain = async {
+        while let Some(joined) = waits.join_next().await {
+            if let Ok((_, _, _, _, _, Waited::Hung)) = joined {
+                return true;
+            }
+        }
+        false
+    };
+    match tokio::time::timeout(wait_limit, drain).await {
+        Ok(hung) => poisoned |= hung,
+        Err(_) => {
+            waits.abort_all();
+            poisoned = true;
+        }
+    }
+    if poisoned {
+        tracing::error!(
+            room,
+            "a batch of the room could not be fenced; the room is poisoned"
+        );
+    }
+    inner.driver_finished(room, incarnation, poisoned);
+}
+
+fn batch_failure(room: u64, endpoint: &Endpoint, aux: bool, e: &TransportError) -> FailureReason {
+    let cause = match e {
+        TransportError::TimedOut { .. } => FailureCause::BatchTimeout,
+        _ => FailureCause::TransferError,
+    };
+    let what = if aux { "aux data" } else { "kv chunk" };
+    FailureReason::with_peer(
+        cause,
+        endpoint,
+        format!("Failed to send {what} of {room} to {endpoint}: {e}"),
+    )
+}
+
+#[allow(dead_code)]
+fn _assert_send() {
+    fn is_send<T: Send>(_: T) {}
+    let _ = |a: PrefillAgent| {
+        is_send(async move { a.send_chunk(0, Chunk::new(vec![], 0)).await });
+    };
+    let _: Option<Duration> = None;
+}

@@ -1,0 +1,372 @@
+//! The room state machine (spec 03 §2): states, the update rule, failure reasons.
+//!
+//! Both agents keep one [`RoomStatus`] per room and change it only through
+//! [`RoomStatus::update`] / [`RoomStatus::fail`], which apply SGLang's `update_status` rule:
+//! Failed is sticky, everything else is monotonic (`max(current, new)`), and the first failure
+//! reason wins. Rooms absent from an agent's table are never re-created by a late message:
+//! only explicit creation makes a room, so a cleared room is never resurrected.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+/// Where a room is in its life (SGLang's `KVPoll`). Ordered by value, so the MIN over ranks is
+/// the cross-rank agreement and `max` is the monotonic update.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum RoomState {
+    /// Terminal: the transfer failed (value 0).
+    Failed = 0,
+    /// Handshake not complete (value 1).
+    #[default]
+    Bootstrapping = 1,
+    /// Handshake done; prefill waits for KV to send, decode waits for KV (value 2).
+    WaitingForInput = 2,
+    /// Chunks in flight (value 3).
+    Transferring = 3,
+    /// Terminal: every byte and the aux rows landed (value 4).
+    Success = 4,
+}
+
+impl RoomState {
+    /// All states, in value order.
+    pub const ALL: [RoomState; 5] = [
+        RoomState::Failed,
+        RoomState::Bootstrapping,
+        RoomState::WaitingForInput,
+        RoomState::Transferring,
+        RoomState::Success,
+    ];
+
+    /// Whether the state is final (Success or Failed).
+    pub fn is_terminal(self) -> bool {
+        matches!(self, RoomState::Success | RoomState::Failed)
+    }
+
+    /// SGLang's name, e.g. `"WaitingForInput"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoomState::Failed => "Failed",
+            RoomState::Bootstrapping => "Bootstrapping",
+            RoomState::WaitingForInput => "WaitingForInput",
+            RoomState::Transferring => "Transferring",
+            RoomState::Success => "Success",
+        }
+    }
+
+    /// The result of applying `new` to `current` with the update rule (rules 2–4 of spec 03
+    /// §2; rule 1, creation, is the caller's).
+    pub fn apply(current: RoomState, new: RoomState) -> RoomState {
+        if new == RoomState::Failed || current == RoomState::Failed {
+            RoomState::Failed
+        } else {
+            current.max(new)
+        }
+    }
+}
+
+impl fmt::Display for RoomState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a room failed, as a small closed set for metrics and tests. The human text is in
+/// [`FailureReason::message`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum FailureCause {
+    /// The prefill room stayed in Bootstrapping past the bootstrap timeout, or the decode could
+    /// not finish the handshake (directory, registration) in time.
+    BootstrapTimeout,
+    /// The decode sent its metadata but no Success came within the waiting timeout.
+    WaitingTimeout,
+    /// A transport batch did not complete by its deadline.
+    BatchTimeout,
+    /// A transport batch failed (peer lost, refused, ...).
+    TransferError,
+    /// The peer's descriptor is incompatible (every problem is in the message).
+    PeerRejected,
+    /// The heartbeat declared the peer dead.
+    PeerLost,
+    /// Aborted by the local caller.
+    Aborted,
+    /// Aborted by the peer (decode ABORT, or a Failed status from the prefill).
+    RemoteFailure,
+    /// A control message could not be delivered.
+    ControlChannel,
+    /// The transfer could not be planned (prefix misaligned, too few pages, ...).
+    Planning,
+    /// Two uses of the same room id collided.
+    DuplicateRoom,
+    /// The failure was only observed through cross-rank agreement.
+    OtherRank,
+    /// The agent shut down.
+    Shutdown,
+}
+
+impl FailureCause {
+    /// A stable snake_case name, as in the JSON form.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureCause::BootstrapTimeout => "bootstrap_timeout",
+            FailureCause::WaitingTimeout => "waiting_timeout",
+            FailureCause::BatchTimeout => "batch_timeout",
+            FailureCause::TransferError => "transfer_error",
+            FailureCause::PeerRejected => "peer_rejected",
+            FailureCause::PeerLost => "peer_lost",
+            FailureCause::Aborted => "aborted",
+            FailureCause::RemoteFailure => "remote_failure",
+            FailureCause::ControlChannel => "control_channel",
+            FailureCause::Planning => "planning",
+            FailureCause::DuplicateRoom => "duplicate_room",
+            FailureCause::OtherRank => "other_rank",
+            FailureCause::Shutdown => "shutdown",
+        }
+    }
+}
+
+impl fmt::Display for FailureCause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The first recorded reason of a room's failure: a cause, the peer involved (if any) and the
+/// text, which names both.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailureReason {
+    /// Classification for metrics.
+    pub cause: FailureCause,
+    /// The peer involved (control endpoint), if any.
+    pub peer: Option<String>,
+    /// The human text (SGLang's wording where the spec gives one).
+    pub message: String,
+}
+
+impl FailureReason {
+    /// A reason without a peer.
+    pub fn new(cause: FailureCause, message: impl Into<String>) -> Self {
+        Self {
+            cause,
+            peer: None,
+            message: message.into(),
+        }
+    }
+
+    /// A reason naming a peer.
+    pub fn with_peer(
+        cause: FailureCause,
+        peer: impl fmt::Display,
+        message: impl Into<String>,
+    ) -> Self {
+        Self {
+            cause,
+            peer: Some(peer.to_string()),
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for FailureReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// A failed room, reported like SGLang: `KVTransferError(bootstrap_room={room}): {reason}`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("KVTransferError(bootstrap_room={room}): {reason}")]
+pub struct KvTransferError {
+    /// The room.
+    pub room: u64,
+    /// The first recorded reason.
+    pub reason: FailureReason,
+    /// True when this rank recorded no reason of its own (the failure came from another rank
+    /// through cross-rank agreement).
+    pub is_from_another_rank: bool,
+}
+
+/// Default reason when a room failed without one recorded on this rank (spec 03 §8).
+pub const UNKNOWN_REASON_FROM_ANOTHER_RANK: &str =
+    "Failed due to an unknown reason from another rank";
+
+/// One room's status: the state (observable through a `watch` channel, so it can be polled and
+/// awaited) and the first failure reason.
+#[derive(Debug)]
+pub struct RoomStatus {
+    state: watch::Sender<RoomState>,
+    reason: Option<FailureReason>,
+}
+
+impl RoomStatus {
+    /// A new room. Only [`RoomState::Bootstrapping`] and [`RoomState::WaitingForInput`] create
+    /// rooms (rule 1); anything else is clamped to Bootstrapping.
+    pub fn new(initial: RoomState) -> Self {
+        let initial = match initial {
+            RoomState::WaitingForInput => RoomState::WaitingForInput,
+            _ => RoomState::Bootstrapping,
+        };
+        Self {
+            state: watch::Sender::new(initial),
+            reason: None,
+        }
+    }
+
+    /// The current state.
+    pub fn state(&self) -> RoomState {
+        *self.state.borrow()
+    }
+
+    /// The recorded failure reason, if any.
+    pub fn reason(&self) -> Option<&FailureReason> {
+        self.reason.as_ref()
+    }
+
+    /// Applies the update rule; returns whether the state changed. A `Failed` update without a
+    /// reason is allowed (the reason may come from another rank); prefer [`fail`](Self::fail).
+    pub fn update(&mut self, new: RoomState) -> bool {
+        let current = self.state();
+        let next = RoomState::apply(current, new);
+        if next != current {
+            self.state.send_replace(next);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Records `reason` if none is recorded yet (first wins) and sets Failed. Returns whether
+    /// this call moved the room to Failed (false when it already was).
+    pub fn fail(&mut self, reason: FailureReason) -> bool {
+        if self.reason.is_none() {
+            self.reason = Some(reason);
+        }
+        self.update(RoomState::Failed)
+    }
+
+    /// A receiver that observes every change (for awaiting).
+    pub fn subscribe(&self) -> watch::Receiver<RoomState> {
+        self.state.subscribe()
+    }
+
+    /// The error to report for this room (`None` unless Failed).
+    pub fn error(&self, room: u64) -> Option<KvTransferError> {
+        if self.state() != RoomState::Failed {
+            return None;
+        }
+        Some(match &self.reason {
+            Some(r) => KvTransferError {
+                room,
+                reason: r.clone(),
+                is_from_another_rank: false,
+            },
+            None => KvTransferError {
+                room,
+                reason: FailureReason::new(
+                    FailureCause::OtherRank,
+                    UNKNOWN_REASON_FROM_ANOTHER_RANK,
+                ),
+                is_from_another_rank: true,
+            },
+        })
+    }
+}
+
+/// Waits on a status receiver until the room is terminal. Returns `None` when the room was
+/// cleared (the sender dropped) before that.
+pub(crate) async fn wait_terminal(mut rx: watch::Receiver<RoomState>) -> Option<RoomState> {
+    loop {
+        let s = *rx.borrow_and_update();
+        if s.is_terminal() {
+            return Some(s);
+        }
+        if rx.changed().await.is_err() {
+            let s = *rx.borrow();
+            return s.is_terminal().then_some(s);
+        }
+    }
+}
+
+/// Waits until the state is at least `target` (or terminal). `None` when cleared first.
+pub(crate) async fn wait_at_least(
+    mut rx: watch::Receiver<RoomState>,
+    target: RoomState,
+) -> Option<RoomState> {
+    loop {
+        let s = *rx.borrow_and_update();
+        if s >= target || s.is_terminal() {
+            return Some(s);
+        }
+        if rx.changed().await.is_err() {
+            return None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn update_rule_is_monotonic_and_failed_is_sticky() {
+        use RoomState::*;
+        for a in RoomState::ALL {
+            for b in RoomState::ALL {
+                let r = RoomState::apply(a, b);
+                if a == Failed || b == Failed {
+                    assert_eq!(r, Failed, "{a} + {b}");
+                } else {
+                    assert_eq!(r, a.max(b), "{a} + {b}");
+                    assert!(r >= a);
+                }
+            }
+        }
+        let mut s = RoomStatus::new(Bootstrapping);
+        assert!(s.update(Transferring));
+        assert!(!s.update(WaitingForInput), "no going back");
+        assert_eq!(s.state(), Transferring);
+        assert!(s.fail(FailureReason::new(FailureCause::Aborted, "first")));
+        assert!(!s.fail(FailureReason::new(FailureCause::PeerLost, "second")));
+        assert!(!s.update(Success), "Failed is sticky");
+        assert_eq!(s.reason().unwrap().message, "first", "first reason wins");
+        assert_eq!(
+            s.error(7).unwrap().to_string(),
+            "KVTransferError(bootstrap_room=7): first"
+        );
+    }
+
+    #[test]
+    fn creation_only_from_early_states_and_unknown_reason_text() {
+        assert_eq!(
+            RoomStatus::new(RoomState::Success).state(),
+            RoomState::Bootstrapping
+        );
+        assert_eq!(
+            RoomStatus::new(RoomState::WaitingForInput).state(),
+            RoomState::WaitingForInput
+        );
+        let mut s = RoomStatus::new(RoomState::Bootstrapping);
+        s.update(RoomState::Failed);
+        let e = s.error(3).unwrap();
+        assert!(e.is_from_another_rank);
+        assert_eq!(
+            e.to_string(),
+            "KVTransferError(bootstrap_room=3): Failed due to an unknown reason from another rank"
+        );
+    }
+
+    #[test]
+    fn serde_names_match_sglang_states() {
+        assert_eq!(
+            serde_json::to_string(&RoomState::WaitingForInput).unwrap(),
+            "\"waiting_for_input\""
+        );
+        assert_eq!(RoomState::Success as u8, 4);
+        assert_eq!(RoomState::Failed as u8, 0);
+    }
+}

@@ -1,0 +1,1 @@
+//! Test and demo helpers (work in progress).
