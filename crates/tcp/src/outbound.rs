@@ -121,12 +121,8 @@ impl OutPeer {
         }
         tracing::warn!(peer = %self.id, addr = %self.addr, %reason, "lost peer");
         *lock(&self.lost_reason) = Some(reason.clone());
-        {
-            let mut peers = lock(&shared.out_peers);
-            if peers.get(&self.id.0).is_some_and(|p| Arc::ptr_eq(p, self)) {
-                peers.remove(&self.id.0);
-            }
-        }
+        // The peer stays known (posts and probes report it lost, with the reason) until
+        // `disconnect` forgets it.
         lock(&self.queue).clear();
         {
             let mut w = lock(&self.waiters);
