@@ -751,8 +751,7 @@ impl PrefillInner {
     fn on_transfer_info(self: &Arc<Self>, info: TransferInfo) {
         let room = info.room;
         let mut st = self.lock();
-        let reply_failed = |st: &PrefillState, reason: FailureReason| {
-            let _ = st;
+        let reply_failed = |reason: FailureReason| {
             self.outbox.send(
                 &info.decode_endpoint,
                 status_failed(room, &info, self.unique_rank, &reason),
@@ -769,7 +768,7 @@ impl PrefillInner {
                         info.decode_endpoint, self.endpoint
                     ),
                 );
-                return reply_failed(&st, reason);
+                return reply_failed(reason);
             }
             Some(DecodePeer::Rejected { problems, .. }) => {
                 let reason = FailureReason::with_peer(
@@ -777,7 +776,7 @@ impl PrefillInner {
                     &self.endpoint,
                     render_problems(problems),
                 );
-                return reply_failed(&st, reason);
+                return reply_failed(reason);
             }
             Some(DecodePeer::Accepted(p)) if p.session != info.session => {
                 let reason = FailureReason::with_peer(
@@ -788,7 +787,7 @@ impl PrefillInner {
                         info.decode_endpoint, info.session, p.session
                     ),
                 );
-                return reply_failed(&st, reason);
+                return reply_failed(reason);
             }
             Some(DecodePeer::Accepted(p)) => p.clone(),
         };
@@ -818,14 +817,17 @@ impl PrefillInner {
             None
         };
         if st.rooms.get(&room).is_some_and(|r| !r.cleared) {
-            let r = st.rooms.get_mut(&room).unwrap_or_else(|| unreachable!());
             if let Some(reason) = invalid {
+                // The room fails; add_info below then tells this peer (and every other).
                 drop(st);
-                self.add_info_to_failed(room, rp);
                 self.fail_room(room, None, reason);
-                return;
+                st = self.lock();
             }
-            let sends = add_info(r, rp, self.unique_rank);
+            let sends = match st.rooms.get_mut(&room) {
+                Some(r) => add_info(r, rp, self.unique_rank),
+                None => Vec::new(),
+            };
+            drop(st);
             for (to, msg) in sends {
                 self.outbox.send(&to, msg);
             }
@@ -833,13 +835,13 @@ impl PrefillInner {
         }
         if let Some(reason) = invalid {
             // Fail fast: tell the decode now, and fail the room when it is created.
-            reply_failed(&st, reason.clone());
+            reply_failed(reason.clone());
             self.tombstone(&mut st, room, reason);
             return;
         }
         if let Some(t) = st.tombstones.get(&room) {
             let reason = t.reason.clone();
-            return reply_failed(&st, reason);
+            return reply_failed(reason);
         }
         if st.pending.len() + st.rooms.len() >= self.config.max_rooms
             && !st.pending.contains_key(&room)
@@ -852,7 +854,7 @@ impl PrefillInner {
                     self.endpoint, self.config.max_rooms
                 ),
             );
-            return reply_failed(&st, reason);
+            return reply_failed(reason);
         }
         let weak = self.weak();
         let timeout = self.config.bootstrap_timeout;
@@ -868,13 +870,6 @@ impl PrefillInner {
             })
             .infos
             .push(rp);
-    }
-
-    /// Records a peer on a room that is about to fail, so it is told.
-    fn add_info_to_failed(&self, room: u64, rp: RoomPeer) {
-        if let Some(r) = self.lock().rooms.get_mut(&room) {
-            r.infos.push(rp);
-        }
     }
 
     fn tombstone(self: &Arc<Self>, st: &mut PrefillState, room: u64, reason: FailureReason) {
@@ -1026,7 +1021,7 @@ impl PrefillInner {
         r.bootstrap_timer = None;
         tracing::warn!(parent: &r.span, cause = %reason.cause, peer = reason.peer.as_deref(), reason = %reason.message, "room failed");
         if !r.driver_alive {
-            let sends = failure_notices(room, r, self.unique_rank);
+            let sends = failure_notices(r, self.unique_rank);
             drop(st);
             for (to, msg) in sends {
                 self.outbox.send(&to, msg);
@@ -1315,7 +1310,7 @@ impl PrefillInner {
         r.poisoned |= poisoned;
         let mut sends = Vec::new();
         if r.status.state() == RoomState::Failed {
-            sends.extend(failure_notices(room, r, self.unique_rank));
+            sends.extend(failure_notices_inner(r, self.unique_rank));
         }
         let acks = std::mem::take(&mut r.pending_acks);
         if r.poisoned {
@@ -1369,7 +1364,7 @@ fn add_info(r: &mut PrefillRoom, rp: RoomPeer, rank: u32) -> Vec<(Endpoint, Cont
     }
     r.infos.push(rp);
     match r.status.state() {
-        RoomState::Failed => failure_notices_for_new(r, rank),
+        RoomState::Failed => failure_notices(r, rank),
         RoomState::Bootstrapping if r.infos.len() as u32 >= r.required.max(1) => {
             r.status.update(RoomState::WaitingForInput);
             r.bootstrap_timer = None;
@@ -1380,16 +1375,12 @@ fn add_info(r: &mut PrefillRoom, rp: RoomPeer, rank: u32) -> Vec<(Endpoint, Cont
     }
 }
 
-fn failure_notices_for_new(r: &mut PrefillRoom, rank: u32) -> Vec<(Endpoint, ControlMessage)> {
+/// Failure statuses for every non-dummy peer not told yet (none while a driver still fences
+/// the room's batches: it tells them when it ends).
+fn failure_notices(r: &mut PrefillRoom, rank: u32) -> Vec<(Endpoint, ControlMessage)> {
     if r.driver_alive {
         return Vec::new();
     }
-    failure_notices_inner(r, rank)
-}
-
-/// Failure statuses for every non-dummy peer not told yet.
-fn failure_notices(room: u64, r: &mut PrefillRoom, rank: u32) -> Vec<(Endpoint, ControlMessage)> {
-    let _ = room;
     failure_notices_inner(r, rank)
 }
 
