@@ -8,54 +8,12 @@
 //!
 //! # The contract
 //!
-//! Every implementation promises the following; the conformance suite in `testing` (feature
-//! `testing`) checks each point, and every transport in this workspace runs it.
+//! Every implementation promises the nine points written on [`KvTransport`] (bounds before
+//! bytes, every batch ends by its deadline, fencing after cancel or failure, notifications
+//! follow data, peer loss is an error and not a hang, exact data, ids, declared capabilities,
+//! shutdown). The conformance suite in `kvbridge_transport::testing` (feature `testing`)
+//! checks each point, and every transport in this workspace runs it; see `docs/transports.md`.
 //!
-//! 1. **Bounds before bytes.** A batch in which any descriptor addresses bytes outside its
-//!    registered region (local or remote), or names an unknown or deregistered region, is
-//!    refused as a whole before any byte of it moves — its valid descriptors included. Bounds
-//!    are those of [`memory::checked_range`]: `offset + len <= region length` without overflow,
-//!    so a zero-length descriptor may sit at the very end of a region but not past it. Local
-//!    problems are refused by [`KvTransport::post`] with [`TransportError::OutOfBounds`] /
-//!    [`TransportError::UnknownRegion`] (side [`Side::Local`]; an `offset + len` overflow may be
-//!    [`TransportError::InvalidArgument`]). Remote problems are refused by `post` when the
-//!    transport knows the peer's regions, otherwise the peer checks the whole batch on arrival
-//!    and `wait` reports the failure; either way nothing lands. A peer can never make a
-//!    transport write outside a region registered with it.
-//! 2. **Every batch ends.** A posted batch reaches exactly one final state — done, failed,
-//!    cancelled or timed out — no later than its deadline (plus a small, bounded grace for the
-//!    transport to fence it). [`KvTransport::wait`] never hangs past that.
-//! 3. **Fencing.** Once `wait`, `batch_state` or `cancel` has reported a batch failed,
-//!    cancelled or timed out, no byte of that batch lands in the destination memory later.
-//!    Bytes that landed before may stay (each destination byte holds its old or its new value).
-//!    The same holds for a region once `deregister` or `shutdown` has returned.
-//! 4. **Notifications follow data.** A batch's notification is delivered to the peer only after
-//!    every byte of that batch is visible in the peer's memory, exactly once, and never for a
-//!    batch that did not complete (refused, failed, cancelled, timed out).
-//! 5. **Peer loss is an error, not a hang.** When a peer dies, shuts down or is disconnected,
-//!    its pending batches fail (by their deadline at the latest) with
-//!    [`TransportError::PeerLost`] or [`TransportError::BatchFailed`]; later batches to it fail
-//!    and [`KvTransport::probe`] reports it.
-//! 6. **Exact data.** When a batch is done, every destination byte equals its source byte, for
-//!    any mix of regions, offsets and lengths (zero included), and for batches of at least
-//!    100,000 descriptors unless [`Capabilities::max_ops_per_batch`] declares fewer (larger
-//!    batches are then refused at `post`). An empty batch completes (and notifies).
-//! 7. **Ids.** `wait` returns a batch's final state exactly once; afterwards, and for ids never
-//!    handed out, `wait`, `cancel` and `batch_state` fail with [`TransportError::UnknownBatch`].
-//!    Until then `batch_state` reports the state and `cancel` of a finished batch returns its
-//!    final state. Batch ids are not reused. Unknown peers are refused with
-//!    [`TransportError::UnknownPeer`]; a descriptor that is not the transport's with
-//!    [`TransportError::BadDescriptor`].
-//! 8. **Capabilities are declared.** Whatever [`Capabilities`] says is off (reads, batch sizes)
-//!    is refused at `post` with [`TransportError::Unsupported`] (or `InvalidArgument` for a
-//!    batch over the limit), never silently ignored.
-//! 9. **Shutdown.** After [`KvTransport::shutdown`], `post`, `register`, `connect` and
-//!    `recv_notification` fail with [`TransportError::Closed`]; batches in flight still reach a
-//!    final state.
-//!
-//! Destinations of one batch must not overlap (the caller's rule, as with RDMA); batches that
-//! run concurrently must not write the same bytes either.
-
 //! # Example
 //!
 //! ```
@@ -273,8 +231,59 @@ pub struct Notification {
 
 /// A transport that moves bytes between registered memory regions of two peers.
 ///
-/// See the [crate docs](crate) for the contract every implementation honours. Use it as
-/// `Arc<dyn KvTransport>` ([`DynKvTransport`]); convenience methods live in [`KvTransportExt`].
+/// Use it as `Arc<dyn KvTransport>` ([`DynKvTransport`]); convenience methods live in
+/// [`KvTransportExt`].
+///
+/// # Contract
+///
+/// Every implementation promises the following. The conformance suite
+/// (`kvbridge_transport::testing`, feature `testing`) checks each point; every transport in
+/// this workspace runs it, and so should yours (see `docs/transports.md`).
+///
+/// 1. **Bounds before bytes.** A batch in which any descriptor addresses bytes outside its
+///    registered region (local or remote), or names an unknown or deregistered region, is
+///    refused as a whole before any byte of it moves — its valid descriptors included. Bounds
+///    are those of [`memory::checked_range`]: `offset + len <= region length` without overflow,
+///    so a zero-length descriptor may sit at the very end of a region but not past it. Local
+///    problems are refused by [`post`](Self::post) with [`TransportError::OutOfBounds`] /
+///    [`TransportError::UnknownRegion`] (side [`Side::Local`]; an `offset + len` overflow may be
+///    [`TransportError::InvalidArgument`]). Remote problems are refused by `post` when the
+///    transport knows the peer's regions, otherwise the peer checks the whole batch on arrival
+///    and `wait` reports the failure; either way nothing lands. A peer can never make a
+///    transport write outside a region registered with it.
+/// 2. **Every batch ends.** A posted batch reaches exactly one final state — done, failed,
+///    cancelled or timed out — no later than its deadline (plus a small, bounded grace for the
+///    transport to fence it). [`wait`](Self::wait) never hangs past that.
+/// 3. **Fencing.** Once `wait`, `batch_state` or `cancel` has reported a batch failed,
+///    cancelled or timed out, no byte of that batch lands in the destination memory later.
+///    Bytes that landed before may stay (each destination byte holds its old or its new value).
+///    The same holds for a region once `deregister` or `shutdown` has returned.
+/// 4. **Notifications follow data.** A batch's notification is delivered to the peer only after
+///    every byte of that batch is visible in the peer's memory, exactly once, and never for a
+///    batch that did not complete (refused, failed, cancelled, timed out).
+/// 5. **Peer loss is an error, not a hang.** When a peer dies, shuts down or is disconnected,
+///    its pending batches fail (by their deadline at the latest) with
+///    [`TransportError::PeerLost`] or [`TransportError::BatchFailed`]; later batches to it fail
+///    and [`probe`](Self::probe) reports it.
+/// 6. **Exact data.** When a batch is done, every destination byte equals its source byte, for
+///    any mix of regions, offsets and lengths (zero included), and for batches of at least
+///    100,000 descriptors unless [`Capabilities::max_ops_per_batch`] declares fewer (larger
+///    batches are then refused at `post`). An empty batch completes (and notifies).
+/// 7. **Ids.** `wait` returns a batch's final state exactly once; afterwards, and for ids never
+///    handed out, `wait`, `cancel` and `batch_state` fail with [`TransportError::UnknownBatch`].
+///    Until then `batch_state` reports the state and `cancel` of a finished batch returns its
+///    final state. Batch ids are not reused. Unknown peers are refused with
+///    [`TransportError::UnknownPeer`]; a descriptor that is not the transport's with
+///    [`TransportError::BadDescriptor`].
+/// 8. **Capabilities are declared.** Whatever [`Capabilities`] says is off (reads, batch sizes)
+///    is refused at `post` with [`TransportError::Unsupported`] (or `InvalidArgument` for a
+///    batch over the limit), never silently ignored.
+/// 9. **Shutdown.** After [`shutdown`](Self::shutdown), `post`, `register`, `connect` and
+///    `recv_notification` fail with [`TransportError::Closed`]; batches in flight still reach a
+///    final state.
+///
+/// Destinations of one batch must not overlap (the caller's rule, as with RDMA); batches that
+/// run concurrently must not write the same bytes either.
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait::async_trait]
 pub trait KvTransport: Send + Sync + 'static {
