@@ -1,0 +1,254 @@
+//! `kvbridge check`: exit codes, text and JSON output on the example descriptors.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn example(path: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples/descriptors")
+        .join(path)
+        .display()
+        .to_string()
+}
+
+fn kvbridge(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+        .args(args)
+        .output()
+        .expect("kvbridge runs")
+}
+
+fn check(dir: &str, extra: &[&str]) -> Output {
+    let p = example(&format!("{dir}/prefill.json"));
+    let d = example(&format!("{dir}/decode.json"));
+    let mut args = vec!["check", p.as_str(), d.as_str()];
+    args.extend_from_slice(extra);
+    kvbridge(&args)
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn json(o: &Output) -> Value {
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
+}
+
+#[test]
+fn deepseek_mla_dcp4_is_compatible_and_prints_the_mapping() {
+    let o = check("deepseek-mla-dcp4", &[]);
+    assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("COMPATIBLE"));
+    assert!(out.contains("DCP token plan"));
+    assert!(out.contains("decode virtual page 256 tokens"));
+    assert!(out.contains("target_tp_ranks                [1]"), "{out}");
+    assert!(out.contains("required_prefill_response_num  1"), "{out}");
+}
+
+#[test]
+fn deepseek_json_shape() {
+    let v = json(&check("deepseek-mla-dcp4", &["--json"]));
+    assert_eq!(v["compatible"], true);
+    assert_eq!(v["problems"], serde_json::json!([]));
+    let m = &v["mapping"];
+    assert_eq!(m["target_tp_ranks"], serde_json::json!([1]));
+    assert_eq!(m["target_cp_ranks"], serde_json::json!([0]));
+    assert_eq!(m["target_pp_ranks"], serde_json::json!([0]));
+    assert_eq!(m["required_dst_info_num"], 1);
+    assert_eq!(m["required_prefill_response_num"], 1);
+    assert_eq!(m["path"]["kind"], "dcp_token_plan");
+    assert_eq!(m["peers"][0]["tp_rank"], 1);
+}
+
+#[test]
+fn all_ranks_reports_every_decode_rank() {
+    let o = check("deepseek-mla-dcp4", &["--all-ranks", "--json"]);
+    assert_eq!(o.status.code(), Some(0));
+    let v = json(&o);
+    let ranks = v["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 4);
+    for (r, entry) in ranks.iter().enumerate() {
+        assert_eq!(entry["decode_tp_rank"], r);
+        assert_eq!(entry["decode_dcp_rank"], r);
+        assert_eq!(entry["mapping"]["target_tp_ranks"], serde_json::json!([r]));
+    }
+    let text = stdout(&check("deepseek-mla-dcp4", &["--all-ranks"]));
+    assert!(text.contains("4 of 4 decode ranks compatible"), "{text}");
+}
+
+#[test]
+fn qwen_gqa_different_tp_with_replication_is_compatible_with_a_warning() {
+    let o = check("qwen-gqa-tp2-to-tp8", &["--all-ranks"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stdout(&o));
+    let out = stdout(&o);
+    assert!(out.contains("KVB-W001"));
+    assert!(out.contains(
+        "Performance is NOT guaranteed when using different TP sizes for non-MLA models."
+    ));
+    assert!(out.contains("1 -> [4, 5, 6, 7]"), "{out}");
+    let v = json(&check("qwen-gqa-tp2-to-tp8", &["--json"]));
+    assert_eq!(v["compatible"], true);
+    assert_eq!(v["warnings"][0]["code"], "KVB-W001");
+    assert_eq!(v["mapping"]["required_dst_info_num"], 4);
+}
+
+#[test]
+fn broken_gqa_dcp2_is_refused_with_the_sglang_text() {
+    let o = check("broken-gqa-dcp2", &[]);
+    assert_eq!(o.status.code(), Some(1));
+    let out = stdout(&o);
+    assert!(out.contains("KVB-E007"));
+    assert!(out.contains("PD decode DCP requires an MLA or hybrid-MLA KV pool."));
+    assert!(out.contains("--dcp-size 1"));
+    let v = json(&check("broken-gqa-dcp2", &["--json"]));
+    assert_eq!(v["compatible"], false);
+    assert_eq!(v["mapping"], Value::Null);
+    let p = &v["problems"][0];
+    let mut keys: Vec<&str> = p
+        .as_object()
+        .expect("object")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    keys.sort_unstable();
+    assert_eq!(keys, ["code", "message", "remedy"]);
+    assert_eq!(p["code"], "KVB-E007");
+}
+
+#[test]
+fn three_problems_are_all_reported() {
+    for compat in ["kvbridge", "sglang"] {
+        let o = check("three-problems", &["--compat", compat]);
+        assert_eq!(o.status.code(), Some(1));
+        let out = stdout(&o);
+        assert!(out.contains("INCOMPATIBLE: 3 problems"), "{out}");
+        for text in [
+            "KVB-E002",
+            "KV cache dtype mismatch: prefill server has kv_cache_dtype=fp8_e4m3, but decode server has kv_cache_dtype=auto.",
+            "KVB-E024",
+            "prefill attn_tp_size=4 and decode attn_tp_size=6",
+            "KVB-E012",
+            "Decode pp size (2) should be equal to prefill pp size (4) or 1",
+        ] {
+            assert!(out.contains(text), "{text} missing from {out}");
+        }
+        assert_eq!(out.matches("  fix:  ").count(), 3);
+    }
+    let v = json(&check("three-problems", &["--json"]));
+    let codes: Vec<&str> = v["problems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["code"].as_str().unwrap())
+        .collect();
+    assert_eq!(codes, ["KVB-E002", "KVB-E024", "KVB-E012"]);
+}
+
+#[test]
+fn dcp2_to_dcp4_kvbridge_accepts_sglang_refuses() {
+    let o = check("mla-dcp2-to-dcp4", &["--all-ranks"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stdout(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("0 -> [0, 2]") && out.contains("1 -> [1, 3]"),
+        "{out}"
+    );
+    let o = check("mla-dcp2-to-dcp4", &["--compat", "sglang"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stdout(&o).contains("Unsupported PD DCP topology: 2 -> 4"));
+}
+
+#[test]
+fn page16_to_page64_kvbridge_accepts_sglang_refuses() {
+    let v = json(&check("mla-page16-to-page64", &["--json"]));
+    assert_eq!(v["compatible"], true);
+    assert_eq!(v["mapping"]["path"]["kind"], "rows");
+    let o = check("mla-page16-to-page64", &["--compat", "sglang"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stdout(&o).contains(
+        "Page size mismatch: prefill server has page_size=16, but decode server has page_size=64."
+    ));
+}
+
+#[test]
+fn misaligned_prefix_pair_passes_check_and_fails_in_the_planner() {
+    let o = check("misaligned-prefix", &[]);
+    assert_eq!(o.status.code(), Some(0));
+    assert!(stdout(&o).contains("decode virtual page 64 tokens"));
+    let o = kvbridge(&["plan", &example("misaligned-prefix/plan.json")]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains(
+        "PD DCP transfer requires decode_prefix_len to align to the virtual DCP page size (64), got 100"
+    ), "{}", stderr(&o));
+    let o = kvbridge(&["plan", &example("misaligned-prefix/plan-aligned.json")]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
+
+#[test]
+fn unreadable_and_unparsable_files_exit_2_naming_the_file() {
+    let good = example("deepseek-mla-dcp4/decode.json");
+    let o = kvbridge(&["check", "/nonexistent/prefill.json", &good]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("cannot read the PREFILL file /nonexistent/prefill.json"),
+        "{}",
+        stderr(&o)
+    );
+
+    let dir = std::env::temp_dir().join(format!("kvbridge-check-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let typo = dir.join("typo.json");
+    std::fs::write(
+        &typo,
+        "{\n  \"role\": \"decode\",\n  \"page_sise\": 64\n}\n",
+    )
+    .unwrap();
+    let o = kvbridge(&[
+        "check",
+        &example("deepseek-mla-dcp4/prefill.json"),
+        typo.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(err.contains("cannot parse the DECODE file"), "{err}");
+    assert!(err.contains("typo.json at line 3, column"), "{err}");
+    assert!(err.contains("unknown field `page_sise`"), "{err}");
+    assert!(o.stdout.is_empty());
+
+    let newer = dir.join("newer.json");
+    std::fs::write(
+        &newer,
+        "{\"protocol_version\": \"2.0\", \"role\": \"decode\"}",
+    )
+    .unwrap();
+    let o = kvbridge(&[
+        "check",
+        &example("deepseek-mla-dcp4/prefill.json"),
+        newer.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("protocol_version 2.0"),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn swapped_arguments_are_a_problem_not_a_parse_error() {
+    let o = kvbridge(&[
+        "check",
+        &example("deepseek-mla-dcp4/decode.json"),
+        &example("deepseek-mla-dcp4/prefill.json"),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stdout(&o).contains("KVB-E020"));
+}
