@@ -13,6 +13,70 @@
 //!   [`RankAgreement`] — the pluggable cross-rank MIN.
 //! * [`testing`] — fill prefill memory with bytes derived from (entry, position) and verify
 //!   every byte a decode rank holds.
+//!
+//! # Example
+//!
+//! The shortest complete transfer: one MLA prefill rank, one decode rank, loopback transport.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use kvbridge_coordinator::testing::{TokenLayout, fill_rows, verify_rows};
+//! use kvbridge_coordinator::{
+//!     Chunk, DecodeAgent, InProcessControlHub, KvMemory, PrefillAgent, ReceiveRequest,
+//!     StaticDirectory,
+//! };
+//! use kvbridge_handshake::PeerDescriptor;
+//! use kvbridge_mock::LoopbackTransport;
+//! use kvbridge_transport::KvTransport;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // MLA, 2 layers, page size 16, 576-byte token rows.
+//! let desc = |role: &str| -> PeerDescriptor {
+//!     format!(r#"{{"role": "{role}", "page_size": 16, "kv_cache_dtype": "auto",
+//!                 "kv_pool": "mla", "attn_tp_size": 1, "kv_item_lens": [9216, 9216]}}"#)
+//!         .parse()
+//!         .unwrap()
+//! };
+//! let hub = InProcessControlHub::new();
+//! let directory = StaticDirectory::new();
+//!
+//! let transport: Arc<dyn KvTransport> = Arc::new(LoopbackTransport::new());
+//! let p_mem = KvMemory::allocate(&*transport, &desc("prefill"), 8, 0).await?;
+//! let prefill = PrefillAgent::builder(
+//!     desc("prefill"), p_mem.memory.clone(), transport, Arc::new(hub.channel("prefill-0")?),
+//! )
+//! .start()?;
+//! directory.add_rank("prefill:8998", prefill.rank_info());
+//!
+//! let transport: Arc<dyn KvTransport> = Arc::new(LoopbackTransport::new());
+//! let d_mem = KvMemory::allocate(&*transport, &desc("decode"), 8, 0).await?;
+//! let decode = DecodeAgent::builder(
+//!     desc("decode"), d_mem.memory.clone(), transport, Arc::new(hub.channel("decode-0")?),
+//!     Arc::new(directory),
+//! )
+//! .start()?;
+//!
+//! // Room 1: 40 tokens in prefill pages [3, 5, 6], wanted in decode pages [7, 1, 2].
+//! fill_rows(&p_mem.kv_views(), &TokenLayout::for_rank(prefill.descriptor(), vec![3, 5, 6])?, 0..40)?;
+//! prefill.create_room(1)?;
+//! decode.receive(1, ReceiveRequest {
+//!     bootstrap_addr: "prefill:8998".into(),
+//!     page_table: vec![7, 1, 2],
+//!     cached_prefix_len: 0,
+//!     aux_index: 0,
+//! })?;
+//! let prefix = prefill.wait_ready(1).await?; // 0: the decode holds nothing yet
+//! assert_eq!(prefix, 0);
+//! prefill.send_chunk(1, Chunk::last(vec![3, 5, 6], 40, None)).await?;
+//! decode.wait(1).await?;
+//! prefill.wait(1).await?;
+//!
+//! let layout = TokenLayout::for_rank(decode.descriptor(), vec![7, 1, 2])?;
+//! assert_eq!(verify_rows(&d_mem.kv_views(), &layout, 0..40)?, 2 * 40 * 576);
+//! # Ok(())
+//! # }
+//! ```
 
 mod agreement;
 mod channel;

@@ -2,7 +2,6 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::Duration;
 
 use kvbridge_handshake::{PeerDescriptor, check_with, prefill_unique_rank};
 use kvbridge_transport::{BatchId, KvTransport, PeerId, TransferBatch, TransportError};
@@ -1670,13 +1669,4 @@ fn batch_failure(room: u64, endpoint: &Endpoint, aux: bool, e: &TransportError) 
         endpoint,
         format!("Failed to send {what} of {room} to {endpoint}: {e}"),
     )
-}
-
-#[allow(dead_code)]
-fn _assert_send() {
-    fn is_send<T: Send>(_: T) {}
-    let _ = |a: PrefillAgent| {
-        is_send(async move { a.send_chunk(0, Chunk::new(vec![], 0)).await });
-    };
-    let _: Option<Duration> = None;
 }

@@ -1,0 +1,689 @@
+//! Aborts, fencing, heartbeat, every timeout, and refused peers — deterministic, in virtual time.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{ADDR, Request, Spec, bounded, mla, rig};
+use kvbridge_coordinator::{
+    CONTROL_PROTOCOL_VERSION, ControlChannel, ControlMessage, CoordinatorError, DecodeAgent,
+    DecodeConfig, Endpoint, FailureCause, KvMemory, PrefillConfig, ReceiveRequest, Registration,
+    RegistrationOutcome, RoomState, SharedMin, TransferInfo, TransportInfo,
+};
+use kvbridge_handshake::{CheckOptions, Compat};
+use kvbridge_mock::{FaultScript, LoopbackTransport};
+use kvbridge_transport::KvTransport;
+use tokio::time::sleep;
+
+const SENTINEL: u8 = 0xEE;
+
+fn prefill_ep() -> Endpoint {
+    Endpoint::new("prefill-0")
+}
+
+/// Marks every decode KV byte with the sentinel, as if the pages were handed to another request.
+fn reuse_pages(r: &common::Rig) {
+    for (_, rank) in &r.decodes {
+        for region in &rank.mem.kv_regions {
+            region.fill(0, region.len() as u64, SENTINEL).unwrap();
+        }
+    }
+}
+
+fn pages_untouched_since_reuse(r: &common::Rig) -> bool {
+    r.decodes.iter().all(|(_, rank)| {
+        rank.mem.kv_regions.iter().all(|region| {
+            region
+                .to_vec(0, region.len() as u64)
+                .unwrap()
+                .iter()
+                .all(|&b| b == SENTINEL)
+        })
+    })
+}
+
+/// One prefill rank whose second batch (the last chunk's KV) is held back for 10 s, one decode
+/// rank, a 2-chunk request; returns once the first chunk landed and the second is in flight.
+async fn delayed_second_chunk() -> (common::Rig, Request) {
+    let mut spec = Spec::new(
+        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
+    );
+    spec.faults = vec![FaultScript::new().delay_batch(1, Duration::from_secs(10))];
+    let r = rig(spec).await;
+    let req = Request {
+        chunk_pages: 2,
+        ..Request::new(77, 64)
+    };
+    r.start(&req).await;
+    r.send_all(0, &req).await.unwrap();
+    sleep(Duration::from_secs(1)).await;
+    let m = r.prefills[0].0.metrics();
+    assert_eq!(
+        (m.batches_posted, m.batches_done),
+        (2, 1),
+        "chunk 0 landed, chunk 1 held back"
+    );
+    (r, req)
+}
+
+#[tokio::test(start_paused = true)]
+async fn abort_mid_transfer_releases_pages_only_once_fenced() {
+    let (r, req) = delayed_second_chunk().await;
+    let decode = r.decodes[0].0.clone();
+    // The abort cannot reach the prefill for now: no proof, no release.
+    r.hub.set_partitioned(&prefill_ep(), true);
+    decode.abort(req.room);
+    let release = tokio::spawn({
+        let d = decode.clone();
+        async move { d.release_when_fenced(77).await }
+    });
+    sleep(Duration::from_secs(3)).await;
+    assert!(
+        !release.is_finished(),
+        "released without proof that no byte can land"
+    );
+    assert!(!decode.is_fenced(77).unwrap());
+    // Once the abort gets through (it is re-sent), the prefill cancels the held batch, then acks.
+    r.hub.set_partitioned(&prefill_ep(), false);
+    let report = bounded(release).await.unwrap().unwrap();
+    assert_eq!(report.acked_by, vec![prefill_ep()]);
+    assert_eq!(decode.room_count(), 0, "a released room is forgotten");
+    let p = &r.prefills[0].0;
+    assert_eq!(p.poll(77).unwrap(), RoomState::Failed);
+    assert!(
+        p.failure(77)
+            .unwrap()
+            .to_string()
+            .contains("Aborted by decode decode-0: Aborted by AbortReq.")
+    );
+    // The pages are reused; the held batch's deadline passes: no late byte lands.
+    reuse_pages(&r);
+    sleep(Duration::from_secs(30)).await;
+    assert!(
+        pages_untouched_since_reuse(&r),
+        "a late write landed in released pages"
+    );
+    assert_eq!(decode.metrics().rooms_fenced, 1);
+    assert_eq!(decode.failure(77), None, "forgotten after release");
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_fencing_the_held_batch_lands_in_reused_pages() {
+    // The same scenario, but the decode reuses the pages right after aborting (no fence): the
+    // held batch lands 10 s later in memory that belongs to someone else. This is what
+    // release_when_fenced prevents.
+    let (r, req) = delayed_second_chunk().await;
+    r.hub.set_partitioned(&prefill_ep(), true);
+    r.decodes[0].0.abort(req.room);
+    r.decodes[0].0.clear(req.room);
+    reuse_pages(&r);
+    sleep(Duration::from_secs(30)).await;
+    assert!(
+        !pages_untouched_since_reuse(&r),
+        "the unfenced scenario must show the late write"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn prefill_abort_is_reported_to_the_decode_and_acknowledged() {
+    let (r, req) = delayed_second_chunk().await;
+    r.prefills[0].0.abort(req.room);
+    let d = &r.decodes[0].0;
+    let err = bounded(d.wait(req.room)).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "KVTransferError(bootstrap_room=77): Aborted by AbortReq."
+    );
+    let report = bounded(d.release_when_fenced(req.room)).await.unwrap();
+    assert_eq!(report.acked_by, vec![prefill_ep()]);
+    reuse_pages(&r);
+    sleep(Duration::from_secs(30)).await;
+    assert!(pages_untouched_since_reuse(&r));
+    assert_eq!(
+        r.prefills[0]
+            .0
+            .metrics()
+            .failures_by_cause
+            .get(&FailureCause::Aborted),
+        Some(&1)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn heartbeat_declares_a_silent_prefill_dead_and_keeps_its_pages_quarantined() {
+    let mut spec = Spec::new(
+        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
+    );
+    spec.decode_config = DecodeConfig {
+        heartbeat_interval: Duration::from_secs(2),
+        heartbeat_max_failures: 2,
+        fence_timeout: Duration::from_secs(10),
+        ..DecodeConfig::default()
+    };
+    let r = rig(spec).await;
+    let req = Request::new(5, 40);
+    r.start(&req).await;
+    let p = &r.prefills[0].0;
+    assert_eq!(bounded(p.wait_ready(5)).await.unwrap(), 0);
+    // The prefill goes silent before sending anything.
+    r.hub.set_partitioned(&prefill_ep(), true);
+    let d = &r.decodes[0].0;
+    let started = tokio::time::Instant::now();
+    let err = bounded(d.wait(5)).await.unwrap_err().to_string();
+    assert!(
+        started.elapsed() <= Duration::from_secs(7),
+        "two missed beats of 2 s"
+    );
+    assert!(
+        err.contains("Lost connection with prefill instance (bootstrap_addr: prefill.test:8998)"),
+        "{err}"
+    );
+    assert!(
+        err.contains("prefill-0 did not answer 2 consecutive heartbeats"),
+        "{err}"
+    );
+    assert_eq!(d.failure(5).unwrap().reason.cause, FailureCause::PeerLost);
+    assert!(d.registered_peers().is_empty(), "a dead peer is forgotten");
+    // No ack can come: the pages stay quarantined.
+    match bounded(d.release_when_fenced(5)).await {
+        Err(CoordinatorError::FenceTimeout {
+            room: 5, pending, ..
+        }) => assert_eq!(pending, "prefill-0"),
+        other => panic!("expected a fence timeout, got {other:?}"),
+    }
+    // The prefill comes back: the re-sent abort is acknowledged, and new rooms work again.
+    r.hub.set_partitioned(&prefill_ep(), false);
+    bounded(d.release_when_fenced(5)).await.unwrap();
+    let req2 = Request::new(6, 40);
+    for out in r.run(&req2).await {
+        out.unwrap();
+    }
+    r.verify_with(&req2, false);
+}
+
+#[tokio::test(start_paused = true)]
+async fn prefill_bootstrap_timeout() {
+    let r = rig(Spec::new(
+        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
+    ))
+    .await;
+    let p = &r.prefills[0].0;
+    p.create_room(3).unwrap();
+    let err = bounded(p.wait(3)).await.unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "KVTransferError(bootstrap_room=3): Request 3 timed out after 300.0s in KVPoll.Bootstrapping"
+    );
+    assert_eq!(
+        p.metrics()
+            .failures_by_cause
+            .get(&FailureCause::BootstrapTimeout),
+        Some(&1)
+    );
+    assert!(matches!(
+        p.send_chunk(3, kvbridge_coordinator::Chunk::new(vec![0], 16))
+            .await,
+        Err(CoordinatorError::Transfer(_))
+    ));
+}
+
+#[tokio::test(start_paused = true)]
+async fn decode_waiting_timeout_aborts_and_is_fenced() {
+    let r = rig(Spec::new(
+        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
+    ))
+    .await;
+    let req = Request::new(4, 40);
+    r.start(&req).await;
+    // The prefill never sends.
+    let d = &r.decodes[0].0;
+    let err = bounded(d.wait(4)).await.unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "KVTransferError(bootstrap_room=4): Request 4 timed out after 300.0s in KVPoll.WaitingForInput"
+    );
+    bounded(d.release_when_fenced(4)).await.unwrap();
+    let p = &r.prefills[0].0;
+    assert_eq!(p.poll(4).unwrap(), RoomState::Failed);
+    assert_eq!(
+        p.failure(4).unwrap().reason.cause,
+        FailureCause::RemoteFailure
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn decode_bootstrap_timeout_when_the_prefill_never_answers() {
+    let r = rig(Spec::new(
+        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
+    ))
+    .await;
+    r.hub.set_partitioned(&prefill_ep(), true);
+    let req = Request::new(21, 40);
+    r.start(&req).await;
+    let d = &r.decodes[0].0;
+    let err = bounded(d.wait(21)).await.unwrap_err().to_string();
+    assert!(
+        err.contains("Prefill bootstrap failed: registration with prefill-0 did not finish within 30.0s (bootstrap_addr: prefill.test:8998)"),
+        "{err}"
+    );
+    assert_eq!(
+        d.failure(21).unwrap().reason.peer.as_deref(),
+        Some("prefill-0")
+    );
+    // Nothing was published, so there is nothing to fence.
+    assert!(d.is_fenced(21).unwrap());
+    bounded(d.release_when_fenced(21)).await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn unknown_bootstrap_address_fails_at_once() {
+    let r = rig(Spec::new(
+        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
+    ))
+    .await;
+    let d = &r.decodes[0].0;
+    d.receive(
+        1,
+        ReceiveRequest {
+            bootstrap_addr: "nowhere:1".into(),
+            page_table: vec![0, 1],
+            cached_prefix_len: 0,
+            aux_index: 0,
+        },
+    )
+    .unwrap();
+    let err = bounded(d.wait(1)).await.unwrap_err().to_string();
+    assert!(
+        err.contains("could not fetch prefill parallel info from bootstrap_addr: nowhere:1"),
+        "{err}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn batch_deadline_fails_the_room_on_both_sides() {
+    let mut spec = Spec::new(
+        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
+    );
+    spec.faults = vec![FaultScript::new().stall_batch(0)];
+    spec.prefill_config = PrefillConfig {
+        batch_timeout: Duration::from_secs(5),
+        fence_grace: Duration::from_secs(1),
+        ..PrefillConfig::default()
+    };
+    let r = rig(spec).await;
+    let req = Request::new(31, 40);
+    let started = tokio::time::Instant::now();
+    let outs = r.run(&req).await;
+    assert!(
+        started.elapsed() <= Duration::from_secs(7),
+        "the batch deadline bounds the wait"
+    );
+    let err = outs[0].as_ref().unwrap_err().to_string();
+    assert!(
+        err.contains("Failed to send kv chunk of 31 to decode-0"),
+        "{err}"
+    );
+    assert!(
+        err.contains("did not complete within its deadline of 5s"),
+        "{err}"
+    );
+    let d = &r.decodes[0].0;
+    assert_eq!(
+        d.failure(31).unwrap().reason.cause,
+        FailureCause::BatchTimeout
+    );
+    assert_eq!(
+        d.failure(31).unwrap().reason.peer.as_deref(),
+        Some("prefill-0")
+    );
+    let p = &r.prefills[0].0;
+    assert_eq!(
+        p.failure(31).unwrap().reason.cause,
+        FailureCause::BatchTimeout
+    );
+    assert_eq!(p.metrics().batches_failed, 1);
+    bounded(d.release_when_fenced(31)).await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn failed_batch_fails_the_room_and_names_the_peer() {
+    let mut spec = Spec::new(
+        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
+    );
+    spec.faults = vec![FaultScript::new().fail_batch(1)];
+    let r = rig(spec).await;
+    let req = Request {
+        chunk_pages: 1,
+        ..Request::new(32, 40)
+    };
+    let outs = r.run(&req).await;
+    let e = r.decodes[0].0.failure(32).unwrap();
+    assert_eq!(e.reason.cause, FailureCause::TransferError);
+    assert!(
+        outs[0]
+            .as_ref()
+            .unwrap_err()
+            .to_string()
+            .contains("Failed to send kv chunk of 32 to decode-0")
+    );
+    bounded(r.decodes[0].0.release_when_fenced(32))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn control_send_timeout_fails_the_room_naming_the_peer() {
+    let r = rig(Spec::new(
+        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
+    ))
+    .await;
+    // The prefill stops reading its control socket: the registration send never completes.
+    r.hub.set_stalled(&prefill_ep(), true);
+    let req = Request::new(41, 40);
+    r.start(&req).await;
+    let d = &r.decodes[0].0;
+    let started = tokio::time::Instant::now();
+    let err = bounded(d.wait(41)).await.unwrap_err().to_string();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the 1 s send deadline, not the 30 s bootstrap timeout"
+    );
+    assert!(
+        err.contains("_register_kv_args to prefill prefill-0 failed"),
+        "{err}"
+    );
+    assert!(err.contains("did not complete within 1s"), "{err}");
+    assert_eq!(
+        d.failure(41).unwrap().reason.cause,
+        FailureCause::ControlChannel
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn metadata_for_a_room_the_prefill_never_creates_expires() {
+    let mut spec = Spec::new(
+        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
+    );
+    spec.decode_config = DecodeConfig {
+        waiting_timeout: Duration::from_secs(900),
+        ..DecodeConfig::default()
+    };
+    let r = rig(spec).await;
+    let d = &r.decodes[0].0;
+    d.receive(
+        50,
+        ReceiveRequest {
+            bootstrap_addr: ADDR.into(),
+            page_table: vec![0, 1, 2],
+            cached_prefix_len: 0,
+            aux_index: 0,
+        },
+    )
+    .unwrap();
+    let err = bounded(d.wait(50)).await.unwrap_err().to_string();
+    assert!(
+        err.contains(
+            "prefill prefill-0 never created room 50 within the bootstrap timeout of 300.0s"
+        ),
+        "{err}"
+    );
+}
+
+/// A registration straight from a test "decode" endpoint, to see the prefill's answer.
+fn registration(
+    desc: kvbridge_handshake::PeerDescriptor,
+    transport: &dyn KvTransport,
+    mem: &KvMemory,
+    from: &Endpoint,
+) -> ControlMessage {
+    ControlMessage::Register(Registration {
+        protocol: CONTROL_PROTOCOL_VERSION,
+        decode_endpoint: from.clone(),
+        session: 1,
+        descriptor: desc,
+        transport: TransportInfo {
+            name: transport.name().into(),
+            descriptor: transport.local_descriptor().to_vec(),
+        },
+        kv_regions: mem
+            .kv
+            .iter()
+            .map(|e| kvbridge_coordinator::WireRegion {
+                region: e.region.0,
+                offset: e.offset,
+                len: e.len,
+            })
+            .collect(),
+        aux_regions: mem
+            .aux
+            .iter()
+            .map(|e| kvbridge_coordinator::WireRegion {
+                region: e.region.0,
+                offset: e.offset,
+                len: e.len,
+            })
+            .collect(),
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn incompatible_decode_is_refused_with_every_problem_and_the_prefill_keeps_serving() {
+    let r = rig(Spec::new(
+        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
+    ))
+    .await;
+    // The seed's misconfiguration: a GQA decode with DCP, another page size and dtype.
+    let bad: kvbridge_handshake::PeerDescriptor = serde_json::from_value(serde_json::json!({
+        "role": "decode", "page_size": 32, "kv_cache_dtype": "fp8_e4m3", "kv_pool": "mha",
+        "attn_tp_size": 2, "attn_tp_rank": 0, "dcp_size": 2, "dcp_rank": 0,
+        "total_kv_heads": 8, "head_dim": 128, "kv_item_lens": [65536, 65536],
+        "aux_item_lens": [64, 128]
+    }))
+    .unwrap();
+    let transport = LoopbackTransport::new();
+    let mem = KvMemory::allocate(&transport, &bad, 4, 2).await.unwrap();
+    let rogue = r.hub.channel("rogue-decode").unwrap();
+    let me = rogue.local_endpoint();
+    rogue
+        .send(
+            &prefill_ep(),
+            registration(bad.clone(), &transport, &mem.memory, &me),
+        )
+        .await
+        .unwrap();
+    let reply = bounded(rogue.recv()).await.unwrap();
+    let ControlMessage::RegisterReply(reply) = reply.message else {
+        panic!("expected a registration reply, got {reply:?}")
+    };
+    let RegistrationOutcome::Rejected { problems } = reply.result else {
+        panic!("an incompatible decode must be refused")
+    };
+    let text: Vec<&str> = problems.iter().map(|p| p.message.as_str()).collect();
+    assert!(problems.len() >= 3, "{text:?}");
+    assert!(
+        text.iter()
+            .any(|m| m.contains("prefill kv_pool=mla but decode kv_pool=mha")),
+        "{text:?}"
+    );
+    assert!(
+        text.iter()
+            .any(|m| m.starts_with("KV cache dtype mismatch")),
+        "{text:?}"
+    );
+    assert!(
+        text.contains(&"PD decode DCP requires an MLA or hybrid-MLA KV pool."),
+        "{text:?}"
+    );
+    assert!(
+        problems
+            .iter()
+            .all(|p| !p.remedy.is_empty() && p.code.starts_with("KVB-"))
+    );
+    // Its metadata is answered with the same problems instead of being served.
+    rogue
+        .send(
+            &prefill_ep(),
+            ControlMessage::TransferInfo(TransferInfo {
+                room: 90,
+                generation: 1,
+                decode_endpoint: me.clone(),
+                session: 1,
+                dst_pages: vec![0],
+                dst_aux_index: Some(0),
+                is_dummy: false,
+                required_dst_info_num: 1,
+                decode_prefix_len: 0,
+            }),
+        )
+        .await
+        .unwrap();
+    let status = bounded(rogue.recv()).await.unwrap();
+    let ControlMessage::Status(status) = status.message else {
+        panic!("{status:?}")
+    };
+    assert_eq!(status.state, RoomState::Failed);
+    assert!(
+        status
+            .reason
+            .unwrap()
+            .contains("PD decode DCP requires an MLA or hybrid-MLA KV pool.")
+    );
+    // The prefill still serves its compatible decode.
+    let req = Request::new(91, 50);
+    for out in r.run(&req).await {
+        out.unwrap();
+    }
+    r.verify(&req);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_decode_refused_by_the_prefill_fails_its_rooms_at_once_with_the_problems() {
+    // The decode (kvbridge envelope) accepts different page sizes; this prefill runs SGLang's
+    // envelope and refuses them at registration.
+    let mut spec = Spec::new(
+        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+        vec![mla("decode", 64, 2, 64, 1, 0, 1)],
+    );
+    spec.prefill_config = PrefillConfig {
+        check: CheckOptions::new(Compat::Sglang),
+        ..PrefillConfig::default()
+    };
+    let r = rig(spec).await;
+    let d = &r.decodes[0].0;
+    for room in [1, 2] {
+        d.receive(
+            room,
+            ReceiveRequest {
+                bootstrap_addr: ADDR.into(),
+                page_table: vec![0, 1],
+                cached_prefix_len: 0,
+                aux_index: 0,
+            },
+        )
+        .unwrap();
+    }
+    for room in [1, 2] {
+        let started = tokio::time::Instant::now();
+        let err = bounded(d.wait(room)).await.unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "refused at once, not by a timeout"
+        );
+        let text = err.to_string();
+        assert!(text.contains("Page size mismatch: prefill server has page_size=16, but decode server has page_size=64."), "{text}");
+        let e = d.failure(room).unwrap();
+        assert_eq!(e.reason.cause, FailureCause::PeerRejected);
+        assert_eq!(e.reason.peer.as_deref(), Some("prefill-0"));
+    }
+    // A decode-side misfit (checked before any message) fails the same way, all problems listed.
+    let bad = serde_json::from_value(serde_json::json!({
+        "role": "decode", "page_size": 16, "kv_cache_dtype": "fp8_e4m3", "kv_pool": "mha",
+        "attn_tp_size": 1, "dcp_size": 2, "total_kv_heads": 8, "head_dim": 128,
+        "kv_item_lens": [65536, 65536], "aux_item_lens": [64, 128]
+    }))
+    .unwrap();
+    let transport: Arc<dyn KvTransport> = Arc::new(LoopbackTransport::new());
+    let mem = KvMemory::allocate(&*transport, &bad, 4, 2).await.unwrap();
+    let agent = DecodeAgent::builder(
+        bad,
+        mem.memory,
+        transport,
+        Arc::new(r.hub.channel("decode-bad").unwrap()),
+        Arc::new(r.dir.clone()),
+    )
+    .start()
+    .unwrap();
+    agent
+        .receive(
+            3,
+            ReceiveRequest {
+                bootstrap_addr: ADDR.into(),
+                page_table: vec![0],
+                cached_prefix_len: 0,
+                aux_index: 0,
+            },
+        )
+        .unwrap();
+    let text = bounded(agent.wait(3)).await.unwrap_err().to_string();
+    assert!(text.contains("KV cache dtype mismatch"), "{text}");
+    assert!(
+        text.contains("PD decode DCP requires an MLA or hybrid-MLA KV pool."),
+        "{text}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn agreement_hook_fails_every_rank_when_one_fails() {
+    let group = SharedMin::group(2);
+    let r = rig(Spec::new(
+        vec![mla("prefill", 4, 2, 32, 1, 0, 1)],
+        (0..2).map(|i| mla("decode", 4, 2, 32, 2, i, 2)).collect(),
+    ))
+    .await;
+    // Re-create the decode agents with the shared agreement.
+    let mut agents = Vec::new();
+    for (i, (old, rank)) in r.decodes.iter().enumerate() {
+        old.shutdown();
+        let a = DecodeAgent::builder(
+            rank.desc.clone(),
+            rank.mem.memory.clone(),
+            rank.transport.clone(),
+            Arc::new(r.hub.channel(format!("decode-agreed-{i}")).unwrap()),
+            Arc::new(r.dir.clone()),
+        )
+        .agreement(Arc::new(group[i].clone()))
+        .start()
+        .unwrap();
+        agents.push(a);
+    }
+    for (i, a) in agents.iter().enumerate() {
+        a.receive(
+            8,
+            ReceiveRequest {
+                bootstrap_addr: ADDR.into(),
+                page_table: vec![1, 2],
+                cached_prefix_len: 0,
+                aux_index: i as u64,
+            },
+        )
+        .unwrap();
+    }
+    r.prefills[0].0.create_room(8).unwrap();
+    bounded(r.prefills[0].0.wait_ready(8)).await.unwrap();
+    agents[0].abort(8);
+    assert_eq!(agents[1].poll(8).unwrap(), RoomState::WaitingForInput);
+    assert_eq!(agents[0].poll_agreed(8).await.unwrap(), RoomState::Failed);
+    assert_eq!(agents[1].poll_agreed(8).await.unwrap(), RoomState::Failed);
+}
