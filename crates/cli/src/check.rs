@@ -284,8 +284,17 @@ fn mapping_text(out: &mut String, m: &RankMapping) {
     }
     out.push_str("  bootstrap peers, in registration order:\n");
     for p in &m.peers {
+        let heads = p.head_slice.map_or_else(String::new, |h| {
+            format!(
+                ", its heads {}..{} -> decode heads {}..{}",
+                h.src_head_start,
+                h.src_head_start + h.num_heads,
+                h.dst_head_start,
+                h.dst_head_start + h.num_heads
+            )
+        });
         out.push_str(&format!(
-            "    prefill tp {} cp {} pp {}  (status id {}, DCP rank {}, required_dst_info_num {})  {}\n",
+            "    prefill tp {} cp {} pp {}  (status id {}, DCP rank {}, required_dst_info_num {}){heads}  {}\n",
             p.tp_rank,
             p.cp_rank,
             p.pp_rank,

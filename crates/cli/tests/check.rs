@@ -97,6 +97,13 @@ fn qwen_gqa_different_tp_with_replication_is_compatible_with_a_warning() {
     assert_eq!(v["compatible"], true);
     assert_eq!(v["warnings"][0]["code"], "KVB-W001");
     assert_eq!(v["mapping"]["required_dst_info_num"], 4);
+    // Decode rank 5 holds KV head 2 = the first of prefill rank 1's heads 2..4.
+    let peer = &v["mapping"]["peers"][0];
+    assert_eq!(peer["tp_rank"], 1);
+    assert_eq!(
+        peer["head_slice"],
+        serde_json::json!({"src_head_start": 0, "num_heads": 1, "dst_head_start": 0})
+    );
 }
 
 #[test]

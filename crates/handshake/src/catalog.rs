@@ -50,7 +50,9 @@ silently ignored; omitted optional fields take the defaults below.
 `kvbridge check --compat kvbridge` (the default) accepts everything kvbridge's planner supports:
 every SGLang setup, plus any prefill DCP size `a` with any decode DCP size `b` for MLA and
 hybrid-MLA pools (owner rule: prefill DCP rank `a_r` sends to decode DCP rank `b_r` iff
-`a_r ≡ b_r (mod gcd(a, b))`), and different physical page sizes on the two sides.
+`a_r ≡ b_r (mod gcd(a, b))`), and different physical page sizes on the two sides. For GQA/MHA
+pools whose prefill TP exceeds both the decode TP and the KV head count, it reads each KV head
+from one prefill replica instead of all of them (SGLang reads every replica).
 `--compat sglang` accepts exactly what SGLang 0.5.23 accepts and refuses the rest with
 SGLang's text (`KVB-E001`, `KVB-E013`, `KVB-E014`). Both modes refuse what cannot work.
 

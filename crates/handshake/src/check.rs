@@ -11,8 +11,8 @@ use crate::error::{HandshakeError, Result};
 use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::mapping::{
     MappingInput, PeerTarget, RankMapping, TargetRanks, TpTarget, TransferPath, bootstrap_order,
-    decode_cp_failure, mla_sharding_failure, owner_rule_targets, pp_failure, prefill_unique_rank,
-    sglang_is_dummy, sglang_targets,
+    coverage_targets, decode_cp_failure, head_sources, mla_sharding_failure, owner_rule_senders,
+    pp_failure, prefill_unique_rank, sglang_head_slice, sglang_is_dummy, sglang_targets,
 };
 use crate::problem::{Problem, ProblemCode, Severity};
 
@@ -275,6 +275,15 @@ pub(crate) fn transfer_path(
     }
 }
 
+/// Whether kvbridge uses its exact head plan instead of SGLang's (MHA/GQA, prefill TP larger
+/// than decode TP and than the KV head count: SGLang would read every replica of a head).
+fn exact_head_plan(p: &PeerDescriptor, d: &PeerDescriptor, compat: Compat) -> bool {
+    compat == Compat::Kvbridge
+        && d.kv_pool == PoolKind::Mha
+        && p.attn_tp_size > d.attn_tp_size
+        && d.total_kv_heads.is_some_and(|h| p.attn_tp_size > h)
+}
+
 fn build_mapping(
     p: &PeerDescriptor,
     d: &PeerDescriptor,
@@ -282,10 +291,21 @@ fn build_mapping(
 ) -> Result<RankMapping> {
     let input = mapping_input(p, d, opts);
     let (a, b) = (p.dcp_size, d.dcp_size);
+    let (tp_p, tp_d) = (p.attn_tp_size, d.attn_tp_size);
+    let heads = d.total_kv_heads.unwrap_or(0);
+    let e = input.engine_rank();
     let owner_rule =
         opts.compat == Compat::Kvbridge && p.is_mla_like() && !sglang_defines_dcp(p, d);
+    let exact_heads = exact_head_plan(p, d, opts.compat);
     let (targets, per_tp): (TargetRanks, Vec<TpTarget>) = if owner_rule {
-        owner_rule_targets(&input, a, b)?
+        coverage_targets(&input, &|e| owner_rule_senders(e, tp_d, b, tp_p, a))?
+    } else if exact_heads {
+        coverage_targets(&input, &|e| {
+            head_sources(e, tp_d, tp_p, heads)
+                .into_iter()
+                .map(|(t, _)| t)
+                .collect()
+        })?
     } else {
         let t = sglang_targets(&input)?;
         let per_tp = t
@@ -299,6 +319,11 @@ fn build_mapping(
             .collect();
         (t, per_tp)
     };
+    let exact_slices = if exact_heads {
+        head_sources(e, tp_d, tp_p, heads)
+    } else {
+        Vec::new()
+    };
     let peers = bootstrap_order(&targets)
         .into_iter()
         .map(|(tp, cp, pp)| {
@@ -308,6 +333,13 @@ fn build_mapping(
                 .map_or((false, targets.required_dst_info_num), |x| {
                     (x.is_dummy, x.dst_info)
                 });
+            let head_slice = if is_dummy || d.kv_pool != PoolKind::Mha || tp_p == tp_d {
+                None
+            } else if exact_heads {
+                exact_slices.iter().find(|(t, _)| *t == tp).map(|(_, s)| *s)
+            } else {
+                sglang_head_slice(tp_p, tp_d, tp, e, heads)
+            };
             PeerTarget {
                 tp_rank: tp,
                 cp_rank: cp,
@@ -316,6 +348,7 @@ fn build_mapping(
                 unique_rank: prefill_unique_rank(tp, cp, pp, p.attn_cp_size, p.pp_size),
                 is_dummy,
                 required_dst_info_num: dst_info,
+                head_slice,
             }
         })
         .collect();

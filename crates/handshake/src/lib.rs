@@ -50,7 +50,7 @@ pub use fingerprint::{
 };
 pub use kvbridge_geometry::PoolKind;
 pub use mapping::{
-    MappingInput, PeerTarget, RankMapping, TargetRanks, TransferPath, bootstrap_order,
+    HeadRange, MappingInput, PeerTarget, RankMapping, TargetRanks, TransferPath, bootstrap_order,
     prefill_unique_rank, sglang_is_dummy, sglang_rank_mapping,
 };
 pub use problem::{

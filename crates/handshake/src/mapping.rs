@@ -27,10 +27,18 @@
 //!  rank 1: p = 1,3,5,7,... ──┬──> rank 1: p = 1,5,9,...
 //!                            └──> rank 3: p = 3,7,11,...
 //! ```
+//!
+//! **Exact head plan (MHA/GQA, kvbridge).** When the prefill TP size exceeds both the decode TP
+//! size and the KV head count, the prefill replicates heads and SGLang reads every replica (the
+//! same bytes `tp_p / heads` times). kvbridge reads each decode head from exactly one replica
+//! (`kvbridge_geometry::HeadSharding::sources_for`); the other ranks of SGLang's range become
+//! dummies. Every peer that sends head slices carries its [`HeadRange`].
 
 use std::collections::BTreeSet;
 
-use kvbridge_geometry::PoolKind;
+use kvbridge_geometry::{
+    HeadSharding, HeadSlice, PoolKind, compute_head_slice_params, reshard_sources,
+};
 use serde::Serialize;
 
 use crate::error::{HandshakeError, Result};
@@ -314,6 +322,28 @@ impl TransferPath {
     }
 }
 
+/// Which KV heads one prefill rank sends to one decode rank (MHA/GQA with different attention TP
+/// sizes), counted inside each rank's own heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub struct HeadRange {
+    /// First head, counted inside the prefill rank's heads.
+    pub src_head_start: u64,
+    /// Heads copied.
+    pub num_heads: u64,
+    /// First head, counted inside the decode rank's heads.
+    pub dst_head_start: u64,
+}
+
+impl From<HeadSlice> for HeadRange {
+    fn from(s: HeadSlice) -> Self {
+        HeadRange {
+            src_head_start: s.src_head_start,
+            num_heads: s.num_heads,
+            dst_head_start: s.dst_head_start,
+        }
+    }
+}
+
 /// One prefill rank in a decode rank's bootstrap list.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PeerTarget {
@@ -331,6 +361,9 @@ pub struct PeerTarget {
     pub is_dummy: bool,
     /// How many decode ranks register the same room at this prefill rank.
     pub required_dst_info_num: u32,
+    /// MHA/GQA with different attention TP sizes: the heads this peer sends (`None` for dummies,
+    /// MLA pools and equal TP sizes, where whole rows move).
+    pub head_slice: Option<HeadRange>,
 }
 
 /// Everything a decode rank needs to know about whom it talks to.
@@ -387,13 +420,6 @@ impl RankMapping {
     }
 }
 
-pub(crate) fn gcd(mut a: u32, mut b: u32) -> u32 {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
-}
-
 /// SGLang's base target TP rank for decode rank `e` (assumes sizes ≥ 1).
 fn base_target(e: u32, tp_d: u32, tp_p: u32) -> u32 {
     if tp_d >= tp_p {
@@ -403,40 +429,48 @@ fn base_target(e: u32, tp_d: u32, tp_p: u32) -> u32 {
     }
 }
 
-/// Owner-rule senders of decode rank `e`: prefill TP ranks holding positions it needs.
-/// Assumes sizes ≥ 1, `a | tp_p`, `b | tp_d`.
+/// Owner-rule senders of decode rank `e`: prefill TP ranks holding positions it needs. The
+/// prefill DCP ranks come from `kvbridge_geometry::reshard_sources`, so the mapping and the
+/// planner agree. Assumes sizes ≥ 1, `a | tp_p`, `b | tp_d`.
 pub(crate) fn owner_rule_senders(e: u32, tp_d: u32, b: u32, tp_p: u32, a: u32) -> Vec<u32> {
     let base = base_target(e, tp_d, tp_p);
     let group = base / a;
-    let g = gcd(a, b);
-    let b_r = e % b;
-    (0..a)
-        .filter(|a_r| a_r % g == b_r % g)
+    reshard_sources(u64::from(a), u64::from(b), u64::from(e % b))
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|a_r| u32::try_from(a_r).ok())
         .map(|a_r| group * a + a_r)
         .collect()
 }
 
-/// Owner-rule TP targets for every decode rank: `(real senders, dummies)` per decode rank.
-pub(crate) fn owner_rule_table(tp_d: u32, b: u32, tp_p: u32, a: u32) -> Vec<(Vec<u32>, Vec<u32>)> {
-    let real: Vec<Vec<u32>> = (0..tp_d)
-        .map(|e| owner_rule_senders(e, tp_d, b, tp_p, a))
-        .collect();
-    let covered: BTreeSet<u32> = real.iter().flatten().copied().collect();
-    real.into_iter()
-        .enumerate()
-        .map(|(e, senders)| {
-            let dummies = if tp_d < tp_p {
-                let k = tp_p / tp_d;
-                let e = e as u32;
-                (e * k..(e + 1) * k)
-                    .filter(|t| !covered.contains(t))
-                    .collect()
-            } else {
-                Vec::new()
-            };
-            (senders, dummies)
-        })
+/// Exact GQA/MHA senders of decode rank `e` (kvbridge): each of its KV heads from exactly one
+/// prefill rank (`kvbridge_geometry::HeadSharding::sources_for`), with the slice to copy.
+pub(crate) fn head_sources(e: u32, tp_d: u32, tp_p: u32, heads: u32) -> Vec<(u32, HeadRange)> {
+    HeadSharding::new(u64::from(heads), u64::from(tp_p), u64::from(tp_d))
+        .and_then(|s| s.sources_for(u64::from(e)))
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|s| Some((u32::try_from(s.src_rank).ok()?, HeadRange::from(s.slice))))
         .collect()
+}
+
+/// SGLang's head slice for one (prefill rank, decode rank) pair (spec 01 §4).
+pub(crate) fn sglang_head_slice(
+    tp_p: u32,
+    tp_d: u32,
+    src: u32,
+    dst: u32,
+    heads: u32,
+) -> Option<HeadRange> {
+    compute_head_slice_params(
+        u64::from(tp_p),
+        u64::from(tp_d),
+        u64::from(src),
+        u64::from(dst),
+        u64::from(heads),
+    )
+    .ok()
+    .map(HeadRange::from)
 }
 
 /// One target prefill TP rank of a decode rank.
@@ -448,12 +482,38 @@ pub(crate) struct TpTarget {
     pub(crate) dst_info: u32,
 }
 
-/// The owner-rule mapping for kvbridge's DCP topologies (see the module docs).
-/// Preconditions as for [`owner_rule_senders`]; CP and PP follow SGLang.
-pub(crate) fn owner_rule_targets(
+/// Real senders and dummies of every decode rank, given each decode rank's real senders:
+/// prefill ranks no decode rank reads from become dummies of the decode rank whose SGLang range
+/// contains them (only when `tp_d < tp_p`; otherwise every prefill rank is read by someone).
+pub(crate) fn coverage_table(
+    tp_d: u32,
+    tp_p: u32,
+    real_of: &dyn Fn(u32) -> Vec<u32>,
+) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let real: Vec<Vec<u32>> = (0..tp_d).map(real_of).collect();
+    let covered: BTreeSet<u32> = real.iter().flatten().copied().collect();
+    real.into_iter()
+        .zip(0u32..)
+        .map(|(senders, e)| {
+            let dummies = if tp_d < tp_p {
+                let k = tp_p / tp_d;
+                (e * k..(e + 1) * k)
+                    .filter(|t| !covered.contains(t))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            (senders, dummies)
+        })
+        .collect()
+}
+
+/// A mapping whose real senders are chosen per decode rank by `real_of` (owner rule or exact
+/// head plan); dummies, registration counts and response counts follow from the whole table.
+/// CP and PP follow SGLang.
+pub(crate) fn coverage_targets(
     i: &MappingInput,
-    prefill_dcp: u32,
-    decode_dcp: u32,
+    real_of: &dyn Fn(u32) -> Vec<u32>,
 ) -> std::result::Result<(TargetRanks, Vec<TpTarget>), MappingFailure> {
     // CP/PP rules and their preconditions are SGLang's; reuse them on a non-sharded input.
     let sg = sglang_targets(&MappingInput {
@@ -462,10 +522,11 @@ pub(crate) fn owner_rule_targets(
     })?;
     let (tp_d, tp_p) = (i.decode_tp_size, i.prefill_tp_size);
     let e = i.engine_rank();
-    let table = owner_rule_table(tp_d, decode_dcp, tp_p, prefill_dcp);
+    let table = coverage_table(tp_d, tp_p, real_of);
     let (real, dummies) = &table[e as usize];
     let mut all: Vec<u32> = real.iter().chain(dummies).copied().collect();
     all.sort_unstable();
+    all.dedup();
     let per_tp: Vec<TpTarget> = all
         .iter()
         .map(|&t| {
