@@ -261,6 +261,18 @@ fn mapping_text(out: &mut String, m: &RankMapping) {
              {} tokens: decode prefixes must be multiples of it (else KVB-E040 from the planner)\n",
             m.prefill_dcp_size, m.decode_dcp_size, m.decode_dcp_rank, m.decode_virtual_page_size
         ));
+        let mut from: Vec<u32> = m.senders().map(|s| s.dcp_rank).collect();
+        from.sort_unstable();
+        from.dedup();
+        out.push_str(&format!(
+            "owner rule: prefill DCP rank a_r holds positions p with p mod {} == a_r; this decode rank \
+             needs p mod {} == {}, so it reads from prefill DCP rank{} {}\n",
+            m.prefill_dcp_size,
+            m.decode_dcp_size,
+            m.decode_dcp_rank,
+            if from.len() == 1 { "" } else { "s" },
+            list(&from)
+        ));
     }
     out.push_str(&format!(
         "\nrank mapping for decode attn_tp_rank {}, pp_rank {}:\n",

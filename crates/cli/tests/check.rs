@@ -167,6 +167,11 @@ fn dcp2_to_dcp4_kvbridge_accepts_sglang_refuses() {
         out.contains("0 -> [0, 2]") && out.contains("1 -> [1, 3]"),
         "{out}"
     );
+    let text = stdout(&check("mla-dcp2-to-dcp4", &[]));
+    assert!(
+        text.contains("needs p mod 4 == 3, so it reads from prefill DCP rank [1]"),
+        "{text}"
+    );
     let o = check("mla-dcp2-to-dcp4", &["--compat", "sglang"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(stdout(&o).contains("Unsupported PD DCP topology: 2 -> 4"));

@@ -13,8 +13,9 @@ use crate::descriptor::PeerDescriptor;
 /// Stable across builds and platforms (the encoding is versioned: `kvbridge-fingerprint-v1`).
 /// Covers everything `check` reads except the rank coordinates (`attn_tp_rank`,
 /// `attn_cp_rank`, `pp_rank`, `dcp_rank`) and the protocol minor version, so all ranks of one
-/// deployment stage share a fingerprint. Equal fingerprints of two prefill descriptors mean
-/// `check` against a given decode rank gives the same answer for both.
+/// deployment stage share a fingerprint. Two descriptors with equal fingerprints (and valid
+/// rank fields) get the same answer from `check` against a given peer rank, so a cached result
+/// can be reused; when fingerprints differ, [`fingerprint_diff`] says which fields changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Fingerprint(pub u64);
 
