@@ -9,7 +9,7 @@
 
 use kvbridge_geometry::{
     ByteRanges, DcpPlanInput, EntryPair, HeadSharding, HeadSource, PoolFormat, PoolGeometry,
-    identity_pairs, page_path_ranges,
+    ReshardInput, identity_pairs, page_path_ranges,
 };
 use kvbridge_handshake::{PeerDescriptor, TransferPath};
 use kvbridge_transport::{RegionId, TransferOp};
@@ -104,6 +104,27 @@ enum Producer {
     /// replica): it sends aux rows only.
     NoHeads,
     Dcp,
+    /// Any prefill DCP `a` → decode DCP `b`, any page sizes (owner rule), optionally with a
+    /// head slice (MHA/GQA with different attention TP sizes).
+    Reshard {
+        heads: Option<(HeadSharding, HeadSource)>,
+    },
+}
+
+/// The head slice this prefill rank sends to the peer, or `None` when it holds none of the
+/// peer's heads.
+fn head_source(
+    me: &PeerDescriptor,
+    peer: &PeerDescriptor,
+) -> Result<Option<(HeadSharding, HeadSource)>, PlanError> {
+    let h = u64::from(me.total_kv_heads.or(peer.total_kv_heads).unwrap_or(0));
+    let sharding = HeadSharding::new(h, u64::from(me.attn_tp_size), u64::from(peer.attn_tp_size))?;
+    let mine = u64::from(me.attn_tp_rank);
+    Ok(sharding
+        .sources_for(u64::from(peer.attn_tp_rank))?
+        .into_iter()
+        .find(|s| s.src_rank == mine)
+        .map(|source| (sharding, source)))
 }
 
 /// Everything needed to turn chunks into descriptors for one decode peer; built once at
@@ -120,6 +141,8 @@ pub(crate) struct PeerPlan {
     dst_aux: Vec<(RegionId, u64, u64, u64)>,
     dst_dcp_size: u64,
     dst_dcp_rank: u64,
+    src_dcp_size: u64,
+    src_dcp_rank: u64,
 }
 
 impl PeerPlan {
@@ -159,24 +182,19 @@ impl PeerPlan {
         let producer = match path {
             TransferPath::Pages => Producer::Pages,
             TransferPath::DcpTokenPlan => Producer::Dcp,
-            TransferPath::HeadSlices => {
-                let h = u64::from(me.total_kv_heads.or(peer.total_kv_heads).unwrap_or(0));
-                let sharding =
-                    HeadSharding::new(h, u64::from(me.attn_tp_size), u64::from(peer.attn_tp_size))?;
-                let mine = u64::from(me.attn_tp_rank);
-                match sharding
-                    .sources_for(u64::from(peer.attn_tp_rank))?
-                    .into_iter()
-                    .find(|s| s.src_rank == mine)
-                {
-                    Some(source) => Producer::Heads(sharding, source),
-                    None => Producer::NoHeads,
-                }
-            }
+            TransferPath::HeadSlices => match head_source(me, peer)? {
+                Some((sharding, source)) => Producer::Heads(sharding, source),
+                None => Producer::NoHeads,
+            },
+            TransferPath::Rows { head_slices: false } => Producer::Reshard { heads: None },
+            TransferPath::Rows { head_slices: true } => match head_source(me, peer)? {
+                Some(hs) => Producer::Reshard { heads: Some(hs) },
+                None => Producer::NoHeads,
+            },
             other => {
                 return Err(PlanError(format!(
-                    "the coordinator cannot drive the {} yet ({other:?}); use equal DCP sizes, \
-                     prefill DCP 1 with an MLA decode, and equal page sizes",
+                    "the coordinator does not know the transfer path {other:?} ({}); upgrade \
+                     kvbridge on the prefill",
                     other.describe()
                 )));
             }
@@ -207,6 +225,8 @@ impl PeerPlan {
             dst_aux: rows(place(peer_aux), &peer.aux_item_lens),
             dst_dcp_size: u64::from(peer.dcp_size.max(1)),
             dst_dcp_rank: u64::from(peer.dcp_rank),
+            src_dcp_size: u64::from(me.dcp_size.max(1)),
+            src_dcp_rank: u64::from(me.dcp_rank),
         })
     }
 
@@ -230,11 +250,13 @@ impl PeerPlan {
         Ok(())
     }
 
-    /// The descriptors of one chunk. `page_offset` = pages of the send range sent before it.
+    /// The descriptors of one chunk. `page_offset` / `token_offset` = pages / tokens of the
+    /// send range sent before it.
     pub(crate) fn chunk_ops(
         &self,
         chunk: &Chunk,
         page_offset: u64,
+        token_offset: u64,
         dst_pages: &[u64],
         decode_prefix_len: u64,
     ) -> Result<Vec<TransferOp>, PlanError> {
@@ -278,6 +300,28 @@ impl PeerPlan {
             }
             .plan()?
             .byte_ranges(&self.src, &self.dst, &self.pairs)?,
+            Producer::Reshard { heads } => {
+                let plan = ReshardInput {
+                    src_pages: &chunk.pages,
+                    dst_pages,
+                    src_page_size: self.src.page_size(),
+                    dst_page_size: self.dst.page_size(),
+                    src_dcp_size: self.src_dcp_size,
+                    src_dcp_rank: self.src_dcp_rank,
+                    dst_dcp_size: self.dst_dcp_size,
+                    dst_dcp_rank: self.dst_dcp_rank,
+                    decode_prefix_len,
+                    chunk_start: token_offset,
+                    num_tokens: chunk.num_kv_tokens,
+                }
+                .plan()?;
+                match heads {
+                    None => plan.byte_ranges(&self.src, &self.dst, &self.pairs)?,
+                    Some((sharding, source)) => {
+                        plan.head_byte_ranges(&self.src, &self.dst, &self.pairs, sharding, *source)?
+                    }
+                }
+            }
         };
         let mut ops = Vec::with_capacity(ranges.len());
         for r in ranges.iter() {

@@ -198,6 +198,7 @@ struct PrefillRoom {
     required: u32,
     prefix: Option<u64>,
     pages_sent: u64,
+    tokens_sent: u64,
     last_sent: bool,
     driver: Option<mpsc::Sender<Job>>,
     driver_alive: bool,
@@ -231,6 +232,7 @@ struct PrefillState {
 struct Job {
     chunk: Chunk,
     page_offset: u64,
+    token_offset: u64,
 }
 
 pub(crate) struct PrefillInner {
@@ -957,6 +959,7 @@ impl PrefillInner {
             required: 0,
             prefix: None,
             pages_sent: 0,
+            tokens_sent: 0,
             last_sent: false,
             driver: None,
             driver_alive: false,
@@ -1125,28 +1128,17 @@ impl PrefillInner {
     }
 
     async fn send_chunk(self: Arc<Self>, room: u64, chunk: Chunk) -> Result<()> {
-        let p = self.descriptor.page_size;
-        let capacity = (chunk.pages.len() as u64).saturating_mul(p);
+        // One page id stands for page_size · dcp_size tokens (the prefill's virtual page).
+        let page_tokens = self
+            .descriptor
+            .page_size
+            .saturating_mul(u64::from(self.descriptor.dcp_size.max(1)));
         let invalid = |message: String| {
             Err(CoordinatorError::InvalidRequest {
                 what: "chunk",
                 message,
             })
         };
-        if chunk.num_kv_tokens > capacity {
-            return invalid(format!(
-                "num_kv_tokens must fit in the provided source pages, got tokens={}, capacity={capacity}",
-                chunk.num_kv_tokens
-            ));
-        }
-        if !chunk.is_last && chunk.num_kv_tokens != capacity {
-            return invalid(format!(
-                "only the last chunk may end mid-page: this chunk has {} pages ({capacity} token \
-                 slots) but {} tokens; floor non-last chunks to whole pages",
-                chunk.pages.len(),
-                chunk.num_kv_tokens
-            ));
-        }
         if chunk.is_last && !self.memory.aux.is_empty() && chunk.aux_index.is_none() {
             return invalid(
                 "the last chunk needs the prefill's aux row (aux_index) because aux buffers are \
@@ -1203,7 +1195,32 @@ impl PrefillInner {
             if r.last_sent {
                 return invalid(format!("the last chunk of room {room} was already sent"));
             }
+            // The chunk starts at position prefix + tokens_sent, possibly mid-page.
+            let start = r.prefix.unwrap_or(0).saturating_add(r.tokens_sent) % page_tokens.max(1);
+            let capacity = (chunk.pages.len() as u64)
+                .saturating_mul(page_tokens)
+                .saturating_sub(if chunk.pages.is_empty() { 0 } else { start });
+            if chunk.num_kv_tokens > capacity {
+                return invalid(format!(
+                    "num_kv_tokens must fit in the provided source pages, got tokens={}, \
+                     capacity={capacity} ({} pages of {page_tokens} tokens, starting {start} \
+                     tokens into the first)",
+                    chunk.num_kv_tokens,
+                    chunk.pages.len()
+                ));
+            }
+            if !chunk.is_last && chunk.num_kv_tokens != capacity {
+                return invalid(format!(
+                    "only the last chunk may end mid-page: this chunk has {} pages ({capacity} \
+                     token slots from where the send range stands) but {} tokens; floor \
+                     non-last chunks to whole pages",
+                    chunk.pages.len(),
+                    chunk.num_kv_tokens
+                ));
+            }
             let page_offset = r.pages_sent;
+            let token_offset = r.tokens_sent;
+            r.tokens_sent += chunk.num_kv_tokens;
             r.pages_sent += chunk.pages.len() as u64;
             r.last_sent = chunk.is_last;
             r.status.update(RoomState::Transferring);
@@ -1238,7 +1255,14 @@ impl PrefillInner {
             let Some(tx) = r.driver.clone() else {
                 return invalid(format!("room {room} is no longer accepting chunks"));
             };
-            (tx, Job { chunk, page_offset })
+            (
+                tx,
+                Job {
+                    chunk,
+                    page_offset,
+                    token_offset,
+                },
+            )
         };
         if tx.send(job).await.is_err() {
             let st = self.lock();
@@ -1557,7 +1581,13 @@ async fn drive_room(
                         let p = &peers[pi];
                         let Some(ap) = p.rp.peer.as_ref() else { continue };
                         (
-                            ap.plan.chunk_ops(&job.chunk, job.page_offset, &p.rp.info.dst_pages, prefix),
+                            ap.plan.chunk_ops(
+                                &job.chunk,
+                                job.page_offset,
+                                job.token_offset,
+                                &p.rp.info.dst_pages,
+                                prefix,
+                            ),
                             p.rp.info.decode_endpoint.clone(),
                         )
                     };

@@ -266,20 +266,12 @@ impl Rig {
     pub async fn send_all(&self, i: usize, req: &Request) -> kvbridge_coordinator::Result<()> {
         let (agent, rank) = &self.prefills[i];
         let prefix = agent.wait_ready(req.room).await?;
-        let p = rank.desc.page_size;
-        assert_eq!(
-            prefix % p,
-            0,
-            "the advertised prefix must be page aligned on the prefill"
-        );
         let layout = self.prefill_layout(i, req);
-        let first = prefix / p;
-        let plan = chunk_plan(prefix, req.input_len, p, req.chunk_pages);
+        let page_tokens = rank.desc.page_size * rank.desc.dcp_size as u64;
+        let plan = chunk_plan(prefix, req.input_len, page_tokens, req.chunk_pages);
         let n = plan.len();
         for (k, (pages, tokens)) in plan.into_iter().enumerate() {
-            let ids: Vec<u64> = pages
-                .map(|j| layout.page_table[(first + j) as usize])
-                .collect();
+            let ids: Vec<u64> = pages.map(|j| layout.page_table[j as usize]).collect();
             let chunk = if k + 1 == n {
                 Chunk::last(ids, tokens, Some(req.prefill_aux_row))
             } else {
