@@ -1,0 +1,837 @@
+//! `kvbridge bench`: transport throughput against a baseline measured in the same run.
+//!
+//! The command is transport-agnostic. For each pattern it starts a **receiver process** (this
+//! binary again, with the hidden `--role receiver`), which creates a transport, allocates and
+//! registers the destination pool and prints its descriptor; this process is the **sender**: it
+//! connects, then alternates timed runs of the pattern through the transport with the
+//! **baseline**, a plain in-process `memcpy` of the same descriptors into pre-faulted memory,
+//! and reports medians. Afterwards the receiver checks every destination byte and reports its
+//! peak RSS.
+//!
+//! A transport plugs in with a [`Factory`] (see [`factory`]); `shm.rs` is one, a `tcp.rs` will be
+//! another. `--e2e` (the whole prefill → decode path) is reserved for the end-to-end bench.
+
+use std::future::Future;
+use std::io::{IsTerminal, Write};
+use std::pin::Pin;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use kvbridge_transport::{
+    KvTransport, KvTransportExt, MemoryRegion, PeerId, RegionId, TransferBatch, TransferOp,
+};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+mod shm;
+
+/// What a [`Factory`] returns: a new transport, or why it could not be made.
+pub(crate) type TransportFuture =
+    Pin<Box<dyn Future<Output = Result<Arc<dyn KvTransport>, String>> + Send>>;
+
+/// A transport constructor: each process (sender, receiver) calls it once.
+pub(crate) type Factory = fn() -> TransportFuture;
+
+/// Transports `kvbridge bench` can measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum TransportKind {
+    /// Shared memory between two processes on this host (kvbridge-shm).
+    Shm,
+    /// TCP (kvbridge-tcp).
+    Tcp,
+}
+
+impl TransportKind {
+    fn name(self) -> &'static str {
+        match self {
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+        }
+    }
+}
+
+/// The factory of a transport, or why it cannot be benchmarked yet.
+fn factory(kind: TransportKind) -> Result<Factory, String> {
+    match kind {
+        TransportKind::Shm => Ok(shm::factory),
+        // The TCP bench adds `bench/tcp.rs` with a `factory` and returns it here.
+        TransportKind::Tcp => Err("tcp bench not available yet".to_owned()),
+    }
+}
+
+/// What the processes of one bench run do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Role {
+    /// Owns the destination pool; started by the sender.
+    Receiver,
+}
+
+/// Transfer patterns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Pattern {
+    /// One 256 MiB block.
+    Large,
+    /// 4096 blocks of 64 KiB at random places.
+    #[value(name = "scatter-64k")]
+    Scatter64k,
+    /// 3640 blocks of 73,728 bytes (one MLA page of 64 tokens) at random places.
+    #[value(name = "scatter-72k")]
+    Scatter72k,
+    /// 16384 blocks of 16 KiB at random places.
+    #[value(name = "scatter-16k")]
+    Scatter16k,
+    /// Latency of one 4 KiB write plus its notification (p50, p99).
+    #[value(name = "latency-4k")]
+    Latency4k,
+}
+
+impl Pattern {
+    const ALL: [Pattern; 5] = [
+        Pattern::Large,
+        Pattern::Scatter64k,
+        Pattern::Scatter72k,
+        Pattern::Scatter16k,
+        Pattern::Latency4k,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Pattern::Large => "large",
+            Pattern::Scatter64k => "scatter-64k",
+            Pattern::Scatter72k => "scatter-72k",
+            Pattern::Scatter16k => "scatter-16k",
+            Pattern::Latency4k => "latency-4k",
+        }
+    }
+
+    /// (block size, block count) at full scale.
+    fn shape(self) -> (u64, u64) {
+        match self {
+            Pattern::Large => (256 << 20, 1),
+            Pattern::Scatter64k => (64 << 10, 4096),
+            Pattern::Scatter72k => (73_728, 3640),
+            Pattern::Scatter16k => (16 << 10, 16384),
+            Pattern::Latency4k => (4096, 1),
+        }
+    }
+
+    fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.name() == name)
+    }
+}
+
+/// Arguments of `kvbridge bench`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct BenchArgs {
+    /// Transport to measure.
+    #[arg(long, value_enum, default_value = "shm")]
+    transport: TransportKind,
+    /// Run only this pattern (default: all).
+    #[arg(long, value_enum)]
+    pattern: Option<Pattern>,
+    /// Print one JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Timed runs per pattern (the median is reported).
+    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    runs: u32,
+    /// Measure the whole prefill -> decode path instead of one transport.
+    #[arg(long)]
+    e2e: bool,
+    /// Scale every pattern's size by this factor (for quick smoke runs).
+    #[arg(long, hide = true, default_value_t = 1.0)]
+    size_scale: f64,
+    /// Internal: the role of a process started by the bench itself.
+    #[arg(long, hide = true, value_enum)]
+    role: Option<Role>,
+    /// Internal: the receiver's pool size in bytes.
+    #[arg(long, hide = true, default_value_t = 0)]
+    pool_bytes: u64,
+}
+
+/// Messages on the receiver's stdout, one JSON object per line.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "msg", rename_all = "snake_case")]
+enum FromReceiver {
+    Ready {
+        descriptor_hex: String,
+        region: u64,
+    },
+    Verified {
+        ok: bool,
+        detail: String,
+    },
+    Finished {
+        peak_rss_bytes: u64,
+        latencies_ns: Vec<u64>,
+    },
+    Failed {
+        error: String,
+    },
+}
+
+/// One result line.
+#[derive(Debug, serde::Serialize)]
+struct Report {
+    transport: &'static str,
+    pattern: &'static str,
+    bytes: u64,
+    blocks: u64,
+    gbps: f64,
+    baseline: &'static str,
+    baseline_gbps: f64,
+    ratio: f64,
+    receiver_peak_rss_bytes: u64,
+    runs: u32,
+    verified: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p50_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p99_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    local_p50_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    local_p99_us: Option<f64>,
+}
+
+const BASELINE: &str = "memcpy into pre-faulted memory";
+const SEED: u64 = 0x6b76_6272_6964_6765;
+
+pub(crate) fn run(args: BenchArgs) -> ExitCode {
+    if args.e2e {
+        eprintln!(
+            "kvbridge bench --e2e: not available yet (the end-to-end bench comes with the demo)"
+        );
+        return ExitCode::from(2);
+    }
+    if !(args.size_scale > 0.0 && args.size_scale <= 1.0) {
+        eprintln!(
+            "kvbridge bench: --size-scale must be in (0, 1], got {}",
+            args.size_scale
+        );
+        return ExitCode::from(2);
+    }
+    let make = match factory(args.transport) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("kvbridge bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvbridge bench: could not start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match args.role {
+        Some(Role::Receiver) => rt.block_on(receiver(make, args.pool_bytes)),
+        None => rt.block_on(sender(make, args)),
+    }
+}
+
+/// The descriptors of a pattern: (source offset, destination offset, length), and the pool size.
+fn plan(pattern: Pattern, scale: f64, seed: u64) -> (u64, Vec<(u64, u64, u64)>) {
+    let (block, count) = pattern.shape();
+    let (block, count) = if pattern == Pattern::Large {
+        let b = ((block as f64 * scale) as u64 / 4096).max(1) * 4096;
+        (b, 1)
+    } else if pattern == Pattern::Latency4k {
+        (block, count)
+    } else {
+        (block, ((count as f64 * scale).round() as u64).max(1))
+    };
+    let mut rng = SplitMix(seed ^ block);
+    let mut src: Vec<u64> = (0..count).collect();
+    let mut dst: Vec<u64> = (0..count).collect();
+    shuffle(&mut src, &mut rng);
+    shuffle(&mut dst, &mut rng);
+    let ops = src
+        .iter()
+        .zip(&dst)
+        .map(|(s, d)| (s * block, d * block, block))
+        .collect();
+    (block * count, ops)
+}
+
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        mix(self.0)
+    }
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn shuffle(v: &mut [u64], rng: &mut SplitMix) {
+    for i in (1..v.len()).rev() {
+        let j = (rng.next() % (i as u64 + 1)) as usize;
+        v.swap(i, j);
+    }
+}
+
+/// The source pool's content: 8-byte words derived from their offset, so any misplaced or
+/// stale block is detected.
+fn word_at(offset: u64) -> u64 {
+    mix((offset / 8) ^ SEED)
+}
+
+fn fill_source(region: &MemoryRegion) -> Result<(), String> {
+    const STEP: usize = 1 << 20;
+    let mut buf = vec![0u8; STEP];
+    let mut at = 0usize;
+    while at < region.len() {
+        let n = STEP.min(region.len() - at);
+        for (k, chunk) in buf[..n].chunks_exact_mut(8).enumerate() {
+            chunk.copy_from_slice(&word_at((at + k * 8) as u64).to_le_bytes());
+        }
+        region
+            .write_at(at as u64, &buf[..n])
+            .map_err(|e| e.to_string())?;
+        at += n;
+    }
+    Ok(())
+}
+
+fn verify(region: &MemoryRegion, ops: &[(u64, u64, u64)]) -> Result<(), String> {
+    // Small pieces, so checking does not raise the receiver's peak RSS.
+    const PIECE: u64 = 1 << 20;
+    let mut buf = Vec::new();
+    for &(src, dst, len) in ops {
+        let mut done = 0;
+        while done < len {
+            let n = PIECE.min(len - done);
+            buf.resize(n as usize, 0);
+            region
+                .read_at(dst + done, &mut buf)
+                .map_err(|e| e.to_string())?;
+            for (k, chunk) in buf.chunks_exact(8).enumerate() {
+                let at = done + k as u64 * 8;
+                if u64::from_le_bytes(chunk.try_into().unwrap_or_default()) != word_at(src + at) {
+                    return Err(format!(
+                        "destination byte {} (block from source offset {src}) differs",
+                        dst + at
+                    ));
+                }
+            }
+            done += n;
+        }
+    }
+    Ok(())
+}
+
+fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn unix_nanos() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Option<Vec<u8>> {
+    if text.len() % 2 != 0 {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+fn say(msg: &FromReceiver) {
+    if let Ok(line) = serde_json::to_string(msg) {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+    }
+}
+
+/// The receiver process: owns the destination pool, records notification latencies, verifies
+/// on request (`verify <pattern> <scale>` on stdin), reports on `finish`.
+async fn receiver(make: Factory, pool_bytes: u64) -> ExitCode {
+    let setup = async {
+        let t = make().await?;
+        let (id, region) = t
+            .allocate_registered(pool_bytes as usize)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<_, String>((t, id, region))
+    };
+    let (t, id, region) = match setup.await {
+        Ok(v) => v,
+        Err(error) => {
+            say(&FromReceiver::Failed { error });
+            return ExitCode::from(1);
+        }
+    };
+    say(&FromReceiver::Ready {
+        descriptor_hex: hex(&t.local_descriptor()),
+        region: id.0,
+    });
+    // Notifications: "lat <unix nanos>" records a one-way latency; others are just drained.
+    let listener = Arc::clone(&t);
+    let latencies = tokio::spawn(async move {
+        let mut lat = Vec::new();
+        while let Ok(n) = listener.recv_notification().await {
+            let now = unix_nanos();
+            if let Some(sent) = std::str::from_utf8(&n.payload)
+                .ok()
+                .and_then(|s| s.strip_prefix("lat "))
+                .and_then(|s| s.parse::<u64>().ok())
+            {
+                if lat.len() < 1_000_000 {
+                    lat.push(now.saturating_sub(sent));
+                }
+            }
+        }
+        lat
+    });
+    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["verify", pattern, scale] => {
+                let (Some(pattern), Ok(scale)) = (Pattern::from_name(pattern), scale.parse())
+                else {
+                    say(&FromReceiver::Failed {
+                        error: format!("bad verify command {line:?}"),
+                    });
+                    continue;
+                };
+                let (_, ops) = plan(pattern, scale, SEED);
+                let region = region.clone();
+                let checked = tokio::task::spawn_blocking(move || verify(&region, &ops))
+                    .await
+                    .unwrap_or_else(|e| Err(e.to_string()));
+                say(&FromReceiver::Verified {
+                    ok: checked.is_ok(),
+                    detail: checked.err().unwrap_or_default(),
+                });
+            }
+            ["finish"] => break,
+            _ => say(&FromReceiver::Failed {
+                error: format!("unknown command {line:?}"),
+            }),
+        }
+    }
+    let _ = t.shutdown().await;
+    let latencies_ns = latencies.await.unwrap_or_default();
+    say(&FromReceiver::Finished {
+        peak_rss_bytes: peak_rss_bytes(),
+        latencies_ns,
+    });
+    ExitCode::SUCCESS
+}
+
+/// A receiver process and its pipes.
+struct ReceiverProcess {
+    child: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+}
+
+impl ReceiverProcess {
+    async fn start(kind: TransportKind, pool_bytes: u64) -> Result<Self, String> {
+        let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
+        let mut child = tokio::process::Command::new(exe)
+            .args(["bench", "--transport", kind.name(), "--role", "receiver"])
+            .arg("--pool-bytes")
+            .arg(pool_bytes.to_string())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start the receiver process: {e}"))?;
+        let stdin = child.stdin.take().ok_or("no stdin pipe")?;
+        let stdout = child.stdout.take().ok_or("no stdout pipe")?;
+        Ok(Self {
+            child,
+            stdin,
+            lines: BufReader::new(stdout).lines(),
+        })
+    }
+
+    async fn next(&mut self) -> Result<FromReceiver, String> {
+        let line = tokio::time::timeout(Duration::from_secs(120), self.lines.next_line())
+            .await
+            .map_err(|_| "the receiver process stopped answering".to_owned())?
+            .map_err(|e| format!("reading the receiver process: {e}"))?
+            .ok_or("the receiver process exited early")?;
+        match serde_json::from_str(&line) {
+            Ok(FromReceiver::Failed { error }) => Err(format!("the receiver failed: {error}")),
+            Ok(msg) => Ok(msg),
+            Err(e) => Err(format!("unexpected receiver output {line:?}: {e}")),
+        }
+    }
+
+    async fn command(&mut self, line: &str) -> Result<(), String> {
+        self.stdin
+            .write_all(format!("{line}\n").as_bytes())
+            .await
+            .map_err(|e| format!("writing to the receiver process: {e}"))
+    }
+}
+
+/// Live progress on a terminal (stderr), silent otherwise.
+struct Progress {
+    on: bool,
+}
+
+impl Progress {
+    fn show(&self, text: &str) {
+        if self.on {
+            eprint!("\r\x1b[2K{text}");
+            let _ = std::io::stderr().flush();
+        }
+    }
+
+    fn clear(&self) {
+        if self.on {
+            eprint!("\r\x1b[2K");
+        }
+    }
+}
+
+async fn sender(make: Factory, args: BenchArgs) -> ExitCode {
+    let patterns: Vec<Pattern> = match args.pattern {
+        Some(p) => vec![p],
+        None => Pattern::ALL.to_vec(),
+    };
+    let progress = Progress {
+        on: std::io::stderr().is_terminal(),
+    };
+    let mut reports = Vec::new();
+    for pattern in patterns {
+        match measure(make, &args, pattern, &progress).await {
+            Ok(report) => {
+                progress.clear();
+                if args.json {
+                    match serde_json::to_string(&report) {
+                        Ok(line) => println!("{line}"),
+                        Err(e) => eprintln!("kvbridge bench: {e}"),
+                    }
+                }
+                reports.push(report);
+            }
+            Err(e) => {
+                progress.clear();
+                eprintln!("kvbridge bench: {} failed: {e}", pattern.name());
+                return ExitCode::from(1);
+            }
+        }
+    }
+    if !args.json {
+        print_table(&reports, args.runs);
+    }
+    if reports.iter().all(|r| r.verified) {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("kvbridge bench: the receiver found wrong bytes; the figures are not valid");
+        ExitCode::from(1)
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn percentile(sorted: &[u64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)] as f64
+}
+
+async fn measure(
+    make: Factory,
+    args: &BenchArgs,
+    pattern: Pattern,
+    progress: &Progress,
+) -> Result<Report, String> {
+    let name = pattern.name();
+    let (pool, ops) = plan(pattern, args.size_scale, SEED);
+    progress.show(&format!("{name}: starting the receiver process"));
+    let mut rx = ReceiverProcess::start(args.transport, pool).await?;
+    let (descriptor, remote) = match rx.next().await? {
+        FromReceiver::Ready {
+            descriptor_hex,
+            region,
+        } => (
+            unhex(&descriptor_hex).ok_or("the receiver sent a malformed descriptor")?,
+            RegionId(region),
+        ),
+        other => return Err(format!("expected Ready from the receiver, got {other:?}")),
+    };
+    let t = make().await?;
+    let e = |e: kvbridge_transport::TransportError| e.to_string();
+    let (local, src) = t.allocate_registered(pool as usize).await.map_err(e)?;
+    fill_source(&src)?;
+    let peer = t.connect(&descriptor).await.map_err(e)?;
+    let transfer_ops: Vec<TransferOp> = ops
+        .iter()
+        .map(|&(s, d, len)| TransferOp {
+            local_region: local,
+            local_offset: s,
+            remote_region: remote,
+            remote_offset: d,
+            len,
+        })
+        .collect();
+    // The baseline's destination: pre-faulted heap memory in this process.
+    let baseline_dst = MemoryRegion::allocate(pool as usize).map_err(|e| e.to_string())?;
+    let baseline_run = || -> Result<f64, String> {
+        let start = Instant::now();
+        for &(s, d, len) in &ops {
+            src.copy_to(s, &baseline_dst, d, len)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(start.elapsed().as_secs_f64())
+    };
+    let batch = |note: Bytes| {
+        TransferBatch::write(transfer_ops.clone())
+            .with_notification(note)
+            .with_timeout(Duration::from_secs(60))
+    };
+    // Warm-up (maps the peer's pool, warms caches), untimed.
+    baseline_run()?;
+    t.transfer(peer, batch(Bytes::from_static(b"warm-up")))
+        .await
+        .map_err(e)?;
+
+    let mut report = Report {
+        transport: args.transport.name(),
+        pattern: name,
+        bytes: pool,
+        blocks: ops.len() as u64,
+        gbps: 0.0,
+        baseline: BASELINE,
+        baseline_gbps: 0.0,
+        ratio: 0.0,
+        receiver_peak_rss_bytes: 0,
+        runs: args.runs,
+        verified: false,
+        p50_us: None,
+        p99_us: None,
+        local_p50_us: None,
+        local_p99_us: None,
+    };
+    if pattern == Pattern::Latency4k {
+        latency(
+            &t,
+            peer,
+            &ops,
+            &transfer_ops,
+            args,
+            progress,
+            &mut report,
+            baseline_run,
+        )
+        .await?;
+    } else {
+        let mut base_times = Vec::new();
+        let mut times = Vec::new();
+        for run in 0..args.runs {
+            progress.show(&format!("{name}: run {}/{}", run + 1, args.runs));
+            // Side by side: the baseline and the transport alternate.
+            base_times.push(baseline_run()?);
+            let start = Instant::now();
+            t.transfer(peer, batch(Bytes::from_static(b"run")))
+                .await
+                .map_err(e)?;
+            times.push(start.elapsed().as_secs_f64());
+        }
+        report.gbps = pool as f64 / median(times) / 1e9;
+        report.baseline_gbps = pool as f64 / median(base_times) / 1e9;
+        report.ratio = report.gbps / report.baseline_gbps;
+    }
+    progress.show(&format!("{name}: verifying"));
+    rx.command(&format!("verify {name} {}", args.size_scale))
+        .await?;
+    match rx.next().await? {
+        FromReceiver::Verified { ok, detail } => {
+            report.verified = ok;
+            if !ok {
+                eprintln!("kvbridge bench: {name}: {detail}");
+            }
+        }
+        other => return Err(format!("expected Verified, got {other:?}")),
+    }
+    rx.command("finish").await?;
+    let latencies = match rx.next().await? {
+        FromReceiver::Finished {
+            peak_rss_bytes,
+            latencies_ns,
+        } => {
+            report.receiver_peak_rss_bytes = peak_rss_bytes;
+            latencies_ns
+        }
+        other => return Err(format!("expected Finished, got {other:?}")),
+    };
+    if pattern == Pattern::Latency4k {
+        let mut l = latencies;
+        l.sort_unstable();
+        report.p50_us = Some(percentile(&l, 0.5) / 1e3);
+        report.p99_us = Some(percentile(&l, 0.99) / 1e3);
+    }
+    let _ = t.shutdown().await;
+    let _ = rx.child.wait().await;
+    Ok(report)
+}
+
+/// One 4 KiB write plus its notification, many times: one-way latency (post → notification
+/// received by the peer, from the receiver's clock) and local completion (post → `wait`).
+#[allow(clippy::too_many_arguments)]
+async fn latency(
+    t: &Arc<dyn KvTransport>,
+    peer: PeerId,
+    ops: &[(u64, u64, u64)],
+    transfer_ops: &[TransferOp],
+    args: &BenchArgs,
+    progress: &Progress,
+    report: &mut Report,
+    baseline_run: impl Fn() -> Result<f64, String>,
+) -> Result<(), String> {
+    let iterations = ((2000.0 * args.size_scale * f64::from(args.runs) / 7.0) as usize).max(20);
+    let mut local = Vec::with_capacity(iterations);
+    let mut base = Vec::with_capacity(iterations);
+    for i in 0..iterations {
+        if i % 100 == 0 {
+            progress.show(&format!("latency-4k: {i}/{iterations}"));
+        }
+        base.push(baseline_run()?);
+        let note = Bytes::from(format!("lat {}", unix_nanos()));
+        let start = Instant::now();
+        t.transfer(
+            peer,
+            TransferBatch::write(transfer_ops.to_vec()).with_notification(note),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        local.push(start.elapsed().as_nanos() as u64);
+    }
+    let bytes: u64 = ops.iter().map(|o| o.2).sum();
+    local.sort_unstable();
+    let p50 = percentile(&local, 0.5);
+    report.local_p50_us = Some(p50 / 1e3);
+    report.local_p99_us = Some(percentile(&local, 0.99) / 1e3);
+    report.gbps = bytes as f64 / p50;
+    report.baseline_gbps = bytes as f64 / (median(base) * 1e9);
+    report.ratio = report.gbps / report.baseline_gbps;
+    Ok(())
+}
+
+fn print_table(reports: &[Report], runs: u32) {
+    let transport = reports.first().map_or("?", |r| r.transport);
+    println!(
+        "{:<12} {:>10} {:>7} {:>10} {:>10} {:>7} {:>12}  notes",
+        "pattern",
+        "MiB",
+        "blocks",
+        format!("{transport} GB/s"),
+        "memcpy GB/s",
+        "ratio",
+        "recv RSS MiB",
+    );
+    for r in reports {
+        let notes = match (r.p50_us, r.p99_us) {
+            (Some(p50), Some(p99)) => format!(
+                "write+notify p50 {p50:.1} us, p99 {p99:.1} us (local wait p50 {:.1} us)",
+                r.local_p50_us.unwrap_or(f64::NAN)
+            ),
+            _ if !r.verified => "WRONG BYTES".to_owned(),
+            _ => "verified".to_owned(),
+        };
+        println!(
+            "{:<12} {:>10.1} {:>7} {:>10.2} {:>10.2} {:>7.2} {:>12.1}  {}",
+            r.pattern,
+            r.bytes as f64 / (1 << 20) as f64,
+            r.blocks,
+            r.gbps,
+            r.baseline_gbps,
+            r.ratio,
+            r.receiver_peak_rss_bytes as f64 / (1 << 20) as f64,
+            notes
+        );
+    }
+    println!(
+        "median of {runs} runs; baseline: {BASELINE} of the same blocks, in the same run; \
+         receiver in its own process"
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plans_cover_each_slot_once() {
+        for pattern in Pattern::ALL {
+            let (pool, ops) = plan(pattern, 0.01, 7);
+            let (block, _) = pattern.shape();
+            let mut src: Vec<u64> = ops.iter().map(|o| o.0).collect();
+            let mut dst: Vec<u64> = ops.iter().map(|o| o.1).collect();
+            src.sort_unstable();
+            dst.sort_unstable();
+            let len = ops[0].2;
+            let slots: Vec<u64> = (0..ops.len() as u64).map(|i| i * len).collect();
+            assert_eq!(src, slots, "{}", pattern.name());
+            assert_eq!(dst, slots, "{}", pattern.name());
+            assert_eq!(pool, len * ops.len() as u64);
+            if pattern != Pattern::Large {
+                assert_eq!(len, block);
+            }
+        }
+        let (pool, ops) = plan(Pattern::Scatter72k, 1.0, 1);
+        assert_eq!((pool, ops.len()), (3640 * 73_728, 3640));
+        let (pool, ops) = plan(Pattern::Large, 1.0, 1);
+        assert_eq!((pool, ops.len()), (256 << 20, 1));
+    }
+
+    #[test]
+    fn verification_catches_a_misplaced_block() {
+        let (pool, ops) = plan(Pattern::Scatter16k, 0.001, SEED);
+        let src = MemoryRegion::allocate(pool as usize).unwrap();
+        let dst = MemoryRegion::allocate(pool as usize).unwrap();
+        fill_source(&src).unwrap();
+        for &(s, d, len) in &ops {
+            src.copy_to(s, &dst, d, len).unwrap();
+        }
+        verify(&dst, &ops).unwrap();
+        dst.write_at(ops[3].1 + 8, &[0xff]).unwrap();
+        assert!(verify(&dst, &ops).unwrap_err().contains("differs"));
+    }
+
+    #[test]
+    fn hex_round_trips() {
+        let bytes = b"kvbridge-shm:1:\x00\xff";
+        assert_eq!(unhex(&hex(bytes)).unwrap(), bytes);
+        assert!(unhex("abc").is_none());
+    }
+}
