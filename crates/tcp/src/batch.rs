@@ -1,11 +1,11 @@
 //! Sender-side batch state: one final outcome, reached once, observable without waiting.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvbridge_transport::{BatchId, BatchState, PeerId, TransportError};
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 use crate::{NAME, Shared};
@@ -58,6 +58,9 @@ pub(crate) struct TxBatch {
     /// Upper bound of the receiver's own deadline for this batch (set when it accepted it):
     /// after this instant the receiver applies no byte of it, whatever happens to the link.
     anchor: Mutex<Option<Instant>>,
+    /// Pieces of this batch a writer is sending right now (their source ranges are borrowed).
+    sending: AtomicUsize,
+    sending_idle: Notify,
 }
 
 impl TxBatch {
@@ -71,6 +74,8 @@ impl TxBatch {
             stop: AtomicBool::new(false),
             fence_started: AtomicBool::new(false),
             anchor: Mutex::new(None),
+            sending: AtomicUsize::new(0),
+            sending_idle: Notify::new(),
         }
     }
 
@@ -117,6 +122,32 @@ impl TxBatch {
     /// Claims the right to fence this batch; false if someone else already does.
     pub(crate) fn start_fence(&self) -> bool {
         !self.fence_started.swap(true, Ordering::AcqRel)
+    }
+
+    /// A writer starts sending a piece (borrowing its sources).
+    pub(crate) fn piece_started(&self) {
+        self.sending.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A writer released a piece's sources.
+    pub(crate) fn piece_finished(&self) {
+        self.sending.fetch_sub(1, Ordering::AcqRel);
+        self.sending_idle.notify_waiters();
+    }
+
+    /// Records `Done` once no writer holds a source range of the batch any more, so the caller
+    /// may touch its memory the moment `wait` returns.
+    pub(crate) async fn finish_done(&self) {
+        loop {
+            let idle = self.sending_idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.sending.load(Ordering::Acquire) == 0 {
+                break;
+            }
+            idle.await;
+        }
+        self.finish(Outcome::Done);
     }
 
     pub(crate) fn set_anchor(&self, at: Instant) {

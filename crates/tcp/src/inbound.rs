@@ -19,8 +19,10 @@ use crate::error::TcpError;
 use crate::wire::{BeginStatus, CancelStatus, Frame, RegionLen, RegionNeed, WireOp};
 use crate::{NAME, Shared};
 
-/// Bytes read into a region between two checks that the batch is still live.
-const CHECK_EVERY: usize = 256 << 10;
+/// Bytes offered to one vectored read (between two checks that the batch is still live).
+const READ_BYTES: u64 = 1 << 20;
+/// Descriptors offered to one vectored read.
+const READ_SLICES: usize = 64;
 /// Scratch buffer for draining the payload of a dropped batch.
 const DRAIN_BUF: usize = 64 << 10;
 /// Control frames queued per connection.
@@ -538,35 +540,72 @@ impl Receiver<'_> {
         let idle = self.session.idle;
         let mut left = total;
         let mut dropping = false;
-        'ops: for (op, region) in ops.iter().zip(&targets) {
-            let mut pos = 0u64;
-            while pos < op.len {
-                match tokio::time::timeout(idle, r.readable()).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => return Err(LinkError::Io(e)),
-                    Err(_) => return Err(LinkError::Silent(idle)),
-                }
-                if !self.session.batch_live(batch) {
-                    dropping = true;
-                    break 'ops;
-                }
-                // Borrowed only for one non-blocking read, never while waiting for data.
-                let len = (op.len - pos).min(CHECK_EVERY as u64);
-                let mut slice = region.borrow_mut(op.offset + pos, len).map_err(|e| {
-                    protocol(format!(
-                        "batch {batch} writes region #{} at {e} while another write to the same bytes is in progress",
-                        op.region
-                    ))
-                })?;
-                match r.try_read(&mut slice) {
-                    Ok(0) => return Err(LinkError::Eof),
-                    Ok(n) => {
-                        pos += n as u64;
-                        left -= n as u64;
+        // Position: descriptor index and bytes of it already read.
+        let (mut at, mut pos) = (0usize, 0u64);
+        while at < ops.len() {
+            if ops[at].len == pos {
+                at += 1;
+                pos = 0;
+                continue;
+            }
+            match tokio::time::timeout(idle, r.readable()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(LinkError::Io(e)),
+                Err(_) => return Err(LinkError::Silent(idle)),
+            }
+            if !self.session.batch_live(batch) {
+                dropping = true;
+                break;
+            }
+            // Borrow the next descriptors' ranges for one non-blocking vectored read only,
+            // never while waiting for data.
+            let mut slices = Vec::new();
+            let mut budget = READ_BYTES;
+            let (mut k, mut from) = (at, pos);
+            while k < ops.len() && budget > 0 && slices.len() < READ_SLICES {
+                let op = &ops[k];
+                let len = (op.len - from).min(budget);
+                if len > 0 {
+                    match targets[k].borrow_mut(op.offset + from, len) {
+                        Ok(s) => slices.push(s),
+                        // Overlapping descriptors in one frame: read up to the overlap.
+                        Err(_) if !slices.is_empty() => break,
+                        Err(e) => {
+                            return Err(protocol(format!(
+                                "batch {batch} writes region #{} at {e} while another write to the same bytes is in progress",
+                                op.region
+                            )));
+                        }
                     }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                    Err(e) => return Err(LinkError::Io(e)),
+                    budget -= len;
                 }
+                k += 1;
+                from = 0;
+            }
+            let mut bufs: Vec<std::io::IoSliceMut<'_>> = slices
+                .iter_mut()
+                .map(|s| std::io::IoSliceMut::new(s))
+                .collect();
+            let n = match r.try_read_vectored(&mut bufs) {
+                Ok(0) => return Err(LinkError::Eof),
+                Ok(n) => n as u64,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
+                Err(e) => return Err(LinkError::Io(e)),
+            };
+            drop(bufs);
+            drop(slices);
+            left -= n;
+            let mut n = n;
+            while n > 0 {
+                let rest = ops[at].len - pos;
+                if rest == 0 {
+                    at += 1;
+                    pos = 0;
+                    continue;
+                }
+                let step = rest.min(n);
+                pos += step;
+                n -= step;
             }
         }
         if dropping {

@@ -49,10 +49,20 @@ struct Job {
     offset: u64,
 }
 
-/// A slice of a job, written by one connection as one or more `Data` frames.
+/// A slice of a job, written by one connection as one `Data` frame.
 struct Piece {
-    batch: Arc<TxBatch>,
+    batch: Sending,
     ops: Vec<LocalOp>,
+}
+
+/// Marks a batch as having a piece in a writer's hands until dropped (also when the writer
+/// task is aborted mid-write), so `Done` is reported only once its sources are released.
+struct Sending(Arc<TxBatch>);
+
+impl Drop for Sending {
+    fn drop(&mut self) {
+        self.0.piece_finished();
+    }
 }
 
 struct CancelWait {
@@ -251,7 +261,11 @@ impl OutPeer {
                 q.pop_front();
             }
             if !ops.is_empty() {
-                return Some(Piece { batch, ops });
+                batch.piece_started();
+                return Some(Piece {
+                    batch: Sending(batch),
+                    ops,
+                });
             }
         }
     }
@@ -402,7 +416,7 @@ async fn reader_task(shared: Arc<Shared>, peer: Arc<OutPeer>, mut r: OwnedReadHa
             }
             Frame::Done { batch } => {
                 if let Some(b) = shared.batch(batch).filter(|b| b.peer == peer.id) {
-                    b.finish(Outcome::Done);
+                    tokio::spawn(async move { b.finish_done().await });
                 }
             }
             Frame::CancelAck { batch, status } => {
@@ -523,7 +537,7 @@ async fn send_piece(w: &OwnedWriteHalf, piece: Piece) -> std::io::Result<()> {
             len: op.len,
         })
         .collect();
-    let header = wire::encode_data_header(piece.batch.id.0, &ops);
+    let header = wire::encode_data_header(piece.batch.0.id.0, &ops);
     let head = header.len() as u64;
     let total = head + piece.ops.iter().map(|op| op.len).sum::<u64>();
     let mut done = 0u64;
@@ -810,9 +824,7 @@ async fn fence_on(
     lock(&peer.waiters).cancel.remove(&b.id.0);
     match acked {
         // The receiver had already completed it: its `Done` is on the way.
-        Ok(Some(true)) => {
-            b.finish(Outcome::Done);
-        }
+        Ok(Some(true)) => b.finish_done().await,
         Ok(Some(false)) => {
             b.finish(outcome);
         }
