@@ -1090,15 +1090,24 @@ impl DecodeInner {
         let timeout = self.config.waiting_timeout;
         r.waiting_timer = Some(spawn_timer(timeout, move || {
             if let Some(inner) = weak.upgrade() {
-                let alive = inner.lock().rooms.get(&room).is_some_and(|r| {
-                    r.incarnation == incarnation && !r.status.state().is_terminal()
+                // The peers that have not reported Success are the ones named.
+                let silent = inner.lock().rooms.get(&room).and_then(|r| {
+                    (r.incarnation == incarnation && !r.status.state().is_terminal()).then(|| {
+                        r.targets
+                            .iter()
+                            .filter(|t| !t.dummy && !r.successes.contains(&t.rank))
+                            .map(|t| t.endpoint.to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    })
                 });
-                if alive {
+                if let Some(silent) = silent {
                     inner.fail_room(
                         room,
                         Some(incarnation),
-                        FailureReason::new(
+                        FailureReason::with_peer(
                             FailureCause::WaitingTimeout,
+                            silent,
                             format!(
                                 "Request {room} timed out after {:.1}s in KVPoll.WaitingForInput",
                                 timeout.as_secs_f64()
@@ -1144,6 +1153,15 @@ impl DecodeInner {
                 }
             }
             RoomState::Failed => {
+                if s.cause == Some(FailureCause::Unregistered) {
+                    // The prefill lost our registration (it restarted): register again next time.
+                    st.peers.remove(&target.endpoint);
+                    st.health.remove(&target.endpoint);
+                    tracing::warn!(prefill = %target.endpoint, "the prefill does not know this decode any more; it will register again");
+                }
+                let Some(r) = st.rooms.get_mut(&room) else {
+                    return;
+                };
                 if r.status.state() == RoomState::Success {
                     tracing::warn!(parent: &r.span, rank = s.prefill_rank, "Failed status after Success ignored");
                     return;

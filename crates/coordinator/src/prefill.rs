@@ -761,8 +761,8 @@ impl PrefillInner {
         let peer = match st.peers.get(&info.decode_endpoint) {
             None => {
                 let reason = FailureReason::with_peer(
-                    FailureCause::ControlChannel,
-                    &info.decode_endpoint,
+                    FailureCause::Unregistered,
+                    &self.endpoint,
                     format!(
                         "decode {} sent metadata for room {room} without registering with prefill \
                          {} first",
@@ -874,6 +874,13 @@ impl PrefillInner {
     }
 
     fn tombstone(self: &Arc<Self>, st: &mut PrefillState, room: u64, reason: FailureReason) {
+        if st.tombstones.len() >= self.config.max_rooms {
+            tracing::warn!(
+                room,
+                "too many tombstoned rooms; this one is not remembered"
+            );
+            return;
+        }
         let weak = self.weak();
         st.tombstones.insert(
             room,
@@ -990,16 +997,31 @@ impl PrefillInner {
     }
 
     fn on_bootstrap_timeout(&self, room: u64, incarnation: u64) {
-        let still = self.lock().rooms.get(&room).is_some_and(|r| {
-            r.incarnation == incarnation && r.status.state() == RoomState::Bootstrapping
+        // The decode ranks heard from so far are named (none: no decode ever asked for it).
+        let heard = self.lock().rooms.get(&room).and_then(|r| {
+            (r.incarnation == incarnation && r.status.state() == RoomState::Bootstrapping).then(
+                || {
+                    let names: Vec<String> = r
+                        .infos
+                        .iter()
+                        .map(|p| p.info.decode_endpoint.to_string())
+                        .collect();
+                    if names.is_empty() {
+                        "no decode rank".to_owned()
+                    } else {
+                        names.join(", ")
+                    }
+                },
+            )
         });
-        if still {
+        if let Some(heard) = heard {
             let secs = self.config.bootstrap_timeout.as_secs_f64();
             self.fail_room(
                 room,
                 Some(incarnation),
-                FailureReason::new(
+                FailureReason::with_peer(
                     FailureCause::BootstrapTimeout,
+                    heard,
                     format!("Request {room} timed out after {secs:.1}s in KVPoll.Bootstrapping"),
                 ),
             );
@@ -1031,7 +1053,7 @@ impl PrefillInner {
         }
     }
 
-    fn on_abort(&self, a: AbortRequest) {
+    fn on_abort(self: &Arc<Self>, a: AbortRequest) {
         let room = a.room;
         let ack = ControlMessage::AbortAck(AbortAck {
             room,
@@ -1087,13 +1109,7 @@ impl PrefillInner {
                         &a.decode_endpoint,
                         "Duplicate or cancelled bootstrap room",
                     );
-                    st.tombstones.insert(
-                        room,
-                        Tombstone {
-                            reason,
-                            _expiry: TimerGuard::none(),
-                        },
-                    );
+                    self.tombstone(&mut st, room, reason);
                 }
                 drop(st);
                 self.outbox.send(&a.decode_endpoint, ack);

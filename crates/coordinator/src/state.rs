@@ -99,6 +99,9 @@ pub enum FailureCause {
     RemoteFailure,
     /// A control message could not be delivered.
     ControlChannel,
+    /// The prefill does not know this decode's registration (it restarted): the decode
+    /// registers again for its next rooms.
+    Unregistered,
     /// The transfer could not be planned (prefix misaligned, too few pages, ...).
     Planning,
     /// Two uses of the same room id collided.
@@ -122,6 +125,7 @@ impl FailureCause {
             FailureCause::Aborted => "aborted",
             FailureCause::RemoteFailure => "remote_failure",
             FailureCause::ControlChannel => "control_channel",
+            FailureCause::Unregistered => "unregistered",
             FailureCause::Planning => "planning",
             FailureCause::DuplicateRoom => "duplicate_room",
             FailureCause::OtherRank => "other_rank",

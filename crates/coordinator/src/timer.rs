@@ -8,13 +8,6 @@ use tokio::task::AbortHandle;
 #[derive(Debug)]
 pub(crate) struct TimerGuard(Option<AbortHandle>);
 
-impl TimerGuard {
-    /// A guard with no timer.
-    pub(crate) fn none() -> Self {
-        TimerGuard(None)
-    }
-}
-
 impl Drop for TimerGuard {
     fn drop(&mut self) {
         if let Some(h) = self.0.take() {

@@ -687,3 +687,71 @@ async fn agreement_hook_fails_every_rank_when_one_fails() {
     assert_eq!(agents[0].poll_agreed(8).await.unwrap(), RoomState::Failed);
     assert_eq!(agents[1].poll_agreed(8).await.unwrap(), RoomState::Failed);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_prefill_restarted_at_the_same_endpoint_is_registered_again() {
+    let mut r = rig(Spec::new(
+        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
+    ))
+    .await;
+    let first = Request::new(1, 40);
+    for out in r.run(&first).await {
+        out.unwrap();
+    }
+    // The prefill process dies and a new one takes its endpoint (and the directory entry).
+    let (old, old_rank) = r.prefills.remove(0);
+    old.shutdown();
+    drop(old);
+    let mut channel = None;
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+        if let Ok(c) = r.hub.channel("prefill-0") {
+            channel = Some(c);
+            break;
+        }
+    }
+    let channel = channel.expect("the dead prefill's endpoint is released");
+    let transport: Arc<dyn KvTransport> = Arc::new(LoopbackTransport::new());
+    let mem = KvMemory::allocate(&*transport, &old_rank.desc, r.prefill_pages, 8)
+        .await
+        .unwrap();
+    let agent = kvbridge_coordinator::PrefillAgent::builder(
+        old_rank.desc.clone(),
+        mem.memory.clone(),
+        transport.clone(),
+        Arc::new(channel),
+    )
+    .start()
+    .unwrap();
+    r.dir.insert(ADDR, vec![agent.rank_info()]);
+    r.prefills.push((
+        agent,
+        common::Rank {
+            desc: old_rank.desc,
+            mem,
+            transport,
+        },
+    ));
+    // The decode still believes it is registered: the new prefill refuses the metadata...
+    let second = Request::new(2, 40);
+    r.start(&second).await;
+    let d = &r.decodes[0].0;
+    let err = bounded(d.wait(2)).await.unwrap_err().to_string();
+    assert!(
+        err.contains("without registering with prefill prefill-0 first"),
+        "{err}"
+    );
+    assert_eq!(
+        d.failure(2).unwrap().reason.cause,
+        FailureCause::Unregistered
+    );
+    bounded(d.release_when_fenced(2)).await.unwrap();
+    r.prefills[0].0.clear(2);
+    // ...and the next room registers again and goes through.
+    let third = Request::new(3, 40);
+    for out in r.run(&third).await {
+        out.unwrap();
+    }
+    r.verify_with(&third, false);
+}
