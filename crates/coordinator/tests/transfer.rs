@@ -259,3 +259,69 @@ async fn many_rooms_in_sequence_leave_no_state_behind() {
         assert_eq!(d.registered_peers().len(), 1);
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn concurrent_rooms_each_land_in_their_own_pages() {
+    let mut spec = Spec::new(
+        vec![mla("prefill", 4, 2, 16, 1, 0, 1)],
+        (0..2).map(|i| mla("decode", 4, 2, 16, 2, i, 2)).collect(),
+    );
+    spec.prefill_pages = 24 * 8;
+    spec.decode_pages = 24 * 8;
+    spec.aux_rows = 24;
+    let r = rig(spec).await;
+    let reqs: Vec<Request> = (0..24u64)
+        .map(|k| Request {
+            chunk_pages: 1 + k % 3,
+            block: Some((k, 8)),
+            prefill_aux_row: k,
+            decode_aux_row: 23 - k,
+            ..Request::new(1000 + k, 20 + k % 12)
+        })
+        .collect();
+    let outs = common::join_all(reqs.iter().map(|q| r.run(q)).collect()).await;
+    for out in outs.into_iter().flatten() {
+        out.unwrap();
+    }
+    for q in &reqs {
+        r.verify_with(q, false);
+    }
+    let m = r.prefills[0].0.metrics();
+    assert_eq!(m.rooms_succeeded, 24);
+    assert_eq!(m.rooms_by_state.get(&RoomState::Success), Some(&24));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_rooms_on_a_multi_threaded_runtime() {
+    let mut spec = Spec::new(
+        vec![mla("prefill", 4, 2, 16, 1, 0, 1)],
+        (0..4).map(|i| mla("decode", 4, 2, 16, 4, i, 4)).collect(),
+    );
+    spec.prefill_pages = 16 * 16;
+    spec.decode_pages = 16 * 16;
+    spec.aux_rows = 16;
+    let r = rig(spec).await;
+    let reqs: Vec<Request> = (0..16u64)
+        .map(|k| Request {
+            chunk_pages: 1 + k % 4,
+            block: Some((k, 16)),
+            prefill_aux_row: k,
+            decode_aux_row: 15 - k,
+            cached_prefix: (k % 3) * 16,
+            ..Request::new(2000 + k, 40 + k)
+        })
+        .collect();
+    let outs = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        common::join_all(reqs.iter().map(|q| r.run(q)).collect()),
+    )
+    .await
+    .expect("16 small rooms finish well within 30 s");
+    for out in outs.into_iter().flatten() {
+        out.unwrap();
+    }
+    for q in &reqs {
+        r.verify_with(q, false);
+    }
+    assert_eq!(r.prefills[0].0.metrics().rooms_succeeded, 16);
+}

@@ -193,6 +193,9 @@ pub struct Request {
     pub chunk_pages: u64,
     pub prefill_aux_row: u64,
     pub decode_aux_row: u64,
+    /// Give the room its own block of pages (`(index, stride)`: pages
+    /// `index · stride ..`, reversed) so rooms can run concurrently without sharing pages.
+    pub block: Option<(u64, u64)>,
 }
 
 impl Request {
@@ -204,6 +207,22 @@ impl Request {
             chunk_pages: u64::MAX,
             prefill_aux_row: 3,
             decode_aux_row: 5,
+            block: None,
+        }
+    }
+}
+
+impl Request {
+    fn table(&self, n: u64, pages: u64, salt: u64) -> Vec<u64> {
+        match self.block {
+            None => page_table(n, pages, salt),
+            Some((b, stride)) => {
+                assert!(
+                    n <= stride && (b + 1) * stride <= pages,
+                    "block {b} does not fit"
+                );
+                (0..n).map(|i| b * stride + (n - 1 - i)).collect()
+            }
         }
     }
 }
@@ -214,7 +233,7 @@ impl Rig {
         let v = d.page_size * d.dcp_size as u64;
         TokenLayout::for_rank(
             d,
-            page_table(req.input_len.div_ceil(v), self.prefill_pages, req.room),
+            req.table(req.input_len.div_ceil(v), self.prefill_pages, req.room),
         )
         .unwrap()
     }
@@ -224,7 +243,7 @@ impl Rig {
         let v = d.page_size * d.dcp_size as u64;
         TokenLayout::for_rank(
             d,
-            page_table(req.input_len.div_ceil(v), self.decode_pages, req.room + 1),
+            req.table(req.input_len.div_ceil(v), self.decode_pages, req.room + 1),
         )
         .unwrap()
     }
