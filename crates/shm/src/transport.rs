@@ -426,7 +426,7 @@ fn copy_chunk(
             op.remote_offset + *done_in_op,
         );
         let copied = match direction {
-            Direction::Write => local.copy_to(lo, &remote.region, ro, n),
+            Direction::Write => map::copy_out(local, lo, &remote.region, ro, n),
             Direction::Read => remote.region.copy_to(ro, local, lo, n),
         };
         if let Err(e) = copied {
