@@ -25,6 +25,7 @@ use kvbridge_transport::{
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 mod shm;
+mod tcp;
 
 /// What a [`Factory`] returns: a new transport, or why it could not be made.
 pub(crate) type TransportFuture =
@@ -55,8 +56,7 @@ impl TransportKind {
 fn factory(kind: TransportKind) -> Result<Factory, String> {
     match kind {
         TransportKind::Shm => Ok(shm::factory),
-        // The TCP bench adds `bench/tcp.rs` with a `factory` and returns it here.
-        TransportKind::Tcp => Err("tcp bench not available yet".to_owned()),
+        TransportKind::Tcp => Ok(tcp::factory),
     }
 }
 
@@ -65,6 +65,8 @@ fn factory(kind: TransportKind) -> Result<Factory, String> {
 pub(crate) enum Role {
     /// Owns the destination pool; started by the sender.
     Receiver,
+    /// The receiving end of the raw TCP baseline (`bench/tcp.rs`).
+    RawTcpSink,
 }
 
 /// Transfer patterns.
@@ -219,6 +221,9 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if args.role == Some(Role::RawTcpSink) {
+        return tcp::raw_sink(args.pool_bytes);
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -232,6 +237,7 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
     };
     match args.role {
         Some(Role::Receiver) => rt.block_on(receiver(make, args.pool_bytes)),
+        Some(Role::RawTcpSink) => ExitCode::from(2),
         None => rt.block_on(sender(make, args)),
     }
 }
@@ -606,7 +612,15 @@ async fn measure(
         .collect();
     // The baseline's destination: pre-faulted heap memory in this process.
     let baseline_dst = MemoryRegion::allocate(pool as usize).map_err(|e| e.to_string())?;
+    // TCP is measured against a raw TCP stream between two processes (`bench/tcp.rs`).
+    let raw_tcp = match args.transport {
+        TransportKind::Tcp => Some(tcp::RawTcpBaseline::start(pool)?),
+        TransportKind::Shm => None,
+    };
     let baseline_run = || -> Result<f64, String> {
+        if let Some(raw) = &raw_tcp {
+            return raw.run(&src);
+        }
         let start = Instant::now();
         for &(s, d, len) in &ops {
             src.copy_to(s, &baseline_dst, d, len)
@@ -631,7 +645,7 @@ async fn measure(
         bytes: pool,
         blocks: ops.len() as u64,
         gbps: 0.0,
-        baseline: BASELINE,
+        baseline: raw_tcp.as_ref().map_or(BASELINE, |_| tcp::BASELINE),
         baseline_gbps: 0.0,
         ratio: 0.0,
         receiver_peak_rss_bytes: 0,

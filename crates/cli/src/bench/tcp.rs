@@ -55,7 +55,10 @@ impl RawTcpBaseline {
             .take()
             .and_then(|out| BufReader::new(out).lines().next())
             .and_then(Result::ok)
-            .and_then(|line| line.strip_prefix("PORT ").and_then(|p| p.parse::<u16>().ok()));
+            .and_then(|line| {
+                line.strip_prefix("PORT ")
+                    .and_then(|p| p.parse::<u16>().ok())
+            });
         let Some(port) = port else {
             let _ = sink.kill();
             let _ = sink.wait();
