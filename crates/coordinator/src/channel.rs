@@ -19,8 +19,11 @@
 //!    into failures.
 //! 5. **Self-contained messages.** Every [`ControlMessage`] is plain data (serde); nothing in it
 //!    refers to memory of the sending process, so a network implementation can frame it as JSON.
-//! 6. **Sender identity.** [`Envelope::from`] is the sender's endpoint as the sender named
-//!    itself (for logs); replies are addressed with the endpoints carried inside the messages.
+//! 6. **Sender identity.** [`Envelope::from`] is the sender's [`local_endpoint`] — the string
+//!    its peers use to reach it, not a socket's ephemeral address. Agents answer heartbeats
+//!    there; every other reply is addressed with the endpoints carried inside the messages.
+//!
+//! [`local_endpoint`]: ControlChannel::local_endpoint
 //!
 //! [`SendTimeout`]: crate::CoordinatorError::SendTimeout
 
@@ -73,7 +76,8 @@ impl From<String> for Endpoint {
 /// A received control message and who sent it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Envelope {
-    /// The sender's endpoint, as the sender named itself.
+    /// The sender's [`ControlChannel::local_endpoint`] (reachable: heartbeats are answered
+    /// there).
     pub from: Endpoint,
     /// The message.
     pub message: ControlMessage,

@@ -1372,10 +1372,15 @@ impl DecodeInner {
     }
 
     fn on_pong(&self, from: &Endpoint, h: Heartbeat) {
-        if let Some(health) = self.lock().health.get_mut(from) {
-            if health.waiting == Some(h.nonce) {
+        // Nonces are unique per agent, so the answer is matched by nonce, not by `from`.
+        let mut st = self.lock();
+        match st.health.values_mut().find(|x| x.waiting == Some(h.nonce)) {
+            Some(health) => {
                 health.waiting = None;
                 health.misses = 0;
+            }
+            None => {
+                tracing::debug!(from = %from, nonce = h.nonce, "late or unknown heartbeat answer")
             }
         }
     }

@@ -1575,11 +1575,12 @@ async fn drive_room(
                     }
                     Waited::Hung => {
                         inc(&inner.metrics.batches_failed);
+                        let what = if is_aux { "aux data" } else { "kv chunk" };
                         failure = Some(FailureReason::with_peer(
                             FailureCause::BatchTimeout,
                             &peers[pi].rp.info.decode_endpoint,
                             format!(
-                                "Failed to send kv chunk of {room} to {}: the transport did not finish batch {id} within {wait_limit:?} (its deadline plus grace)",
+                                "Failed to send {what} of {room} to {}: the transport did not finish batch {id} within {wait_limit:?} (its deadline plus grace)",
                                 peers[pi].rp.info.decode_endpoint
                             ),
                         ));
@@ -1676,7 +1677,17 @@ async fn drive_room(
     let mut poisoned = false;
     for (&id, _) in inflight.iter() {
         match tokio::time::timeout(inner.config.fence_grace, inner.transport.cancel(id)).await {
-            Ok(_) => {}
+            // A final state, or one already handed to `wait`, or a transport that shut down
+            // (every batch failed): no byte of it can land any more.
+            Ok(
+                Ok(_)
+                | Err(TransportError::UnknownBatch { .. })
+                | Err(TransportError::Closed { .. }),
+            ) => {}
+            Ok(Err(e)) => {
+                tracing::error!(room, batch = %id, error = %e, "cancel failed: the batch cannot be proven fenced");
+                poisoned = true;
+            }
             Err(_) => poisoned = true,
         }
     }

@@ -755,3 +755,121 @@ async fn a_prefill_restarted_at_the_same_endpoint_is_registered_again() {
     }
     r.verify_with(&third, false);
 }
+
+/// A transport that breaks the contract: batches never finish, and cancel never returns.
+struct BrokenTransport {
+    inner: LoopbackTransport,
+    next: std::sync::atomic::AtomicU64,
+}
+
+#[async_trait::async_trait]
+impl KvTransport for BrokenTransport {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn capabilities(&self) -> kvbridge_transport::Capabilities {
+        self.inner.capabilities()
+    }
+    async fn register(
+        &self,
+        region: kvbridge_transport::MemoryRegion,
+    ) -> kvbridge_transport::Result<kvbridge_transport::RegionId> {
+        self.inner.register(region).await
+    }
+    async fn deregister(
+        &self,
+        region: kvbridge_transport::RegionId,
+    ) -> kvbridge_transport::Result<()> {
+        self.inner.deregister(region).await
+    }
+    fn local_descriptor(&self) -> bytes::Bytes {
+        self.inner.local_descriptor()
+    }
+    async fn connect(
+        &self,
+        descriptor: &[u8],
+    ) -> kvbridge_transport::Result<kvbridge_transport::PeerId> {
+        self.inner.connect(descriptor).await
+    }
+    async fn disconnect(&self, peer: kvbridge_transport::PeerId) -> kvbridge_transport::Result<()> {
+        self.inner.disconnect(peer).await
+    }
+    async fn post(
+        &self,
+        _peer: kvbridge_transport::PeerId,
+        _batch: kvbridge_transport::TransferBatch,
+    ) -> kvbridge_transport::Result<kvbridge_transport::BatchId> {
+        Ok(kvbridge_transport::BatchId(
+            self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        ))
+    }
+    fn batch_state(
+        &self,
+        _batch: kvbridge_transport::BatchId,
+    ) -> kvbridge_transport::Result<kvbridge_transport::BatchState> {
+        Ok(kvbridge_transport::BatchState::Pending)
+    }
+    async fn wait(&self, _batch: kvbridge_transport::BatchId) -> kvbridge_transport::Result<()> {
+        std::future::pending().await
+    }
+    async fn cancel(
+        &self,
+        _batch: kvbridge_transport::BatchId,
+    ) -> kvbridge_transport::Result<kvbridge_transport::BatchState> {
+        std::future::pending().await
+    }
+    async fn recv_notification(
+        &self,
+    ) -> kvbridge_transport::Result<kvbridge_transport::Notification> {
+        self.inner.recv_notification().await
+    }
+    async fn probe(
+        &self,
+        peer: kvbridge_transport::PeerId,
+        timeout: Duration,
+    ) -> kvbridge_transport::Result<()> {
+        self.inner.probe(peer, timeout).await
+    }
+    async fn shutdown(&self) -> kvbridge_transport::Result<()> {
+        self.inner.shutdown().await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_that_cannot_be_fenced_poisons_the_room_and_its_pages_stay_quarantined() {
+    let mut spec = Spec::new(
+        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
+    );
+    spec.prefill_transport = Some(|| {
+        Arc::new(BrokenTransport {
+            inner: LoopbackTransport::new(),
+            next: std::sync::atomic::AtomicU64::new(1),
+        })
+    });
+    spec.prefill_config = PrefillConfig {
+        batch_timeout: Duration::from_secs(5),
+        fence_grace: Duration::from_secs(1),
+        ..PrefillConfig::default()
+    };
+    spec.decode_config = DecodeConfig {
+        fence_timeout: Duration::from_secs(20),
+        ..DecodeConfig::default()
+    };
+    let r = rig(spec).await;
+    let req = Request::new(61, 40);
+    let outs = r.run(&req).await;
+    let err = outs[0].as_ref().unwrap_err().to_string();
+    assert!(err.contains("did not finish batch"), "{err}");
+    let d = &r.decodes[0].0;
+    assert_eq!(
+        d.failure(61).unwrap().reason.cause,
+        FailureCause::BatchTimeout
+    );
+    // The prefill cannot prove its batch stopped, so it never acknowledges the abort.
+    match bounded(d.release_when_fenced(61)).await {
+        Err(CoordinatorError::FenceTimeout { pending, .. }) => assert_eq!(pending, "prefill-0"),
+        other => panic!("a poisoned room must not be released: {other:?}"),
+    }
+    assert!(!d.is_fenced(61).unwrap());
+}

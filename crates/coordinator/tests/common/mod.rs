@@ -97,6 +97,8 @@ pub struct Spec {
     pub faults: Vec<FaultScript>,
     pub prefill_config: PrefillConfig,
     pub decode_config: DecodeConfig,
+    /// Replaces the prefill transport (default: loopback behind the fault injector).
+    pub prefill_transport: Option<fn() -> Arc<dyn KvTransport>>,
 }
 
 impl Spec {
@@ -110,6 +112,7 @@ impl Spec {
             faults: Vec::new(),
             prefill_config: PrefillConfig::default(),
             decode_config: DecodeConfig::default(),
+            prefill_transport: None,
         }
     }
 }
@@ -120,8 +123,10 @@ pub async fn rig(spec: Spec) -> Rig {
     let mut prefills = Vec::new();
     for (i, desc) in spec.prefill.iter().enumerate() {
         let script = spec.faults.get(i).cloned().unwrap_or_default();
-        let transport: Arc<dyn KvTransport> =
-            Arc::new(FaultInjector::new(LoopbackTransport::new(), script));
+        let transport: Arc<dyn KvTransport> = match spec.prefill_transport {
+            Some(make) => make(),
+            None => Arc::new(FaultInjector::new(LoopbackTransport::new(), script)),
+        };
         let mem = KvMemory::allocate(&*transport, desc, spec.prefill_pages, spec.aux_rows)
             .await
             .unwrap();
