@@ -168,7 +168,7 @@ pub(crate) fn map_remote(region: u64, fd: OwnedFd, len: u64) -> Result<MemoryReg
 }
 
 /// Pieces at least this long are written with non-temporal (streaming) stores on x86-64.
-pub(crate) const STREAM_MIN: u64 = 256 << 10;
+pub(crate) const STREAM_MIN: u64 = 64 << 10;
 
 /// Copies `len` bytes from `src[src_offset..]` into `dst[dst_offset..]`, both ranges checked
 /// first. Long copies bypass the cache with streaming stores, as `memcpy` itself does only for

@@ -136,7 +136,7 @@ pub(crate) struct BenchArgs {
     #[arg(long)]
     json: bool,
     /// Timed runs per pattern (the median is reported).
-    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u32).range(1..=1000))]
     runs: u32,
     /// Measure the whole prefill -> decode path instead of one transport.
     #[arg(long)]
