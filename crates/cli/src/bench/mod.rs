@@ -763,13 +763,19 @@ async fn latency(
 
 fn print_table(reports: &[Report], runs: u32) {
     let transport = reports.first().map_or("?", |r| r.transport);
+    let baseline = reports.first().map_or(BASELINE, |r| r.baseline);
+    let base_col = if baseline == BASELINE {
+        "memcpy"
+    } else {
+        "baseline"
+    };
     println!(
         "{:<12} {:>10} {:>7} {:>10} {:>10} {:>7} {:>12}  notes",
         "pattern",
         "MiB",
         "blocks",
         format!("{transport} GB/s"),
-        "memcpy GB/s",
+        format!("{base_col} GB/s"),
         "ratio",
         "recv RSS MiB",
     );
@@ -795,7 +801,7 @@ fn print_table(reports: &[Report], runs: u32) {
         );
     }
     println!(
-        "median of {runs} runs; baseline: {BASELINE} of the same blocks, in the same run; \
+        "median of {runs} runs; baseline: {baseline} of the same blocks, in the same run; \
          receiver in its own process"
     );
 }

@@ -18,7 +18,8 @@ use kvbridge_transport::{KvTransport, MemoryRegion};
 use super::TransportFuture;
 
 /// How the baseline is described in the report.
-pub(super) const BASELINE: &str = "raw TCP stream over loopback between two processes, no framing";
+pub(super) const BASELINE: &str =
+    "a raw TCP stream (loopback, two processes, no framing) moving the bytes";
 
 /// Creates a [`TcpTransport`] with the default configuration (127.0.0.1, OS-assigned port,
 /// one connection per peer).
