@@ -163,7 +163,7 @@ fn check(buf: &[u8]) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
 
     #[test]
     fn random_bytes_never_panic(buf in proptest::collection::vec(any::<u8>(), 0..256)) {

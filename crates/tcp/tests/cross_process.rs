@@ -1,0 +1,244 @@
+//! Tests in which the receiving peer is a separate OS process.
+//!
+//! The test binary re-executes itself (`--exact child_process_entry`) with `KVBRIDGE_TCP_CHILD`
+//! set; the child runs a receiving `TcpTransport` (same secret, same settings), prints
+//! `READY <region> <descriptor>` and then checks its memory each time a notification
+//! `check:<seed>:<offset>:<len>` arrives, answering `OK <offset>` or `BAD ...` on stdout — so
+//! every check also proves that a notification crossed the process boundary after its data.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvbridge_tcp::{TcpConfig, TcpTransport};
+use kvbridge_transport::{
+    KvTransport, KvTransportExt, PeerId, RegionId, Side, TransferBatch, TransferOp, TransportError,
+};
+
+const CHILD_ENV: &str = "KVBRIDGE_TCP_CHILD";
+const LEN_ENV: &str = "KVBRIDGE_TCP_CHILD_LEN";
+const LINE_LIMIT: Duration = Duration::from_secs(10);
+const SECRET: &[u8] = b"cross-process secret";
+
+fn config() -> TcpConfig {
+    TcpConfig::default()
+        .with_secret(SECRET.to_vec())
+        .with_connections_per_peer(2)
+        .with_piece_bytes(256 << 10)
+        .with_keepalive(Duration::from_millis(100), Duration::from_secs(2))
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| (seed.wrapping_mul(0x9E37_79B9) ^ (i * 7) ^ (i >> 9)) as u8)
+        .collect()
+}
+
+/// Not a test of its own: the entry point of the peer processes the tests below start.
+/// Without `KVBRIDGE_TCP_CHILD` it returns at once.
+#[test]
+fn child_process_entry() {
+    if std::env::var_os(CHILD_ENV).is_none() {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(child_main());
+    std::process::exit(0);
+}
+
+async fn child_main() {
+    let len: usize = std::env::var(LEN_ENV).unwrap().parse().unwrap();
+    let t = TcpTransport::bind(config()).await.unwrap();
+    let (id, mem) = t.allocate_registered(len).await.unwrap();
+    // The leading newline ends libtest's "test child_process_entry ... " line.
+    println!(
+        "\nREADY {} {}",
+        id.0,
+        String::from_utf8(t.local_descriptor().to_vec()).unwrap()
+    );
+    while let Ok(n) = t.recv_notification().await {
+        let text = String::from_utf8_lossy(&n.payload).into_owned();
+        let words: Vec<&str> = text.split(':').collect();
+        if let ["check", seed, off, len] = words.as_slice() {
+            let (seed, off, len): (u64, u64, usize) = (
+                seed.parse().unwrap(),
+                off.parse().unwrap(),
+                len.parse().unwrap(),
+            );
+            let got = mem.to_vec(off, len as u64).unwrap();
+            match got
+                .iter()
+                .zip(pattern(seed, len))
+                .position(|(a, b)| *a != b)
+            {
+                None => println!("OK {off}"),
+                Some(i) => println!("BAD byte {} of the block at {off}", i),
+            }
+        } else {
+            println!("BAD unknown notification {text:?}");
+        }
+    }
+}
+
+struct ChildPeer {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl ChildPeer {
+    fn spawn(len: usize) -> Self {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "child_process_entry",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env(CHILD_ENV, "1")
+            .env(LEN_ENV, len.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::sync_channel(1024);
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { return };
+                if line.starts_with("READY") || line.starts_with("OK") || line.starts_with("BAD") {
+                    if tx.send(line).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        Self { child, lines }
+    }
+
+    fn line(&self) -> String {
+        self.lines
+            .recv_timeout(LINE_LIMIT)
+            .expect("the child process stopped answering")
+    }
+
+    fn ready(&self) -> (RegionId, String) {
+        let line = self.line();
+        let mut words = line.split_whitespace().skip(1);
+        let region = RegionId(words.next().unwrap().parse().unwrap());
+        (region, words.next().unwrap().to_owned())
+    }
+}
+
+impl Drop for ChildPeer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn connect(len: usize) -> (ChildPeer, TcpTransport, PeerId, RegionId) {
+    let child = ChildPeer::spawn(len);
+    let (remote, descriptor) = child.ready();
+    let t = TcpTransport::bind(config()).await.unwrap();
+    let peer = t.connect(descriptor.as_bytes()).await.unwrap();
+    (child, t, peer, remote)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cross_process_writes_are_checked_by_the_peer_at_notification_time() {
+    const LEN: usize = 8 << 20;
+    const BLOCK: usize = 1 << 20;
+    let (child, t, peer, remote) = connect(LEN).await;
+    let (local, src) = t.allocate_registered(LEN).await.unwrap();
+    for i in 0..(LEN / BLOCK) as u64 {
+        let seed = 100 + i;
+        src.write_at(i * BLOCK as u64, &pattern(seed, BLOCK))
+            .unwrap();
+        // Scatter the block in 4 KiB pieces in reverse order, so descriptors and pieces
+        // (256 KiB, over two connections) do not line up.
+        let ops: Vec<TransferOp> = (0..(BLOCK / 4096) as u64)
+            .rev()
+            .map(|k| TransferOp {
+                local_region: local,
+                local_offset: i * BLOCK as u64 + k * 4096,
+                remote_region: remote,
+                remote_offset: i * BLOCK as u64 + k * 4096,
+                len: 4096,
+            })
+            .collect();
+        let note = format!("check:{seed}:{}:{BLOCK}", i * BLOCK as u64);
+        t.transfer(
+            peer,
+            TransferBatch::write(ops).with_notification(Bytes::from(note)),
+        )
+        .await
+        .unwrap();
+        assert_eq!(child.line(), format!("OK {}", i * BLOCK as u64));
+    }
+    // Remote bounds come from the other process.
+    let oob = TransferOp {
+        local_region: local,
+        local_offset: 0,
+        remote_region: remote,
+        remote_offset: LEN as u64 - 10,
+        len: 11,
+    };
+    match t.post(peer, TransferBatch::write(vec![oob])).await {
+        Err(TransportError::OutOfBounds {
+            side: Side::Remote,
+            region_len,
+            ..
+        }) => assert_eq!(region_len, LEN as u64),
+        other => panic!("expected a remote OutOfBounds, got {other:?}"),
+    }
+    t.probe(peer, Duration::from_secs(2)).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_peer_process_fails_its_batches_by_their_deadline() {
+    const LEN: usize = 64 << 20;
+    let (mut child, t, peer, remote) = connect(LEN).await;
+    let (local, _src) = t.allocate_registered(LEN).await.unwrap();
+    let op = TransferOp {
+        local_region: local,
+        local_offset: 0,
+        remote_region: remote,
+        remote_offset: 0,
+        len: LEN as u64,
+    };
+    let deadline = Duration::from_secs(5);
+    let id = t
+        .post(peer, TransferBatch::write(vec![op]).with_timeout(deadline))
+        .await
+        .unwrap();
+    child.child.kill().unwrap();
+    child.child.wait().unwrap();
+    let r = tokio::time::timeout(deadline + Duration::from_secs(5), t.wait(id))
+        .await
+        .expect("wait hung past the deadline after the peer died");
+    // Done if it all went through before the kill; otherwise an error, never a hang.
+    if let Err(e) = r {
+        assert!(
+            matches!(
+                e,
+                TransportError::PeerLost { .. }
+                    | TransportError::TimedOut { .. }
+                    | TransportError::BatchFailed { .. }
+            ),
+            "{e}"
+        );
+    }
+    let later = t.post(peer, TransferBatch::write(vec![op])).await;
+    assert!(
+        matches!(later, Err(TransportError::PeerLost { .. })),
+        "{later:?}"
+    );
+    assert!(t.probe(peer, Duration::from_millis(500)).await.is_err());
+}
