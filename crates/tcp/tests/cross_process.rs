@@ -112,10 +112,10 @@ impl ChildPeer {
         std::thread::spawn(move || {
             for line in BufReader::new(out).lines() {
                 let Ok(line) = line else { return };
-                if line.starts_with("READY") || line.starts_with("OK") || line.starts_with("BAD") {
-                    if tx.send(line).is_err() {
-                        return;
-                    }
+                let wanted =
+                    line.starts_with("READY") || line.starts_with("OK") || line.starts_with("BAD");
+                if wanted && tx.send(line).is_err() {
+                    return;
                 }
             }
         });
