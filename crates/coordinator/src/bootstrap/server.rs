@@ -1,0 +1,355 @@
+//! The bootstrap HTTP server: a bounded accept loop in front of a [`Registry`].
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, watch};
+use tokio::time::Instant;
+
+use super::Registry;
+use super::http::{Limits, Response, head_end, parse_request_head};
+use crate::error::{CoordinatorError, Result};
+
+/// Settings of a [`BootstrapServer`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct BootstrapConfig {
+    /// Address to listen on. Default `127.0.0.1:0` (loopback, OS-assigned port); SGLang's
+    /// default port is 8998.
+    pub bind_addr: SocketAddr,
+    /// Longest request head (request line and headers). Default 8 KiB.
+    pub max_head_bytes: usize,
+    /// Most header lines (and query parameters). Default 64.
+    pub max_headers: usize,
+    /// Longest request body. Default 1 MiB.
+    pub max_body_bytes: usize,
+    /// Time a client has to send its whole request, and to read the answer. Default 5 s.
+    pub request_timeout: Duration,
+    /// Connections served at once; more get an immediate 503. Default 256.
+    pub max_connections: usize,
+    /// Age after which a room → DP-rank entry is purged. Default 120 s.
+    pub room_entry_ttl: Duration,
+    /// Most room → DP-rank entries held. Default 65 536.
+    pub max_room_entries: usize,
+}
+
+impl Default for BootstrapConfig {
+    fn default() -> Self {
+        Self {
+            bind_addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+            max_head_bytes: 8 << 10,
+            max_headers: 64,
+            max_body_bytes: 1 << 20,
+            request_timeout: Duration::from_secs(5),
+            max_connections: 256,
+            room_entry_ttl: Duration::from_secs(120),
+            max_room_entries: 65_536,
+        }
+    }
+}
+
+impl BootstrapConfig {
+    /// Sets [`bind_addr`](Self::bind_addr).
+    #[must_use]
+    pub fn with_bind_addr(mut self, addr: SocketAddr) -> Self {
+        self.bind_addr = addr;
+        self
+    }
+
+    /// Sets [`request_timeout`](Self::request_timeout).
+    #[must_use]
+    pub fn with_request_timeout(mut self, t: Duration) -> Self {
+        self.request_timeout = t;
+        self
+    }
+
+    /// Sets [`max_body_bytes`](Self::max_body_bytes).
+    #[must_use]
+    pub fn with_max_body_bytes(mut self, n: usize) -> Self {
+        self.max_body_bytes = n;
+        self
+    }
+
+    /// Sets [`max_connections`](Self::max_connections).
+    #[must_use]
+    pub fn with_max_connections(mut self, n: usize) -> Self {
+        self.max_connections = n;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |message: String| Err(CoordinatorError::InvalidSetup { message });
+        if self.max_head_bytes < 256 {
+            return bad(format!(
+                "BootstrapConfig::max_head_bytes must be at least 256, got {}",
+                self.max_head_bytes
+            ));
+        }
+        for (name, v) in [
+            ("max_headers", self.max_headers),
+            ("max_connections", self.max_connections),
+            ("max_room_entries", self.max_room_entries),
+        ] {
+            if v == 0 {
+                return bad(format!("BootstrapConfig::{name} must be at least 1, got 0"));
+            }
+        }
+        if self.request_timeout.is_zero() || self.room_entry_ttl.is_zero() {
+            return bad("BootstrapConfig timeouts must be positive".to_owned());
+        }
+        Ok(())
+    }
+}
+
+/// The bootstrap registry served over HTTP/1.1; see the [module docs](super).
+///
+/// Dropping it (or [`shutdown`](Self::shutdown)) stops the listener.
+#[derive(Debug)]
+pub struct BootstrapServer {
+    registry: Registry,
+    addr: SocketAddr,
+    shutdown: watch::Sender<bool>,
+}
+
+impl Drop for BootstrapServer {
+    fn drop(&mut self) {
+        self.shutdown.send_replace(true);
+    }
+}
+
+impl BootstrapServer {
+    /// Binds the listener and starts serving an empty [`Registry`]. Must be called inside a
+    /// tokio runtime.
+    ///
+    /// # Errors
+    /// [`CoordinatorError::InvalidSetup`] for an invalid config or an address that cannot be
+    /// bound.
+    pub async fn bind(config: BootstrapConfig) -> Result<Self> {
+        let registry = Registry::with_room_limits(config.room_entry_ttl, config.max_room_entries);
+        Self::serve(config, registry).await
+    }
+
+    /// Like [`bind`](Self::bind), serving an existing registry.
+    ///
+    /// # Errors
+    /// As [`bind`](Self::bind).
+    pub async fn serve(config: BootstrapConfig, registry: Registry) -> Result<Self> {
+        config.validate()?;
+        let listener = TcpListener::bind(config.bind_addr).await.map_err(|e| {
+            CoordinatorError::InvalidSetup {
+                message: format!(
+                    "the bootstrap server cannot listen on {}: {e}; choose a free port (or 0)",
+                    config.bind_addr
+                ),
+            }
+        })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| CoordinatorError::InvalidSetup {
+                message: format!("the bootstrap listener has no local address: {e}"),
+            })?;
+        let (shutdown, _) = watch::channel(false);
+        let config = Arc::new(config);
+        tokio::spawn(accept_loop(
+            listener,
+            registry.clone(),
+            config.clone(),
+            shutdown.subscribe(),
+        ));
+        tokio::spawn(purge_loop(
+            registry.clone(),
+            config.room_entry_ttl,
+            shutdown.subscribe(),
+        ));
+        tracing::info!(%addr, "bootstrap server listening");
+        Ok(Self {
+            registry,
+            addr,
+            shutdown,
+        })
+    }
+
+    /// The address the server listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The bootstrap address decode requests carry (`host:port`).
+    pub fn bootstrap_addr(&self) -> String {
+        self.addr.to_string()
+    }
+
+    /// The registry being served.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Stops accepting connections (requests in progress finish).
+    pub fn shutdown(&self) {
+        self.shutdown.send_replace(true);
+    }
+}
+
+async fn purge_loop(registry: Registry, ttl: Duration, mut shutdown: watch::Receiver<bool>) {
+    let period = ttl.max(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(period) => registry.purge_rooms(Instant::now()),
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    registry: Registry,
+    config: Arc<BootstrapConfig>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let limit = Arc::new(Semaphore::new(config.max_connections));
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = shutdown.changed() => return,
+        };
+        let (stream, peer) = match accepted {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(error = %e, "bootstrap: accept failed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = limit.clone().try_acquire_owned() else {
+            // Best effort, never waits: the socket buffer of a fresh connection has room.
+            let busy = Response::text(
+                503,
+                format!(
+                    "the bootstrap server is serving {} connections already; retry shortly",
+                    config.max_connections
+                ),
+            );
+            let _ = stream.try_write(&busy.encode());
+            tracing::warn!(%peer, "bootstrap: connection limit reached");
+            continue;
+        };
+        let registry = registry.clone();
+        let config = config.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            serve_conn(stream, peer, &registry, &config).await;
+        });
+    }
+}
+
+async fn serve_conn(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    registry: &Registry,
+    config: &BootstrapConfig,
+) {
+    let deadline = Instant::now() + config.request_timeout;
+    let response = match tokio::time::timeout_at(deadline, read_request(&mut stream, registry, config))
+        .await
+    {
+        Ok(Ok(r)) | Ok(Err(r)) => r,
+        Err(_) => Response::text(
+            408,
+            format!(
+                "the request did not arrive completely within {:?}",
+                config.request_timeout
+            ),
+        ),
+    };
+    if response.status >= 400 {
+        tracing::debug!(%peer, status = response.status, "bootstrap: refused a request");
+    }
+    let write = async {
+        stream.write_all(&response.encode()).await?;
+        stream.shutdown().await
+    };
+    let _ = tokio::time::timeout(config.request_timeout, write).await;
+}
+
+/// Reads one request and answers it. `Err` carries an error response.
+async fn read_request(
+    stream: &mut TcpStream,
+    registry: &Registry,
+    config: &BootstrapConfig,
+) -> std::result::Result<Response, Response> {
+    let limits = Limits {
+        max_head: config.max_head_bytes,
+        max_headers: config.max_headers,
+        max_body: config.max_body_bytes,
+    };
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    let end = loop {
+        if let Some(end) = head_end(&buf) {
+            break end;
+        }
+        if buf.len() >= limits.max_head {
+            return Err(Response::text(
+                431,
+                format!(
+                    "the request head exceeds {} bytes without ending",
+                    limits.max_head
+                ),
+            ));
+        }
+        let room = (limits.max_head + 4 - buf.len()).min(chunk.len());
+        let n = stream
+            .read(&mut chunk[..room])
+            .await
+            .map_err(|e| Response::text(400, format!("read failed: {e}")))?;
+        if n == 0 {
+            return Err(Response::text(
+                400,
+                "the connection ended before the request head was complete",
+            ));
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    if end > limits.max_head + 4 {
+        return Err(Response::text(
+            431,
+            format!("the request head exceeds {} bytes", limits.max_head),
+        ));
+    }
+    let head = parse_request_head(&buf[..end], &limits)?;
+    let want = head.content_length.unwrap_or(0);
+    let mut body = buf.split_off(end);
+    if body.len() > want {
+        return Err(Response::text(
+            400,
+            "bytes after the body: send one request per connection",
+        ));
+    }
+    if head.expect_continue && body.len() < want {
+        stream
+            .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+            .await
+            .map_err(|e| Response::text(400, format!("write failed: {e}")))?;
+    }
+    if body.len() < want {
+        let missing = want - body.len();
+        let got = (&mut *stream)
+            .take(missing as u64)
+            .read_to_end(&mut body)
+            .await
+            .map_err(|e| Response::text(400, format!("read failed inside the body: {e}")))?;
+        if got < missing {
+            return Err(Response::text(
+                400,
+                format!(
+                    "the connection ended after {} of the body's {want} bytes",
+                    want - missing + got
+                ),
+            ));
+        }
+    }
+    Ok(registry.route(&head, &body, Instant::now()))
+}

@@ -1,0 +1,1059 @@
+//! A [`ControlChannel`] over TCP, for agents in different processes or hosts.
+//!
+//! Every channel listens on one socket (127.0.0.1 and an OS-assigned port by default); its
+//! [`Endpoint`] is the text `ip:port`, which peers put in their messages. Sending to an
+//! endpoint opens one outbound connection to it (kept, and re-opened after a loss), so a pair
+//! of agents talks over two connections, one per direction (like SGLang's ZMQ PUSH → PULL).
+//!
+//! # Wire format (version [`NET_PROTOCOL_VERSION`])
+//!
+//! All integers are big-endian.
+//!
+//! 1. **Client hello** (connecting side): magic `KVBCTRL\0` (8 bytes), version `u16`, flags
+//!    `u16` (bit 0: a shared secret is configured), a 16-byte random nonce, the length `u16`
+//!    (1..=[`MAX_ENDPOINT_LEN`]) and UTF-8 bytes of the client's own endpoint (what it listens
+//!    on; it becomes [`Envelope::from`] of every message on this connection).
+//! 2. **Server hello**: magic, version, flags, its own 16-byte nonce, and 32 bytes: with a
+//!    secret `HMAC-SHA256(secret, "kvbridge-control/1 server" | client nonce | server nonce |
+//!    client endpoint)`, zeros otherwise.
+//! 3. **Client proof**: 32 bytes, `HMAC-SHA256(secret, "kvbridge-control/1 client" | ...same)`
+//!    with a secret, zeros otherwise. The client checks the server's tag first and never sends
+//!    its own to a server that cannot prove the secret.
+//! 4. **Verdict** (server): `u8` 0 = accepted, 1 = refused, then `u16` length and a UTF-8
+//!    reason (at most 1024 bytes), empty when accepted.
+//! 5. **Frames** (client → server only): `u32` length (1..=`max_frame_len`) and that many bytes
+//!    of one [`ControlMessage`] as JSON. The server never writes after the verdict; the client
+//!    reads only to notice the connection closing.
+//!
+//! Both tags bind both nonces and the endpoint name, so neither can be replayed on another
+//! connection; they are compared in constant time. The secret authenticates connections; it
+//! does not encrypt or sign frames (run the channel on a trusted network, as the transports).
+//!
+//! # Hardening
+//!
+//! A version or secret mismatch, a malformed hello, a frame of length 0 or above
+//! `max_frame_len`, invalid JSON or an unknown message type each close that connection with a
+//! logged reason and a counter in [`NetChannelStats`]; nothing a peer claims sizes an
+//! allocation beyond `max_frame_len`, and nothing panics. A handshake must finish within
+//! [`NetChannelConfig::handshake_timeout`], and a frame whose first byte arrived must complete
+//! within [`NetChannelConfig::frame_timeout`]. Inbound connections are capped at
+//! [`NetChannelConfig::max_connections`], outbound peers at [`NetChannelConfig::max_peers`];
+//! every queue is bounded by [`NetChannelConfig::queue`] messages.
+//!
+//! # Loss
+//!
+//! A send to an endpoint nobody listens on fails at once ([`CoordinatorError::ChannelSend`]).
+//! When an established connection breaks, the messages still queued on it are lost (the
+//! contract's "dropped like a datagram": the agents' deadlines and heartbeats turn that into
+//! failures) and the next send reconnects.
+//!
+//! ```
+//! use kvbridge_coordinator::net_channel::{NetChannel, NetChannelConfig};
+//! use kvbridge_coordinator::{ControlChannel, ControlMessage, Heartbeat};
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> kvbridge_coordinator::Result<()> {
+//! let config = NetChannelConfig::default().with_secret(b"s3cret".to_vec());
+//! let a = NetChannel::bind(config.clone()).await?;
+//! let b = NetChannel::bind(config).await?;
+//! a.send(&b.local_endpoint(), ControlMessage::Ping(Heartbeat { nonce: 1 })).await?;
+//! let got = b.recv().await?;
+//! assert_eq!(got.from, a.local_endpoint());
+//! assert_eq!(got.message, ControlMessage::Ping(Heartbeat { nonce: 1 }));
+//! # Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, mpsc, watch};
+
+use crate::channel::{ControlChannel, Endpoint, Envelope};
+use crate::error::{CoordinatorError, Result};
+use crate::messages::ControlMessage;
+
+/// The channel's name in logs and errors.
+pub const NET_CHANNEL_NAME: &str = "tcp";
+
+/// Version of the wire format in the [module docs](self); a peer with another version is
+/// refused during the handshake.
+pub const NET_PROTOCOL_VERSION: u16 = 1;
+
+/// Longest endpoint name a client hello may carry.
+pub const MAX_ENDPOINT_LEN: usize = 255;
+
+/// Smallest and largest accepted [`NetChannelConfig::max_frame_len`].
+pub const FRAME_LEN_RANGE: std::ops::RangeInclusive<u32> = 4096..=(64 << 20);
+
+const MAGIC: [u8; 8] = *b"KVBCTRL\0";
+const NONCE_LEN: usize = 16;
+const TAG_LEN: usize = 32;
+const MAX_REASON_LEN: usize = 1024;
+const FLAG_SECRET: u16 = 1;
+const CLIENT_LABEL: &[u8] = b"kvbridge-control/1 client";
+const SERVER_LABEL: &[u8] = b"kvbridge-control/1 server";
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// Settings of a [`NetChannel`]. Both sides should use the same secret and frame limit.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct NetChannelConfig {
+    /// Address the listener binds. Default `127.0.0.1:0` (loopback, OS-assigned port).
+    pub bind_addr: SocketAddr,
+    /// Address put in the endpoint when the bound one is not reachable by peers (e.g. when
+    /// binding `0.0.0.0`). Default: the bound address.
+    pub advertise_addr: Option<IpAddr>,
+    /// Shared secret both sides must prove (HMAC-SHA256 challenge-response). Default: none.
+    pub secret: Option<Vec<u8>>,
+    /// Largest frame (one JSON message) sent or accepted, in bytes. Default 1 MiB.
+    pub max_frame_len: u32,
+    /// Messages queued for `recv`, and per outbound peer, before senders wait. Default 1024.
+    pub queue: usize,
+    /// Inbound connections served at once; more are closed at once. Default 1024.
+    pub max_connections: usize,
+    /// Distinct endpoints this channel sends to; sends to more fail. Default 4096.
+    pub max_peers: usize,
+    /// Time allowed for a TCP connect. Default 2 s.
+    pub connect_timeout: Duration,
+    /// Time allowed for the hello exchange, either side. Default 5 s.
+    pub handshake_timeout: Duration,
+    /// Time a frame has to arrive completely once its first byte did. Default 10 s.
+    pub frame_timeout: Duration,
+    /// Time one frame may take to write before the connection is dropped. Default 10 s.
+    pub write_timeout: Duration,
+}
+
+impl std::fmt::Debug for NetChannelConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NetChannelConfig")
+            .field("bind_addr", &self.bind_addr)
+            .field("advertise_addr", &self.advertise_addr)
+            .field(
+                "secret",
+                &self.secret.as_ref().map(|s| format!("<{} bytes redacted>", s.len())),
+            )
+            .field("max_frame_len", &self.max_frame_len)
+            .field("queue", &self.queue)
+            .field("max_connections", &self.max_connections)
+            .field("max_peers", &self.max_peers)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .field("frame_timeout", &self.frame_timeout)
+            .field("write_timeout", &self.write_timeout)
+            .finish()
+    }
+}
+
+impl Default for NetChannelConfig {
+    fn default() -> Self {
+        Self {
+            bind_addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+            advertise_addr: None,
+            secret: None,
+            max_frame_len: 1 << 20,
+            queue: 1024,
+            max_connections: 1024,
+            max_peers: 4096,
+            connect_timeout: Duration::from_secs(2),
+            handshake_timeout: Duration::from_secs(5),
+            frame_timeout: Duration::from_secs(10),
+            write_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl NetChannelConfig {
+    /// Sets [`secret`](Self::secret).
+    #[must_use]
+    pub fn with_secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
+        self.secret = Some(secret.into());
+        self
+    }
+
+    /// Sets [`bind_addr`](Self::bind_addr).
+    #[must_use]
+    pub fn with_bind_addr(mut self, addr: SocketAddr) -> Self {
+        self.bind_addr = addr;
+        self
+    }
+
+    /// Sets [`advertise_addr`](Self::advertise_addr).
+    #[must_use]
+    pub fn with_advertise_addr(mut self, addr: IpAddr) -> Self {
+        self.advertise_addr = Some(addr);
+        self
+    }
+
+    /// Sets [`max_frame_len`](Self::max_frame_len).
+    #[must_use]
+    pub fn with_max_frame_len(mut self, len: u32) -> Self {
+        self.max_frame_len = len;
+        self
+    }
+
+    /// Sets [`queue`](Self::queue).
+    #[must_use]
+    pub fn with_queue(mut self, queue: usize) -> Self {
+        self.queue = queue;
+        self
+    }
+
+    /// Sets [`max_connections`](Self::max_connections).
+    #[must_use]
+    pub fn with_max_connections(mut self, n: usize) -> Self {
+        self.max_connections = n;
+        self
+    }
+
+    /// Sets [`max_peers`](Self::max_peers).
+    #[must_use]
+    pub fn with_max_peers(mut self, n: usize) -> Self {
+        self.max_peers = n;
+        self
+    }
+
+    /// Sets [`handshake_timeout`](Self::handshake_timeout) and
+    /// [`frame_timeout`](Self::frame_timeout).
+    #[must_use]
+    pub fn with_timeouts(mut self, handshake: Duration, frame: Duration) -> Self {
+        self.handshake_timeout = handshake;
+        self.frame_timeout = frame;
+        self
+    }
+
+    /// Checks every value is in range.
+    ///
+    /// # Errors
+    /// [`CoordinatorError::InvalidSetup`] naming the field, its value and the allowed range.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |message: String| Err(CoordinatorError::InvalidSetup { message });
+        if !FRAME_LEN_RANGE.contains(&self.max_frame_len) {
+            return bad(format!(
+                "NetChannelConfig::max_frame_len must be in {}..={} bytes, got {}",
+                FRAME_LEN_RANGE.start(),
+                FRAME_LEN_RANGE.end(),
+                self.max_frame_len
+            ));
+        }
+        if self.secret.as_ref().is_some_and(Vec::is_empty) {
+            return bad(
+                "NetChannelConfig::secret is empty; pass a non-empty secret or none".to_owned(),
+            );
+        }
+        for (name, v) in [
+            ("queue", self.queue),
+            ("max_connections", self.max_connections),
+            ("max_peers", self.max_peers),
+        ] {
+            if v == 0 {
+                return bad(format!("NetChannelConfig::{name} must be at least 1, got 0"));
+            }
+        }
+        for (name, v) in [
+            ("connect_timeout", self.connect_timeout),
+            ("handshake_timeout", self.handshake_timeout),
+            ("frame_timeout", self.frame_timeout),
+            ("write_timeout", self.write_timeout),
+        ] {
+            if v.is_zero() {
+                return bad(format!(
+                    "NetChannelConfig::{name} must be positive, got {v:?}"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Counters of a [`NetChannel`], for tests and metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NetChannelStats {
+    /// Inbound connections that completed the handshake.
+    pub accepted: u64,
+    /// Inbound connections closed during the handshake (bad magic, version, secret, timeout).
+    pub refused: u64,
+    /// Inbound connections closed at once because `max_connections` were open.
+    pub over_limit: u64,
+    /// Inbound connections closed for a bad frame (length, JSON, timeout).
+    pub protocol_errors: u64,
+    /// Messages received.
+    pub frames_received: u64,
+    /// Messages handed to a connection for sending.
+    pub frames_sent: u64,
+    /// Outbound connections opened (first connects and reconnects).
+    pub connects: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    accepted: AtomicU64,
+    refused: AtomicU64,
+    over_limit: AtomicU64,
+    protocol_errors: AtomicU64,
+    frames_received: AtomicU64,
+    frames_sent: AtomicU64,
+    connects: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// One outbound connection: a bounded queue of encoded frames drained by a writer task.
+#[derive(Debug)]
+struct OutConn {
+    tx: mpsc::Sender<Vec<u8>>,
+}
+
+#[derive(Debug, Default)]
+struct PeerSlot {
+    conn: tokio::sync::Mutex<Option<OutConn>>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    config: NetChannelConfig,
+    endpoint: Endpoint,
+    counters: Counters,
+    peers: Mutex<HashMap<Endpoint, Arc<PeerSlot>>>,
+    shutdown: watch::Sender<bool>,
+}
+
+/// A [`ControlChannel`] over TCP; see the [module docs](self) for the wire format and limits.
+///
+/// Dropping it (or [`close`](Self::close)) stops the listener and every connection task.
+#[derive(Debug)]
+pub struct NetChannel {
+    shared: Arc<Shared>,
+    rx: tokio::sync::Mutex<mpsc::Receiver<Envelope>>,
+}
+
+impl Drop for NetChannel {
+    fn drop(&mut self) {
+        self.shared.shutdown.send_replace(true);
+    }
+}
+
+impl NetChannel {
+    /// Binds the listener and starts accepting peers. Must be called inside a tokio runtime.
+    ///
+    /// # Errors
+    /// [`CoordinatorError::InvalidSetup`] for an invalid config or an address that cannot be
+    /// bound.
+    pub async fn bind(config: NetChannelConfig) -> Result<Self> {
+        config.validate()?;
+        let listener = TcpListener::bind(config.bind_addr).await.map_err(|e| {
+            CoordinatorError::InvalidSetup {
+                message: format!(
+                    "the control channel cannot listen on {}: {e}; choose a free address or port 0",
+                    config.bind_addr
+                ),
+            }
+        })?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| CoordinatorError::InvalidSetup {
+                message: format!("the control channel's listener has no local address: {e}"),
+            })?;
+        let ip = config.advertise_addr.unwrap_or(local.ip());
+        let endpoint = Endpoint(SocketAddr::new(ip, local.port()).to_string());
+        let (tx, rx) = mpsc::channel(config.queue);
+        let (shutdown, _) = watch::channel(false);
+        let shared = Arc::new(Shared {
+            config,
+            endpoint,
+            counters: Counters::default(),
+            peers: Mutex::new(HashMap::new()),
+            shutdown,
+        });
+        tokio::spawn(accept_loop(listener, shared.clone(), tx));
+        tracing::debug!(endpoint = %shared.endpoint, "control channel listening");
+        Ok(Self {
+            shared,
+            rx: tokio::sync::Mutex::new(rx),
+        })
+    }
+
+    /// A snapshot of the channel's counters.
+    pub fn stats(&self) -> NetChannelStats {
+        let c = &self.shared.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        NetChannelStats {
+            accepted: g(&c.accepted),
+            refused: g(&c.refused),
+            over_limit: g(&c.over_limit),
+            protocol_errors: g(&c.protocol_errors),
+            frames_received: g(&c.frames_received),
+            frames_sent: g(&c.frames_sent),
+            connects: g(&c.connects),
+        }
+    }
+
+    /// The settings the channel runs with.
+    pub fn config(&self) -> &NetChannelConfig {
+        &self.shared.config
+    }
+
+    /// Stops the listener and every connection; `recv` then returns
+    /// [`CoordinatorError::ChannelClosed`] and `send` fails.
+    pub fn close(&self) {
+        self.shared.shutdown.send_replace(true);
+        self.shared
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
+    fn closed_error(&self) -> CoordinatorError {
+        CoordinatorError::ChannelClosed {
+            channel: NET_CHANNEL_NAME,
+            reason: format!("the channel of {} was closed", self.shared.endpoint),
+        }
+    }
+
+    fn slot(&self, to: &Endpoint) -> Result<Arc<PeerSlot>> {
+        let mut peers = self.shared.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = peers.get(to) {
+            return Ok(s.clone());
+        }
+        if peers.len() >= self.shared.config.max_peers {
+            return Err(CoordinatorError::ChannelSend {
+                channel: NET_CHANNEL_NAME,
+                endpoint: to.clone(),
+                reason: format!(
+                    "this channel already talks to {} endpoints (max_peers); raise \
+                     NetChannelConfig::max_peers",
+                    peers.len()
+                ),
+            });
+        }
+        let s = Arc::new(PeerSlot::default());
+        peers.insert(to.clone(), s.clone());
+        Ok(s)
+    }
+}
+
+#[async_trait::async_trait]
+impl ControlChannel for NetChannel {
+    fn name(&self) -> &'static str {
+        NET_CHANNEL_NAME
+    }
+
+    fn local_endpoint(&self) -> Endpoint {
+        self.shared.endpoint.clone()
+    }
+
+    async fn send(&self, to: &Endpoint, message: ControlMessage) -> Result<()> {
+        if *self.shared.shutdown.borrow() {
+            return Err(self.closed_error());
+        }
+        let max = self.shared.config.max_frame_len as usize;
+        let json = serde_json::to_vec(&message).map_err(|e| CoordinatorError::ChannelSend {
+            channel: NET_CHANNEL_NAME,
+            endpoint: to.clone(),
+            reason: format!("the {} message does not serialise to JSON: {e}", message.kind()),
+        })?;
+        if json.len() > max {
+            return Err(CoordinatorError::ChannelSend {
+                channel: NET_CHANNEL_NAME,
+                endpoint: to.clone(),
+                reason: format!(
+                    "the {} message is {} bytes of JSON, above max_frame_len {max}; raise \
+                     NetChannelConfig::max_frame_len on both sides",
+                    message.kind(),
+                    json.len()
+                ),
+            });
+        }
+        let mut frame = Vec::with_capacity(4 + json.len());
+        frame.extend_from_slice(&(json.len() as u32).to_be_bytes());
+        frame.extend_from_slice(&json);
+        let slot = self.slot(to)?;
+        let mut conn = slot.conn.lock().await;
+        // At most one reconnect per send: a connection found broken is replaced once.
+        for _ in 0..2 {
+            if conn.as_ref().is_none_or(|c| c.tx.is_closed()) {
+                *conn = Some(connect(&self.shared, to).await?);
+            }
+            let Some(c) = conn.as_ref() else { continue };
+            match c.tx.send(frame).await {
+                Ok(()) => {
+                    bump(&self.shared.counters.frames_sent);
+                    return Ok(());
+                }
+                Err(mpsc::error::SendError(f)) => {
+                    frame = f;
+                    *conn = None;
+                }
+            }
+        }
+        Err(CoordinatorError::ChannelSend {
+            channel: NET_CHANNEL_NAME,
+            endpoint: to.clone(),
+            reason: "the connection broke twice in a row while sending; the peer is closing \
+                     connections (restarting, or refusing this side)"
+                .to_owned(),
+        })
+    }
+
+    async fn recv(&self) -> Result<Envelope> {
+        let mut shutdown = self.shared.shutdown.subscribe();
+        if *shutdown.borrow_and_update() {
+            return Err(self.closed_error());
+        }
+        let mut rx = self.rx.lock().await;
+        tokio::select! {
+            got = rx.recv() => got.ok_or_else(|| self.closed_error()),
+            _ = shutdown.changed() => Err(self.closed_error()),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handshake pieces (sans-IO helpers, unit tested below).
+
+fn nonce() -> [u8; NONCE_LEN] {
+    let mut out = [0u8; NONCE_LEN];
+    let from_os = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut out));
+    if from_os.is_err() {
+        use std::hash::{BuildHasher, Hasher};
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        for half in out.chunks_mut(8) {
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+            h.write_u128(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos())
+                    .unwrap_or(0),
+            );
+            half.copy_from_slice(&h.finish().to_le_bytes());
+        }
+    }
+    out
+}
+
+fn tag(
+    secret: Option<&[u8]>,
+    label: &[u8],
+    client_nonce: &[u8; NONCE_LEN],
+    server_nonce: &[u8; NONCE_LEN],
+    endpoint: &[u8],
+) -> Option<HmacSha256> {
+    let mut m = HmacSha256::new_from_slice(secret?).ok()?;
+    m.update(label);
+    m.update(client_nonce);
+    m.update(server_nonce);
+    m.update(&(endpoint.len() as u16).to_be_bytes());
+    m.update(endpoint);
+    Some(m)
+}
+
+fn tag_bytes(
+    secret: Option<&[u8]>,
+    label: &[u8],
+    cn: &[u8; NONCE_LEN],
+    sn: &[u8; NONCE_LEN],
+    endpoint: &[u8],
+) -> [u8; TAG_LEN] {
+    let mut out = [0u8; TAG_LEN];
+    if let Some(m) = tag(secret, label, cn, sn, endpoint) {
+        out.copy_from_slice(&m.finalize().into_bytes());
+    }
+    out
+}
+
+fn verify_tag(
+    secret: &[u8],
+    label: &[u8],
+    cn: &[u8; NONCE_LEN],
+    sn: &[u8; NONCE_LEN],
+    endpoint: &[u8],
+    got: &[u8],
+) -> bool {
+    tag(Some(secret), label, cn, sn, endpoint).is_some_and(|m| m.verify_slice(got).is_ok())
+}
+
+/// The fixed part of either hello: magic, version, flags, nonce.
+const HELLO_HEAD: usize = 8 + 2 + 2 + NONCE_LEN;
+
+fn encode_head(flags: u16, nonce: &[u8; NONCE_LEN]) -> [u8; HELLO_HEAD] {
+    let mut h = [0u8; HELLO_HEAD];
+    h[..8].copy_from_slice(&MAGIC);
+    h[8..10].copy_from_slice(&NET_PROTOCOL_VERSION.to_be_bytes());
+    h[10..12].copy_from_slice(&flags.to_be_bytes());
+    h[12..].copy_from_slice(nonce);
+    h
+}
+
+/// Parses a hello head: `(version, flags, nonce)`, or why it is not one.
+fn decode_head(h: &[u8; HELLO_HEAD]) -> std::result::Result<(u16, u16, [u8; NONCE_LEN]), String> {
+    if h[..8] != MAGIC {
+        return Err(format!(
+            "the peer did not open with the kvbridge control preface (got {:02x?}); it is not a \
+             kvbridge control channel",
+            &h[..8]
+        ));
+    }
+    let version = u16::from_be_bytes([h[8], h[9]]);
+    let flags = u16::from_be_bytes([h[10], h[11]]);
+    let mut n = [0u8; NONCE_LEN];
+    n.copy_from_slice(&h[12..]);
+    Ok((version, flags, n))
+}
+
+/// Checks an endpoint name from a hello: 1..=255 bytes of printable UTF-8.
+fn parse_endpoint(bytes: &[u8]) -> std::result::Result<Endpoint, String> {
+    let s = std::str::from_utf8(bytes)
+        .map_err(|_| "the peer's endpoint name is not UTF-8".to_owned())?;
+    if s.is_empty() || s.len() > MAX_ENDPOINT_LEN || s.chars().any(char::is_control) {
+        return Err(format!(
+            "the peer's endpoint name {s:?} must be 1..={MAX_ENDPOINT_LEN} printable characters"
+        ));
+    }
+    Ok(Endpoint(s.to_owned()))
+}
+
+fn flags_of(secret: Option<&[u8]>) -> u16 {
+    if secret.is_some() { FLAG_SECRET } else { 0 }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Outbound side.
+
+async fn resolve(to: &Endpoint) -> std::result::Result<SocketAddr, String> {
+    if let Ok(a) = to.as_str().parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    let mut addrs = tokio::net::lookup_host(to.as_str()).await.map_err(|e| {
+        format!("the endpoint is not an ip:port or a resolvable host:port ({e})")
+    })?;
+    addrs
+        .next()
+        .ok_or_else(|| "the endpoint's host name resolves to no address".to_owned())
+}
+
+async fn connect(shared: &Arc<Shared>, to: &Endpoint) -> Result<OutConn> {
+    let cfg = &shared.config;
+    let fail = |reason: String| CoordinatorError::ChannelSend {
+        channel: NET_CHANNEL_NAME,
+        endpoint: to.clone(),
+        reason,
+    };
+    let addr = resolve(to).await.map_err(fail)?;
+    let mut stream = match tokio::time::timeout(cfg.connect_timeout, TcpStream::connect(addr)).await
+    {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            return Err(fail(format!(
+                "cannot connect to {addr}: {e}; the peer is not running or not listening there"
+            )));
+        }
+        Err(_) => {
+            return Err(fail(format!(
+                "connecting to {addr} did not finish within {:?}",
+                cfg.connect_timeout
+            )));
+        }
+    };
+    let _ = stream.set_nodelay(true);
+    match tokio::time::timeout(cfg.handshake_timeout, client_handshake(shared, &mut stream)).await
+    {
+        Ok(Ok(())) => {}
+        Ok(Err(reason)) => return Err(fail(reason)),
+        Err(_) => {
+            return Err(fail(format!(
+                "the peer did not complete the control-channel handshake within {:?}",
+                cfg.handshake_timeout
+            )));
+        }
+    }
+    bump(&shared.counters.connects);
+    let (tx, rx) = mpsc::channel(cfg.queue);
+    tokio::spawn(writer(
+        stream,
+        rx,
+        to.clone(),
+        cfg.write_timeout,
+        shared.shutdown.subscribe(),
+    ));
+    Ok(OutConn { tx })
+}
+
+async fn client_handshake(
+    shared: &Shared,
+    stream: &mut TcpStream,
+) -> std::result::Result<(), String> {
+    let secret = shared.config.secret.as_deref();
+    let io = |e: std::io::Error| {
+        format!(
+            "the connection failed during the control-channel handshake ({e}); the peer may be \
+             at its connection limit, or not a kvbridge control channel"
+        )
+    };
+    let cn = nonce();
+    let name = shared.endpoint.as_str().as_bytes();
+    let mut hello = encode_head(flags_of(secret), &cn).to_vec();
+    hello.extend_from_slice(&(name.len() as u16).to_be_bytes());
+    hello.extend_from_slice(name);
+    stream.write_all(&hello).await.map_err(io)?;
+    let mut head = [0u8; HELLO_HEAD];
+    stream.read_exact(&mut head).await.map_err(io)?;
+    let (version, flags, sn) = decode_head(&head)?;
+    let mut server_tag = [0u8; TAG_LEN];
+    stream.read_exact(&mut server_tag).await.map_err(io)?;
+    if version != NET_PROTOCOL_VERSION {
+        return Err(format!(
+            "control protocol version mismatch: the peer speaks {version}, this side \
+             {NET_PROTOCOL_VERSION}; run the same kvbridge release on both sides"
+        ));
+    }
+    match (secret, flags & FLAG_SECRET != 0) {
+        (Some(_), false) => {
+            return Err(
+                "the peer does not use a shared secret but this side does; configure the same \
+                 secret on both sides"
+                    .to_owned(),
+            );
+        }
+        (None, true) => {
+            return Err(
+                "the peer requires a shared secret but this side has none; configure the same \
+                 secret on both sides"
+                    .to_owned(),
+            );
+        }
+        (Some(s), true) => {
+            if !verify_tag(s, SERVER_LABEL, &cn, &sn, name, &server_tag) {
+                return Err(
+                    "the peer could not prove the shared secret (wrong secret); configure the \
+                     same secret on both sides"
+                        .to_owned(),
+                );
+            }
+        }
+        (None, false) => {}
+    }
+    let proof = tag_bytes(secret, CLIENT_LABEL, &cn, &sn, name);
+    stream.write_all(&proof).await.map_err(io)?;
+    let mut verdict = [0u8; 3];
+    stream.read_exact(&mut verdict).await.map_err(io)?;
+    let len = usize::from(u16::from_be_bytes([verdict[1], verdict[2]])).min(MAX_REASON_LEN);
+    let mut reason = vec![0u8; len];
+    stream.read_exact(&mut reason).await.map_err(io)?;
+    match verdict[0] {
+        0 => Ok(()),
+        _ => Err(format!(
+            "the peer refused the connection: {}",
+            String::from_utf8_lossy(&reason)
+        )),
+    }
+}
+
+async fn writer(
+    stream: TcpStream,
+    mut rx: mpsc::Receiver<Vec<u8>>,
+    to: Endpoint,
+    write_timeout: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let (mut rd, mut wr) = stream.into_split();
+    let mut probe = [0u8; 64];
+    loop {
+        tokio::select! {
+            frame = rx.recv() => {
+                let Some(frame) = frame else { return };
+                match tokio::time::timeout(write_timeout, wr.write_all(&frame)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        tracing::debug!(peer = %to, error = %e, "control connection lost while writing; the next send reconnects");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::warn!(peer = %to, timeout = ?write_timeout, "control connection dropped: the peer did not read a frame in time");
+                        return;
+                    }
+                }
+            }
+            // The server never writes after the verdict: any read result means the connection
+            // is gone (or the peer broke the protocol).
+            r = rd.read(&mut probe) => {
+                tracing::debug!(peer = %to, result = ?r.map(|n| n), "control connection closed by the peer; the next send reconnects");
+                return;
+            }
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Inbound side.
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, tx: mpsc::Sender<Envelope>) {
+    let limit = Arc::new(Semaphore::new(shared.config.max_connections));
+    let mut shutdown = shared.shutdown.subscribe();
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = shutdown.changed() => return,
+        };
+        let (stream, addr) = match accepted {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(error = %e, "control channel: accept failed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = limit.clone().try_acquire_owned() else {
+            bump(&shared.counters.over_limit);
+            tracing::warn!(peer = %addr, limit = shared.config.max_connections, "control channel: too many connections, closing a new one");
+            drop(stream);
+            continue;
+        };
+        let shared = shared.clone();
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let mut shutdown = shared.shutdown.subscribe();
+            tokio::select! {
+                _ = serve_conn(stream, addr, &shared, tx) => {}
+                _ = shutdown.changed() => {}
+            }
+        });
+    }
+}
+
+async fn serve_conn(
+    mut stream: TcpStream,
+    addr: SocketAddr,
+    shared: &Arc<Shared>,
+    tx: mpsc::Sender<Envelope>,
+) {
+    let _ = stream.set_nodelay(true);
+    let cfg = &shared.config;
+    let from = match tokio::time::timeout(cfg.handshake_timeout, server_handshake(shared, &mut stream))
+        .await
+    {
+        Ok(Ok(from)) => from,
+        Ok(Err(reason)) => {
+            bump(&shared.counters.refused);
+            tracing::warn!(peer = %addr, %reason, "control channel: refused a connection");
+            return;
+        }
+        Err(_) => {
+            bump(&shared.counters.refused);
+            tracing::warn!(peer = %addr, timeout = ?cfg.handshake_timeout, "control channel: handshake timed out");
+            return;
+        }
+    };
+    bump(&shared.counters.accepted);
+    tracing::debug!(peer = %addr, from = %from, "control connection accepted");
+    loop {
+        match read_frame(&mut stream, cfg.max_frame_len, cfg.frame_timeout).await {
+            Ok(None) => return,
+            Ok(Some(body)) => match serde_json::from_slice::<ControlMessage>(&body) {
+                Ok(message) => {
+                    bump(&shared.counters.frames_received);
+                    let env = Envelope {
+                        from: from.clone(),
+                        message,
+                    };
+                    if tx.send(env).await.is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    bump(&shared.counters.protocol_errors);
+                    tracing::warn!(peer = %addr, from = %from, error = %e, "control channel: closing a connection that sent a frame that is not a control message");
+                    return;
+                }
+            },
+            Err(reason) => {
+                bump(&shared.counters.protocol_errors);
+                tracing::warn!(peer = %addr, from = %from, %reason, "control channel: closing a connection");
+                return;
+            }
+        }
+    }
+}
+
+/// Runs the server side of the hello exchange; returns the client's endpoint.
+async fn server_handshake(
+    shared: &Shared,
+    stream: &mut TcpStream,
+) -> std::result::Result<Endpoint, String> {
+    let io = |e: std::io::Error| format!("connection failed during the handshake: {e}");
+    let secret = shared.config.secret.as_deref();
+    let mut head = [0u8; HELLO_HEAD];
+    stream.read_exact(&mut head).await.map_err(io)?;
+    let (version, flags, cn) = decode_head(&head)?;
+    let mut len = [0u8; 2];
+    stream.read_exact(&mut len).await.map_err(io)?;
+    let len = usize::from(u16::from_be_bytes(len));
+    if len == 0 || len > MAX_ENDPOINT_LEN {
+        return Err(format!(
+            "the client's endpoint name is {len} bytes; it must be 1..={MAX_ENDPOINT_LEN}"
+        ));
+    }
+    let mut name = vec![0u8; len];
+    stream.read_exact(&mut name).await.map_err(io)?;
+    let sn = nonce();
+    let mut reply = encode_head(flags_of(secret), &sn).to_vec();
+    reply.extend_from_slice(&tag_bytes(secret, SERVER_LABEL, &cn, &sn, &name));
+    stream.write_all(&reply).await.map_err(io)?;
+    let mut proof = [0u8; TAG_LEN];
+    stream.read_exact(&mut proof).await.map_err(io)?;
+    let verdict: std::result::Result<Endpoint, String> = if version != NET_PROTOCOL_VERSION {
+        Err(format!(
+            "control protocol version mismatch: the client speaks {version}, this side \
+             {NET_PROTOCOL_VERSION}; run the same kvbridge release on both sides"
+        ))
+    } else {
+        match (secret, flags & FLAG_SECRET != 0) {
+            (Some(_), false) => Err("this endpoint requires a shared secret; configure the same \
+                                     secret on both sides"
+                .to_owned()),
+            (None, true) => Err("this endpoint does not use a shared secret but the client \
+                                 does; configure the same secret on both sides"
+                .to_owned()),
+            (Some(s), true) if !verify_tag(s, CLIENT_LABEL, &cn, &sn, &name, &proof) => Err(
+                "the client could not prove the shared secret (wrong secret); configure the same \
+                 secret on both sides"
+                    .to_owned(),
+            ),
+            _ => parse_endpoint(&name),
+        }
+    };
+    let (code, text) = match &verdict {
+        Ok(_) => (0u8, String::new()),
+        Err(r) => (1u8, r.clone()),
+    };
+    let mut text = text.into_bytes();
+    text.truncate(MAX_REASON_LEN);
+    let mut out = vec![code];
+    out.extend_from_slice(&(text.len() as u16).to_be_bytes());
+    out.extend_from_slice(&text);
+    stream.write_all(&out).await.map_err(io)?;
+    verdict
+}
+
+/// Reads one frame. `Ok(None)` on a clean end of stream between frames.
+async fn read_frame(
+    stream: &mut TcpStream,
+    max: u32,
+    frame_timeout: Duration,
+) -> std::result::Result<Option<Vec<u8>>, String> {
+    let mut header = [0u8; 4];
+    // Wait as long as it takes for a frame to start ...
+    match stream.read(&mut header[..1]).await {
+        Ok(0) => return Ok(None),
+        Ok(_) => {}
+        Err(e) => return Err(format!("read failed: {e}")),
+    }
+    // ... but once it started, all of it must arrive in time.
+    let rest = async {
+        stream
+            .read_exact(&mut header[1..])
+            .await
+            .map_err(|e| format!("the connection ended inside a frame header: {e}"))?;
+        let len = u32::from_be_bytes(header);
+        check_frame_len(len, max)?;
+        let mut body = Vec::new();
+        let got = (&mut *stream)
+            .take(u64::from(len))
+            .read_to_end(&mut body)
+            .await
+            .map_err(|e| format!("read failed inside a frame: {e}"))?;
+        if got != len as usize {
+            return Err(format!(
+                "the connection ended after {got} of the frame's {len} bytes"
+            ));
+        }
+        Ok(body)
+    };
+    match tokio::time::timeout(frame_timeout, rest).await {
+        Ok(r) => r.map(Some),
+        Err(_) => Err(format!(
+            "a frame started but did not complete within {frame_timeout:?}"
+        )),
+    }
+}
+
+fn check_frame_len(len: u32, max: u32) -> std::result::Result<(), String> {
+    if len == 0 {
+        return Err("a frame of length 0 (frames carry one JSON message)".to_owned());
+    }
+    if len > max {
+        return Err(format!(
+            "a frame of {len} bytes exceeds max_frame_len {max}; raise \
+             NetChannelConfig::max_frame_len on both sides if messages are really that large"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_bind_label_nonces_and_endpoint() {
+        let (cn, sn) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
+        let t = tag_bytes(Some(b"k"), CLIENT_LABEL, &cn, &sn, b"a:1");
+        assert!(verify_tag(b"k", CLIENT_LABEL, &cn, &sn, b"a:1", &t));
+        assert!(!verify_tag(b"x", CLIENT_LABEL, &cn, &sn, b"a:1", &t));
+        assert!(!verify_tag(b"k", SERVER_LABEL, &cn, &sn, b"a:1", &t));
+        assert!(!verify_tag(b"k", CLIENT_LABEL, &sn, &cn, b"a:1", &t));
+        assert!(!verify_tag(b"k", CLIENT_LABEL, &cn, &sn, b"a:2", &t));
+        assert!(!verify_tag(b"k", CLIENT_LABEL, &cn, &sn, b"a:1", &t[..31]));
+        assert_eq!(tag_bytes(None, CLIENT_LABEL, &cn, &sn, b"a:1"), [0; TAG_LEN]);
+    }
+
+    #[test]
+    fn head_round_trips_and_rejects_foreign_magic() {
+        let n = [9u8; NONCE_LEN];
+        let h = encode_head(FLAG_SECRET, &n);
+        assert_eq!(decode_head(&h).unwrap(), (NET_PROTOCOL_VERSION, FLAG_SECRET, n));
+        let mut bad = h;
+        bad[0] = b'G';
+        assert!(decode_head(&bad).unwrap_err().contains("not a kvbridge control channel"));
+    }
+
+    #[test]
+    fn endpoint_names_are_checked() {
+        assert_eq!(parse_endpoint(b"127.0.0.1:5").unwrap().as_str(), "127.0.0.1:5");
+        assert!(parse_endpoint(b"").is_err());
+        assert!(parse_endpoint(&[0xff, 0xfe]).is_err());
+        assert!(parse_endpoint(b"a\nb").is_err());
+        assert!(parse_endpoint(&[b'a'; 256]).is_err());
+    }
+
+    #[test]
+    fn frame_lengths_are_bounded() {
+        assert!(check_frame_len(0, 4096).is_err());
+        assert!(check_frame_len(4097, 4096).unwrap_err().contains("exceeds max_frame_len"));
+        assert!(check_frame_len(4096, 4096).is_ok());
+        assert_ne!(nonce(), nonce());
+    }
+
+    #[test]
+    fn config_is_validated() {
+        assert!(NetChannelConfig::default().validate().is_ok());
+        assert!(NetChannelConfig::default().with_max_frame_len(10).validate().is_err());
+        assert!(NetChannelConfig::default().with_secret(Vec::new()).validate().is_err());
+        assert!(NetChannelConfig::default().with_queue(0).validate().is_err());
+        let dbg = format!("{:?}", NetChannelConfig::default().with_secret(b"hunter2".to_vec()));
+        assert!(!dbg.contains("hunter2"), "{dbg}");
+    }
+}
