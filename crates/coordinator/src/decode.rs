@@ -646,6 +646,29 @@ impl DecodeInner {
                 ),
             });
         }
+        for (j, (e, &item)) in self
+            .memory
+            .aux
+            .iter()
+            .zip(&self.descriptor.aux_item_lens)
+            .enumerate()
+        {
+            let fits = req
+                .aux_index
+                .checked_add(1)
+                .and_then(|n| n.checked_mul(item))
+                .is_some_and(|end| end <= e.len);
+            if !fits {
+                return Err(CoordinatorError::InvalidRequest {
+                    what: "aux_index",
+                    message: format!(
+                        "aux_index {} is outside aux buffer {j} ({} rows of {item} bytes)",
+                        req.aux_index,
+                        e.len / item.max(1)
+                    ),
+                });
+            }
+        }
         let mut st = self.lock();
         if st.closed {
             return Err(CoordinatorError::Shutdown { side: SIDE });
