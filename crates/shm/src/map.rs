@@ -211,7 +211,15 @@ pub(crate) fn copy_out(
 /// `src` must be valid for reads and `dst` for writes of `len` bytes.
 #[cfg(target_arch = "x86_64")]
 unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128};
+    // Miri cannot run the streaming-store and fence instructions; under Miri the same loop uses
+    // ordinary aligned stores, so the pointer arithmetic and alignment are still checked.
+    #[cfg(miri)]
+    use std::arch::x86_64::_mm_store_si128 as _mm_stream_si128;
+    #[cfg(not(miri))]
+    use std::arch::x86_64::{_mm_sfence, _mm_stream_si128};
+    #[cfg(miri)]
+    fn _mm_sfence() {}
     // Bytes until `dst` is 16-byte aligned (streaming stores need aligned destinations).
     let head = (dst.align_offset(16)).min(len);
     // SAFETY: `head <= len`, so both ranges are inside the caller's valid ranges.
@@ -299,6 +307,26 @@ mod tests {
             copy_out(&src, 0, &dst, 1, len as u64),
             Err(CopyError::Destination(_))
         ));
+    }
+
+    /// The same copy on heap regions, so it also runs under Miri (memfd syscalls do not).
+    #[test]
+    fn streamed_copy_checks_bounds_and_copies_exactly_on_heap_regions() {
+        let len = STREAM_MIN as usize + 200;
+        let src = MemoryRegion::allocate(len).unwrap();
+        let bytes: Vec<u8> = (0..len).map(|i| (i * 7 + i / 256) as u8).collect();
+        src.write_at(0, &bytes).unwrap();
+        let dst = MemoryRegion::allocate(len).unwrap();
+        copy_out(&src, 3, &dst, 5, STREAM_MIN + 1).unwrap();
+        let got = dst.to_vec(0, len as u64).unwrap();
+        assert_eq!(
+            &got[5..5 + STREAM_MIN as usize + 1],
+            &bytes[3..4 + STREAM_MIN as usize]
+        );
+        assert!(got[..5].iter().all(|&b| b == 0));
+        assert!(got[6 + STREAM_MIN as usize..].iter().all(|&b| b == 0));
+        assert!(copy_out(&src, 200, &dst, 0, STREAM_MIN + 1).is_err());
+        assert!(copy_out(&src, 0, &dst, u64::MAX, STREAM_MIN).is_err());
     }
 
     #[test]
