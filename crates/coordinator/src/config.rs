@@ -12,6 +12,11 @@ pub struct PrefillConfig {
     /// fails with `Request {room} timed out after {secs}s in KVPoll.Bootstrapping`
     /// (SGLang `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`, 300 s).
     pub bootstrap_timeout: Duration,
+    /// A room that is ready (WaitingForInput) or Transferring fails if it does not end within
+    /// this (`Request {room} timed out after {secs}s in KVPoll.{state}`; default 300 s, as the
+    /// decode's waiting timeout), so a prefill room never waits forever on a vanished decode or
+    /// a scheduler that never sends the last chunk.
+    pub waiting_timeout: Duration,
     /// Deadline of every transport batch, counted from posting (default 30 s).
     pub batch_timeout: Duration,
     /// Extra time past a batch's deadline before the transport is considered broken and the
@@ -33,6 +38,7 @@ impl Default for PrefillConfig {
     fn default() -> Self {
         Self {
             bootstrap_timeout: Duration::from_secs(300),
+            waiting_timeout: Duration::from_secs(300),
             batch_timeout: kvbridge_transport::DEFAULT_BATCH_TIMEOUT,
             fence_grace: Duration::from_secs(5),
             control_send_timeout: Duration::from_secs(30),

@@ -205,7 +205,7 @@ struct PrefillRoom {
     pending_acks: Vec<(Endpoint, u64)>,
     poisoned: bool,
     notified: HashSet<Endpoint>,
-    bootstrap_timer: Option<TimerGuard>,
+    timer: Option<TimerGuard>,
     span: Span,
 }
 
@@ -824,14 +824,12 @@ impl PrefillInner {
                 self.fail_room(room, None, reason);
                 st = self.lock();
             }
-            let sends = match st.rooms.get_mut(&room) {
+            let added = match st.rooms.get_mut(&room) {
                 Some(r) => add_info(r, rp, self.unique_rank),
-                None => Vec::new(),
+                None => Added::default(),
             };
             drop(st);
-            for (to, msg) in sends {
-                self.outbox.send(&to, msg);
-            }
+            self.apply_added(room, added);
             return;
         }
         if let Some(reason) = invalid {
@@ -973,22 +971,22 @@ impl PrefillInner {
             pending_acks: Vec::new(),
             poisoned: false,
             notified: HashSet::new(),
-            bootstrap_timer: Some(timer),
+            timer: Some(timer),
             span,
         };
         inc(&self.metrics.rooms_created);
         tracing::debug!(parent: &r.span, "room created");
         let tomb = st.tombstones.remove(&room).map(|t| t.reason);
-        let mut sends = Vec::new();
+        let mut added = Vec::new();
         if let Some(p) = st.pending.remove(&room) {
             for rp in p.infos {
-                sends.extend(add_info(&mut r, rp, self.unique_rank));
+                added.push(add_info(&mut r, rp, self.unique_rank));
             }
         }
         st.rooms.insert(room, r);
         drop(st);
-        for (to, msg) in sends {
-            self.outbox.send(&to, msg);
+        for a in added {
+            self.apply_added(room, a);
         }
         if let Some(reason) = tomb {
             self.fail_room(room, Some(incarnation), reason);
@@ -1028,6 +1026,53 @@ impl PrefillInner {
         }
     }
 
+    fn apply_added(self: &Arc<Self>, room: u64, added: Added) {
+        for (to, msg) in added.sends {
+            self.outbox.send(&to, msg);
+        }
+        if let Some(reason) = added.duplicate {
+            self.fail_room(room, None, reason);
+        }
+        if added.ready {
+            let weak = self.weak();
+            let mut st = self.lock();
+            if let Some(r) = st.rooms.get_mut(&room) {
+                let incarnation = r.incarnation;
+                r.timer = Some(spawn_timer(self.config.waiting_timeout, move || {
+                    if let Some(inner) = weak.upgrade() {
+                        inner.on_waiting_timeout(room, incarnation);
+                    }
+                }));
+            }
+        }
+    }
+
+    fn on_waiting_timeout(&self, room: u64, incarnation: u64) {
+        let stuck = self.lock().rooms.get(&room).and_then(|r| {
+            let state = r.status.state();
+            (r.incarnation == incarnation && !state.is_terminal()).then(|| {
+                let peers: Vec<String> = r
+                    .infos
+                    .iter()
+                    .map(|p| p.info.decode_endpoint.to_string())
+                    .collect();
+                (state, peers.join(", "))
+            })
+        });
+        if let Some((state, peers)) = stuck {
+            let secs = self.config.waiting_timeout.as_secs_f64();
+            self.fail_room(
+                room,
+                Some(incarnation),
+                FailureReason::with_peer(
+                    FailureCause::WaitingTimeout,
+                    peers,
+                    format!("Request {room} timed out after {secs:.1}s in KVPoll.{state}"),
+                ),
+            );
+        }
+    }
+
     /// Fails a room (first reason wins). When no driver runs, the decode peers are told now;
     /// otherwise the driver fences its batches first and tells them when it ends.
     fn fail_room(&self, room: u64, incarnation: Option<u64>, reason: FailureReason) {
@@ -1042,7 +1087,7 @@ impl PrefillInner {
             return;
         }
         self.metrics.failed(reason.cause);
-        r.bootstrap_timer = None;
+        r.timer = None;
         tracing::warn!(parent: &r.span, cause = %reason.cause, peer = reason.peer.as_deref(), reason = %reason.message, "room failed");
         if !r.driver_alive {
             let sends = failure_notices(r, self.unique_rank);
@@ -1305,6 +1350,7 @@ impl PrefillInner {
             return;
         }
         r.status.update(RoomState::Success);
+        r.timer = None;
         let elapsed = r.created_at.elapsed();
         self.metrics.succeeded(elapsed);
         r.span.record("bytes", bytes);
@@ -1379,22 +1425,32 @@ impl PrefillInner {
     }
 }
 
-/// Adds a decode rank's metadata to a room; returns messages to send (failure notices for a
-/// room that already failed).
-fn add_info(r: &mut PrefillRoom, rp: RoomPeer, rank: u32) -> Vec<(Endpoint, ControlMessage)> {
+/// What adding a decode rank's metadata to a room asks the caller to do.
+#[derive(Default)]
+struct Added {
+    /// Messages to send (failure notices for a room that already failed).
+    sends: Vec<(Endpoint, ControlMessage)>,
+    /// The room just became ready (WaitingForInput): arm its waiting timer.
+    ready: bool,
+    /// The same decode rank sent metadata of another generation: fail the room with this.
+    duplicate: Option<FailureReason>,
+}
+
+/// Adds a decode rank's metadata to a room.
+fn add_info(r: &mut PrefillRoom, rp: RoomPeer, rank: u32) -> Added {
     let e = rp.info.decode_endpoint.clone();
     if let Some(existing) = r.infos.iter().find(|p| p.info.decode_endpoint == e) {
+        let mut out = Added::default();
         if existing.info.generation != rp.info.generation {
-            let reason = FailureReason::with_peer(
+            out.duplicate = Some(FailureReason::with_peer(
                 FailureCause::DuplicateRoom,
                 &e,
                 "Duplicate decode bootstrap room",
-            );
-            r.status.fail(reason);
+            ));
         }
-        return Vec::new();
+        return out;
     }
-    if r.span.is_disabled() || r.infos.is_empty() {
+    if r.infos.is_empty() {
         r.span.record("peer", e.as_str());
     }
     r.required = r.required.max(rp.info.required_dst_info_num);
@@ -1403,14 +1459,20 @@ fn add_info(r: &mut PrefillRoom, rp: RoomPeer, rank: u32) -> Vec<(Endpoint, Cont
     }
     r.infos.push(rp);
     match r.status.state() {
-        RoomState::Failed => failure_notices(r, rank),
+        RoomState::Failed => Added {
+            sends: failure_notices(r, rank),
+            ..Added::default()
+        },
         RoomState::Bootstrapping if r.infos.len() as u32 >= r.required.max(1) => {
             r.status.update(RoomState::WaitingForInput);
-            r.bootstrap_timer = None;
+            r.timer = None;
             tracing::debug!(parent: &r.span, decode_ranks = r.infos.len(), prefix = r.prefix, "room ready");
-            Vec::new()
+            Added {
+                ready: true,
+                ..Added::default()
+            }
         }
-        _ => Vec::new(),
+        _ => Added::default(),
     }
 }
 

@@ -233,11 +233,15 @@ async fn prefill_bootstrap_timeout() {
 
 #[tokio::test(start_paused = true)]
 async fn decode_waiting_timeout_aborts_and_is_fenced() {
-    let r = rig(Spec::new(
+    let mut spec = Spec::new(
         vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
         vec![mla("decode", 16, 2, 64, 1, 0, 1)],
-    ))
-    .await;
+    );
+    spec.prefill_config = PrefillConfig {
+        waiting_timeout: Duration::from_secs(600),
+        ..PrefillConfig::default()
+    };
+    let r = rig(spec).await;
     let req = Request::new(4, 40);
     r.start(&req).await;
     // The prefill never sends.
@@ -872,4 +876,39 @@ async fn a_batch_that_cannot_be_fenced_poisons_the_room_and_its_pages_stay_quara
         other => panic!("a poisoned room must not be released: {other:?}"),
     }
     assert!(!d.is_fenced(61).unwrap());
+}
+
+#[tokio::test(start_paused = true)]
+async fn prefill_waiting_timeout_when_the_last_chunk_never_comes() {
+    let mut spec = Spec::new(
+        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
+    );
+    spec.decode_config = DecodeConfig {
+        waiting_timeout: Duration::from_secs(900),
+        ..DecodeConfig::default()
+    };
+    let r = rig(spec).await;
+    let req = Request::new(71, 40);
+    r.start(&req).await;
+    let p = &r.prefills[0].0;
+    bounded(p.wait_ready(71)).await.unwrap();
+    // One chunk, never the last one.
+    p.send_chunk(71, kvbridge_coordinator::Chunk::new(vec![0], 16))
+        .await
+        .unwrap();
+    let err = bounded(p.wait(71)).await.unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "KVTransferError(bootstrap_room=71): Request 71 timed out after 300.0s in KVPoll.Transferring"
+    );
+    assert_eq!(
+        p.failure(71).unwrap().reason.peer.as_deref(),
+        Some("decode-0")
+    );
+    // The decode hears it at once, and the pages are fenced (nothing in flight).
+    let d = &r.decodes[0].0;
+    let e = d.failure(71).expect("the decode is told");
+    assert_eq!(e.reason.cause, FailureCause::WaitingTimeout);
+    bounded(d.release_when_fenced(71)).await.unwrap();
 }
