@@ -137,7 +137,10 @@ impl std::fmt::Debug for NetChannelConfig {
             .field("advertise_addr", &self.advertise_addr)
             .field(
                 "secret",
-                &self.secret.as_ref().map(|s| format!("<{} bytes redacted>", s.len())),
+                &self
+                    .secret
+                    .as_ref()
+                    .map(|s| format!("<{} bytes redacted>", s.len())),
             )
             .field("max_frame_len", &self.max_frame_len)
             .field("queue", &self.queue)
@@ -253,7 +256,9 @@ impl NetChannelConfig {
             ("max_peers", self.max_peers),
         ] {
             if v == 0 {
-                return bad(format!("NetChannelConfig::{name} must be at least 1, got 0"));
+                return bad(format!(
+                    "NetChannelConfig::{name} must be at least 1, got 0"
+                ));
             }
         }
         for (name, v) in [
@@ -301,6 +306,11 @@ struct Counters {
     frames_received: AtomicU64,
     frames_sent: AtomicU64,
     connects: AtomicU64,
+}
+
+/// Resolves once the shutdown flag is set (at once if it already is).
+async fn closed(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|&c| c).await;
 }
 
 fn bump(c: &AtomicU64) {
@@ -460,7 +470,10 @@ impl ControlChannel for NetChannel {
         let json = serde_json::to_vec(&message).map_err(|e| CoordinatorError::ChannelSend {
             channel: NET_CHANNEL_NAME,
             endpoint: to.clone(),
-            reason: format!("the {} message does not serialise to JSON: {e}", message.kind()),
+            reason: format!(
+                "the {} message does not serialise to JSON: {e}",
+                message.kind()
+            ),
         })?;
         if json.len() > max {
             return Err(CoordinatorError::ChannelSend {
@@ -513,7 +526,7 @@ impl ControlChannel for NetChannel {
         let mut rx = self.rx.lock().await;
         tokio::select! {
             got = rx.recv() => got.ok_or_else(|| self.closed_error()),
-            _ = shutdown.changed() => Err(self.closed_error()),
+            _ = closed(&mut shutdown) => Err(self.closed_error()),
         }
     }
 }
@@ -635,9 +648,9 @@ async fn resolve(to: &Endpoint) -> std::result::Result<SocketAddr, String> {
     if let Ok(a) = to.as_str().parse::<SocketAddr>() {
         return Ok(a);
     }
-    let mut addrs = tokio::net::lookup_host(to.as_str()).await.map_err(|e| {
-        format!("the endpoint is not an ip:port or a resolvable host:port ({e})")
-    })?;
+    let mut addrs = tokio::net::lookup_host(to.as_str())
+        .await
+        .map_err(|e| format!("the endpoint is not an ip:port or a resolvable host:port ({e})"))?;
     addrs
         .next()
         .ok_or_else(|| "the endpoint's host name resolves to no address".to_owned())
@@ -667,8 +680,7 @@ async fn connect(shared: &Arc<Shared>, to: &Endpoint) -> Result<OutConn> {
         }
     };
     let _ = stream.set_nodelay(true);
-    match tokio::time::timeout(cfg.handshake_timeout, client_handshake(shared, &mut stream)).await
-    {
+    match tokio::time::timeout(cfg.handshake_timeout, client_handshake(shared, &mut stream)).await {
         Ok(Ok(())) => {}
         Ok(Err(reason)) => return Err(fail(reason)),
         Err(_) => {
@@ -788,10 +800,10 @@ async fn writer(
             // The server never writes after the verdict: any read result means the connection
             // is gone (or the peer broke the protocol).
             r = rd.read(&mut probe) => {
-                tracing::debug!(peer = %to, result = ?r.map(|n| n), "control connection closed by the peer; the next send reconnects");
+                tracing::debug!(peer = %to, result = ?r, "control connection closed by the peer; the next send reconnects");
                 return;
             }
-            _ = shutdown.changed() => return,
+            _ = closed(&mut shutdown) => return,
         }
     }
 }
@@ -805,7 +817,7 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, tx: mpsc::Sende
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
-            _ = shutdown.changed() => return,
+            _ = closed(&mut shutdown) => return,
         };
         let (stream, addr) = match accepted {
             Ok(x) => x,
@@ -828,7 +840,7 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, tx: mpsc::Sende
             let mut shutdown = shared.shutdown.subscribe();
             tokio::select! {
                 _ = serve_conn(stream, addr, &shared, tx) => {}
-                _ = shutdown.changed() => {}
+                _ = closed(&mut shutdown) => {}
             }
         });
     }
@@ -842,8 +854,11 @@ async fn serve_conn(
 ) {
     let _ = stream.set_nodelay(true);
     let cfg = &shared.config;
-    let from = match tokio::time::timeout(cfg.handshake_timeout, server_handshake(shared, &mut stream))
-        .await
+    let from = match tokio::time::timeout(
+        cfg.handshake_timeout,
+        server_handshake(shared, &mut stream),
+    )
+    .await
     {
         Ok(Ok(from)) => from,
         Ok(Err(reason)) => {
@@ -914,13 +929,14 @@ async fn server_handshake(
     stream.write_all(&reply).await.map_err(io)?;
     let mut proof = [0u8; TAG_LEN];
     stream.read_exact(&mut proof).await.map_err(io)?;
-    let verdict: std::result::Result<Endpoint, String> = if version != NET_PROTOCOL_VERSION {
-        Err(format!(
-            "control protocol version mismatch: the client speaks {version}, this side \
+    let verdict: std::result::Result<Endpoint, String> =
+        if version != NET_PROTOCOL_VERSION {
+            Err(format!(
+                "control protocol version mismatch: the client speaks {version}, this side \
              {NET_PROTOCOL_VERSION}; run the same kvbridge release on both sides"
-        ))
-    } else {
-        match (secret, flags & FLAG_SECRET != 0) {
+            ))
+        } else {
+            match (secret, flags & FLAG_SECRET != 0) {
             (Some(_), false) => Err("this endpoint requires a shared secret; configure the same \
                                      secret on both sides"
                 .to_owned()),
@@ -934,7 +950,7 @@ async fn server_handshake(
             ),
             _ => parse_endpoint(&name),
         }
-    };
+        };
     let (code, text) = match &verdict {
         Ok(_) => (0u8, String::new()),
         Err(r) => (1u8, r.clone()),
@@ -1017,22 +1033,35 @@ mod tests {
         assert!(!verify_tag(b"k", CLIENT_LABEL, &sn, &cn, b"a:1", &t));
         assert!(!verify_tag(b"k", CLIENT_LABEL, &cn, &sn, b"a:2", &t));
         assert!(!verify_tag(b"k", CLIENT_LABEL, &cn, &sn, b"a:1", &t[..31]));
-        assert_eq!(tag_bytes(None, CLIENT_LABEL, &cn, &sn, b"a:1"), [0; TAG_LEN]);
+        assert_eq!(
+            tag_bytes(None, CLIENT_LABEL, &cn, &sn, b"a:1"),
+            [0; TAG_LEN]
+        );
     }
 
     #[test]
     fn head_round_trips_and_rejects_foreign_magic() {
         let n = [9u8; NONCE_LEN];
         let h = encode_head(FLAG_SECRET, &n);
-        assert_eq!(decode_head(&h).unwrap(), (NET_PROTOCOL_VERSION, FLAG_SECRET, n));
+        assert_eq!(
+            decode_head(&h).unwrap(),
+            (NET_PROTOCOL_VERSION, FLAG_SECRET, n)
+        );
         let mut bad = h;
         bad[0] = b'G';
-        assert!(decode_head(&bad).unwrap_err().contains("not a kvbridge control channel"));
+        assert!(
+            decode_head(&bad)
+                .unwrap_err()
+                .contains("not a kvbridge control channel")
+        );
     }
 
     #[test]
     fn endpoint_names_are_checked() {
-        assert_eq!(parse_endpoint(b"127.0.0.1:5").unwrap().as_str(), "127.0.0.1:5");
+        assert_eq!(
+            parse_endpoint(b"127.0.0.1:5").unwrap().as_str(),
+            "127.0.0.1:5"
+        );
         assert!(parse_endpoint(b"").is_err());
         assert!(parse_endpoint(&[0xff, 0xfe]).is_err());
         assert!(parse_endpoint(b"a\nb").is_err());
@@ -1042,7 +1071,11 @@ mod tests {
     #[test]
     fn frame_lengths_are_bounded() {
         assert!(check_frame_len(0, 4096).is_err());
-        assert!(check_frame_len(4097, 4096).unwrap_err().contains("exceeds max_frame_len"));
+        assert!(
+            check_frame_len(4097, 4096)
+                .unwrap_err()
+                .contains("exceeds max_frame_len")
+        );
         assert!(check_frame_len(4096, 4096).is_ok());
         assert_ne!(nonce(), nonce());
     }
@@ -1050,10 +1083,28 @@ mod tests {
     #[test]
     fn config_is_validated() {
         assert!(NetChannelConfig::default().validate().is_ok());
-        assert!(NetChannelConfig::default().with_max_frame_len(10).validate().is_err());
-        assert!(NetChannelConfig::default().with_secret(Vec::new()).validate().is_err());
-        assert!(NetChannelConfig::default().with_queue(0).validate().is_err());
-        let dbg = format!("{:?}", NetChannelConfig::default().with_secret(b"hunter2".to_vec()));
+        assert!(
+            NetChannelConfig::default()
+                .with_max_frame_len(10)
+                .validate()
+                .is_err()
+        );
+        assert!(
+            NetChannelConfig::default()
+                .with_secret(Vec::new())
+                .validate()
+                .is_err()
+        );
+        assert!(
+            NetChannelConfig::default()
+                .with_queue(0)
+                .validate()
+                .is_err()
+        );
+        let dbg = format!(
+            "{:?}",
+            NetChannelConfig::default().with_secret(b"hunter2".to_vec())
+        );
         assert!(!dbg.contains("hunter2"), "{dbg}");
     }
 }

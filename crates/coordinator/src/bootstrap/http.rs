@@ -125,7 +125,10 @@ pub(crate) fn parse_request_head(
     if version != "HTTP/1.1" && version != "HTTP/1.0" {
         return Err(Response::text(
             505,
-            format!("HTTP version {:?} is not supported; use HTTP/1.1", truncate(version)),
+            format!(
+                "HTTP version {:?} is not supported; use HTTP/1.1",
+                truncate(version)
+            ),
         ));
     }
     if !target.starts_with('/') {
@@ -349,24 +352,36 @@ mod tests {
             st("GET / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"),
             400
         );
-        assert_eq!(st("PUT / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"), 501);
+        assert_eq!(
+            st("PUT / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"),
+            501
+        );
         assert_eq!(st("PUT / HTTP/1.1\r\n\r\n"), 411);
         assert_eq!(st("GET /%zz HTTP/1.1\r\n\r\n"), 400);
         assert_eq!(st("GET /%ff HTTP/1.1\r\n\r\n"), 400);
         let many: String = (0..9).map(|i| format!("H{i}: v\r\n")).collect();
         assert_eq!(st(&format!("GET / HTTP/1.1\r\n{many}\r\n")), 431);
-        assert_eq!(parse_request_head(&[0xff, 0xfe], &L).unwrap_err().status, 400);
+        assert_eq!(
+            parse_request_head(&[0xff, 0xfe], &L).unwrap_err().status,
+            400
+        );
     }
 
     #[test]
     fn parses_responses() {
-        let h = parse_response_head(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 3\r\n\r\n", 8)
-            .unwrap();
+        let h = parse_response_head(
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 3\r\n\r\n",
+            8,
+        )
+        .unwrap();
         assert_eq!(h.status, 503);
         assert_eq!(h.content_length, Some(3));
         assert!(parse_response_head(b"SSH-2.0\r\n\r\n", 8).is_err());
         assert!(parse_response_head(b"HTTP/1.1 99999 x\r\n\r\n", 8).is_err());
-        assert!(parse_response_head(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", 8).is_err());
+        assert!(
+            parse_response_head(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", 8)
+                .is_err()
+        );
         assert_eq!(head_end(b"a\r\n\r\nb"), Some(5));
         assert_eq!(head_end(b"a\r\n\r"), None);
         let r = Response::text(404, "nope").encode();

@@ -46,7 +46,7 @@ use tokio::time::Instant;
 use crate::channel::Endpoint;
 use crate::directory::PrefillRankInfo;
 
-pub use client::{BootstrapClient, ClientConfig, HttpDirectory};
+pub use client::{BootstrapClient, ClientConfig, HttpDirectory, HttpReply};
 pub use server::{BootstrapConfig, BootstrapServer};
 
 use http::{RequestHead, Response};
@@ -360,7 +360,11 @@ impl Registry {
                         if x != y {
                             let show =
                                 |v: Option<&serde_json::Value>| v.map(short).unwrap_or("-".into());
-                            diffs.push(format!("{k}: registered {}, this row {}", show(x), show(y)));
+                            diffs.push(format!(
+                                "{k}: registered {}, this row {}",
+                                show(x),
+                                show(y)
+                            ));
                         }
                     }
                 }
@@ -526,7 +530,12 @@ impl Registry {
                 if !r.ready {
                     return not_ready(r.registered);
                 }
-                Response::json(200, &RankList { ranks: self.ranks(dp) })
+                Response::json(
+                    200,
+                    &RankList {
+                        ranks: self.ranks(dp),
+                    },
+                )
             }
             "/ready" if method == "GET" => {
                 let r = self.readiness();

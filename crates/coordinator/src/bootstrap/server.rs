@@ -193,12 +193,17 @@ impl BootstrapServer {
     }
 }
 
+/// Resolves once the shutdown flag is set (at once if it already is).
+async fn closed(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|&c| c).await;
+}
+
 async fn purge_loop(registry: Registry, ttl: Duration, mut shutdown: watch::Receiver<bool>) {
     let period = ttl.max(Duration::from_millis(100));
     loop {
         tokio::select! {
             _ = tokio::time::sleep(period) => registry.purge_rooms(Instant::now()),
-            _ = shutdown.changed() => return,
+            _ = closed(&mut shutdown) => return,
         }
     }
 }
@@ -213,7 +218,7 @@ async fn accept_loop(
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
-            _ = shutdown.changed() => return,
+            _ = closed(&mut shutdown) => return,
         };
         let (stream, peer) = match accepted {
             Ok(x) => x,
@@ -252,8 +257,11 @@ async fn serve_conn(
     config: &BootstrapConfig,
 ) {
     let deadline = Instant::now() + config.request_timeout;
-    let response = match tokio::time::timeout_at(deadline, read_request(&mut stream, registry, config))
-        .await
+    let response = match tokio::time::timeout_at(
+        deadline,
+        read_request(&mut stream, registry, config),
+    )
+    .await
     {
         Ok(Ok(r)) | Ok(Err(r)) => r,
         Err(_) => Response::text(
