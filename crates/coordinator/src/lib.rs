@@ -79,6 +79,7 @@
 //! ```
 
 mod agreement;
+pub mod bootstrap;
 mod channel;
 mod config;
 mod decode;
@@ -87,6 +88,7 @@ mod error;
 mod memory;
 mod messages;
 mod metrics;
+pub mod net_channel;
 mod outbox;
 mod plan;
 mod prefill;
