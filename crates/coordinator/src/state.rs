@@ -182,9 +182,12 @@ impl fmt::Display for FailureReason {
     }
 }
 
-/// A failed room, reported like SGLang: `KVTransferError(bootstrap_room={room}): {reason}`.
+/// A failed room, reported like SGLang — `KVTransferError(bootstrap_room={room}): {reason}` —
+/// followed by the cause and the peer involved: ` [cause: {cause}; peer: {peer}]`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("KVTransferError(bootstrap_room={room}): {reason}")]
+#[error("KVTransferError(bootstrap_room={room}): {reason} [cause: {cause}{peer}]",
+    cause = reason.cause,
+    peer = reason.peer.as_deref().map(|p| format!("; peer: {p}")).unwrap_or_default())]
 pub struct KvTransferError {
     /// The room.
     pub room: u64,
@@ -340,7 +343,7 @@ mod tests {
         assert_eq!(s.reason().unwrap().message, "first", "first reason wins");
         assert_eq!(
             s.error(7).unwrap().to_string(),
-            "KVTransferError(bootstrap_room=7): first"
+            "KVTransferError(bootstrap_room=7): first [cause: aborted]"
         );
     }
 
@@ -360,7 +363,8 @@ mod tests {
         assert!(e.is_from_another_rank);
         assert_eq!(
             e.to_string(),
-            "KVTransferError(bootstrap_room=3): Failed due to an unknown reason from another rank"
+            "KVTransferError(bootstrap_room=3): Failed due to an unknown reason from another rank \
+             [cause: other_rank]"
         );
     }
 

@@ -134,7 +134,7 @@ async fn prefill_abort_is_reported_to_the_decode_and_acknowledged() {
     let err = bounded(d.wait(req.room)).await.unwrap_err();
     assert_eq!(
         err.to_string(),
-        "KVTransferError(bootstrap_room=77): Aborted by AbortReq."
+        "KVTransferError(bootstrap_room=77): Aborted by AbortReq. [cause: aborted; peer: prefill-0]"
     );
     let report = bounded(d.release_when_fenced(req.room)).await.unwrap();
     assert_eq!(report.acked_by, vec![prefill_ep()]);
@@ -216,7 +216,8 @@ async fn prefill_bootstrap_timeout() {
     let err = bounded(p.wait(3)).await.unwrap_err().to_string();
     assert_eq!(
         err,
-        "KVTransferError(bootstrap_room=3): Request 3 timed out after 300.0s in KVPoll.Bootstrapping"
+        "KVTransferError(bootstrap_room=3): Request 3 timed out after 300.0s in KVPoll.Bootstrapping \
+         [cause: bootstrap_timeout; peer: no decode rank]"
     );
     assert_eq!(
         p.metrics()
@@ -249,7 +250,8 @@ async fn decode_waiting_timeout_aborts_and_is_fenced() {
     let err = bounded(d.wait(4)).await.unwrap_err().to_string();
     assert_eq!(
         err,
-        "KVTransferError(bootstrap_room=4): Request 4 timed out after 300.0s in KVPoll.WaitingForInput"
+        "KVTransferError(bootstrap_room=4): Request 4 timed out after 300.0s in KVPoll.WaitingForInput \
+         [cause: waiting_timeout; peer: prefill-0]"
     );
     bounded(d.release_when_fenced(4)).await.unwrap();
     let p = &r.prefills[0].0;
@@ -900,7 +902,8 @@ async fn prefill_waiting_timeout_when_the_last_chunk_never_comes() {
     let err = bounded(p.wait(71)).await.unwrap_err().to_string();
     assert_eq!(
         err,
-        "KVTransferError(bootstrap_room=71): Request 71 timed out after 300.0s in KVPoll.Transferring"
+        "KVTransferError(bootstrap_room=71): Request 71 timed out after 300.0s in KVPoll.Transferring \
+         [cause: waiting_timeout; peer: decode-0]"
     );
     assert_eq!(
         p.failure(71).unwrap().reason.peer.as_deref(),
