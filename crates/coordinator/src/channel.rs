@@ -6,26 +6,7 @@
 //! ([`InProcessControlHub`]) and across processes (a TCP implementation framing
 //! [`ControlMessage`]s as JSON).
 //!
-//! # Contract for implementations
-//!
-//! 1. **Addressing.** Endpoints are opaque strings ([`Endpoint`]); a channel knows its own
-//!    ([`ControlChannel::local_endpoint`]) and can send to any endpoint string a peer advertised.
-//! 2. **Order.** Messages from one sender to one receiver arrive in the order they were sent
-//!    (the agents rely on a room's metadata arriving before its abort).
-//! 3. **Bounded.** Queues are bounded; `send` may wait for room in the receiver's queue but
-//!    the agents always wrap it in a deadline, and report a [`SendTimeout`] naming the peer.
-//! 4. **No hang on loss.** Sending to a peer that is gone fails (or is dropped, like a lost
-//!    datagram) instead of blocking forever; the agents' timeouts and heartbeat turn silence
-//!    into failures.
-//! 5. **Self-contained messages.** Every [`ControlMessage`] is plain data (serde); nothing in it
-//!    refers to memory of the sending process, so a network implementation can frame it as JSON.
-//! 6. **Sender identity.** [`Envelope::from`] is the sender's [`local_endpoint`] — the string
-//!    its peers use to reach it, not a socket's ephemeral address. Agents answer heartbeats
-//!    there; every other reply is addressed with the endpoints carried inside the messages.
-//!
-//! [`local_endpoint`]: ControlChannel::local_endpoint
-//!
-//! [`SendTimeout`]: crate::CoordinatorError::SendTimeout
+//! See [`ControlChannel`] for the contract every implementation honours.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -83,8 +64,31 @@ pub struct Envelope {
     pub message: ControlMessage,
 }
 
-/// A bidirectional control channel bound to one local endpoint. See the [module docs](self)
-/// for the contract.
+/// A bidirectional control channel bound to one local endpoint: how agents exchange small
+/// control messages (registration, per-room metadata, status, abort, abort-ack, heartbeat).
+/// KV bytes never travel here. Implementations: [`InProcessControlHub`] (one process) and a
+/// network channel framing [`ControlMessage`]s as JSON.
+///
+/// # Contract for implementations
+///
+/// 1. **Addressing.** Endpoints are opaque strings ([`Endpoint`]); a channel knows its own
+///    ([`ControlChannel::local_endpoint`]) and can send to any endpoint string a peer advertised.
+/// 2. **Order.** Messages from one sender to one receiver arrive in the order they were sent
+///    (the agents rely on a room's metadata arriving before its abort).
+/// 3. **Bounded.** Queues are bounded; `send` may wait for room in the receiver's queue but
+///    the agents always wrap it in a deadline, and report a [`SendTimeout`] naming the peer.
+/// 4. **No hang on loss.** Sending to a peer that is gone fails (or is dropped, like a lost
+///    datagram) instead of blocking forever; the agents' timeouts and heartbeat turn silence
+///    into failures.
+/// 5. **Self-contained messages.** Every [`ControlMessage`] is plain data (serde); nothing in it
+///    refers to memory of the sending process, so a network implementation can frame it as JSON.
+/// 6. **Sender identity.** [`Envelope::from`] is the sender's [`local_endpoint`] — the string
+///    its peers use to reach it, not a socket's ephemeral address. Agents answer heartbeats
+///    there; every other reply is addressed with the endpoints carried inside the messages.
+///
+/// [`local_endpoint`]: ControlChannel::local_endpoint
+///
+/// [`SendTimeout`]: crate::CoordinatorError::SendTimeout
 #[async_trait::async_trait]
 pub trait ControlChannel: Send + Sync + 'static {
     /// A short static name for logs and errors, e.g. `"in-process"` or `"tcp"`.

@@ -14,6 +14,20 @@
 //! * [`testing`] — fill prefill memory with bytes derived from (entry, position) and verify
 //!   every byte a decode rank holds.
 //!
+//! # Across processes
+//!
+//! The agents do not change; three pieces are swapped in:
+//!
+//! 1. a cross-process [`KvTransport`](kvbridge_transport::KvTransport) (shared memory, TCP) —
+//!    allocate the KV memory through it ([`KvMemory::allocate`]) so the peer can reach it;
+//! 2. a network [`ControlChannel`] whose [`local_endpoint`](ControlChannel::local_endpoint) is
+//!    a reachable address and which frames [`ControlMessage`]s as JSON, keeping per-peer order
+//!    and reporting the sender's endpoint in [`Envelope::from`] ([`net_channel::NetChannel`]);
+//! 3. a [`PrefillDirectory`] that returns every prefill rank's [`PrefillRankInfo`] (descriptor
+//!    and control endpoint) for a bootstrap address — the prefill ranks publish
+//!    [`PrefillAgent::rank_info`] to a bootstrap registry ([`bootstrap::BootstrapServer`]), the
+//!    decode's directory fetches it ([`bootstrap::HttpDirectory`]).
+//!
 //! # Example
 //!
 //! The shortest complete transfer: one MLA prefill rank, one decode rank, loopback transport.

@@ -17,6 +17,12 @@ use crate::state::{FailureCause, RoomState};
 pub const CONTROL_PROTOCOL_VERSION: u32 = 1;
 
 /// One control message. See each payload for its fields and when it is sent.
+///
+/// Every message carries everything a process boundary needs: endpoints to reply to, region
+/// ids *as the peer's transport knows them*, the transport descriptor bytes, the room and its
+/// generation; nothing refers to memory of the sending process. The JSON form is
+/// `{"type": "<kind>", ...fields}` (e.g. `{"type":"ping","nonce":7}`), stable within a
+/// [`CONTROL_PROTOCOL_VERSION`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ControlMessage {

@@ -204,6 +204,11 @@ pub const UNKNOWN_REASON_FROM_ANOTHER_RANK: &str =
 
 /// One room's status: the state (observable through a `watch` channel, so it can be polled and
 /// awaited) and the first failure reason.
+///
+/// It changes only through [`update`](Self::update) and [`fail`](Self::fail), which apply
+/// SGLang's `update_status` rule: Failed is sticky, every other update is monotonic
+/// (`max(current, new)`), and the first failure reason wins. Rooms are created only by the
+/// local caller, never by a peer's message, so a cleared room is never resurrected.
 #[derive(Debug)]
 pub struct RoomStatus {
     state: watch::Sender<RoomState>,
