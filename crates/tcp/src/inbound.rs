@@ -262,6 +262,7 @@ async fn reader_task(
         index,
         buf: Vec::new(),
         scratch: Vec::new(),
+        bounce: Vec::new(),
     };
     let result = rx.run(&mut r).await;
     let reason = match &result {
@@ -337,6 +338,7 @@ struct Receiver<'a> {
     index: u16,
     buf: Vec<u8>,
     scratch: Vec<u8>,
+    bounce: Vec<u8>,
 }
 
 impl Receiver<'_> {
@@ -557,43 +559,11 @@ impl Receiver<'_> {
                 dropping = true;
                 break;
             }
-            // Borrow the next descriptors' ranges for one non-blocking vectored read only,
-            // never while waiting for data.
-            let mut slices = Vec::new();
-            let mut budget = READ_BYTES;
-            let (mut k, mut from) = (at, pos);
-            while k < ops.len() && budget > 0 && slices.len() < READ_SLICES {
-                let op = &ops[k];
-                let len = (op.len - from).min(budget);
-                if len > 0 {
-                    match targets[k].borrow_mut(op.offset + from, len) {
-                        Ok(s) => slices.push(s),
-                        // Overlapping descriptors in one frame: read up to the overlap.
-                        Err(_) if !slices.is_empty() => break,
-                        Err(e) => {
-                            return Err(protocol(format!(
-                                "batch {batch} writes region #{} at {e} while another write to the same bytes is in progress",
-                                op.region
-                            )));
-                        }
-                    }
-                    budget -= len;
-                }
-                k += 1;
-                from = 0;
-            }
-            let mut bufs: Vec<std::io::IoSliceMut<'_>> = slices
-                .iter_mut()
-                .map(|s| std::io::IoSliceMut::new(s))
-                .collect();
-            let n = match r.try_read_vectored(&mut bufs) {
-                Ok(0) => return Err(LinkError::Eof),
-                Ok(n) => n as u64,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
-                Err(e) => return Err(LinkError::Io(e)),
+            let n = if self.shared.config.receive_in_place {
+                self.read_in_place(r, batch, &ops, &targets, at, pos)?
+            } else {
+                self.read_through_bounce(r, batch, &ops, &targets, at, pos)?
             };
-            drop(bufs);
-            drop(slices);
             left -= n;
             let mut n = n;
             while n > 0 {
@@ -615,6 +585,85 @@ impl Receiver<'_> {
         guard.applied = true;
         drop(guard);
         self.maybe_complete(batch).await
+    }
+
+    /// One non-blocking vectored read straight into the next descriptors' ranges, borrowed
+    /// for the duration of the call only.
+    fn read_in_place(
+        &self,
+        r: &OwnedReadHalf,
+        batch: u64,
+        ops: &[WireOp],
+        targets: &[MemoryRegion],
+        at: usize,
+        pos: u64,
+    ) -> Result<u64, LinkError> {
+        let mut slices = Vec::new();
+        let mut budget = READ_BYTES;
+        let (mut k, mut from) = (at, pos);
+        while k < ops.len() && budget > 0 && slices.len() < READ_SLICES {
+            let op = &ops[k];
+            let len = (op.len - from).min(budget);
+            if len > 0 {
+                match targets[k].borrow_mut(op.offset + from, len) {
+                    Ok(s) => slices.push(s),
+                    // Overlapping descriptors in one frame: read up to the overlap.
+                    Err(_) if !slices.is_empty() => break,
+                    Err(e) => return Err(busy(batch, op.region, e)),
+                }
+                budget -= len;
+            }
+            k += 1;
+            from = 0;
+        }
+        let mut bufs: Vec<std::io::IoSliceMut<'_>> = slices
+            .iter_mut()
+            .map(|s| std::io::IoSliceMut::new(s))
+            .collect();
+        match r.try_read_vectored(&mut bufs) {
+            Ok(0) => Err(LinkError::Eof),
+            Ok(n) => Ok(n as u64),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(0),
+            Err(e) => Err(LinkError::Io(e)),
+        }
+    }
+
+    /// One non-blocking read into the connection's fixed bounce buffer, then copied into the
+    /// descriptors' ranges with `write_at` (`TcpConfig::receive_in_place = false`).
+    fn read_through_bounce(
+        &mut self,
+        r: &OwnedReadHalf,
+        batch: u64,
+        ops: &[WireOp],
+        targets: &[MemoryRegion],
+        at: usize,
+        pos: u64,
+    ) -> Result<u64, LinkError> {
+        if self.bounce.is_empty() {
+            self.bounce = vec![0; READ_BYTES as usize];
+        }
+        let left: u64 = ops[at..].iter().map(|op| op.len).sum::<u64>() - pos;
+        let want = left.min(READ_BYTES) as usize;
+        let n = match r.try_read(&mut self.bounce[..want]) {
+            Ok(0) => return Err(LinkError::Eof),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(0),
+            Err(e) => return Err(LinkError::Io(e)),
+        };
+        let (mut k, mut from, mut done) = (at, pos, 0usize);
+        while done < n {
+            let op = &ops[k];
+            let step = ((op.len - from) as usize).min(n - done);
+            if step > 0 {
+                targets[k]
+                    .write_at(op.offset + from, &self.bounce[done..done + step])
+                    .map_err(|e| busy(batch, op.region, e))?;
+            }
+            done += step;
+            k += 1;
+            from = 0;
+        }
+        Ok(n as u64)
     }
 
     /// Reads and discards `n` payload bytes of a dropped batch (fixed-size scratch buffer).
@@ -659,6 +708,12 @@ impl Receiver<'_> {
         };
         self.send(Frame::CancelAck { batch, status }).await
     }
+}
+
+fn busy(batch: u64, region: u64, e: kvbridge_transport::RangeError) -> LinkError {
+    protocol(format!(
+        "batch {batch} writes region #{region} at {e} while another write to the same bytes is in progress"
+    ))
 }
 
 fn protocol(message: String) -> LinkError {

@@ -117,6 +117,12 @@ pub struct TcpConfig {
     pub piece_bytes: u64,
     /// Batches one inbound peer may have in flight here; more are refused. Default 65 536.
     pub max_inbound_batches: usize,
+    /// Read payloads straight into the destination regions (default `true`): each range is
+    /// borrowed exclusively (`MemoryRegion::borrow_mut`) for the length of one `readv`, during
+    /// which `MemoryRegion` accessors touching those bytes are refused. With `false`, payloads
+    /// go through a fixed 1 MiB buffer per connection and `write_at` (one more copy), so the
+    /// application may read any part of its regions with the accessors at any time.
+    pub receive_in_place: bool,
 }
 
 impl Default for TcpConfig {
@@ -133,6 +139,7 @@ impl Default for TcpConfig {
             max_frame_len: 1 << 20,
             piece_bytes: 4 << 20,
             max_inbound_batches: 65_536,
+            receive_in_place: true,
         }
     }
 }
@@ -185,6 +192,12 @@ impl TcpConfig {
     /// Sets [`piece_bytes`](Self::piece_bytes).
     pub fn with_piece_bytes(mut self, bytes: u64) -> Self {
         self.piece_bytes = bytes;
+        self
+    }
+
+    /// Sets [`receive_in_place`](Self::receive_in_place).
+    pub fn with_receive_in_place(mut self, in_place: bool) -> Self {
+        self.receive_in_place = in_place;
         self
     }
 
