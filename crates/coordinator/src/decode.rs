@@ -221,7 +221,7 @@ enum PeerConn {
     Accepted {
         rank: u32,
     },
-    Rejected(Vec<WireProblem>),
+    Rejected(Vec<WireProblem>, Instant),
     Unreachable {
         reason: String,
         since: Instant,
@@ -904,10 +904,10 @@ impl DecodeInner {
         let mut st = self.lock();
         match st.peers.get(endpoint) {
             Some(PeerConn::Registering { notify: tx, .. }) => return tx.subscribe(),
-            Some(PeerConn::Accepted { .. } | PeerConn::Rejected(_)) => {
-                return watch::Sender::new(true).subscribe();
-            }
-            Some(PeerConn::Unreachable { since, .. })
+            Some(PeerConn::Accepted { .. }) => return watch::Sender::new(true).subscribe(),
+            // A refusal or an unreachable peer is remembered for a heartbeat interval (rooms
+            // fail at once), then asked again: the prefill may have been fixed and restarted.
+            Some(PeerConn::Rejected(_, since) | PeerConn::Unreachable { since, .. })
                 if since.elapsed() < self.config.heartbeat_interval =>
             {
                 return watch::Sender::new(true).subscribe();
@@ -966,7 +966,7 @@ impl DecodeInner {
                     let st = self.lock();
                     match st.peers.get(endpoint) {
                         Some(PeerConn::Accepted { rank }) => Next::Done(Ok(*rank)),
-                        Some(PeerConn::Rejected(problems)) => {
+                        Some(PeerConn::Rejected(problems, _)) => {
                             Next::Done(Err(FailureReason::with_peer(
                                 FailureCause::PeerRejected,
                                 endpoint,
@@ -1026,10 +1026,10 @@ impl DecodeInner {
             }
             RegistrationOutcome::Rejected { problems } => {
                 tracing::warn!(prefill = %r.prefill_endpoint, problems = %render_problems(&problems), "the prefill refused this decode rank");
-                PeerConn::Rejected(problems)
+                PeerConn::Rejected(problems, Instant::now())
             }
         };
-        let rejected = matches!(conn, PeerConn::Rejected(_));
+        let rejected = matches!(conn, PeerConn::Rejected(..));
         if let Some(PeerConn::Registering { notify: tx, .. }) =
             st.peers.insert(r.prefill_endpoint.clone(), conn)
         {
@@ -1039,7 +1039,7 @@ impl DecodeInner {
         if rejected {
             // Rooms already waiting on this peer fail at once with its problems.
             let problems = match self.lock().peers.get(&r.prefill_endpoint) {
-                Some(PeerConn::Rejected(p)) => p.clone(),
+                Some(PeerConn::Rejected(p, _)) => p.clone(),
                 _ => Vec::new(),
             };
             self.fail_rooms_of(
