@@ -789,13 +789,15 @@ pub async fn notification_after_data(pair: TransportPair) {
     let rig = Rig::new(pair, &[BATCHES * SLOT], &[BATCHES * SLOT]).await;
     let mut expected = Vec::new();
     let mut ids = Vec::new();
+    // One snapshot before any batch: the batches write disjoint slots, so the model stays exact,
+    // and the receiver's memory is never read while a transport may be writing into it.
+    let mut model = rig.snapshot_remote();
     for i in 0..BATCHES {
         let base = (i * SLOT) as u64;
         // Many descriptors per batch, so a transport that notifies early is caught mid-copy.
         let ops: Vec<_> = (0..64u64)
             .map(|k| rig.op(0, base + k * 1024, 0, base + (63 - k) * 1024, 1024))
             .collect();
-        let mut model = rig.snapshot_remote();
         apply(&mut model, &rig, &ops);
         expected.push(model[0][i * SLOT..(i + 1) * SLOT].to_vec());
         let batch = TransferBatch::write(ops)
