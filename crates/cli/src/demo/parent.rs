@@ -1,0 +1,609 @@
+//! The demo's parent process: starts the prefill and decode processes, follows their events,
+//! draws the progress bar, and prints the summary.
+
+use std::io::IsTerminal;
+use std::process::{ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, ChildStdin, Command};
+use tokio::sync::mpsc;
+
+use super::worker::decode_bytes;
+use super::{DemoArgs, Event, Setup, Summary, Transport};
+
+/// Which process to kill, and when (test knob `--kill`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct KillSpec {
+    /// `None`: the prefill; `Some(r)`: decode rank `r`.
+    decode: Option<u32>,
+    /// Killed once the prefill posted the first chunk of this request.
+    request: u32,
+}
+
+fn parse_kill(s: &str, decode_ranks: u32, requests: u32) -> Result<KillSpec, String> {
+    let bad = || format!("--kill must be `decode:RANK@REQUEST` or `prefill@REQUEST`, got {s:?}");
+    let (who, req) = s.split_once('@').ok_or_else(bad)?;
+    let request: u32 = req.parse().map_err(|_| bad())?;
+    let decode = match who {
+        "prefill" => None,
+        _ => {
+            let r: u32 = who
+                .strip_prefix("decode:")
+                .and_then(|r| r.parse().ok())
+                .ok_or_else(bad)?;
+            if r >= decode_ranks {
+                return Err(format!(
+                    "--kill names decode rank {r}, but there are {decode_ranks}"
+                ));
+            }
+            Some(r)
+        }
+    };
+    if request >= requests {
+        return Err(format!(
+            "--kill names request {request}, but only {requests} run"
+        ));
+    }
+    Ok(KillSpec { decode, request })
+}
+
+struct Proc {
+    label: String,
+    role: &'static str,
+    rank: u32,
+    child: Child,
+    /// Kept open: closing it tells the child its parent is gone.
+    stdin: Option<ChildStdin>,
+    pid: Option<u32>,
+    eof: bool,
+    exit_code: Option<i32>,
+    summary: Option<Summary>,
+    failure: Option<String>,
+}
+
+enum Msg {
+    Line(usize, String),
+    Eof(usize),
+}
+
+fn spawn(
+    label: String,
+    role: &'static str,
+    rank: u32,
+    extra: &[String],
+    idx: usize,
+    tx: &mpsc::Sender<Msg>,
+) -> Result<Proc, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
+    let forwarded: Vec<String> = std::env::args().skip(1).collect();
+    let mut child = Command::new(exe)
+        .args(&forwarded)
+        .args(extra)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("cannot start the {label} process: {e}"))?;
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| format!("the {label} process has no stdout"))?;
+    let tx = tx.clone();
+    tokio::spawn(async move {
+        let mut lines = BufReader::new(stdout).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            if tx.send(Msg::Line(idx, line)).await.is_err() {
+                return;
+            }
+        }
+        let _ = tx.send(Msg::Eof(idx)).await;
+    });
+    Ok(Proc {
+        label,
+        role,
+        rank,
+        pid: child.id(),
+        stdin: child.stdin.take(),
+        child,
+        eof: false,
+        exit_code: None,
+        summary: None,
+        failure: None,
+    })
+}
+
+#[derive(Debug, Clone, Default)]
+struct Request {
+    latency: Option<Duration>,
+    bytes: u64,
+    verified: u32,
+    failed: bool,
+}
+
+struct Progress {
+    enabled: bool,
+    total: u32,
+    start: Instant,
+}
+
+impl Progress {
+    fn draw(&self, done: u32, bytes: u64) {
+        if !self.enabled {
+            return;
+        }
+        const WIDTH: usize = 30;
+        let filled = (done as usize * WIDTH) / self.total.max(1) as usize;
+        let secs = self.start.elapsed().as_secs_f64().max(1e-9);
+        eprint!(
+            "\r  [{}{}] {done}/{} requests  {:.2} GB  {:.2} GB/s ",
+            "#".repeat(filled),
+            ".".repeat(WIDTH - filled),
+            self.total,
+            bytes as f64 / 1e9,
+            bytes as f64 / 1e9 / secs
+        );
+    }
+
+    fn clear(&self) {
+        if self.enabled {
+            eprint!("\r\x1b[2K");
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Latency {
+    p50: f64,
+    p99: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct ProcReport {
+    role: &'static str,
+    rank: u32,
+    pid: Option<u32>,
+    exit_code: Option<i32>,
+    summary: Option<Summary>,
+}
+
+/// The final report (`--json` prints it as is).
+#[derive(Debug, Serialize)]
+struct Report {
+    ok: bool,
+    setup: String,
+    transport: Transport,
+    bootstrap: Option<String>,
+    requests: u32,
+    concurrency: u32,
+    succeeded: u32,
+    failed: u32,
+    seconds: f64,
+    bytes_moved: u64,
+    gbps: f64,
+    latency_ms: Option<Latency>,
+    verified_bytes: u64,
+    expected_verified_bytes: u64,
+    killed: Vec<String>,
+    timed_out: bool,
+    failures: Vec<String>,
+    processes: Vec<ProcReport>,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+pub(crate) fn run(args: &DemoArgs, setup: Setup) -> ExitCode {
+    let kill = match args.kill.as_deref() {
+        None => None,
+        Some(s) => match parse_kill(s, setup.decode.len() as u32, setup.requests) {
+            Ok(k) => Some(k),
+            Err(e) => {
+                eprintln!("kvbridge demo: {e}");
+                return ExitCode::from(2);
+            }
+        },
+    };
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvbridge demo: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let report = rt.block_on(orchestrate(args, &setup, kill));
+    print_report(args, &setup, &report);
+    if report.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> Report {
+    let n_decode = setup.decode.len();
+    let (tx, mut rx) = mpsc::channel::<Msg>(1024);
+    let mut procs: Vec<Proc> = Vec::new();
+    let mut failures: Vec<String> = Vec::new();
+    let mut bootstrap = None;
+    let mut requests = vec![Request::default(); setup.requests as usize];
+    let mut killed = Vec::new();
+    let mut timed_out = false;
+    let progress = Progress {
+        enabled: !args.json && std::io::stderr().is_terminal(),
+        total: setup.requests,
+        start: Instant::now(),
+    };
+    if !args.json {
+        println!("kvbridge demo: {}", setup.describe());
+    }
+
+    match spawn(
+        "prefill".to_owned(),
+        "prefill",
+        0,
+        &["--role".into(), "prefill".into()],
+        0,
+        &tx,
+    ) {
+        Ok(p) => procs.push(p),
+        Err(e) => failures.push(e),
+    }
+    // Generous bounds: start-up (allocating pools), then every request's own deadline.
+    let startup = Duration::from_secs(60);
+    let waves = f64::from(setup.requests) / f64::from(setup.concurrency);
+    let deadline = Instant::now()
+        + startup
+        + setup.timeout.mul_f64(4.0 + waves.min(1e6))
+        + Duration::from_secs_f64(waves.min(1e6) * 0.5);
+    let mut started_at = None;
+    let mut ready_decodes = 0usize;
+    let mut done_requests = 0u32;
+    let mut done_bytes = 0u64;
+    let mut finish_sent = false;
+
+    while !procs.is_empty() && procs.iter().any(|p| !p.eof) {
+        let msg = tokio::select! {
+            m = rx.recv() => m,
+            _ = tokio::time::sleep_until(deadline.into()) => {
+                timed_out = true;
+                for p in &mut procs {
+                    let _ = p.child.start_kill();
+                }
+                failures.push(format!(
+                    "the run did not finish within {:.0} s; every process was killed",
+                    (deadline - progress.start).as_secs_f64()
+                ));
+                break;
+            }
+        };
+        let Some(msg) = msg else { break };
+        let (idx, line) = match msg {
+            Msg::Eof(idx) => {
+                procs[idx].eof = true;
+                maybe_finish(&mut procs, &mut finish_sent).await;
+                // A prefill that dies before it is ready leaves nothing to wait for.
+                if idx == 0 && bootstrap.is_none() {
+                    failures.push("the prefill process exited before it was ready".to_owned());
+                }
+                continue;
+            }
+            Msg::Line(idx, line) => (idx, line),
+        };
+        let Ok(ev) = serde_json::from_str::<Event>(&line) else {
+            eprintln!("[{}] {line}", procs[idx].label);
+            continue;
+        };
+        match ev {
+            Event::Ready {
+                bootstrap: Some(addr),
+                ..
+            } if idx == 0 => {
+                bootstrap = Some(addr.clone());
+                for r in 0..n_decode as u32 {
+                    let extra = [
+                        "--role".to_owned(),
+                        "decode".to_owned(),
+                        "--rank".to_owned(),
+                        r.to_string(),
+                        "--bootstrap".to_owned(),
+                        addr.clone(),
+                    ];
+                    let i = procs.len();
+                    match spawn(format!("decode {r}"), "decode", r, &extra, i, &tx) {
+                        Ok(p) => procs.push(p),
+                        Err(e) => failures.push(e),
+                    }
+                }
+            }
+            Event::Ready { .. } => {
+                ready_decodes += 1;
+                if ready_decodes == n_decode {
+                    started_at = Some(Instant::now());
+                    if let Some(stdin) = procs[0].stdin.as_mut() {
+                        if let Err(e) = stdin.write_all(b"start\n").await {
+                            failures.push(format!("cannot tell the prefill to start: {e}"));
+                        }
+                    }
+                }
+            }
+            Event::Chunk { request, index } => {
+                if let Some(k) = kill.filter(|k| k.request == request && index == 0) {
+                    let target = match k.decode {
+                        None => Some(0),
+                        Some(r) => procs.iter().position(|p| p.role == "decode" && p.rank == r),
+                    };
+                    if let Some(t) =
+                        target.filter(|&t| procs[t].exit_code.is_none() && !procs[t].eof)
+                    {
+                        if killed.is_empty() {
+                            let _ = procs[t].child.start_kill();
+                            killed.push(procs[t].label.clone());
+                        }
+                    }
+                }
+            }
+            Event::Sent {
+                request,
+                latency_us,
+                bytes,
+            } => {
+                if let Some(r) = requests.get_mut(request as usize) {
+                    r.latency = Some(Duration::from_micros(latency_us));
+                    r.bytes = bytes;
+                    if r.verified as usize == n_decode {
+                        done_requests += 1;
+                        done_bytes += bytes;
+                        progress.draw(done_requests, done_bytes);
+                    }
+                }
+            }
+            Event::Verified { request, .. } => {
+                if let Some(r) = requests.get_mut(request as usize) {
+                    r.verified += 1;
+                    if r.verified as usize == n_decode && r.latency.is_some() {
+                        done_requests += 1;
+                        done_bytes += r.bytes;
+                        progress.draw(done_requests, done_bytes);
+                    }
+                }
+            }
+            Event::Failed { request, reason } => {
+                if let Some(r) = requests.get_mut(request as usize) {
+                    r.failed = true;
+                }
+                let p = &mut procs[idx];
+                if p.failure.is_none() {
+                    p.failure = Some(reason);
+                }
+            }
+            Event::Done(s) => procs[idx].summary = Some(s),
+        }
+        maybe_finish(&mut procs, &mut finish_sent).await;
+    }
+    progress.clear();
+    let elapsed = started_at.map_or(Duration::ZERO, |t| t.elapsed());
+    for p in &mut procs {
+        let status = match tokio::time::timeout(Duration::from_secs(10), p.child.wait()).await {
+            Ok(Ok(s)) => Some(s),
+            _ => {
+                let _ = p.child.start_kill();
+                p.child.wait().await.ok()
+            }
+        };
+        p.exit_code = status.and_then(|s| s.code());
+    }
+
+    let mut latencies: Vec<f64> = requests
+        .iter()
+        .filter(|r| !r.failed && r.verified as usize == n_decode)
+        .filter_map(|r| r.latency.map(|l| l.as_secs_f64() * 1e3))
+        .collect();
+    latencies.sort_by(f64::total_cmp);
+    let succeeded = requests
+        .iter()
+        .filter(|r| !r.failed && r.latency.is_some() && r.verified as usize == n_decode)
+        .count() as u32;
+    let failed = requests.iter().filter(|r| r.failed).count() as u32;
+    let bytes_moved = procs
+        .first()
+        .and_then(|p| p.summary.as_ref())
+        .map_or(0, |s| s.bytes);
+    let verified_bytes: u64 = procs
+        .iter()
+        .filter(|p| p.role == "decode")
+        .filter_map(|p| p.summary.as_ref().map(|s| s.bytes))
+        .sum();
+    let expected_verified_bytes = u64::from(setup.requests)
+        * setup
+            .decode
+            .iter()
+            .map(|d| decode_bytes(d, 0, setup.tokens))
+            .sum::<u64>();
+    for p in &procs {
+        if let Some(f) = p
+            .failure
+            .as_ref()
+            .or(p.summary.as_ref().and_then(|s| s.first_failure.as_ref()))
+        {
+            failures.push(format!("{}: {f}", p.label));
+        }
+    }
+    let all_exited_ok = procs.len() == n_decode + 1 && procs.iter().all(|p| p.exit_code == Some(0));
+    let ok = !timed_out
+        && killed.is_empty()
+        && failures.is_empty()
+        && all_exited_ok
+        && succeeded == setup.requests
+        && verified_bytes == expected_verified_bytes;
+    let secs = elapsed.as_secs_f64();
+    Report {
+        ok,
+        setup: setup.describe(),
+        transport: setup.transport,
+        bootstrap,
+        requests: setup.requests,
+        concurrency: setup.concurrency,
+        succeeded,
+        failed,
+        seconds: secs,
+        bytes_moved,
+        gbps: if secs > 0.0 {
+            bytes_moved as f64 / 1e9 / secs
+        } else {
+            0.0
+        },
+        latency_ms: (!latencies.is_empty()).then(|| Latency {
+            p50: percentile(&latencies, 50.0),
+            p99: percentile(&latencies, 99.0),
+        }),
+        verified_bytes,
+        expected_verified_bytes,
+        killed,
+        timed_out,
+        failures,
+        processes: procs
+            .into_iter()
+            .map(|p| ProcReport {
+                role: p.role,
+                rank: p.rank,
+                pid: p.pid,
+                exit_code: p.exit_code,
+                summary: p.summary,
+            })
+            .collect(),
+    }
+}
+
+/// Tells the prefill to finish once every decode process reported or ended.
+async fn maybe_finish(procs: &mut [Proc], sent: &mut bool) {
+    let decodes_done = procs
+        .iter()
+        .filter(|p| p.role == "decode")
+        .all(|p| p.eof || p.summary.is_some());
+    if *sent || procs.len() < 2 || !decodes_done {
+        return;
+    }
+    *sent = true;
+    if let Some(stdin) = procs[0].stdin.as_mut() {
+        let _ = stdin.write_all(b"finish\n").await;
+    }
+}
+
+fn gb(b: u64) -> String {
+    format!("{:.2} GB", b as f64 / 1e9)
+}
+
+fn print_report(args: &DemoArgs, setup: &Setup, r: &Report) {
+    if args.json {
+        println!("{}", serde_json::to_string(r).unwrap_or_default());
+        return;
+    }
+    let decodes = r.processes.iter().filter(|p| p.role == "decode").count();
+    println!(
+        "  processes  1 prefill ({} rank{}, bootstrap {}) + {decodes} decode rank processes",
+        setup.prefill.len(),
+        if setup.prefill.len() == 1 { "" } else { "s" },
+        r.bootstrap.as_deref().unwrap_or("-"),
+    );
+    println!(
+        "  requests   {} of {} succeeded ({} failed), concurrency {}",
+        r.succeeded, r.requests, r.failed, r.concurrency
+    );
+    println!(
+        "  moved      {} of KV and aux in {:.2} s = {:.2} GB/s (fill, transfer and verification \
+         pipelined)",
+        gb(r.bytes_moved),
+        r.seconds,
+        r.gbps
+    );
+    if let Some(l) = &r.latency_ms {
+        println!(
+            "  latency    p50 {:.1} ms, p99 {:.1} ms per request (room created -> Success on \
+             every prefill rank)",
+            l.p50, l.p99
+        );
+    }
+    let verified = r.verified_bytes == r.expected_verified_bytes;
+    println!(
+        "  verified   {} of {} on {decodes} decode ranks{}",
+        gb(r.verified_bytes),
+        gb(r.expected_verified_bytes),
+        if verified {
+            ": every byte where the owner rule puts it"
+        } else {
+            ""
+        }
+    );
+    if !r.killed.is_empty() {
+        println!("  killed     {} (test knob --kill)", r.killed.join(", "));
+    }
+    if !r.failures.is_empty() {
+        println!("  failures:");
+        for f in &r.failures {
+            for (k, line) in f.lines().enumerate() {
+                println!("    {}{line}", if k == 0 { "" } else { "  " });
+            }
+        }
+    }
+    let left: Vec<String> = r
+        .processes
+        .iter()
+        .filter_map(|p| {
+            p.summary
+                .as_ref()
+                .filter(|s| s.rooms_left > 0)
+                .map(|s| format!("{} {}: {}", p.role, p.rank, s.rooms_left))
+        })
+        .collect();
+    if !left.is_empty() {
+        println!("  rooms left after cleanup: {}", left.join(", "));
+    }
+    println!("  {}", if r.ok { "OK" } else { "FAILED" });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kill_specs_parse_and_are_checked() {
+        assert_eq!(
+            parse_kill("decode:1@3", 4, 16).unwrap(),
+            KillSpec {
+                decode: Some(1),
+                request: 3
+            }
+        );
+        assert_eq!(
+            parse_kill("prefill@0", 4, 16).unwrap(),
+            KillSpec {
+                decode: None,
+                request: 0
+            }
+        );
+        assert!(parse_kill("decode:4@0", 4, 16).is_err());
+        assert!(parse_kill("decode@0", 4, 16).is_err());
+        assert!(parse_kill("prefill@16", 4, 16).is_err());
+        assert!(parse_kill("prefill", 4, 16).is_err());
+    }
+
+    #[test]
+    fn percentiles_use_the_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 50.0), 50.0);
+        assert_eq!(percentile(&v, 99.0), 99.0);
+        assert_eq!(percentile(&[3.0], 99.0), 3.0);
+        assert_eq!(percentile(&[], 50.0), 0.0);
+    }
+}
