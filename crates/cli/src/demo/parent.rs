@@ -500,8 +500,16 @@ async fn maybe_finish(procs: &mut [Proc], sent: &mut bool) {
     }
 }
 
+/// Bytes in GB, MB or KB, whichever reads best.
 fn gb(b: u64) -> String {
-    format!("{:.2} GB", b as f64 / 1e9)
+    let b = b as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else if b >= 1e6 {
+        format!("{:.2} MB", b / 1e6)
+    } else {
+        format!("{:.1} KB", b / 1e3)
+    }
 }
 
 fn print_report(args: &DemoArgs, setup: &Setup, r: &Report) {
@@ -511,10 +519,11 @@ fn print_report(args: &DemoArgs, setup: &Setup, r: &Report) {
     }
     let decodes = r.processes.iter().filter(|p| p.role == "decode").count();
     println!(
-        "  processes  1 prefill ({} rank{}, bootstrap {}) + {decodes} decode rank processes",
+        "  processes  1 prefill ({} rank{}, bootstrap {}) + {decodes} decode process{}",
         setup.prefill.len(),
         if setup.prefill.len() == 1 { "" } else { "s" },
         r.bootstrap.as_deref().unwrap_or("-"),
+        if decodes == 1 { "" } else { "es" },
     );
     println!(
         "  requests   {} of {} succeeded ({} failed), concurrency {}",
@@ -536,9 +545,10 @@ fn print_report(args: &DemoArgs, setup: &Setup, r: &Report) {
     }
     let verified = r.verified_bytes == r.expected_verified_bytes;
     println!(
-        "  verified   {} of {} on {decodes} decode ranks{}",
+        "  verified   {} of {} on {decodes} decode rank{}{}",
         gb(r.verified_bytes),
         gb(r.expected_verified_bytes),
+        if decodes == 1 { "" } else { "s" },
         if verified {
             ": every byte where the owner rule puts it"
         } else {

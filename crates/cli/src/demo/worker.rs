@@ -40,7 +40,7 @@ fn emit(ev: &Event) {
 
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -515,21 +515,23 @@ async fn send_room(
 ) -> Result<(), String> {
     let agent = &r.agent;
     let prefix = agent.wait_ready(room).await.map_err(|e| e.to_string())?;
+    // Chunks of whole pages of this rank's pool (virtual pages under prefill DCP), from the
+    // decode's prefix on (the first chunk may start mid-page).
     let v = layout.virtual_page();
-    if prefix % v != 0 {
-        return Err(format!(
-            "the decode advertised a prefix of {prefix} tokens, not a multiple of this prefill \
-             rank's page of {v} tokens"
-        ));
-    }
     let max_pages = (setup.chunk_tokens / v).max(1);
     let plan = chunk_plan(prefix, setup.tokens, v, max_pages);
-    let first = prefix / v;
     let n = plan.len();
     for (c, (pages, tokens)) in plan.into_iter().enumerate() {
-        let ids: Vec<u64> = pages
-            .map(|j| layout.page_table[(first + j) as usize])
-            .collect();
+        let ids = pages
+            .map(|j| {
+                layout.page_table.get(j as usize).copied().ok_or_else(|| {
+                    format!(
+                        "chunk {c} names page {j} of a page table of {}",
+                        layout.page_table.len()
+                    )
+                })
+            })
+            .collect::<Result<Vec<u64>, String>>()?;
         let last = c + 1 == n;
         let chunk = if last {
             Chunk::last(ids, tokens, Some(u64::from(slot)))

@@ -1,0 +1,497 @@
+//! End to end across real processes: `kvbridge demo` starts a prefill process (with the
+//! bootstrap server) and one process per decode rank, over shared memory and over TCP, and
+//! every decode rank checks every byte it holds. Small geometries and short deadlines keep
+//! each case to a second or a few.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Runs `kvbridge demo --json ARGS` and returns (exit code, report, stderr). Fails the test if
+/// the demo does not finish within `limit` (no hang, whatever happens inside).
+fn demo(args: &[&str], limit: Duration) -> (i32, Value, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+        .arg("demo")
+        .arg("--json")
+        .args(args)
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start kvbridge demo");
+    let start = Instant::now();
+    loop {
+        if child.try_wait().expect("wait").is_some() {
+            break;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("output");
+            panic!(
+                "kvbridge demo {args:?} did not finish within {limit:?}; stderr:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().expect("output");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let last = stdout.lines().last().unwrap_or_default();
+    let report: Value = serde_json::from_str(last)
+        .unwrap_or_else(|e| panic!("no JSON report ({e}); stdout:\n{stdout}\nstderr:\n{stderr}"));
+    (out.status.code().unwrap_or(-1), report, stderr)
+}
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn procs(r: &Value) -> &Vec<Value> {
+    r["processes"].as_array().expect("processes")
+}
+
+fn summary<'a>(r: &'a Value, role: &str, rank: u64) -> Option<&'a Value> {
+    procs(r)
+        .iter()
+        .find(|p| p["role"] == role && p["rank"] == rank)
+        .map(|p| &p["summary"])
+        .filter(|s| !s.is_null())
+}
+
+/// Every process that reported holds no room, and its shared-memory directories are gone.
+fn assert_clean(r: &Value) {
+    for p in procs(r) {
+        let s = &p["summary"];
+        if s.is_null() {
+            continue;
+        }
+        assert_eq!(s["rooms_left"], 0, "room state left behind: {p}");
+        for dir in s["control_dirs"].as_array().into_iter().flatten() {
+            let dir = dir.as_str().unwrap();
+            assert!(!Path::new(dir).exists(), "{dir} left behind by {p}");
+        }
+    }
+}
+
+/// A run that must succeed with every byte verified.
+fn assert_ok(args: &[&str]) -> Value {
+    let (code, r, stderr) = demo(args, LIMIT);
+    assert_eq!(code, 0, "report: {r:#}\nstderr:\n{stderr}");
+    assert_eq!(r["ok"], true);
+    assert_eq!(r["succeeded"], r["requests"]);
+    assert_eq!(r["failed"], 0);
+    let verified = r["verified_bytes"].as_u64().unwrap();
+    assert!(verified > 0);
+    assert_eq!(verified, r["expected_verified_bytes"].as_u64().unwrap());
+    for p in procs(&r) {
+        assert_eq!(p["exit_code"], 0, "{p}");
+    }
+    assert_clean(&r);
+    r
+}
+
+const SMALL: &[&str] = &[
+    "--layers",
+    "3",
+    "--page-size",
+    "16",
+    "--requests",
+    "6",
+    "--concurrency",
+    "3",
+    "--chunk-tokens",
+    "64",
+    "--timeout",
+    "10",
+];
+
+/// `--transport T`, the small defaults, and `extra` (which overrides a default flag).
+fn args<'a>(transport: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["--transport", transport];
+    for pair in SMALL.chunks(2) {
+        if !extra.contains(&pair[0]) {
+            v.extend_from_slice(pair);
+        }
+    }
+    v.extend_from_slice(extra);
+    v
+}
+
+fn mla_dcp(transport: &str, dcp: &str) {
+    let r = assert_ok(&args(transport, &["--dcp", dcp, "--tokens", "333"]));
+    // Each position on exactly one decode rank: the union is every token row of every layer.
+    assert_eq!(r["expected_verified_bytes"], 6 * 333 * 3 * 1152);
+    assert_eq!(procs(&r).len(), 1 + dcp.parse::<usize>().unwrap());
+}
+
+#[test]
+fn mla_dcp_1_to_2_shm() {
+    mla_dcp("shm", "2");
+}
+
+#[test]
+fn mla_dcp_1_to_2_tcp() {
+    mla_dcp("tcp", "2");
+}
+
+#[test]
+fn mla_dcp_1_to_4_shm() {
+    mla_dcp("shm", "4");
+}
+
+#[test]
+fn mla_dcp_1_to_4_tcp() {
+    mla_dcp("tcp", "4");
+}
+
+fn gqa_tp_2_to_4(transport: &str) {
+    let r = assert_ok(&args(
+        transport,
+        &[
+            "--geometry",
+            "gqa",
+            "--tokens",
+            "300",
+            "--kv-heads",
+            "8",
+            "--head-dim",
+            "16",
+        ],
+    ));
+    // Each decode rank holds 2 of the 8 heads: together every K and V byte once.
+    assert_eq!(r["expected_verified_bytes"], 6 * 300 * (2 * 3 * 8 * 16 * 2));
+    let decodes = procs(&r).iter().filter(|p| p["role"] == "decode").count();
+    assert_eq!(decodes, 4);
+}
+
+#[test]
+fn gqa_tp_2_to_4_shm() {
+    gqa_tp_2_to_4("shm");
+}
+
+#[test]
+fn gqa_tp_2_to_4_tcp() {
+    gqa_tp_2_to_4("tcp");
+}
+
+fn chunked_with_prefix(transport: &str) {
+    // Decode DCP 2, page 16: virtual page 32, so the 300 cached tokens are advertised as 288
+    // and the prefill sends tokens 288..700 in chunks of 64.
+    let r = assert_ok(&args(
+        transport,
+        &["--dcp", "2", "--tokens", "700", "--prefix-tokens", "300"],
+    ));
+    let aux = 2 * 64;
+    assert_eq!(
+        r["bytes_moved"],
+        6 * ((700 - 288) * 3 * 1152 + aux),
+        "only the tokens after the advertised prefix move"
+    );
+    assert_eq!(r["expected_verified_bytes"], 6 * 700 * 3 * 1152);
+}
+
+#[test]
+fn chunked_prefill_with_a_prefix_on_the_decode_shm() {
+    chunked_with_prefix("shm");
+}
+
+#[test]
+fn chunked_prefill_with_a_prefix_on_the_decode_tcp() {
+    chunked_with_prefix("tcp");
+}
+
+#[test]
+fn any_to_any_dcp_and_page_sizes_shm() {
+    assert_ok(&args(
+        "shm",
+        &[
+            "--prefill-dcp",
+            "2",
+            "--dcp",
+            "4",
+            "--prefill-page-size",
+            "16",
+            "--page-size",
+            "64",
+            "--tokens",
+            "500",
+        ],
+    ));
+    assert_ok(&args(
+        "shm",
+        &[
+            "--prefill-dcp",
+            "4",
+            "--dcp",
+            "2",
+            "--prefill-page-size",
+            "64",
+            "--page-size",
+            "16",
+            "--tokens",
+            "333",
+            "--prefix-tokens",
+            "40",
+        ],
+    ));
+}
+
+#[test]
+fn any_to_any_dcp_and_page_sizes_tcp() {
+    assert_ok(&args(
+        "tcp",
+        &["--prefill-dcp", "4", "--dcp", "1", "--tokens", "257"],
+    ));
+}
+
+const FAULT: &[&str] = &[
+    "--dcp",
+    "2",
+    "--tokens",
+    "512",
+    "--layers",
+    "2",
+    "--page-size",
+    "16",
+    "--chunk-tokens",
+    "64",
+    "--chunk-delay-ms",
+    "150",
+    "--requests",
+    "8",
+    "--concurrency",
+    "4",
+    "--timeout",
+    "2",
+];
+
+fn kill_decode(transport: &str) {
+    let mut a = vec!["--transport", transport, "--kill", "decode:1@1"];
+    a.extend_from_slice(FAULT);
+    let (code, r, stderr) = demo(&a, LIMIT);
+    assert_eq!(code, 1, "{r:#}\n{stderr}");
+    assert_eq!(r["ok"], false);
+    assert_eq!(r["killed"], serde_json::json!(["decode 1"]));
+    assert_eq!(
+        r["timed_out"], false,
+        "every survivor ended by its deadlines"
+    );
+    assert!(
+        summary(&r, "decode", 1).is_none(),
+        "the killed rank reports nothing"
+    );
+    let p = summary(&r, "prefill", 0).expect("the prefill survived and reported");
+    assert!(p["failed"].as_u64().unwrap() >= 1, "{p}");
+    let why = p["first_failure"].as_str().unwrap();
+    assert!(why.starts_with("KVTransferError(bootstrap_room="), "{why}");
+    let d0 = summary(&r, "decode", 0).expect("decode 0 survived and reported");
+    assert!(d0["failed"].as_u64().unwrap() >= 1, "{d0}");
+    assert_clean(&r);
+}
+
+#[test]
+fn killing_a_decode_mid_transfer_fails_the_rooms_without_a_hang_shm() {
+    kill_decode("shm");
+}
+
+#[test]
+fn killing_a_decode_mid_transfer_fails_the_rooms_without_a_hang_tcp() {
+    kill_decode("tcp");
+}
+
+fn kill_prefill(transport: &str) {
+    let mut a = vec!["--transport", transport, "--kill", "prefill@1"];
+    a.extend_from_slice(FAULT);
+    let (code, r, stderr) = demo(&a, LIMIT);
+    assert_eq!(code, 1, "{r:#}\n{stderr}");
+    assert_eq!(r["killed"], serde_json::json!(["prefill"]));
+    assert_eq!(r["timed_out"], false);
+    assert!(summary(&r, "prefill", 0).is_none());
+    for rank in 0..2 {
+        let d = summary(&r, "decode", rank).expect("decode survived and reported");
+        assert!(d["failed"].as_u64().unwrap() >= 1, "{d}");
+        assert_eq!(
+            d["succeeded"].as_u64().unwrap()
+                + d["failed"].as_u64().unwrap()
+                + d["skipped"].as_u64().unwrap(),
+            8,
+            "{d}"
+        );
+        let why = d["first_failure"].as_str().unwrap();
+        assert!(
+            why.contains("Lost connection with prefill instance"),
+            "the heartbeat notices the dead prefill: {why}"
+        );
+    }
+    assert_clean(&r);
+}
+
+#[test]
+fn killing_the_prefill_mid_transfer_fails_the_rooms_without_a_hang_shm() {
+    kill_prefill("shm");
+}
+
+#[test]
+fn killing_the_prefill_mid_transfer_fails_the_rooms_without_a_hang_tcp() {
+    kill_prefill("tcp");
+}
+
+fn load(transport: &str) {
+    let r = assert_ok(&[
+        "--transport",
+        transport,
+        "--dcp",
+        "2",
+        "--tokens",
+        "64",
+        "--layers",
+        "2",
+        "--page-size",
+        "16",
+        "--chunk-tokens",
+        "32",
+        "--requests",
+        "1000",
+        "--concurrency",
+        "64",
+        "--timeout",
+        "20",
+    ]);
+    assert_eq!(r["succeeded"], 1000);
+    assert_eq!(r["expected_verified_bytes"], 1000 * 64 * 2 * 1152);
+}
+
+#[test]
+fn thousand_requests_at_concurrency_64_shm() {
+    load("shm");
+}
+
+#[test]
+fn thousand_requests_at_concurrency_64_tcp() {
+    load("tcp");
+}
+
+fn misconfigured(transport: &str) {
+    // The seed's case: a GQA model with decode DCP 2.
+    let (code, r, stderr) = demo(
+        &[
+            "--transport",
+            transport,
+            "--geometry",
+            "gqa",
+            "--dcp",
+            "2",
+            "--tokens",
+            "128",
+            "--layers",
+            "2",
+            "--page-size",
+            "16",
+            "--requests",
+            "2",
+            "--timeout",
+            "2",
+        ],
+        LIMIT,
+    );
+    assert_eq!(code, 1, "{r:#}\n{stderr}");
+    assert_eq!(r["ok"], false);
+    assert_eq!(r["bytes_moved"], 0, "nothing moves for a refused pair");
+    assert_eq!(r["timed_out"], false);
+    for rank in 0..4 {
+        let d = summary(&r, "decode", rank).expect("every decode reports");
+        let why = d["first_failure"].as_str().unwrap();
+        assert!(
+            why.contains("prefill and decode are incompatible (1 problem)"),
+            "{why}"
+        );
+        assert!(
+            why.contains("KVB-E007: PD decode DCP requires an MLA or hybrid-MLA KV pool."),
+            "{why}"
+        );
+        assert!(
+            why.contains("fix: start the decode with --dcp-size 1"),
+            "{why}"
+        );
+        assert_eq!(d["succeeded"], 0);
+    }
+    assert_clean(&r);
+}
+
+#[test]
+fn a_misconfigured_pair_is_refused_at_connect_with_every_problem_shm() {
+    misconfigured("shm");
+}
+
+#[test]
+fn a_misconfigured_pair_is_refused_at_connect_with_every_problem_tcp() {
+    misconfigured("tcp");
+}
+
+#[test]
+fn help_explains_every_flag_and_bad_arguments_exit_2() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+        .args(["demo", "--help"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    for flag in [
+        "--transport",
+        "--geometry",
+        "--layers",
+        "--bytes-per-token-layer",
+        "--kv-heads",
+        "--head-dim",
+        "--page-size",
+        "--prefill-page-size",
+        "--dcp",
+        "--prefill-dcp",
+        "--prefill-tp",
+        "--decode-tp",
+        "--tokens",
+        "--requests",
+        "--concurrency",
+        "--chunk-tokens",
+        "--prefix-tokens",
+        "--timeout",
+        "--secret",
+        "--bootstrap-port",
+        "--json",
+    ] {
+        assert!(
+            help.contains(flag),
+            "--help does not mention {flag}:\n{help}"
+        );
+    }
+    assert!(!help.contains("--role"), "internal flags stay hidden");
+    for bad in [
+        &["--tokens", "0"][..],
+        &["--prefix-tokens", "10", "--tokens", "10"],
+        &["--decode-tp", "3", "--dcp", "2"],
+        &["--timeout", "-1"],
+        &["--kill", "nobody@1"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+            .arg("demo")
+            .args(bad)
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{bad:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn a_shared_secret_protects_the_control_channels() {
+    assert_ok(&args(
+        "tcp",
+        &["--dcp", "2", "--tokens", "100", "--secret", "s3cret"],
+    ));
+}
