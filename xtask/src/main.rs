@@ -32,15 +32,36 @@ fn fmt() -> Result<(), String> {
 }
 
 fn clippy() -> Result<(), String> {
-    cargo(&["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"])
+    cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--all-features",
+        "--",
+        "-D",
+        "warnings",
+    ])
 }
 
 fn test() -> Result<(), String> {
     if has_nextest() {
-        cargo(&["nextest", "run", "--workspace", "--all-features", "--no-fail-fast"])?;
+        cargo(&[
+            "nextest",
+            "run",
+            "--workspace",
+            "--all-features",
+            "--no-fail-fast",
+        ])?;
     } else {
         eprintln!("xtask: cargo-nextest not found, using cargo test");
-        cargo(&["test", "--workspace", "--all-features", "--lib", "--bins", "--tests"])?;
+        cargo(&[
+            "test",
+            "--workspace",
+            "--all-features",
+            "--lib",
+            "--bins",
+            "--tests",
+        ])?;
     }
     // nextest does not run doctests.
     cargo(&["test", "--workspace", "--all-features", "--doc"])
@@ -48,16 +69,40 @@ fn test() -> Result<(), String> {
 
 fn deny() -> Result<(), String> {
     // Advisories need the RustSec database, which cannot be downloaded on these machines.
-    cargo(&["deny", "--all-features", "check", "bans", "licenses", "sources"])
+    cargo(&[
+        "deny",
+        "--all-features",
+        "check",
+        "bans",
+        "licenses",
+        "sources",
+    ])
 }
 
 fn bench(name: Option<&str>) -> Result<(), String> {
     match name {
-        None | Some("planner") => cargo(&["bench", "-p", "kvbridge-geometry", "--bench", "planner"]),
+        None | Some("planner") => {
+            cargo(&["bench", "-p", "kvbridge-geometry", "--bench", "planner"])
+        }
         Some(transport @ ("shm" | "tcp")) => cargo(&[
-            "run", "--release", "-p", "kvbridge-cli", "--", "bench", "--transport", transport,
+            "run",
+            "--release",
+            "-p",
+            "kvbridge-cli",
+            "--",
+            "bench",
+            "--transport",
+            transport,
         ]),
-        Some("e2e") => cargo(&["run", "--release", "-p", "kvbridge-cli", "--", "bench", "--e2e"]),
+        Some("e2e") => cargo(&[
+            "run",
+            "--release",
+            "-p",
+            "kvbridge-cli",
+            "--",
+            "bench",
+            "--e2e",
+        ]),
         Some(other) => Err(format!(
             "unknown bench `{other}`; choose one of: planner, shm, tcp, e2e"
         )),
@@ -68,13 +113,18 @@ fn main() -> ExitCode {
     let args: Vec<String> = env::args().skip(1).collect();
     let task = args.first().map(String::as_str);
     let result = match task {
-        Some("ci") => fmt().and_then(|()| clippy()).and_then(|()| test()).and_then(|()| deny()),
+        Some("ci") => fmt()
+            .and_then(|()| clippy())
+            .and_then(|()| test())
+            .and_then(|()| deny()),
         Some("fmt") => fmt(),
         Some("clippy") => clippy(),
         Some("test") => test(),
         Some("deny") => deny(),
         Some("bench") => bench(args.get(1).map(String::as_str)),
-        _ => Err("usage: cargo xtask <ci|fmt|clippy|test|deny|bench [planner|shm|tcp|e2e]>".to_owned()),
+        _ => Err(
+            "usage: cargo xtask <ci|fmt|clippy|test|deny|bench [planner|shm|tcp|e2e]>".to_owned(),
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
