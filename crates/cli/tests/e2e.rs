@@ -495,3 +495,43 @@ fn a_shared_secret_protects_the_control_channels() {
         &["--dcp", "2", "--tokens", "100", "--secret", "s3cret"],
     ));
 }
+
+fn bench_e2e(transport: &str) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+        .args([
+            "bench",
+            "--e2e",
+            "--json",
+            "--runs",
+            "1",
+            "--size-scale",
+            "0.02",
+        ])
+        .args(["--transport", transport])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(r["bench"], "e2e");
+    assert_eq!(r["verified"], true, "{r}");
+    assert_eq!(
+        r["coordinator_descriptors"], r["raw_descriptors"],
+        "both paths post the same descriptors"
+    );
+    assert!(r["ratio"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn bench_e2e_compares_the_same_descriptors_and_verifies_both_paths_shm() {
+    bench_e2e("shm");
+}
+
+#[test]
+fn bench_e2e_compares_the_same_descriptors_and_verifies_both_paths_tcp() {
+    bench_e2e("tcp");
+}

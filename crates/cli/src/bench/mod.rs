@@ -9,7 +9,7 @@
 //! peak RSS.
 //!
 //! A transport plugs in with a [`Factory`] (see [`factory`]); `shm.rs` is one, a `tcp.rs` will be
-//! another. `--e2e` (the whole prefill → decode path) is reserved for the end-to-end bench.
+//! another. `--e2e` (the whole prefill → decode path against the raw transport) lives in `e2e.rs`.
 
 use std::future::Future;
 use std::io::{IsTerminal, Write};
@@ -24,6 +24,7 @@ use kvbridge_transport::{
 };
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
+mod e2e;
 mod shm;
 mod tcp;
 
@@ -202,10 +203,7 @@ const SEED: u64 = 0x6b76_6272_6964_6765;
 
 pub(crate) fn run(args: BenchArgs) -> ExitCode {
     if args.e2e {
-        eprintln!(
-            "kvbridge bench --e2e: not available yet (the end-to-end bench comes with the demo)"
-        );
-        return ExitCode::from(2);
+        return e2e::run(&args);
     }
     if !(args.size_scale > 0.0 && args.size_scale <= 1.0) {
         eprintln!(

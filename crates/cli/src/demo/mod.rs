@@ -25,7 +25,7 @@ use kvbridge_handshake::PeerDescriptor;
 use serde::{Deserialize, Serialize};
 
 mod parent;
-mod pattern;
+pub(crate) mod pattern;
 mod worker;
 
 /// Transports the demo can move the KV bytes with.
