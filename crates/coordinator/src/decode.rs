@@ -25,7 +25,8 @@ use crate::messages::{
     render_problems,
 };
 use crate::metrics::{Metrics, MetricsSnapshot, inc};
-use crate::outbox::Outbox;
+use crate::outbox::{Outbox, send_failed_to};
+use crate::start::{check_role, current_runtime};
 use crate::state::{
     FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, wait_terminal,
 };
@@ -102,14 +103,7 @@ impl DecodeAgentBuilder {
     /// does not match it, or no tokio runtime is running.
     pub fn start(self) -> Result<DecodeAgent> {
         let d = &self.descriptor;
-        if d.role != kvbridge_handshake::Role::Decode {
-            return Err(CoordinatorError::InvalidSetup {
-                message: format!(
-                    "a DecodeAgent needs a descriptor with role \"decode\", got \"{}\"",
-                    d.role
-                ),
-            });
-        }
+        check_role(d, kvbridge_handshake::Role::Decode, "DecodeAgent")?;
         if d.page_size == 0 || d.dcp_size == 0 {
             return Err(CoordinatorError::InvalidSetup {
                 message: format!(
@@ -119,10 +113,7 @@ impl DecodeAgentBuilder {
             });
         }
         self.memory.validate(d)?;
-        let runtime =
-            tokio::runtime::Handle::try_current().map_err(|_| CoordinatorError::InvalidSetup {
-                message: "DecodeAgent::start must be called inside a tokio runtime".to_owned(),
-            })?;
+        let runtime = current_runtime("DecodeAgent")?;
         let endpoint = self.channel.local_endpoint();
         let session = {
             let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -132,21 +123,12 @@ impl DecodeAgentBuilder {
         };
         let metrics = Arc::new(Metrics::default());
         let inner = Arc::new_cyclic(|weak: &Weak<DecodeInner>| {
-            let w = weak.clone();
             let outbox = Outbox::new(
                 self.channel.clone(),
                 self.config.control_send_timeout,
                 self.config.control_queue,
                 metrics.clone(),
-                Arc::new(move |to, kind, room, err| {
-                    let w = w.clone();
-                    let to = to.clone();
-                    tokio::spawn(async move {
-                        if let Some(inner) = w.upgrade() {
-                            inner.on_send_failed(&to, kind, room, err);
-                        }
-                    });
-                }),
+                send_failed_to(weak.clone(), DecodeInner::on_send_failed),
             );
             DecodeInner {
                 endpoint,
@@ -434,11 +416,7 @@ impl DecodeAgent {
             .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })?;
         match state {
             Some(RoomState::Success) => Ok(()),
-            _ => Err(r
-                .status
-                .error(room)
-                .map(CoordinatorError::from)
-                .unwrap_or(CoordinatorError::UnknownRoom { room, side: SIDE })),
+            _ => Err(r.status.failure_or_unknown(room, SIDE)),
         }
     }
 
@@ -493,14 +471,8 @@ impl DecodeAgent {
 
     /// A snapshot of this agent's metrics.
     pub fn metrics(&self) -> MetricsSnapshot {
-        let by_state = {
-            let st = self.inner.lock();
-            let mut m = std::collections::BTreeMap::new();
-            for r in st.rooms.values() {
-                *m.entry(r.status.state()).or_insert(0) += 1;
-            }
-            m
-        };
+        let by_state =
+            Metrics::count_states(self.inner.lock().rooms.values().map(|r| r.status.state()));
         self.inner.metrics.snapshot(by_state)
     }
 

@@ -168,6 +168,17 @@ impl Metrics {
             .record(latency);
     }
 
+    /// Counts rooms by state, for [`snapshot`](Self::snapshot).
+    pub(crate) fn count_states(
+        states: impl Iterator<Item = RoomState>,
+    ) -> BTreeMap<RoomState, u64> {
+        let mut m = BTreeMap::new();
+        for s in states {
+            *m.entry(s).or_insert(0) += 1;
+        }
+        m
+    }
+
     pub(crate) fn snapshot(&self, rooms_by_state: BTreeMap<RoomState, u64>) -> MetricsSnapshot {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         MetricsSnapshot {

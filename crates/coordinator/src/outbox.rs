@@ -2,7 +2,7 @@
 //! control loop and messages to one peer keep their order.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
@@ -16,6 +16,23 @@ use crate::metrics::{Metrics, inc};
 /// Called when a message could not be delivered: `(peer, message kind, room, error)`.
 pub(crate) type SendFailed =
     Arc<dyn Fn(&Endpoint, &'static str, Option<u64>, CoordinatorError) + Send + Sync>;
+
+/// A [`SendFailed`] that hands each failure to `handler` on the agent behind `weak`, on a task
+/// of its own (the outbox may call it under its locks); nothing happens once the agent is gone.
+pub(crate) fn send_failed_to<T: Send + Sync + 'static>(
+    weak: Weak<T>,
+    handler: fn(&T, &Endpoint, &'static str, Option<u64>, CoordinatorError),
+) -> SendFailed {
+    Arc::new(move |to, kind, room, err| {
+        let w = weak.clone();
+        let to = to.clone();
+        tokio::spawn(async move {
+            if let Some(inner) = w.upgrade() {
+                handler(&inner, &to, kind, room, err);
+            }
+        });
+    })
+}
 
 pub(crate) struct Outbox {
     channel: Arc<dyn ControlChannel>,

@@ -22,8 +22,9 @@ use crate::messages::{
     render_problems,
 };
 use crate::metrics::{Metrics, MetricsSnapshot, add, inc};
-use crate::outbox::Outbox;
+use crate::outbox::{Outbox, send_failed_to};
 use crate::plan::{Chunk, PeerPlan};
+use crate::start::{check_role, current_runtime};
 use crate::state::{
     FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, wait_at_least,
     wait_terminal,
@@ -77,19 +78,9 @@ impl PrefillAgentBuilder {
     /// does not match it, or no tokio runtime is running.
     pub fn start(self) -> Result<PrefillAgent> {
         let d = &self.descriptor;
-        if d.role != kvbridge_handshake::Role::Prefill {
-            return Err(CoordinatorError::InvalidSetup {
-                message: format!(
-                    "a PrefillAgent needs a descriptor with role \"prefill\", got \"{}\"",
-                    d.role
-                ),
-            });
-        }
+        check_role(d, kvbridge_handshake::Role::Prefill, "PrefillAgent")?;
         self.memory.validate(d)?;
-        let runtime =
-            tokio::runtime::Handle::try_current().map_err(|_| CoordinatorError::InvalidSetup {
-                message: "PrefillAgent::start must be called inside a tokio runtime".to_owned(),
-            })?;
+        let runtime = current_runtime("PrefillAgent")?;
         let metrics = Arc::new(Metrics::default());
         let unique_rank = prefill_unique_rank(
             d.attn_tp_rank,
@@ -99,21 +90,12 @@ impl PrefillAgentBuilder {
             d.pp_size.max(1),
         );
         let inner = Arc::new_cyclic(|weak: &Weak<PrefillInner>| {
-            let w = weak.clone();
             let outbox = Outbox::new(
                 self.channel.clone(),
                 self.config.control_send_timeout,
                 self.config.control_queue,
                 metrics.clone(),
-                Arc::new(move |to, kind, room, err| {
-                    let w = w.clone();
-                    let to = to.clone();
-                    tokio::spawn(async move {
-                        if let Some(inner) = w.upgrade() {
-                            inner.on_send_failed(&to, kind, room, err);
-                        }
-                    });
-                }),
+                send_failed_to(weak.clone(), PrefillInner::on_send_failed),
             );
             PrefillInner {
                 endpoint: self.channel.local_endpoint(),
@@ -377,11 +359,7 @@ impl PrefillAgent {
         let st = self.inner.lock();
         let r = st.visible(room)?;
         match state {
-            Some(RoomState::Failed) | None => Err(r
-                .status
-                .error(room)
-                .map(CoordinatorError::from)
-                .unwrap_or(CoordinatorError::UnknownRoom { room, side: SIDE })),
+            Some(RoomState::Failed) | None => Err(r.status.failure_or_unknown(room, SIDE)),
             Some(_) => Ok(r.prefix.unwrap_or(0)),
         }
     }
@@ -415,11 +393,7 @@ impl PrefillAgent {
         let r = st.visible(room)?;
         match state {
             Some(RoomState::Success) => Ok(()),
-            _ => Err(r
-                .status
-                .error(room)
-                .map(CoordinatorError::from)
-                .unwrap_or(CoordinatorError::UnknownRoom { room, side: SIDE })),
+            _ => Err(r.status.failure_or_unknown(room, SIDE)),
         }
     }
 
@@ -441,14 +415,14 @@ impl PrefillAgent {
 
     /// A snapshot of this agent's metrics.
     pub fn metrics(&self) -> MetricsSnapshot {
-        let by_state = {
-            let st = self.inner.lock();
-            let mut m = std::collections::BTreeMap::new();
-            for r in st.rooms.values().filter(|r| !r.cleared) {
-                *m.entry(r.status.state()).or_insert(0) += 1;
-            }
-            m
-        };
+        let by_state = Metrics::count_states(
+            self.inner
+                .lock()
+                .rooms
+                .values()
+                .filter(|r| !r.cleared)
+                .map(|r| r.status.state()),
+        );
         self.inner.metrics.snapshot(by_state)
     }
 
@@ -1234,11 +1208,7 @@ impl PrefillInner {
             };
             match r.status.state() {
                 RoomState::Failed => {
-                    return Err(r
-                        .status
-                        .error(room)
-                        .map(CoordinatorError::from)
-                        .unwrap_or(CoordinatorError::UnknownRoom { room, side: SIDE }));
+                    return Err(r.status.failure_or_unknown(room, SIDE));
                 }
                 RoomState::Bootstrapping => {
                     return Err(CoordinatorError::RoomNotReady {

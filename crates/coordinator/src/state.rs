@@ -11,6 +11,8 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+use crate::error::CoordinatorError;
+
 /// Where a room is in its life (SGLang's `KVPoll`). Ordered by value, so the MIN over ranks is
 /// the cross-rank agreement and `max` is the monotonic update.
 #[derive(
@@ -286,6 +288,14 @@ impl RoomStatus {
                 is_from_another_rank: true,
             },
         })
+    }
+
+    /// What a caller gets once the room ended badly: its [`KvTransferError`] when Failed,
+    /// otherwise [`CoordinatorError::UnknownRoom`] (the room was cleared meanwhile).
+    pub(crate) fn failure_or_unknown(&self, room: u64, side: &'static str) -> CoordinatorError {
+        self.error(room)
+            .map(CoordinatorError::from)
+            .unwrap_or(CoordinatorError::UnknownRoom { room, side })
     }
 }
 
