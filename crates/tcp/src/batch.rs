@@ -8,7 +8,7 @@ use kvbridge_transport::{BatchId, BatchState, PeerId, TransportError};
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
-use crate::{NAME, Shared};
+use crate::{NAME, Shared, lock};
 
 /// How a batch ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,11 +151,11 @@ impl TxBatch {
     }
 
     pub(crate) fn set_anchor(&self, at: Instant) {
-        *self.anchor.lock().unwrap_or_else(|e| e.into_inner()) = Some(at);
+        *lock(&self.anchor) = Some(at);
     }
 
     pub(crate) fn anchor(&self) -> Option<Instant> {
-        *self.anchor.lock().unwrap_or_else(|e| e.into_inner())
+        *lock(&self.anchor)
     }
 
     /// Waits for the final outcome. The deadline watchdog guarantees one; as a last resort

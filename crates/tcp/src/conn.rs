@@ -9,6 +9,9 @@ use crate::auth::{self, HelloFields};
 use crate::error::TcpError;
 use crate::wire::{self, FLAG_SECRET, Frame, HEADER_LEN, PREFACE_LEN, Preface, VERSION};
 
+/// Control frames queued per connection, in both directions.
+pub(crate) const CTRL_QUEUE: usize = 1024;
+
 /// Why a connection ended.
 #[derive(Debug)]
 pub(crate) enum LinkError {
@@ -113,6 +116,35 @@ async fn read_preface<R: AsyncRead + Unpin>(
     Ok((raw, p))
 }
 
+/// Who lacks the secret, as `(side, other)` of [`TcpError::SecretMissing`]: when only this side
+/// has one, and when only the peer has one.
+struct SecretNames {
+    only_here: (&'static str, &'static str),
+    only_there: (&'static str, &'static str),
+}
+
+/// Writes this side's preface, reads the peer's and refuses a secret configured on one side
+/// only. Returns both raw prefaces (the secret's proofs cover them).
+async fn exchange_prefaces<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    config: &TcpConfig,
+    names: SecretNames,
+) -> Result<([u8; PREFACE_LEN], [u8; PREFACE_LEN]), LinkError> {
+    let mine = my_preface(config);
+    s.write_all(&mine).await.map_err(io_err)?;
+    let (theirs_raw, theirs) = read_preface(s, config.connect_timeout).await?;
+    let they_have_secret = theirs.flags & FLAG_SECRET != 0;
+    let missing = match (&config.secret, they_have_secret) {
+        (Some(_), false) => Some(names.only_here),
+        (None, true) => Some(names.only_there),
+        _ => None,
+    };
+    if let Some((side, other)) = missing {
+        return Err(TcpError::SecretMissing { side, other }.into());
+    }
+    Ok((mine, theirs_raw))
+}
+
 /// The connecting side's handshake: prefaces, proof of the secret, `Welcome`.
 pub(crate) async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
@@ -120,28 +152,12 @@ pub(crate) async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     hello: HelloFields,
 ) -> Result<(), LinkError> {
     let idle = config.connect_timeout;
-    let mine = my_preface(config);
-    s.write_all(&mine).await.map_err(io_err)?;
-    let (theirs_raw, theirs) = read_preface(s, idle).await?;
-    let they_have_secret = theirs.flags & FLAG_SECRET != 0;
-    match (&config.secret, they_have_secret) {
-        (Some(_), false) => {
-            return Err(TcpError::SecretMissing {
-                side: "this transport",
-                other: "listener",
-            }
-            .into());
-        }
-        (None, true) => {
-            // Let the listener say so in its own words if it does; otherwise say it here.
-            return Err(TcpError::SecretMissing {
-                side: "the listener",
-                other: "connecting transport",
-            }
-            .into());
-        }
-        _ => {}
-    }
+    let names = SecretNames {
+        only_here: ("this transport", "listener"),
+        // Let the listener say so in its own words if it does; otherwise say it here.
+        only_there: ("the listener", "connecting transport"),
+    };
+    let (mine, theirs_raw) = exchange_prefaces(s, config, names).await?;
     let mac = config
         .secret
         .as_ref()
@@ -193,27 +209,11 @@ async fn server_handshake_inner<S: AsyncRead + AsyncWrite + Unpin>(
     config: &TcpConfig,
 ) -> Result<HelloFields, LinkError> {
     let idle = config.connect_timeout;
-    let mine = my_preface(config);
-    s.write_all(&mine).await.map_err(io_err)?;
-    let (theirs_raw, theirs) = read_preface(s, idle).await?;
-    let they_have_secret = theirs.flags & FLAG_SECRET != 0;
-    match (&config.secret, they_have_secret) {
-        (Some(_), false) => {
-            return Err(TcpError::SecretMissing {
-                side: "this listener",
-                other: "connecting peer",
-            }
-            .into());
-        }
-        (None, true) => {
-            return Err(TcpError::SecretMissing {
-                side: "the connecting peer",
-                other: "listener",
-            }
-            .into());
-        }
-        _ => {}
-    }
+    let names = SecretNames {
+        only_here: ("this listener", "connecting peer"),
+        only_there: ("the connecting peer", "listener"),
+    };
+    let (mine, theirs_raw) = exchange_prefaces(s, config, names).await?;
     let mut buf = Vec::new();
     let frame = read_frame(s, &mut buf, 4096, idle).await?;
     let Frame::Hello {

@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use crate::conn::{self, LinkError};
 use crate::error::TcpError;
 use crate::wire::{BeginStatus, CancelStatus, Frame, RegionLen, RegionNeed, WireOp};
-use crate::{NAME, Shared};
+use crate::{NAME, Shared, lock};
 
 /// Bytes offered to one vectored read (between two checks that the batch is still live).
 const READ_BYTES: u64 = 1 << 20;
@@ -25,8 +25,6 @@ const READ_BYTES: u64 = 1 << 20;
 const READ_SLICES: usize = 64;
 /// Scratch buffer for draining the payload of a dropped batch.
 const DRAIN_BUF: usize = 64 << 10;
-/// Control frames queued per connection.
-const CTRL_QUEUE: usize = 1024;
 /// Connections in the handshake at once; more wait in the kernel's backlog.
 const MAX_HANDSHAKES: usize = 64;
 
@@ -67,18 +65,13 @@ pub(crate) struct Session {
 
 impl Session {
     pub(crate) fn abort_tasks(&self) {
-        for t in self.tasks.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        for t in lock(&self.tasks).iter() {
             t.abort();
         }
     }
 
     pub(crate) async fn join_tasks(&self) {
-        let tasks: Vec<_> = self
-            .tasks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain(..)
-            .collect();
+        let tasks: Vec<_> = lock(&self.tasks).drain(..).collect();
         for t in tasks {
             t.abort();
             let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
@@ -87,21 +80,12 @@ impl Session {
 
     /// Closes every connection of the session and forgets it.
     pub(crate) async fn close(&self, shared: &Shared) {
-        shared
-            .sessions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.id);
+        lock(&shared.sessions).remove(&self.id);
         self.join_tasks().await;
     }
 
     fn ctrl(&self, index: u16) -> Option<mpsc::Sender<Vec<u8>>> {
-        self.ctrl
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(usize::from(index))
-            .cloned()
-            .flatten()
+        lock(&self.ctrl).get(usize::from(index)).cloned().flatten()
     }
 
     pub(crate) async fn probe(&self, timeout: Duration) -> Result<()> {
@@ -112,10 +96,7 @@ impl Session {
         };
         let nonce = self.ping_seq.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
-        self.pings
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(nonce, tx);
+        lock(&self.pings).insert(nonce, tx);
         let Some(ctrl) = self.ctrl(0) else {
             return Err(lost());
         };
@@ -124,10 +105,7 @@ impl Session {
             rx.await.ok()
         })
         .await;
-        self.pings
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&nonce);
+        lock(&self.pings).remove(&nonce);
         match r {
             Ok(Some(())) => Ok(()),
             _ => Err(lost()),
@@ -135,7 +113,7 @@ impl Session {
     }
 
     fn lock_batches(&self) -> std::sync::MutexGuard<'_, HashMap<u64, RxBatch>> {
-        self.batches.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.batches)
     }
 
     fn batch_live(&self, batch: u64) -> bool {
@@ -182,7 +160,7 @@ async fn admit(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), LinkErr
         .keepalive_timeout
         .max(Duration::from_millis(u64::from(hello.keepalive_ms).min(3_600_000)) * 4);
     let session = {
-        let mut sessions = shared.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        let mut sessions = lock(&shared.sessions);
         let session = sessions
             .entry(hello.session)
             .or_insert_with(|| {
@@ -200,11 +178,11 @@ async fn admit(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), LinkErr
                 })
             })
             .clone();
-        let mut ctrl = session.ctrl.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ctrl = lock(&session.ctrl);
         let slot = ctrl.get_mut(usize::from(hello.conn_index));
         match slot {
             Some(slot @ None) if session.conn_count == hello.conn_count => {
-                let (tx, rx) = mpsc::channel(CTRL_QUEUE);
+                let (tx, rx) = mpsc::channel(conn::CTRL_QUEUE);
                 *slot = Some(tx);
                 drop(ctrl);
                 Ok((session, rx))
@@ -231,11 +209,7 @@ async fn admit(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), LinkErr
         hello.conn_index,
         writer,
     ));
-    session
-        .tasks
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push(reader);
+    lock(&session.tasks).push(reader);
     Ok(())
 }
 
@@ -270,12 +244,7 @@ async fn reader_task(
         Err(e) => e.to_string(),
     };
     // Stop sending, then tell the peer why (a protocol error) before the socket closes.
-    if let Some(slot) = session
-        .ctrl
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get_mut(usize::from(index))
-    {
+    if let Some(slot) = lock(&session.ctrl).get_mut(usize::from(index)) {
         *slot = None;
     }
     if let Err(LinkError::Protocol(e)) = &result {
@@ -290,19 +259,14 @@ async fn reader_task(
     }
     // One connection lost means the session is unusable: drop all of it.
     let removed = {
-        let mut sessions = shared.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        let mut sessions = lock(&shared.sessions);
         match sessions.get(&session.id) {
             Some(s) if Arc::ptr_eq(s, &session) => sessions.remove(&session.id),
             _ => None,
         }
     };
     if removed.is_some() {
-        for slot in session
-            .ctrl
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter_mut()
-        {
+        for slot in lock(&session.ctrl).iter_mut() {
             *slot = None;
         }
         session.abort_tasks();
@@ -356,13 +320,7 @@ impl Receiver<'_> {
             match frame {
                 Frame::Ping { nonce } => self.send(Frame::Pong { nonce }).await?,
                 Frame::Pong { nonce } => {
-                    if let Some(tx) = self
-                        .session
-                        .pings
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .remove(&nonce)
-                    {
+                    if let Some(tx) = lock(&self.session.pings).remove(&nonce) {
                         let _ = tx.send(());
                     }
                 }

@@ -357,25 +357,23 @@ impl Shared {
     }
 
     pub(crate) fn batch(&self, id: u64) -> Option<Arc<TxBatch>> {
-        self.batches
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&id)
-            .cloned()
+        lock(&self.batches).get(&id).cloned()
+    }
+
+    /// [`batch`](Self::batch), or `UnknownBatch` for the trait's callers.
+    fn known_batch(&self, batch: BatchId) -> Result<Arc<TxBatch>> {
+        self.batch(batch.0).ok_or(TransportError::UnknownBatch {
+            batch,
+            transport: NAME,
+        })
     }
 
     pub(crate) fn out_peer(&self, id: u64) -> Option<Arc<OutPeer>> {
-        self.out_peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&id)
-            .cloned()
+        lock(&self.out_peers).get(&id).cloned()
     }
 
     fn session_by_peer(&self, peer: PeerId) -> Option<Arc<Session>> {
-        self.sessions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        lock(&self.sessions)
             .values()
             .find(|s| s.peer == peer)
             .cloned()
@@ -437,10 +435,7 @@ impl TcpTransport {
             listener_task: Mutex::new(None),
         });
         let task = tokio::spawn(inbound::accept_loop(shared.clone(), listener));
-        *shared
-            .listener_task
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(task);
+        *lock(&shared.listener_task) = Some(task);
         tracing::info!(addr = %bound, "kvbridge-tcp listening");
         Ok(Self { shared })
     }
@@ -475,47 +470,30 @@ impl Drop for TcpTransport {
     }
 }
 
+/// Locks `m`, going on past a panic of another holder (the state stays consistent between
+/// statements).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Marks the transport closed and aborts every task without waiting (used by `Drop`).
 fn shutdown_now(shared: &Arc<Shared>) {
     if shared.closed.swap(true, Ordering::AcqRel) {
         return;
     }
     shared.closed_tx.send_replace(true);
-    if let Some(t) = shared
-        .listener_task
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .take()
-    {
+    if let Some(t) = lock(&shared.listener_task).take() {
         t.abort();
     }
-    let peers: Vec<_> = shared
-        .out_peers
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .drain()
-        .map(|(_, p)| p)
-        .collect();
+    let peers: Vec<_> = lock(&shared.out_peers).drain().map(|(_, p)| p).collect();
     for p in peers {
         p.abort_tasks();
     }
-    let sessions: Vec<_> = shared
-        .sessions
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .drain()
-        .map(|(_, s)| s)
-        .collect();
+    let sessions: Vec<_> = lock(&shared.sessions).drain().map(|(_, s)| s).collect();
     for s in sessions {
         s.abort_tasks();
     }
-    let batches: Vec<_> = shared
-        .batches
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .values()
-        .cloned()
-        .collect();
+    let batches: Vec<_> = lock(&shared.batches).values().cloned().collect();
     for b in batches {
         b.finish(Outcome::Failed {
             reason: "the transport was shut down".into(),
@@ -576,12 +554,7 @@ impl KvTransport for TcpTransport {
 
     async fn disconnect(&self, peer: PeerId) -> Result<()> {
         self.check_open()?;
-        let out = self
-            .shared
-            .out_peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&peer.0);
+        let out = lock(&self.shared.out_peers).remove(&peer.0);
         if let Some(out) = out {
             out.close(&self.shared, "disconnected by the caller").await;
             return Ok(());
@@ -617,41 +590,19 @@ impl KvTransport for TcpTransport {
     }
 
     fn batch_state(&self, batch: BatchId) -> Result<BatchState> {
-        let b = self
-            .shared
-            .batch(batch.0)
-            .ok_or(TransportError::UnknownBatch {
-                batch,
-                transport: NAME,
-            })?;
+        let b = self.shared.known_batch(batch)?;
         Ok(b.state())
     }
 
     async fn wait(&self, batch: BatchId) -> Result<()> {
-        let b = self
-            .shared
-            .batch(batch.0)
-            .ok_or(TransportError::UnknownBatch {
-                batch,
-                transport: NAME,
-            })?;
+        let b = self.shared.known_batch(batch)?;
         let outcome = b.wait_final(&self.shared).await;
-        self.shared
-            .batches
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&batch.0);
+        lock(&self.shared.batches).remove(&batch.0);
         outcome.into_result(&b)
     }
 
     async fn cancel(&self, batch: BatchId) -> Result<BatchState> {
-        let b = self
-            .shared
-            .batch(batch.0)
-            .ok_or(TransportError::UnknownBatch {
-                batch,
-                transport: NAME,
-            })?;
+        let b = self.shared.known_batch(batch)?;
         outbound::fence(&self.shared, &b, Outcome::Cancelled).await;
         Ok(b.state())
     }
@@ -687,11 +638,7 @@ impl KvTransport for TcpTransport {
             return Ok(());
         }
         // Fence what is in flight while the connections still work, then close everything.
-        let pending: Vec<_> = self
-            .shared
-            .batches
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        let pending: Vec<_> = lock(&self.shared.batches)
             .values()
             .filter(|b| !b.is_final())
             .cloned()
@@ -714,28 +661,9 @@ impl KvTransport for TcpTransport {
         for f in fences {
             let _ = f.await;
         }
-        let peers: Vec<_> = self
-            .shared
-            .out_peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect();
-        let sessions: Vec<_> = self
-            .shared
-            .sessions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect();
-        let listener = self
-            .shared
-            .listener_task
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let peers: Vec<_> = lock(&self.shared.out_peers).values().cloned().collect();
+        let sessions: Vec<_> = lock(&self.shared.sessions).values().cloned().collect();
+        let listener = lock(&self.shared.listener_task).take();
         shutdown_now(&self.shared);
         // Wait until no task can touch memory any more.
         for p in peers {

@@ -24,13 +24,11 @@ use crate::batch::{Outcome, TxBatch};
 use crate::conn::{self, LinkError};
 use crate::error::TcpError;
 use crate::wire::{self, BeginStatus, CancelStatus, Frame, RegionNeed, WireOp};
-use crate::{NAME, Shared};
+use crate::{NAME, Shared, lock};
 
 /// Descriptors in one `Data` frame (one `writev` carries the header and all their payloads,
 /// and stays below the kernel's 1024-iovec limit).
 const MAX_OPS_PER_FRAME: usize = 512;
-/// Control frames queued per connection.
-const CTRL_QUEUE: usize = 1024;
 
 /// One descriptor with its local region resolved.
 struct LocalOp {
@@ -90,10 +88,6 @@ pub(crate) struct OutPeer {
     lost_reason: Mutex<Option<String>>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     ping_seq: AtomicU64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl OutPeer {
@@ -330,7 +324,7 @@ pub(crate) async fn connect(shared: &Arc<Shared>, addr: SocketAddr) -> Result<Ar
     let mut ctrl = Vec::new();
     let mut halves = Vec::new();
     for s in streams {
-        let (tx, rx) = mpsc::channel(CTRL_QUEUE);
+        let (tx, rx) = mpsc::channel(conn::CTRL_QUEUE);
         ctrl.push(tx);
         halves.push((s.into_split(), rx));
     }
