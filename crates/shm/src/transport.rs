@@ -42,6 +42,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Hands `value` to whoever waits for the answer `key`, if anyone still does.
+fn answer<T>(waiters: &Mutex<HashMap<u64, oneshot::Sender<T>>>, key: u64, value: T) {
+    if let Some(tx) = lock(waiters).remove(&key) {
+        let _ = tx.send(value);
+    }
+}
+
 /// A local registration.
 struct LocalRegion {
     region: MemoryRegion,
@@ -581,6 +588,15 @@ impl Inner {
     /// Tells an inbound peer to stop writing into `only` (or every region it mapped) and waits
     /// for its confirmation; a peer that does not confirm in time is disconnected. Afterwards its
     /// transport writes nothing more into those regions.
+    /// The connections peers opened to this transport (the ones that may map its regions).
+    fn inbound_conns(&self) -> Vec<Arc<Conn>> {
+        lock(&self.conns)
+            .values()
+            .filter(|c| !c.outbound)
+            .cloned()
+            .collect()
+    }
+
     async fn revoke(&self, conn: &Arc<Conn>, only: Option<RegionId>) {
         let timeout = self.options.revoke_timeout;
         let acks = {
@@ -746,15 +762,11 @@ impl Inner {
                 }
                 Frame::Ping { nonce } => conn.wire.send(&Frame::Pong { nonce }, None).await,
                 Frame::Pong { nonce } => {
-                    if let Some(tx) = lock(&conn.pings).remove(&nonce) {
-                        let _ = tx.send(());
-                    }
+                    answer(&conn.pings, nonce, ());
                     Ok(())
                 }
                 Frame::RevokeAck { id } => {
-                    if let Some(tx) = lock(&conn.revokes).remove(&id) {
-                        let _ = tx.send(());
-                    }
+                    answer(&conn.revokes, id, ());
                     Ok(())
                 }
                 other => {
@@ -819,16 +831,12 @@ impl Inner {
                     let result = self
                         .map_answer(&conn, RegionId(region), status, len, fd)
                         .await;
-                    if let Some(tx) = lock(&conn.region_waiters).remove(&req) {
-                        let _ = tx.send(result);
-                    }
+                    answer(&conn.region_waiters, req, result);
                     Ok(())
                 }
                 Frame::Ping { nonce } => conn.wire.send(&Frame::Pong { nonce }, None).await,
                 Frame::Pong { nonce } => {
-                    if let Some(tx) = lock(&conn.pings).remove(&nonce) {
-                        let _ = tx.send(());
-                    }
+                    answer(&conn.pings, nonce, ());
                     Ok(())
                 }
                 Frame::Revoke { id, region } => {
@@ -1142,11 +1150,7 @@ impl KvTransport for ShmTransport {
             });
         }
         // Peers that mapped the region must stop writing into it before this returns.
-        let conns: Vec<Arc<Conn>> = lock(&self.inner.conns)
-            .values()
-            .filter(|c| !c.outbound)
-            .cloned()
-            .collect();
+        let conns = self.inner.inbound_conns();
         for conn in conns {
             self.inner.revoke(&conn, Some(region)).await;
         }
@@ -1437,11 +1441,7 @@ impl KvTransport for ShmTransport {
     async fn shutdown(&self) -> Result<()> {
         self.inner.check_open()?;
         // Fence peers first: once this returns, no peer's transport writes into our regions.
-        let conns: Vec<Arc<Conn>> = lock(&self.inner.conns)
-            .values()
-            .filter(|c| !c.outbound)
-            .cloned()
-            .collect();
+        let conns = self.inner.inbound_conns();
         for conn in &conns {
             self.inner.revoke(conn, None).await;
         }
