@@ -210,18 +210,15 @@ async fn registrations_are_checked_and_the_first_row_wins() {
 }
 
 #[tokio::test]
-async fn dp_rank_table_answers_known_rooms_and_expires() {
-    let mut cfg = BootstrapConfig::default();
-    cfg.room_entry_ttl = Duration::from_millis(200);
-    let s = BootstrapServer::bind(cfg).await.unwrap();
+async fn dp_rank_table_answers_known_rooms() {
+    // Expiry is unit-tested with explicit instants in `bootstrap::tests`.
+    let s = server().await;
     let c = BootstrapClient::new(s.bootstrap_addr());
     c.register_dp_rank(11, 1).await.unwrap();
     c.register_dp_rank(12, 0).await.unwrap();
     let m = c.query_dp_ranks(&[11, 12, 13]).await.unwrap();
-    assert_eq!(m.len(), 2);
+    assert_eq!(m.len(), 2, "unknown rooms are left out");
     assert_eq!((m[&11], m[&12]), (1, 0));
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    assert!(c.query_dp_ranks(&[11, 12]).await.unwrap().is_empty());
     let bad = c
         .request(
             "POST",
@@ -244,7 +241,7 @@ async fn dp_rank_table_answers_known_rooms_and_expires() {
 #[tokio::test]
 async fn hostile_requests_get_a_4xx_and_the_server_keeps_serving() {
     let mut cfg = BootstrapConfig::default()
-        .with_request_timeout(Duration::from_millis(500))
+        .with_request_timeout(Duration::from_secs(2))
         .with_max_body_bytes(1024);
     cfg.max_headers = 16;
     let s = BootstrapServer::bind(cfg).await.unwrap();

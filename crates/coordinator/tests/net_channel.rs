@@ -20,8 +20,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 fn cfg() -> NetChannelConfig {
-    NetChannelConfig::default()
-        .with_timeouts(Duration::from_millis(500), Duration::from_millis(500))
+    NetChannelConfig::default().with_timeouts(Duration::from_secs(2), Duration::from_secs(2))
 }
 
 fn ping(n: u64) -> ControlMessage {
@@ -280,9 +279,16 @@ async fn hostile_peers_are_closed_and_the_channel_keeps_serving() {
     bad_name.extend_from_slice(&[0u8; 32]);
     let out = raw(&ep, &bad_name).await;
     assert!(String::from_utf8_lossy(&out).contains("printable"));
-    // Silence during the handshake.
-    raw(&ep, b"").await;
-    raw(&ep, &hello(NET_PROTOCOL_VERSION, 0, b"127.0.0.1:1")[..10]).await;
+    // Silence during the handshake, and inside frames after it: closed at the deadlines
+    // (all four wait concurrently).
+    let partial_hello = hello(NET_PROTOCOL_VERSION, 0, b"127.0.0.1:1");
+    let (header, body) = (session(&[0, 0, 0]), session(&[0, 0, 0, 100, b'{']));
+    tokio::join!(
+        raw(&ep, b""),
+        raw(&ep, &partial_hello[..10]),
+        raw(&ep, &header),
+        raw(&ep, &body),
+    );
     eventually("six refused handshakes", || b.stats().refused == 6).await;
 
     // After a good handshake: bad frames.
@@ -291,8 +297,6 @@ async fn hostile_peers_are_closed_and_the_channel_keeps_serving() {
     raw(&ep, &session(&frame(b"{not json"))).await;
     raw(&ep, &session(&frame(br#"{"type":"launch_missiles"}"#))).await;
     raw(&ep, &session(&frame(br#"{"type":"ping","nonce":-1}"#))).await;
-    raw(&ep, &session(&[0, 0, 0])).await; // truncated header, then silence
-    raw(&ep, &session(&[0, 0, 0, 100, b'{'])).await; // truncated body, then silence
     eventually("seven protocol errors", || b.stats().protocol_errors == 7).await;
     assert_eq!(b.stats().frames_received, 0);
 

@@ -655,3 +655,34 @@ fn not_ready(registered: usize) -> Response {
         format!("Prefill server not fully registered yet ({registered} workers registered)."),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn room_entries_expire_and_the_table_is_bounded() {
+        let reg = Registry::with_room_limits(Duration::from_secs(120), 2);
+        let t0 = Instant::now();
+        let e = |room, dp| DpRankEntry {
+            bootstrap_room: room,
+            dp_rank: dp,
+        };
+        reg.register_room(e(1, 0), t0).unwrap();
+        reg.register_room(e(2, 1), t0).unwrap();
+        // Full of live entries: refused with 503.
+        let full = reg
+            .register_room(e(3, 0), t0 + Duration::from_secs(1))
+            .unwrap_err();
+        assert_eq!(full.status, 503);
+        // Updating a known room is always allowed.
+        reg.register_room(e(2, 0), t0 + Duration::from_secs(1))
+            .unwrap();
+        let later = t0 + Duration::from_millis(120_500);
+        assert_eq!(reg.query_rooms(&[1, 2], later).len(), 1, "room 1 expired");
+        // Expired entries make room.
+        reg.register_room(e(3, 1), later).unwrap();
+        reg.purge_rooms(t0 + Duration::from_secs(500));
+        assert!(reg.query_rooms(&[1, 2, 3], later).is_empty());
+    }
+}
