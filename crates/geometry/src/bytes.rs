@@ -250,23 +250,20 @@ pub(crate) fn pair_item_lens(
     dst: &PoolGeometry,
     pair: EntryPair,
 ) -> Result<(u64, u64)> {
-    let s = src
-        .entries()
-        .get(pair.src)
-        .ok_or(GeometryError::EntryOutOfRange {
-            side: Side::Prefill,
-            entry: pair.src,
-            num_entries: src.entries().len(),
-        })?;
-    let d = dst
-        .entries()
-        .get(pair.dst)
-        .ok_or(GeometryError::EntryOutOfRange {
-            side: Side::Decode,
-            entry: pair.dst,
-            num_entries: dst.entries().len(),
-        })?;
-    Ok((s.item_len, d.item_len))
+    let item_len = |pool: &PoolGeometry, entry: usize, side| {
+        pool.entries()
+            .get(entry)
+            .map(|e| e.item_len)
+            .ok_or(GeometryError::EntryOutOfRange {
+                side,
+                entry,
+                num_entries: pool.entries().len(),
+            })
+    };
+    Ok((
+        item_len(src, pair.src, Side::Prefill)?,
+        item_len(dst, pair.dst, Side::Decode)?,
+    ))
 }
 
 /// Non-DCP page path (spec §3): coalesce `(src_pages, dst_pages)` into page runs and emit,
