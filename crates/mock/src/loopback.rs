@@ -404,6 +404,22 @@ impl LoopbackTransport {
         Ok(())
     }
 
+    /// The link to `peer` and the peer's endpoint, while both exist.
+    fn linked(&self, peer: PeerId) -> Result<(Arc<Link>, Arc<Endpoint>)> {
+        let link = lock(&self.ep.peers)
+            .get(&peer)
+            .cloned()
+            .ok_or(TransportError::UnknownPeer {
+                peer,
+                transport: NAME,
+            })?;
+        let target = link
+            .target
+            .upgrade()
+            .ok_or_else(|| peer_lost(peer, "the peer transport was dropped"))?;
+        Ok((link, target))
+    }
+
     fn batch(&self, id: BatchId) -> Result<Arc<Batch>> {
         lock(&self.ep.batches)
             .get(&id)
@@ -575,17 +591,7 @@ impl KvTransport for LoopbackTransport {
                 ),
             });
         }
-        let link = lock(&self.ep.peers)
-            .get(&peer)
-            .cloned()
-            .ok_or(TransportError::UnknownPeer {
-                peer,
-                transport: NAME,
-            })?;
-        let target = link
-            .target
-            .upgrade()
-            .ok_or_else(|| peer_lost(peer, "the peer transport was dropped"))?;
+        let (link, target) = self.linked(peer)?;
 
         // Resolve and bounds-check every descriptor before anything is queued.
         let mut ops = Vec::with_capacity(batch.ops.len());
@@ -756,17 +762,7 @@ impl KvTransport for LoopbackTransport {
 
     async fn probe(&self, peer: PeerId, _timeout: Duration) -> Result<()> {
         self.check_open()?;
-        let link = lock(&self.ep.peers)
-            .get(&peer)
-            .cloned()
-            .ok_or(TransportError::UnknownPeer {
-                peer,
-                transport: NAME,
-            })?;
-        let target = link
-            .target
-            .upgrade()
-            .ok_or_else(|| peer_lost(peer, "the peer transport was dropped"))?;
+        let (_, target) = self.linked(peer)?;
         if lock(&target.state).closed {
             return Err(peer_lost(peer, "the peer is shut down"));
         }
