@@ -63,7 +63,7 @@ pub(crate) enum Role {
 /// Arguments of `kvbridge demo`.
 #[derive(Debug, Clone, clap::Args)]
 #[command(
-    after_help = "Examples:\n  kvbridge demo                                  MLA, prefill DCP 1 -> decode DCP 4, shared memory\n  kvbridge demo --transport tcp                  the same over TCP\n  kvbridge demo --geometry gqa                   GQA, prefill TP 2 -> decode TP 4 (head slices)\n  kvbridge demo --prefix-tokens 2048             the decode already holds the first 2048 tokens\n  kvbridge demo --tokens 1024 --requests 4       a quick run\n\nExit status: 0 when every request succeeded and every byte verified, 1 otherwise, 2 for\ninvalid arguments."
+    after_help = "Examples:\n  kvbridge demo                                  MLA, prefill DCP 1 -> decode DCP 4, shared memory\n  kvbridge demo --transport tcp                  the same over TCP\n  kvbridge demo --geometry gqa                   GQA, prefill TP 2 -> decode TP 4 (head slices)\n  kvbridge demo --prefix-tokens 2048             the decode already holds the first 2048 tokens\n  kvbridge demo --prefill-dcp 2 --dcp 4 --prefill-page-size 16\n                                                 any prefill DCP and page size to any decode's\n  kvbridge demo --tokens 1024 --requests 4       a quick run\n\nExit status: 0 when every request succeeded and every byte verified, 1 otherwise, 2 for\ninvalid arguments."
 )]
 pub(crate) struct DemoArgs {
     /// Transport that moves the KV bytes between the processes.

@@ -239,7 +239,8 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
     let mut requests = vec![Request::default(); setup.requests as usize];
     let mut killed = Vec::new();
     let mut timed_out = false;
-    let progress = Progress {
+    let begun = Instant::now();
+    let mut progress = Progress {
         enabled: !args.json && std::io::stderr().is_terminal(),
         total: setup.requests,
         start: Instant::now(),
@@ -282,7 +283,7 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
                 }
                 failures.push(format!(
                     "the run did not finish within {:.0} s; every process was killed",
-                    (deadline - progress.start).as_secs_f64()
+                    (deadline - begun).as_secs_f64()
                 ));
                 break;
             }
@@ -330,6 +331,7 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
                 ready_decodes += 1;
                 if ready_decodes == n_decode {
                     started_at = Some(Instant::now());
+                    progress.start = Instant::now();
                     if let Some(stdin) = procs[0].stdin.as_mut() {
                         if let Err(e) = stdin.write_all(b"start\n").await {
                             failures.push(format!("cannot tell the prefill to start: {e}"));
