@@ -1,6 +1,6 @@
 //! A quick smoke run of `kvbridge bench --transport shm`: tiny sizes, one run, JSON output.
 
-use std::process::Command;
+mod common;
 
 const KEYS: [&str; 9] = [
     "transport",
@@ -16,44 +16,7 @@ const KEYS: [&str; 9] = [
 
 #[test]
 fn shm_bench_prints_one_json_object_per_pattern() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
-        .args([
-            "bench",
-            "--transport",
-            "shm",
-            "--json",
-            "--runs",
-            "1",
-            "--size-scale",
-            "0.001",
-        ])
-        .output()
-        .expect("run kvbridge bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "status {}; stderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<serde_json::Value> = stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?} is not JSON: {e}")))
-        .collect();
-    let patterns: Vec<&str> = lines
-        .iter()
-        .map(|v| v["pattern"].as_str().unwrap())
-        .collect();
-    assert_eq!(
-        patterns,
-        [
-            "large",
-            "scatter-64k",
-            "scatter-72k",
-            "scatter-16k",
-            "latency-4k"
-        ]
-    );
+    let lines = common::bench_json("shm");
     for v in &lines {
         for key in KEYS {
             assert!(v.get(key).is_some(), "{key} missing in {v}");
