@@ -50,8 +50,8 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::{
-    BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, PeerId, RegionId,
-    Side, TransferBatch, TransferOp, TransportError,
+    BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
+    RegionId, Side, TransferBatch, TransferOp, TransportError,
 };
 
 mod rt;
@@ -224,6 +224,19 @@ impl Rig {
         self.wait(id, timeout)
             .await
             .unwrap_or_else(|e| panic!("[{}] {DATA}: {what} failed: {e}", self.name));
+    }
+
+    /// The receiver's next notification, panicking if it fails or does not come in time.
+    async fn recv_notification_ok(&self) -> Notification {
+        bounded(
+            self.name,
+            NOTIFY,
+            "recv_notification",
+            CALL_LIMIT,
+            self.receiver.recv_notification(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("[{}] {NOTIFY}: recv_notification failed: {e}", self.name))
     }
 
     fn snapshot_remote(&self) -> Vec<Vec<u8>> {
@@ -811,15 +824,7 @@ pub async fn notification_after_data(pair: TransportPair) {
     }
     let mut seen = [false; BATCHES];
     for _ in 0..BATCHES {
-        let n = bounded(
-            rig.name,
-            NOTIFY,
-            "recv_notification",
-            CALL_LIMIT,
-            rig.receiver.recv_notification(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("[{}] {NOTIFY}: recv_notification failed: {e}", rig.name));
+        let n = rig.recv_notification_ok().await;
         // Check the bytes before anything else can happen.
         let text = String::from_utf8_lossy(&n.payload).into_owned();
         let i: usize = text
@@ -881,15 +886,7 @@ pub async fn notification_after_data(pair: TransportPair) {
         "a batch after a refused one",
     )
     .await;
-    let n = bounded(
-        rig.name,
-        NOTIFY,
-        "recv_notification",
-        CALL_LIMIT,
-        rig.receiver.recv_notification(),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("[{}] {NOTIFY}: recv_notification failed: {e}", rig.name));
+    let n = rig.recv_notification_ok().await;
     assert_eq!(
         &n.payload[..],
         b"good",
@@ -959,15 +956,7 @@ pub async fn concurrent_batches(pair: TransportPair) {
     rig.assert_remote(&model, DATA, &format!("{BATCHES} concurrent batches"));
     let mut seen = [false; BATCHES];
     for _ in 0..BATCHES {
-        let n = bounded(
-            rig.name,
-            NOTIFY,
-            "recv_notification",
-            CALL_LIMIT,
-            rig.receiver.recv_notification(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("[{}] {NOTIFY}: recv_notification failed: {e}", rig.name));
+        let n = rig.recv_notification_ok().await;
         let i = <[u8; 8]>::try_from(&n.payload[..])
             .map(u64::from_le_bytes)
             .ok()
