@@ -203,9 +203,6 @@ impl Drop for SlotGuard {
     }
 }
 
-/// A finished request task: the request and its outcome.
-type Joined<T> = Result<(u32, Result<T, String>), tokio::task::JoinError>;
-
 /// Rooms in flight on this process (aborted when a request fails).
 type InFlight = Arc<Mutex<BTreeSet<u64>>>;
 
@@ -224,6 +221,81 @@ fn owned(from: u64, to: u64, d: u64, r: u64) -> u64 {
 pub(crate) fn decode_bytes(d: &PeerDescriptor, from: u64, to: u64) -> u64 {
     let rows = owned(from, to, u64::from(d.dcp_size), u64::from(d.dcp_rank));
     rows * d.kv_item_lens.iter().map(|l| l / d.page_size).sum::<u64>()
+}
+
+/// Runs requests `0..requests`, at most `concurrency` at once, each in its own task holding a
+/// pool slot (`start(request, slot)`), and reports each outcome to `on_done` as it ends. Once
+/// `stop` is set no further request starts; the ones in flight are awaited. Returns how many
+/// requests never started.
+async fn drive<T, Fut>(
+    requests: u32,
+    concurrency: u32,
+    stop: &AtomicBool,
+    mut start: impl FnMut(u32, u32) -> Fut,
+    mut on_done: impl FnMut(u32, Result<T, String>),
+) -> u32
+where
+    T: Send + 'static,
+    Fut: std::future::Future<Output = Result<T, String>> + Send + 'static,
+{
+    let slots = Slots::new(concurrency);
+    let mut tasks: JoinSet<(u32, Result<T, String>)> = JoinSet::new();
+    let mut done = |res: Result<(u32, Result<T, String>), tokio::task::JoinError>| match res {
+        Ok((i, r)) => on_done(i, r),
+        Err(e) => on_done(u32::MAX, Err(format!("a request task panicked: {e}"))),
+    };
+    let mut skipped = 0;
+    for i in 0..requests {
+        while let Some(res) = tasks.try_join_next() {
+            done(res);
+        }
+        let guard = loop {
+            if stop.load(Ordering::SeqCst) {
+                break None;
+            }
+            tokio::select! {
+                g = slots.take() => break Some(g),
+                Some(res) = tasks.join_next() => done(res),
+            }
+        };
+        let Some(guard) = guard.filter(|_| !stop.load(Ordering::SeqCst)) else {
+            skipped = requests - i;
+            break;
+        };
+        let request = start(i, guard.slot);
+        tasks.spawn(async move {
+            let r = request.await;
+            drop(guard);
+            (i, r)
+        });
+    }
+    while let Some(res) = tasks.join_next().await {
+        done(res);
+    }
+    skipped
+}
+
+impl Summary {
+    /// Records a failed request; the first failure sets `stop` and aborts every room in flight.
+    fn fail(
+        &mut self,
+        request: u32,
+        reason: String,
+        stop: &AtomicBool,
+        in_flight: &InFlight,
+        abort: impl Fn(u64),
+    ) {
+        self.failed += 1;
+        if self.first_failure.is_none() {
+            self.first_failure = Some(reason.clone());
+        }
+        emit(&Event::Failed { request, reason });
+        if !stop.swap(true, Ordering::SeqCst) {
+            for room in lock(in_flight).iter() {
+                abort(*room);
+            }
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -310,20 +382,26 @@ async fn prefill_main(
 
     let ranks = Arc::new(ranks);
     let setup = Arc::new(setup);
-    let slots = Slots::new(setup.concurrency);
     let in_flight: InFlight = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
     let mut summary = Summary {
         role: "prefill".to_owned(),
         ..Summary::default()
     };
-    let mut tasks = JoinSet::new();
-    let on_result = |res: Joined<(Duration, u64)>, summary: &mut Summary| {
-        let (i, r) = match res {
-            Ok(x) => x,
-            Err(e) => (u32::MAX, Err(format!("a request task panicked: {e}"))),
-        };
-        match r {
+    summary.skipped = drive(
+        setup.requests,
+        setup.concurrency,
+        &stop,
+        |i, slot| {
+            let (ranks, setup, in_flight, stop) = (
+                ranks.clone(),
+                setup.clone(),
+                in_flight.clone(),
+                stop.clone(),
+            );
+            async move { prefill_request(&ranks, &setup, i, slot, &in_flight, &stop).await }
+        },
+        |i, r| match r {
             Ok((latency, bytes)) => {
                 summary.succeeded += 1;
                 emit(&Event::Sent {
@@ -332,62 +410,15 @@ async fn prefill_main(
                     bytes,
                 });
             }
-            Err(reason) => {
-                summary.failed += 1;
-                if summary.first_failure.is_none() {
-                    summary.first_failure = Some(reason.clone());
+            // Stop everything in flight: the decode ranks are told at once.
+            Err(reason) => summary.fail(i, reason, &stop, &in_flight, |room| {
+                for r in ranks.iter() {
+                    r.agent.abort(room);
                 }
-                emit(&Event::Failed { request: i, reason });
-                if !stop.swap(true, Ordering::SeqCst) {
-                    // Stop everything in flight: the decode ranks are told at once.
-                    for room in lock(&in_flight).iter() {
-                        for r in ranks.iter() {
-                            r.agent.abort(*room);
-                        }
-                    }
-                }
-            }
-        }
-    };
-    for i in 0..setup.requests {
-        while let Some(res) = tasks.try_join_next() {
-            on_result(res, &mut summary);
-        }
-        if stop.load(Ordering::SeqCst) {
-            summary.skipped = setup.requests - i;
-            break;
-        }
-        let guard = tokio::select! {
-            g = slots.take() => g,
-            Some(res) = tasks.join_next() => {
-                on_result(res, &mut summary);
-                // Re-check the stop flag before taking a slot.
-                if stop.load(Ordering::SeqCst) {
-                    summary.skipped = setup.requests - i;
-                    break;
-                }
-                slots.take().await
-            }
-        };
-        if stop.load(Ordering::SeqCst) {
-            summary.skipped = setup.requests - i;
-            break;
-        }
-        let (ranks, setup, in_flight, stop) = (
-            ranks.clone(),
-            setup.clone(),
-            in_flight.clone(),
-            stop.clone(),
-        );
-        tasks.spawn(async move {
-            let r = prefill_request(&ranks, &setup, i, guard.slot, &in_flight, &stop).await;
-            drop(guard);
-            (i, r)
-        });
-    }
-    while let Some(res) = tasks.join_next().await {
-        on_result(res, &mut summary);
-    }
+            }),
+        },
+    )
+    .await;
 
     summary.bytes = ranks
         .iter()
@@ -613,7 +644,6 @@ async fn decode_main(args: &DemoArgs, setup: Setup) -> Result<ExitCode, String> 
     let setup = Arc::new(setup);
     let mem = Arc::new(mem);
     let desc = Arc::new(desc);
-    let slots = Slots::new(setup.concurrency);
     let in_flight: InFlight = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
     let mut summary = Summary {
@@ -621,77 +651,38 @@ async fn decode_main(args: &DemoArgs, setup: Setup) -> Result<ExitCode, String> 
         rank,
         ..Summary::default()
     };
-    let mut tasks = JoinSet::new();
-    let on_result = |res: Joined<u64>, summary: &mut Summary| {
-        let (i, r) = match res {
-            Ok(x) => x,
-            Err(e) => (u32::MAX, Err(format!("a request task panicked: {e}"))),
-        };
-        match r {
-            Ok(bytes) => {
-                summary.succeeded += 1;
-                summary.bytes += bytes;
-                emit(&Event::Verified {
-                    request: i,
-                    rank,
-                    bytes,
-                });
-            }
-            Err(reason) => {
-                summary.failed += 1;
-                if summary.first_failure.is_none() {
-                    summary.first_failure = Some(reason.clone());
+    summary.skipped =
+        drive(
+            setup.requests,
+            setup.concurrency,
+            &stop,
+            |i, slot| {
+                let (agent, setup, mem, desc, in_flight, addr) = (
+                    agent.clone(),
+                    setup.clone(),
+                    mem.clone(),
+                    desc.clone(),
+                    in_flight.clone(),
+                    addr.clone(),
+                );
+                async move {
+                    decode_request(&agent, &setup, &mem, &desc, i, slot, &in_flight, addr).await
                 }
-                emit(&Event::Failed { request: i, reason });
-                if !stop.swap(true, Ordering::SeqCst) {
-                    for room in lock(&in_flight).iter() {
-                        agent.abort(*room);
-                    }
+            },
+            |i, r| match r {
+                Ok(bytes) => {
+                    summary.succeeded += 1;
+                    summary.bytes += bytes;
+                    emit(&Event::Verified {
+                        request: i,
+                        rank,
+                        bytes,
+                    });
                 }
-            }
-        }
-    };
-    for i in 0..setup.requests {
-        while let Some(res) = tasks.try_join_next() {
-            on_result(res, &mut summary);
-        }
-        if stop.load(Ordering::SeqCst) {
-            summary.skipped = setup.requests - i;
-            break;
-        }
-        let guard = tokio::select! {
-            g = slots.take() => g,
-            Some(res) = tasks.join_next() => {
-                on_result(res, &mut summary);
-                if stop.load(Ordering::SeqCst) {
-                    summary.skipped = setup.requests - i;
-                    break;
-                }
-                slots.take().await
-            }
-        };
-        if stop.load(Ordering::SeqCst) {
-            summary.skipped = setup.requests - i;
-            break;
-        }
-        let (agent, setup, mem, desc, in_flight, addr) = (
-            agent.clone(),
-            setup.clone(),
-            mem.clone(),
-            desc.clone(),
-            in_flight.clone(),
-            addr.clone(),
-        );
-        tasks.spawn(async move {
-            let r =
-                decode_request(&agent, &setup, &mem, &desc, i, guard.slot, &in_flight, addr).await;
-            drop(guard);
-            (i, r)
-        });
-    }
-    while let Some(res) = tasks.join_next().await {
-        on_result(res, &mut summary);
-    }
+                Err(reason) => summary.fail(i, reason, &stop, &in_flight, |room| agent.abort(room)),
+            },
+        )
+        .await;
     summary.rooms_left = settle(|| agent.room_count()).await;
     summary.control_dirs = dir.into_iter().collect();
     agent.shutdown();
