@@ -46,10 +46,7 @@ fn pages_untouched_since_reuse(r: &common::Rig) -> bool {
 /// One prefill rank whose second batch (the last chunk's KV) is held back for 10 s, one decode
 /// rank, a 2-chunk request; returns once the first chunk landed and the second is in flight.
 async fn delayed_second_chunk() -> (common::Rig, Request) {
-    let mut spec = Spec::new(
-        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
-    );
+    let mut spec = Spec::mla_one_to_one();
     spec.faults = vec![FaultScript::new().delay_batch(1, Duration::from_secs(10))];
     let r = rig(spec).await;
     let req = Request {
@@ -153,10 +150,7 @@ async fn prefill_abort_is_reported_to_the_decode_and_acknowledged() {
 
 #[tokio::test(start_paused = true)]
 async fn heartbeat_declares_a_silent_prefill_dead_and_keeps_its_pages_quarantined() {
-    let mut spec = Spec::new(
-        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
-    );
+    let mut spec = Spec::mla_one_to_one();
     spec.decode_config = DecodeConfig {
         heartbeat_interval: Duration::from_secs(2),
         heartbeat_max_failures: 2,
@@ -206,11 +200,7 @@ async fn heartbeat_declares_a_silent_prefill_dead_and_keeps_its_pages_quarantine
 
 #[tokio::test(start_paused = true)]
 async fn prefill_bootstrap_timeout() {
-    let r = rig(Spec::new(
-        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
-    ))
-    .await;
+    let r = rig(Spec::mla_one_to_one()).await;
     let p = &r.prefills[0].0;
     p.create_room(3).unwrap();
     let err = bounded(p.wait(3)).await.unwrap_err().to_string();
@@ -234,10 +224,7 @@ async fn prefill_bootstrap_timeout() {
 
 #[tokio::test(start_paused = true)]
 async fn decode_waiting_timeout_aborts_and_is_fenced() {
-    let mut spec = Spec::new(
-        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
-    );
+    let mut spec = Spec::mla_one_to_one();
     spec.prefill_config = PrefillConfig {
         waiting_timeout: Duration::from_secs(600),
         ..PrefillConfig::default()
@@ -264,11 +251,7 @@ async fn decode_waiting_timeout_aborts_and_is_fenced() {
 
 #[tokio::test(start_paused = true)]
 async fn decode_bootstrap_timeout_when_the_prefill_never_answers() {
-    let r = rig(Spec::new(
-        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
-    ))
-    .await;
+    let r = rig(Spec::mla_one_to_one()).await;
     r.hub.set_partitioned(&prefill_ep(), true);
     let req = Request::new(21, 40);
     r.start(&req).await;
@@ -289,11 +272,7 @@ async fn decode_bootstrap_timeout_when_the_prefill_never_answers() {
 
 #[tokio::test(start_paused = true)]
 async fn unknown_bootstrap_address_fails_at_once() {
-    let r = rig(Spec::new(
-        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
-    ))
-    .await;
+    let r = rig(Spec::mla_one_to_one()).await;
     let d = &r.decodes[0].0;
     d.receive(
         1,
@@ -314,10 +293,7 @@ async fn unknown_bootstrap_address_fails_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn batch_deadline_fails_the_room_on_both_sides() {
-    let mut spec = Spec::new(
-        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
-    );
+    let mut spec = Spec::mla_one_to_one();
     spec.faults = vec![FaultScript::new().stall_batch(0)];
     spec.prefill_config = PrefillConfig {
         batch_timeout: Duration::from_secs(5),
@@ -361,10 +337,7 @@ async fn batch_deadline_fails_the_room_on_both_sides() {
 
 #[tokio::test(start_paused = true)]
 async fn failed_batch_fails_the_room_and_names_the_peer() {
-    let mut spec = Spec::new(
-        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
-    );
+    let mut spec = Spec::mla_one_to_one();
     spec.faults = vec![FaultScript::new().fail_batch(1)];
     let r = rig(spec).await;
     let req = Request {
@@ -388,11 +361,7 @@ async fn failed_batch_fails_the_room_and_names_the_peer() {
 
 #[tokio::test(start_paused = true)]
 async fn control_send_timeout_fails_the_room_naming_the_peer() {
-    let r = rig(Spec::new(
-        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
-    ))
-    .await;
+    let r = rig(Spec::mla_one_to_one()).await;
     // The prefill stops reading its control socket: the registration send never completes.
     r.hub.set_stalled(&prefill_ep(), true);
     let req = Request::new(41, 40);
@@ -417,10 +386,7 @@ async fn control_send_timeout_fails_the_room_naming_the_peer() {
 
 #[tokio::test(start_paused = true)]
 async fn metadata_for_a_room_the_prefill_never_creates_expires() {
-    let mut spec = Spec::new(
-        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
-    );
+    let mut spec = Spec::mla_one_to_one();
     spec.decode_config = DecodeConfig {
         waiting_timeout: Duration::from_secs(900),
         ..DecodeConfig::default()
@@ -453,6 +419,11 @@ fn registration(
     mem: &KvMemory,
     from: &Endpoint,
 ) -> ControlMessage {
+    let wire = |e: &kvbridge_coordinator::EntryRegion| kvbridge_coordinator::WireRegion {
+        region: e.region.0,
+        offset: e.offset,
+        len: e.len,
+    };
     ControlMessage::Register(Registration {
         protocol: CONTROL_PROTOCOL_VERSION,
         decode_endpoint: from.clone(),
@@ -462,34 +433,14 @@ fn registration(
             name: transport.name().into(),
             descriptor: transport.local_descriptor().to_vec(),
         },
-        kv_regions: mem
-            .kv
-            .iter()
-            .map(|e| kvbridge_coordinator::WireRegion {
-                region: e.region.0,
-                offset: e.offset,
-                len: e.len,
-            })
-            .collect(),
-        aux_regions: mem
-            .aux
-            .iter()
-            .map(|e| kvbridge_coordinator::WireRegion {
-                region: e.region.0,
-                offset: e.offset,
-                len: e.len,
-            })
-            .collect(),
+        kv_regions: mem.kv.iter().map(wire).collect(),
+        aux_regions: mem.aux.iter().map(wire).collect(),
     })
 }
 
 #[tokio::test(start_paused = true)]
 async fn incompatible_decode_is_refused_with_every_problem_and_the_prefill_keeps_serving() {
-    let r = rig(Spec::new(
-        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
-    ))
-    .await;
+    let r = rig(Spec::mla_one_to_one()).await;
     // The seed's misconfiguration: a GQA decode with DCP, another page size and dtype.
     let bad: kvbridge_handshake::PeerDescriptor = serde_json::from_value(serde_json::json!({
         "role": "decode", "page_size": 32, "kv_cache_dtype": "fp8_e4m3", "kv_pool": "mha",
@@ -696,11 +647,7 @@ async fn agreement_hook_fails_every_rank_when_one_fails() {
 
 #[tokio::test(start_paused = true)]
 async fn a_prefill_restarted_at_the_same_endpoint_is_registered_again() {
-    let mut r = rig(Spec::new(
-        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
-    ))
-    .await;
+    let mut r = rig(Spec::mla_one_to_one()).await;
     let first = Request::new(1, 40);
     for out in r.run(&first).await {
         out.unwrap();
@@ -843,10 +790,7 @@ impl KvTransport for BrokenTransport {
 
 #[tokio::test(start_paused = true)]
 async fn a_batch_that_cannot_be_fenced_poisons_the_room_and_its_pages_stay_quarantined() {
-    let mut spec = Spec::new(
-        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
-    );
+    let mut spec = Spec::mla_one_to_one();
     spec.prefill_transport = Some(|| {
         Arc::new(BrokenTransport {
             inner: LoopbackTransport::new(),
@@ -882,10 +826,7 @@ async fn a_batch_that_cannot_be_fenced_poisons_the_room_and_its_pages_stay_quara
 
 #[tokio::test(start_paused = true)]
 async fn prefill_waiting_timeout_when_the_last_chunk_never_comes() {
-    let mut spec = Spec::new(
-        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
-    );
+    let mut spec = Spec::mla_one_to_one();
     spec.decode_config = DecodeConfig {
         waiting_timeout: Duration::from_secs(900),
         ..DecodeConfig::default()

@@ -122,11 +122,7 @@ async fn dcp_one_to_four_relayout_every_rank_byte_for_byte() {
 
 #[tokio::test(start_paused = true)]
 async fn chunked_send_with_partial_last_page() {
-    let r = rig(Spec::new(
-        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-        vec![mla("decode", 16, 2, 64, 1, 0, 1)],
-    ))
-    .await;
+    let r = rig(Spec::mla_one_to_one()).await;
     let req = Request {
         chunk_pages: 2,
         ..Request::new(12, 16 * 7 + 5)

@@ -115,6 +115,15 @@ impl Spec {
             prefill_transport: None,
         }
     }
+
+    /// One MLA prefill rank to one MLA decode rank (16-token pages, 2 entries of 64 bytes a
+    /// token, no TP or DCP).
+    pub fn mla_one_to_one() -> Self {
+        Spec::new(
+            vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+            vec![mla("decode", 16, 2, 64, 1, 0, 1)],
+        )
+    }
 }
 
 pub async fn rig(spec: Spec) -> Rig {
