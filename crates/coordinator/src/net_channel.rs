@@ -308,8 +308,9 @@ struct Counters {
     connects: AtomicU64,
 }
 
-/// Resolves once the shutdown flag is set (at once if it already is).
-async fn closed(rx: &mut watch::Receiver<bool>) {
+/// Resolves once the shutdown flag is set (at once if it already is). Also used by the
+/// bootstrap server.
+pub(crate) async fn closed(rx: &mut watch::Receiver<bool>) {
     let _ = rx.wait_for(|&c| c).await;
 }
 
