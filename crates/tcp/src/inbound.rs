@@ -65,17 +65,11 @@ pub(crate) struct Session {
 
 impl Session {
     pub(crate) fn abort_tasks(&self) {
-        for t in lock(&self.tasks).iter() {
-            t.abort();
-        }
+        crate::abort_tasks(&self.tasks);
     }
 
     pub(crate) async fn join_tasks(&self) {
-        let tasks: Vec<_> = lock(&self.tasks).drain(..).collect();
-        for t in tasks {
-            t.abort();
-            let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
-        }
+        crate::join_tasks(&self.tasks).await;
     }
 
     /// Closes every connection of the session and forgets it.

@@ -476,6 +476,22 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Aborts every task in `tasks` without waiting.
+pub(crate) fn abort_tasks(tasks: &Mutex<Vec<JoinHandle<()>>>) {
+    for t in lock(tasks).iter() {
+        t.abort();
+    }
+}
+
+/// Aborts the tasks in `tasks` and waits (at most 5 s each) until they are gone.
+pub(crate) async fn join_tasks(tasks: &Mutex<Vec<JoinHandle<()>>>) {
+    let tasks: Vec<_> = lock(tasks).drain(..).collect();
+    for t in tasks {
+        t.abort();
+        let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+    }
+}
+
 /// Marks the transport closed and aborts every task without waiting (used by `Drop`).
 fn shutdown_now(shared: &Arc<Shared>) {
     if shared.closed.swap(true, Ordering::AcqRel) {

@@ -102,17 +102,11 @@ impl OutPeer {
     }
 
     pub(crate) fn abort_tasks(&self) {
-        for t in lock(&self.tasks).iter() {
-            t.abort();
-        }
+        crate::abort_tasks(&self.tasks);
     }
 
     pub(crate) async fn join_tasks(&self) {
-        let tasks: Vec<_> = lock(&self.tasks).drain(..).collect();
-        for t in tasks {
-            t.abort();
-            let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
-        }
+        crate::join_tasks(&self.tasks).await;
     }
 
     /// Declares the peer lost: stops its tasks and fails its pending batches. When the peer
