@@ -5,6 +5,9 @@
 use std::env;
 use std::process::{Command, ExitCode};
 
+#[cfg(test)]
+mod tidy;
+
 fn cargo(args: &[&str]) -> Result<(), String> {
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     eprintln!("xtask: cargo {}", args.join(" "));
