@@ -374,9 +374,7 @@ fn reshard_errors_name_the_problem() {
 /// 4096-token request in one chunk, scattered page ids (so pages never merge across runs).
 #[test]
 fn descriptor_counts_for_documented_geometries() {
-    fn count(a: u64, b: u64, p1: u64, p2: u64) -> (u64, usize) {
-        let total = 4096u64;
-        let layers = 4usize;
+    fn count_for(total: u64, layers: usize, a: u64, b: u64, p1: u64, p2: u64) -> (u64, usize) {
         let tables: Vec<Vec<u64>> = (0..a)
             .map(|r| {
                 (0..total.div_ceil(a).div_ceil(p1))
@@ -421,6 +419,7 @@ fn descriptor_counts_for_documented_geometries() {
         }
         (rows, ranges)
     }
+    let count = |a, b, p1, p2| count_for(4096, 4, a, b, p1, p2);
     // (rows moved, byte ranges posted) summed over all rank pairs.
     assert_eq!(count(1, 1, 64, 64), (4096, 4 * 64));
     assert_eq!(count(1, 4, 64, 64), (4096, 4 * 4096));
@@ -430,6 +429,12 @@ fn descriptor_counts_for_documented_geometries() {
     assert_eq!(count(4, 1, 64, 64), (4096, 4 * 4096));
     assert_eq!(count(1, 1, 16, 64), (4096, 4 * 256));
     assert_eq!(count(2, 4, 16, 64), (4096, 4 * 4096));
+    // The demo's geometry: one 8192-token request, 61 MLA layers.
+    let demo = |a, b, p1, p2| count_for(8192, 61, a, b, p1, p2);
+    assert_eq!(demo(1, 1, 64, 64), (8192, 61 * 128));
+    assert_eq!(demo(1, 4, 64, 64), (8192, 61 * 8192));
+    assert_eq!(demo(2, 4, 16, 64), (8192, 61 * 8192));
+    assert_eq!(demo(4, 4, 64, 64), (8192, 61 * 128));
 }
 
 #[test]
