@@ -189,6 +189,19 @@ pub enum CoordinatorError {
         reason: String,
     },
 
+    /// A request to a bootstrap service failed (unreachable, timed out, refused, or answered
+    /// something that is not the bootstrap protocol).
+    #[error(
+        "bootstrap service at {addr}: {reason}; check the prefill process is running, serves its \
+         bootstrap port at {addr}, and runs the same kvbridge version"
+    )]
+    Bootstrap {
+        /// The bootstrap address.
+        addr: String,
+        /// What happened, with the route and the HTTP status when there was one.
+        reason: String,
+    },
+
     /// The transport failed outside any room (connect, register, ...).
     #[error("transport {transport}: {context}: {source}")]
     Transport {

@@ -392,4 +392,14 @@ async fn http_directory_waits_for_registration_then_resolves() {
     let text = err.to_string();
     assert!(text.contains("after 3 attempts"), "{text}");
     assert!(text.contains("cannot connect"), "{text}");
+
+    // A single client call names the bootstrap service, not the directory.
+    let err = BootstrapClient::new(&dead).health().await.unwrap_err();
+    assert!(matches!(err, CoordinatorError::Bootstrap { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("bootstrap service at {dead}")),
+        "{text}"
+    );
+    assert!(text.contains("cannot connect"), "{text}");
 }

@@ -85,7 +85,7 @@ impl BootstrapClient {
     }
 
     fn error(&self, reason: String) -> CoordinatorError {
-        CoordinatorError::Directory {
+        CoordinatorError::Bootstrap {
             addr: self.addr.clone(),
             reason,
         }
@@ -94,7 +94,7 @@ impl BootstrapClient {
     /// Sends one request and reads the answer, whatever its status.
     ///
     /// # Errors
-    /// [`CoordinatorError::Directory`] when the server cannot be reached, does not answer in
+    /// [`CoordinatorError::Bootstrap`] when the server cannot be reached, does not answer in
     /// time, or answers something that is not bounded HTTP/1.x.
     pub async fn request(
         &self,
@@ -201,7 +201,7 @@ impl BootstrapClient {
     /// `GET /health`.
     ///
     /// # Errors
-    /// [`CoordinatorError::Directory`] unless the server answers 200.
+    /// [`CoordinatorError::Bootstrap`] unless the server answers 200.
     pub async fn health(&self) -> Result<()> {
         self.expect_ok("GET", "/health", None).await.map(|_| ())
     }
@@ -209,7 +209,7 @@ impl BootstrapClient {
     /// `GET /ready`: whether every declared rank registered (a 503 answer is not an error).
     ///
     /// # Errors
-    /// [`CoordinatorError::Directory`] when unreachable or the answer is not readiness JSON.
+    /// [`CoordinatorError::Bootstrap`] when unreachable or the answer is not readiness JSON.
     pub async fn readiness(&self) -> Result<Readiness> {
         let reply = self.request("GET", "/ready", None).await?;
         if reply.status != 200 && reply.status != 503 {
@@ -225,7 +225,7 @@ impl BootstrapClient {
     /// `PUT /route`: registers one prefill rank.
     ///
     /// # Errors
-    /// [`CoordinatorError::Directory`] with the server's 400 message when it refuses the row.
+    /// [`CoordinatorError::Bootstrap`] with the server's 400 message when it refuses the row.
     pub async fn register(&self, row: &RankRegistration) -> Result<()> {
         let body = serde_json::to_vec(row)
             .map_err(|e| self.error(format!("the registration does not serialise: {e}")))?;
@@ -237,7 +237,7 @@ impl BootstrapClient {
     /// `GET /route` with all ranks `-1`: the deployment's parameters.
     ///
     /// # Errors
-    /// [`CoordinatorError::Directory`]; a 503 while not every rank registered.
+    /// [`CoordinatorError::Bootstrap`]; a 503 while not every rank registered.
     pub async fn server_info(&self) -> Result<PrefillServerInfo> {
         let target =
             "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1";
@@ -248,7 +248,7 @@ impl BootstrapClient {
     /// `GET /route` with concrete ranks: where one rank listens.
     ///
     /// # Errors
-    /// [`CoordinatorError::Directory`]; a 404 when no such rank registered.
+    /// [`CoordinatorError::Bootstrap`]; a 404 when no such rank registered.
     pub async fn rank_endpoint(&self, dp: u32, cp: u32, tp: u32, pp: u32) -> Result<RankEndpoint> {
         let target = format!(
             "/route?prefill_dp_rank={dp}&prefill_cp_rank={cp}&target_tp_rank={tp}&target_pp_rank={pp}"
@@ -260,7 +260,7 @@ impl BootstrapClient {
     /// `GET /ranks`: every rank of DP group 0, once every rank registered.
     ///
     /// # Errors
-    /// [`CoordinatorError::Directory`]; a 503 while not every rank registered.
+    /// [`CoordinatorError::Bootstrap`]; a 503 while not every rank registered.
     pub async fn ranks(&self) -> Result<Vec<PrefillRankInfo>> {
         let body = self.expect_ok("GET", "/ranks", None).await?;
         Ok(self.parse::<RankList>("GET /ranks", &body)?.ranks)
@@ -269,7 +269,7 @@ impl BootstrapClient {
     /// `POST /register_dp_rank`.
     ///
     /// # Errors
-    /// [`CoordinatorError::Directory`].
+    /// [`CoordinatorError::Bootstrap`].
     pub async fn register_dp_rank(&self, bootstrap_room: u64, dp_rank: u32) -> Result<()> {
         let body = serde_json::to_vec(&DpRankEntry {
             bootstrap_room,
@@ -284,7 +284,7 @@ impl BootstrapClient {
     /// `POST /query_dp_ranks`: the DP rank of each known room.
     ///
     /// # Errors
-    /// [`CoordinatorError::Directory`].
+    /// [`CoordinatorError::Bootstrap`].
     pub async fn query_dp_ranks(&self, rooms: &[u64]) -> Result<BTreeMap<u64, u32>> {
         let body = serde_json::to_vec(&DpRankQuery {
             bootstrap_rooms: rooms.to_vec(),
