@@ -76,7 +76,7 @@ async fn transfer(
         // Pages in a scrambled order so a wrong page mapping cannot pass by accident.
         let pages: Vec<u64> = (0..POOL_PAGES).rev().collect();
         let layout = TokenLayout::for_rank(&desc, pages.clone()).expect("prefill layout");
-        fill_rows(&mem.kv_views(), &layout, 0..tokens).expect("fill");
+        fill_rows(&mem.kv_views(), &layout, room, 0..tokens).expect("fill");
         let agent = PrefillAgent::builder(
             desc,
             mem.memory.clone(),
@@ -149,7 +149,7 @@ async fn transfer(
             .await
             .expect("decode done in time")
             .expect("decode success");
-        let verified = verify_rows(&mem.kv_views(), layout, 0..tokens)
+        let verified = verify_rows(&mem.kv_views(), layout, room, 0..tokens)
             .expect("every owned row holds its token");
         let owned = (0..tokens)
             .filter(|p| p % layout.dcp_size == layout.dcp_rank)

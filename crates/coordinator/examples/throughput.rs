@@ -55,9 +55,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .start()?;
     dir.add_rank("addr", prefill.rank_info());
     let table: Vec<u64> = (0..pages).collect();
+    // Every room moves the same prompt, filled once: its rows are derived from pattern id 0.
     fill_rows(
         &pmem.kv_views(),
         &TokenLayout::for_rank(&pd, table.clone())?,
+        0,
         0..tokens,
     )?;
 
@@ -119,6 +121,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         verify_rows(
             &mem.kv_views(),
             &TokenLayout::for_rank(d, dtable.clone())?,
+            0,
             0..tokens,
         )?;
     }

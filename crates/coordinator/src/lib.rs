@@ -72,7 +72,9 @@
 //! .start()?;
 //!
 //! // Room 1: 40 tokens in prefill pages [3, 5, 6], wanted in decode pages [7, 1, 2].
-//! fill_rows(&p_mem.kv_views(), &TokenLayout::for_rank(prefill.descriptor(), vec![3, 5, 6])?, 0..40)?;
+//! // The prefill "computes" room 1's KV: rows derived from (room, entry, position).
+//! let p_layout = TokenLayout::for_rank(prefill.descriptor(), vec![3, 5, 6])?;
+//! fill_rows(&p_mem.kv_views(), &p_layout, 1, 0..40)?;
 //! prefill.create_room(1)?;
 //! decode.receive(1, ReceiveRequest {
 //!     bootstrap_addr: "prefill:8998".into(),
@@ -87,7 +89,7 @@
 //! prefill.wait(1).await?;
 //!
 //! let layout = TokenLayout::for_rank(decode.descriptor(), vec![7, 1, 2])?;
-//! assert_eq!(verify_rows(&d_mem.kv_views(), &layout, 0..40)?, 2 * 40 * 576);
+//! assert_eq!(verify_rows(&d_mem.kv_views(), &layout, 1, 0..40)?, 2 * 40 * 576);
 //! # Ok(())
 //! # }
 //! ```

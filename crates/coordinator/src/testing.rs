@@ -1,13 +1,20 @@
-//! Fill and verify KV memory with bytes derived from (entry, absolute token position), so a
-//! row that lands in the wrong place — wrong page, wrong DCP rank, wrong head slice, wrong
-//! layer — is detected. Used by the coordinator's tests and by `kvbridge demo`.
+//! Fill and verify KV memory with bytes derived from (request, entry, absolute token
+//! position), so a row that lands in the wrong place — wrong page, wrong DCP rank, wrong head
+//! slice, wrong layer — or is left over from an earlier request in the same pages is detected.
+//! Used by the coordinator's tests, `kvbridge demo` and `kvbridge bench --e2e`.
 //!
 //! Every byte of a token's *full* row (all KV heads of the model, for MHA/GQA) is a pure
-//! function of `(entry, position, byte offset in the full row)`: [`kv_byte`]. A rank that
-//! holds a head slice holds the corresponding sub-range of the full row, so the same function
-//! describes what every rank must hold, whatever the TP layout. The owner rule decides which
-//! positions a rank holds: position `p` lives on DCP rank `p mod d` at local row `p div d`,
-//! in page `page_table[p div (P·d)]`.
+//! function of `(room, entry, position, byte offset in the full row)`: [`kv_byte`]. Word `w`
+//! (8 bytes, little endian) of the row is `seed ^ (w + 1) · φ`, where `seed` is a splitmix64
+//! hash of `(room, entry, position)`, so rows are written and checked a 64-bit word at a time
+//! and a real-sized cache fills and verifies at memory speed. A rank that holds a head slice
+//! holds the corresponding sub-range of the full row (a slice at the wrong offset fails,
+//! because the word index differs), so the same function describes what every rank must hold,
+//! whatever the TP layout. The owner rule decides which positions a rank holds: position `p`
+//! lives on DCP rank `p mod d` at local row `p div d`, in page `page_table[p div (P·d)]`.
+//!
+//! `room` is any request identifier the filling and the verifying side agree on (normally the
+//! bootstrap room): the same memory verified as another room fails at its first row.
 //!
 //! ```
 //! use kvbridge_coordinator::testing::{kv_byte, TokenLayout};
@@ -22,7 +29,9 @@
 //! };
 //! assert_eq!(layout.row_of(13), Some(3 * 2 + 1)); // page_table[13 / 8] = 3, local row 13 / 4 = 3 -> slot 1
 //! assert_eq!(layout.row_of(12), None);
-//! assert_ne!(kv_byte(0, 13, 0), kv_byte(0, 12, 0));
+//! // kv_byte(room, entry, position, offset)
+//! assert_ne!(kv_byte(1, 0, 13, 0), kv_byte(1, 0, 12, 0));
+//! assert_ne!(kv_byte(1, 0, 13, 0), kv_byte(2, 0, 13, 0));
 //! ```
 
 use std::fmt;
@@ -34,34 +43,73 @@ use kvbridge_transport::MemoryRegion;
 
 use crate::memory::{AllocatedMemory, EntryRegion};
 
+const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
+
 fn mix(mut x: u64) -> u64 {
     // splitmix64 finaliser
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = x.wrapping_add(PHI);
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     x ^ (x >> 31)
 }
 
-fn word(entry: usize, pos: u64, word: u64) -> u64 {
-    mix(mix((entry as u64) << 48 ^ pos) ^ word.wrapping_mul(0xD6E8_FEB8_6659_FD93))
+/// The seed of the full token row of `(room, entry, pos)`.
+fn row_seed(room: u64, entry: usize, pos: u64) -> u64 {
+    mix(mix(room ^ 0x6b76_6272_6964_6765) ^ ((entry as u64) << 40) ^ pos)
 }
 
-/// Byte `offset` of the full token row of absolute position `pos` in KV entry `entry`.
-pub fn kv_byte(entry: usize, pos: u64, offset: u64) -> u8 {
-    (word(entry, pos, offset / 8) >> (8 * (offset % 8))) as u8
+/// The seed of the aux row of `room` in aux buffer `buffer` (never equal to a KV row's seed
+/// by construction of the inputs, and unrelated to it).
+fn aux_seed(room: u64, buffer: usize) -> u64 {
+    mix(mix(room ^ 0x6b76_6272_6175_7800) ^ (buffer as u64))
+}
+
+fn word(seed: u64, w: u64) -> u64 {
+    seed ^ w.wrapping_add(1).wrapping_mul(PHI)
+}
+
+fn seed_byte(seed: u64, offset: u64) -> u8 {
+    (word(seed, offset / 8) >> (8 * (offset % 8))) as u8
+}
+
+/// Byte `offset` of the full token row of absolute position `pos` in KV entry `entry` of
+/// request `room`.
+pub fn kv_byte(room: u64, entry: usize, pos: u64, offset: u64) -> u8 {
+    seed_byte(row_seed(room, entry, pos), offset)
 }
 
 /// Byte `offset` of the aux row of `room` in aux buffer `buffer`.
 pub fn aux_byte(buffer: usize, room: u64, offset: u64) -> u8 {
-    kv_byte(usize::MAX - buffer, room ^ 0xA5A5_A5A5_A5A5_A5A5, offset)
+    seed_byte(aux_seed(room, buffer), offset)
 }
 
-/// Writes `len` bytes of the full row of `(entry, pos)` starting at full-row byte `from` into
-/// `out`.
-fn row_bytes(entry: usize, pos: u64, from: u64, out: &mut [u8]) {
-    for (i, b) in out.iter_mut().enumerate() {
-        *b = kv_byte(entry, pos, from + i as u64);
+/// Writes bytes `[from, from + out.len())` of the row of `seed` into `out` (word-wise when
+/// aligned).
+fn fill_seeded(out: &mut [u8], seed: u64, from: u64) {
+    if from % 8 == 0 && out.len() % 8 == 0 {
+        let w0 = from / 8;
+        for (i, c) in out.chunks_exact_mut(8).enumerate() {
+            c.copy_from_slice(&word(seed, w0 + i as u64).to_le_bytes());
+        }
+    } else {
+        for (i, b) in out.iter_mut().enumerate() {
+            *b = seed_byte(seed, from + i as u64);
+        }
     }
+}
+
+/// The first byte of `row` that differs from bytes `[from, ..)` of the row of `seed`
+/// (compared word-wise when aligned).
+fn first_difference(row: &[u8], seed: u64, from: u64) -> Option<usize> {
+    if from % 8 == 0 && row.len() % 8 == 0 {
+        let w0 = from / 8;
+        let bad = row.chunks_exact(8).enumerate().position(|(i, c)| {
+            u64::from_le_bytes(c.try_into().unwrap_or_default()) != word(seed, w0 + i as u64)
+        })?;
+        let at = bad * 8;
+        return (at..at + 8).find(|&k| row[k] != seed_byte(seed, from + k as u64));
+    }
+    (0..row.len()).find(|&i| row[i] != seed_byte(seed, from + i as u64))
 }
 
 /// How one rank stores a request's tokens.
@@ -180,7 +228,7 @@ fn views(regions: &[MemoryRegion], entries: &[EntryRegion]) -> Vec<EntryView> {
 pub struct Mismatch {
     /// KV entry (or aux buffer) index.
     pub entry: usize,
-    /// Absolute token position (or the room, for aux).
+    /// Absolute token position (the room, for aux; `u64::MAX` for untouched bytes).
     pub position: u64,
     /// Physical row in the entry (or aux row).
     pub row: u64,
@@ -199,7 +247,8 @@ impl fmt::Display for Mismatch {
         write!(
             f,
             "{} entry {} row {} (position {}) byte {}: expected {:#04x}, found {:#04x}; the row \
-             landed in the wrong place, was not written, or was overwritten",
+             landed in the wrong place, was not written, was overwritten, or is stale (from \
+             another request)",
             self.what, self.entry, self.row, self.position, self.byte, self.expected, self.found
         )
     }
@@ -220,81 +269,122 @@ fn read(view: &EntryView, at: u64, buf: &mut [u8]) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
-/// Writes every row of `positions` this rank owns with its expected bytes. Returns the bytes
-/// written.
+/// Visits every row this rank owns among `positions`, a page at a time (one borrow of the
+/// region per page): calls `f(entry, position, physical row, row bytes)`. Returns the bytes
+/// visited.
+fn for_each_row(
+    entries: &[EntryView],
+    layout: &TokenLayout,
+    positions: Range<u64>,
+    mut f: impl FnMut(usize, u64, u64, &mut [u8]) -> Result<(), Mismatch>,
+) -> Result<u64, VerifyError> {
+    let (p, d, rank) = (layout.page_size, layout.dcp_size, layout.dcp_rank);
+    if p == 0 || d == 0 || rank >= d {
+        return Err(VerifyError::Layout(format!(
+            "page_size {p}, dcp_size {d}, dcp_rank {rank}: sizes must be positive and the rank \
+             below dcp_size"
+        )));
+    }
+    if layout.token_bytes.len() < entries.len() || layout.row_offset.len() < entries.len() {
+        return Err(VerifyError::Layout(format!(
+            "{} entries but the layout describes {} token widths and {} row offsets",
+            entries.len(),
+            layout.token_bytes.len(),
+            layout.row_offset.len()
+        )));
+    }
+    let mut bytes = 0u64;
+    for (e, view) in entries.iter().enumerate() {
+        let tb = layout.token_bytes[e];
+        if tb == 0 {
+            continue;
+        }
+        let item = tb * p;
+        for (j, &page) in layout.page_table.iter().enumerate() {
+            let first_local = j as u64 * p;
+            // Positions of this page: (first_local + k) · d + rank for k in 0..p.
+            let lo = first_local * d + rank;
+            if lo >= positions.end {
+                break;
+            }
+            let hi = (first_local + p - 1) * d + rank;
+            if hi < positions.start {
+                continue;
+            }
+            let at = page * item;
+            if at + item > view.len {
+                return Err(VerifyError::Layout(format!(
+                    "entry {e}: page {page} ({item} bytes at {at}) is outside the entry of {} \
+                     bytes",
+                    view.len
+                )));
+            }
+            let mut slice = view
+                .region
+                .borrow_mut(view.offset + at, item)
+                .map_err(|err| VerifyError::Layout(format!("entry {e} page {page}: {err}")))?;
+            for (k, row) in slice.chunks_exact_mut(tb as usize).enumerate() {
+                let pos = (first_local + k as u64) * d + rank;
+                if pos >= positions.end {
+                    break;
+                }
+                if pos < positions.start {
+                    continue;
+                }
+                f(e, pos, page * p + k as u64, row).map_err(VerifyError::Mismatch)?;
+                bytes += tb;
+            }
+        }
+    }
+    Ok(bytes)
+}
+
+/// Writes every row of `positions` this rank owns with request `room`'s expected bytes, a
+/// page at a time. Returns the bytes written.
 ///
 /// # Errors
-/// A message when a row is outside an entry.
+/// A message when the layout does not fit the entries (a page outside an entry, a zero size).
 pub fn fill_rows(
     entries: &[EntryView],
     layout: &TokenLayout,
+    room: u64,
     positions: Range<u64>,
 ) -> Result<u64, String> {
-    let mut written = 0;
-    let mut buf = Vec::new();
-    for (e, view) in entries.iter().enumerate() {
-        let width = layout.token_bytes[e];
-        buf.resize(width as usize, 0);
-        for pos in positions.clone() {
-            let Some(row) = layout.row_of(pos) else {
-                continue;
-            };
-            row_bytes(e, pos, layout.row_offset[e], &mut buf);
-            let at = row * width;
-            if at + width > view.len {
-                return Err(format!(
-                    "entry {e}: row {row} of position {pos} is outside the entry of {} bytes",
-                    view.len
-                ));
-            }
-            view.region
-                .write_at(view.offset + at, &buf)
-                .map_err(|err| err.to_string())?;
-            written += width;
-        }
-    }
-    Ok(written)
+    for_each_row(entries, layout, positions, |e, pos, _, row| {
+        fill_seeded(row, row_seed(room, e, pos), layout.row_offset[e]);
+        Ok(())
+    })
+    .map_err(|err| err.to_string())
 }
 
-/// Checks every row of `positions` this rank owns holds its expected bytes. Returns the bytes
-/// verified.
+/// Checks every row of `positions` this rank owns holds request `room`'s expected bytes, a
+/// page at a time. Returns the bytes verified.
 ///
 /// # Errors
-/// [`VerifyError::Mismatch`] for the first wrong byte; [`VerifyError::Layout`] when a row is
-/// outside an entry.
+/// [`VerifyError::Mismatch`] for the first wrong byte (including a row written for another
+/// room); [`VerifyError::Layout`] when the layout does not fit the entries.
 pub fn verify_rows(
     entries: &[EntryView],
     layout: &TokenLayout,
+    room: u64,
     positions: Range<u64>,
 ) -> Result<u64, VerifyError> {
-    let mut verified = 0;
-    let mut buf = Vec::new();
-    let mut want = Vec::new();
-    for (e, view) in entries.iter().enumerate() {
-        let width = layout.token_bytes[e];
-        buf.resize(width as usize, 0);
-        want.resize(width as usize, 0);
-        for pos in positions.clone() {
-            let Some(row) = layout.row_of(pos) else {
-                continue;
-            };
-            read(view, row * width, &mut buf).map_err(VerifyError::Layout)?;
-            row_bytes(e, pos, layout.row_offset[e], &mut want);
-            if let Some(i) = (0..buf.len()).find(|&i| buf[i] != want[i]) {
-                return Err(VerifyError::Mismatch(Mismatch {
-                    entry: e,
-                    position: pos,
-                    row,
-                    byte: i as u64,
-                    expected: want[i],
-                    found: buf[i],
-                    what: "kv",
-                }));
-            }
-            verified += width;
+    for_each_row(entries, layout, positions, |e, pos, r, row| {
+        let seed = row_seed(room, e, pos);
+        let from = layout.row_offset[e];
+        match first_difference(row, seed, from) {
+            None => Ok(()),
+            Some(i) => Err(Mismatch {
+                entry: e,
+                position: pos,
+                row: r,
+                byte: i as u64,
+                expected: seed_byte(seed, from + i as u64),
+                found: row[i],
+                what: "kv",
+            }),
         }
-    }
-    Ok(verified)
+    })
 }
 
 /// Checks every byte of the entries that is **not** a row of `positions` owned by this rank
@@ -349,13 +439,14 @@ pub fn fill_aux(
     room: u64,
 ) -> Result<(), String> {
     for (j, (view, &len)) in buffers.iter().zip(item_lens).enumerate() {
-        let bytes: Vec<u8> = (0..len).map(|i| aux_byte(j, room, i)).collect();
         if (row + 1) * len > view.len {
             return Err(format!(
                 "aux buffer {j}: row {row} is outside {} bytes",
                 view.len
             ));
         }
+        let mut bytes = vec![0u8; len as usize];
+        fill_seeded(&mut bytes, aux_seed(room, j), 0);
         view.region
             .write_at(view.offset + row * len, &bytes)
             .map_err(|e| e.to_string())?;
@@ -380,13 +471,14 @@ pub fn verify_aux(
     {
         let mut buf = vec![0u8; src_len.min(len) as usize];
         read(view, row * len, &mut buf).map_err(VerifyError::Layout)?;
-        if let Some(i) = (0..buf.len()).find(|&i| buf[i] != aux_byte(j, room, i as u64)) {
+        let seed = aux_seed(room, j);
+        if let Some(i) = first_difference(&buf, seed, 0) {
             return Err(VerifyError::Mismatch(Mismatch {
                 entry: j,
                 position: room,
                 row,
                 byte: i as u64,
-                expected: aux_byte(j, room, i as u64),
+                expected: seed_byte(seed, i as u64),
                 found: buf[i],
                 what: "aux",
             }));
@@ -453,15 +545,178 @@ mod tests {
     use super::*;
 
     #[test]
-    fn bytes_depend_on_entry_position_and_offset() {
-        let a: Vec<u8> = (0..64).map(|i| kv_byte(0, 5, i)).collect();
-        let b: Vec<u8> = (0..64).map(|i| kv_byte(1, 5, i)).collect();
-        let c: Vec<u8> = (0..64).map(|i| kv_byte(0, 6, i)).collect();
-        assert_ne!(a, b);
-        assert_ne!(a, c);
+    fn bytes_depend_on_room_entry_position_and_offset() {
+        let row = |room, entry, pos| -> Vec<u8> {
+            (0..64).map(|i| kv_byte(room, entry, pos, i)).collect()
+        };
+        let a = row(1, 0, 5);
+        assert_ne!(a, row(1, 1, 5));
+        assert_ne!(a, row(1, 0, 6));
+        assert_ne!(a, row(2, 0, 5));
         let r1: Vec<u8> = (0..16).map(|i| aux_byte(0, 1, i)).collect();
         let r2: Vec<u8> = (0..16).map(|i| aux_byte(0, 2, i)).collect();
+        let r3: Vec<u8> = (0..16).map(|i| aux_byte(1, 1, i)).collect();
         assert_ne!(r1, r2);
+        assert_ne!(r1, r3);
+    }
+
+    #[test]
+    fn word_path_matches_byte_path() {
+        let s = row_seed(3, 1, 77);
+        let mut fast = vec![0u8; 64];
+        fill_seeded(&mut fast, s, 16);
+        let slow: Vec<u8> = (0..64).map(|i| kv_byte(3, 1, 77, 16 + i)).collect();
+        assert_eq!(fast, slow);
+        let mut odd = vec![0u8; 13];
+        fill_seeded(&mut odd, s, 5);
+        assert_eq!(
+            odd,
+            (0..13)
+                .map(|i| kv_byte(3, 1, 77, 5 + i))
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(first_difference(&fast, s, 16), None);
+        assert_eq!(first_difference(&odd, s, 5), None);
+        fast[21] ^= 1;
+        assert_eq!(first_difference(&fast, s, 16), Some(21));
+        odd[7] ^= 0x80;
+        assert_eq!(first_difference(&odd, s, 5), Some(7));
+        fast[21] ^= 1;
+        assert!(
+            first_difference(&fast, s, 24).is_some(),
+            "a slice at the wrong offset fails"
+        );
+    }
+
+    fn views(n: usize, len: u64) -> Vec<EntryView> {
+        (0..n)
+            .map(|_| EntryView {
+                region: MemoryRegion::allocate(len as usize).unwrap(),
+                offset: 0,
+                len,
+            })
+            .collect()
+    }
+
+    fn mismatch(r: Result<u64, VerifyError>) -> Mismatch {
+        match r {
+            Err(VerifyError::Mismatch(m)) => m,
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn rows_follow_the_owner_rule_and_stale_rows_are_caught() {
+        // DCP 2, page 4 (virtual 8), 2 entries of 16-byte rows, 3 pages.
+        let layout = TokenLayout {
+            page_size: 4,
+            dcp_size: 2,
+            dcp_rank: 1,
+            page_table: vec![2, 0, 1],
+            token_bytes: vec![16, 16],
+            row_offset: vec![0, 0],
+        };
+        let views = views(2, 3 * 64);
+        // 21 tokens: rank 1 owns positions 1, 3, ..., 19 (10 rows per entry).
+        assert_eq!(fill_rows(&views, &layout, 9, 0..21).unwrap(), 2 * 10 * 16);
+        assert_eq!(verify_rows(&views, &layout, 9, 0..21).unwrap(), 2 * 10 * 16);
+        assert_eq!(
+            verify_untouched(&views, &layout, 0..21).unwrap(),
+            2 * 2 * 16
+        );
+        // Position 13 is local row 6: page_table[1] = page 0, row 2.
+        let mut row = vec![0u8; 16];
+        views[1].region.read_at(2 * 16, &mut row).unwrap();
+        let want: Vec<u8> = (0..16).map(|i| kv_byte(9, 1, 13, i)).collect();
+        assert_eq!(row, want);
+        // The same memory does not verify as another request.
+        let m = mismatch(verify_rows(&views, &layout, 10, 0..21));
+        assert_eq!((m.entry, m.position, m.row), (0, 1, 2 * 4));
+        // A single flipped byte is found and named: position 3 is page 2, row 1.
+        views[0].region.write_at(2 * 64 + 16 + 3, &[0xAA]).unwrap();
+        let m = mismatch(verify_rows(&views, &layout, 9, 0..21));
+        assert_eq!((m.entry, m.position, m.row, m.byte), (0, 3, 2 * 4 + 1, 3));
+        assert_eq!(m.found, 0xAA);
+        assert_eq!(m.expected, kv_byte(9, 0, 3, 3));
+        assert!(m.to_string().contains("position 3"), "{m}");
+    }
+
+    #[test]
+    fn head_slices_hold_their_range_of_the_full_row() {
+        // Two ranks of a TP-2 MHA group, 32-byte full rows: each holds 16 bytes at its offset.
+        let lo = TokenLayout {
+            page_size: 2,
+            dcp_size: 1,
+            dcp_rank: 0,
+            page_table: vec![1, 0],
+            token_bytes: vec![16],
+            row_offset: vec![0],
+        };
+        let hi = TokenLayout {
+            row_offset: vec![16],
+            ..lo.clone()
+        };
+        let (a, b) = (views(1, 64), views(1, 64));
+        fill_rows(&a, &lo, 4, 0..3).unwrap();
+        fill_rows(&b, &hi, 4, 0..3).unwrap();
+        let mut row = vec![0u8; 16];
+        b[0].region.read_at(2 * 16, &mut row).unwrap(); // position 0: page 1, row 0
+        assert_eq!(
+            row,
+            (16..32).map(|i| kv_byte(4, 0, 0, i)).collect::<Vec<_>>()
+        );
+        assert_eq!(verify_rows(&b, &hi, 4, 0..3).unwrap(), 3 * 16);
+        // The second half's bytes do not pass as the first half.
+        assert_eq!(mismatch(verify_rows(&b, &lo, 4, 0..3)).position, 0);
+        // Unaligned offsets take the byte path and still agree.
+        let odd = TokenLayout {
+            token_bytes: vec![13],
+            row_offset: vec![5],
+            ..lo.clone()
+        };
+        let c = views(1, 2 * 2 * 13);
+        assert_eq!(fill_rows(&c, &odd, 4, 0..4).unwrap(), 4 * 13);
+        assert_eq!(verify_rows(&c, &odd, 4, 0..4).unwrap(), 4 * 13);
+    }
+
+    #[test]
+    fn layouts_that_do_not_fit_are_errors() {
+        let layout = TokenLayout {
+            page_size: 4,
+            dcp_size: 1,
+            dcp_rank: 0,
+            page_table: vec![0, 5],
+            token_bytes: vec![8],
+            row_offset: vec![0],
+        };
+        let v = views(1, 2 * 32);
+        let err = fill_rows(&v, &layout, 1, 0..8).unwrap_err();
+        assert!(err.contains("page 5"), "{err}");
+        assert!(matches!(
+            verify_rows(&v, &layout, 1, 0..8),
+            Err(VerifyError::Layout(_))
+        ));
+        // Positions beyond the first page never touch the bad page.
+        assert_eq!(fill_rows(&v, &layout, 1, 0..4).unwrap(), 4 * 8);
+        let zero = TokenLayout {
+            dcp_size: 0,
+            ..layout
+        };
+        assert!(matches!(
+            verify_rows(&v, &zero, 1, 0..4),
+            Err(VerifyError::Layout(_))
+        ));
+    }
+
+    #[test]
+    fn aux_rows_are_per_room() {
+        let bufs = views(2, 4 * 24);
+        fill_aux(&bufs, &[24, 20], 2, 7).unwrap();
+        verify_aux(&bufs, &[24, 20], &[24, 20], 2, 7).unwrap();
+        match verify_aux(&bufs, &[24, 20], &[24, 20], 2, 8) {
+            Err(VerifyError::Mismatch(m)) => assert_eq!((m.entry, m.what), (0, "aux")),
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
     }
 
     #[test]

@@ -396,7 +396,7 @@ async fn agents_transfer_over_tcp_control_and_http_bootstrap() {
         let tokens = 90 + room;
         let ptable: Vec<u64> = (0..tokens.div_ceil(8)).rev().collect();
         let playout = TokenLayout::for_rank(&pd, ptable.clone()).unwrap();
-        fill_rows(&pmem.kv_views(), &playout, 0..tokens).unwrap();
+        fill_rows(&pmem.kv_views(), &playout, room, 0..tokens).unwrap();
         fill_aux(&pmem.aux_views(), &pd.aux_item_lens, 1, room).unwrap();
         prefill.create_room(room).unwrap();
         let mut layouts = Vec::new();
@@ -436,7 +436,7 @@ async fn agents_transfer_over_tcp_control_and_http_bootstrap() {
                 .await
                 .unwrap()
                 .unwrap();
-            verified += verify_rows(&dmem.kv_views(), layout, 0..tokens).unwrap();
+            verified += verify_rows(&dmem.kv_views(), layout, room, 0..tokens).unwrap();
             verify_aux(
                 &dmem.aux_views(),
                 &dd.aux_item_lens,

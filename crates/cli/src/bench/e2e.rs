@@ -26,7 +26,7 @@ use kvbridge_coordinator::bootstrap::{
     BootstrapClient, BootstrapConfig, BootstrapServer, HttpDirectory, RankRegistration,
 };
 use kvbridge_coordinator::net_channel::{NetChannel, NetChannelConfig};
-use kvbridge_coordinator::testing::{TokenLayout, chunk_plan};
+use kvbridge_coordinator::testing::{TokenLayout, chunk_plan, fill_rows, verify_rows};
 use kvbridge_coordinator::{
     AllocatedMemory, Chunk, DecodeAgent, KvMemory, PrefillAgent, ReceiveRequest,
 };
@@ -34,7 +34,6 @@ use kvbridge_handshake::PeerDescriptor;
 use kvbridge_transport::{KvTransport, PeerId, TransferBatch, TransferOp};
 
 use super::{BenchArgs, TransportKind, factory};
-use crate::demo::pattern;
 
 const LAYERS: usize = 61;
 const TOKEN_BYTES: u64 = 1152;
@@ -134,7 +133,7 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
     let pmem = KvMemory::allocate(&*pt, &pd, ppages, 0).await.map_err(e)?;
     let ptable: Vec<u64> = (0..ppages).rev().collect();
     let playout = TokenLayout::for_rank(&pd, ptable.clone())?;
-    pattern::fill_rows(&pmem.kv_views(), &playout, PATTERN_ROOM, 0..tokens)?;
+    fill_rows(&pmem.kv_views(), &playout, PATTERN_ROOM, 0..tokens)?;
     let prefill = PrefillAgent::builder(
         pd.clone(),
         pmem.memory.clone(),
@@ -207,7 +206,7 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
         let mut got = 0;
         for d in &decodes {
             let layout = TokenLayout::for_rank(&d.desc, d.table.clone())?;
-            match pattern::verify_rows(&d.mem.kv_views(), &layout, PATTERN_ROOM, 0..tokens) {
+            match verify_rows(&d.mem.kv_views(), &layout, PATTERN_ROOM, 0..tokens) {
                 Ok(b) => got += b,
                 Err(err) => {
                     eprintln!(

@@ -10,11 +10,11 @@
 //! JSON lines on stdout ([`Event`]); the parent draws the progress bar and the summary.
 //!
 //! Per request, the prefill fills every token row it holds with bytes derived from (request,
-//! entry, absolute position) ([`pattern`]), creates the room, waits for the decode ranks'
-//! metadata, sends the prompt in chunks and waits for Success; each decode rank receives into
-//! its own pages (optionally holding a cached prefix it filled itself), waits for Success and
-//! verifies every row the owner rule says it holds. Pages are reused across requests: each
-//! side's pool holds `--concurrency` requests.
+//! entry, absolute position) ([`kvbridge_coordinator::testing`]), creates the room, waits for
+//! the decode ranks' metadata, sends the prompt in chunks and waits for Success; each decode
+//! rank receives into its own pages (optionally holding a cached prefix it filled itself),
+//! waits for Success and verifies every row the owner rule says it holds. Pages are reused
+//! across requests: each side's pool holds `--concurrency` requests.
 //!
 //! [`HttpDirectory`]: kvbridge_coordinator::bootstrap::HttpDirectory
 
@@ -25,7 +25,6 @@ use kvbridge_handshake::PeerDescriptor;
 use serde::{Deserialize, Serialize};
 
 mod parent;
-pub(crate) mod pattern;
 mod worker;
 
 /// Transports the demo can move the KV bytes with.

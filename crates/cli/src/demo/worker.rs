@@ -15,7 +15,9 @@ use kvbridge_coordinator::bootstrap::{
     RankRegistration,
 };
 use kvbridge_coordinator::net_channel::{NetChannel, NetChannelConfig};
-use kvbridge_coordinator::testing::{TokenLayout, chunk_plan, fill_aux, verify_aux};
+use kvbridge_coordinator::testing::{
+    TokenLayout, chunk_plan, fill_aux, fill_rows, verify_aux, verify_rows,
+};
 use kvbridge_coordinator::{
     AllocatedMemory, Chunk, DecodeAgent, DecodeConfig, KvMemory, PrefillAgent, PrefillConfig,
     ReceiveRequest,
@@ -27,7 +29,6 @@ use kvbridge_transport::KvTransport;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use super::pattern::{fill_rows, verify_rows};
 use super::{AUX_ITEM_LENS, DemoArgs, Event, Setup, Summary, Transport, room_of};
 
 /// Writes one event line to stdout (the parent reads it).

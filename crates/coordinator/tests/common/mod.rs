@@ -267,7 +267,7 @@ impl Rig {
     pub async fn start(&self, req: &Request) {
         for (i, (agent, rank)) in self.prefills.iter().enumerate() {
             let layout = self.prefill_layout(i, req);
-            fill_rows(&rank.mem.kv_views(), &layout, 0..req.input_len).unwrap();
+            fill_rows(&rank.mem.kv_views(), &layout, req.room, 0..req.input_len).unwrap();
             fill_aux(
                 &rank.mem.aux_views(),
                 &rank.desc.aux_item_lens,
@@ -279,7 +279,13 @@ impl Rig {
         }
         for (i, (agent, rank)) in self.decodes.iter().enumerate() {
             let layout = self.decode_layout(i, req);
-            fill_rows(&rank.mem.kv_views(), &layout, 0..req.cached_prefix).unwrap();
+            fill_rows(
+                &rank.mem.kv_views(),
+                &layout,
+                req.room,
+                0..req.cached_prefix,
+            )
+            .unwrap();
             agent
                 .receive(
                     req.room,
@@ -346,7 +352,7 @@ impl Rig {
         for (i, (_, rank)) in self.decodes.iter().enumerate() {
             let layout = self.decode_layout(i, req);
             let views = rank.mem.kv_views();
-            total += verify_rows(&views, &layout, 0..req.input_len)
+            total += verify_rows(&views, &layout, req.room, 0..req.input_len)
                 .unwrap_or_else(|e| panic!("decode rank {i}: {e}"));
             if untouched {
                 verify_untouched(&views, &layout, 0..req.input_len)
