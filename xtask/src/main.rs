@@ -1,6 +1,7 @@
 //! Repository automation, std-only: `cargo xtask <task>`.
 //!
-//! Tasks: `ci` (fmt, clippy, test, deny), `fmt`, `clippy`, `test`, `deny`, `bench [NAME]`.
+//! Tasks: `ci` (fmt, clippy, test, deny), `fmt`, `clippy`, `test`, `deny`, `msrv` (build with
+//! the declared rust-version), `bench [NAME]`.
 
 use std::env;
 use std::process::{Command, ExitCode};
@@ -82,6 +83,36 @@ fn deny() -> Result<(), String> {
     ])
 }
 
+/// Checks the workspace builds with the declared `rust-version` (installs that toolchain first).
+fn msrv() -> Result<(), String> {
+    const MSRV: &str = "1.85.0";
+    let status = Command::new("rustup")
+        .args(["toolchain", "install", MSRV, "--profile", "minimal"])
+        .status()
+        .map_err(|e| format!("could not run rustup: {e}"))?;
+    if !status.success() {
+        return Err(format!("could not install Rust {MSRV} with rustup"));
+    }
+    // `cargo +VERSION` goes through rustup's proxy, not the running cargo.
+    let status = Command::new("cargo")
+        .args([
+            &format!("+{MSRV}"),
+            "check",
+            "--workspace",
+            "--all-targets",
+            "--all-features",
+        ])
+        .status()
+        .map_err(|e| format!("could not run cargo +{MSRV}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "the workspace does not build with Rust {MSRV} (its rust-version)"
+        ))
+    }
+}
+
 fn bench(name: Option<&str>) -> Result<(), String> {
     match name {
         None | Some("planner") => {
@@ -124,9 +155,11 @@ fn main() -> ExitCode {
         Some("clippy") => clippy(),
         Some("test") => test(),
         Some("deny") => deny(),
+        Some("msrv") => msrv(),
         Some("bench") => bench(args.get(1).map(String::as_str)),
         _ => Err(
-            "usage: cargo xtask <ci|fmt|clippy|test|deny|bench [planner|shm|tcp|e2e]>".to_owned(),
+            "usage: cargo xtask <ci|fmt|clippy|test|deny|msrv|bench [planner|shm|tcp|e2e]>"
+                .to_owned(),
         ),
     };
     match result {
