@@ -431,6 +431,19 @@ fn is_unknown_batch(e: &TransportError, id: BatchId) -> bool {
     matches!(e, TransportError::UnknownBatch { batch, .. } if *batch == id)
 }
 
+/// Asserts `result` is `UnknownBatch` for `id`; `what` names the call (contract point "ids").
+fn assert_unknown_batch<T: std::fmt::Debug>(
+    name: &str,
+    result: &Result<T, TransportError>,
+    id: BatchId,
+    what: impl std::fmt::Display,
+) {
+    assert!(
+        matches!(result, Err(e) if is_unknown_batch(e, id)),
+        "[{name}] {IDS}: {what} must fail with UnknownBatch, got {result:?}"
+    );
+}
+
 /// A large write batch from local region 0 into remote region 0: `ops` descriptors (fewer if the
 /// transport declares a smaller `max_ops_per_batch`) covering `total` bytes, in scattered order.
 fn scattered_ops(rig: &Rig, total: usize, ops: usize) -> Vec<TransferOp> {
@@ -1009,10 +1022,11 @@ pub async fn deadline_expiry(pair: TransportPair) {
             ),
         }
         let again = rig.wait(id, deadline).await;
-        assert!(
-            matches!(&again, Err(e) if is_unknown_batch(e, id)),
-            "[{}] {IDS}: a second wait for batch {id} must fail with UnknownBatch, got {again:?}",
-            rig.name
+        assert_unknown_batch(
+            rig.name,
+            &again,
+            id,
+            format!("a second wait for batch {id}"),
         );
     }
 }
@@ -1074,11 +1088,7 @@ pub async fn cancel_fences(pair: TransportPair) {
             ),
         }
         let again = bounded(rig.name, IDS, "cancel", CALL_LIMIT, rig.sender.cancel(id)).await;
-        assert!(
-            matches!(&again, Err(e) if is_unknown_batch(e, id)),
-            "[{}] {IDS}: cancel after wait returned must fail with UnknownBatch, got {again:?}",
-            rig.name
-        );
+        assert_unknown_batch(rig.name, &again, id, "cancel after wait returned");
     }
     // Cancelling a batch that already finished keeps its final state.
     let mut model = rig.snapshot_remote();
@@ -1280,23 +1290,11 @@ pub async fn unknown_ids_refused(pair: TransportPair) {
     let rig = Rig::new(pair, &[4096], &[4096]).await;
     let id = BatchId(u64::MAX - 3);
     let w = rig.wait(id, BATCH_TIMEOUT).await;
-    assert!(
-        matches!(&w, Err(e) if is_unknown_batch(e, id)),
-        "[{}] {IDS}: wait of an unknown batch must fail with UnknownBatch, got {w:?}",
-        rig.name
-    );
+    assert_unknown_batch(rig.name, &w, id, "wait of an unknown batch");
     let c = bounded(rig.name, IDS, "cancel", CALL_LIMIT, rig.sender.cancel(id)).await;
-    assert!(
-        matches!(&c, Err(e) if is_unknown_batch(e, id)),
-        "[{}] {IDS}: cancel of an unknown batch must fail with UnknownBatch, got {c:?}",
-        rig.name
-    );
+    assert_unknown_batch(rig.name, &c, id, "cancel of an unknown batch");
     let s = rig.sender.batch_state(id);
-    assert!(
-        matches!(&s, Err(e) if is_unknown_batch(e, id)),
-        "[{}] {IDS}: batch_state of an unknown batch must fail with UnknownBatch, got {s:?}",
-        rig.name
-    );
+    assert_unknown_batch(rig.name, &s, id, "batch_state of an unknown batch");
     let peer = PeerId(u64::MAX - 5);
     let unknown_peer = |r: &Result<(), TransportError>| matches!(r, Err(TransportError::UnknownPeer { peer: p, .. }) if *p == peer);
     let p = bounded(
@@ -1396,17 +1394,9 @@ pub async fn wait_returns_final_state_once(pair: TransportPair) {
         .await
         .unwrap_or_else(|e| panic!("[{}] {IDS}: wait of a done batch failed: {e}", rig.name));
     let w = rig.wait(id, BATCH_TIMEOUT).await;
-    assert!(
-        matches!(&w, Err(e) if is_unknown_batch(e, id)),
-        "[{}] {IDS}: a second wait must fail with UnknownBatch, got {w:?}",
-        rig.name
-    );
+    assert_unknown_batch(rig.name, &w, id, "a second wait");
     let s = rig.sender.batch_state(id);
-    assert!(
-        matches!(&s, Err(e) if is_unknown_batch(e, id)),
-        "[{}] {IDS}: batch_state after wait returned must fail with UnknownBatch, got {s:?}",
-        rig.name
-    );
+    assert_unknown_batch(rig.name, &s, id, "batch_state after wait returned");
     // Ids are not reused.
     let id2 = rig
         .post(TransferBatch::write(vec![]).with_timeout(BATCH_TIMEOUT))
