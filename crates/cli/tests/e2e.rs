@@ -717,3 +717,47 @@ fn bench_e2e_compares_the_same_descriptors_and_verifies_both_paths_shm() {
 fn bench_e2e_compares_the_same_descriptors_and_verifies_both_paths_tcp() {
     bench_e2e("tcp");
 }
+
+#[test]
+fn bench_names_the_build_profile_on_its_first_line_and_warns_on_a_debug_build() {
+    let run = |json: bool| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvbridge"));
+        c.args([
+            "bench",
+            "--pattern",
+            "latency-4k",
+            "--runs",
+            "1",
+            "--size-scale",
+            "0.001",
+        ]);
+        if json {
+            c.arg("--json");
+        }
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // The binary is built with the same profile as this test.
+    let want = if cfg!(debug_assertions) {
+        "profile: debug build (unoptimized, debug assertions on): these figures are NOT \
+         representative"
+    } else {
+        "profile: release build"
+    };
+    let (stdout, _) = run(false);
+    let first = stdout.lines().next().unwrap_or_default();
+    assert!(first.starts_with(want), "{stdout}");
+    let (stdout, stderr) = run(true);
+    assert!(
+        stdout.lines().all(|l| l.starts_with('{')),
+        "JSON lines only on stdout: {stdout}"
+    );
+    assert!(
+        stderr.contains(&format!("kvbridge bench: {want}")),
+        "{stderr}"
+    );
+}

@@ -201,7 +201,25 @@ struct Report {
 const BASELINE: &str = "memcpy into pre-faulted memory";
 const SEED: u64 = 0x6b76_6272_6964_6765;
 
+/// The first line of every bench: the build profile, and a warning on a debug build.
+fn profile_line() -> &'static str {
+    if cfg!(debug_assertions) {
+        "profile: debug build (unoptimized, debug assertions on): these figures are NOT \
+         representative; measure a release build (`cargo run --release -p kvbridge-cli -- bench`)"
+    } else {
+        "profile: release build"
+    }
+}
+
 pub(crate) fn run(args: BenchArgs) -> ExitCode {
+    if args.role.is_none() {
+        // On stdout it would break the JSON lines.
+        if args.json {
+            eprintln!("kvbridge bench: {}", profile_line());
+        } else {
+            println!("{}", profile_line());
+        }
+    }
     if args.e2e {
         return e2e::run(&args);
     }
