@@ -761,3 +761,47 @@ fn bench_names_the_build_profile_on_its_first_line_and_warns_on_a_debug_build() 
         "{stderr}"
     );
 }
+
+#[test]
+fn a_terminated_bench_and_its_receiver_leave_nothing_behind() {
+    let scratch = Scratch::new();
+    // Long enough to be mid-run when the signal comes.
+    let mut bench = scratch
+        .command()
+        .args(["bench", "--pattern", "large", "--runs", "1000"])
+        .args(["--size-scale", "0.05"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start kvbridge bench");
+    let start = Instant::now();
+    // The sender's and the receiver's control directories.
+    while scratch.owners().len() < 2 {
+        assert!(start.elapsed() < LIMIT, "{:?}", scratch.entries());
+        assert!(bench.try_wait().unwrap().is_none(), "the bench ended early");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pids = scratch.owners();
+    let status = Command::new("kill")
+        .args(["-TERM", &bench.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let start = Instant::now();
+    while bench.try_wait().unwrap().is_none() {
+        if start.elapsed() > LIMIT {
+            let _ = bench.kill();
+            panic!("the bench did not stop within {LIMIT:?} of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = bench.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{out:?}");
+    let start = Instant::now();
+    while !pids.iter().all(|&pid| exited(pid)) {
+        assert!(start.elapsed() < LIMIT, "{pids:?} still running");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    scratch.assert_empty("a terminated bench");
+}

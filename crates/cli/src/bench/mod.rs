@@ -251,10 +251,41 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match args.role {
-        Some(Role::Receiver) => rt.block_on(receiver(make, args.pool_bytes)),
-        Some(Role::RawTcpSink) => ExitCode::from(2),
-        None => rt.block_on(sender(make, args)),
+    let run = async {
+        match args.role {
+            Some(Role::Receiver) => receiver(make, args.pool_bytes).await,
+            Some(Role::RawTcpSink) => ExitCode::from(2),
+            None => sender(make, args).await,
+        }
+    };
+    // A signal (a Ctrl-C reaches the receiver too) drops the run instead of killing the
+    // process, so the transports' destructors remove their shared-memory directories, and a
+    // receiver sees its stdin close and stops the same way.
+    rt.block_on(async {
+        tokio::select! {
+            code = run => code,
+            why = interrupted() => {
+                eprintln!("kvbridge bench: {why}; stopped");
+                ExitCode::from(130)
+            }
+        }
+    })
+}
+
+/// Resolves on SIGINT, SIGTERM or SIGHUP, with its name; never when they cannot be watched.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut int), Ok(mut term), Ok(mut hup)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+        signal(SignalKind::hangup()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => "interrupted (SIGINT)",
+        _ = term.recv() => "terminated (SIGTERM)",
+        _ = hup.recv() => "hung up (SIGHUP)",
     }
 }
 
@@ -486,7 +517,7 @@ impl ReceiverProcess {
             .arg(pool_bytes.to_string())
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
-            .kill_on_drop(true)
+            // Not killed on drop: its stdin closes, and it cleans up and exits.
             .spawn()
             .map_err(|e| format!("cannot start the receiver process: {e}"))?;
         let stdin = child.stdin.take().ok_or("no stdin pipe")?;
