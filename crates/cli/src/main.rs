@@ -36,6 +36,13 @@ enum Command {
     Bench(bench::BenchArgs),
 }
 
+/// Removes a shared-memory control directory of a process that could not (it died): its
+/// socket, then the (then empty) directory. Anything else in it is left alone.
+pub(crate) fn remove_control_dir(dir: &std::path::Path) {
+    let _ = std::fs::remove_file(dir.join("ctl.sock"));
+    let _ = std::fs::remove_dir(dir);
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {

@@ -762,11 +762,10 @@ fn bench_names_the_build_profile_on_its_first_line_and_warns_on_a_debug_build() 
     );
 }
 
-#[test]
-fn a_terminated_bench_and_its_receiver_leave_nothing_behind() {
-    let scratch = Scratch::new();
-    // Long enough to be mid-run when the signal comes.
-    let mut bench = scratch
+/// Starts a long `kvbridge bench` in `scratch`, waits until the sender and its receiver
+/// process created their control directories, and returns it with (sender, receiver) pids.
+fn long_bench(scratch: &Scratch) -> (std::process::Child, u32, u32) {
+    let bench = scratch
         .command()
         .args(["bench", "--pattern", "large", "--runs", "1000"])
         .args(["--size-scale", "0.05"])
@@ -776,18 +775,54 @@ fn a_terminated_bench_and_its_receiver_leave_nothing_behind() {
         .spawn()
         .expect("start kvbridge bench");
     let start = Instant::now();
-    // The sender's and the receiver's control directories.
     while scratch.owners().len() < 2 {
         assert!(start.elapsed() < LIMIT, "{:?}", scratch.entries());
-        assert!(bench.try_wait().unwrap().is_none(), "the bench ended early");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let pids = scratch.owners();
+    let sender = bench.id();
+    let receiver = *scratch.owners().iter().find(|&&p| p != sender).unwrap();
+    (bench, sender, receiver)
+}
+
+fn signal(pid: u32, sig: &str) {
     let status = Command::new("kill")
-        .args(["-TERM", &bench.id().to_string()])
+        .args([sig, &pid.to_string()])
         .status()
         .unwrap();
-    assert!(status.success());
+    assert!(status.success(), "kill {sig} {pid}");
+}
+
+fn wait_exited(pids: &[u32]) {
+    let start = Instant::now();
+    while !pids.iter().all(|&pid| exited(pid)) {
+        assert!(start.elapsed() < LIMIT, "{pids:?} still running");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_killed_bench_receiver_or_sender_leaves_nothing_behind() {
+    for victim in ["receiver", "sender"] {
+        let scratch = Scratch::new();
+        let (mut bench, sender, receiver) = long_bench(&scratch);
+        let pid = if victim == "sender" { sender } else { receiver };
+        signal(pid, "-KILL");
+        wait_exited(&[receiver]);
+        let start = Instant::now();
+        while bench.try_wait().unwrap().is_none() {
+            assert!(start.elapsed() < LIMIT, "the sender outlived its receiver");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // The survivor removed what the killed process could not.
+        scratch.assert_empty(&format!("a bench whose {victim} was killed"));
+    }
+}
+
+#[test]
+fn a_terminated_bench_and_its_receiver_leave_nothing_behind() {
+    let scratch = Scratch::new();
+    let (mut bench, sender, receiver) = long_bench(&scratch);
+    signal(sender, "-TERM");
     let start = Instant::now();
     while bench.try_wait().unwrap().is_none() {
         if start.elapsed() > LIMIT {
@@ -798,10 +833,6 @@ fn a_terminated_bench_and_its_receiver_leave_nothing_behind() {
     }
     let out = bench.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(130), "{out:?}");
-    let start = Instant::now();
-    while !pids.iter().all(|&pid| exited(pid)) {
-        assert!(start.elapsed() < LIMIT, "{pids:?} still running");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_exited(&[receiver]);
     scratch.assert_empty("a terminated bench");
 }

@@ -13,9 +13,10 @@
 
 use std::future::Future;
 use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::process::ExitCode;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -34,6 +35,21 @@ pub(crate) type TransportFuture =
 
 /// A transport constructor: each process (sender, receiver) calls it once.
 pub(crate) type Factory = fn() -> TransportFuture;
+
+/// Shared-memory control directories this process created. Each side tells the other, which
+/// removes them if this process dies before its destructors could (killed).
+static CONTROL_DIRS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Records a control directory a factory created.
+pub(crate) fn created_control_dir(dir: &Path) {
+    if let Ok(mut dirs) = CONTROL_DIRS.lock() {
+        dirs.push(dir.display().to_string());
+    }
+}
+
+fn control_dirs() -> Vec<String> {
+    CONTROL_DIRS.lock().map(|d| d.clone()).unwrap_or_default()
+}
 
 /// Transports `kvbridge bench` can measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -160,6 +176,8 @@ enum FromReceiver {
     Ready {
         descriptor_hex: String,
         region: u64,
+        #[serde(default)]
+        control_dirs: Vec<String>,
     },
     Verified {
         ok: bool,
@@ -445,7 +463,12 @@ async fn receiver(make: Factory, pool_bytes: u64) -> ExitCode {
     say(&FromReceiver::Ready {
         descriptor_hex: hex(&t.local_descriptor()),
         region: id.0,
+        control_dirs: control_dirs(),
     });
+    let parent = std::os::unix::process::parent_id();
+    // The sender's control directories (`sender-dirs <JSON list>`), removed here if it dies.
+    let mut sender_dirs: Vec<String> = Vec::new();
+    let mut finished = false;
     // Notifications: "lat <unix nanos>" records a one-way latency; others are just drained.
     let listener = Arc::clone(&t);
     let latencies = tokio::spawn(async move {
@@ -466,6 +489,10 @@ async fn receiver(make: Factory, pool_bytes: u64) -> ExitCode {
     });
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     while let Ok(Some(line)) = lines.next_line().await {
+        if let Some(list) = line.strip_prefix("sender-dirs ") {
+            sender_dirs = serde_json::from_str(list).unwrap_or_default();
+            continue;
+        }
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
             ["verify", pattern, scale] => {
@@ -486,10 +513,26 @@ async fn receiver(make: Factory, pool_bytes: u64) -> ExitCode {
                     detail: checked.err().unwrap_or_default(),
                 });
             }
-            ["finish"] => break,
+            ["finish"] => {
+                finished = true;
+                break;
+            }
             _ => say(&FromReceiver::Failed {
                 error: format!("unknown command {line:?}"),
             }),
+        }
+    }
+    if !finished && !sender_dirs.is_empty() {
+        // Our stdin closed early. If the sender died, we are handed to another parent (the
+        // kernel closes its pipes first, so give that a moment) and remove what it could not.
+        for _ in 0..50 {
+            if std::os::unix::process::parent_id() != parent {
+                for dir in &sender_dirs {
+                    crate::remove_control_dir(Path::new(dir));
+                }
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
     let _ = t.shutdown().await;
@@ -506,6 +549,8 @@ struct ReceiverProcess {
     child: tokio::process::Child,
     stdin: tokio::process::ChildStdin,
     lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+    /// Its shared-memory control directories (from `Ready`).
+    control_dirs: Vec<PathBuf>,
 }
 
 impl ReceiverProcess {
@@ -526,7 +571,18 @@ impl ReceiverProcess {
             child,
             stdin,
             lines: BufReader::new(stdout).lines(),
+            control_dirs: Vec::new(),
         })
+    }
+
+    /// After a failed run: stops the receiver and removes the control directories it may not
+    /// have removed itself (it may have been killed, which is why the run failed).
+    async fn reap(mut self) {
+        let _ = self.child.start_kill();
+        let _ = self.child.wait().await;
+        for dir in &self.control_dirs {
+            crate::remove_control_dir(dir);
+        }
     }
 
     async fn next(&mut self) -> Result<FromReceiver, String> {
@@ -628,21 +684,45 @@ async fn measure(
     pattern: Pattern,
     progress: &Progress,
 ) -> Result<Report, String> {
+    progress.show(&format!(
+        "{}: starting the receiver process",
+        pattern.name()
+    ));
+    let (pool, _) = plan(pattern, args.size_scale, SEED);
+    let mut rx = ReceiverProcess::start(args.transport, pool).await?;
+    let result = measure_with(&mut rx, make, args, pattern, progress).await;
+    if result.is_err() {
+        rx.reap().await;
+    }
+    result
+}
+
+async fn measure_with(
+    rx: &mut ReceiverProcess,
+    make: Factory,
+    args: &BenchArgs,
+    pattern: Pattern,
+    progress: &Progress,
+) -> Result<Report, String> {
     let name = pattern.name();
     let (pool, ops) = plan(pattern, args.size_scale, SEED);
-    progress.show(&format!("{name}: starting the receiver process"));
-    let mut rx = ReceiverProcess::start(args.transport, pool).await?;
     let (descriptor, remote) = match rx.next().await? {
         FromReceiver::Ready {
             descriptor_hex,
             region,
-        } => (
-            unhex(&descriptor_hex).ok_or("the receiver sent a malformed descriptor")?,
-            RegionId(region),
-        ),
+            control_dirs,
+        } => {
+            rx.control_dirs = control_dirs.into_iter().map(PathBuf::from).collect();
+            (
+                unhex(&descriptor_hex).ok_or("the receiver sent a malformed descriptor")?,
+                RegionId(region),
+            )
+        }
         other => return Err(format!("expected Ready from the receiver, got {other:?}")),
     };
     let t = make().await?;
+    let dirs = serde_json::to_string(&control_dirs()).map_err(|e| e.to_string())?;
+    rx.command(&format!("sender-dirs {dirs}")).await?;
     let e = |e: kvbridge_transport::TransportError| e.to_string();
     let (local, src) = t.allocate_registered(pool as usize).await.map_err(e)?;
     fill_source(&src)?;

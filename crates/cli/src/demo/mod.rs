@@ -252,13 +252,6 @@ pub(crate) struct Setup {
 /// to stop: aborts, fences and cleanup. Stated in `--help`.
 pub(crate) const GRACE: Duration = Duration::from_secs(10);
 
-/// Removes a shared-memory control directory: its socket, then the (then empty) directory.
-/// Anything else in it is left alone.
-pub(crate) fn remove_control_dir(dir: &std::path::Path) {
-    let _ = std::fs::remove_file(dir.join("ctl.sock"));
-    let _ = std::fs::remove_dir(dir);
-}
-
 /// Aux buffers of every rank: one 64-byte metadata row per request.
 pub(crate) const AUX_ITEM_LENS: [u64; 1] = [64];
 

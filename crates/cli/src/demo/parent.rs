@@ -12,7 +12,8 @@ use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::mpsc;
 
 use super::worker::decode_bytes;
-use super::{DemoArgs, Event, GRACE, Setup, Summary, Transport, remove_control_dir};
+use super::{DemoArgs, Event, GRACE, Setup, Summary, Transport};
+use crate::remove_control_dir;
 
 /// Which process to kill or freeze, and when (test knobs `--kill`, `--freeze`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -490,7 +491,12 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
                     p.failure = Some((reason, secondary));
                 }
             }
-            Event::Done(s) => procs[idx].summary = Some(s),
+            Event::Done(s) => {
+                if s.first_failure.is_some() {
+                    trouble.get_or_insert_with(Instant::now);
+                }
+                procs[idx].summary = Some(s);
+            }
         }
         maybe_finish(&mut procs, &mut finish_sent).await;
     }

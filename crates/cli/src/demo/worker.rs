@@ -33,9 +33,8 @@ use kvbridge_transport::KvTransport;
 use tokio::sync::{Notify, Semaphore, watch};
 use tokio::task::JoinSet;
 
-use super::{
-    AUX_ITEM_LENS, DemoArgs, Event, GRACE, Setup, Summary, Transport, remove_control_dir, room_of,
-};
+use super::{AUX_ITEM_LENS, DemoArgs, Event, GRACE, Setup, Summary, Transport, room_of};
+use crate::remove_control_dir;
 
 /// Writes one event line to stdout (the parent reads it).
 fn emit(ev: &Event) {
