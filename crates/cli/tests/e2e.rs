@@ -58,6 +58,20 @@ impl Scratch {
             .collect()
     }
 
+    /// Waits until `n` processes own a control directory here (they are up); returns them.
+    fn wait_for_owners(&self, n: usize) -> Vec<u32> {
+        let start = Instant::now();
+        while self.owners().len() < n {
+            assert!(
+                start.elapsed() < LIMIT,
+                "{n} processes did not start within {LIMIT:?}: {:?}",
+                self.entries()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.owners()
+    }
+
     fn assert_empty(&self, what: &str) {
         let left = self.entries();
         assert!(
@@ -455,28 +469,12 @@ fn killing_the_parent_stops_every_child_and_they_leave_nothing_behind() {
         .spawn()
         .expect("start kvbridge demo");
     // The prefill's and both decodes' control directories: every child is up.
-    let start = Instant::now();
-    while scratch.owners().len() < 3 {
-        assert!(
-            start.elapsed() < LIMIT,
-            "the children did not start within {LIMIT:?}: {:?}",
-            scratch.entries()
-        );
-        assert!(parent.try_wait().unwrap().is_none(), "the demo ended early");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let children = scratch.owners();
+    let children = scratch.wait_for_owners(3);
     std::thread::sleep(Duration::from_millis(500));
+    assert!(parent.try_wait().unwrap().is_none(), "the demo ended early");
     parent.kill().expect("SIGKILL the parent");
     parent.wait().unwrap();
-    let start = Instant::now();
-    while !children.iter().all(|&pid| exited(pid)) {
-        assert!(
-            start.elapsed() < LIMIT,
-            "children {children:?} outlived their parent by {LIMIT:?}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_exited(&children);
     scratch.assert_empty("the children of a killed parent");
 }
 
@@ -774,13 +772,12 @@ fn long_bench(scratch: &Scratch) -> (std::process::Child, u32, u32) {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start kvbridge bench");
-    let start = Instant::now();
-    while scratch.owners().len() < 2 {
-        assert!(start.elapsed() < LIMIT, "{:?}", scratch.entries());
-        std::thread::sleep(Duration::from_millis(20));
-    }
     let sender = bench.id();
-    let receiver = *scratch.owners().iter().find(|&&p| p != sender).unwrap();
+    let receiver = *scratch
+        .wait_for_owners(2)
+        .iter()
+        .find(|&&p| p != sender)
+        .unwrap();
     (bench, sender, receiver)
 }
 
