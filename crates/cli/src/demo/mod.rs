@@ -122,7 +122,7 @@ pub(crate) struct DemoArgs {
     #[arg(long, default_value_t = 0)]
     prefix_tokens: u64,
     /// Deadline in seconds for each request's handshake and transfer; the decode also declares
-    /// the prefill lost after missing heartbeats for about a fifth of it.
+    /// the prefill lost after missing heartbeats for about a fifth of it (see "Deadlines").
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
     /// Shared secret for the control channels (and the TCP transport); default: none.
