@@ -282,29 +282,12 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
     rt.block_on(async {
         tokio::select! {
             code = run => code,
-            why = interrupted() => {
+            why = crate::terminating_signal() => {
                 eprintln!("kvbridge bench: {why}; stopped");
                 ExitCode::from(130)
             }
         }
     })
-}
-
-/// Resolves on SIGINT, SIGTERM or SIGHUP, with its name; never when they cannot be watched.
-async fn interrupted() -> &'static str {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut int), Ok(mut term), Ok(mut hup)) = (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-        signal(SignalKind::hangup()),
-    ) else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = int.recv() => "interrupted (SIGINT)",
-        _ = term.recv() => "terminated (SIGTERM)",
-        _ = hup.recv() => "hung up (SIGHUP)",
-    }
 }
 
 /// The descriptors of a pattern: (source offset, destination offset, length), and the pool size.

@@ -324,7 +324,9 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
     let mut trouble: Option<Instant> = None;
     // After a signal: the grace, for the children to stop.
     let mut stop_by: Option<Instant> = None;
-    let mut signals = Signals::new();
+    // The parent's SIGINT or SIGTERM stops the run cleanly (the children are told).
+    let signal = crate::terminating_signal();
+    tokio::pin!(signal);
 
     while !procs.is_empty() && procs.iter().any(|p| !p.eof) {
         let end = [
@@ -338,7 +340,7 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
         .unwrap_or(deadline);
         let msg = tokio::select! {
             m = rx.recv() => m,
-            why = signals.recv() => {
+            why = &mut signal, if stop_by.is_none() => {
                 // Closing their stdin stops the children, which clean up and report.
                 for p in &mut procs {
                     p.stdin = None;
@@ -618,39 +620,6 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
                 summary: p.summary,
             })
             .collect(),
-    }
-}
-
-/// SIGINT and SIGTERM of the parent: the run is stopped cleanly instead of leaving its
-/// children to notice the parent is gone.
-struct Signals {
-    int: Option<tokio::signal::unix::Signal>,
-    term: Option<tokio::signal::unix::Signal>,
-}
-
-impl Signals {
-    fn new() -> Self {
-        use tokio::signal::unix::{SignalKind, signal};
-        Self {
-            int: signal(SignalKind::interrupt()).ok(),
-            term: signal(SignalKind::terminate()).ok(),
-        }
-    }
-
-    /// The next signal's name; never resolves when signals cannot be watched.
-    async fn recv(&mut self) -> &'static str {
-        async fn next(s: &mut Option<tokio::signal::unix::Signal>) {
-            if let Some(s) = s {
-                if s.recv().await.is_some() {
-                    return;
-                }
-            }
-            std::future::pending().await
-        }
-        tokio::select! {
-            () = next(&mut self.int) => "interrupted (SIGINT)",
-            () = next(&mut self.term) => "terminated (SIGTERM)",
-        }
     }
 }
 

@@ -126,7 +126,7 @@ fn watch_parent() -> Arc<Commands> {
             line.clear();
             match std::io::BufRead::read_line(&mut std::io::stdin().lock(), &mut line) {
                 Ok(0) | Err(_) => {
-                    c.stop("the parent process went away (its end of stdin closed)");
+                    c.stop("stdin closed (the parent stopped the run, or died)");
                     return;
                 }
                 Ok(_) => match line.trim() {
@@ -138,26 +138,6 @@ fn watch_parent() -> Arc<Commands> {
         }
     });
     commands
-}
-
-/// SIGTERM, SIGINT (a Ctrl-C reaches every process of the demo) and SIGHUP stop the process
-/// like a dead parent does, instead of killing it before its destructors ran.
-async fn watch_signals(commands: Arc<Commands>) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::hangup()),
-    ) else {
-        tracing::warn!("cannot watch for signals; a signal kills this process without cleanup");
-        return;
-    };
-    let why = tokio::select! {
-        _ = term.recv() => "received SIGTERM",
-        _ = int.recv() => "received SIGINT",
-        _ = hup.recv() => "received SIGHUP",
-    };
-    commands.stop(why);
 }
 
 /// The shared-memory control directories this process created.
@@ -183,7 +163,9 @@ where
         Err(e) => return report_error(role, rank, e),
     };
     let result = rt.block_on(async {
-        tokio::spawn(watch_signals(commands.clone()));
+        // A signal (a Ctrl-C reaches every process of the demo) stops it like a dead parent.
+        let c = commands.clone();
+        tokio::spawn(async move { c.stop(crate::terminating_signal().await) });
         let main = main(commands.clone(), dirs.clone());
         tokio::pin!(main);
         tokio::select! {
@@ -217,14 +199,23 @@ fn stop_when_told(
     let (commands, stop, in_flight) = (commands.clone(), stop.clone(), in_flight.clone());
     tokio::spawn(async move {
         let why = commands.stopped().await;
-        if !stop.swap(true, Ordering::SeqCst) {
-            tracing::warn!("{why}: aborting the rooms in flight and shutting down");
-            let rooms: Vec<u64> = lock(&in_flight).iter().copied().collect();
-            for room in rooms {
-                abort(room);
-            }
+        if stop_all(&stop, &in_flight, abort) {
+            tracing::warn!("{why}: aborted the rooms in flight, shutting down");
         }
     })
+}
+
+/// Sets `stop`, so no further request starts; the first caller also aborts every room in
+/// flight (and returns true).
+fn stop_all(stop: &AtomicBool, in_flight: &InFlight, abort: impl Fn(u64)) -> bool {
+    if stop.swap(true, Ordering::SeqCst) {
+        return false;
+    }
+    let rooms: Vec<u64> = lock(in_flight).iter().copied().collect();
+    for room in rooms {
+        abort(room);
+    }
+    true
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, String> {
@@ -450,12 +441,6 @@ impl From<String> for Failure {
     }
 }
 
-impl From<&str> for Failure {
-    fn from(text: &str) -> Self {
-        text.to_owned().into()
-    }
-}
-
 impl From<CoordinatorError> for Failure {
     fn from(e: CoordinatorError) -> Self {
         let secondary = match &e {
@@ -510,12 +495,7 @@ impl Summary {
             reason: why.text,
             secondary: why.secondary,
         });
-        if !stop.swap(true, Ordering::SeqCst) {
-            let rooms: Vec<u64> = lock(in_flight).iter().copied().collect();
-            for room in rooms {
-                abort(room);
-            }
-        }
+        stop_all(stop, in_flight, abort);
     }
 }
 
@@ -1041,8 +1021,8 @@ mod tests {
         };
         s.fail(0, secondary("aborted"), &stop, &in_flight, |_| {});
         assert_eq!(s.first_failure.as_deref(), Some("aborted"));
-        s.fail(1, "peer lost".into(), &stop, &in_flight, |_| {});
-        s.fail(2, "later".into(), &stop, &in_flight, |_| {});
+        s.fail(1, "peer lost".to_owned().into(), &stop, &in_flight, |_| {});
+        s.fail(2, "later".to_owned().into(), &stop, &in_flight, |_| {});
         s.fail(3, secondary("aborted again"), &stop, &in_flight, |_| {});
         assert_eq!(s.first_failure.as_deref(), Some("peer lost"));
         assert_eq!(s.failed, 4);
