@@ -5,6 +5,7 @@ use std::ops::Range;
 
 use crate::bytes::{ByteRanges, EntryPair, RowCopy, pair_item_lens};
 use crate::error::{GeometryError, Result, Side};
+use crate::limits::{self, MAX_KV_HEADS};
 use crate::pool::PoolGeometry;
 use crate::runs::{Run, group_concurrent_contiguous};
 
@@ -184,8 +185,18 @@ impl HeadSharding {
     /// Validates the split.
     ///
     /// # Errors
-    /// [`GeometryError::HeadsDoNotSplit`].
+    /// [`GeometryError::HeadsDoNotSplit`]; [`GeometryError::TooLarge`] for more than
+    /// [`crate::MAX_KV_HEADS`] heads or a TP size above [`crate::MAX_GROUP_SIZE`].
     pub fn new(total_kv_heads: u64, tp_src: u64, tp_dst: u64) -> Result<Self> {
+        // Before `sources_for` / `targets_of` loop over heads and ranks.
+        limits::at_most(
+            "total_kv_heads",
+            total_kv_heads,
+            MAX_KV_HEADS,
+            "pass the model's num_key_value_heads",
+        )?;
+        limits::group_size("prefill attn_tp_size", tp_src)?;
+        limits::group_size("decode attn_tp_size", tp_dst)?;
         let splits = |t: u64| t > 0 && (total_kv_heads % t == 0 || t % total_kv_heads == 0);
         if total_kv_heads == 0 || !splits(tp_src) || !splits(tp_dst) {
             return Err(GeometryError::HeadsDoNotSplit {

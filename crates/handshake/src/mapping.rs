@@ -34,7 +34,7 @@
 //! (`kvbridge_geometry::HeadSharding::sources_for`); the other ranks of SGLang's range become
 //! dummies. Every peer that sends head slices carries its [`HeadRange`].
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use kvbridge_geometry::{
     HeadSharding, HeadSlice, PoolKind, compute_head_slice_params, reshard_sources,
@@ -42,6 +42,7 @@ use kvbridge_geometry::{
 use serde::Serialize;
 
 use crate::error::{HandshakeError, Result};
+use crate::limits::{MAX_DEPLOYMENT_RANKS, MAX_GROUP_SIZE};
 use crate::problem::ProblemCode;
 
 /// Inputs of SGLang's rank mapping (spec 02 §6), decode side.
@@ -158,13 +159,29 @@ pub(crate) fn pp_failure(pp_d: u32, pp_p: u32) -> MappingFailure {
     }
 }
 
+fn too_large(name: &str, value: u64, max: u64) -> std::result::Result<(), MappingFailure> {
+    if value <= max {
+        return Ok(());
+    }
+    Err(MappingFailure {
+        code: ProblemCode::TooLarge,
+        message: format!("{name}={value} is above the maximum of {max}"),
+        remedy: format!(
+            "set {name} to the server's real size; every maximum is far above any real \
+             deployment (docs/errors.md, \"Descriptor format\")"
+        ),
+    })
+}
+
 /// SGLang 0.5.23's rank mapping (spec 02 §6), exactly — including its silent reduction of the
 /// engine rank modulo `tp_d` and the absence of a TP divisibility check.
 ///
 /// # Errors
 /// [`HandshakeError::MappingPrecondition`] with SGLang's assertion text for the three
 /// preconditions (MLA sharding with different TP, decode CP ≠ 1, decode PP neither prefill PP
-/// nor 1), and for zero sizes (which SGLang would divide by).
+/// nor 1), for zero sizes (which SGLang would divide by), and for sizes above
+/// [`crate::MAX_GROUP_SIZE`] or a prefill deployment above [`crate::MAX_DEPLOYMENT_RANKS`]
+/// ranks (checked before any rank list is allocated).
 pub fn sglang_rank_mapping(input: &MappingInput) -> Result<TargetRanks> {
     Ok(sglang_targets(input)?)
 }
@@ -184,7 +201,17 @@ pub(crate) fn sglang_targets(i: &MappingInput) -> std::result::Result<TargetRank
                 remedy: format!("set {name} to the server's real size"),
             });
         }
+        too_large(name, u64::from(v), MAX_GROUP_SIZE)?;
     }
+    // The target lists below hold up to tp_p, cp_p and pp_p ranks, and the bootstrap list their
+    // product: bounded before anything is allocated.
+    let prefill_ranks =
+        u64::from(i.prefill_tp_size) * u64::from(i.prefill_cp_size) * u64::from(i.prefill_pp_size);
+    too_large(
+        "prefill attn_tp_size x attn_cp_size x pp_size",
+        prefill_ranks,
+        MAX_DEPLOYMENT_RANKS,
+    )?;
     let tp_d = i.decode_tp_size;
     let tp_p = i.prefill_tp_size;
     let e = i.engine_rank();
@@ -527,18 +554,22 @@ pub(crate) fn coverage_targets(
     let mut all: Vec<u32> = real.iter().chain(dummies).copied().collect();
     all.sort_unstable();
     all.dedup();
+    // Decode ranks registering at each prefill rank, counted in one pass over the table (linear
+    // in its size; a per-target scan of the table would be quadratic).
+    let mut registrations: BTreeMap<u32, u32> = BTreeMap::new();
+    for (r, d) in &table {
+        let row: BTreeSet<u32> = r.iter().chain(d).copied().collect();
+        for t in row {
+            *registrations.entry(t).or_default() += 1;
+        }
+    }
+    let real_set: BTreeSet<u32> = real.iter().copied().collect();
     let per_tp: Vec<TpTarget> = all
         .iter()
-        .map(|&t| {
-            let n = table
-                .iter()
-                .filter(|(r, d)| r.contains(&t) || d.contains(&t))
-                .count() as u32;
-            TpTarget {
-                tp: t,
-                is_dummy: !real.contains(&t),
-                dst_info: n,
-            }
+        .map(|&t| TpTarget {
+            tp: t,
+            is_dummy: !real_set.contains(&t),
+            dst_info: registrations.get(&t).copied().unwrap_or(0),
         })
         .collect();
     let cp_factor = sg.target_cp_ranks.len() as u32;
