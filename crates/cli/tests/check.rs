@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-use serde_json::Value;
+use serde_json::{Value, json};
 
 fn example(path: &str) -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -263,4 +263,76 @@ fn swapped_arguments_are_a_problem_not_a_parse_error() {
     ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(stdout(&o).contains("KVB-E020"));
+}
+
+/// Writes `v` (the JSON of an example descriptor with fields replaced) to a file of its own.
+fn edited(example_file: &str, fields: Value, name: &str) -> String {
+    let text = std::fs::read_to_string(example(example_file)).expect("example");
+    let mut d: Value = serde_json::from_str(&text).expect("example JSON");
+    for (k, v) in fields.as_object().expect("object") {
+        d[k] = v.clone();
+    }
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("check-{name}.json"));
+    std::fs::write(&path, d.to_string()).expect("write");
+    path.display().to_string()
+}
+
+/// Before the bounds, prefill `pp_size` 4294967295 aborted allocating 16 GiB in the rank
+/// mapping, and a prefill `attn_tp_size` of 1,048,576 took about 20 s (quadratic mapping); both
+/// are refused as KVB-E033 now, before the mapping, in text, JSON and `--all-ranks` form.
+#[test]
+fn huge_sizes_are_refused_as_e033_without_a_crash() {
+    let decode = example("deepseek-mla-dcp4/decode.json");
+    for (name, fields, seen) in [
+        (
+            "pp-u32-max",
+            json!({"pp_size": 4294967295u64}),
+            "pp_size=4294967295 (max 1024)",
+        ),
+        (
+            "tp-million",
+            json!({"attn_tp_size": 1_048_576}),
+            "attn_tp_size=1048576 (max 1024)",
+        ),
+    ] {
+        let prefill = edited("deepseek-mla-dcp4/prefill.json", fields, name);
+        for extra in [
+            &[][..],
+            &["--all-ranks"],
+            &["--json"],
+            &["--all-ranks", "--json"],
+        ] {
+            let mut args = vec!["check", prefill.as_str(), decode.as_str()];
+            args.extend_from_slice(extra);
+            let o = kvbridge(&args);
+            assert_eq!(
+                o.status.code(),
+                Some(1),
+                "{extra:?}: {}{}",
+                stdout(&o),
+                stderr(&o)
+            );
+            assert!(stderr(&o).is_empty(), "{}", stderr(&o));
+            let out = stdout(&o);
+            assert!(out.contains("KVB-E033"), "{extra:?}: {out}");
+            assert!(out.contains(seen), "{extra:?}: {out}");
+        }
+    }
+    // On the decode side `--all-ranks` checks the descriptor as given instead of 2^32 ranks.
+    let prefill = example("deepseek-mla-dcp4/prefill.json");
+    let decode = edited(
+        "deepseek-mla-dcp4/decode.json",
+        json!({"pp_size": 4294967295u64}),
+        "decode-pp-u32-max",
+    );
+    let v = json(&kvbridge(&[
+        "check",
+        &prefill,
+        &decode,
+        "--all-ranks",
+        "--json",
+    ]));
+    assert_eq!(v["compatible"], false);
+    assert_eq!(v["ranks"].as_array().map(Vec::len), Some(1));
+    assert_eq!(v["problems"][0]["code"], "KVB-E033");
 }

@@ -178,3 +178,38 @@ fn help_explains_the_input_format() {
         assert!(help.contains(needle), "help lacks {needle}: {help}");
     }
 }
+
+/// Before the bounds, page size 2^32 aborted allocating 32 GiB of per-token arrays, and 2^62
+/// panicked with "capacity overflow"; both are refused up front now.
+#[test]
+fn huge_page_sizes_and_chunks_exit_2_without_allocating() {
+    for page_size in [1u64 << 32, 1 << 62, u64::MAX] {
+        let out = plan_stdin(
+            &json!({"src_pages": [0], "dst_pages": [0], "page_size": page_size,
+                "dcp_size": 4, "dcp_rank": 1})
+            .to_string(),
+        );
+        assert_invalid(
+            &out,
+            &format!("kvbridge plan: page_size={page_size} is above the maximum of 1048576"),
+        );
+    }
+    let out = plan_stdin(
+        &json!({"src_pages": [0], "dst_pages": [0], "page_size": 2, "dcp_size": 1u64 << 32,
+            "dcp_rank": 1})
+        .to_string(),
+    );
+    assert_invalid(&out, "dcp_size=4294967296 is above the maximum of 1024");
+    // 2^23 tokens the source pages do hold: above the chunk maximum.
+    let pages: Vec<u64> = (0..8).collect();
+    let out = plan_stdin(
+        &json!({"src_pages": pages, "dst_pages": pages, "page_size": 1 << 20, "dcp_size": 1,
+            "dcp_rank": 0})
+        .to_string(),
+    );
+    assert_invalid(
+        &out,
+        "num_kv_tokens=8388608 is above the maximum of 4194304; plan a longer send range as \
+         several chunks",
+    );
+}
