@@ -213,3 +213,131 @@ fn huge_page_sizes_and_chunks_exit_2_without_allocating() {
          several chunks",
     );
 }
+
+/// SplitMix64: a seeded generator, so every run mutates the same way.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// One mutation of a plan input: a field set to an extreme (integer edges, negative, float,
+/// wrong types, an array longer than any chunk needs), a page id set to an extreme, a bit
+/// flip, or a truncation. Accepted values stay small, so every case is quick by construction.
+fn mutate(text: &str, rng: &mut Rng) -> String {
+    const FIELDS: [&str; 9] = [
+        "src_pages",
+        "dst_pages",
+        "page_size",
+        "dcp_size",
+        "dcp_rank",
+        "src_page_offset",
+        "decode_prefix_len",
+        "num_kv_tokens",
+        "unknown_field",
+    ];
+    let extremes = [
+        json!(0),
+        json!(1),
+        json!(1025),
+        json!((1u64 << 20) + 1),
+        json!(1u64 << 31),
+        json!(1u64 << 32),
+        json!(1u64 << 62),
+        json!(u64::MAX),
+        json!(-1),
+        json!(1.5),
+        json!("8"),
+        Value::Null,
+        json!([]),
+        json!((0..5000).collect::<Vec<u64>>()),
+        json!([u64::MAX, 0]),
+    ];
+    match rng.below(4) {
+        0 | 1 => match serde_json::from_str::<Value>(text) {
+            Ok(Value::Object(mut o)) => {
+                let v = extremes[rng.below(extremes.len())].clone();
+                if rng.below(2) == 0 {
+                    o.insert(FIELDS[rng.below(FIELDS.len())].to_owned(), v);
+                } else if let Some(Value::Array(pages)) = o.get_mut(FIELDS[rng.below(2)]) {
+                    if !pages.is_empty() {
+                        let i = rng.below(pages.len());
+                        pages[i] = v;
+                    }
+                }
+                Value::Object(o).to_string()
+            }
+            _ => text.to_owned(),
+        },
+        2 => {
+            let mut bytes = text.as_bytes().to_vec();
+            if !bytes.is_empty() {
+                let i = rng.below(bytes.len());
+                bytes[i] ^= 1 << rng.below(8);
+            }
+            String::from_utf8_lossy(&bytes).into_owned()
+        }
+        _ => {
+            let cut = rng.below(text.len() + 1);
+            String::from_utf8_lossy(&text.as_bytes()[..cut]).into_owned()
+        }
+    }
+}
+
+/// Fuzzing the JSON `kvbridge plan` reads: seeds from `tests/corpus/plan/*.json`, 1–3
+/// mutations each, a bounded number of cases. Every outcome is exit 0 with one JSON plan on
+/// stdout, or exit 2 with one message on stderr and nothing on stdout; never a panic or an
+/// abort.
+#[test]
+fn mutated_plan_inputs_exit_0_or_2_with_a_message() {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/corpus/plan");
+    let mut seeds: Vec<String> = std::fs::read_dir(&dir)
+        .expect("tests/corpus/plan exists")
+        .map(|e| std::fs::read_to_string(e.expect("entry").path()).expect("seed"))
+        .collect();
+    seeds.sort();
+    assert!(seeds.len() >= 4);
+    let mut rng = Rng(0x6b76_6272_6964_6765);
+    let (mut planned, mut refused) = (0, 0);
+    for case in 0..96 {
+        let mut text = seeds[case % seeds.len()].clone();
+        for _ in 0..=rng.below(3) {
+            text = mutate(&text, &mut rng);
+        }
+        let out = plan_stdin(&text);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        match out.status.code() {
+            Some(0) => {
+                let v: Value = serde_json::from_slice(&out.stdout)
+                    .unwrap_or_else(|e| panic!("case {case}: {e}; input {text}"));
+                assert!(v["target_runs"].is_array(), "case {case}: {v}");
+                assert!(stderr.is_empty(), "case {case}: {stderr}");
+                planned += 1;
+            }
+            Some(2) => {
+                assert!(out.stdout.is_empty(), "case {case}: input {text}");
+                assert!(
+                    stderr.starts_with("kvbridge plan: ") && stderr.trim_end().lines().count() == 1,
+                    "case {case}: {stderr:?}; input {text}"
+                );
+                refused += 1;
+            }
+            other => panic!("case {case}: exit {other:?}, stderr {stderr}; input {text}"),
+        }
+    }
+    // Both outcomes were exercised.
+    assert!(
+        planned > 0 && refused > 0,
+        "planned {planned}, refused {refused}"
+    );
+}
