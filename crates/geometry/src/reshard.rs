@@ -49,9 +49,13 @@ pub fn reshard_sources(prefill_dcp: u64, decode_dcp: u64, decode_rank: u64) -> R
     check_group(prefill_dcp, 0)?;
     check_group(decode_dcp, decode_rank)?;
     let g = gcd(prefill_dcp, decode_dcp);
-    Ok((0..prefill_dcp)
-        .filter(|r| r % g == decode_rank % g)
-        .collect())
+    // Stepping by g visits only the ranks returned: work linear in the answer.
+    Ok((decode_rank % g..prefill_dcp).step_by(step(g)).collect())
+}
+
+/// `g` as an iterator step (`g ≤ MAX_GROUP_SIZE`, checked by the callers).
+fn step(g: u64) -> usize {
+    usize::try_from(g).unwrap_or(usize::MAX)
 }
 
 /// Decode ranks (of `decode_dcp`) that prefill rank `prefill_rank` sends to: the
@@ -64,9 +68,7 @@ pub fn reshard_targets(prefill_dcp: u64, decode_dcp: u64, prefill_rank: u64) -> 
     check_group(prefill_dcp, prefill_rank)?;
     check_group(decode_dcp, 0)?;
     let g = gcd(prefill_dcp, decode_dcp);
-    Ok((0..decode_dcp)
-        .filter(|r| r % g == prefill_rank % g)
-        .collect())
+    Ok((prefill_rank % g..decode_dcp).step_by(step(g)).collect())
 }
 
 fn check_group(size: u64, rank: u64) -> Result<()> {

@@ -174,3 +174,28 @@ fn pools_bound_their_page_size() {
         .unwrap_err();
     assert_eq!(too_large(&e).0, "page_size");
 }
+
+/// The rank lists step through the answer instead of filtering every rank; the same lists as
+/// the congruence definition.
+#[test]
+fn rank_lists_equal_their_definition() {
+    let gcd = |mut x: u64, mut y: u64| {
+        while y != 0 {
+            (x, y) = (y, x % y);
+        }
+        x
+    };
+    for a in 1..=12u64 {
+        for b in 1..=12u64 {
+            let g = gcd(a, b);
+            for br in 0..b {
+                let want: Vec<u64> = (0..a).filter(|r| r % g == br % g).collect();
+                assert_eq!(reshard_sources(a, b, br).unwrap(), want, "{a} -> {b}, {br}");
+            }
+            for ar in 0..a {
+                let want: Vec<u64> = (0..b).filter(|r| r % g == ar % g).collect();
+                assert_eq!(reshard_targets(a, b, ar).unwrap(), want, "{a} -> {b}, {ar}");
+            }
+        }
+    }
+}
