@@ -5,6 +5,9 @@ use std::process::{Command, Output, Stdio};
 
 use serde_json::{Value, json};
 
+mod fuzzing;
+use fuzzing::{Rng, mutate};
+
 fn plan_stdin(input: &str) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
         .args(["plan", "-"])
@@ -214,85 +217,18 @@ fn huge_page_sizes_and_chunks_exit_2_without_allocating() {
     );
 }
 
-/// SplitMix64: a seeded generator, so every run mutates the same way.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
-/// One mutation of a plan input: a field set to an extreme (integer edges, negative, float,
-/// wrong types, an array longer than any chunk needs), a page id set to an extreme, a bit
-/// flip, or a truncation. Accepted values stay small, so every case is quick by construction.
-fn mutate(text: &str, rng: &mut Rng) -> String {
-    const FIELDS: [&str; 9] = [
-        "src_pages",
-        "dst_pages",
-        "page_size",
-        "dcp_size",
-        "dcp_rank",
-        "src_page_offset",
-        "decode_prefix_len",
-        "num_kv_tokens",
-        "unknown_field",
-    ];
-    let extremes = [
-        json!(0),
-        json!(1),
-        json!(1025),
-        json!((1u64 << 20) + 1),
-        json!(1u64 << 31),
-        json!(1u64 << 32),
-        json!(1u64 << 62),
-        json!(u64::MAX),
-        json!(-1),
-        json!(1.5),
-        json!("8"),
-        Value::Null,
-        json!([]),
-        json!((0..5000).collect::<Vec<u64>>()),
-        json!([u64::MAX, 0]),
-    ];
-    match rng.below(4) {
-        0 | 1 => match serde_json::from_str::<Value>(text) {
-            Ok(Value::Object(mut o)) => {
-                let v = extremes[rng.below(extremes.len())].clone();
-                if rng.below(2) == 0 {
-                    o.insert(FIELDS[rng.below(FIELDS.len())].to_owned(), v);
-                } else if let Some(Value::Array(pages)) = o.get_mut(FIELDS[rng.below(2)]) {
-                    if !pages.is_empty() {
-                        let i = rng.below(pages.len());
-                        pages[i] = v;
-                    }
-                }
-                Value::Object(o).to_string()
-            }
-            _ => text.to_owned(),
-        },
-        2 => {
-            let mut bytes = text.as_bytes().to_vec();
-            if !bytes.is_empty() {
-                let i = rng.below(bytes.len());
-                bytes[i] ^= 1 << rng.below(8);
-            }
-            String::from_utf8_lossy(&bytes).into_owned()
-        }
-        _ => {
-            let cut = rng.below(text.len() + 1);
-            String::from_utf8_lossy(&text.as_bytes()[..cut]).into_owned()
-        }
-    }
-}
+/// What `mutated_plan_inputs_exit_0_or_2_with_a_message` sets plan fields to.
+const PLAN_FIELDS: [&str; 9] = [
+    "src_pages",
+    "dst_pages",
+    "page_size",
+    "dcp_size",
+    "dcp_rank",
+    "src_page_offset",
+    "decode_prefix_len",
+    "num_kv_tokens",
+    "unknown_field",
+];
 
 /// Fuzzing the JSON `kvbridge plan` reads: seeds from `tests/corpus/plan/*.json`, 1–3
 /// mutations each, a bounded number of cases. Every outcome is exit 0 with one JSON plan on
@@ -312,7 +248,7 @@ fn mutated_plan_inputs_exit_0_or_2_with_a_message() {
     for case in 0..96 {
         let mut text = seeds[case % seeds.len()].clone();
         for _ in 0..=rng.below(3) {
-            text = mutate(&text, &mut rng);
+            text = mutate(&text, &PLAN_FIELDS, &["src_pages", "dst_pages"], &mut rng);
         }
         let out = plan_stdin(&text);
         let stderr = String::from_utf8_lossy(&out.stderr);
