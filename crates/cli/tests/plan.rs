@@ -180,6 +180,15 @@ fn help_explains_the_input_format() {
     ] {
         assert!(help.contains(needle), "help lacks {needle}: {help}");
     }
+    // The maxima the help states are the planner's.
+    use kvbridge_geometry::{MAX_CHUNK_TOKENS, MAX_GROUP_SIZE, MAX_PAGE_SIZE};
+    for needle in [
+        format!("1..={MAX_PAGE_SIZE}"),
+        format!("1..={MAX_GROUP_SIZE}"),
+        format!("at most {MAX_CHUNK_TOKENS}"),
+    ] {
+        assert!(help.contains(&needle), "help lacks {needle}: {help}");
+    }
 }
 
 /// Before the bounds, page size 2^32 aborted allocating 32 GiB of per-token arrays, and 2^62

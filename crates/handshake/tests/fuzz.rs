@@ -33,30 +33,25 @@ fn corpus() -> Vec<String> {
     seeds
 }
 
-/// Every descriptor field, and one that does not exist.
-const FIELDS: &[&str] = &[
-    "role",
-    "protocol_version",
-    "page_size",
-    "kv_cache_dtype",
-    "kv_layout",
-    "kv_pool",
-    "attn_tp_size",
-    "attn_tp_rank",
-    "attn_cp_size",
-    "attn_cp_rank",
-    "pp_size",
-    "pp_rank",
-    "dcp_size",
-    "dcp_rank",
-    "kv_cache_sharding",
-    "total_kv_heads",
-    "head_dim",
-    "kv_item_lens",
-    "num_draft_entries",
-    "aux_item_lens",
-    "no_such_field",
-];
+/// Every descriptor field (as serialised from a seed with every optional field set), integer
+/// fields first, then one that does not exist; and how many are integer fields.
+fn fields(seeds: &[String]) -> (Vec<String>, usize) {
+    let full = seeds
+        .iter()
+        .filter_map(|s| PeerDescriptor::from_json(s).ok())
+        .find(|d| d.total_kv_heads.is_some() && d.head_dim.is_some())
+        .expect("an MHA seed");
+    let Value::Object(o) = serde_json::to_value(full).expect("serialise") else {
+        unreachable!("a descriptor serialises to an object")
+    };
+    let (mut ints, rest): (Vec<_>, Vec<_>) =
+        o.into_iter().partition(|(_, v)| v.is_u64() || v.is_array());
+    let n = ints.len();
+    ints.extend(rest);
+    let mut names: Vec<String> = ints.into_iter().map(|(k, _)| k).collect();
+    names.push("no_such_field".to_owned());
+    (names, n)
+}
 
 /// Extreme values: integer edges, wrong types, and arrays longer than any maximum.
 fn extreme(i: usize) -> Value {
@@ -82,8 +77,9 @@ fn extreme(i: usize) -> Value {
 
 #[derive(Debug, Clone)]
 enum Mutation {
-    /// Set field `FIELDS[f]` to `extreme(v)`.
-    Field(usize, usize),
+    /// Set field `f` (an index into `fields`, modulo) to `extreme(v)`; integer fields only
+    /// unless `any`.
+    Field(bool, usize, usize),
     /// Set element `i` of `kv_item_lens` (or `aux_item_lens`) to `extreme(v)`.
     Item(bool, usize, usize),
     /// Flip bit `bit` of byte `pos` (modulo the length).
@@ -96,8 +92,8 @@ enum Mutation {
 /// sometimes anything anywhere, bit flips and truncations (which mostly exercise the parser).
 fn mutation() -> impl Strategy<Value = Mutation> {
     prop_oneof![
-        6 => (6..FIELDS.len() - 1, 0..7usize).prop_map(|(f, v)| Mutation::Field(f, v)),
-        1 => (0..FIELDS.len(), 0..16usize).prop_map(|(f, v)| Mutation::Field(f, v)),
+        6 => (any::<usize>(), 0..7usize).prop_map(|(f, v)| Mutation::Field(false, f, v)),
+        1 => (any::<usize>(), 0..16usize).prop_map(|(f, v)| Mutation::Field(true, f, v)),
         3 => (any::<bool>(), 0..80usize, 0..7usize).prop_map(|(a, i, v)| Mutation::Item(a, i, v)),
         1 => (0..16usize).prop_map(|v| Mutation::Item(false, 0, v)),
         2 => (any::<usize>(), 0..8u8).prop_map(|(p, b)| Mutation::Flip(p, b)),
@@ -105,11 +101,12 @@ fn mutation() -> impl Strategy<Value = Mutation> {
     ]
 }
 
-fn apply(text: &str, m: &Mutation) -> String {
+fn apply(text: &str, m: &Mutation, (fields, ints): &(Vec<String>, usize)) -> String {
     match *m {
-        Mutation::Field(f, v) => match serde_json::from_str::<Value>(text) {
+        Mutation::Field(any, f, v) => match serde_json::from_str::<Value>(text) {
             Ok(Value::Object(mut o)) => {
-                o.insert(FIELDS[f].to_owned(), extreme(v));
+                let name = &fields[f % if any { fields.len() } else { *ints }];
+                o.insert(name.clone(), extreme(v));
                 Value::Object(o).to_string()
             }
             _ => text.to_owned(),
@@ -144,8 +141,10 @@ fn apply(text: &str, m: &Mutation) -> String {
 }
 
 fn mutated(seeds: &[String], seed: usize, ms: &[Mutation]) -> String {
-    ms.iter()
-        .fold(seeds[seed % seeds.len()].clone(), |t, m| apply(&t, m))
+    let fields = fields(seeds);
+    ms.iter().fold(seeds[seed % seeds.len()].clone(), |t, m| {
+        apply(&t, m, &fields)
+    })
 }
 
 /// A parse result is a descriptor or an error that says where and what.
