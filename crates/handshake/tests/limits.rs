@@ -6,10 +6,11 @@ mod common;
 
 use common::{gqa, mla, with};
 use kvbridge_handshake::{
-    CheckOptions, HandshakeError, MAX_AUX_BUFFERS, MAX_DEPLOYMENT_RANKS, MAX_ENTRIES,
+    CheckOptions, Compat, HandshakeError, MAX_AUX_BUFFERS, MAX_DEPLOYMENT_RANKS, MAX_ENTRIES,
     MAX_GROUP_SIZE, MAX_HEAD_DIM, MAX_ITEM_LEN, MAX_KV_HEADS, MAX_PAGE_SIZE, MappingInput,
-    PoolKind, ProblemCode, check, check_all_ranks, sglang_rank_mapping,
+    PeerDescriptor, PoolKind, ProblemCode, check, check_all_ranks, check_with, sglang_rank_mapping,
 };
+use proptest::prelude::*;
 use serde_json::json;
 
 fn too_large_fields(r: &kvbridge_handshake::Report) -> Vec<String> {
@@ -177,5 +178,73 @@ fn the_documented_maxima_are_the_constants() {
         "64 buffers, each at most 2^40 bytes",
     ] {
         assert!(doc.contains(text), "docs/errors.md lacks {text:?}");
+    }
+}
+
+fn size() -> impl Strategy<Value = u32> {
+    prop_oneof![
+        4 => 0..=8u32,
+        1 => 1000..=1100u32,
+        1 => Just(u32::MAX),
+        1 => Just(1 << 31),
+        1 => any::<u32>(),
+    ]
+}
+
+fn descriptor(role: &'static str) -> impl Strategy<Value = PeerDescriptor> {
+    (
+        (size(), size(), size(), size()),
+        (size(), size(), size(), size()),
+        (
+            prop_oneof![Just(64u64), any::<u64>()],
+            prop::option::of(size()),
+            prop::option::of(size()),
+        ),
+        prop::sample::select(vec![PoolKind::Mha, PoolKind::Mla, PoolKind::HybridMla]),
+        prop::collection::vec(prop_oneof![Just(73_728u64), any::<u64>()], 0..6),
+        0..3usize,
+    )
+        .prop_map(
+            move |(
+                (tp, cp, pp, dcp),
+                (tpr, cpr, ppr, dcpr),
+                (page, heads, dim),
+                pool,
+                lens,
+                nd,
+            )| {
+                let mut d = mla(role, 1, 1, 0);
+                (d.attn_tp_size, d.attn_cp_size, d.pp_size, d.dcp_size) = (tp, cp, pp, dcp);
+                (d.attn_tp_rank, d.attn_cp_rank, d.pp_rank, d.dcp_rank) = (tpr, cpr, ppr, dcpr);
+                (d.page_size, d.total_kv_heads, d.head_dim) = (page, heads, dim);
+                (d.kv_pool, d.kv_item_lens, d.num_draft_entries) = (pool, lens, nd);
+                d
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Random sizes, huge ones included, built in code (no parser in between): `check` never
+    /// panics, and a value above its maximum is reported and leaves no mapping.
+    #[test]
+    fn random_huge_sizes_never_panic(p in descriptor("prefill"), d in descriptor("decode")) {
+        for compat in [Compat::Kvbridge, Compat::Sglang] {
+            let r = check_with(&p, &d, &CheckOptions::new(compat));
+            let huge = |x: &PeerDescriptor| {
+                [x.attn_tp_size, x.attn_cp_size, x.pp_size, x.dcp_size]
+                    .iter()
+                    .any(|&s| u64::from(s) > MAX_GROUP_SIZE)
+                    || x.page_size > MAX_PAGE_SIZE
+            };
+            if huge(&p) || huge(&d) {
+                prop_assert!(r.codes().contains(&ProblemCode::TooLarge));
+                prop_assert!(r.mapping.is_none());
+            }
+            if let Some(m) = &r.mapping {
+                prop_assert!(m.peers.len() as u64 <= MAX_DEPLOYMENT_RANKS);
+            }
+        }
     }
 }
