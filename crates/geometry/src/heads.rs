@@ -305,8 +305,19 @@ impl HeadSharding {
     /// [`GeometryError::TpRankOutOfRange`].
     pub fn targets_of(&self, src_rank: u64) -> Result<Vec<(u64, HeadSlice)>> {
         Self::check_rank(Side::Prefill, src_rank, self.tp_src)?;
+        // Only the decode ranks holding one of this rank's heads can read from it: work linear
+        // in them, not in the decode TP size.
+        let held = self.heads(self.tp_src, src_rank);
+        let h = self.total_kv_heads;
+        let candidates = if self.tp_dst <= h {
+            let per = h / self.tp_dst;
+            held.start / per..(held.end - 1) / per + 1
+        } else {
+            let rep = self.tp_dst / h;
+            held.start * rep..held.end * rep
+        };
         let mut out = Vec::new();
-        for dst_rank in 0..self.tp_dst {
+        for dst_rank in candidates {
             for s in self.sources_for(dst_rank)? {
                 if s.src_rank == src_rank {
                     out.push((dst_rank, s.slice));

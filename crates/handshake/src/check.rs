@@ -12,9 +12,9 @@ use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::limits;
 use crate::mapping::{
     HeadRange, MappingInput, PeerTarget, RankMapping, TargetRanks, TpTarget, TransferPath,
-    bootstrap_order, coverage_targets, decode_cp_failure, head_sources, mla_sharding_failure,
-    owner_rule_senders, pp_failure, prefill_unique_rank, sglang_head_slice, sglang_is_dummy,
-    sglang_targets,
+    bootstrap_order, coverage_targets, decode_cp_failure, head_readers, head_sources,
+    mla_sharding_failure, owner_rule_readers, owner_rule_senders, pp_failure, prefill_unique_rank,
+    sglang_head_slice, sglang_is_dummy, sglang_targets,
 };
 use crate::problem::{Problem, ProblemCode, Severity};
 
@@ -307,14 +307,20 @@ fn build_mapping(
         opts.compat == Compat::Kvbridge && p.is_mla_like() && !sglang_defines_dcp(p, d);
     let exact_heads = exact_head_plan(p, d, opts.compat);
     let (targets, per_tp): (TargetRanks, Vec<TpTarget>) = if owner_rule {
-        coverage_targets(&input, &|e| owner_rule_senders(e, tp_d, b, tp_p, a))?
-    } else if exact_heads {
-        coverage_targets(&input, &|e| {
-            head_sources(e, tp_d, tp_p, heads)
-                .into_iter()
-                .map(|(t, _)| t)
-                .collect()
+        coverage_targets(&input, &|e| owner_rule_senders(e, tp_d, b, tp_p, a), &|t| {
+            owner_rule_readers(t, tp_d, b, tp_p, a)
         })?
+    } else if exact_heads {
+        coverage_targets(
+            &input,
+            &|e| {
+                head_sources(e, tp_d, tp_p, heads)
+                    .into_iter()
+                    .map(|(t, _)| t)
+                    .collect()
+            },
+            &|t| head_readers(t, tp_d, tp_p, heads),
+        )?
     } else {
         let t = sglang_targets(&input)?;
         let per_tp = t
