@@ -1,6 +1,6 @@
 //! `check`: every compatibility check of spec 02, all problems at once.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt::Write as _;
 
 use kvbridge_geometry::{GeometryError, PoolKind, prepare_dcp_token_item_lens};
@@ -134,6 +134,7 @@ pub fn check_with(
         d: decode,
         opts: *options,
         out: Vec::new(),
+        seen: HashSet::new(),
     };
     c.run();
     let (problems, warnings): (Vec<_>, Vec<_>) = c
@@ -413,11 +414,14 @@ struct Checker<'a> {
     d: &'a PeerDescriptor,
     opts: CheckOptions,
     out: Vec<Problem>,
+    /// What `out` holds, for deduplication in constant time (a descriptor may yield one
+    /// problem per entry, thousands of them).
+    seen: HashSet<Problem>,
 }
 
 impl Checker<'_> {
     fn push(&mut self, p: Problem) {
-        if !self.out.contains(&p) {
+        if self.seen.insert(p.clone()) {
             self.out.push(p);
         }
     }

@@ -327,7 +327,7 @@ fn anchor(i: &ProblemInfo) -> String {
 }
 
 /// One problem found by [`crate::check`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 pub struct Problem {
     /// Stable code.
     pub code: ProblemCode,
