@@ -18,8 +18,8 @@
 //! * [`prepare_dcp_token_item_lens`], [`dcp_pack_buffer_bytes`] — DCP geometry check and
 //!   pack-buffer sizing; [`align_prefix_down`] / [`align_prefix_up`] — prefix alignment.
 //! * [`MAX_PAGE_SIZE`], [`MAX_GROUP_SIZE`], [`MAX_KV_HEADS`], [`MAX_ENTRIES`],
-//!   [`MAX_CHUNK_TOKENS`] — the
-//!   bounds every plan input is checked against before any work ([`GeometryError::TooLarge`]).
+//!   [`MAX_CHUNK_TOKENS`] — the bounds every plan input is checked against before any work
+//!   ([`GeometryError::TooLarge`]).
 //!
 //! ```
 //! use kvbridge_geometry::{DcpPlanInput, Run};
