@@ -12,7 +12,7 @@ use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::limits;
 use crate::mapping::{
     HeadRange, MappingInput, PeerTarget, RankMapping, TargetRanks, TpTarget, TransferPath,
-    bootstrap_order, coverage_targets, decode_cp_failure, head_readers, head_sources,
+    bootstrap_order, coverage_targets, decode_cp_failure, head_readers, head_senders, head_sources,
     mla_sharding_failure, owner_rule_readers, owner_rule_senders, pp_failure, prefill_unique_rank,
     sglang_head_slice, sglang_is_dummy, sglang_targets,
 };
@@ -312,16 +312,9 @@ fn build_mapping(
             owner_rule_readers(t, tp_d, b, tp_p, a)
         })?
     } else if exact_heads {
-        coverage_targets(
-            &input,
-            &|e| {
-                head_sources(e, tp_d, tp_p, heads)
-                    .into_iter()
-                    .map(|(t, _)| t)
-                    .collect()
-            },
-            &|t| head_readers(t, tp_d, tp_p, heads),
-        )?
+        coverage_targets(&input, &|e| head_senders(e, tp_d, tp_p, heads), &|t| {
+            head_readers(t, tp_d, tp_p, heads)
+        })?
     } else {
         let t = sglang_targets(&input)?;
         let per_tp = t

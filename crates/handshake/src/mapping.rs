@@ -481,6 +481,14 @@ pub(crate) fn head_sources(e: u32, tp_d: u32, tp_p: u32, heads: u32) -> Vec<(u32
         .collect()
 }
 
+/// The prefill TP ranks of [`head_sources`].
+pub(crate) fn head_senders(e: u32, tp_d: u32, tp_p: u32, heads: u32) -> Vec<u32> {
+    head_sources(e, tp_d, tp_p, heads)
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect()
+}
+
 /// How many decode ranks read from prefill TP rank `t` under the exact head plan
 /// (`kvbridge_geometry::HeadSharding::targets_of`, linear in those ranks).
 pub(crate) fn head_readers(t: u32, tp_d: u32, tp_p: u32, heads: u32) -> u32 {
@@ -739,12 +747,7 @@ mod tests {
                     compare(
                         tp_d,
                         tp_p,
-                        &|e| {
-                            head_sources(e, tp_d, tp_p, heads)
-                                .into_iter()
-                                .map(|(t, _)| t)
-                                .collect()
-                        },
+                        &|e| head_senders(e, tp_d, tp_p, heads),
                         &|t| head_readers(t, tp_d, tp_p, heads),
                         &format!("heads {heads}, tp {tp_p} -> {tp_d}"),
                     );
