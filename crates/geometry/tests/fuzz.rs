@@ -14,6 +14,14 @@ const VECTORS: &str = include_str!("data/dcp_plan_vectors.json");
 /// Plans of up to this many rows are also materialised as arrays and runs.
 const ROWS: u64 = 1 << 12;
 
+/// The case count: `default`, or `PROPTEST_CASES` for a longer run.
+fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 #[derive(Debug, Clone)]
 struct Seed {
     src: Vec<u64>,
@@ -131,7 +139,7 @@ fn assert_message(e: &kvbridge_geometry::GeometryError) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig::with_cases(cases(512)))]
 
     #[test]
     fn mutated_plan_inputs_plan_or_fail_cleanly(

@@ -14,6 +14,14 @@ use kvbridge_handshake::{
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
+/// The case count: `default`, or `PROPTEST_CASES` for a longer run.
+fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 fn corpus() -> Vec<String> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/corpus");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
@@ -190,7 +198,7 @@ fn check_pair(p: &PeerDescriptor, d: &PeerDescriptor) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 384, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig::with_cases(cases(384)))]
 
     #[test]
     fn mutated_descriptors_parse_or_fail_cleanly_and_check_without_panics(
