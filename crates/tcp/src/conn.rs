@@ -18,6 +18,8 @@ pub(crate) enum LinkError {
     Io(std::io::Error),
     Eof,
     Silent(Duration),
+    /// The handshake did not finish within `TcpConfig::connect_timeout`.
+    HandshakeDeadline(Duration),
     Protocol(TcpError),
 }
 
@@ -29,6 +31,10 @@ impl std::fmt::Display for LinkError {
             LinkError::Silent(d) => write!(
                 f,
                 "nothing heard from the peer for {d:?} (keep-alive timeout); it is dead or stalled"
+            ),
+            LinkError::HandshakeDeadline(d) => write!(
+                f,
+                "the handshake did not finish within {d:?} (TcpConfig::connect_timeout)"
             ),
             LinkError::Protocol(e) => write!(f, "{e}"),
         }
@@ -70,22 +76,40 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
     max_body: u32,
     idle: Duration,
 ) -> Result<Frame, LinkError> {
+    read_frame_checked(r, buf, max_body, idle, |_, _| Ok(())).await
+}
+
+/// [`read_frame`], with `check` run on the header's type and body length before any of the
+/// body is read (a budget refusing the frame refuses it before anything is allocated for it).
+pub(crate) async fn read_frame_checked<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+    max_body: u32,
+    idle: Duration,
+    check: impl FnOnce(wire::FrameType, u32) -> Result<(), TcpError>,
+) -> Result<Frame, LinkError> {
     let mut h = [0u8; HEADER_LEN];
     read_exact_timed(r, &mut h, idle).await?;
     let (ty, len) = wire::decode_header(&h, max_body)?;
+    check(ty, len)?;
     buf.clear();
     buf.resize(len as usize, 0);
     read_exact_timed(r, buf, idle).await?;
     Ok(wire::decode_body(ty, buf)?)
 }
 
-/// Best-effort: tells the peer why the connection closes.
-pub(crate) async fn send_error<W: AsyncWrite + Unpin>(w: &mut W, e: &TcpError) {
-    let frame = Frame::Error {
+/// The `Error` frame telling the peer why this side closes the connection.
+pub(crate) fn error_frame(e: &TcpError) -> Vec<u8> {
+    Frame::Error {
         code: e.code(),
         message: e.to_string(),
     }
-    .encode();
+    .encode()
+}
+
+/// Best-effort: tells the peer why the connection closes.
+pub(crate) async fn send_error<W: AsyncWrite + Unpin>(w: &mut W, e: &TcpError) {
+    let frame = error_frame(e);
     let _ = tokio::time::timeout(Duration::from_millis(200), async {
         w.write_all(&frame).await?;
         w.flush().await

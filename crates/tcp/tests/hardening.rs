@@ -44,6 +44,8 @@ fn hmac(parts: &[&[u8]]) -> [u8; 32] {
 /// A raw client: writes whatever the test says.
 struct Raw {
     s: TcpStream,
+    /// Bytes read but not yet decoded (several frames may arrive in one read).
+    buf: Vec<u8>,
 }
 
 impl Raw {
@@ -53,11 +55,22 @@ impl Raw {
         s.write_all(&preface).await.unwrap();
         let mut theirs = [0u8; 48];
         s.read_exact(&mut theirs).await.unwrap();
-        (Self { s }, theirs)
+        (Self { s, buf: Vec::new() }, theirs)
     }
 
     /// Completes a correct handshake (with the secret when `secret` is true).
     async fn handshake(t: &TcpTransport, secret: bool) -> Self {
+        Self::handshake_as(t, secret, (42, 0, 1), 1000).await
+    }
+
+    /// [`handshake`](Self::handshake) as connection `index` of `count` of `session`,
+    /// announcing a ping every `keepalive` ms.
+    async fn handshake_as(
+        t: &TcpTransport,
+        secret: bool,
+        (session, index, count): (u64, u16, u16),
+        keepalive: u32,
+    ) -> Self {
         let mine = Preface {
             version: wire::VERSION,
             flags: if secret { FLAG_SECRET } else { 0 },
@@ -65,7 +78,6 @@ impl Raw {
         }
         .encode();
         let (mut raw, theirs) = Raw::open(t, mine).await;
-        let (session, index, count, keepalive) = (42u64, 0u16, 1u16, 1000u32);
         let mac = secret.then(|| {
             hmac(&[
                 b"kvbridge-tcp/1 client",
@@ -108,10 +120,10 @@ impl Raw {
 
     /// Reads the next frame, or `None` at end of stream.
     async fn frame(&mut self) -> Option<Frame> {
-        let mut buf = Vec::new();
         let mut chunk = [0u8; 4096];
         loop {
-            if let Ok(wire::Decoded::Frame(f, _)) = wire::decode_frame(&buf, 1 << 20) {
+            if let Ok(wire::Decoded::Frame(f, used)) = wire::decode_frame(&self.buf, 1 << 20) {
+                self.buf.drain(..used);
                 return Some(f);
             }
             let n = tokio::time::timeout(LIMIT, self.s.read(&mut chunk))
@@ -121,7 +133,7 @@ impl Raw {
             if n == 0 {
                 return None;
             }
-            buf.extend_from_slice(&chunk[..n]);
+            self.buf.extend_from_slice(&chunk[..n]);
         }
     }
 
@@ -688,8 +700,255 @@ async fn bad_descriptors_and_configs_are_refused() {
         TcpConfig::default().with_secret(Vec::new()),
         TcpConfig::default().with_max_frame_len(16),
         TcpConfig::default().with_keepalive(Duration::from_secs(2), Duration::from_secs(1)),
+        TcpConfig::default().with_max_inbound_pending_bytes(1 << 20),
     ] {
         let e = TcpTransport::bind(config).await.unwrap_err();
         assert!(matches!(e, TransportError::InvalidArgument { .. }), "{e}");
     }
+}
+
+/// A `Begin` of exactly `body` bytes for a batch that writes 4096 bytes of `region` (so it
+/// never completes unless data follows), or none (`total` 0: it completes at once).
+fn big_begin(batch: u64, region: RegionId, total: u64, body: usize) -> Frame {
+    Frame::Begin {
+        batch,
+        remaining_ms: 60_000,
+        total_bytes: total,
+        regions: vec![RegionNeed {
+            region: region.0,
+            end: 4096,
+        }],
+        notification: Some(vec![b'n'; body - 29 - 16].into()),
+    }
+}
+
+/// What one pending batch with a `body`-byte `Begin` is charged (docs/tcp-protocol.md).
+fn charge(body: usize) -> u64 {
+    body as u64 + kvbridge_tcp::BATCH_STATE_BYTES
+}
+
+/// Sends `Begin`s until the listener refuses one; returns how many it accepted first.
+async fn begin_until_refused(raw: &mut Raw, region: RegionId, total: u64, body: usize) -> u64 {
+    for batch in 0..256u64 {
+        raw.send(&big_begin(batch, region, total, body)).await;
+        loop {
+            match raw.frame().await {
+                Some(Frame::BeginAck { status, .. }) => {
+                    assert_eq!(status, wire::BeginStatus::Accepted);
+                    break;
+                }
+                Some(Frame::Done { .. }) => {}
+                Some(Frame::Error { code, message }) => {
+                    assert_eq!(code, 15, "{message}");
+                    assert!(message.contains("max_inbound_pending_bytes"), "{message}");
+                    assert!(raw.frame().await.is_none(), "connection left open");
+                    return batch;
+                }
+                other => panic!("expected BeginAck or Error, got {other:?}"),
+            }
+        }
+    }
+    panic!("256 Begins of {body} bytes that never complete were all accepted");
+}
+
+/// The live peers' charge drops to `want` once the refused session is gone.
+async fn charged_eventually(t: &TcpTransport, want: u64) {
+    for _ in 0..500 {
+        if t.inbound_pending_stats().0 == want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!(
+        "inbound peers still charged {:?}",
+        t.inbound_pending_stats()
+    );
+}
+
+#[tokio::test]
+async fn begins_that_never_complete_are_bounded_by_the_pending_budget() {
+    // The attack: one unauthenticated connection begins batches with ~1 MiB notifications
+    // and never sends their data. Default limits: 1 MiB frames, 32 MiB per peer.
+    let (t, region, mem) = target(TcpConfig::default()).await;
+    let budget = t.config().max_inbound_pending_bytes;
+    let body = 1 << 20;
+    let mut raw = Raw::handshake(&t, false).await;
+    let accepted = begin_until_refused(&mut raw, region, 4096, body).await;
+    // A kept batch holds at least its Begin body (its `BeginAck` part is released once sent).
+    assert!(
+        accepted >= 1 && accepted <= budget / body as u64,
+        "{accepted} Begins accepted"
+    );
+    let (_, peak) = t.inbound_pending_stats();
+    assert!(
+        peak <= budget,
+        "a peer was charged {peak} bytes, above {budget}"
+    );
+    assert!(
+        peak + charge(body) > budget,
+        "refused at {peak} of {budget} bytes"
+    );
+    charged_eventually(&t, 0).await;
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn queued_notifications_stay_charged_until_the_application_takes_them() {
+    let body = 3000;
+    let config = TcpConfig::default()
+        .with_max_frame_len(4096)
+        .with_max_inbound_pending_bytes(4 * charge(body));
+    let (t, region, mem) = target(config).await;
+    let mut raw = Raw::handshake(&t, false).await;
+    // Batches of 0 bytes complete at once; their notifications wait for the application.
+    for batch in 0..4 {
+        raw.send(&big_begin(batch, region, 0, body)).await;
+        assert!(matches!(raw.frame().await, Some(Frame::BeginAck { .. })));
+        assert_eq!(raw.frame().await, Some(Frame::Done { batch }));
+    }
+    let held = t.inbound_pending_stats().0;
+    assert!(
+        (4 * body as u64..=4 * charge(body)).contains(&held),
+        "{held} bytes charged"
+    );
+    for _ in 0..4 {
+        let n = tokio::time::timeout(LIMIT, t.recv_notification())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(n.payload.len(), body - 45);
+    }
+    assert_eq!(
+        t.inbound_pending_stats().0,
+        0,
+        "taken notifications release their charge"
+    );
+    // The budget is whole again: 4 more fit, the fifth does not.
+    let accepted = begin_until_refused(&mut raw, region, 0, body).await;
+    assert_eq!(accepted, 4);
+    assert!(t.inbound_pending_stats().1 <= 4 * charge(body));
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn a_lost_peer_error_names_the_listeners_reason() {
+    // The listener's application never takes notifications, so the second batch goes above
+    // its budget: the sender's error says so, not just "broken pipe".
+    let listener_cfg = TcpConfig::default()
+        .with_max_frame_len(4096)
+        .with_max_inbound_pending_bytes(4096 + kvbridge_tcp::BATCH_STATE_BYTES);
+    let (t, region, _mem) = target(listener_cfg).await;
+    let sender = TcpTransport::new().await.unwrap();
+    let (src, _) = sender.allocate_registered(16).await.unwrap();
+    let peer = sender.connect(&t.local_descriptor()).await.unwrap();
+    let batch = || {
+        let op = TransferOp {
+            local_region: src,
+            local_offset: 0,
+            remote_region: region,
+            remote_offset: 0,
+            len: 16,
+        };
+        TransferBatch::write(vec![op]).with_notification(vec![b'x'; 3000].into())
+    };
+    tokio::time::timeout(LIMIT, sender.transfer(peer, batch()))
+        .await
+        .unwrap()
+        .unwrap();
+    let e = tokio::time::timeout(LIMIT, sender.transfer(peer, batch()))
+        .await
+        .unwrap()
+        .unwrap_err();
+    match e {
+        TransportError::PeerLost { reason, .. } => {
+            assert!(reason.contains("error 15"), "{reason}");
+            assert!(reason.contains("max_inbound_pending_bytes"), "{reason}");
+        }
+        other => panic!("expected PeerLost, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn an_idle_connection_is_closed_whatever_interval_it_announces() {
+    // The peer claims it pings every 49 days and then says nothing: the listener still closes
+    // it (after at most 4 x its own keep-alive timeout) and says why.
+    let config =
+        TcpConfig::default().with_keepalive(Duration::from_millis(100), Duration::from_millis(500));
+    let (t, region, mem) = target(config).await;
+    let mut raw = Raw::handshake_as(&t, false, (7, 0, 1), u32::MAX).await;
+    let msg = raw.expect_error(16).await;
+    assert!(msg.contains("heard nothing"), "{msg}");
+    assert!(msg.contains("keepalive_timeout"), "{msg}");
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn a_slow_handshake_ends_at_the_connect_timeout() {
+    // Each part of the Hello arrives within the timeout, the whole handshake does not.
+    let timeout = Duration::from_secs(3);
+    let mut config = TcpConfig::default();
+    config.connect_timeout = timeout;
+    let (t, region, mem) = target(config).await;
+    let mine = Preface {
+        version: wire::VERSION,
+        flags: 0,
+        nonce: [5; 32],
+    }
+    .encode();
+    let (mut raw, _) = Raw::open(&t, mine).await;
+    let hello = Frame::Hello {
+        session: 9,
+        conn_index: 0,
+        conn_count: 1,
+        keepalive_ms: 1000,
+        mac: None,
+    }
+    .encode();
+    let (header, body) = hello.split_at(wire::HEADER_LEN);
+    for part in [header, body] {
+        let gap = timeout * 4 / 5 / part.len() as u32;
+        for b in part {
+            tokio::time::sleep(gap).await;
+            raw.bytes(&[*b]).await;
+        }
+    }
+    assert_eq!(raw.frame().await, None, "the slow handshake was accepted");
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn the_other_connections_of_a_session_learn_why_it_ended() {
+    let (t, region, mem) = target(TcpConfig::default()).await;
+    let mut first = Raw::handshake_as(&t, false, (11, 0, 2), 1000).await;
+    let mut second = Raw::handshake_as(&t, false, (11, 1, 2), 1000).await;
+    second.bytes(&[0x7f, 0, 0, 0, 0, 0, 0, 0]).await;
+    second.expect_error(4).await;
+    let msg = first.expect_error(16).await;
+    assert!(msg.contains("connection 1 of this session ended"), "{msg}");
+    assert!(msg.contains("unknown frame type"), "{msg}");
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn a_hello_announcing_more_than_16_connections_is_refused() {
+    // The listener keeps one slot per announced connection: the count is checked first.
+    let (t, region, mem) = target(TcpConfig::default()).await;
+    let mine = Preface {
+        version: wire::VERSION,
+        flags: 0,
+        nonce: [2; 32],
+    }
+    .encode();
+    let (mut raw, _) = Raw::open(&t, mine).await;
+    raw.send(&Frame::Hello {
+        session: 3,
+        conn_index: 0,
+        conn_count: u16::MAX,
+        keepalive_ms: 1000,
+        mac: None,
+    })
+    .await;
+    let msg = raw.expect_error(5).await;
+    assert!(msg.contains("connection count"), "{msg}");
+    still_serves(&t, region, &mem).await;
 }
