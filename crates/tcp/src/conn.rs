@@ -11,6 +11,8 @@ use crate::wire::{self, FLAG_SECRET, Frame, HEADER_LEN, PREFACE_LEN, Preface, VE
 
 /// Control frames queued per connection, in both directions.
 pub(crate) const CTRL_QUEUE: usize = 1024;
+/// Time a writer gets to send a closing `Error` frame before the connection is dropped.
+pub(crate) const CLOSE_GRACE: Duration = Duration::from_millis(200);
 
 /// Why a connection ended.
 #[derive(Debug)]

@@ -29,8 +29,6 @@ const READ_SLICES: usize = 64;
 const DRAIN_BUF: usize = 64 << 10;
 /// Connections in the handshake at once; more wait in the kernel's backlog.
 const MAX_HANDSHAKES: usize = 64;
-/// Time the writer gets to send the closing `Error` frame before the connection is dropped.
-const CLOSE_GRACE: Duration = Duration::from_millis(200);
 
 /// Bytes an inbound peer is charged against `TcpConfig::max_inbound_pending_bytes`, released
 /// when dropped: with its batch when the batch is forgotten, or with the batch's notification
@@ -384,7 +382,7 @@ async fn reader_task(
         }
     }
     if tell.is_none()
-        || tokio::time::timeout(CLOSE_GRACE, &mut writer)
+        || tokio::time::timeout(conn::CLOSE_GRACE, &mut writer)
             .await
             .is_err()
     {

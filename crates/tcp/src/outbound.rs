@@ -388,6 +388,18 @@ async fn reader_task(shared: Arc<Shared>, peer: Arc<OutPeer>, mut r: OwnedReadHa
             Ok(f) => f,
             Err(e) => {
                 let remote_closed = !matches!(e, LinkError::Silent(_));
+                if let LinkError::Silent(d) = e {
+                    // This side gives up on a listener that may only be slow: tell it why.
+                    let why = TcpError::Closing {
+                        reason: format!(
+                            "the sender heard nothing on connection {index} for {d:?} (its \
+                             keep-alive timeout); the listener is stalled or overloaded"
+                        ),
+                    };
+                    if peer.ctrl[index].try_send(conn::error_frame(&why)).is_ok() {
+                        tokio::time::sleep(conn::CLOSE_GRACE).await;
+                    }
+                }
                 peer.lose(&shared, e.to_string(), remote_closed);
                 return;
             }

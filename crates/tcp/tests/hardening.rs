@@ -952,3 +952,58 @@ async fn a_hello_announcing_more_than_16_connections_is_refused() {
     assert!(msg.contains("connection count"), "{msg}");
     still_serves(&t, region, &mem).await;
 }
+
+#[tokio::test]
+async fn a_sender_giving_up_on_a_silent_listener_tells_it_why() {
+    // A listener that completes the handshake, then reads everything and answers nothing.
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mine = Preface {
+            version: wire::VERSION,
+            flags: 0,
+            nonce: [4; 32],
+        }
+        .encode();
+        s.write_all(&mine).await.unwrap();
+        let mut p = [0u8; 48];
+        s.read_exact(&mut p).await.unwrap();
+        let (mut buf, mut chunk, mut errors) = (Vec::new(), vec![0u8; 4096], Vec::new());
+        loop {
+            while let Ok(wire::Decoded::Frame(f, used)) = wire::decode_frame(&buf, 1 << 20) {
+                buf.drain(..used);
+                match f {
+                    Frame::Hello { .. } => {
+                        let welcome = Frame::Welcome { mac: None }.encode();
+                        s.write_all(&welcome).await.unwrap();
+                    }
+                    Frame::Error { code, message } => errors.push((code, message)),
+                    _ => {}
+                }
+            }
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => return errors,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    });
+    let t = TcpTransport::bind(keepalive_config()).await.unwrap();
+    let peer = t
+        .connect(format!("kvbridge-tcp/1@{addr}").as_bytes())
+        .await
+        .unwrap();
+    let errors = tokio::time::timeout(LIMIT, task)
+        .await
+        .expect("the sender never gave up on a silent listener")
+        .unwrap();
+    match &errors[..] {
+        [(16, message)] => assert!(message.contains("heard nothing"), "{message}"),
+        other => panic!("expected one Error frame with code 16, got {other:?}"),
+    }
+    let probe = t.probe(peer, Duration::from_secs(1)).await;
+    assert!(
+        matches!(probe, Err(TransportError::PeerLost { .. })),
+        "{probe:?}"
+    );
+}
