@@ -217,13 +217,15 @@ pub(crate) async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// The listener's handshake; returns the client's `Hello`. On a protocol failure the peer is
-/// told why before the caller closes the connection.
+/// The listener's handshake; returns the client's `Hello`. On a protocol failure, or with
+/// `refuse` once the client is authenticated, the peer is told why before the caller closes
+/// the connection.
 pub(crate) async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     config: &TcpConfig,
+    refuse: Option<TcpError>,
 ) -> Result<HelloFields, LinkError> {
-    let r = server_handshake_inner(s, config).await;
+    let r = server_handshake_inner(s, config, refuse).await;
     if let Err(LinkError::Protocol(e)) = &r {
         send_error(s, e).await;
     }
@@ -233,6 +235,7 @@ pub(crate) async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin>(
 async fn server_handshake_inner<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     config: &TcpConfig,
+    refuse: Option<TcpError>,
 ) -> Result<HelloFields, LinkError> {
     let idle = config.connect_timeout;
     let names = SecretNames {
@@ -279,6 +282,9 @@ async fn server_handshake_inner<S: AsyncRead + AsyncWrite + Unpin>(
             .into());
         }
     };
+    if let Some(e) = refuse {
+        return Err(e.into());
+    }
     s.write_all(&Frame::Welcome { mac: proof }.encode())
         .await
         .map_err(io_err)?;

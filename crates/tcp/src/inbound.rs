@@ -10,7 +10,7 @@ use kvbridge_transport::{MemoryRegion, Notification, PeerId, Result, TransportEr
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -204,7 +204,8 @@ impl Session {
 
 /// Accepts connections until the transport closes.
 pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
-    let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+    let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+    let connections = Arc::new(Semaphore::new(shared.config.max_inbound_connections));
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
@@ -222,23 +223,42 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
             return;
         };
         let shared = shared.clone();
+        let connections = connections.clone();
         tokio::spawn(async move {
             let _permit = permit;
-            if let Err(e) = admit(shared, stream).await {
+            if let Err(e) = admit(shared, stream, connections).await {
                 tracing::warn!(peer = %from, error = %e, "rejected an inbound connection");
             }
         });
     }
 }
 
-/// Handshake, then joins (or starts) the connection's session and starts its tasks.
-async fn admit(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), LinkError> {
+/// Handshake, then joins (or starts) the connection's session and starts its tasks, which
+/// hold one of the `connections` slots until the connection ends.
+async fn admit(
+    shared: Arc<Shared>,
+    mut stream: TcpStream,
+    connections: Arc<Semaphore>,
+) -> Result<(), LinkError> {
     let _ = stream.set_nodelay(true);
+    let slot = connections.try_acquire_owned().ok();
+    let refuse = slot.is_none().then(|| TcpError::Closing {
+        reason: format!(
+            "the listener has {} connections already (TcpConfig::max_inbound_connections); \
+             retry once some have closed, or raise the limit",
+            shared.config.max_inbound_connections
+        ),
+    });
     // One deadline for the whole handshake, so a slow peer cannot hold a handshake slot longer.
     let limit = shared.config.connect_timeout;
-    let hello = tokio::time::timeout(limit, conn::server_handshake(&mut stream, &shared.config))
+    let handshake = conn::server_handshake(&mut stream, &shared.config, refuse);
+    let hello = tokio::time::timeout(limit, handshake)
         .await
         .map_err(|_| LinkError::HandshakeDeadline(limit))??;
+    // The handshake refuses the connection when there is no slot.
+    let Some(slot) = slot else {
+        return Err(LinkError::Eof);
+    };
     let (r, mut w) = stream.into_split();
     // Follow a peer that pings less often than this side expects, but only up to 4 times this
     // side's own timeout: an idle connection never stays open longer than that.
@@ -294,7 +314,7 @@ async fn admit(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), LinkErr
         shared.clone(),
         session.clone(),
         r,
-        hello.conn_index,
+        (hello.conn_index, slot),
         writer,
     ));
     lock(&session.tasks).push(reader);
@@ -329,7 +349,7 @@ async fn reader_task(
     shared: Arc<Shared>,
     session: Arc<Session>,
     mut r: OwnedReadHalf,
-    index: u16,
+    (index, _slot): (u16, OwnedSemaphorePermit),
     mut writer: JoinHandle<()>,
 ) {
     let mut rx = Receiver {

@@ -24,7 +24,10 @@
 //! - **Hardening**: frames above [`TcpConfig::max_frame_len`], unknown frame types, truncated
 //!   or overflowing lengths, unknown regions, out-of-bounds writes and a wrong or missing
 //!   secret each close the connection with a clear error; nothing a peer claims sizes an
-//!   allocation, and no byte is written outside a registered region.
+//!   allocation, and no byte is written outside a registered region. What a peer can make the
+//!   listener hold is bounded by [`TcpConfig::max_inbound_pending_bytes`] per peer and
+//!   [`TcpConfig::max_inbound_connections`]; a handshake must finish within
+//!   [`TcpConfig::connect_timeout`]. A side that closes a connection sends the reason first.
 //!
 //! Reads ([`Direction::Read`]) are not supported ([`Capabilities::reads`] is `false`).
 //!
@@ -65,7 +68,7 @@ use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
 };
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::task::JoinHandle;
 
 pub mod auth;
@@ -124,6 +127,9 @@ pub struct TcpConfig {
     /// go above the limit closes the peer's connections with error 15. At least
     /// `max_frame_len + BATCH_STATE_BYTES`; default 32 MiB.
     pub max_inbound_pending_bytes: u64,
+    /// Inbound connections admitted at once (over all peers); the handshake of one more is
+    /// answered with error 16. Each holds its slot until it closes. Default 1024.
+    pub max_inbound_connections: usize,
     /// Read payloads straight into the destination regions (default `true`): each range is
     /// borrowed exclusively (`MemoryRegion::borrow_mut`) for the length of one `readv`, during
     /// which `MemoryRegion` accessors touching those bytes are refused. With `false`, payloads
@@ -147,6 +153,7 @@ impl Default for TcpConfig {
             piece_bytes: 4 << 20,
             max_inbound_batches: 65_536,
             max_inbound_pending_bytes: 32 << 20,
+            max_inbound_connections: 1024,
             receive_in_place: true,
         }
     }
@@ -206,6 +213,12 @@ impl TcpConfig {
     /// Sets [`max_inbound_pending_bytes`](Self::max_inbound_pending_bytes).
     pub fn with_max_inbound_pending_bytes(mut self, bytes: u64) -> Self {
         self.max_inbound_pending_bytes = bytes;
+        self
+    }
+
+    /// Sets [`max_inbound_connections`](Self::max_inbound_connections).
+    pub fn with_max_inbound_connections(mut self, n: usize) -> Self {
+        self.max_inbound_connections = n;
         self
     }
 
@@ -277,6 +290,13 @@ impl TcpConfig {
         }
         if self.max_inbound_batches == 0 {
             return bad("max_inbound_batches", "0".into(), "must be at least 1");
+        }
+        if !(1..=Semaphore::MAX_PERMITS).contains(&self.max_inbound_connections) {
+            return bad(
+                "max_inbound_connections",
+                self.max_inbound_connections.to_string(),
+                "must be at least 1",
+            );
         }
         if self.max_inbound_pending_bytes < u64::from(self.max_frame_len) + BATCH_STATE_BYTES {
             return bad(

@@ -701,6 +701,7 @@ async fn bad_descriptors_and_configs_are_refused() {
         TcpConfig::default().with_max_frame_len(16),
         TcpConfig::default().with_keepalive(Duration::from_secs(2), Duration::from_secs(1)),
         TcpConfig::default().with_max_inbound_pending_bytes(1 << 20),
+        TcpConfig::default().with_max_inbound_connections(0),
     ] {
         let e = TcpTransport::bind(config).await.unwrap_err();
         assert!(matches!(e, TransportError::InvalidArgument { .. }), "{e}");
@@ -1006,4 +1007,47 @@ async fn a_sender_giving_up_on_a_silent_listener_tells_it_why() {
         matches!(probe, Err(TransportError::PeerLost { .. })),
         "{probe:?}"
     );
+}
+
+#[tokio::test]
+async fn connections_beyond_the_limit_are_refused_until_one_closes() {
+    let (t, _, mem) = target(TcpConfig::default().with_max_inbound_connections(2)).await;
+    let first = Raw::handshake_as(&t, false, (1, 0, 1), 1000).await;
+    let _second = Raw::handshake_as(&t, false, (2, 0, 1), 1000).await;
+    let mine = Preface {
+        version: wire::VERSION,
+        flags: 0,
+        nonce: [6; 32],
+    }
+    .encode();
+    let (mut third, _) = Raw::open(&t, mine).await;
+    third
+        .send(&Frame::Hello {
+            session: 3,
+            conn_index: 0,
+            conn_count: 1,
+            keepalive_ms: 1000,
+            mac: None,
+        })
+        .await;
+    let msg = third.expect_error(16).await;
+    assert!(msg.contains("max_inbound_connections"), "{msg}");
+    // Once a connection closes, its slot serves the next peer.
+    drop(first);
+    let good = TcpTransport::new().await.unwrap();
+    let mut admitted = false;
+    for _ in 0..200 {
+        match good.connect(&t.local_descriptor()).await {
+            Ok(_) => {
+                admitted = true;
+                break;
+            }
+            Err(e) if e.to_string().contains("max_inbound_connections") => {
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            Err(e) => panic!("unexpected refusal: {e}"),
+        }
+    }
+    assert!(admitted, "the closed connection's slot was never freed");
+    assert!(untouched(&mem));
 }
