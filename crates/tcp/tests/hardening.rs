@@ -58,6 +58,19 @@ impl Raw {
         (Self { s, buf: Vec::new() }, theirs)
     }
 
+    /// Sends a preface without a secret and then `hello` (any frame), as a client would.
+    async fn hello(t: &TcpTransport, hello: Frame) -> Self {
+        let mine = Preface {
+            version: wire::VERSION,
+            flags: 0,
+            nonce: [6; 32],
+        }
+        .encode();
+        let (mut raw, _) = Raw::open(t, mine).await;
+        raw.send(&hello).await;
+        raw
+    }
+
     /// Completes a correct handshake (with the secret when `secret` is true).
     async fn handshake(t: &TcpTransport, secret: bool) -> Self {
         Self::handshake_as(t, secret, (42, 0, 1), 1000).await
@@ -529,8 +542,14 @@ async fn a_well_formed_raw_peer_writes_and_notifies() {
 }
 
 /// A listener that completes the handshake, answers `Begin` frames if `ack_begin`, and then
-/// never says anything again (but keeps the connection open).
-async fn silent_listener(ack_begin: bool) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+/// never says anything again (but keeps the connection open). Its task ends when the peer
+/// closes, with the `Error` frames the peer sent.
+async fn silent_listener(
+    ack_begin: bool,
+) -> (
+    std::net::SocketAddr,
+    tokio::task::JoinHandle<Vec<(u16, String)>>,
+) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let task = tokio::spawn(async move {
@@ -547,6 +566,7 @@ async fn silent_listener(ack_begin: bool) -> (std::net::SocketAddr, tokio::task:
         let mut buf = Vec::new();
         let mut chunk = vec![0u8; 1 << 16];
         let mut welcomed = false;
+        let mut errors = Vec::new();
         loop {
             while let Ok(wire::Decoded::Frame(f, used)) = wire::decode_frame(&buf, 1 << 20) {
                 buf.drain(..used);
@@ -565,11 +585,12 @@ async fn silent_listener(ack_begin: bool) -> (std::net::SocketAddr, tokio::task:
                         };
                         s.write_all(&ack.encode()).await.unwrap();
                     }
+                    Frame::Error { code, message } => errors.push((code, message)),
                     _ => {}
                 }
             }
             match s.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
+                Ok(0) | Err(_) => return errors,
                 Ok(n) => buf.extend_from_slice(&chunk[..n]),
             }
         }
@@ -934,21 +955,14 @@ async fn the_other_connections_of_a_session_learn_why_it_ended() {
 async fn a_hello_announcing_more_than_16_connections_is_refused() {
     // The listener keeps one slot per announced connection: the count is checked first.
     let (t, region, mem) = target(TcpConfig::default()).await;
-    let mine = Preface {
-        version: wire::VERSION,
-        flags: 0,
-        nonce: [2; 32],
-    }
-    .encode();
-    let (mut raw, _) = Raw::open(&t, mine).await;
-    raw.send(&Frame::Hello {
+    let hello = Frame::Hello {
         session: 3,
         conn_index: 0,
         conn_count: u16::MAX,
         keepalive_ms: 1000,
         mac: None,
-    })
-    .await;
+    };
+    let mut raw = Raw::hello(&t, hello).await;
     let msg = raw.expect_error(5).await;
     assert!(msg.contains("connection count"), "{msg}");
     still_serves(&t, region, &mem).await;
@@ -956,39 +970,7 @@ async fn a_hello_announcing_more_than_16_connections_is_refused() {
 
 #[tokio::test]
 async fn a_sender_giving_up_on_a_silent_listener_tells_it_why() {
-    // A listener that completes the handshake, then reads everything and answers nothing.
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    let task = tokio::spawn(async move {
-        let (mut s, _) = l.accept().await.unwrap();
-        let mine = Preface {
-            version: wire::VERSION,
-            flags: 0,
-            nonce: [4; 32],
-        }
-        .encode();
-        s.write_all(&mine).await.unwrap();
-        let mut p = [0u8; 48];
-        s.read_exact(&mut p).await.unwrap();
-        let (mut buf, mut chunk, mut errors) = (Vec::new(), vec![0u8; 4096], Vec::new());
-        loop {
-            while let Ok(wire::Decoded::Frame(f, used)) = wire::decode_frame(&buf, 1 << 20) {
-                buf.drain(..used);
-                match f {
-                    Frame::Hello { .. } => {
-                        let welcome = Frame::Welcome { mac: None }.encode();
-                        s.write_all(&welcome).await.unwrap();
-                    }
-                    Frame::Error { code, message } => errors.push((code, message)),
-                    _ => {}
-                }
-            }
-            match s.read(&mut chunk).await {
-                Ok(0) | Err(_) => return errors,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
-        }
-    });
+    let (addr, task) = silent_listener(false).await;
     let t = TcpTransport::bind(keepalive_config()).await.unwrap();
     let peer = t
         .connect(format!("kvbridge-tcp/1@{addr}").as_bytes())
@@ -1014,22 +996,14 @@ async fn connections_beyond_the_limit_are_refused_until_one_closes() {
     let (t, _, mem) = target(TcpConfig::default().with_max_inbound_connections(2)).await;
     let first = Raw::handshake_as(&t, false, (1, 0, 1), 1000).await;
     let _second = Raw::handshake_as(&t, false, (2, 0, 1), 1000).await;
-    let mine = Preface {
-        version: wire::VERSION,
-        flags: 0,
-        nonce: [6; 32],
-    }
-    .encode();
-    let (mut third, _) = Raw::open(&t, mine).await;
-    third
-        .send(&Frame::Hello {
-            session: 3,
-            conn_index: 0,
-            conn_count: 1,
-            keepalive_ms: 1000,
-            mac: None,
-        })
-        .await;
+    let hello = Frame::Hello {
+        session: 3,
+        conn_index: 0,
+        conn_count: 1,
+        keepalive_ms: 1000,
+        mac: None,
+    };
+    let mut third = Raw::hello(&t, hello).await;
     let msg = third.expect_error(16).await;
     assert!(msg.contains("max_inbound_connections"), "{msg}");
     // Once a connection closes, its slot serves the next peer.
