@@ -112,7 +112,7 @@ pub(crate) fn error_frame(e: &TcpError) -> Vec<u8> {
 /// Best-effort: tells the peer why the connection closes.
 pub(crate) async fn send_error<W: AsyncWrite + Unpin>(w: &mut W, e: &TcpError) {
     let frame = error_frame(e);
-    let _ = tokio::time::timeout(Duration::from_millis(200), async {
+    let _ = tokio::time::timeout(CLOSE_GRACE, async {
         w.write_all(&frame).await?;
         w.flush().await
     })
