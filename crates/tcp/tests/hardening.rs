@@ -1025,3 +1025,64 @@ async fn connections_beyond_the_limit_are_refused_until_one_closes() {
     assert!(admitted, "the closed connection's slot was never freed");
     assert!(untouched(&mem));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_begins_on_every_connection_share_one_budget() {
+    // One session, four connections, each beginning batches as fast as it can: the charges
+    // of all of them together never pass the peer's budget.
+    let body = 60 << 10;
+    let budget = 8 * charge(body);
+    let config = TcpConfig::default()
+        .with_max_frame_len(64 << 10)
+        .with_max_inbound_pending_bytes(budget);
+    let (t, region, mem) = target(config).await;
+    let mut conns = Vec::new();
+    for index in 0..4u16 {
+        conns.push(Raw::handshake_as(&t, false, (77, index, 4), 1000).await);
+    }
+    let tasks: Vec<_> = conns
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut raw)| {
+            tokio::spawn(async move {
+                let mut accepted = 0u64;
+                for k in 0..64u64 {
+                    raw.send(&big_begin(i as u64 * 1000 + k, region, 4096, body))
+                        .await;
+                    match raw.frame().await {
+                        Some(Frame::BeginAck { .. }) => accepted += 1,
+                        Some(Frame::Error { code, .. }) => return (accepted, Some(code)),
+                        None => return (accepted, None),
+                        other => panic!("expected BeginAck or Error, got {other:?}"),
+                    }
+                }
+                (accepted, None)
+            })
+        })
+        .collect();
+    let mut accepted = 0;
+    let mut codes = Vec::new();
+    for task in tasks {
+        let (n, code) = tokio::time::timeout(LIMIT * 2, task)
+            .await
+            .unwrap()
+            .unwrap();
+        accepted += n;
+        codes.extend(code);
+    }
+    assert!(
+        codes.contains(&15),
+        "no connection was refused for the budget: {codes:?}"
+    );
+    assert!(
+        accepted <= 8,
+        "{accepted} batches accepted within a budget of 8"
+    );
+    let (_, peak) = t.inbound_pending_stats();
+    assert!(
+        peak <= budget,
+        "the session was charged {peak} bytes, above {budget}"
+    );
+    charged_eventually(&t, 0).await;
+    still_serves(&t, region, &mem).await;
+}
