@@ -371,6 +371,10 @@ async fn reader_task(
             tracing::warn!(%peer, conn = index, %reason, pending, "inbound peer closed the connection with an error");
             None
         }
+        LinkError::Protocol(e @ TcpError::Closing { .. }) => {
+            tracing::warn!(%peer, conn = index, %reason, pending, "closing an inbound session");
+            Some(e.clone())
+        }
         LinkError::Protocol(e) => {
             tracing::warn!(%peer, conn = index, %reason, pending, "inbound peer broke the protocol; closing its session");
             Some(e.clone())
@@ -858,7 +862,19 @@ impl Receiver<'_> {
                 }
             }
             if tokio::time::timeout_at(give_up, notified).await.is_err() {
-                return Err(LinkError::Silent(self.session.idle));
+                let active = self
+                    .session
+                    .lock_batches()
+                    .get(&batch)
+                    .map_or(0, |b| b.active);
+                return Err(TcpError::Closing {
+                    reason: format!(
+                        "the Cancel of batch {batch} on connection {} waited {:?} for {active} \
+                         piece(s) of it still being written on other connections of the session",
+                        self.index, self.session.idle
+                    ),
+                }
+                .into());
             }
         };
         self.send(Frame::CancelAck { batch, status }).await
