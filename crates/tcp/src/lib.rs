@@ -530,6 +530,7 @@ impl KvTransport for TcpTransport {
 
     async fn register(&self, region: MemoryRegion) -> Result<RegionId> {
         self.check_open()?;
+        self.capabilities().check_region(NAME, &region)?;
         let id = self.shared.next_region.fetch_add(1, Ordering::Relaxed);
         self.shared
             .regions
