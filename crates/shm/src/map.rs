@@ -254,6 +254,7 @@ unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvbridge_transport::AccessError;
 
     #[test]
     fn allocated_regions_are_sealed_shared_and_recognised() {
@@ -329,6 +330,34 @@ mod tests {
         assert!(got[6 + STREAM_MIN as usize..].iter().all(|&b| b == 0));
         assert!(copy_out(&src, 200, &dst, 0, STREAM_MIN + 1).is_err());
         assert!(copy_out(&src, 0, &dst, u64::MAX, STREAM_MIN).is_err());
+    }
+
+    /// The streaming copy claims its ranges like every other access: it is refused while the
+    /// destination is borrowed or the source is being written, and leaves no claim behind.
+    #[test]
+    fn streamed_copies_respect_the_claim_table() {
+        let len = STREAM_MIN as usize + 64;
+        let src = MemoryRegion::allocate(len).unwrap();
+        let dst = MemoryRegion::allocate(len).unwrap();
+        let mut borrowed = dst.borrow_mut(len as u64 - 1, 1).unwrap();
+        borrowed[0] = 7;
+        let r = copy_out(&src, 0, &dst, 64, STREAM_MIN);
+        assert!(
+            matches!(r, Err(CopyError::Destination(AccessError::Conflict { .. }))),
+            "{r:?}"
+        );
+        assert_eq!(borrowed[0], 7);
+        drop(borrowed);
+        let r = src.with_raw_range(0, 1, Access::Write, |_, _| {
+            copy_out(&src, 0, &dst, 0, STREAM_MIN)
+        });
+        assert!(
+            matches!(r, Ok(Err(CopyError::Source(AccessError::Conflict { .. })))),
+            "{r:?}"
+        );
+        copy_out(&src, 0, &dst, 0, STREAM_MIN).unwrap();
+        drop(dst.borrow_mut(0, len as u64).unwrap());
+        drop(src.borrow_mut(0, len as u64).unwrap());
     }
 
     #[test]
