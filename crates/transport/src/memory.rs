@@ -192,7 +192,8 @@ impl From<RangeError> for AccessError {
 enum Backing {
     /// Allocated by [`MemoryRegion::allocate`]; freed with this layout.
     Owned(Layout),
-    /// Memory owned by someone else; this keeps it alive and is never handed back.
+    /// Memory owned by someone else; this keeps it alive and is never handed back (only
+    /// dropped, hence never read).
     Foreign(#[allow(dead_code)] Box<dyn Send + Sync>),
     /// Zero-length region: nothing to free.
     Empty,
