@@ -1,8 +1,9 @@
 //! Repository automation, std-only: `cargo xtask <task>`.
 //!
 //! Tasks: `ci` (fmt, clippy, test, deny), `fmt`, `clippy`, `test`, `deny`, `msrv` (build with
-//! the declared rust-version), `bench [NAME]`, `stress [--iterations N] [--time-limit SECS]
-//! [--burners K]` (the cross-process tests, again and again, on a loaded machine).
+//! the declared rust-version), `miri` (registered memory's tests under Miri, when nightly Miri
+//! is installed), `bench [NAME]`, `stress [--iterations N] [--time-limit SECS] [--burners K]`
+//! (the cross-process tests, again and again, on a loaded machine).
 
 use std::env;
 use std::fs;
@@ -117,6 +118,56 @@ fn msrv() -> Result<(), String> {
     } else {
         Err(format!(
             "the workspace does not build with Rust {MSRV} (its rust-version)"
+        ))
+    }
+}
+
+/// Seeds of the scheduler Miri tries for the concurrent tests; each runs the tests once.
+const MIRI_SEEDS: &str = "0..64";
+
+/// Runs the tests of `kvbridge-transport`'s memory module under Miri (concurrent overlapping
+/// accesses through every accessor included), once per seed in [`MIRI_SEEDS`]. Succeeds with a
+/// printed reason when nightly Miri is not installed (`rustup toolchain install nightly
+/// --profile minimal && rustup component add --toolchain nightly miri rust-src`).
+fn miri() -> Result<(), String> {
+    // `cargo +nightly` goes through rustup's proxy, not the running cargo.
+    let probe = Command::new("cargo")
+        .args(["+nightly", "miri", "--version"])
+        .output();
+    match probe {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => {
+            let why = String::from_utf8_lossy(&out.stderr);
+            let why = why.lines().next().unwrap_or("no output").trim();
+            eprintln!("xtask: miri skipped: nightly Miri is not installed ({why})");
+            return Ok(());
+        }
+        Err(e) => {
+            eprintln!("xtask: miri skipped: could not run `cargo +nightly miri` ({e})");
+            return Ok(());
+        }
+    }
+    let args = [
+        "+nightly",
+        "miri",
+        "test",
+        "-p",
+        "kvbridge-transport",
+        "--lib",
+        "memory::",
+    ];
+    let flags = format!("-Zmiri-many-seeds={MIRI_SEEDS}");
+    eprintln!("xtask: MIRIFLAGS={flags} cargo {}", args.join(" "));
+    let status = Command::new("cargo")
+        .args(args)
+        .env("MIRIFLAGS", &flags)
+        .status()
+        .map_err(|e| format!("could not run cargo +nightly miri: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "Miri found a problem in registered memory ({status}); rerun the command above to see it"
         ))
     }
 }
@@ -386,10 +437,11 @@ fn main() -> ExitCode {
         Some("test") => test(),
         Some("deny") => deny(),
         Some("msrv") => msrv(),
+        Some("miri") => miri(),
         Some("bench") => bench(args.get(1).map(String::as_str)),
         Some("stress") => parse_stress(&args[1..]).and_then(stress),
         _ => Err(
-            "usage: cargo xtask <ci|fmt|clippy|test|deny|msrv|bench [planner|shm|tcp|e2e]|stress \
+            "usage: cargo xtask <ci|fmt|clippy|test|deny|msrv|miri|bench [planner|shm|tcp|e2e]|stress \
              [--iterations N] [--time-limit SECS] [--burners K]>"
                 .to_owned(),
         ),

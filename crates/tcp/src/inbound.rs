@@ -701,6 +701,9 @@ impl Receiver<'_> {
         let idle = self.session.idle;
         let mut left = total;
         let mut dropping = false;
+        // Foreign memory (a mapping others may write) is never borrowed as a slice.
+        let in_place =
+            self.shared.config.receive_in_place && targets.iter().all(MemoryRegion::can_borrow);
         // Position: descriptor index and bytes of it already read.
         let (mut at, mut pos) = (0usize, 0u64);
         while at < ops.len() {
@@ -718,7 +721,7 @@ impl Receiver<'_> {
                 dropping = true;
                 break;
             }
-            let n = if self.shared.config.receive_in_place {
+            let n = if in_place {
                 self.read_in_place(r, batch, &ops, &targets, at, pos)?
             } else {
                 self.read_through_bounce(r, batch, &ops, &targets, at, pos)?
@@ -881,10 +884,8 @@ impl Receiver<'_> {
     }
 }
 
-fn busy(batch: u64, region: u64, e: kvbridge_transport::RangeError) -> LinkError {
-    protocol(format!(
-        "batch {batch} writes region #{region} at {e} while another write to the same bytes is in progress"
-    ))
+fn busy(batch: u64, region: u64, e: kvbridge_transport::AccessError) -> LinkError {
+    protocol(format!("batch {batch} cannot write region #{region}: {e}"))
 }
 
 fn protocol(message: String) -> LinkError {

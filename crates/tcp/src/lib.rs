@@ -134,7 +134,8 @@ pub struct TcpConfig {
     /// borrowed exclusively (`MemoryRegion::borrow_mut`) for the length of one `readv`, during
     /// which `MemoryRegion` accessors touching those bytes are refused. With `false`, payloads
     /// go through a fixed 1 MiB buffer per connection and `write_at` (one more copy), so the
-    /// application may read any part of its regions with the accessors at any time.
+    /// accessors are refused only for the bytes of a `write_at` in progress. Frames
+    /// into foreign memory (which is never borrowed as a slice) always take the buffer.
     pub receive_in_place: bool,
 }
 
@@ -592,6 +593,7 @@ impl KvTransport for TcpTransport {
 
     async fn register(&self, region: MemoryRegion) -> Result<RegionId> {
         self.check_open()?;
+        self.capabilities().check_region(NAME, &region)?;
         let id = self.shared.next_region.fetch_add(1, Ordering::Relaxed);
         self.shared
             .regions
