@@ -14,7 +14,7 @@ use kvbridge_coordinator::{
     Chunk, DecodeAgent, InProcessControlHub, KvMemory, PrefillAgent, ReceiveRequest,
     StaticDirectory,
 };
-use kvbridge_handshake::PeerDescriptor;
+use kvbridge_handshake::{PeerDescriptor, Role};
 use kvbridge_transport::KvTransport;
 
 const ADDR: &str = "prefill.transports-test:8998";
@@ -41,17 +41,12 @@ async fn transport(kind: Kind) -> Arc<dyn KvTransport> {
     }
 }
 
-fn mla(role: &str, page_size: u64, tp: u32, rank: u32, dcp: u32) -> PeerDescriptor {
-    let item = page_size * TOKEN_BYTES;
-    let lens = vec![item.to_string(); LAYERS].join(", ");
-    format!(
-        r#"{{"role": "{role}", "page_size": {page_size}, "kv_cache_dtype": "auto", "kv_pool": "mla",
-            "attn_tp_size": {tp}, "attn_tp_rank": {rank}, "dcp_size": {dcp}, "dcp_rank": {dcp_rank},
-            "kv_item_lens": [{lens}]}}"#,
-        dcp_rank = rank % dcp
-    )
-    .parse()
-    .expect("valid descriptor")
+fn mla(role: Role, page_size: u64, tp: u32, rank: u32, dcp: u32) -> PeerDescriptor {
+    PeerDescriptor::mla(role, page_size, LAYERS, TOKEN_BYTES)
+        .attn_tp(tp, rank)
+        .dcp(dcp)
+        .build()
+        .expect("valid descriptor")
 }
 
 /// Moves `tokens` tokens of room 1 from every prefill rank to every decode rank in chunks of
@@ -174,8 +169,8 @@ async fn transfer(
 async fn dcp_one_to_two(kind: Kind) {
     transfer(
         kind,
-        vec![mla("prefill", 16, 1, 0, 1)],
-        (0..2).map(|r| mla("decode", 16, 2, r, 2)).collect(),
+        vec![mla(Role::Prefill, 16, 1, 0, 1)],
+        (0..2).map(|r| mla(Role::Decode, 16, 2, r, 2)).collect(),
         100,
         3,
     )
@@ -186,8 +181,8 @@ async fn dcp_two_to_four_with_page_sizes(kind: Kind) {
     // Prefill DCP 2 with 8-token pages feeding decode DCP 4 with 16-token pages.
     transfer(
         kind,
-        (0..2).map(|r| mla("prefill", 8, 2, r, 2)).collect(),
-        (0..4).map(|r| mla("decode", 16, 4, r, 4)).collect(),
+        (0..2).map(|r| mla(Role::Prefill, 8, 2, r, 2)).collect(),
+        (0..4).map(|r| mla(Role::Decode, 16, 4, r, 4)).collect(),
         150,
         4,
     )

@@ -39,6 +39,14 @@ pub enum HandshakeError {
         /// The version this build speaks.
         supported: ProtocolVersion,
     },
+    /// [`crate::PeerDescriptorBuilder::build`] was given incomplete or contradictory input.
+    #[error("cannot build the peer descriptor: {message}; {remedy}")]
+    DescriptorBuild {
+        /// What is missing or wrong, with the values seen.
+        message: String,
+        /// What to call to fix it.
+        remedy: String,
+    },
     /// A precondition of the rank mapping does not hold (SGLang asserts these; the text is
     /// SGLang's).
     #[error("rank mapping precondition failed: {message}; {remedy}")]

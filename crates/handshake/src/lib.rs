@@ -1,7 +1,8 @@
 //! kvbridge-handshake: what prefill and decode ranks advertise, every compatibility check
 //! between them, and the rank mapping. Sans-IO: no sockets, no files, no clocks.
 //!
-//! * [`PeerDescriptor`] — one rank's advertised parameters (JSON, versioned, strict).
+//! * [`PeerDescriptor`] — one rank's advertised parameters (JSON, versioned, strict), built
+//!   with [`PeerDescriptor::mla`], [`PeerDescriptor::mha`] or [`PeerDescriptor::builder`].
 //! * [`check`] / [`check_with`] — every problem at once, each with a stable code
 //!   ([`ProblemCode`], e.g. `KVB-E007`), the message (SGLang's text where it has one), the
 //!   values seen and a remedy; plus the [`RankMapping`] when compatible.
@@ -17,13 +18,14 @@
 //!   `docs/errors.md`.
 //!
 //! ```
-//! use kvbridge_handshake::{check, PeerDescriptor, ProblemCode};
-//! let prefill: PeerDescriptor = r#"{"role": "prefill", "page_size": 64, "kv_cache_dtype": "auto",
-//!     "kv_pool": "mha", "attn_tp_size": 4, "total_kv_heads": 8, "head_dim": 128,
-//!     "kv_item_lens": [65536, 65536]}"#.parse()?;
-//! let decode: PeerDescriptor = r#"{"role": "decode", "page_size": 64, "kv_cache_dtype": "auto",
-//!     "kv_pool": "mha", "attn_tp_size": 4, "dcp_size": 2, "total_kv_heads": 8, "head_dim": 128,
-//!     "kv_item_lens": [65536, 65536]}"#.parse()?;
+//! use kvbridge_handshake::{check, PeerDescriptor, ProblemCode, Role};
+//! // GQA, 8 KV heads of dim 128 in bf16, one layer, page size 64, attention TP 4.
+//! let prefill = PeerDescriptor::mha(Role::Prefill, 64, 1, 8, 128).element_bytes(2).attn_tp(4, 0).build()?;
+//! let decode = PeerDescriptor::mha(Role::Decode, 64, 1, 8, 128)
+//!     .element_bytes(2)
+//!     .attn_tp(4, 0)
+//!     .dcp(2)
+//!     .build()?;
 //! let report = check(&prefill, &decode);
 //! assert!(!report.is_compatible());
 //! assert_eq!(report.problems[0].code, ProblemCode::DcpNeedsMlaPool);
@@ -46,7 +48,7 @@ pub use check::{
     CheckOptions, Compat, RankReport, Report, check, check_all_ranks, check_with, dtype_bytes,
     rank_mapping,
 };
-pub use descriptor::{PeerDescriptor, ProtocolVersion, Role};
+pub use descriptor::{PeerDescriptor, PeerDescriptorBuilder, ProtocolVersion, Role};
 pub use error::{HandshakeError, Result};
 pub use fingerprint::{
     FieldDiff, Fingerprint, canonical_encoding, compat_fields, fingerprint, fingerprint_diff,

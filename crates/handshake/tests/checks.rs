@@ -747,8 +747,8 @@ fn three_problems_are_all_reported_in_check_order() {
 fn every_problem_has_values_and_a_remedy() {
     let p = mla("prefill", 4, 1, 0);
     let d = with(
-        &gqa("decode", 6, 8, 7),
-        json!({"page_size": 16, "dcp_size": 4, "attn_cp_size": 2}),
+        &gqa("decode", 6, 8, 0),
+        json!({"page_size": 16, "dcp_size": 4, "attn_cp_size": 2, "attn_tp_rank": 7}),
     );
     let r = sglang(&p, &d);
     assert!(r.problems.len() >= 6, "{:#?}", r.problems);

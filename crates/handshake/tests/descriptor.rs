@@ -155,3 +155,109 @@ fn heads_per_rank_follows_sglang() {
     d.attn_tp_size = 1;
     assert_eq!(d.heads_per_rank(), Some(2));
 }
+
+// ---- the builder ----
+
+#[test]
+fn builder_defaults_equal_the_json_defaults() {
+    let built = PeerDescriptor::builder(Role::Decode)
+        .page_size(64)
+        .kv_pool(PoolKind::HybridMla)
+        .attn_tp(4, 0)
+        .kv_item_lens(vec![73728, 73728])
+        .build()
+        .expect("complete");
+    assert_eq!(built, PeerDescriptor::from_json(MINIMAL).expect("parse"));
+}
+
+#[test]
+fn mla_and_mha_shapes_derive_entries_and_the_dcp_rank() {
+    let d = PeerDescriptor::mla(Role::Decode, 64, 3, 1152)
+        .attn_tp(8, 6)
+        .dcp(4)
+        .aux_item_lens(vec![64])
+        .build()
+        .expect("complete");
+    assert_eq!(d.kv_pool, PoolKind::Mla);
+    assert_eq!(d.kv_item_lens, vec![64 * 1152; 3]);
+    assert_eq!(
+        (d.attn_tp_size, d.attn_tp_rank, d.dcp_size, d.dcp_rank),
+        (8, 6, 4, 2)
+    );
+    assert_eq!(d.aux_item_lens, [64]);
+
+    // 8 KV heads over TP 16: each rank holds one (replicated), K and V per layer.
+    let d = PeerDescriptor::mha(Role::Prefill, 32, 2, 8, 128)
+        .kv_cache_dtype("fp8_e4m3")
+        .attn_tp(16, 3)
+        .build()
+        .expect("complete");
+    assert_eq!((d.total_kv_heads, d.head_dim), (Some(8), Some(128)));
+    assert_eq!(d.kv_item_lens, vec![32 * 128; 4]);
+    assert_eq!(d.heads_per_rank(), Some(1));
+    let d = PeerDescriptor::mha(Role::Prefill, 32, 1, 8, 128)
+        .element_bytes(2)
+        .attn_tp(2, 1)
+        .build()
+        .expect("complete");
+    assert_eq!(d.kv_item_lens, vec![32 * 4 * 128 * 2; 2]);
+    assert_eq!(d.kv_cache_dtype, "auto");
+}
+
+#[test]
+fn builder_refuses_incomplete_input_with_what_to_call() {
+    let err = |b: kvbridge_handshake::PeerDescriptorBuilder| match b.build() {
+        Err(e @ HandshakeError::DescriptorBuild { .. }) => e.to_string(),
+        other => panic!("expected DescriptorBuild, got {other:?}"),
+    };
+    let t = err(PeerDescriptor::builder(Role::Prefill));
+    assert!(
+        t.contains("page_size is not set") && t.contains(".page_size("),
+        "{t}"
+    );
+    let t = err(PeerDescriptor::builder(Role::Prefill).page_size(64));
+    assert!(
+        t.contains("kv_pool is not set") && t.contains("PeerDescriptor::mla"),
+        "{t}"
+    );
+    let t = err(PeerDescriptor::builder(Role::Prefill)
+        .page_size(64)
+        .kv_pool(PoolKind::Mla));
+    assert!(
+        t.contains("kv_item_lens is not set") && t.contains(".kv_item_lens("),
+        "{t}"
+    );
+    let t = err(PeerDescriptor::builder(Role::Prefill)
+        .page_size(64)
+        .kv_pool(PoolKind::Mha));
+    assert!(
+        t.contains("total_kv_heads and head_dim") && t.contains(".heads("),
+        "{t}"
+    );
+    let t = err(PeerDescriptor::mha(Role::Prefill, 64, 2, 8, 128));
+    assert!(
+        t.contains(r#"kv_cache_dtype "auto""#) && t.contains(".element_bytes("),
+        "{t}"
+    );
+    let t = err(PeerDescriptor::mla(Role::Decode, 0, 2, 1152));
+    assert!(t.contains("page_size is 0"), "{t}");
+    let t = err(PeerDescriptor::mla(Role::Decode, 64, 2, 1152).attn_tp(4, 4));
+    assert!(
+        t.contains("attn_tp size 4, rank 4") && t.contains(".attn_tp(size, rank)"),
+        "{t}"
+    );
+    let t = err(PeerDescriptor::mla(Role::Decode, 64, 2, 1152).pp(0, 0));
+    assert!(t.contains("pp size 0"), "{t}");
+    let t = err(PeerDescriptor::mla(Role::Decode, 64, 2, 1152)
+        .attn_tp(4, 0)
+        .dcp(3));
+    assert!(
+        t.contains("dcp_size 3 does not divide attn_tp_size 4"),
+        "{t}"
+    );
+    let t = err(PeerDescriptor::mla(Role::Decode, 64, 2, 1152).num_draft_entries(3));
+    assert!(
+        t.contains("num_draft_entries 3 exceeds the 2 KV entries"),
+        "{t}"
+    );
+}

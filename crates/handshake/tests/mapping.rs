@@ -2,13 +2,15 @@
 //! unique-rank rules, an independent re-statement checked on random inputs, and the owner-rule
 //! mapping kvbridge uses for any prefill DCP a -> decode DCP b.
 
+mod common;
+
+use common::mla;
 use kvbridge_handshake::{
     CheckOptions, Compat, HandshakeError, MappingInput, PeerDescriptor, PoolKind, ProblemCode,
-    TargetRanks, TransferPath, bootstrap_order, check_all_ranks, check_with, prefill_unique_rank,
-    sglang_is_dummy, sglang_rank_mapping,
+    Role, TargetRanks, TransferPath, bootstrap_order, check_all_ranks, check_with,
+    prefill_unique_rank, sglang_is_dummy, sglang_rank_mapping,
 };
 use proptest::prelude::*;
-use serde_json::json;
 
 const POOLS: [PoolKind; 3] = [PoolKind::Mha, PoolKind::Mla, PoolKind::HybridMla];
 
@@ -215,14 +217,15 @@ fn row_17_non_divisible_tp_targets_missing_rank_and_check_refuses() {
         map(&input(6, 5, 4, PoolKind::Mha)),
         expect(Some(5), &[5], &[0], &[0], 1, 1)
     );
-    let p = desc(
-        json!({"role": "prefill", "kv_pool": "mha", "attn_tp_size": 4,
-        "total_kv_heads": 12, "head_dim": 128, "kv_item_lens": [49152, 49152]}),
-    );
-    let d = desc(
-        json!({"role": "decode", "kv_pool": "mha", "attn_tp_size": 6, "attn_tp_rank": 5,
-        "total_kv_heads": 12, "head_dim": 128, "kv_item_lens": [32768, 32768]}),
-    );
+    let gqa = |role, tp, rank| {
+        PeerDescriptor::mha(role, 64, 1, 12, 128)
+            .element_bytes(2)
+            .attn_tp(tp, rank)
+            .build()
+            .expect("complete")
+    };
+    let (p, d) = (gqa(Role::Prefill, 4, 0), gqa(Role::Decode, 6, 5));
+    assert_eq!((p.kv_item_lens[0], d.kv_item_lens[0]), (49152, 32768));
     for compat in [Compat::Sglang, Compat::Kvbridge] {
         let r = check_with(&p, &d, &CheckOptions::new(compat));
         assert_eq!(
@@ -311,21 +314,6 @@ fn unique_rank_formula() {
 }
 
 // ---- descriptors → mapping ----
-
-fn desc(v: serde_json::Value) -> PeerDescriptor {
-    let mut base = json!({"page_size": 64, "kv_cache_dtype": "auto"});
-    for (k, val) in v.as_object().expect("object") {
-        base[k] = val.clone();
-    }
-    serde_json::from_value(base).expect("descriptor")
-}
-
-fn mla(role: &str, tp: u32, dcp: u32, rank: u32) -> PeerDescriptor {
-    desc(
-        json!({"role": role, "kv_pool": "mla", "attn_tp_size": tp, "attn_tp_rank": rank,
-        "dcp_size": dcp, "dcp_rank": rank % dcp, "kv_item_lens": [73728, 73728]}),
-    )
-}
 
 #[test]
 fn mapping_from_descriptors_lists_peers_with_dummies_and_ids() {

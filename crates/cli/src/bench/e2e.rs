@@ -30,7 +30,7 @@ use kvbridge_coordinator::testing::{TokenLayout, chunk_plan, fill_rows, verify_r
 use kvbridge_coordinator::{
     AllocatedMemory, Chunk, DecodeAgent, KvMemory, PrefillAgent, ReceiveRequest,
 };
-use kvbridge_handshake::PeerDescriptor;
+use kvbridge_handshake::{PeerDescriptor, Role};
 use kvbridge_transport::{KvTransport, PeerId, TransferBatch, TransferOp};
 
 use super::{BenchArgs, TransportKind, factory};
@@ -43,13 +43,12 @@ const CHUNK_TOKENS: u64 = 4096;
 /// The pattern's request id (the same bytes whichever room moves them).
 const PATTERN_ROOM: u64 = 1;
 
-fn desc(role: &str, tp: u32, rank: u32, dcp: u32) -> Result<PeerDescriptor, String> {
-    serde_json::from_value(serde_json::json!({
-        "role": role, "page_size": PAGE, "kv_cache_dtype": "auto", "kv_pool": "mla",
-        "attn_tp_size": tp, "attn_tp_rank": rank, "dcp_size": dcp, "dcp_rank": rank % dcp,
-        "kv_item_lens": vec![PAGE * TOKEN_BYTES; LAYERS],
-    }))
-    .map_err(|e| format!("internal: bad descriptor: {e}"))
+fn desc(role: Role, tp: u32, rank: u32, dcp: u32) -> Result<PeerDescriptor, String> {
+    PeerDescriptor::mla(role, PAGE, LAYERS, TOKEN_BYTES)
+        .attn_tp(tp, rank)
+        .dcp(dcp)
+        .build()
+        .map_err(|e| format!("internal: {e}"))
 }
 
 /// One result.
@@ -127,7 +126,7 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
         .await
         .map_err(e)?;
     let addr = boot.bootstrap_addr();
-    let pd = desc("prefill", 1, 0, 1)?;
+    let pd = desc(Role::Prefill, 1, 0, 1)?;
     let pt = make().await?;
     let ppages = tokens.div_ceil(PAGE);
     let pmem = KvMemory::allocate(&*pt, &pd, ppages, 0).await.map_err(e)?;
@@ -154,7 +153,7 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
     let dpages = tokens.div_ceil(PAGE * u64::from(DCP));
     let mut decodes = Vec::new();
     for r in 0..DCP {
-        let dd = desc("decode", DCP, r, DCP)?;
+        let dd = desc(Role::Decode, DCP, r, DCP)?;
         let dt = make().await?;
         let dmem = KvMemory::allocate(&*dt, &dd, dpages, 0).await.map_err(e)?;
         let agent = DecodeAgent::builder(

@@ -21,7 +21,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use kvbridge_handshake::PeerDescriptor;
+use kvbridge_handshake::{PeerDescriptor, Role as PeerRole};
 use serde::{Deserialize, Serialize};
 
 mod parent;
@@ -312,44 +312,32 @@ impl Setup {
         if a.secret.as_ref().is_some_and(String::is_empty) {
             return Err("--secret must not be empty".to_owned());
         }
-        let desc = |role: &str,
+        let desc = |role: PeerRole,
                     page: u64,
                     tp: u32,
                     rank: u32,
                     dcp: u32|
          -> Result<PeerDescriptor, String> {
-            let mut v = serde_json::json!({
-                "role": role,
-                "page_size": page,
-                "kv_cache_dtype": "auto",
-                "attn_tp_size": tp,
-                "attn_tp_rank": rank,
-                "dcp_size": dcp,
-                "dcp_rank": rank % dcp,
-                "aux_item_lens": AUX_ITEM_LENS,
-            });
             match a.geometry {
                 Geometry::Mla => {
-                    v["kv_pool"] = "mla".into();
-                    v["kv_item_lens"] =
-                        vec![page * a.bytes_per_token_layer; layers as usize].into();
+                    PeerDescriptor::mla(role, page, layers as usize, a.bytes_per_token_layer)
                 }
                 Geometry::Gqa => {
-                    let per_rank = u64::from((a.kv_heads / tp).max(1));
-                    let token = per_rank * u64::from(a.head_dim) * 2;
-                    v["kv_pool"] = "mha".into();
-                    v["total_kv_heads"] = a.kv_heads.into();
-                    v["head_dim"] = a.head_dim.into();
-                    v["kv_item_lens"] = vec![page * token; 2 * layers as usize].into();
+                    PeerDescriptor::mha(role, page, layers as usize, a.kv_heads, a.head_dim)
+                        .element_bytes(2)
                 }
             }
-            serde_json::from_value(v).map_err(|e| format!("internal: bad descriptor: {e}"))
+            .attn_tp(tp, rank)
+            .dcp(dcp)
+            .aux_item_lens(AUX_ITEM_LENS.to_vec())
+            .build()
+            .map_err(|e| format!("internal: {e}"))
         };
         let prefill = (0..ptp)
-            .map(|r| desc("prefill", p1, ptp, r, pdcp))
+            .map(|r| desc(PeerRole::Prefill, p1, ptp, r, pdcp))
             .collect::<Result<Vec<_>, _>>()?;
         let decode = (0..dtp)
-            .map(|r| desc("decode", p2, dtp, r, dcp))
+            .map(|r| desc(PeerRole::Decode, p2, dtp, r, dcp))
             .collect::<Result<Vec<_>, _>>()?;
         let token_bytes = match a.geometry {
             Geometry::Mla => u64::from(layers) * a.bytes_per_token_layer,
