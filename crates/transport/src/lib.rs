@@ -32,6 +32,8 @@
 //! assert_eq!(batch.total_bytes(), 73_728);
 //! ```
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,6 +43,7 @@ use bytes::Bytes;
 mod error;
 pub mod memory;
 #[cfg(any(test, feature = "testing"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 
 pub use error::{Result, Side, TransportError};

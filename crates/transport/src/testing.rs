@@ -1609,6 +1609,7 @@ pub async fn device_memory_refused_unless_declared(pair: TransportPair) {
 /// }
 /// ```
 #[macro_export]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 macro_rules! conformance_tests {
     ($make_pair:expr) => {
         #[doc(hidden)]
