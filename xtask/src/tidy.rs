@@ -85,6 +85,19 @@ fn crates_depend_only_on_what_the_codemap_allows() {
             ],
             true,
         ),
+        (
+            "kvbridge",
+            &[
+                "kvbridge-geometry",
+                "kvbridge-handshake",
+                "kvbridge-transport",
+                "kvbridge-mock",
+                "kvbridge-shm",
+                "kvbridge-tcp",
+                "kvbridge-coordinator",
+            ],
+            false,
+        ),
     ];
     for (dir, name) in crates() {
         let deps = normal_dependencies(&read(&dir.join("Cargo.toml")));
