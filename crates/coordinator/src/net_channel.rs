@@ -338,6 +338,14 @@ struct Shared {
     shutdown: watch::Sender<bool>,
 }
 
+impl Shared {
+    /// Runs `f` on the peer table under its lock (the only place that takes it).
+    fn with_peers<R>(&self, f: impl FnOnce(&mut HashMap<Endpoint, Arc<PeerSlot>>) -> R) -> R {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut peers)
+    }
+}
+
 /// A [`ControlChannel`] over TCP; see the [module docs](self) for the wire format and limits.
 ///
 /// Dropping it (or [`close`](Self::close)) stops the listener and every connection task.
@@ -417,11 +425,7 @@ impl NetChannel {
     /// [`CoordinatorError::ChannelClosed`] and `send` fails.
     pub fn close(&self) {
         self.shared.shutdown.send_replace(true);
-        self.shared
-            .peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        self.shared.with_peers(HashMap::clear);
     }
 
     fn closed_error(&self) -> CoordinatorError {
@@ -432,24 +436,26 @@ impl NetChannel {
     }
 
     fn slot(&self, to: &Endpoint) -> Result<Arc<PeerSlot>> {
-        let mut peers = self.shared.peers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = peers.get(to) {
-            return Ok(s.clone());
-        }
-        if peers.len() >= self.shared.config.max_peers {
-            return Err(CoordinatorError::ChannelSend {
-                channel: NET_CHANNEL_NAME,
-                endpoint: to.clone(),
-                reason: format!(
-                    "this channel already talks to {} endpoints (max_peers); raise \
-                     NetChannelConfig::max_peers",
-                    peers.len()
-                ),
-            });
-        }
-        let s = Arc::new(PeerSlot::default());
-        peers.insert(to.clone(), s.clone());
-        Ok(s)
+        let max_peers = self.shared.config.max_peers;
+        self.shared.with_peers(|peers| {
+            if let Some(s) = peers.get(to) {
+                return Ok(s.clone());
+            }
+            if peers.len() >= max_peers {
+                return Err(CoordinatorError::ChannelSend {
+                    channel: NET_CHANNEL_NAME,
+                    endpoint: to.clone(),
+                    reason: format!(
+                        "this channel already talks to {} endpoints (max_peers); raise \
+                         NetChannelConfig::max_peers",
+                        peers.len()
+                    ),
+                });
+            }
+            let s = Arc::new(PeerSlot::default());
+            peers.insert(to.clone(), s.clone());
+            Ok(s)
+        })
     }
 }
 

@@ -75,25 +75,22 @@ impl Outbox {
     pub(crate) fn send(&self, to: &Endpoint, message: ControlMessage) {
         let kind = message.kind();
         let room = message.room();
-        let tx = {
-            let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-            match queues.get(to).filter(|tx| !tx.is_closed()) {
-                Some(tx) => tx.clone(),
-                None => {
-                    let (tx, rx) = mpsc::channel(self.capacity);
-                    tokio::spawn(drain(
-                        self.channel.clone(),
-                        to.clone(),
-                        rx,
-                        self.timeout,
-                        self.on_fail.clone(),
-                        self.metrics.clone(),
-                    ));
-                    queues.insert(to.clone(), tx.clone());
-                    tx
-                }
+        let tx = self.with_queues(|queues| match queues.get(to).filter(|tx| !tx.is_closed()) {
+            Some(tx) => tx.clone(),
+            None => {
+                let (tx, rx) = mpsc::channel(self.capacity);
+                tokio::spawn(drain(
+                    self.channel.clone(),
+                    to.clone(),
+                    rx,
+                    self.timeout,
+                    self.on_fail.clone(),
+                    self.metrics.clone(),
+                ));
+                queues.insert(to.clone(), tx.clone());
+                tx
             }
-        };
+        });
         match tx.try_send(message) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) => (self.on_fail)(
@@ -124,10 +121,16 @@ impl Outbox {
 
     /// Drops the queue of `to` (its task ends once the queue drains).
     pub(crate) fn forget(&self, to: &Endpoint) {
-        self.queues
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(to);
+        self.with_queues(|queues| queues.remove(to));
+    }
+
+    /// Runs `f` on the queue table under its lock (the only place that takes it).
+    fn with_queues<R>(
+        &self,
+        f: impl FnOnce(&mut HashMap<Endpoint, mpsc::Sender<ControlMessage>>) -> R,
+    ) -> R {
+        let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut queues)
     }
 }
 
