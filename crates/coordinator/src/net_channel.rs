@@ -1215,6 +1215,217 @@ fn check_frame_len(len: u32, max: u32) -> std::result::Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fuzz;
+    use proptest::prelude::*;
+
+    fn test_shared() -> Shared {
+        Shared {
+            config: NetChannelConfig::default(),
+            endpoint: Endpoint::new("127.0.0.1:9"),
+            counters: Counters::default(),
+            peers: Mutex::new(HashMap::new()),
+            shutdown: watch::channel(false).0,
+        }
+    }
+
+    const FUZZ_LIMITS: FrameLimits = FrameLimits {
+        max_len: *FRAME_LEN_RANGE.start(),
+        frame_timeout: Duration::from_secs(10),
+        idle_timeout: Duration::from_secs(10),
+    };
+
+    /// What the server side makes of a connection that sent `input` and closed: the
+    /// handshake's verdict, then each frame (decoded or refused), then how it ended.
+    async fn serve_bytes(shared: &Shared, input: &[u8]) -> Vec<String> {
+        let (_peer, mut conn) = fuzz::peer_sent(input).await;
+        let mut seen = Vec::new();
+        match server_handshake(shared, &mut conn).await {
+            Ok(from) => {
+                assert!((1..=MAX_ENDPOINT_LEN).contains(&from.as_str().len()));
+                seen.push(format!("accepted {from}"));
+            }
+            Err(reason) => {
+                assert!(!reason.is_empty());
+                seen.push(format!("refused: {reason}"));
+                return seen;
+            }
+        }
+        loop {
+            match read_frame(&mut conn, FUZZ_LIMITS).await {
+                Ok(body) => {
+                    assert!(!body.is_empty() && body.len() <= FUZZ_LIMITS.max_len as usize);
+                    match decode_message(&body) {
+                        Ok(m) => seen.push(m.kind().to_owned()),
+                        Err(reason) => {
+                            assert!(reason.contains("is not a control message"), "{reason}");
+                            seen.push("not a message".to_owned());
+                            return seen;
+                        }
+                    }
+                }
+                Err(FrameEnd::Closed) => return seen,
+                Err(FrameEnd::Broken(reason)) => {
+                    assert!(!reason.is_empty());
+                    seen.push(format!("closed: {reason}"));
+                    return seen;
+                }
+                Err(FrameEnd::Idle(_)) => panic!("a connection that ended cannot be idle"),
+            }
+        }
+    }
+
+    #[test]
+    fn control_corpus_seeds_are_whole_sessions() {
+        let rt = fuzz::runtime();
+        let shared = test_shared();
+        for seed in fuzz::corpus("control") {
+            let seen = rt.block_on(serve_bytes(&shared, &seed));
+            assert!(seen[0].starts_with("accepted"), "{seen:?}");
+            assert!(seen.len() >= 2, "{seen:?}");
+            assert!(
+                !seen
+                    .iter()
+                    .any(|s| s.contains("closed") || s == "not a message"),
+                "{seen:?}"
+            );
+        }
+    }
+
+    proptest! {
+        #![proptest_config(fuzz::config())]
+
+        /// Mutated control-channel sessions: the handshake and frame decoders never panic,
+        /// never hang on input that ended, never allocate a frame above the limit, and end
+        /// every connection with a decoded value or a reason.
+        #[test]
+        fn fuzz_control_sessions(input in fuzz::mutated(fuzz::corpus("control"))) {
+            let rt = fuzz::runtime();
+            let shared = test_shared();
+            let seen = rt.block_on(async {
+                tokio::time::timeout(Duration::from_secs(60), serve_bytes(&shared, &input))
+                    .await
+                    .expect("a finished input is decoded without waiting")
+            });
+            prop_assert!(!seen.is_empty());
+        }
+    }
+
+    /// Writes the control corpus seeds (run by hand after a wire-format change:
+    /// `cargo test -p kvbridge-coordinator --lib -- --ignored write_control_corpus`).
+    #[test]
+    #[ignore = "regenerates tests/corpus/control"]
+    fn write_control_corpus() {
+        use crate::messages::*;
+        let descriptor: kvbridge_handshake::PeerDescriptor =
+            serde_json::from_value(serde_json::json!({
+                "role": "decode", "page_size": 16, "kv_cache_dtype": "auto", "kv_pool": "mla",
+                "attn_tp_size": 1, "kv_item_lens": [1024, 1024], "aux_item_lens": [64]
+            }))
+            .unwrap();
+        let ep = Endpoint::new("127.0.0.1:4000");
+        let frame = |m: &ControlMessage| {
+            let j = serde_json::to_vec(m).unwrap();
+            let mut f = (j.len() as u32).to_be_bytes().to_vec();
+            f.extend_from_slice(&j);
+            f
+        };
+        let session = |msgs: &[ControlMessage]| {
+            let mut v = encode_head(0, &[7; NONCE_LEN]).to_vec();
+            v.extend_from_slice(&(ep.as_str().len() as u16).to_be_bytes());
+            v.extend_from_slice(ep.as_str().as_bytes());
+            v.extend_from_slice(&[0; TAG_LEN]);
+            for m in msgs {
+                v.extend_from_slice(&frame(m));
+            }
+            v
+        };
+        let reg = Registration {
+            protocol: CONTROL_PROTOCOL_VERSION,
+            decode_endpoint: ep.clone(),
+            session: 3,
+            descriptor: descriptor.clone(),
+            transport: TransportInfo {
+                name: "tcp".into(),
+                descriptor: vec![1, 2, 3, 4],
+            },
+            kv_regions: vec![WireRegion {
+                region: 1,
+                offset: 0,
+                len: 65536,
+            }],
+            aux_regions: vec![WireRegion {
+                region: 2,
+                offset: 0,
+                len: 512,
+            }],
+        };
+        let info = TransferInfo {
+            room: 11,
+            generation: 2,
+            decode_endpoint: ep.clone(),
+            session: 3,
+            dst_pages: vec![4, 9, 1, 7],
+            dst_aux_index: Some(0),
+            is_dummy: false,
+            required_dst_info_num: 1,
+            decode_prefix_len: 16,
+        };
+        let seeds: Vec<(&str, Vec<ControlMessage>)> = vec![
+            (
+                "01-ping",
+                vec![ControlMessage::Ping(Heartbeat { nonce: 7 })],
+            ),
+            ("02-register", vec![ControlMessage::Register(reg)]),
+            ("03-transfer-info", vec![ControlMessage::TransferInfo(info)]),
+            (
+                "04-status-abort",
+                vec![
+                    ControlMessage::Status(StatusUpdate {
+                        room: 11,
+                        generation: 2,
+                        state: crate::RoomState::Failed,
+                        prefill_rank: 0,
+                        reason: Some("KV transfer failed".into()),
+                        cause: Some(crate::FailureCause::TransferError),
+                    }),
+                    ControlMessage::Abort(AbortRequest {
+                        room: 11,
+                        generation: 3,
+                        decode_endpoint: ep.clone(),
+                        reason: "Aborted by AbortReq.".into(),
+                    }),
+                    ControlMessage::AbortAck(AbortAck {
+                        room: 11,
+                        generation: 3,
+                        prefill_rank: 0,
+                        prefill_endpoint: ep.clone(),
+                    }),
+                    ControlMessage::Pong(Heartbeat { nonce: 7 }),
+                ],
+            ),
+            (
+                "05-register-reply",
+                vec![ControlMessage::RegisterReply(RegistrationReply {
+                    protocol: CONTROL_PROTOCOL_VERSION,
+                    prefill_endpoint: ep.clone(),
+                    prefill_rank: 0,
+                    session: 3,
+                    result: RegistrationOutcome::Rejected {
+                        problems: vec![WireProblem {
+                            code: "KVB-TRANSPORT".into(),
+                            message: "transport mismatch".into(),
+                            remedy: "start both sides with the same --transport".into(),
+                        }],
+                    },
+                })],
+            ),
+        ];
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/corpus/control");
+        std::fs::create_dir_all(&dir).unwrap();
+        for (name, msgs) in seeds {
+            std::fs::write(dir.join(format!("{name}.bin")), session(&msgs)).unwrap();
+        }
+    }
 
     #[test]
     fn tags_bind_label_nonces_and_endpoint() {
