@@ -28,9 +28,9 @@ use crate::metrics::{Metrics, MetricsSnapshot, inc};
 use crate::outbox::{Outbox, send_failed_to};
 use crate::start::{check_role, current_runtime};
 use crate::state::{
-    FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, wait_terminal,
+    FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, admit_room, wait_terminal,
 };
-use crate::timer::{TimerGuard, spawn_timer};
+use crate::timer::{TimerGuard, spawn_timer_on};
 
 const SIDE: &str = "decode";
 
@@ -527,19 +527,12 @@ impl DecodeInner {
         f(&mut st)
     }
 
-    /// A timer that runs `f` on the agent (while it exists) after `delay`; made before the
-    /// state is locked, and cancelled when the guard drops.
     fn timer(
         self: &Arc<Self>,
         delay: Duration,
         f: impl FnOnce(&DecodeInner) + Send + 'static,
     ) -> TimerGuard {
-        let weak = Arc::downgrade(self);
-        spawn_timer(delay, move || {
-            if let Some(inner) = weak.upgrade() {
-                f(&inner);
-            }
-        })
+        spawn_timer_on(Arc::downgrade(self), delay, f)
     }
 
     fn virtual_page(&self) -> u64 {
@@ -682,26 +675,15 @@ impl DecodeInner {
         let generation = self.next_generation();
         let max_rooms = self.config.max_rooms;
         let incarnation = self.with_state(|st| {
-            if st.closed {
-                return Err(CoordinatorError::Shutdown { side: SIDE });
-            }
-            if let Some(r) = st.rooms.get(&room) {
-                return Err(CoordinatorError::DuplicateRoom {
-                    room,
-                    side: SIDE,
-                    state: r.status.state(),
-                });
-            }
-            if st.rooms.len() >= max_rooms {
-                return Err(CoordinatorError::InvalidRequest {
-                    what: "room",
-                    message: format!(
-                        "this decode agent already holds {} rooms (max_rooms); release finished \
-                         rooms or raise DecodeConfig::max_rooms",
-                        st.rooms.len()
-                    ),
-                });
-            }
+            admit_room(
+                SIDE,
+                room,
+                st.closed,
+                st.rooms.get(&room).map(|r| r.status.state()),
+                st.rooms.len(),
+                max_rooms,
+                "release finished rooms or raise DecodeConfig::max_rooms",
+            )?;
             st.next_incarnation += 1;
             let incarnation = st.next_incarnation;
             st.rooms.insert(
@@ -723,7 +705,7 @@ impl DecodeInner {
                     span: span.clone(),
                 },
             );
-            Ok(incarnation)
+            Ok::<_, CoordinatorError>(incarnation)
         })?;
         inc(&self.metrics.rooms_created);
         let dst_pages = req.page_table[first_page..].to_vec();
@@ -1230,17 +1212,7 @@ impl DecodeInner {
             let generation = self.next_generation();
             r.abort_generation = Some(generation);
             r.unacked = r.targets.iter().map(|t| t.endpoint.clone()).collect();
-            for e in &r.unacked {
-                self.outbox.send(
-                    e,
-                    ControlMessage::Abort(AbortRequest {
-                        room,
-                        generation,
-                        decode_endpoint: self.endpoint.clone(),
-                        reason: reason.message.clone(),
-                    }),
-                );
-            }
+            self.send_aborts(room, generation, &r.unacked, &reason.message);
             if r.unacked.is_empty() {
                 r.fenced.send_replace(true);
             }
@@ -1327,23 +1299,29 @@ impl DecodeInner {
         })
     }
 
+    /// Queues an ABORT of `room` (this abort generation) to each of `to` (the outbox never
+    /// waits, and takes no lock of the agent).
+    fn send_aborts(&self, room: u64, generation: u64, to: &BTreeSet<Endpoint>, reason: &str) {
+        for e in to {
+            self.outbox.send(
+                e,
+                ControlMessage::Abort(AbortRequest {
+                    room,
+                    generation,
+                    decode_endpoint: self.endpoint.clone(),
+                    reason: reason.to_owned(),
+                }),
+            );
+        }
+    }
+
     fn resend_aborts(&self, room: u64) {
         self.with_state(|st| {
             let Some(r) = st.rooms.get(&room) else { return };
             let (Some(generation), Some(reason)) = (r.abort_generation, r.status.reason()) else {
                 return;
             };
-            for e in &r.unacked {
-                self.outbox.send(
-                    e,
-                    ControlMessage::Abort(AbortRequest {
-                        room,
-                        generation,
-                        decode_endpoint: self.endpoint.clone(),
-                        reason: reason.message.clone(),
-                    }),
-                );
-            }
+            self.send_aborts(room, generation, &r.unacked, &reason.message);
         });
     }
 

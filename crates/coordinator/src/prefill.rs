@@ -28,10 +28,10 @@ use crate::outbox::{Outbox, send_failed_to};
 use crate::plan::{Chunk, PeerPlan};
 use crate::start::{check_role, current_runtime};
 use crate::state::{
-    FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, wait_at_least,
+    FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, admit_room, wait_at_least,
     wait_terminal,
 };
-use crate::timer::{TimerGuard, spawn_timer};
+use crate::timer::{TimerGuard, spawn_timer_on};
 
 const SIDE: &str = "prefill";
 
@@ -515,19 +515,12 @@ impl PrefillInner {
         f(&mut st)
     }
 
-    /// A timer that runs `f` on the agent (while it exists) after `delay`; made before the
-    /// state is locked, and cancelled when the guard drops.
     fn timer(
         self: &Arc<Self>,
         delay: Duration,
         f: impl FnOnce(&PrefillInner) + Send + 'static,
     ) -> TimerGuard {
-        let weak = self.weak();
-        spawn_timer(delay, move || {
-            if let Some(inner) = weak.upgrade() {
-                f(&inner);
-            }
-        })
+        spawn_timer_on(self.weak(), delay, f)
     }
 
     fn weak(self: &Arc<Self>) -> Weak<Self> {
@@ -936,26 +929,15 @@ impl PrefillInner {
         );
         let max_rooms = self.config.max_rooms;
         let (added, tomb) = self.with_state(|st| {
-            if st.closed {
-                return Err(CoordinatorError::Shutdown { side: SIDE });
-            }
-            if let Some(r) = st.rooms.get(&room) {
-                return Err(CoordinatorError::DuplicateRoom {
-                    room,
-                    side: SIDE,
-                    state: r.status.state(),
-                });
-            }
-            if st.rooms.len() >= max_rooms {
-                return Err(CoordinatorError::InvalidRequest {
-                    what: "room",
-                    message: format!(
-                        "this prefill agent already holds {} rooms (max_rooms); clear finished \
-                         rooms or raise PrefillConfig::max_rooms",
-                        st.rooms.len()
-                    ),
-                });
-            }
+            admit_room(
+                SIDE,
+                room,
+                st.closed,
+                st.rooms.get(&room).map(|r| r.status.state()),
+                st.rooms.len(),
+                max_rooms,
+                "clear finished rooms or raise PrefillConfig::max_rooms",
+            )?;
             let mut r = PrefillRoom {
                 status: RoomStatus::new(RoomState::Bootstrapping),
                 incarnation,
@@ -985,7 +967,7 @@ impl PrefillInner {
                 }
             }
             st.rooms.insert(room, r);
-            Ok((added, tomb))
+            Ok::<_, CoordinatorError>((added, tomb))
         })?;
         for a in added {
             self.apply_added(room, a);

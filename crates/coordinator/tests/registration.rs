@@ -12,10 +12,9 @@ use common::{ADDR, Spec, mla, rig};
 use kvbridge_coordinator::net_channel::{NetChannel, NetChannelConfig};
 use kvbridge_coordinator::{
     CONTROL_PROTOCOL_VERSION, ControlChannel, ControlMessage, Endpoint, FailureCause, Heartbeat,
-    KvMemory, PrefillAgent, PrefillConfig, ReceiveRequest, Registration, RegistrationOutcome,
-    TransportInfo, WireRegion,
+    KvMemory, PrefillAgent, ReceiveRequest, Registration, RegistrationOutcome, TransportInfo,
+    WireRegion,
 };
-use kvbridge_handshake::{CheckOptions, Compat};
 use kvbridge_mock::LoopbackTransport;
 use kvbridge_transport::KvTransport;
 
@@ -46,17 +45,7 @@ fn within(limit: Duration, paused: bool, scenario: impl AsyncFnOnce() + Send + '
 #[test]
 fn a_refused_decode_registers_again_for_its_next_room_and_is_refused_again() {
     within(Duration::from_secs(120), true, async || {
-        // The decode (kvbridge envelope) accepts other page sizes; the prefill (SGLang's) does
-        // not, so it refuses the decode at registration.
-        let mut spec = Spec::new(
-            vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-            vec![mla("decode", 64, 2, 64, 1, 0, 1)],
-        );
-        spec.prefill_config = PrefillConfig {
-            check: CheckOptions::new(Compat::Sglang),
-            ..PrefillConfig::default()
-        };
-        let r = rig(spec).await;
+        let r = rig(Spec::refused_page_size()).await;
         let d = &r.decodes[0].0;
         let heartbeat = kvbridge_coordinator::DecodeConfig::default().heartbeat_interval;
         for room in [1, 2, 3] {
