@@ -40,8 +40,9 @@
 //! [`NetChannelConfig::idle_timeout`] is closed (the sending side closes its own after half of
 //! that, so it is the one to end a quiet connection). Inbound connections are capped at
 //! [`NetChannelConfig::max_connections`], the peer table at [`NetChannelConfig::max_peers`]: an
-//! entry whose connect fails is removed, and a full table drops ended and then idle entries
-//! before refusing, so endpoint names a peer claims cannot keep a later peer out. Every queue
+//! entry whose connect fails is removed, a full table drops ended and then idle entries, and
+//! with every entry busy a send uses a connection of its own, so endpoint names a peer claims
+//! cannot keep a later peer out. Every queue
 //! is bounded by [`NetChannelConfig::queue`] messages. When a connection ends, both sides log
 //! why (docs/bootstrap.md lists every bound).
 //!
@@ -123,7 +124,9 @@ pub struct NetChannelConfig {
     pub queue: usize,
     /// Inbound connections served at once; more are closed at once. Default 1024.
     pub max_connections: usize,
-    /// Distinct endpoints this channel sends to; sends to more fail. Default 4096.
+    /// Endpoints whose connection is kept (the peer table). A full table drops ended, then
+    /// idle entries; with every entry busy, a send to a new endpoint uses a connection of its
+    /// own that closes after it. Default 4096.
     pub max_peers: usize,
     /// Time allowed for a TCP connect. Default 2 s.
     pub connect_timeout: Duration,
@@ -507,14 +510,16 @@ impl NetChannel {
 
     /// The peer-table entry of `to`, made if needed. A full table first drops its dead
     /// entries, then its least recently used idle one, so names a peer merely claims (and
-    /// that are never reached, or go quiet) cannot keep a later peer out.
-    fn slot(&self, to: &Endpoint) -> Result<Arc<PeerSlot>> {
+    /// that are never reached, or go quiet) cannot keep a later peer out. When every entry
+    /// is busy the send gets a slot outside the table: its connection serves this send and
+    /// closes once its frames are written, so a full table never refuses a send.
+    fn slot(&self, to: &Endpoint) -> Arc<PeerSlot> {
         let max_peers = self.shared.config.max_peers;
         let now = tokio::time::Instant::now();
         let (slot, pruned) = self.shared.with_peers(|peers| {
             if let Some(e) = peers.get_mut(to) {
                 e.last_used = now;
-                return Ok((e.slot.clone(), 0));
+                return (e.slot.clone(), 0);
             }
             let before = peers.len();
             if before >= max_peers {
@@ -526,40 +531,28 @@ impl NetChannel {
                     .filter(|(_, e)| e.slot.is_idle())
                     .min_by_key(|(_, e)| e.last_used)
                     .map(|(k, _)| k.clone());
-                match lru {
-                    Some(k) => {
-                        peers.remove(&k);
-                    }
-                    None => {
-                        return Err(CoordinatorError::ChannelSend {
-                            channel: NET_CHANNEL_NAME,
-                            endpoint: to.clone(),
-                            reason: format!(
-                                "this channel is sending to {} other endpoints right now \
-                                 (max_peers) and none of them is idle; raise \
-                                 NetChannelConfig::max_peers",
-                                peers.len()
-                            ),
-                        });
-                    }
+                if let Some(k) = lru {
+                    peers.remove(&k);
                 }
             }
-            let pruned = before - peers.len();
+            let pruned = (before - peers.len()) as u64;
             let s = Arc::new(PeerSlot::default());
-            peers.insert(
-                to.clone(),
-                PeerEntry {
-                    slot: s.clone(),
-                    last_used: now,
-                },
-            );
-            Ok((s, pruned as u64))
-        })?;
+            if peers.len() < max_peers {
+                peers.insert(
+                    to.clone(),
+                    PeerEntry {
+                        slot: s.clone(),
+                        last_used: now,
+                    },
+                );
+            }
+            (s, pruned)
+        });
         self.shared
             .counters
             .peers_pruned
             .fetch_add(pruned, Ordering::Relaxed);
-        Ok(slot)
+        slot
     }
 }
 
@@ -601,7 +594,7 @@ impl ControlChannel for NetChannel {
         let mut frame = Vec::with_capacity(4 + json.len());
         frame.extend_from_slice(&(json.len() as u32).to_be_bytes());
         frame.extend_from_slice(&json);
-        let slot = self.slot(to)?;
+        let slot = self.slot(to);
         let mut conn = slot.conn.lock().await;
         // At most one reconnect per send: a connection found broken is replaced once.
         for _ in 0..2 {

@@ -28,21 +28,21 @@ fn ping(n: u64) -> ControlMessage {
 }
 
 async fn recv(ch: &NetChannel) -> kvbridge_coordinator::Envelope {
-    tokio::time::timeout(Duration::from_secs(10), ch.recv())
+    tokio::time::timeout(Duration::from_secs(30), ch.recv())
         .await
-        .expect("a message within 10 s")
+        .expect("a message within 30 s")
         .unwrap()
 }
 
 /// Polls `f` until it holds (bounded), for counters updated by background tasks.
 async fn eventually(what: &str, f: impl Fn() -> bool) {
-    for _ in 0..500 {
+    for _ in 0..3000 {
         if f() {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("{what} did not happen within 5 s");
+    panic!("{what} did not happen within 30 s");
 }
 
 #[tokio::test]
@@ -530,7 +530,12 @@ async fn pings_claiming_many_endpoints_do_not_keep_a_new_peer_out() {
         ControlMessage::Pong(Heartbeat { nonce: 1_000 })
     );
     assert!(pch.peer_count() <= MAX_PEERS, "{}", pch.peer_count());
-    assert!(pch.stats().peers_pruned >= 40, "{:?}", pch.stats());
+    // Every claimed endpoint that cannot be reached was dropped from the table.
+    eventually("the unreachable claims pruned", || {
+        pch.stats().peers_pruned >= 40
+    })
+    .await;
+    assert!(pch.peer_count() <= MAX_PEERS, "{}", pch.peer_count());
 }
 
 #[tokio::test]
