@@ -4,13 +4,14 @@
 //! Exit codes: 0 compatible (mapping printed), 1 incompatible (every problem printed with code,
 //! message and remedy), 2 a file cannot be read or parsed (which file, line and column).
 
-use std::collections::BTreeMap;
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use kvbridge_handshake::{
-    CheckOptions, Compat, HandshakeError, PeerDescriptor, PoolKind, Problem, RankMapping,
-    RankReport, Report, check_all_ranks, check_with,
+    CheckOptions, Compat, HandshakeError, PeerDescriptor, PoolKind, Problem, ProblemCode,
+    RankMapping, RankReport, Report, check_all_ranks, check_with,
 };
 use serde_json::{Value, json};
 
@@ -139,9 +140,11 @@ fn report_json(r: &Report, compat: Compat) -> Value {
     })
 }
 
-/// Problems of all ranks, deduplicated, with the decode TP/PP ranks each one affects.
+/// Problems of all ranks, deduplicated, with the decode TP/PP ranks each one affects, in
+/// order of first appearance (indexed by code and message: linear in the problems listed).
 fn union(ranks: &[RankReport], warnings: bool) -> Vec<(&Problem, Vec<(u32, u32)>)> {
     let mut out: Vec<(&Problem, Vec<(u32, u32)>)> = Vec::new();
+    let mut index: HashMap<(ProblemCode, &str), usize> = HashMap::new();
     for r in ranks {
         let list = if warnings {
             &r.report.warnings
@@ -150,12 +153,12 @@ fn union(ranks: &[RankReport], warnings: bool) -> Vec<(&Problem, Vec<(u32, u32)>
         };
         for p in list {
             let rank = (r.decode_tp_rank, r.decode_pp_rank);
-            match out
-                .iter_mut()
-                .find(|(q, _)| q.code == p.code && q.message == p.message)
-            {
-                Some((_, rs)) => rs.push(rank),
-                None => out.push((p, vec![rank])),
+            match index.entry((p.code, p.message.as_str())) {
+                Entry::Occupied(i) => out[*i.get()].1.push(rank),
+                Entry::Vacant(v) => {
+                    v.insert(out.len());
+                    out.push((p, vec![rank]));
+                }
             }
         }
     }
@@ -177,13 +180,15 @@ fn all_ranks_json(own: &Report, ranks: &[RankReport], ok: bool, compat: Compat) 
             })
         })
         .collect();
-    let mut problems: Vec<Value> = own.problems.iter().map(problem_json).collect();
-    for (p, _) in union(ranks, false) {
-        let v = problem_json(p);
-        if !problems.contains(&v) {
-            problems.push(v);
-        }
-    }
+    // The descriptor's own problems, then each rank's, once each (what `problem_json` shows).
+    let mut listed: HashSet<(ProblemCode, &str, &str)> = HashSet::new();
+    let problems: Vec<Value> = own
+        .problems
+        .iter()
+        .chain(union(ranks, false).into_iter().map(|(p, _)| p))
+        .filter(|p| listed.insert((p.code, p.message.as_str(), p.remedy.as_str())))
+        .map(problem_json)
+        .collect();
     let warnings: Vec<Value> = union(ranks, true)
         .into_iter()
         .map(|(p, _)| problem_json(p))

@@ -36,6 +36,33 @@ enum Command {
     Bench(bench::BenchArgs),
 }
 
+/// Removes a shared-memory control directory of a process that could not (it died): its
+/// socket, then the (then empty) directory. Anything else in it is left alone.
+pub(crate) fn remove_control_dir(dir: &std::path::Path) {
+    let _ = std::fs::remove_file(dir.join("ctl.sock"));
+    let _ = std::fs::remove_dir(dir);
+}
+
+/// Resolves on the first SIGINT, SIGTERM or SIGHUP, with its name (never, when they cannot be
+/// watched). Processes that own shared memory stop on it through their destructors instead of
+/// dying with their control directories left behind.
+pub(crate) async fn terminating_signal() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut int), Ok(mut term), Ok(mut hup)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+        signal(SignalKind::hangup()),
+    ) else {
+        tracing::warn!("cannot watch for signals; a signal ends this process without cleanup");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => "interrupted (SIGINT)",
+        _ = term.recv() => "terminated (SIGTERM)",
+        _ = hup.recv() => "hung up (SIGHUP)",
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {

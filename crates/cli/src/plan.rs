@@ -14,12 +14,13 @@ INPUT is a JSON file, or - for standard input, holding one object:
 
   {\"src_pages\": [5, 2, 11, 4],   prefill page ids of this chunk
    \"dst_pages\": [7],             decode virtual page ids of the whole send range
-   \"page_size\": 2,               physical page size P (tokens per page), > 0
-   \"dcp_size\": 4,                decode DCP size d, > 0
+   \"page_size\": 2,               physical page size P (tokens per page), 1..=1048576
+   \"dcp_size\": 4,                decode DCP size d, 1..=1024
    \"dcp_rank\": 1,                destination DCP rank r, < d
    \"src_page_offset\": 0,         optional: pages of the send range sent before this chunk
    \"decode_prefix_len\": 0,       optional: tokens the decode already holds (multiple of P*d)
-   \"num_kv_tokens\": 8}           optional: tokens in the chunk; null or absent = len(src_pages)*P
+   \"num_kv_tokens\": 8}           optional: tokens in the chunk; null or absent = len(src_pages)*P;
+                                at most 4194304 (plan a longer range as several chunks)
 
 All numbers are non-negative integers; unknown fields are refused. The output is one JSON
 object on one line:
@@ -32,7 +33,8 @@ pool of page size P); draft_* are the replicated draft-model rows (destination p
 target_runs coalesces the target pairs into runs of consecutive rows on both sides.
 
 Exit codes: 0 success; 2 invalid input (unreadable file, bad JSON, missing field, negative
-number, or any planner error), with the message on stderr and nothing on stdout.";
+number, a value above its maximum, or any planner error), with the message on stderr and
+nothing on stdout.";
 
 /// Arguments of `kvbridge plan`.
 #[derive(Debug, clap::Args)]

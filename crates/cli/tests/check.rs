@@ -3,7 +3,10 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-use serde_json::Value;
+use serde_json::{Value, json};
+
+mod fuzzing;
+use fuzzing::{Rng, mutate};
 
 fn example(path: &str) -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -263,4 +266,170 @@ fn swapped_arguments_are_a_problem_not_a_parse_error() {
     ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(stdout(&o).contains("KVB-E020"));
+}
+
+/// Writes `v` (the JSON of an example descriptor with fields replaced) to a file of its own.
+fn edited(example_file: &str, fields: Value, name: &str) -> String {
+    let text = std::fs::read_to_string(example(example_file)).expect("example");
+    let mut d: Value = serde_json::from_str(&text).expect("example JSON");
+    for (k, v) in fields.as_object().expect("object") {
+        d[k] = v.clone();
+    }
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("check-{name}.json"));
+    std::fs::write(&path, d.to_string()).expect("write");
+    path.display().to_string()
+}
+
+/// Before the bounds, prefill `pp_size` 4294967295 aborted allocating 16 GiB in the rank
+/// mapping, and a prefill `attn_tp_size` of 1,048,576 took about 20 s (quadratic mapping); both
+/// are refused as KVB-E033 now, before the mapping, in text, JSON and `--all-ranks` form.
+#[test]
+fn huge_sizes_are_refused_as_e033_without_a_crash() {
+    let decode = example("deepseek-mla-dcp4/decode.json");
+    for (name, fields, seen) in [
+        (
+            "pp-u32-max",
+            json!({"pp_size": 4294967295u64}),
+            "pp_size=4294967295 (max 1024)",
+        ),
+        (
+            "tp-million",
+            json!({"attn_tp_size": 1_048_576}),
+            "attn_tp_size=1048576 (max 1024)",
+        ),
+    ] {
+        let prefill = edited("deepseek-mla-dcp4/prefill.json", fields, name);
+        for extra in [
+            &[][..],
+            &["--all-ranks"],
+            &["--json"],
+            &["--all-ranks", "--json"],
+        ] {
+            let mut args = vec!["check", prefill.as_str(), decode.as_str()];
+            args.extend_from_slice(extra);
+            let o = kvbridge(&args);
+            assert_eq!(
+                o.status.code(),
+                Some(1),
+                "{extra:?}: {}{}",
+                stdout(&o),
+                stderr(&o)
+            );
+            assert!(stderr(&o).is_empty(), "{}", stderr(&o));
+            let out = stdout(&o);
+            assert!(out.contains("KVB-E033"), "{extra:?}: {out}");
+            assert!(out.contains(seen), "{extra:?}: {out}");
+        }
+    }
+    // On the decode side `--all-ranks` checks the descriptor as given instead of 2^32 ranks.
+    let prefill = example("deepseek-mla-dcp4/prefill.json");
+    let decode = edited(
+        "deepseek-mla-dcp4/decode.json",
+        json!({"pp_size": 4294967295u64}),
+        "decode-pp-u32-max",
+    );
+    let v = json(&kvbridge(&[
+        "check",
+        &prefill,
+        &decode,
+        "--all-ranks",
+        "--json",
+    ]));
+    assert_eq!(v["compatible"], false);
+    assert_eq!(v["ranks"].as_array().map(Vec::len), Some(1));
+    assert_eq!(v["problems"][0]["code"], "KVB-E033");
+}
+
+/// What `mutated_descriptors_exit_0_1_or_2_with_a_report_or_a_message` mutates.
+const DESCRIPTOR_FIELDS: [&str; 14] = [
+    "role",
+    "page_size",
+    "kv_pool",
+    "attn_tp_size",
+    "attn_tp_rank",
+    "attn_cp_size",
+    "pp_size",
+    "pp_rank",
+    "dcp_size",
+    "dcp_rank",
+    "total_kv_heads",
+    "kv_item_lens",
+    "num_draft_entries",
+    "aux_item_lens",
+];
+
+/// Fuzzing `kvbridge check` end to end: descriptor pairs from the handshake corpus
+/// (`crates/handshake/tests/corpus`, `NAME.decode.json` / `NAME.prefill.json`), 1–3 mutations
+/// on one or both sides, every output form. Exit 0 or 1 with a report on stdout and nothing on
+/// stderr, or exit 2 with one message on stderr naming the file and nothing on stdout; never a
+/// panic or an abort. The library harness (`crates/handshake/tests/fuzz.rs`) runs many more
+/// cases in-process.
+#[test]
+fn mutated_descriptors_exit_0_1_or_2_with_a_report_or_a_message() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../handshake/tests/corpus");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("the handshake corpus exists")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    files.sort();
+    let seeds: Vec<String> = files
+        .iter()
+        .map(|p| std::fs::read_to_string(p).expect("seed"))
+        .collect();
+    assert!(seeds.len() >= 10 && seeds.len() % 2 == 0);
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let mut rng = Rng(0x6368_6563_6b5f_667a);
+    let mut seen = [0usize; 3];
+    for case in 0..48 {
+        let k = rng.below(seeds.len() / 2);
+        let (mut p, mut d) = (seeds[2 * k + 1].clone(), seeds[2 * k].clone());
+        for _ in 0..=rng.below(3) {
+            let side = if rng.below(2) == 0 { &mut p } else { &mut d };
+            *side = mutate(
+                side,
+                &DESCRIPTOR_FIELDS,
+                &["kv_item_lens", "aux_item_lens"],
+                &mut rng,
+            );
+        }
+        let (pf, df) = (tmp.join("fuzz-prefill.json"), tmp.join("fuzz-decode.json"));
+        std::fs::write(&pf, &p).expect("write");
+        std::fs::write(&df, &d).expect("write");
+        let forms: [&[&str]; 4] = [
+            &[],
+            &["--json"],
+            &["--all-ranks"],
+            &["--compat", "sglang", "--json"],
+        ];
+        let extra = forms[case % forms.len()];
+        let (ps, ds) = (pf.display().to_string(), df.display().to_string());
+        let mut args = vec!["check", ps.as_str(), ds.as_str()];
+        args.extend_from_slice(extra);
+        let o = kvbridge(&args);
+        let (out, err) = (stdout(&o), stderr(&o));
+        let why = || {
+            format!("case {case} {extra:?}\nprefill {p}\ndecode {d}\nstdout {out}\nstderr {err}")
+        };
+        match o.status.code() {
+            Some(code @ (0 | 1)) => {
+                assert!(err.is_empty() && !out.is_empty(), "{}", why());
+                if extra.contains(&"--json") {
+                    assert_eq!(json(&o)["compatible"], code == 0, "{}", why());
+                }
+                seen[code as usize] += 1;
+            }
+            Some(2) => {
+                assert!(out.is_empty(), "{}", why());
+                assert!(
+                    err.starts_with("kvbridge check: cannot ") && err.contains("fuzz-"),
+                    "{}",
+                    why()
+                );
+                seen[2] += 1;
+            }
+            _ => panic!("unexpected exit: {}", why()),
+        }
+    }
+    // Reports and refusals were both exercised.
+    assert!(seen[1] > 0 && seen[2] > 0, "{seen:?}");
 }

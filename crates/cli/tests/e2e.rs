@@ -1,18 +1,111 @@
 //! End to end across real processes: `kvbridge demo` starts a prefill process (with the
 //! bootstrap server) and one process per decode rank, over shared memory and over TCP, and
 //! every decode rank checks every byte it holds. Small geometries and short deadlines keep
-//! each case to a second or a few.
+//! each case to a second or a few. Every run gets a private temporary directory, which must be
+//! empty once the demo exited, whatever was killed.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+/// A private `TMPDIR` for one demo run (the shared-memory control directories go there),
+/// removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Self {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "kvb-e2e-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).expect("create a scratch TMPDIR");
+        Self(dir)
+    }
+
+    /// `kvbridge ARGS` with this directory as its only temporary directory.
+    fn command(&self) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvbridge"));
+        c.env("TMPDIR", &self.0).env_remove("XDG_RUNTIME_DIR");
+        c
+    }
+
+    fn entries(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&self.0)
+            .expect("read the scratch TMPDIR")
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Pids of the processes that own a shared-memory control directory here
+    /// (`kvbridge-shm-<pid>-<tag>`).
+    fn owners(&self) -> Vec<u32> {
+        self.entries()
+            .iter()
+            .filter_map(|n| {
+                n.strip_prefix("kvbridge-shm-")?
+                    .split('-')
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .collect()
+    }
+
+    /// Waits until `n` processes own a control directory here (they are up); returns them.
+    fn wait_for_owners(&self, n: usize) -> Vec<u32> {
+        let start = Instant::now();
+        while self.owners().len() < n {
+            assert!(
+                start.elapsed() < LIMIT,
+                "{n} processes did not start within {LIMIT:?}: {:?}",
+                self.entries()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.owners()
+    }
+
+    fn assert_empty(&self, what: &str) {
+        let left = self.entries();
+        assert!(
+            left.is_empty(),
+            "{what}: left behind in {}: {left:?}",
+            self.0.display()
+        );
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Whether process `pid` has exited (gone, or a zombie nobody reaped yet).
+fn exited(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // The state follows the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+    }
+}
+
 /// Runs `kvbridge demo --json ARGS` and returns (exit code, report, stderr). Fails the test if
-/// the demo does not finish within `limit` (no hang, whatever happens inside).
+/// the demo does not finish within `limit` (no hang, whatever happens inside), or if it left
+/// anything in its temporary directory.
 fn demo(args: &[&str], limit: Duration) -> (i32, Value, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+    let scratch = Scratch::new();
+    let mut child = scratch
+        .command()
         .arg("demo")
         .arg("--json")
         .args(args)
@@ -43,6 +136,7 @@ fn demo(args: &[&str], limit: Duration) -> (i32, Value, String) {
     let last = stdout.lines().last().unwrap_or_default();
     let report: Value = serde_json::from_str(last)
         .unwrap_or_else(|e| panic!("no JSON report ({e}); stdout:\n{stdout}\nstderr:\n{stderr}"));
+    scratch.assert_empty(&format!("kvbridge demo {args:?} (report {report})"));
     (out.status.code().unwrap_or(-1), report, stderr)
 }
 
@@ -286,8 +380,27 @@ fn kill_decode(transport: &str) {
     assert!(p["failed"].as_u64().unwrap() >= 1, "{p}");
     let why = p["first_failure"].as_str().unwrap();
     assert!(why.starts_with("KVTransferError(bootstrap_room="), "{why}");
+    // The root cause, not an abort that followed from it.
+    for consequence in [
+        "cause: aborted",
+        "cause: remote_failure",
+        "cause: duplicate_room",
+    ] {
+        assert!(!why.contains(consequence), "{why}");
+    }
     let d0 = summary(&r, "decode", 0).expect("decode 0 survived and reported");
     assert!(d0["failed"].as_u64().unwrap() >= 1, "{d0}");
+    let failures = r["failures"].as_array().unwrap();
+    assert_eq!(
+        failures[0], "decode rank 1: was killed (test knob --kill)",
+        "the dead process comes first: {failures:#?}"
+    );
+    assert!(
+        failures
+            .iter()
+            .any(|f| f == &format!("prefill: first failure: {why}")),
+        "{failures:#?}"
+    );
     assert_clean(&r);
 }
 
@@ -336,6 +449,69 @@ fn killing_the_prefill_mid_transfer_fails_the_rooms_without_a_hang_shm() {
 #[test]
 fn killing_the_prefill_mid_transfer_fails_the_rooms_without_a_hang_tcp() {
     kill_prefill("tcp");
+}
+
+#[test]
+fn killing_the_parent_stops_every_child_and_they_leave_nothing_behind() {
+    let scratch = Scratch::new();
+    // A long run (slow chunks), so the parent dies mid-transfer.
+    let mut a = vec!["demo", "--transport", "shm", "--requests", "10000"];
+    for pair in FAULT.chunks(2).filter(|p| p[0] != "--requests") {
+        a.extend_from_slice(pair);
+    }
+    let mut parent = scratch
+        .command()
+        .args(&a)
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start kvbridge demo");
+    // The prefill's and both decodes' control directories: every child is up.
+    let children = scratch.wait_for_owners(3);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(parent.try_wait().unwrap().is_none(), "the demo ended early");
+    parent.kill().expect("SIGKILL the parent");
+    parent.wait().unwrap();
+    wait_exited(&children);
+    scratch.assert_empty("the children of a killed parent");
+}
+
+#[test]
+fn a_frozen_decode_ends_the_run_by_the_timeout_plus_the_grace() {
+    // SIGSTOP: the decode keeps its sockets open and answers nothing, so only deadlines end
+    // the run. The parent kills what still runs at the first failure + --timeout + grace,
+    // and removes what the killed processes left.
+    let mut a = vec!["--transport", "shm", "--freeze", "decode:1@1"];
+    a.extend_from_slice(FAULT);
+    let (code, r, stderr) = demo(&a, LIMIT);
+    assert_eq!(code, 1, "{r:#}\n{stderr}");
+    assert_eq!(r["frozen"], serde_json::json!(["decode 1"]));
+    assert_eq!(r["timed_out"], true, "{r:#}");
+    let failures: Vec<&str> = r["failures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f.as_str().unwrap())
+        .collect();
+    assert!(
+        failures.iter().any(|f| f.contains(
+            "the run did not end within --timeout 2.0 s plus the grace of 10 s after the first \
+             failure"
+        )),
+        "the failure names the deadline: {failures:#?}"
+    );
+    assert!(
+        failures
+            .iter()
+            .any(|f| f.starts_with("decode rank 1: was killed by signal 9")),
+        "{failures:#?}"
+    );
+    assert!(
+        summary(&r, "decode", 0).is_some(),
+        "the healthy decode ended by its own deadlines and reported: {r:#}"
+    );
 }
 
 fn load(transport: &str) {
@@ -460,6 +636,9 @@ fn help_explains_every_flag_and_bad_arguments_exit_2() {
         "--secret",
         "--bootstrap-port",
         "--json",
+        "--verbose",
+        "RUST_LOG",
+        "plus a grace of 10 s",
     ] {
         assert!(
             help.contains(flag),
@@ -467,6 +646,7 @@ fn help_explains_every_flag_and_bad_arguments_exit_2() {
         );
     }
     assert!(!help.contains("--role"), "internal flags stay hidden");
+    assert!(!help.contains("--freeze"), "test knobs stay hidden");
     for bad in [
         &["--tokens", "0"][..],
         &["--prefix-tokens", "10", "--tokens", "10"],
@@ -534,4 +714,122 @@ fn bench_e2e_compares_the_same_descriptors_and_verifies_both_paths_shm() {
 #[test]
 fn bench_e2e_compares_the_same_descriptors_and_verifies_both_paths_tcp() {
     bench_e2e("tcp");
+}
+
+#[test]
+fn bench_names_the_build_profile_on_its_first_line_and_warns_on_a_debug_build() {
+    let run = |json: bool| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvbridge"));
+        c.args([
+            "bench",
+            "--pattern",
+            "latency-4k",
+            "--runs",
+            "1",
+            "--size-scale",
+            "0.001",
+        ]);
+        if json {
+            c.arg("--json");
+        }
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // The binary is built with the same profile as this test.
+    let want = if cfg!(debug_assertions) {
+        "profile: debug build (unoptimized, debug assertions on): these figures are NOT \
+         representative"
+    } else {
+        "profile: release build"
+    };
+    let (stdout, _) = run(false);
+    let first = stdout.lines().next().unwrap_or_default();
+    assert!(first.starts_with(want), "{stdout}");
+    let (stdout, stderr) = run(true);
+    assert!(
+        stdout.lines().all(|l| l.starts_with('{')),
+        "JSON lines only on stdout: {stdout}"
+    );
+    assert!(
+        stderr.contains(&format!("kvbridge bench: {want}")),
+        "{stderr}"
+    );
+}
+
+/// Starts a long `kvbridge bench` in `scratch`, waits until the sender and its receiver
+/// process created their control directories, and returns it with (sender, receiver) pids.
+fn long_bench(scratch: &Scratch) -> (std::process::Child, u32, u32) {
+    let bench = scratch
+        .command()
+        .args(["bench", "--pattern", "large", "--runs", "1000"])
+        .args(["--size-scale", "0.05"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start kvbridge bench");
+    let sender = bench.id();
+    let receiver = *scratch
+        .wait_for_owners(2)
+        .iter()
+        .find(|&&p| p != sender)
+        .unwrap();
+    (bench, sender, receiver)
+}
+
+fn signal(pid: u32, sig: &str) {
+    let status = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill {sig} {pid}");
+}
+
+fn wait_exited(pids: &[u32]) {
+    let start = Instant::now();
+    while !pids.iter().all(|&pid| exited(pid)) {
+        assert!(start.elapsed() < LIMIT, "{pids:?} still running");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_killed_bench_receiver_or_sender_leaves_nothing_behind() {
+    for victim in ["receiver", "sender"] {
+        let scratch = Scratch::new();
+        let (mut bench, sender, receiver) = long_bench(&scratch);
+        let pid = if victim == "sender" { sender } else { receiver };
+        signal(pid, "-KILL");
+        wait_exited(&[receiver]);
+        let start = Instant::now();
+        while bench.try_wait().unwrap().is_none() {
+            assert!(start.elapsed() < LIMIT, "the sender outlived its receiver");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // The survivor removed what the killed process could not.
+        scratch.assert_empty(&format!("a bench whose {victim} was killed"));
+    }
+}
+
+#[test]
+fn a_terminated_bench_and_its_receiver_leave_nothing_behind() {
+    let scratch = Scratch::new();
+    let (mut bench, sender, receiver) = long_bench(&scratch);
+    signal(sender, "-TERM");
+    let start = Instant::now();
+    while bench.try_wait().unwrap().is_none() {
+        if start.elapsed() > LIMIT {
+            let _ = bench.kill();
+            panic!("the bench did not stop within {LIMIT:?} of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = bench.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{out:?}");
+    wait_exited(&[receiver]);
+    scratch.assert_empty("a terminated bench");
 }

@@ -5,6 +5,9 @@ use std::process::{Command, Output, Stdio};
 
 use serde_json::{Value, json};
 
+mod fuzzing;
+use fuzzing::{Rng, mutate};
+
 fn plan_stdin(input: &str) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
         .args(["plan", "-"])
@@ -177,4 +180,109 @@ fn help_explains_the_input_format() {
     ] {
         assert!(help.contains(needle), "help lacks {needle}: {help}");
     }
+    // The maxima the help states are the planner's.
+    use kvbridge_geometry::{MAX_CHUNK_TOKENS, MAX_GROUP_SIZE, MAX_PAGE_SIZE};
+    for needle in [
+        format!("1..={MAX_PAGE_SIZE}"),
+        format!("1..={MAX_GROUP_SIZE}"),
+        format!("at most {MAX_CHUNK_TOKENS}"),
+    ] {
+        assert!(help.contains(&needle), "help lacks {needle}: {help}");
+    }
+}
+
+/// Before the bounds, page size 2^32 aborted allocating 32 GiB of per-token arrays, and 2^62
+/// panicked with "capacity overflow"; both are refused up front now.
+#[test]
+fn huge_page_sizes_and_chunks_exit_2_without_allocating() {
+    for page_size in [1u64 << 32, 1 << 62, u64::MAX] {
+        let out = plan_stdin(
+            &json!({"src_pages": [0], "dst_pages": [0], "page_size": page_size,
+                "dcp_size": 4, "dcp_rank": 1})
+            .to_string(),
+        );
+        assert_invalid(
+            &out,
+            &format!("kvbridge plan: page_size={page_size} is above the maximum of 1048576"),
+        );
+    }
+    let out = plan_stdin(
+        &json!({"src_pages": [0], "dst_pages": [0], "page_size": 2, "dcp_size": 1u64 << 32,
+            "dcp_rank": 1})
+        .to_string(),
+    );
+    assert_invalid(&out, "dcp_size=4294967296 is above the maximum of 1024");
+    // 2^23 tokens the source pages do hold: above the chunk maximum.
+    let pages: Vec<u64> = (0..8).collect();
+    let out = plan_stdin(
+        &json!({"src_pages": pages, "dst_pages": pages, "page_size": 1 << 20, "dcp_size": 1,
+            "dcp_rank": 0})
+        .to_string(),
+    );
+    assert_invalid(
+        &out,
+        "num_kv_tokens=8388608 is above the maximum of 4194304; plan a longer send range as \
+         several chunks",
+    );
+}
+
+/// What `mutated_plan_inputs_exit_0_or_2_with_a_message` sets plan fields to.
+const PLAN_FIELDS: [&str; 9] = [
+    "src_pages",
+    "dst_pages",
+    "page_size",
+    "dcp_size",
+    "dcp_rank",
+    "src_page_offset",
+    "decode_prefix_len",
+    "num_kv_tokens",
+    "unknown_field",
+];
+
+/// Fuzzing the JSON `kvbridge plan` reads: seeds from `tests/corpus/plan/*.json`, 1–3
+/// mutations each, a bounded number of cases. Every outcome is exit 0 with one JSON plan on
+/// stdout, or exit 2 with one message on stderr and nothing on stdout; never a panic or an
+/// abort.
+#[test]
+fn mutated_plan_inputs_exit_0_or_2_with_a_message() {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/corpus/plan");
+    let mut seeds: Vec<String> = std::fs::read_dir(&dir)
+        .expect("tests/corpus/plan exists")
+        .map(|e| std::fs::read_to_string(e.expect("entry").path()).expect("seed"))
+        .collect();
+    seeds.sort();
+    assert!(seeds.len() >= 4);
+    let mut rng = Rng(0x6b76_6272_6964_6765);
+    let (mut planned, mut refused) = (0, 0);
+    for case in 0..96 {
+        let mut text = seeds[case % seeds.len()].clone();
+        for _ in 0..=rng.below(3) {
+            text = mutate(&text, &PLAN_FIELDS, &["src_pages", "dst_pages"], &mut rng);
+        }
+        let out = plan_stdin(&text);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        match out.status.code() {
+            Some(0) => {
+                let v: Value = serde_json::from_slice(&out.stdout)
+                    .unwrap_or_else(|e| panic!("case {case}: {e}; input {text}"));
+                assert!(v["target_runs"].is_array(), "case {case}: {v}");
+                assert!(stderr.is_empty(), "case {case}: {stderr}");
+                planned += 1;
+            }
+            Some(2) => {
+                assert!(out.stdout.is_empty(), "case {case}: input {text}");
+                assert!(
+                    stderr.starts_with("kvbridge plan: ") && stderr.trim_end().lines().count() == 1,
+                    "case {case}: {stderr:?}; input {text}"
+                );
+                refused += 1;
+            }
+            other => panic!("case {case}: exit {other:?}, stderr {stderr}; input {text}"),
+        }
+    }
+    // Both outcomes were exercised.
+    assert!(
+        planned > 0 && refused > 0,
+        "planned {planned}, refused {refused}"
+    );
 }

@@ -319,10 +319,23 @@ fn for_each_row(
                     view.len
                 )));
             }
-            let mut slice = view
-                .region
-                .borrow_mut(view.offset + at, item)
-                .map_err(|err| VerifyError::Layout(format!("entry {e} page {page}: {err}")))?;
+            let layout_err = |err| VerifyError::Layout(format!("entry {e} page {page}: {err}"));
+            // Foreign memory (shared mappings) is never borrowed as a slice: its page is copied
+            // out, visited, and copied back.
+            let (mut borrowed, mut bounce);
+            let slice: &mut [u8] = if view.region.can_borrow() {
+                borrowed = view
+                    .region
+                    .borrow_mut(view.offset + at, item)
+                    .map_err(layout_err)?;
+                &mut borrowed
+            } else {
+                bounce = view
+                    .region
+                    .to_vec(view.offset + at, item)
+                    .map_err(layout_err)?;
+                &mut bounce
+            };
             for (k, row) in slice.chunks_exact_mut(tb as usize).enumerate() {
                 let pos = (first_local + k as u64) * d + rank;
                 if pos >= positions.end {
@@ -333,6 +346,11 @@ fn for_each_row(
                 }
                 f(e, pos, page * p + k as u64, row).map_err(VerifyError::Mismatch)?;
                 bytes += tb;
+            }
+            if !view.region.can_borrow() {
+                view.region
+                    .write_at(view.offset + at, slice)
+                    .map_err(layout_err)?;
             }
         }
     }

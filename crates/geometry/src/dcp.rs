@@ -1,6 +1,7 @@
 //! The DCP token transfer plan (prefill DCP 1 → decode DCP `d`) with SGLang 0.5.23 semantics.
 
 use crate::error::{GeometryError, Result};
+use crate::limits;
 use crate::rows::{Fault, Progression, SegmentRuns};
 use crate::runs::Run;
 
@@ -46,8 +47,9 @@ pub struct DcpPlanInput<'a> {
 impl<'a> DcpPlanInput<'a> {
     /// Validates the inputs (recommended Rust contract of spec §5.3) and returns the plan.
     ///
-    /// Order: `P = 0`, `d = 0`, `r ≥ d` up front; then (1) prefix alignment (0.5.23 text);
-    /// (2) `n == 0` → empty plan, no further checks; (3) `n > |S|·P` (seed capacity text);
+    /// Order: `P = 0`, `d = 0`, `r ≥ d`, `P` and `d` above their maxima up front; then (1)
+    /// prefix alignment (0.5.23 text); (2) `n == 0` → empty plan, no further checks;
+    /// (3) `n > |S|·P` (seed capacity text), `n >` [`crate::MAX_CHUNK_TOKENS`];
     /// (4) `|D| < ceil((o·P + n) / V)` (`Insufficient destination DCP pages`, with the 0.5.23
     /// requirement, which covers the draft rows).
     ///
@@ -55,7 +57,7 @@ impl<'a> DcpPlanInput<'a> {
     /// [`GeometryError::ZeroPageSize`], [`GeometryError::ZeroDcpSize`],
     /// [`GeometryError::DcpRankOutOfRange`], [`GeometryError::PrefixMisaligned`],
     /// [`GeometryError::SrcCapacity`], [`GeometryError::DstInsufficient`],
-    /// [`GeometryError::Overflow`].
+    /// [`GeometryError::Overflow`], [`GeometryError::TooLarge`].
     pub fn plan(&self) -> Result<DcpPlan<'a>> {
         let (p, d, r) = (self.page_size, self.dcp_size, self.dcp_rank);
         if p == 0 {
@@ -70,6 +72,8 @@ impl<'a> DcpPlanInput<'a> {
                 dcp_size: d,
             });
         }
+        limits::page_size("page_size", p)?;
+        limits::group_size("dcp_size", d)?;
         let overflow = |what| GeometryError::Overflow { what };
         let v = p.checked_mul(d).ok_or(overflow("page_size x dcp_size"))?;
         let l = self.decode_prefix_len;
@@ -98,6 +102,7 @@ impl<'a> DcpPlanInput<'a> {
                 capacity,
             });
         }
+        limits::chunk_tokens("num_kv_tokens", n)?;
         let o = self.src_page_offset;
         let sent = o
             .checked_mul(p)

@@ -296,6 +296,23 @@ pub enum GeometryError {
         /// Page size.
         page_size: u64,
     },
+    /// A size or count above its maximum ([`crate::MAX_PAGE_SIZE`], [`crate::MAX_GROUP_SIZE`],
+    /// [`crate::MAX_KV_HEADS`], [`crate::MAX_ENTRIES`], [`crate::MAX_CHUNK_TOKENS`]), refused
+    /// before any work.
+    #[error(
+        "{field}={value} is above the maximum of {max}; {remedy} (every limit is far above any \
+         real deployment: docs/planning.md, \"Limits\")"
+    )]
+    TooLarge {
+        /// The input field, e.g. `page_size`.
+        field: &'static str,
+        /// The value seen.
+        value: u64,
+        /// The largest value accepted.
+        max: u64,
+        /// How to fix it.
+        remedy: &'static str,
+    },
     /// Too few pages for the rows a resharding plan addresses.
     #[error(
         "{side} rank {rank} needs at least {required} pages for this chunk, got {provided}; pass \

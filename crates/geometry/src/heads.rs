@@ -5,6 +5,7 @@ use std::ops::Range;
 
 use crate::bytes::{ByteRanges, EntryPair, RowCopy, pair_item_lens};
 use crate::error::{GeometryError, Result, Side};
+use crate::limits::{self, MAX_KV_HEADS};
 use crate::pool::PoolGeometry;
 use crate::runs::{Run, group_concurrent_contiguous};
 
@@ -184,8 +185,18 @@ impl HeadSharding {
     /// Validates the split.
     ///
     /// # Errors
-    /// [`GeometryError::HeadsDoNotSplit`].
+    /// [`GeometryError::HeadsDoNotSplit`]; [`GeometryError::TooLarge`] for more than
+    /// [`crate::MAX_KV_HEADS`] heads or a TP size above [`crate::MAX_GROUP_SIZE`].
     pub fn new(total_kv_heads: u64, tp_src: u64, tp_dst: u64) -> Result<Self> {
+        // Before `sources_for` / `targets_of` loop over heads and ranks.
+        limits::at_most(
+            "total_kv_heads",
+            total_kv_heads,
+            MAX_KV_HEADS,
+            "pass the model's num_key_value_heads",
+        )?;
+        limits::group_size("prefill attn_tp_size", tp_src)?;
+        limits::group_size("decode attn_tp_size", tp_dst)?;
         let splits = |t: u64| t > 0 && (total_kv_heads % t == 0 || t % total_kv_heads == 0);
         if total_kv_heads == 0 || !splits(tp_src) || !splits(tp_dst) {
             return Err(GeometryError::HeadsDoNotSplit {
@@ -294,8 +305,19 @@ impl HeadSharding {
     /// [`GeometryError::TpRankOutOfRange`].
     pub fn targets_of(&self, src_rank: u64) -> Result<Vec<(u64, HeadSlice)>> {
         Self::check_rank(Side::Prefill, src_rank, self.tp_src)?;
+        // Only the decode ranks holding one of this rank's heads can read from it: work linear
+        // in them, not in the decode TP size.
+        let held = self.heads(self.tp_src, src_rank);
+        let h = self.total_kv_heads;
+        let candidates = if self.tp_dst <= h {
+            let per = h / self.tp_dst;
+            held.start / per..(held.end - 1) / per + 1
+        } else {
+            let rep = self.tp_dst / h;
+            held.start * rep..held.end * rep
+        };
         let mut out = Vec::new();
-        for dst_rank in 0..self.tp_dst {
+        for dst_rank in candidates {
             for s in self.sources_for(dst_rank)? {
                 if s.src_rank == src_rank {
                     out.push((dst_rank, s.slice));

@@ -17,6 +17,9 @@
 //!   entry pairing and PP slicing.
 //! * [`prepare_dcp_token_item_lens`], [`dcp_pack_buffer_bytes`] — DCP geometry check and
 //!   pack-buffer sizing; [`align_prefix_down`] / [`align_prefix_up`] — prefix alignment.
+//! * [`MAX_PAGE_SIZE`], [`MAX_GROUP_SIZE`], [`MAX_KV_HEADS`], [`MAX_ENTRIES`],
+//!   [`MAX_CHUNK_TOKENS`] — the bounds every plan input is checked against before any work
+//!   ([`GeometryError::TooLarge`]).
 //!
 //! ```
 //! use kvbridge_geometry::{DcpPlanInput, Run};
@@ -42,6 +45,7 @@ mod bytes;
 mod dcp;
 mod error;
 mod heads;
+mod limits;
 mod pack;
 mod pairs;
 mod pool;
@@ -56,6 +60,7 @@ pub use error::{GeometryError, Result, Side};
 pub use heads::{
     HeadSharding, HeadSlice, HeadSource, compute_head_slice_params, head_slice_ranges,
 };
+pub use limits::{MAX_CHUNK_TOKENS, MAX_ENTRIES, MAX_GROUP_SIZE, MAX_KV_HEADS, MAX_PAGE_SIZE};
 pub use pack::{dcp_pack_buffer_bytes, dcp_token_item_lens, prepare_dcp_token_item_lens};
 pub use pairs::{pair_entries_by_layer_ids, pair_entries_flat_pp, pair_entries_mha_pp};
 pub use pool::{Entry, EntryRole, PoolFormat, PoolGeometry, PoolGeometryBuilder, PoolKind};

@@ -4,6 +4,7 @@ use std::collections::{HashMap, VecDeque};
 
 use crate::bytes::EntryPair;
 use crate::error::{GeometryError, Result};
+use crate::limits;
 
 /// `build_transfer_entry_pairs`: pairs entries by published layer ids.
 ///
@@ -18,7 +19,8 @@ use crate::error::{GeometryError, Result};
 ///
 /// # Errors
 /// [`GeometryError::LayerMetadataOneSided`], [`GeometryError::LayerMetadataLength`],
-/// [`GeometryError::MissingLayer`], [`GeometryError::PpNeedsLayerIds`] (spec texts).
+/// [`GeometryError::MissingLayer`], [`GeometryError::PpNeedsLayerIds`] (spec texts);
+/// [`GeometryError::TooLarge`] for an entry count above [`crate::MAX_ENTRIES`].
 pub fn pair_entries_by_layer_ids(
     src_layer_ids: &[u64],
     dst_layer_ids: &[u64],
@@ -29,6 +31,7 @@ pub fn pair_entries_by_layer_ids(
     if n_src == 0 {
         return Ok(Vec::new());
     }
+    check_counts(n_src, n_dst, 0)?;
     let (mut src_ids, mut dst_ids) = (src_layer_ids, dst_layer_ids);
     if src_ids.is_empty() != dst_ids.is_empty() {
         if !positional_fallback {
@@ -68,6 +71,13 @@ pub fn pair_entries_by_layer_ids(
     Ok(crate::bytes::identity_pairs(n_src))
 }
 
+/// Entry counts and the start layer are bounded before pairs are allocated or indices added.
+fn check_counts(n_src: usize, n_dst: usize, start_layer: usize) -> Result<()> {
+    limits::entries("n_src", n_src)?;
+    limits::entries("n_dst", n_dst)?;
+    limits::entries("start_layer", start_layer)
+}
+
 fn slice_out_of_range(what: &str, need: usize, n_dst: usize) -> GeometryError {
     GeometryError::InvalidGeometry {
         reason: format!(
@@ -88,13 +98,15 @@ fn slice_out_of_range(what: &str, need: usize, n_dst: usize) -> GeometryError {
 ///
 /// # Errors
 /// [`GeometryError::InvalidGeometry`] when the slice would run past the decode's entries
-/// (SGLang's list slicing would silently shorten it) or `num_draft > n_src`.
+/// (SGLang's list slicing would silently shorten it) or `num_draft > n_src`;
+/// [`GeometryError::TooLarge`] for a count or start layer above [`crate::MAX_ENTRIES`].
 pub fn pair_entries_flat_pp(
     n_src: usize,
     n_dst: usize,
     start_layer: usize,
     num_draft: usize,
 ) -> Result<Vec<EntryPair>> {
+    check_counts(n_src, n_dst, start_layer)?;
     if n_src == n_dst {
         return Ok(crate::bytes::identity_pairs(n_src));
     }
@@ -127,12 +139,14 @@ pub fn pair_entries_flat_pp(
 /// Returns the K pairs followed by the V pairs.
 ///
 /// # Errors
-/// [`GeometryError::InvalidGeometry`] for odd entry counts or slices past the decode entries.
+/// [`GeometryError::InvalidGeometry`] for odd entry counts or slices past the decode entries;
+/// [`GeometryError::TooLarge`] for a count or start layer above [`crate::MAX_ENTRIES`].
 pub fn pair_entries_mha_pp(
     n_src: usize,
     n_dst: usize,
     start_layer: usize,
 ) -> Result<Vec<EntryPair>> {
+    check_counts(n_src, n_dst, start_layer)?;
     if n_src % 2 != 0 || n_dst % 2 != 0 {
         return Err(GeometryError::InvalidGeometry {
             reason: format!(

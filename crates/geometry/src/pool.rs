@@ -134,12 +134,14 @@ impl PoolGeometryBuilder {
     /// # Errors
     /// [`GeometryError::ZeroPageSize`], [`GeometryError::BadItemLen`],
     /// [`GeometryError::InvalidGeometry`] (no target entry, odd MHA entry count, zero heads,
-    /// empty dtype) and [`GeometryError::Overflow`].
+    /// empty dtype), [`GeometryError::Overflow`] and [`GeometryError::TooLarge`] (a page size
+    /// above [`crate::MAX_PAGE_SIZE`]).
     pub fn build(self) -> Result<PoolGeometry> {
         let page_size = self.page_size;
         if page_size == 0 {
             return Err(GeometryError::ZeroPageSize { page_size });
         }
+        crate::limits::page_size("page_size", page_size)?;
         if self.target.is_empty() {
             return Err(GeometryError::InvalidGeometry {
                 reason: "a pool needs at least one target entry; add the per-layer item lengths \

@@ -20,6 +20,7 @@
 
 use crate::bytes::{ByteRanges, EntryPair, RowCopy, pair_item_lens};
 use crate::error::{GeometryError, Result, Side};
+use crate::limits;
 use crate::pool::{EntryRole, PoolGeometry};
 use crate::rows::{Fault, Progression};
 
@@ -42,34 +43,40 @@ fn gcd(mut x: u64, mut y: u64) -> u64 {
 /// ```
 ///
 /// # Errors
-/// [`GeometryError::ZeroDcpSize`], [`GeometryError::DcpRankOutOfRange`].
+/// [`GeometryError::ZeroDcpSize`], [`GeometryError::DcpRankOutOfRange`],
+/// [`GeometryError::TooLarge`] (a size above [`crate::MAX_GROUP_SIZE`]).
 pub fn reshard_sources(prefill_dcp: u64, decode_dcp: u64, decode_rank: u64) -> Result<Vec<u64>> {
     check_group(prefill_dcp, 0)?;
     check_group(decode_dcp, decode_rank)?;
     let g = gcd(prefill_dcp, decode_dcp);
-    Ok((0..prefill_dcp)
-        .filter(|r| r % g == decode_rank % g)
-        .collect())
+    // Stepping by g visits only the ranks returned: work linear in the answer.
+    Ok((decode_rank % g..prefill_dcp).step_by(step(g)).collect())
+}
+
+/// `g` as an iterator step (`g ≤ MAX_GROUP_SIZE`, checked by the callers).
+fn step(g: u64) -> usize {
+    usize::try_from(g).unwrap_or(usize::MAX)
 }
 
 /// Decode ranks (of `decode_dcp`) that prefill rank `prefill_rank` sends to: the
 /// `b / gcd(a, b)` ranks with `b_r ≡ a_r (mod gcd(a, b))`.
 ///
 /// # Errors
-/// [`GeometryError::ZeroDcpSize`], [`GeometryError::DcpRankOutOfRange`].
+/// [`GeometryError::ZeroDcpSize`], [`GeometryError::DcpRankOutOfRange`],
+/// [`GeometryError::TooLarge`] (a size above [`crate::MAX_GROUP_SIZE`]).
 pub fn reshard_targets(prefill_dcp: u64, decode_dcp: u64, prefill_rank: u64) -> Result<Vec<u64>> {
     check_group(prefill_dcp, prefill_rank)?;
     check_group(decode_dcp, 0)?;
     let g = gcd(prefill_dcp, decode_dcp);
-    Ok((0..decode_dcp)
-        .filter(|r| r % g == prefill_rank % g)
-        .collect())
+    Ok((prefill_rank % g..decode_dcp).step_by(step(g)).collect())
 }
 
 fn check_group(size: u64, rank: u64) -> Result<()> {
     if size == 0 {
         return Err(GeometryError::ZeroDcpSize { dcp_size: size });
     }
+    // Before the rank loops of `reshard_sources` / `reshard_targets` and the plan's search.
+    limits::group_size("dcp_size", size)?;
     if rank >= size {
         return Err(GeometryError::DcpRankOutOfRange {
             dcp_rank: rank,
@@ -117,13 +124,15 @@ impl<'a> ReshardInput<'a> {
     /// [`GeometryError::DcpRankOutOfRange`], [`GeometryError::PrefixMisaligned`] (the decode
     /// virtual page `P2·b`), [`GeometryError::ReshardPagesInsufficient`] (the prefill rank's
     /// pages must cover every row it owns in the chunk; the decode's pages must cover the
-    /// send range up to the chunk's end), [`GeometryError::Overflow`].
+    /// send range up to the chunk's end), [`GeometryError::Overflow`],
+    /// [`GeometryError::TooLarge`] (page sizes, DCP sizes or `num_tokens` above their maxima).
     pub fn plan(&self) -> Result<ReshardPlan<'a>> {
         let (p1, p2) = (self.src_page_size, self.dst_page_size);
-        for p in [p1, p2] {
+        for (field, p) in [("src_page_size", p1), ("dst_page_size", p2)] {
             if p == 0 {
                 return Err(GeometryError::ZeroPageSize { page_size: p });
             }
+            limits::page_size(field, p)?;
         }
         let (a, ar, b, br) = (
             self.src_dcp_size,
@@ -133,6 +142,7 @@ impl<'a> ReshardInput<'a> {
         );
         check_group(a, ar)?;
         check_group(b, br)?;
+        limits::chunk_tokens("num_tokens", self.num_tokens)?;
         let overflow = |what| GeometryError::Overflow { what };
         let v2 = p2.checked_mul(b).ok_or(overflow("page_size x dcp_size"))?;
         let l = self.decode_prefix_len;

@@ -39,7 +39,18 @@ proptest! {
         // targets_of is the inverse mapping.
         let mut pairs = 0;
         for src_rank in 0..tp_src {
-            pairs += s.targets_of(src_rank).unwrap().len();
+            let targets = s.targets_of(src_rank).unwrap();
+            let brute: Vec<(u64, kvbridge_geometry::HeadSlice)> = (0..tp_dst)
+                .flat_map(|d| {
+                    s.sources_for(d)
+                        .unwrap()
+                        .into_iter()
+                        .filter(|x| x.src_rank == src_rank)
+                        .map(move |x| (d, x.slice))
+                })
+                .collect();
+            prop_assert_eq!(&targets, &brute);
+            pairs += targets.len();
         }
         let total: usize = (0..tp_dst).map(|d| s.sources_for(d).unwrap().len()).sum();
         prop_assert_eq!(pairs, total);

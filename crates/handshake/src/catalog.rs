@@ -17,8 +17,8 @@ prints the entry below for one code (`kvbridge explain KVB-E007`, `explain E7` w
 
 Codes `KVB-E001`–`KVB-E018` are checks SGLang 0.5.23 performs itself (E001–E012 numbered after
 the rows of its decode-side check table, spec 02 §3), with SGLang's message word for word;
-`KVB-E020`–`KVB-E032` catch setups SGLang lets through but that fail later (a hang, a 404, a
-dead control thread) or silently corrupt the KV cache; `KVB-E040` is raised by the planner per
+`KVB-E020`–`KVB-E033` catch setups SGLang lets through but that fail later (a hang, a 404, a
+dead control thread, an allocation of a peer-claimed size) or silently corrupt the KV cache; `KVB-E040` is raised by the planner per
 request; `KVB-Wnnn` are warnings (the pair is still accepted).
 
 ## Descriptor format
@@ -44,6 +44,18 @@ silently ignored; omitted optional fields take the defaults below.
 | `kv_item_lens` | list of integers | required | bytes per page of every KV entry, target entries then draft entries |
 | `num_draft_entries` | integer | `0` | how many of the last entries are speculative-decoding draft entries |
 | `aux_item_lens` | list of integers | `[]` | bytes per row of every aux (metadata) buffer |
+
+Descriptors come from peers, so every size and count is bounded before `check` works with it;
+a value above its maximum is `KVB-E033`. The maxima are far above any real deployment:
+
+| field | maximum |
+|---|---|
+| `page_size` | 1,048,576 tokens (2^20) |
+| `attn_tp_size`, `attn_cp_size`, `pp_size`, `dcp_size` | 1,024 ranks each |
+| `attn_tp_size` x `attn_cp_size` x `pp_size` | 65,536 ranks (2^16) |
+| `total_kv_heads`, `head_dim` | 65,536 (2^16) |
+| `kv_item_lens` | 4,096 entries, each at most 2^40 bytes |
+| `aux_item_lens` | 64 buffers, each at most 2^40 bytes |
 
 ## Compatibility modes
 
@@ -474,6 +486,19 @@ pub(crate) static CATALOG: &[ProblemInfo] = &[
         when: "One side runs a kvbridge release with a different protocol major version.",
         fix: "Upgrade both sides to releases that speak the same protocol major version.",
         example: "# before\nprefill: \"protocol_version\": \"2.0\"   decode: \"protocol_version\": \"1.0\"\n# after\nprefill: \"protocol_version\": \"2.0\"   decode: \"protocol_version\": \"2.0\"",
+    },
+    ProblemInfo {
+        code: C::TooLarge,
+        id: "KVB-E033",
+        title: "A size or count is above its maximum",
+        severity: Error,
+        detected_by: Check,
+        sglang: "has no maxima: it allocates rank lists of the claimed size or loops over them",
+        message: "{side} descriptor has values above their maxima: {field}={value} (max {max}); such values are corrupt or hostile, so the {side} side is not checked further",
+        meaning: "Every size and count in a descriptor is bounded (see \"Descriptor format\" above for the maxima) before `check` builds rank lists, checks entries or computes the mapping from it. A descriptor with a larger value is refused without further checks of that side, so a corrupt or hostile peer cannot make the other side allocate or loop over a claimed count.",
+        when: "A corrupt or truncated descriptor, an exporter that wrote a sentinel such as 4294967295 for an unset option, or a peer probing for a crash.",
+        fix: "Export the descriptor again from the running server; its real sizes are far below the maxima.\nIf a real deployment exceeds a maximum, split it (fewer ranks per replica, smaller pages) and report it.",
+        example: "# before\n\"pp_size\": 4294967295\n# after\n\"pp_size\": 1",
     },
     ProblemInfo {
         code: C::PrefixMisaligned,

@@ -1,6 +1,6 @@
 //! `check`: every compatibility check of spec 02, all problems at once.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt::Write as _;
 
 use kvbridge_geometry::{GeometryError, PoolKind, prepare_dcp_token_item_lens};
@@ -9,10 +9,12 @@ use serde::Serialize;
 use crate::descriptor::{PeerDescriptor, ProtocolVersion, Role};
 use crate::error::{HandshakeError, Result};
 use crate::fingerprint::{Fingerprint, fingerprint};
+use crate::limits;
 use crate::mapping::{
-    MappingInput, PeerTarget, RankMapping, TargetRanks, TpTarget, TransferPath, bootstrap_order,
-    coverage_targets, decode_cp_failure, head_sources, mla_sharding_failure, owner_rule_senders,
-    pp_failure, prefill_unique_rank, sglang_head_slice, sglang_is_dummy, sglang_targets,
+    HeadRange, MappingInput, PeerTarget, RankMapping, TargetRanks, TpTarget, TransferPath,
+    bootstrap_order, coverage_targets, decode_cp_failure, head_readers, head_senders, head_sources,
+    mla_sharding_failure, owner_rule_readers, owner_rule_senders, pp_failure, prefill_unique_rank,
+    sglang_head_slice, sglang_is_dummy, sglang_targets,
 };
 use crate::problem::{Problem, ProblemCode, Severity};
 
@@ -132,6 +134,7 @@ pub fn check_with(
         d: decode,
         opts: *options,
         out: Vec::new(),
+        seen: HashSet::new(),
     };
     c.run();
     let (problems, warnings): (Vec<_>, Vec<_>) = c
@@ -179,13 +182,20 @@ pub struct RankReport {
 
 /// Check every rank of the decode deployment (varying `attn_tp_rank`, `pp_rank`,
 /// `dcp_rank = attn_tp_rank mod dcp_size`; `attn_cp_rank` 0) against the prefill.
-/// With a zero size in the decode descriptor only the descriptor as given is checked.
+/// With a zero size in the decode descriptor, or one above its maximum (`KVB-E033`), only the
+/// descriptor as given is checked.
 pub fn check_all_ranks(
     prefill: &PeerDescriptor,
     decode: &PeerDescriptor,
     options: &CheckOptions,
 ) -> Vec<RankReport> {
-    if decode.attn_tp_size == 0 || decode.pp_size == 0 || decode.dcp_size == 0 {
+    // Zero or oversized decode sizes: the rank loops below would divide by them or run over
+    // a claimed count, and the report for the descriptor as given already says why.
+    if decode.attn_tp_size == 0
+        || decode.pp_size == 0
+        || decode.dcp_size == 0
+        || !limits::sizes_within(decode)
+    {
         return vec![RankReport {
             decode_tp_rank: decode.attn_tp_rank,
             decode_pp_rank: decode.pp_rank,
@@ -298,13 +308,12 @@ fn build_mapping(
         opts.compat == Compat::Kvbridge && p.is_mla_like() && !sglang_defines_dcp(p, d);
     let exact_heads = exact_head_plan(p, d, opts.compat);
     let (targets, per_tp): (TargetRanks, Vec<TpTarget>) = if owner_rule {
-        coverage_targets(&input, &|e| owner_rule_senders(e, tp_d, b, tp_p, a))?
+        coverage_targets(&input, &|e| owner_rule_senders(e, tp_d, b, tp_p, a), &|t| {
+            owner_rule_readers(t, tp_d, b, tp_p, a)
+        })?
     } else if exact_heads {
-        coverage_targets(&input, &|e| {
-            head_sources(e, tp_d, tp_p, heads)
-                .into_iter()
-                .map(|(t, _)| t)
-                .collect()
+        coverage_targets(&input, &|e| head_senders(e, tp_d, tp_p, heads), &|t| {
+            head_readers(t, tp_d, tp_p, heads)
         })?
     } else {
         let t = sglang_targets(&input)?;
@@ -319,24 +328,25 @@ fn build_mapping(
             .collect();
         (t, per_tp)
     };
-    let exact_slices = if exact_heads {
-        head_sources(e, tp_d, tp_p, heads)
+    let exact_slices: BTreeMap<u32, HeadRange> = if exact_heads {
+        head_sources(e, tp_d, tp_p, heads).into_iter().collect()
     } else {
-        Vec::new()
+        BTreeMap::new()
     };
+    // Looked up once per peer: a map keeps building the list linear in its length.
+    let per_tp: BTreeMap<u32, TpTarget> = per_tp.into_iter().map(|x| (x.tp, x)).collect();
     let peers = bootstrap_order(&targets)
         .into_iter()
         .map(|(tp, cp, pp)| {
             let (is_dummy, dst_info) = per_tp
-                .iter()
-                .find(|x| x.tp == tp)
+                .get(&tp)
                 .map_or((false, targets.required_dst_info_num), |x| {
                     (x.is_dummy, x.dst_info)
                 });
             let head_slice = if is_dummy || d.kv_pool != PoolKind::Mha || tp_p == tp_d {
                 None
             } else if exact_heads {
-                exact_slices.iter().find(|(t, _)| *t == tp).map(|(_, s)| *s)
+                exact_slices.get(&tp).copied()
             } else {
                 sglang_head_slice(tp_p, tp_d, tp, e, heads)
             };
@@ -397,11 +407,14 @@ struct Checker<'a> {
     d: &'a PeerDescriptor,
     opts: CheckOptions,
     out: Vec<Problem>,
+    /// What `out` holds, for deduplication in constant time (a descriptor may yield one
+    /// problem per entry, thousands of them).
+    seen: HashSet<Problem>,
 }
 
 impl Checker<'_> {
     fn push(&mut self, p: Problem) {
-        if !self.out.contains(&p) {
+        if self.seen.insert(p.clone()) {
             self.out.push(p);
         }
     }
@@ -413,8 +426,11 @@ impl Checker<'_> {
     fn run(&mut self) {
         self.versions();
         self.roles();
-        let p_ok = self.side(self.p, "prefill");
-        let d_ok = self.side(self.d, "decode");
+        // Sizes above their maxima first: nothing below may allocate or loop over them.
+        let p_small = self.limits(self.p, "prefill");
+        let d_small = self.limits(self.d, "decode");
+        let p_ok = p_small && self.side(self.p, "prefill");
+        let d_ok = d_small && self.side(self.d, "decode");
         self.pool_kinds();
         self.spec_decode_checks();
         self.head_geometry_cross();
@@ -425,7 +441,9 @@ impl Checker<'_> {
             self.entry_geometry();
             self.head_slice_item_lens();
         }
-        self.aux();
+        if p_small && d_small {
+            self.aux();
+        }
         if p_ok
             && d_ok
             && self.p.attn_tp_size != self.d.attn_tp_size
@@ -500,6 +518,36 @@ impl Checker<'_> {
                 );
             }
         }
+    }
+
+    /// Every size and count of one side against its maximum (`KVB-E033`). Returns whether all
+    /// are within them.
+    fn limits(&mut self, s: &PeerDescriptor, side: &str) -> bool {
+        let excess = limits::excesses(s);
+        if excess.is_empty() {
+            return true;
+        }
+        let listed: Vec<String> = excess
+            .iter()
+            .map(|x| format!("{}={} (max {})", x.field, x.value, x.max))
+            .collect();
+        let mut p = Problem::new(
+            ProblemCode::TooLarge,
+            format!(
+                "{side} descriptor has values above their maxima: {}; such values are corrupt or \
+                 hostile, so the {side} side is not checked further",
+                listed.join(", ")
+            ),
+            format!(
+                "export the {side} descriptor again from the running server; real deployments \
+                 stay far below every maximum (docs/errors.md, \"Descriptor format\")"
+            ),
+        );
+        for x in &excess {
+            p = p.with(format!("{side}.{}", x.field), x.value);
+        }
+        self.push(p);
+        false
     }
 
     /// Per-side sanity. Returns whether sizes are all ≥ 1 (so cross checks can divide).
@@ -1206,7 +1254,7 @@ impl Checker<'_> {
                             "register per-entry lengths from the same model on both sides: target entries \
                              hold page_size x token bytes, draft entries page_size x dcp_size x token bytes \
                              (entry {i}: expected decode item_len {})",
-                            src_tok * scale
+                            src_tok.saturating_mul(scale)
                         ),
                     )
                     .with(format!("prefill.kv_item_lens[{i}]"), p.kv_item_lens[i])

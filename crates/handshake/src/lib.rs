@@ -10,6 +10,9 @@
 //! * [`sglang_rank_mapping`] — SGLang's rank mapping, rule for rule (spec 02 §6).
 //! * [`fingerprint`] / [`fingerprint_diff`] — a stable hash for a cheap equality fast path, and
 //!   the field-by-field explanation of a mismatch.
+//! * [`MAX_PAGE_SIZE`], [`MAX_GROUP_SIZE`], [`MAX_DEPLOYMENT_RANKS`] and the other maxima —
+//!   what a descriptor may claim; `check` reports larger values as `KVB-E033` before it works
+//!   with them.
 //! * [`catalog`] / [`explain`] — the long explanations behind `kvbridge explain` and
 //!   `docs/errors.md`.
 //!
@@ -35,6 +38,7 @@ mod check;
 mod descriptor;
 mod error;
 mod fingerprint;
+mod limits;
 mod mapping;
 mod problem;
 
@@ -49,6 +53,10 @@ pub use fingerprint::{
     fnv1a64,
 };
 pub use kvbridge_geometry::PoolKind;
+pub use limits::{
+    MAX_AUX_BUFFERS, MAX_DEPLOYMENT_RANKS, MAX_ENTRIES, MAX_GROUP_SIZE, MAX_HEAD_DIM, MAX_ITEM_LEN,
+    MAX_KV_HEADS, MAX_PAGE_SIZE,
+};
 pub use mapping::{
     HeadRange, MappingInput, PeerTarget, RankMapping, TargetRanks, TransferPath, bootstrap_order,
     prefill_unique_rank, sglang_is_dummy, sglang_rank_mapping,

@@ -42,6 +42,7 @@ use kvbridge_geometry::{
 use serde::Serialize;
 
 use crate::error::{HandshakeError, Result};
+use crate::limits::{MAX_DEPLOYMENT_RANKS, MAX_GROUP_SIZE};
 use crate::problem::ProblemCode;
 
 /// Inputs of SGLang's rank mapping (spec 02 §6), decode side.
@@ -158,13 +159,29 @@ pub(crate) fn pp_failure(pp_d: u32, pp_p: u32) -> MappingFailure {
     }
 }
 
+fn too_large(name: &str, value: u64, max: u64) -> std::result::Result<(), MappingFailure> {
+    if value <= max {
+        return Ok(());
+    }
+    Err(MappingFailure {
+        code: ProblemCode::TooLarge,
+        message: format!("{name}={value} is above the maximum of {max}"),
+        remedy: format!(
+            "set {name} to the server's real size; every maximum is far above any real \
+             deployment (docs/errors.md, \"Descriptor format\")"
+        ),
+    })
+}
+
 /// SGLang 0.5.23's rank mapping (spec 02 §6), exactly — including its silent reduction of the
 /// engine rank modulo `tp_d` and the absence of a TP divisibility check.
 ///
 /// # Errors
 /// [`HandshakeError::MappingPrecondition`] with SGLang's assertion text for the three
 /// preconditions (MLA sharding with different TP, decode CP ≠ 1, decode PP neither prefill PP
-/// nor 1), and for zero sizes (which SGLang would divide by).
+/// nor 1), for zero sizes (which SGLang would divide by), and for sizes above
+/// [`crate::MAX_GROUP_SIZE`] or a prefill deployment above [`crate::MAX_DEPLOYMENT_RANKS`]
+/// ranks (checked before any rank list is allocated).
 pub fn sglang_rank_mapping(input: &MappingInput) -> Result<TargetRanks> {
     Ok(sglang_targets(input)?)
 }
@@ -184,7 +201,17 @@ pub(crate) fn sglang_targets(i: &MappingInput) -> std::result::Result<TargetRank
                 remedy: format!("set {name} to the server's real size"),
             });
         }
+        too_large(name, u64::from(v), MAX_GROUP_SIZE)?;
     }
+    // The target lists below hold up to tp_p, cp_p and pp_p ranks, and the bootstrap list their
+    // product: bounded before anything is allocated.
+    let prefill_ranks =
+        u64::from(i.prefill_tp_size) * u64::from(i.prefill_cp_size) * u64::from(i.prefill_pp_size);
+    too_large(
+        "prefill attn_tp_size x attn_cp_size x pp_size",
+        prefill_ranks,
+        MAX_DEPLOYMENT_RANKS,
+    )?;
     let tp_d = i.decode_tp_size;
     let tp_p = i.prefill_tp_size;
     let e = i.engine_rank();
@@ -454,6 +481,23 @@ pub(crate) fn head_sources(e: u32, tp_d: u32, tp_p: u32, heads: u32) -> Vec<(u32
         .collect()
 }
 
+/// The prefill TP ranks of [`head_sources`].
+pub(crate) fn head_senders(e: u32, tp_d: u32, tp_p: u32, heads: u32) -> Vec<u32> {
+    head_sources(e, tp_d, tp_p, heads)
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect()
+}
+
+/// How many decode ranks read from prefill TP rank `t` under the exact head plan
+/// (`kvbridge_geometry::HeadSharding::targets_of`, linear in those ranks).
+pub(crate) fn head_readers(t: u32, tp_d: u32, tp_p: u32, heads: u32) -> u32 {
+    let n = HeadSharding::new(u64::from(heads), u64::from(tp_p), u64::from(tp_d))
+        .and_then(|s| s.targets_of(u64::from(t)))
+        .map_or(0, |v| v.len());
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
 /// SGLang's head slice for one (prefill rank, decode rank) pair (spec 01 §4).
 pub(crate) fn sglang_head_slice(
     tp_p: u32,
@@ -482,38 +526,62 @@ pub(crate) struct TpTarget {
     pub(crate) dst_info: u32,
 }
 
-/// Real senders and dummies of every decode rank, given each decode rank's real senders:
-/// prefill ranks no decode rank reads from become dummies of the decode rank whose SGLang range
-/// contains them (only when `tp_d < tp_p`; otherwise every prefill rank is read by someone).
-pub(crate) fn coverage_table(
-    tp_d: u32,
-    tp_p: u32,
-    real_of: &dyn Fn(u32) -> Vec<u32>,
-) -> Vec<(Vec<u32>, Vec<u32>)> {
-    let real: Vec<Vec<u32>> = (0..tp_d).map(real_of).collect();
-    let covered: BTreeSet<u32> = real.iter().flatten().copied().collect();
-    real.into_iter()
-        .zip(0u32..)
-        .map(|(senders, e)| {
-            let dummies = if tp_d < tp_p {
-                let k = tp_p / tp_d;
-                (e * k..(e + 1) * k)
-                    .filter(|t| !covered.contains(t))
-                    .collect()
-            } else {
-                Vec::new()
-            };
-            (senders, dummies)
-        })
-        .collect()
+/// Decode ranks in `lo..hi` congruent to `c` modulo `m` (`m ≥ 1`).
+fn count_congruent(lo: u64, hi: u64, m: u64, c: u64) -> u64 {
+    // Values below n congruent to c.
+    let below = |n: u64| {
+        if n > c % m {
+            (n - c % m - 1) / m + 1
+        } else {
+            0
+        }
+    };
+    below(hi.max(lo)) - below(lo)
+}
+
+/// How many decode ranks read from prefill TP rank `t` under the owner rule
+/// ([`owner_rule_senders`]), in closed form: decode rank `e'` reads `t` iff its group
+/// (`base_target(e') div a`) is `t div a` and `e' ≡ t (mod gcd(a, b))`. Assumes the
+/// preconditions of [`owner_rule_senders`] and that the TP sizes divide one another.
+pub(crate) fn owner_rule_readers(t: u32, tp_d: u32, b: u32, tp_p: u32, a: u32) -> u32 {
+    let (t, tp_d, b, tp_p, a) = (
+        u64::from(t),
+        u64::from(tp_d),
+        u64::from(b),
+        u64::from(tp_p),
+        u64::from(a),
+    );
+    let g = gcd(a, b);
+    let first = t / a * a;
+    // Decode ranks whose base target lies in [first, first + a).
+    let (lo, hi) = if tp_d >= tp_p {
+        let r = tp_d / tp_p;
+        (first * r, (first + a) * r)
+    } else {
+        let k = tp_p / tp_d;
+        (first.div_ceil(k), (first + a).div_ceil(k))
+    };
+    let n = count_congruent(lo.min(tp_d), hi.min(tp_d), g, t);
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+fn gcd(mut x: u64, mut y: u64) -> u64 {
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    x
 }
 
 /// A mapping whose real senders are chosen per decode rank by `real_of` (owner rule or exact
-/// head plan); dummies, registration counts and response counts follow from the whole table.
-/// CP and PP follow SGLang.
+/// head plan), with `readers_of(t)` the number of decode ranks whose real senders include
+/// prefill rank `t`. Prefill ranks in this decode rank's SGLang range that no decode rank reads
+/// become its dummies (only when `tp_d < tp_p`; otherwise every prefill rank is read by
+/// someone); registration counts follow. CP and PP follow SGLang. Work is linear in this rank's
+/// peers (never a table of every decode rank).
 pub(crate) fn coverage_targets(
     i: &MappingInput,
     real_of: &dyn Fn(u32) -> Vec<u32>,
+    readers_of: &dyn Fn(u32) -> u32,
 ) -> std::result::Result<(TargetRanks, Vec<TpTarget>), MappingFailure> {
     // CP/PP rules and their preconditions are SGLang's; reuse them on a non-sharded input.
     let sg = sglang_targets(&MappingInput {
@@ -522,22 +590,28 @@ pub(crate) fn coverage_targets(
     })?;
     let (tp_d, tp_p) = (i.decode_tp_size, i.prefill_tp_size);
     let e = i.engine_rank();
-    let table = coverage_table(tp_d, tp_p, real_of);
-    let (real, dummies) = &table[e as usize];
-    let mut all: Vec<u32> = real.iter().chain(dummies).copied().collect();
+    let real = real_of(e);
+    let dummies: Vec<u32> = if tp_d < tp_p {
+        let k = tp_p / tp_d;
+        (e * k..(e + 1) * k)
+            .filter(|&t| readers_of(t) == 0)
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut all: Vec<u32> = real.iter().chain(&dummies).copied().collect();
     all.sort_unstable();
     all.dedup();
+    let real_set: BTreeSet<u32> = real.iter().copied().collect();
     let per_tp: Vec<TpTarget> = all
         .iter()
         .map(|&t| {
-            let n = table
-                .iter()
-                .filter(|(r, d)| r.contains(&t) || d.contains(&t))
-                .count() as u32;
+            let is_dummy = !real_set.contains(&t);
             TpTarget {
                 tp: t,
-                is_dummy: !real.contains(&t),
-                dst_info: n,
+                is_dummy,
+                // A prefill rank nobody reads is the dummy of exactly one decode rank: this one.
+                dst_info: if is_dummy { 1 } else { readers_of(t) },
             }
         })
         .collect();
@@ -552,4 +626,133 @@ pub(crate) fn coverage_targets(
         required_prefill_response_num: real.len() as u32 * cp_factor * pp_factor,
     };
     Ok((targets, per_tp))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `(tp, is_dummy, dst_info)` of each target of one decode rank.
+    type Targets = Vec<(u32, bool, u32)>;
+
+    /// The table of every decode rank's real senders and dummies that `coverage_targets`
+    /// replaced, as the reference: per decode rank, `(target ranks, targets)`.
+    fn reference(
+        tp_d: u32,
+        tp_p: u32,
+        real_of: &dyn Fn(u32) -> Vec<u32>,
+    ) -> Vec<(Vec<u32>, Targets)> {
+        let real: Vec<Vec<u32>> = (0..tp_d).map(real_of).collect();
+        let covered: BTreeSet<u32> = real.iter().flatten().copied().collect();
+        let table: Vec<(Vec<u32>, Vec<u32>)> = real
+            .iter()
+            .zip(0u32..)
+            .map(|(senders, e)| {
+                let dummies = if tp_d < tp_p {
+                    let k = tp_p / tp_d;
+                    (e * k..(e + 1) * k)
+                        .filter(|t| !covered.contains(t))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                (senders.clone(), dummies)
+            })
+            .collect();
+        table
+            .iter()
+            .map(|(r, d)| {
+                let mut all: Vec<u32> = r.iter().chain(d).copied().collect();
+                all.sort_unstable();
+                all.dedup();
+                let per: Targets = all
+                    .iter()
+                    .map(|&t| {
+                        let n = table
+                            .iter()
+                            .filter(|(r, d)| r.contains(&t) || d.contains(&t))
+                            .count() as u32;
+                        (t, !r.contains(&t), n)
+                    })
+                    .collect();
+                (all, per)
+            })
+            .collect()
+    }
+
+    fn input(tp_d: u32, e: u32, tp_p: u32) -> MappingInput {
+        MappingInput {
+            decode_tp_size: tp_d,
+            decode_engine_rank: e,
+            decode_cp_size: 1,
+            decode_pp_size: 1,
+            decode_pp_rank: 0,
+            decode_pool: PoolKind::Mla,
+            decode_kv_cache_sharding: false,
+            prefill_tp_size: tp_p,
+            prefill_cp_size: 1,
+            prefill_pp_size: 1,
+            prefill_kv_cache_sharding: false,
+            prefill_dsa_layer_split: false,
+            all_cp_ranks_transfer: false,
+        }
+    }
+
+    fn compare(
+        tp_d: u32,
+        tp_p: u32,
+        real_of: &dyn Fn(u32) -> Vec<u32>,
+        readers_of: &dyn Fn(u32) -> u32,
+        what: &str,
+    ) {
+        let want = reference(tp_d, tp_p, real_of);
+        for e in 0..tp_d {
+            let (t, per) = coverage_targets(&input(tp_d, e, tp_p), real_of, readers_of).unwrap();
+            let got: Targets = per.iter().map(|x| (x.tp, x.is_dummy, x.dst_info)).collect();
+            assert_eq!(t.target_tp_ranks, want[e as usize].0, "{what}, rank {e}");
+            assert_eq!(got, want[e as usize].1, "{what}, rank {e}");
+        }
+    }
+
+    /// Closed-form reader counts give exactly the table's dummies and registration counts, for
+    /// every owner-rule topology with TP sizes up to 16 and every exact head plan up to 32.
+    #[test]
+    fn coverage_equals_the_whole_table() {
+        let divisors = |n: u32| (1..=n).filter(move |x| n % x == 0);
+        for tp_p in 1..=16u32 {
+            for tp_d in 1..=16u32 {
+                if tp_p.max(tp_d) % tp_p.min(tp_d) != 0 {
+                    continue;
+                }
+                for a in divisors(tp_p) {
+                    for b in divisors(tp_d) {
+                        compare(
+                            tp_d,
+                            tp_p,
+                            &|e| owner_rule_senders(e, tp_d, b, tp_p, a),
+                            &|t| owner_rule_readers(t, tp_d, b, tp_p, a),
+                            &format!("owner rule tp {tp_p}/{a} -> {tp_d}/{b}"),
+                        );
+                    }
+                }
+            }
+        }
+        for heads in [1u32, 2, 4, 8] {
+            for tp_p in [2u32, 4, 8, 16, 32] {
+                for tp_d in [1u32, 2, 4, 8, 16] {
+                    let splits = |t: u32| heads % t == 0 || t % heads == 0;
+                    if tp_p <= tp_d || tp_p <= heads || !splits(tp_p) || !splits(tp_d) {
+                        continue;
+                    }
+                    compare(
+                        tp_d,
+                        tp_p,
+                        &|e| head_senders(e, tp_d, tp_p, heads),
+                        &|t| head_readers(t, tp_d, tp_p, heads),
+                        &format!("heads {heads}, tp {tp_p} -> {tp_d}"),
+                    );
+                }
+            }
+        }
+    }
 }

@@ -11,7 +11,7 @@ use crate::catalog::CATALOG;
 /// new codes.
 ///
 /// `KVB-E001`–`KVB-E018` follow SGLang 0.5.23's own checks (E001–E012 in the order of spec 02
-/// §3, whose rows they are numbered after); `KVB-E020`–`KVB-E032` are what SGLang lets through
+/// §3, whose rows they are numbered after); `KVB-E020`–`KVB-E033` are what SGLang lets through
 /// but cannot work; `KVB-E040` is raised by the planner per request; `KVB-Wnnn` are warnings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[non_exhaustive]
@@ -79,6 +79,8 @@ pub enum ProblemCode {
     EntryGeometry,
     /// `KVB-E032` protocol major versions differ.
     ProtocolVersion,
+    /// `KVB-E033` a size or count is above its maximum.
+    TooLarge,
     /// `KVB-E040` decode prefix not aligned to the DCP virtual page (planner, per request).
     PrefixMisaligned,
     /// `KVB-W001` different TP on an MHA/GQA pool (performance warning).
@@ -121,6 +123,7 @@ impl ProblemCode {
         ProblemCode::EntryCount,
         ProblemCode::EntryGeometry,
         ProblemCode::ProtocolVersion,
+        ProblemCode::TooLarge,
         ProblemCode::PrefixMisaligned,
         ProblemCode::TpDiffersMha,
         ProblemCode::AuxCount,
@@ -324,7 +327,7 @@ fn anchor(i: &ProblemInfo) -> String {
 }
 
 /// One problem found by [`crate::check`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 pub struct Problem {
     /// Stable code.
     pub code: ProblemCode,
@@ -407,6 +410,7 @@ mod tests {
                 | C::EntryCount
                 | C::EntryGeometry
                 | C::ProtocolVersion
+                | C::TooLarge
                 | C::PrefixMisaligned
                 | C::TpDiffersMha
                 | C::AuxCount => position(c),

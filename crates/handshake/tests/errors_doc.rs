@@ -229,6 +229,13 @@ fn messages_check_emits_fit_their_catalog_templates() {
             with(&mla("prefill", 4, 2, 0), json!({"attn_cp_size": 2})),
             mla("decode", 4, 1, 0),
         ),
+        (
+            with(&p, json!({"pp_size": 4294967295u64})),
+            with(
+                &mla("decode", 4, 1, 0),
+                json!({"kv_item_lens": [1u64 << 41]}),
+            ),
+        ),
     ];
     let mut seen = std::collections::BTreeSet::new();
     for (prefill, decode) in &cases {

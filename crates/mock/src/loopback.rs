@@ -490,6 +490,7 @@ impl KvTransport for LoopbackTransport {
         if state.closed {
             return Err(TransportError::Closed { transport: NAME });
         }
+        self.capabilities().check_region(NAME, &region)?;
         let id = RegionId(self.ep.next_region.fetch_add(1, Ordering::Relaxed));
         state.regions.insert(id, region);
         Ok(id)

@@ -27,6 +27,8 @@ enum Flaw {
     CancelDoesNotFence,
     /// `wait` never returns.
     HangingWait,
+    /// Registers device memory without declaring `device_memory`.
+    UndeclaredDeviceMemory,
 }
 
 struct Broken {
@@ -51,6 +53,9 @@ impl KvTransport for Broken {
         self.inner.allocate(len)
     }
     async fn register(&self, region: MemoryRegion) -> Result<RegionId> {
+        if self.flaw == Flaw::UndeclaredDeviceMemory && !region.kind().is_host() {
+            return Ok(RegionId(u64::MAX));
+        }
         self.inner.register(region).await
     }
     async fn deregister(&self, region: RegionId) -> Result<()> {
@@ -160,9 +165,19 @@ async fn hanging_wait_fails_by_a_bound_instead_of_hanging() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(
+    expected = "contract 8 (capabilities are declared): the sender does not declare \
+                           device_memory"
+)]
+async fn undeclared_device_memory_fails_device_memory_refused_unless_declared() {
+    testing::device_memory_refused_unless_declared(pair(Flaw::UndeclaredDeviceMemory)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_wrapper_passes_cases_its_flaw_does_not_touch() {
     // Control: the decorator itself (small copy steps included) is not what the cases catch.
     testing::random_batches(pair(Flaw::UndeclaredReads)).await;
     testing::cancel_fences(pair(Flaw::UndeclaredReads)).await;
     testing::notification_after_data(pair(Flaw::UndeclaredReads)).await;
+    testing::device_memory_refused_unless_declared(pair(Flaw::UndeclaredReads)).await;
 }

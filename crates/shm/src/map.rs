@@ -1,9 +1,11 @@
 //! The mapping layer: the only module of `kvbridge-shm` with `unsafe` code.
 //!
 //! It creates sealed memfd regions, maps region files handed over by a peer, and wraps both as
-//! [`MemoryRegion`]s. Every bounds check on transfers happens in safe code elsewhere (through
-//! [`MemoryRegion::copy_to`], which checks both ranges); the `unsafe` blocks here only assert that
-//! a mapping stays valid for as long as the region that wraps it.
+//! [`MemoryRegion`]s (foreign memory, tagged with their [`SharedMapping`] so this crate
+//! recognises its own). Every bounds check and claim on transfers happens in `MemoryRegion`
+//! (through [`MemoryRegion::copy_to`], or [`MemoryRegion::with_raw_range`] for the streaming
+//! copy); the `unsafe` blocks here only assert that a mapping stays valid for as long as the
+//! region that wraps it, and copy inside claimed ranges.
 //!
 //! Why the checks on a peer's file matter: a writable shared mapping of a file that can shrink
 //! turns a truncation by the peer into `SIGBUS` in this process. So a peer's file is mapped only
@@ -11,12 +13,11 @@
 //! is fully allocated (so mapping it cannot make this process allocate memory for the peer).
 #![allow(unsafe_code)]
 
-use std::any::Any;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use kvbridge_transport::{CopyError, MemoryRegion};
+use kvbridge_transport::{Access, CopyError, ForeignMemory, MemoryRegion};
 use memmap2::{Advice, MmapOptions, MmapRaw};
 use rustix::fs::{FallocateFlags, FileType, MemfdFlags, SealFlags};
 
@@ -79,14 +80,17 @@ fn wrap(mapping: Arc<SharedMapping>) -> Result<MemoryRegion, ShmError> {
         what: "mmap".into(),
         source: std::io::Error::other("the kernel returned a null mapping"),
     })?;
-    let owner: Arc<dyn Any + Send + Sync> = mapping;
-    // SAFETY: `ptr` is the start of a live shared read-write mapping of exactly `len` bytes.
-    // `owner` keeps the `MmapRaw` (and so the mapping) alive for as long as any clone of the
-    // region exists. The file behind it is sealed against shrinking and fully allocated (checked
-    // in `allocate` / `map_remote`), so no access within `len` can fault with SIGBUS. This crate
-    // creates no Rust references to the bytes: all access goes through `MemoryRegion`'s raw
-    // copies; other processes writing them is the shared-memory case the contract allows.
-    Ok(unsafe { MemoryRegion::from_raw_parts(ptr, len, owner) })
+    let memory = ForeignMemory::host(ptr, len, Arc::clone(&mapping)).with_tag(mapping);
+    // SAFETY: `ptr` is the start of a live shared read-write mapping of exactly `len` bytes
+    // (mmap lengths fit `isize`). The owner keeps the `MmapRaw` (and so the mapping) alive for
+    // as long as any clone of the region exists. The file behind it is sealed against shrinking
+    // and fully allocated (checked in `allocate` / `map_remote`), so no access within `len` can
+    // fault with SIGBUS. Each mapping is wrapped once, here, by exactly one region. This crate
+    // creates no Rust references to the bytes: all access goes through `MemoryRegion`'s claimed
+    // raw copies; other processes (and other mappings of the file) writing them is the
+    // shared-memory case the contract allows. The tag is a `pub(crate)` type whose only
+    // accessors (`fd`) give no access to the bytes without more `unsafe`.
+    Ok(unsafe { MemoryRegion::from_raw_parts(memory) })
 }
 
 /// Allocates a sealed, pre-faulted memfd region of `len` bytes. A zero-length region is an empty
@@ -117,8 +121,7 @@ pub(crate) fn allocate(len: usize) -> Result<MemoryRegion, ShmError> {
 
 /// The shared mapping behind `region`, if `region` is exactly a mapping made by [`allocate`].
 pub(crate) fn shared_of(region: &MemoryRegion) -> Option<Arc<SharedMapping>> {
-    let owner = Arc::clone(region.owner()?);
-    let mapping = owner.downcast::<SharedMapping>().ok()?;
+    let mapping = region.tag::<SharedMapping>()?;
     (mapping.map.as_mut_ptr() == region.as_ptr() && mapping.map.len() == region.len())
         .then_some(mapping)
 }
@@ -171,10 +174,11 @@ pub(crate) fn map_remote(region: u64, fd: OwnedFd, len: u64) -> Result<MemoryReg
 pub(crate) const STREAM_MIN: u64 = 64 << 10;
 
 /// Copies `len` bytes from `src[src_offset..]` into `dst[dst_offset..]`, both ranges checked
-/// first. Long copies bypass the cache with streaming stores, as `memcpy` itself does only for
-/// copies of hundreds of MiB: the destination is the peer's memory, which this process will not
-/// read again, and a batch is copied in pieces of at most 1 MiB, far below `memcpy`'s own
-/// threshold. Short copies use [`MemoryRegion::copy_to`].
+/// and claimed first (the source for reading, the destination for writing). Long copies bypass
+/// the cache with streaming stores, as `memcpy` itself does only for copies of hundreds of
+/// MiB: the destination is the peer's memory, which this process will not read again, and a
+/// batch is copied in pieces of at most 1 MiB, far below `memcpy`'s own threshold. Short copies
+/// (and copies within one region) use [`MemoryRegion::copy_to`].
 pub(crate) fn copy_out(
     src: &MemoryRegion,
     src_offset: u64,
@@ -183,21 +187,19 @@ pub(crate) fn copy_out(
     len: u64,
 ) -> Result<(), CopyError> {
     #[cfg(target_arch = "x86_64")]
-    if len >= STREAM_MIN {
-        let s = src.range(src_offset, len).map_err(CopyError::Source)?;
-        let d = dst.range(dst_offset, len).map_err(CopyError::Destination)?;
-        // SAFETY: `s` and `d` lie inside their regions (checked just above), whose memory stays
-        // mapped while the `&MemoryRegion`s are alive. Regions are raw shared memory that the
-        // transfer plan writes at disjoint destination ranges; like the region's own copies,
-        // this one creates no references to the bytes.
-        unsafe {
-            stream_copy(
-                src.as_ptr().add(s.start),
-                dst.as_ptr().add(d.start),
-                s.len(),
-            )
-        };
-        return Ok(());
+    if len >= STREAM_MIN && !src.same_region(dst) {
+        return src
+            .with_raw_range(src_offset, len, Access::Read, |s, n| {
+                dst.with_raw_range(dst_offset, len, Access::Write, |d, _| {
+                    // SAFETY: `with_raw_range` hands out `n` valid bytes at `s`, claimed for
+                    // reading, and `n` valid bytes at `d` in another region, claimed for
+                    // writing, for as long as these closures run; like the region's own
+                    // copies, this one creates no references to the bytes.
+                    unsafe { stream_copy(s, d, n) }
+                })
+            })
+            .map_err(CopyError::Source)?
+            .map_err(CopyError::Destination);
     }
     src.copy_to(src_offset, dst, dst_offset, len)
 }
@@ -252,6 +254,7 @@ unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvbridge_transport::AccessError;
 
     #[test]
     fn allocated_regions_are_sealed_shared_and_recognised() {
@@ -327,6 +330,34 @@ mod tests {
         assert!(got[6 + STREAM_MIN as usize..].iter().all(|&b| b == 0));
         assert!(copy_out(&src, 200, &dst, 0, STREAM_MIN + 1).is_err());
         assert!(copy_out(&src, 0, &dst, u64::MAX, STREAM_MIN).is_err());
+    }
+
+    /// The streaming copy claims its ranges like every other access: it is refused while the
+    /// destination is borrowed or the source is being written, and leaves no claim behind.
+    #[test]
+    fn streamed_copies_respect_the_claim_table() {
+        let len = STREAM_MIN as usize + 64;
+        let src = MemoryRegion::allocate(len).unwrap();
+        let dst = MemoryRegion::allocate(len).unwrap();
+        let mut borrowed = dst.borrow_mut(len as u64 - 1, 1).unwrap();
+        borrowed[0] = 7;
+        let r = copy_out(&src, 0, &dst, 64, STREAM_MIN);
+        assert!(
+            matches!(r, Err(CopyError::Destination(AccessError::Conflict { .. }))),
+            "{r:?}"
+        );
+        assert_eq!(borrowed[0], 7);
+        drop(borrowed);
+        let r = src.with_raw_range(0, 1, Access::Write, |_, _| {
+            copy_out(&src, 0, &dst, 0, STREAM_MIN)
+        });
+        assert!(
+            matches!(r, Ok(Err(CopyError::Source(AccessError::Conflict { .. })))),
+            "{r:?}"
+        );
+        copy_out(&src, 0, &dst, 0, STREAM_MIN).unwrap();
+        drop(dst.borrow_mut(0, len as u64).unwrap());
+        drop(src.borrow_mut(0, len as u64).unwrap());
     }
 
     #[test]

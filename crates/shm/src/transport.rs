@@ -1134,6 +1134,7 @@ impl KvTransport for ShmTransport {
 
     async fn register(&self, region: MemoryRegion) -> Result<RegionId> {
         self.inner.check_open()?;
+        self.capabilities().check_region(NAME, &region)?;
         let id = RegionId(self.inner.next_id());
         let shared = map::shared_of(&region);
         lock(&self.inner.regions).insert(id, LocalRegion { region, shared });

@@ -11,6 +11,8 @@ use crate::wire::{self, FLAG_SECRET, Frame, HEADER_LEN, PREFACE_LEN, Preface, VE
 
 /// Control frames queued per connection, in both directions.
 pub(crate) const CTRL_QUEUE: usize = 1024;
+/// Time a writer gets to send a closing `Error` frame before the connection is dropped.
+pub(crate) const CLOSE_GRACE: Duration = Duration::from_millis(200);
 
 /// Why a connection ended.
 #[derive(Debug)]
@@ -18,6 +20,8 @@ pub(crate) enum LinkError {
     Io(std::io::Error),
     Eof,
     Silent(Duration),
+    /// The handshake did not finish within `TcpConfig::connect_timeout`.
+    HandshakeDeadline(Duration),
     Protocol(TcpError),
 }
 
@@ -29,6 +33,10 @@ impl std::fmt::Display for LinkError {
             LinkError::Silent(d) => write!(
                 f,
                 "nothing heard from the peer for {d:?} (keep-alive timeout); it is dead or stalled"
+            ),
+            LinkError::HandshakeDeadline(d) => write!(
+                f,
+                "the handshake did not finish within {d:?} (TcpConfig::connect_timeout)"
             ),
             LinkError::Protocol(e) => write!(f, "{e}"),
         }
@@ -70,23 +78,41 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
     max_body: u32,
     idle: Duration,
 ) -> Result<Frame, LinkError> {
+    read_frame_checked(r, buf, max_body, idle, |_, _| Ok(())).await
+}
+
+/// [`read_frame`], with `check` run on the header's type and body length before any of the
+/// body is read (a budget refusing the frame refuses it before anything is allocated for it).
+pub(crate) async fn read_frame_checked<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+    max_body: u32,
+    idle: Duration,
+    check: impl FnOnce(wire::FrameType, u32) -> Result<(), TcpError>,
+) -> Result<Frame, LinkError> {
     let mut h = [0u8; HEADER_LEN];
     read_exact_timed(r, &mut h, idle).await?;
     let (ty, len) = wire::decode_header(&h, max_body)?;
+    check(ty, len)?;
     buf.clear();
     buf.resize(len as usize, 0);
     read_exact_timed(r, buf, idle).await?;
     Ok(wire::decode_body(ty, buf)?)
 }
 
-/// Best-effort: tells the peer why the connection closes.
-pub(crate) async fn send_error<W: AsyncWrite + Unpin>(w: &mut W, e: &TcpError) {
-    let frame = Frame::Error {
+/// The `Error` frame telling the peer why this side closes the connection.
+pub(crate) fn error_frame(e: &TcpError) -> Vec<u8> {
+    Frame::Error {
         code: e.code(),
         message: e.to_string(),
     }
-    .encode();
-    let _ = tokio::time::timeout(Duration::from_millis(200), async {
+    .encode()
+}
+
+/// Best-effort: tells the peer why the connection closes.
+pub(crate) async fn send_error<W: AsyncWrite + Unpin>(w: &mut W, e: &TcpError) {
+    let frame = error_frame(e);
+    let _ = tokio::time::timeout(CLOSE_GRACE, async {
         w.write_all(&frame).await?;
         w.flush().await
     })
@@ -191,13 +217,15 @@ pub(crate) async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// The listener's handshake; returns the client's `Hello`. On a protocol failure the peer is
-/// told why before the caller closes the connection.
+/// The listener's handshake; returns the client's `Hello`. On a protocol failure, or with
+/// `refuse` once the client is authenticated, the peer is told why before the caller closes
+/// the connection.
 pub(crate) async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     config: &TcpConfig,
+    refuse: Option<TcpError>,
 ) -> Result<HelloFields, LinkError> {
-    let r = server_handshake_inner(s, config).await;
+    let r = server_handshake_inner(s, config, refuse).await;
     if let Err(LinkError::Protocol(e)) = &r {
         send_error(s, e).await;
     }
@@ -207,6 +235,7 @@ pub(crate) async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin>(
 async fn server_handshake_inner<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     config: &TcpConfig,
+    refuse: Option<TcpError>,
 ) -> Result<HelloFields, LinkError> {
     let idle = config.connect_timeout;
     let names = SecretNames {
@@ -253,6 +282,9 @@ async fn server_handshake_inner<S: AsyncRead + AsyncWrite + Unpin>(
             .into());
         }
     };
+    if let Some(e) = refuse {
+        return Err(e.into());
+    }
     s.write_all(&Frame::Welcome { mac: proof }.encode())
         .await
         .map_err(io_err)?;

@@ -138,6 +138,30 @@ pub enum TcpError {
         /// What was wrong, with the values seen.
         message: String,
     },
+    /// The peer's pending batches would hold more bytes here than its budget allows.
+    #[error(
+        "a Begin frame of {body} bytes would charge {charge} bytes to the peer's pending batches \
+         ({pending} bytes already: notifications of batches not yet complete or not yet received \
+         by the application), above TcpConfig::max_inbound_pending_bytes = {limit}; the peer \
+         begins batches it does not complete, or the receiving application does not take its \
+         notifications (raise the limit on the listener only if that is legitimate)"
+    )]
+    OverBudget {
+        /// Body length of the `Begin` frame that was refused.
+        body: u32,
+        /// What that batch would have been charged (body + per-batch state).
+        charge: u64,
+        /// Bytes the peer was charged already.
+        pending: u64,
+        /// The limit in force.
+        limit: u64,
+    },
+    /// This side closes a healthy-looking connection for a reason of its own.
+    #[error("closing the connection: {reason}")]
+    Closing {
+        /// Why, with the values involved.
+        reason: String,
+    },
     /// A configuration value is out of range.
     #[error("TcpConfig::{field} is {value}, {reason}")]
     InvalidConfig {
@@ -179,6 +203,8 @@ impl TcpError {
             TcpError::Rejected { code, .. } => *code,
             TcpError::InvalidConfig { .. } => 12,
             TcpError::BadWrite { .. } => 14,
+            TcpError::OverBudget { .. } => 15,
+            TcpError::Closing { .. } => 16,
             TcpError::BadDescriptor { .. } => 13,
         }
     }

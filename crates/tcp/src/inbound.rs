@@ -10,14 +10,16 @@ use kvbridge_transport::{MemoryRegion, Notification, PeerId, Result, TransportEr
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::conn::{self, LinkError};
 use crate::error::TcpError;
-use crate::wire::{BeginStatus, CancelStatus, Frame, RegionLen, RegionNeed, WireOp};
-use crate::{NAME, Shared, lock};
+use crate::wire::{
+    self, BeginStatus, CancelStatus, Frame, FrameType, RegionLen, RegionNeed, WireOp,
+};
+use crate::{BATCH_STATE_BYTES, NAME, Shared, lock};
 
 /// Bytes offered to one vectored read (between two checks that the batch is still live).
 const READ_BYTES: u64 = 1 << 20;
@@ -28,6 +30,48 @@ const DRAIN_BUF: usize = 64 << 10;
 /// Connections in the handshake at once; more wait in the kernel's backlog.
 const MAX_HANDSHAKES: usize = 64;
 
+/// Bytes an inbound peer is charged against `TcpConfig::max_inbound_pending_bytes`, released
+/// when dropped: with its batch when the batch is forgotten, or with the batch's notification
+/// once the application has taken it.
+pub(crate) struct Charge {
+    pending: Arc<AtomicU64>,
+    bytes: u64,
+}
+
+impl Charge {
+    /// Moves `bytes` of this charge (at most all of it) into a new one.
+    fn split(&mut self, bytes: u64) -> Charge {
+        let bytes = bytes.min(self.bytes);
+        self.bytes -= bytes;
+        Charge {
+            pending: self.pending.clone(),
+            bytes,
+        }
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.pending.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+/// An encoded control frame queued for a connection's writer, with the charge that covers it
+/// while it waits (a `BeginAck` is as large as the region table of its `Begin`).
+struct Outgoing {
+    frame: Vec<u8>,
+    _charge: Option<Charge>,
+}
+
+impl Outgoing {
+    fn plain(frame: Vec<u8>) -> Self {
+        Self {
+            frame,
+            _charge: None,
+        }
+    }
+}
+
 /// Per-batch state on the receiver, shared by the connections of one session.
 struct RxBatch {
     total: u64,
@@ -35,6 +79,8 @@ struct RxBatch {
     /// Bytes of pieces being written right now.
     inflight: u64,
     notification: Option<Bytes>,
+    /// What the batch is charged to its session (its `Begin` body and bookkeeping).
+    charge: Charge,
     deadline: Instant,
     cancelled: bool,
     /// Pieces being written right now (a cancel is acknowledged only at zero).
@@ -54,13 +100,15 @@ pub(crate) struct Session {
     id: u64,
     conn_count: u16,
     /// Control queues of the connections, by index.
-    ctrl: Mutex<Vec<Option<mpsc::Sender<Vec<u8>>>>>,
+    ctrl: Mutex<Vec<Option<mpsc::Sender<Outgoing>>>>,
     batches: Mutex<HashMap<u64, RxBatch>>,
     writers_idle: Notify,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     pings: Mutex<HashMap<u64, oneshot::Sender<()>>>,
     ping_seq: AtomicU64,
     idle: Duration,
+    /// Bytes charged to this peer right now (see [`Charge`]).
+    pending: Arc<AtomicU64>,
 }
 
 impl Session {
@@ -78,7 +126,7 @@ impl Session {
         self.join_tasks().await;
     }
 
-    fn ctrl(&self, index: u16) -> Option<mpsc::Sender<Vec<u8>>> {
+    fn ctrl(&self, index: u16) -> Option<mpsc::Sender<Outgoing>> {
         lock(&self.ctrl).get(usize::from(index)).cloned().flatten()
     }
 
@@ -95,7 +143,8 @@ impl Session {
             return Err(lost());
         };
         let r = tokio::time::timeout(timeout, async {
-            ctrl.send(Frame::Ping { nonce }.encode()).await.ok()?;
+            let ping = Outgoing::plain(Frame::Ping { nonce }.encode());
+            ctrl.send(ping).await.ok()?;
             rx.await.ok()
         })
         .await;
@@ -113,11 +162,50 @@ impl Session {
     fn batch_live(&self, batch: u64) -> bool {
         self.lock_batches().get(&batch).is_some_and(RxBatch::live)
     }
+
+    pub(crate) fn pending_bytes(&self) -> u64 {
+        self.pending.load(Ordering::Acquire)
+    }
+
+    /// Charges a `Begin` frame with a `body`-byte body to this peer, or refuses it when the
+    /// peer would go above `TcpConfig::max_inbound_pending_bytes`.
+    fn charge(&self, shared: &Shared, body: u32) -> Result<Charge, TcpError> {
+        let charge = u64::from(body) + BATCH_STATE_BYTES;
+        let limit = shared.config.max_inbound_pending_bytes;
+        let mut pending = self.pending.load(Ordering::Acquire);
+        loop {
+            let after = pending.saturating_add(charge);
+            if after > limit {
+                return Err(TcpError::OverBudget {
+                    body,
+                    charge,
+                    pending,
+                    limit,
+                });
+            }
+            match self.pending.compare_exchange_weak(
+                pending,
+                after,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    shared.peak_pending.fetch_max(after, Ordering::AcqRel);
+                    return Ok(Charge {
+                        pending: self.pending.clone(),
+                        bytes: charge,
+                    });
+                }
+                Err(now) => pending = now,
+            }
+        }
+    }
 }
 
 /// Accepts connections until the transport closes.
 pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
-    let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+    let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+    let connections = Arc::new(Semaphore::new(shared.config.max_inbound_connections));
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
@@ -135,24 +223,49 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
             return;
         };
         let shared = shared.clone();
+        let connections = connections.clone();
         tokio::spawn(async move {
             let _permit = permit;
-            if let Err(e) = admit(shared, stream).await {
+            if let Err(e) = admit(shared, stream, connections).await {
                 tracing::warn!(peer = %from, error = %e, "rejected an inbound connection");
             }
         });
     }
 }
 
-/// Handshake, then joins (or starts) the connection's session and starts its tasks.
-async fn admit(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), LinkError> {
+/// Handshake, then joins (or starts) the connection's session and starts its tasks, which
+/// hold one of the `connections` slots until the connection ends.
+async fn admit(
+    shared: Arc<Shared>,
+    mut stream: TcpStream,
+    connections: Arc<Semaphore>,
+) -> Result<(), LinkError> {
     let _ = stream.set_nodelay(true);
-    let hello = conn::server_handshake(&mut stream, &shared.config).await?;
+    let slot = connections.try_acquire_owned().ok();
+    let refuse = slot.is_none().then(|| TcpError::Closing {
+        reason: format!(
+            "the listener has {} connections already (TcpConfig::max_inbound_connections); \
+             retry once some have closed, or raise the limit",
+            shared.config.max_inbound_connections
+        ),
+    });
+    // One deadline for the whole handshake, so a slow peer cannot hold a handshake slot longer.
+    let limit = shared.config.connect_timeout;
+    let handshake = conn::server_handshake(&mut stream, &shared.config, refuse);
+    let hello = tokio::time::timeout(limit, handshake)
+        .await
+        .map_err(|_| LinkError::HandshakeDeadline(limit))??;
+    // The handshake refuses the connection when there is no slot.
+    let Some(slot) = slot else {
+        return Err(LinkError::Eof);
+    };
     let (r, mut w) = stream.into_split();
-    let idle = shared
-        .config
-        .keepalive_timeout
-        .max(Duration::from_millis(u64::from(hello.keepalive_ms).min(3_600_000)) * 4);
+    // Follow a peer that pings less often than this side expects, but only up to 4 times this
+    // side's own timeout: an idle connection never stays open longer than that.
+    let own = shared.config.keepalive_timeout;
+    let idle = Duration::from_millis(u64::from(hello.keepalive_ms))
+        .saturating_mul(4)
+        .clamp(own, own.saturating_mul(4));
     let session = {
         let mut sessions = lock(&shared.sessions);
         let session = sessions
@@ -169,6 +282,7 @@ async fn admit(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), LinkErr
                     pings: Mutex::new(HashMap::new()),
                     ping_seq: AtomicU64::new(1),
                     idle,
+                    pending: Arc::new(AtomicU64::new(0)),
                 })
             })
             .clone();
@@ -195,25 +309,39 @@ async fn admit(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), LinkErr
         }
     };
     tracing::debug!(peer = %session.peer, conn = hello.conn_index, "inbound connection admitted");
-    let writer = tokio::spawn(writer_loop(w, ctrl_rx));
+    let writer = tokio::spawn(writer_loop(w, ctrl_rx, session.peer, idle));
     let reader = tokio::spawn(reader_task(
         shared.clone(),
         session.clone(),
         r,
-        hello.conn_index,
+        (hello.conn_index, slot),
         writer,
     ));
     lock(&session.tasks).push(reader);
     Ok(())
 }
 
-async fn writer_loop(mut w: OwnedWriteHalf, mut rx: mpsc::Receiver<Vec<u8>>) -> OwnedWriteHalf {
-    while let Some(frame) = rx.recv().await {
-        if w.write_all(&frame).await.is_err() {
-            break;
+/// Sends a connection's control frames until its queue closes; a peer that does not read for
+/// `idle` cannot keep the writer (and its socket) alive.
+async fn writer_loop(
+    mut w: OwnedWriteHalf,
+    mut rx: mpsc::Receiver<Outgoing>,
+    peer: PeerId,
+    idle: Duration,
+) {
+    while let Some(out) = rx.recv().await {
+        match tokio::time::timeout(idle, w.write_all(&out.frame)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(%peer, error = %e, "sending to an inbound peer failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%peer, ?idle, "an inbound peer read nothing; stopped sending");
+                return;
+            }
         }
     }
-    w
 }
 
 /// Runs one connection's reader; when it ends, the whole session ends.
@@ -221,8 +349,8 @@ async fn reader_task(
     shared: Arc<Shared>,
     session: Arc<Session>,
     mut r: OwnedReadHalf,
-    index: u16,
-    writer: JoinHandle<OwnedWriteHalf>,
+    (index, _slot): (u16, OwnedSemaphorePermit),
+    mut writer: JoinHandle<()>,
 ) {
     let mut rx = Receiver {
         shared: &shared,
@@ -232,23 +360,56 @@ async fn reader_task(
         scratch: Vec::new(),
         bounce: Vec::new(),
     };
-    let result = rx.run(&mut r).await;
-    let reason = match &result {
-        Ok(()) => "closed".to_owned(),
-        Err(e) => e.to_string(),
-    };
-    // Stop sending, then tell the peer why (a protocol error) before the socket closes.
-    if let Some(slot) = lock(&session.ctrl).get_mut(usize::from(index)) {
-        *slot = None;
-    }
-    if let Err(LinkError::Protocol(e)) = &result {
-        tracing::warn!(peer = %session.peer, error = %e, "peer broke the protocol; closing");
-        let w = tokio::time::timeout(Duration::from_millis(200), writer).await;
-        if let Ok(Ok(mut w)) = w {
-            conn::send_error(&mut w, e).await;
+    let Err(error) = rx.run(&mut r).await;
+    drop(rx);
+    let reason = error.to_string();
+    let peer = session.peer;
+    let pending = session.lock_batches().len();
+    // Log why, and decide what to tell the peer before the socket closes.
+    let tell = match &error {
+        LinkError::Protocol(TcpError::Rejected { .. }) => {
+            tracing::warn!(%peer, conn = index, %reason, pending, "inbound peer closed the connection with an error");
+            None
         }
-    } else {
-        tracing::debug!(peer = %session.peer, %reason, "inbound connection ended");
+        LinkError::Protocol(e @ TcpError::Closing { .. }) => {
+            tracing::warn!(%peer, conn = index, %reason, pending, "closing an inbound session");
+            Some(e.clone())
+        }
+        LinkError::Protocol(e) => {
+            tracing::warn!(%peer, conn = index, %reason, pending, "inbound peer broke the protocol; closing its session");
+            Some(e.clone())
+        }
+        LinkError::Silent(d) => {
+            tracing::warn!(%peer, conn = index, %reason, pending, "inbound peer went silent; closing its session");
+            Some(TcpError::Closing {
+                reason: format!(
+                    "the listener heard nothing on connection {index} for {d:?} (its keep-alive \
+                     timeout); the sender is stalled, or pings less often than the listener's \
+                     TcpConfig::keepalive_timeout allows"
+                ),
+            })
+        }
+        LinkError::Io(_) | LinkError::HandshakeDeadline(_) => {
+            tracing::warn!(%peer, conn = index, %reason, pending, "inbound connection failed; closing its session");
+            None
+        }
+        LinkError::Eof => {
+            tracing::debug!(%peer, conn = index, %reason, pending, "inbound connection ended");
+            None
+        }
+    };
+    // The error goes behind the control frames already queued; closing the queue ends the
+    // writer once it is sent.
+    if let Some(slot) = lock(&session.ctrl).get_mut(usize::from(index)) {
+        if let (Some(tx), Some(e)) = (slot.take(), &tell) {
+            let _ = tx.try_send(Outgoing::plain(conn::error_frame(e)));
+        }
+    }
+    if tell.is_none()
+        || tokio::time::timeout(conn::CLOSE_GRACE, &mut writer)
+            .await
+            .is_err()
+    {
         writer.abort();
     }
     // One connection lost means the session is unusable: drop all of it.
@@ -260,8 +421,17 @@ async fn reader_task(
         }
     };
     if removed.is_some() {
+        // Tell the other connections of the session why they close too.
+        let why = conn::error_frame(&TcpError::Closing {
+            reason: format!(
+                "connection {index} of this session ended ({reason}); a session lasts only as long \
+                 as all its connections"
+            ),
+        });
         for slot in lock(&session.ctrl).iter_mut() {
-            *slot = None;
+            if let Some(tx) = slot.take() {
+                let _ = tx.try_send(Outgoing::plain(why.clone()));
+            }
         }
         session.abort_tasks();
     }
@@ -290,6 +460,14 @@ impl Drop for ActiveGuard<'_> {
     }
 }
 
+/// What a `Begin` asks this side to keep, with its charge.
+struct NewBatch {
+    remaining_ms: u64,
+    total: u64,
+    notification: Option<Bytes>,
+    charge: Charge,
+}
+
 struct Receiver<'a> {
     shared: &'a Shared,
     session: &'a Session,
@@ -301,16 +479,30 @@ struct Receiver<'a> {
 
 impl Receiver<'_> {
     async fn send(&self, frame: Frame) -> Result<(), LinkError> {
+        self.send_out(Outgoing::plain(frame.encode())).await
+    }
+
+    async fn send_out(&self, out: Outgoing) -> Result<(), LinkError> {
         let Some(ctrl) = self.session.ctrl(self.index) else {
             return Err(LinkError::Eof);
         };
-        ctrl.send(frame.encode()).await.map_err(|_| LinkError::Eof)
+        ctrl.send(out).await.map_err(|_| LinkError::Eof)
     }
 
-    async fn run(&mut self, r: &mut OwnedReadHalf) -> Result<(), LinkError> {
+    /// Serves the connection until it fails; returns why.
+    async fn run(&mut self, r: &mut OwnedReadHalf) -> Result<std::convert::Infallible, LinkError> {
         let max = self.shared.config.max_frame_len;
+        let (shared, session) = (self.shared, self.session);
         loop {
-            let frame = conn::read_frame(r, &mut self.buf, max, self.session.idle).await?;
+            // A `Begin` is charged to the peer's budget before its body is read.
+            let mut charge = None;
+            let frame = conn::read_frame_checked(r, &mut self.buf, max, session.idle, |ty, len| {
+                if ty == FrameType::Begin {
+                    charge = Some(session.charge(shared, len)?);
+                }
+                Ok(())
+            })
+            .await?;
             match frame {
                 Frame::Ping { nonce } => self.send(Frame::Pong { nonce }).await?,
                 Frame::Pong { nonce } => {
@@ -325,15 +517,22 @@ impl Receiver<'_> {
                     regions,
                     notification,
                 } => {
-                    self.begin(batch, remaining_ms, total_bytes, regions, notification)
-                        .await?
+                    let charge = charge.ok_or(TcpError::UnexpectedFrame {
+                        got: "Begin",
+                        state: "no budget was charged for it",
+                    })?;
+                    let begin = NewBatch {
+                        remaining_ms,
+                        total: total_bytes,
+                        notification,
+                        charge,
+                    };
+                    self.begin(batch, regions, begin).await?
                 }
                 Frame::Data { batch, ops } => self.data(r, batch, ops).await?,
                 Frame::Cancel { batch } => self.cancel(batch).await?,
                 Frame::Error { code, message } => {
-                    return Err(LinkError::Io(std::io::Error::other(format!(
-                        "peer closed the connection with error {code}: {message}"
-                    ))));
+                    return Err(TcpError::Rejected { code, message }.into());
                 }
                 other => {
                     return Err(TcpError::UnexpectedFrame {
@@ -349,11 +548,13 @@ impl Receiver<'_> {
     async fn begin(
         &mut self,
         batch: u64,
-        remaining_ms: u64,
-        total: u64,
         needs: Vec<RegionNeed>,
-        notification: Option<Bytes>,
+        new: NewBatch,
     ) -> Result<(), LinkError> {
+        let total = new.total;
+        // The answer echoes the region table; part of the Begin's charge covers it until sent.
+        let mut charge = new.charge;
+        let ack_charge = charge.split((wire::HEADER_LEN + 13 + 16 * needs.len()) as u64);
         let mut lens = Vec::with_capacity(needs.len());
         let mut ok = true;
         for need in &needs {
@@ -378,14 +579,15 @@ impl Receiver<'_> {
             } else if batches.len() >= self.shared.config.max_inbound_batches {
                 BeginStatus::Busy
             } else {
-                let deadline = Instant::now() + Duration::from_millis(remaining_ms);
+                let deadline = Instant::now() + Duration::from_millis(new.remaining_ms);
                 batches.insert(
                     batch,
                     RxBatch {
                         total,
                         received: 0,
                         inflight: 0,
-                        notification,
+                        notification: new.notification,
+                        charge,
                         deadline,
                         cancelled: false,
                         active: 0,
@@ -395,10 +597,14 @@ impl Receiver<'_> {
                 BeginStatus::Accepted
             }
         };
-        self.send(Frame::BeginAck {
+        let ack = Frame::BeginAck {
             batch,
             status,
             regions: lens,
+        };
+        self.send_out(Outgoing {
+            frame: ack.encode(),
+            _charge: Some(ack_charge),
         })
         .await?;
         if status == BeginStatus::Accepted && total == 0 {
@@ -424,8 +630,9 @@ impl Receiver<'_> {
                 from: self.session.peer,
                 payload,
             };
+            // The charge stays with the notification until the application takes it.
             tokio::select! {
-                r = self.shared.notify_tx.send(n) => r.map_err(|_| LinkError::Eof)?,
+                r = self.shared.notify_tx.send((n, b.charge)) => r.map_err(|_| LinkError::Eof)?,
                 () = self.shared.wait_closed() => return Err(LinkError::Eof),
             }
         }
@@ -494,6 +701,9 @@ impl Receiver<'_> {
         let idle = self.session.idle;
         let mut left = total;
         let mut dropping = false;
+        // Foreign memory (a mapping others may write) is never borrowed as a slice.
+        let in_place =
+            self.shared.config.receive_in_place && targets.iter().all(MemoryRegion::can_borrow);
         // Position: descriptor index and bytes of it already read.
         let (mut at, mut pos) = (0usize, 0u64);
         while at < ops.len() {
@@ -511,7 +721,7 @@ impl Receiver<'_> {
                 dropping = true;
                 break;
             }
-            let n = if self.shared.config.receive_in_place {
+            let n = if in_place {
                 self.read_in_place(r, batch, &ops, &targets, at, pos)?
             } else {
                 self.read_through_bounce(r, batch, &ops, &targets, at, pos)?
@@ -655,17 +865,27 @@ impl Receiver<'_> {
                 }
             }
             if tokio::time::timeout_at(give_up, notified).await.is_err() {
-                return Err(LinkError::Silent(self.session.idle));
+                let active = self
+                    .session
+                    .lock_batches()
+                    .get(&batch)
+                    .map_or(0, |b| b.active);
+                return Err(TcpError::Closing {
+                    reason: format!(
+                        "the Cancel of batch {batch} on connection {} waited {:?} for {active} \
+                         piece(s) of it still being written on other connections of the session",
+                        self.index, self.session.idle
+                    ),
+                }
+                .into());
             }
         };
         self.send(Frame::CancelAck { batch, status }).await
     }
 }
 
-fn busy(batch: u64, region: u64, e: kvbridge_transport::RangeError) -> LinkError {
-    protocol(format!(
-        "batch {batch} writes region #{region} at {e} while another write to the same bytes is in progress"
-    ))
+fn busy(batch: u64, region: u64, e: kvbridge_transport::AccessError) -> LinkError {
+    protocol(format!("batch {batch} cannot write region #{region}: {e}"))
 }
 
 fn protocol(message: String) -> LinkError {

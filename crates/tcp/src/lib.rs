@@ -24,7 +24,10 @@
 //! - **Hardening**: frames above [`TcpConfig::max_frame_len`], unknown frame types, truncated
 //!   or overflowing lengths, unknown regions, out-of-bounds writes and a wrong or missing
 //!   secret each close the connection with a clear error; nothing a peer claims sizes an
-//!   allocation, and no byte is written outside a registered region.
+//!   allocation, and no byte is written outside a registered region. What a peer can make the
+//!   listener hold is bounded by [`TcpConfig::max_inbound_pending_bytes`] per peer and
+//!   [`TcpConfig::max_inbound_connections`]; a handshake must finish within
+//!   [`TcpConfig::connect_timeout`]. A side that closes a connection sends the reason first.
 //!
 //! Reads ([`Direction::Read`]) are not supported ([`Capabilities::reads`] is `false`).
 //!
@@ -65,7 +68,7 @@ use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
 };
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::task::JoinHandle;
 
 pub mod auth;
@@ -117,11 +120,22 @@ pub struct TcpConfig {
     pub piece_bytes: u64,
     /// Batches one inbound peer may have in flight here; more are refused. Default 65 536.
     pub max_inbound_batches: usize,
+    /// Bytes one inbound peer may make this side hold for its batches: each batch it begins is
+    /// charged its `Begin` body plus [`BATCH_STATE_BYTES`] from the moment its header arrives
+    /// (before the body is read) until the batch is cancelled, or — when it carries a
+    /// notification — until the application received that notification. A `Begin` that would
+    /// go above the limit closes the peer's connections with error 15. At least
+    /// `max_frame_len + BATCH_STATE_BYTES`; default 32 MiB.
+    pub max_inbound_pending_bytes: u64,
+    /// Inbound connections admitted at once (over all peers); the handshake of one more is
+    /// answered with error 16. Each holds its slot until it closes. Default 1024.
+    pub max_inbound_connections: usize,
     /// Read payloads straight into the destination regions (default `true`): each range is
     /// borrowed exclusively (`MemoryRegion::borrow_mut`) for the length of one `readv`, during
     /// which `MemoryRegion` accessors touching those bytes are refused. With `false`, payloads
     /// go through a fixed 1 MiB buffer per connection and `write_at` (one more copy), so the
-    /// application may read any part of its regions with the accessors at any time.
+    /// accessors are refused only for the bytes of a `write_at` in progress. Frames
+    /// into foreign memory (which is never borrowed as a slice) always take the buffer.
     pub receive_in_place: bool,
 }
 
@@ -139,6 +153,8 @@ impl Default for TcpConfig {
             max_frame_len: 1 << 20,
             piece_bytes: 4 << 20,
             max_inbound_batches: 65_536,
+            max_inbound_pending_bytes: 32 << 20,
+            max_inbound_connections: 1024,
             receive_in_place: true,
         }
     }
@@ -192,6 +208,18 @@ impl TcpConfig {
     /// Sets [`piece_bytes`](Self::piece_bytes).
     pub fn with_piece_bytes(mut self, bytes: u64) -> Self {
         self.piece_bytes = bytes;
+        self
+    }
+
+    /// Sets [`max_inbound_pending_bytes`](Self::max_inbound_pending_bytes).
+    pub fn with_max_inbound_pending_bytes(mut self, bytes: u64) -> Self {
+        self.max_inbound_pending_bytes = bytes;
+        self
+    }
+
+    /// Sets [`max_inbound_connections`](Self::max_inbound_connections).
+    pub fn with_max_inbound_connections(mut self, n: usize) -> Self {
+        self.max_inbound_connections = n;
         self
     }
 
@@ -264,9 +292,27 @@ impl TcpConfig {
         if self.max_inbound_batches == 0 {
             return bad("max_inbound_batches", "0".into(), "must be at least 1");
         }
+        if !(1..=Semaphore::MAX_PERMITS).contains(&self.max_inbound_connections) {
+            return bad(
+                "max_inbound_connections",
+                self.max_inbound_connections.to_string(),
+                "must be at least 1",
+            );
+        }
+        if self.max_inbound_pending_bytes < u64::from(self.max_frame_len) + BATCH_STATE_BYTES {
+            return bad(
+                "max_inbound_pending_bytes",
+                self.max_inbound_pending_bytes.to_string(),
+                "must hold at least one batch of the largest frame: max_frame_len + 128 bytes",
+            );
+        }
         Ok(())
     }
 }
+
+/// What one pending inbound batch is charged on top of its `Begin` body (its bookkeeping here),
+/// against [`TcpConfig::max_inbound_pending_bytes`].
+pub const BATCH_STATE_BYTES: u64 = 128;
 
 /// Formats the descriptor of a listener.
 fn format_descriptor(addr: SocketAddr) -> String {
@@ -319,8 +365,12 @@ pub(crate) struct Shared {
     /// Inbound sessions by session id.
     pub(crate) sessions: Mutex<HashMap<u64, Arc<Session>>>,
     pub(crate) batches: Mutex<HashMap<u64, Arc<TxBatch>>>,
-    pub(crate) notify_tx: mpsc::Sender<Notification>,
-    notify_rx: tokio::sync::Mutex<mpsc::Receiver<Notification>>,
+    /// Notifications of completed batches, each with the charge of its batch (released when
+    /// the application takes it).
+    pub(crate) notify_tx: mpsc::Sender<(Notification, inbound::Charge)>,
+    notify_rx: tokio::sync::Mutex<mpsc::Receiver<(Notification, inbound::Charge)>>,
+    /// The most bytes any one inbound peer was ever charged (see `inbound_pending_stats`).
+    pub(crate) peak_pending: AtomicU64,
     pub(crate) closed: AtomicBool,
     pub(crate) closed_tx: watch::Sender<bool>,
     listener_task: Mutex<Option<JoinHandle<()>>>,
@@ -430,6 +480,7 @@ impl TcpTransport {
             batches: Mutex::new(HashMap::new()),
             notify_tx,
             notify_rx: tokio::sync::Mutex::new(notify_rx),
+            peak_pending: AtomicU64::new(0),
             closed: AtomicBool::new(false),
             closed_tx,
             listener_task: Mutex::new(None),
@@ -453,6 +504,18 @@ impl TcpTransport {
     /// The configuration in force.
     pub fn config(&self) -> &TcpConfig {
         &self.shared.config
+    }
+
+    /// Bytes charged against [`TcpConfig::max_inbound_pending_bytes`]: `(now, peak)`, where
+    /// `now` sums the live inbound peers and `peak` is the most any one peer was ever charged.
+    /// For tests and diagnostics.
+    #[doc(hidden)]
+    pub fn inbound_pending_stats(&self) -> (u64, u64) {
+        let now = lock(&self.shared.sessions)
+            .values()
+            .map(|s| s.pending_bytes())
+            .sum();
+        (now, self.shared.peak_pending.load(Ordering::Acquire))
     }
 
     fn check_open(&self) -> Result<()> {
@@ -530,6 +593,7 @@ impl KvTransport for TcpTransport {
 
     async fn register(&self, region: MemoryRegion) -> Result<RegionId> {
         self.check_open()?;
+        self.capabilities().check_region(NAME, &region)?;
         let id = self.shared.next_region.fetch_add(1, Ordering::Relaxed);
         self.shared
             .regions
@@ -630,7 +694,7 @@ impl KvTransport for TcpTransport {
             () = self.shared.wait_closed() => return Err(self.shared.closed_err()),
         };
         tokio::select! {
-            n = rx.recv() => n.ok_or_else(|| self.shared.closed_err()),
+            n = rx.recv() => n.map(|(n, _charge)| n).ok_or_else(|| self.shared.closed_err()),
             () = self.shared.wait_closed() => Err(self.shared.closed_err()),
         }
     }

@@ -86,6 +86,8 @@ pub(crate) struct OutPeer {
     waiters: Mutex<Waiters>,
     lost: AtomicBool,
     lost_reason: Mutex<Option<String>>,
+    /// Notified once the peer is declared lost.
+    lost_signal: Notify,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     ping_seq: AtomicU64,
 }
@@ -119,6 +121,7 @@ impl OutPeer {
         }
         tracing::warn!(peer = %self.id, addr = %self.addr, %reason, "lost peer");
         *lock(&self.lost_reason) = Some(reason.clone());
+        self.lost_signal.notify_waiters();
         // The peer stays known (posts and probes report it lost, with the reason) until
         // `disconnect` forgets it.
         lock(&self.queue).clear();
@@ -275,7 +278,7 @@ fn link_to_transport(addr: SocketAddr, e: LinkError) -> TransportError {
             ),
             source: std::io::ErrorKind::ConnectionAborted.into(),
         },
-        LinkError::Silent(d) => TransportError::Io {
+        LinkError::Silent(d) | LinkError::HandshakeDeadline(d) => TransportError::Io {
             transport: NAME,
             context: format!("connecting to {addr}: no handshake answer within {d:?}"),
             source: std::io::ErrorKind::TimedOut.into(),
@@ -331,6 +334,7 @@ pub(crate) async fn connect(shared: &Arc<Shared>, addr: SocketAddr) -> Result<Ar
         waiters: Mutex::new(Waiters::default()),
         lost: AtomicBool::new(false),
         lost_reason: Mutex::new(None),
+        lost_signal: Notify::new(),
         tasks: Mutex::new(Vec::new()),
         ping_seq: AtomicU64::new(1),
     });
@@ -384,6 +388,18 @@ async fn reader_task(shared: Arc<Shared>, peer: Arc<OutPeer>, mut r: OwnedReadHa
             Ok(f) => f,
             Err(e) => {
                 let remote_closed = !matches!(e, LinkError::Silent(_));
+                if let LinkError::Silent(d) = e {
+                    // This side gives up on a listener that may only be slow: tell it why.
+                    let why = TcpError::Closing {
+                        reason: format!(
+                            "the sender heard nothing on connection {index} for {d:?} (its \
+                             keep-alive timeout); the listener is stalled or overloaded"
+                        ),
+                    };
+                    if peer.ctrl[index].try_send(conn::error_frame(&why)).is_ok() {
+                        tokio::time::sleep(conn::CLOSE_GRACE).await;
+                    }
+                }
                 peer.lose(&shared, e.to_string(), remote_closed);
                 return;
             }
@@ -477,9 +493,20 @@ async fn writer_task(
     }
     .await;
     if let Err(e) = r {
+        // A failed send says little (a broken pipe, a reset); the reader may still find the
+        // peer's `Error` frame saying why it closed, so let it name the cause first.
+        let lost = peer.lost_signal.notified();
+        tokio::pin!(lost);
+        lost.as_mut().enable();
+        if !peer.lost.load(Ordering::Acquire) {
+            let _ = tokio::time::timeout(CAUSE_WAIT, lost).await;
+        }
         peer.lose(&shared, format!("sending to the peer failed: {e}"), true);
     }
 }
+
+/// How long a writer whose send failed waits for the reader to learn why the peer closed.
+const CAUSE_WAIT: Duration = Duration::from_millis(500);
 
 /// Bytes offered to one non-blocking vectored write (about a loopback socket buffer).
 const ATTEMPT_BYTES: u64 = 2 << 20;

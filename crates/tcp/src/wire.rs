@@ -36,6 +36,8 @@ pub const NONCE_LEN: usize = 32;
 pub const FLAG_SECRET: u16 = 1;
 /// The largest body any configuration may allow (16 MiB).
 pub const WIRE_MAX_FRAME_LEN: u32 = 16 << 20;
+/// Most connections one session may have (`Hello`'s connection count).
+pub const MAX_CONNECTIONS: u16 = 16;
 /// Longest error message put on the wire, in bytes.
 pub const MAX_ERROR_TEXT: usize = 1024;
 
@@ -574,9 +576,15 @@ pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
             let keepalive_ms = f.u32()?;
             let mac = f.mac()?;
             f.end(body.len() as u64 - f.buf.len() as u64)?;
-            if conn_count == 0 || conn_index >= conn_count {
+            if !(1..=MAX_CONNECTIONS).contains(&conn_count) {
                 return Err(TcpError::ReservedNotZero {
-                    field: "Hello connection index (must be below a non-zero count)",
+                    field: "Hello connection count (must be 1..=16)",
+                    value: u64::from(conn_count),
+                });
+            }
+            if conn_index >= conn_count {
+                return Err(TcpError::ReservedNotZero {
+                    field: "Hello connection index (must be below the count)",
                     value: u64::from(conn_index),
                 });
             }

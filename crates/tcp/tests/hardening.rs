@@ -44,6 +44,8 @@ fn hmac(parts: &[&[u8]]) -> [u8; 32] {
 /// A raw client: writes whatever the test says.
 struct Raw {
     s: TcpStream,
+    /// Bytes read but not yet decoded (several frames may arrive in one read).
+    buf: Vec<u8>,
 }
 
 impl Raw {
@@ -53,11 +55,35 @@ impl Raw {
         s.write_all(&preface).await.unwrap();
         let mut theirs = [0u8; 48];
         s.read_exact(&mut theirs).await.unwrap();
-        (Self { s }, theirs)
+        (Self { s, buf: Vec::new() }, theirs)
+    }
+
+    /// Sends a preface without a secret and then `hello` (any frame), as a client would.
+    async fn hello(t: &TcpTransport, hello: Frame) -> Self {
+        let mine = Preface {
+            version: wire::VERSION,
+            flags: 0,
+            nonce: [6; 32],
+        }
+        .encode();
+        let (mut raw, _) = Raw::open(t, mine).await;
+        raw.send(&hello).await;
+        raw
     }
 
     /// Completes a correct handshake (with the secret when `secret` is true).
     async fn handshake(t: &TcpTransport, secret: bool) -> Self {
+        Self::handshake_as(t, secret, (42, 0, 1), 1000).await
+    }
+
+    /// [`handshake`](Self::handshake) as connection `index` of `count` of `session`,
+    /// announcing a ping every `keepalive` ms.
+    async fn handshake_as(
+        t: &TcpTransport,
+        secret: bool,
+        (session, index, count): (u64, u16, u16),
+        keepalive: u32,
+    ) -> Self {
         let mine = Preface {
             version: wire::VERSION,
             flags: if secret { FLAG_SECRET } else { 0 },
@@ -65,7 +91,6 @@ impl Raw {
         }
         .encode();
         let (mut raw, theirs) = Raw::open(t, mine).await;
-        let (session, index, count, keepalive) = (42u64, 0u16, 1u16, 1000u32);
         let mac = secret.then(|| {
             hmac(&[
                 b"kvbridge-tcp/1 client",
@@ -108,10 +133,10 @@ impl Raw {
 
     /// Reads the next frame, or `None` at end of stream.
     async fn frame(&mut self) -> Option<Frame> {
-        let mut buf = Vec::new();
         let mut chunk = [0u8; 4096];
         loop {
-            if let Ok(wire::Decoded::Frame(f, _)) = wire::decode_frame(&buf, 1 << 20) {
+            if let Ok(wire::Decoded::Frame(f, used)) = wire::decode_frame(&self.buf, 1 << 20) {
+                self.buf.drain(..used);
                 return Some(f);
             }
             let n = tokio::time::timeout(LIMIT, self.s.read(&mut chunk))
@@ -121,7 +146,7 @@ impl Raw {
             if n == 0 {
                 return None;
             }
-            buf.extend_from_slice(&chunk[..n]);
+            self.buf.extend_from_slice(&chunk[..n]);
         }
     }
 
@@ -517,8 +542,14 @@ async fn a_well_formed_raw_peer_writes_and_notifies() {
 }
 
 /// A listener that completes the handshake, answers `Begin` frames if `ack_begin`, and then
-/// never says anything again (but keeps the connection open).
-async fn silent_listener(ack_begin: bool) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+/// never says anything again (but keeps the connection open). Its task ends when the peer
+/// closes, with the `Error` frames the peer sent.
+async fn silent_listener(
+    ack_begin: bool,
+) -> (
+    std::net::SocketAddr,
+    tokio::task::JoinHandle<Vec<(u16, String)>>,
+) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let task = tokio::spawn(async move {
@@ -535,6 +566,7 @@ async fn silent_listener(ack_begin: bool) -> (std::net::SocketAddr, tokio::task:
         let mut buf = Vec::new();
         let mut chunk = vec![0u8; 1 << 16];
         let mut welcomed = false;
+        let mut errors = Vec::new();
         loop {
             while let Ok(wire::Decoded::Frame(f, used)) = wire::decode_frame(&buf, 1 << 20) {
                 buf.drain(..used);
@@ -553,11 +585,12 @@ async fn silent_listener(ack_begin: bool) -> (std::net::SocketAddr, tokio::task:
                         };
                         s.write_all(&ack.encode()).await.unwrap();
                     }
+                    Frame::Error { code, message } => errors.push((code, message)),
                     _ => {}
                 }
             }
             match s.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
+                Ok(0) | Err(_) => return errors,
                 Ok(n) => buf.extend_from_slice(&chunk[..n]),
             }
         }
@@ -688,8 +721,368 @@ async fn bad_descriptors_and_configs_are_refused() {
         TcpConfig::default().with_secret(Vec::new()),
         TcpConfig::default().with_max_frame_len(16),
         TcpConfig::default().with_keepalive(Duration::from_secs(2), Duration::from_secs(1)),
+        TcpConfig::default().with_max_inbound_pending_bytes(1 << 20),
+        TcpConfig::default().with_max_inbound_connections(0),
     ] {
         let e = TcpTransport::bind(config).await.unwrap_err();
         assert!(matches!(e, TransportError::InvalidArgument { .. }), "{e}");
     }
+}
+
+/// A `Begin` of exactly `body` bytes for a batch that writes 4096 bytes of `region` (so it
+/// never completes unless data follows), or none (`total` 0: it completes at once).
+fn big_begin(batch: u64, region: RegionId, total: u64, body: usize) -> Frame {
+    Frame::Begin {
+        batch,
+        remaining_ms: 60_000,
+        total_bytes: total,
+        regions: vec![RegionNeed {
+            region: region.0,
+            end: 4096,
+        }],
+        notification: Some(vec![b'n'; body - 29 - 16].into()),
+    }
+}
+
+/// What one pending batch with a `body`-byte `Begin` is charged (docs/tcp-protocol.md).
+fn charge(body: usize) -> u64 {
+    body as u64 + kvbridge_tcp::BATCH_STATE_BYTES
+}
+
+/// Sends `Begin`s until the listener refuses one; returns how many it accepted first.
+async fn begin_until_refused(raw: &mut Raw, region: RegionId, total: u64, body: usize) -> u64 {
+    for batch in 0..256u64 {
+        raw.send(&big_begin(batch, region, total, body)).await;
+        loop {
+            match raw.frame().await {
+                Some(Frame::BeginAck { status, .. }) => {
+                    assert_eq!(status, wire::BeginStatus::Accepted);
+                    break;
+                }
+                Some(Frame::Done { .. }) => {}
+                Some(Frame::Error { code, message }) => {
+                    assert_eq!(code, 15, "{message}");
+                    assert!(message.contains("max_inbound_pending_bytes"), "{message}");
+                    assert!(raw.frame().await.is_none(), "connection left open");
+                    return batch;
+                }
+                other => panic!("expected BeginAck or Error, got {other:?}"),
+            }
+        }
+    }
+    panic!("256 Begins of {body} bytes that never complete were all accepted");
+}
+
+/// The live peers' charge drops to `want` once the refused session is gone.
+async fn charged_eventually(t: &TcpTransport, want: u64) {
+    for _ in 0..500 {
+        if t.inbound_pending_stats().0 == want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!(
+        "inbound peers still charged {:?}",
+        t.inbound_pending_stats()
+    );
+}
+
+#[tokio::test]
+async fn begins_that_never_complete_are_bounded_by_the_pending_budget() {
+    // The attack: one unauthenticated connection begins batches with ~1 MiB notifications
+    // and never sends their data. Default limits: 1 MiB frames, 32 MiB per peer.
+    let (t, region, mem) = target(TcpConfig::default()).await;
+    let budget = t.config().max_inbound_pending_bytes;
+    let body = 1 << 20;
+    let mut raw = Raw::handshake(&t, false).await;
+    let accepted = begin_until_refused(&mut raw, region, 4096, body).await;
+    // A kept batch holds at least its Begin body (its `BeginAck` part is released once sent).
+    assert!(
+        accepted >= 1 && accepted <= budget / body as u64,
+        "{accepted} Begins accepted"
+    );
+    let (_, peak) = t.inbound_pending_stats();
+    assert!(
+        peak <= budget,
+        "a peer was charged {peak} bytes, above {budget}"
+    );
+    assert!(
+        peak + charge(body) > budget,
+        "refused at {peak} of {budget} bytes"
+    );
+    charged_eventually(&t, 0).await;
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn queued_notifications_stay_charged_until_the_application_takes_them() {
+    let body = 3000;
+    let config = TcpConfig::default()
+        .with_max_frame_len(4096)
+        .with_max_inbound_pending_bytes(4 * charge(body));
+    let (t, region, mem) = target(config).await;
+    let mut raw = Raw::handshake(&t, false).await;
+    // Batches of 0 bytes complete at once; their notifications wait for the application.
+    for batch in 0..4 {
+        raw.send(&big_begin(batch, region, 0, body)).await;
+        assert!(matches!(raw.frame().await, Some(Frame::BeginAck { .. })));
+        assert_eq!(raw.frame().await, Some(Frame::Done { batch }));
+    }
+    let held = t.inbound_pending_stats().0;
+    assert!(
+        (4 * body as u64..=4 * charge(body)).contains(&held),
+        "{held} bytes charged"
+    );
+    for _ in 0..4 {
+        let n = tokio::time::timeout(LIMIT, t.recv_notification())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(n.payload.len(), body - 45);
+    }
+    assert_eq!(
+        t.inbound_pending_stats().0,
+        0,
+        "taken notifications release their charge"
+    );
+    // The budget is whole again: 4 more fit, the fifth does not.
+    let accepted = begin_until_refused(&mut raw, region, 0, body).await;
+    assert_eq!(accepted, 4);
+    assert!(t.inbound_pending_stats().1 <= 4 * charge(body));
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn a_lost_peer_error_names_the_listeners_reason() {
+    // The listener's application never takes notifications, so the second batch goes above
+    // its budget: the sender's error says so, not just "broken pipe".
+    let listener_cfg = TcpConfig::default()
+        .with_max_frame_len(4096)
+        .with_max_inbound_pending_bytes(4096 + kvbridge_tcp::BATCH_STATE_BYTES);
+    let (t, region, _mem) = target(listener_cfg).await;
+    let sender = TcpTransport::new().await.unwrap();
+    let (src, _) = sender.allocate_registered(16).await.unwrap();
+    let peer = sender.connect(&t.local_descriptor()).await.unwrap();
+    let batch = || {
+        let op = TransferOp {
+            local_region: src,
+            local_offset: 0,
+            remote_region: region,
+            remote_offset: 0,
+            len: 16,
+        };
+        TransferBatch::write(vec![op]).with_notification(vec![b'x'; 3000].into())
+    };
+    tokio::time::timeout(LIMIT, sender.transfer(peer, batch()))
+        .await
+        .unwrap()
+        .unwrap();
+    let e = tokio::time::timeout(LIMIT, sender.transfer(peer, batch()))
+        .await
+        .unwrap()
+        .unwrap_err();
+    match e {
+        TransportError::PeerLost { reason, .. } => {
+            assert!(reason.contains("error 15"), "{reason}");
+            assert!(reason.contains("max_inbound_pending_bytes"), "{reason}");
+        }
+        other => panic!("expected PeerLost, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn an_idle_connection_is_closed_whatever_interval_it_announces() {
+    // The peer claims it pings every 49 days and then says nothing: the listener still closes
+    // it (after at most 4 x its own keep-alive timeout) and says why.
+    let config =
+        TcpConfig::default().with_keepalive(Duration::from_millis(100), Duration::from_millis(500));
+    let (t, region, mem) = target(config).await;
+    let mut raw = Raw::handshake_as(&t, false, (7, 0, 1), u32::MAX).await;
+    let msg = raw.expect_error(16).await;
+    assert!(msg.contains("heard nothing"), "{msg}");
+    assert!(msg.contains("keepalive_timeout"), "{msg}");
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn a_slow_handshake_ends_at_the_connect_timeout() {
+    // Each part of the Hello arrives within the timeout, the whole handshake does not.
+    let timeout = Duration::from_secs(3);
+    let mut config = TcpConfig::default();
+    config.connect_timeout = timeout;
+    let (t, region, mem) = target(config).await;
+    let mine = Preface {
+        version: wire::VERSION,
+        flags: 0,
+        nonce: [5; 32],
+    }
+    .encode();
+    let (mut raw, _) = Raw::open(&t, mine).await;
+    let hello = Frame::Hello {
+        session: 9,
+        conn_index: 0,
+        conn_count: 1,
+        keepalive_ms: 1000,
+        mac: None,
+    }
+    .encode();
+    let (header, body) = hello.split_at(wire::HEADER_LEN);
+    for part in [header, body] {
+        let gap = timeout * 4 / 5 / part.len() as u32;
+        for b in part {
+            tokio::time::sleep(gap).await;
+            raw.bytes(&[*b]).await;
+        }
+    }
+    assert_eq!(raw.frame().await, None, "the slow handshake was accepted");
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn the_other_connections_of_a_session_learn_why_it_ended() {
+    let (t, region, mem) = target(TcpConfig::default()).await;
+    let mut first = Raw::handshake_as(&t, false, (11, 0, 2), 1000).await;
+    let mut second = Raw::handshake_as(&t, false, (11, 1, 2), 1000).await;
+    second.bytes(&[0x7f, 0, 0, 0, 0, 0, 0, 0]).await;
+    second.expect_error(4).await;
+    let msg = first.expect_error(16).await;
+    assert!(msg.contains("connection 1 of this session ended"), "{msg}");
+    assert!(msg.contains("unknown frame type"), "{msg}");
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn a_hello_announcing_more_than_16_connections_is_refused() {
+    // The listener keeps one slot per announced connection: the count is checked first.
+    let (t, region, mem) = target(TcpConfig::default()).await;
+    let hello = Frame::Hello {
+        session: 3,
+        conn_index: 0,
+        conn_count: u16::MAX,
+        keepalive_ms: 1000,
+        mac: None,
+    };
+    let mut raw = Raw::hello(&t, hello).await;
+    let msg = raw.expect_error(5).await;
+    assert!(msg.contains("connection count"), "{msg}");
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn a_sender_giving_up_on_a_silent_listener_tells_it_why() {
+    let (addr, task) = silent_listener(false).await;
+    let t = TcpTransport::bind(keepalive_config()).await.unwrap();
+    let peer = t
+        .connect(format!("kvbridge-tcp/1@{addr}").as_bytes())
+        .await
+        .unwrap();
+    let errors = tokio::time::timeout(LIMIT, task)
+        .await
+        .expect("the sender never gave up on a silent listener")
+        .unwrap();
+    match &errors[..] {
+        [(16, message)] => assert!(message.contains("heard nothing"), "{message}"),
+        other => panic!("expected one Error frame with code 16, got {other:?}"),
+    }
+    let probe = t.probe(peer, Duration::from_secs(1)).await;
+    assert!(
+        matches!(probe, Err(TransportError::PeerLost { .. })),
+        "{probe:?}"
+    );
+}
+
+#[tokio::test]
+async fn connections_beyond_the_limit_are_refused_until_one_closes() {
+    let (t, _, mem) = target(TcpConfig::default().with_max_inbound_connections(2)).await;
+    let first = Raw::handshake_as(&t, false, (1, 0, 1), 1000).await;
+    let _second = Raw::handshake_as(&t, false, (2, 0, 1), 1000).await;
+    let hello = Frame::Hello {
+        session: 3,
+        conn_index: 0,
+        conn_count: 1,
+        keepalive_ms: 1000,
+        mac: None,
+    };
+    let mut third = Raw::hello(&t, hello).await;
+    let msg = third.expect_error(16).await;
+    assert!(msg.contains("max_inbound_connections"), "{msg}");
+    // Once a connection closes, its slot serves the next peer.
+    drop(first);
+    let good = TcpTransport::new().await.unwrap();
+    let mut admitted = false;
+    for _ in 0..200 {
+        match good.connect(&t.local_descriptor()).await {
+            Ok(_) => {
+                admitted = true;
+                break;
+            }
+            Err(e) if e.to_string().contains("max_inbound_connections") => {
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            Err(e) => panic!("unexpected refusal: {e}"),
+        }
+    }
+    assert!(admitted, "the closed connection's slot was never freed");
+    assert!(untouched(&mem));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_begins_on_every_connection_share_one_budget() {
+    // One session, four connections, each beginning batches as fast as it can: the charges
+    // of all of them together never pass the peer's budget.
+    let body = 60 << 10;
+    let budget = 8 * charge(body);
+    let config = TcpConfig::default()
+        .with_max_frame_len(64 << 10)
+        .with_max_inbound_pending_bytes(budget);
+    let (t, region, mem) = target(config).await;
+    let mut conns = Vec::new();
+    for index in 0..4u16 {
+        conns.push(Raw::handshake_as(&t, false, (77, index, 4), 1000).await);
+    }
+    let tasks: Vec<_> = conns
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut raw)| {
+            tokio::spawn(async move {
+                let mut accepted = 0u64;
+                for k in 0..64u64 {
+                    raw.send(&big_begin(i as u64 * 1000 + k, region, 4096, body))
+                        .await;
+                    match raw.frame().await {
+                        Some(Frame::BeginAck { .. }) => accepted += 1,
+                        Some(Frame::Error { code, .. }) => return (accepted, Some(code)),
+                        None => return (accepted, None),
+                        other => panic!("expected BeginAck or Error, got {other:?}"),
+                    }
+                }
+                (accepted, None)
+            })
+        })
+        .collect();
+    let mut accepted = 0;
+    let mut codes = Vec::new();
+    for task in tasks {
+        let (n, code) = tokio::time::timeout(LIMIT * 2, task)
+            .await
+            .unwrap()
+            .unwrap();
+        accepted += n;
+        codes.extend(code);
+    }
+    assert!(
+        codes.contains(&15),
+        "no connection was refused for the budget: {codes:?}"
+    );
+    assert!(
+        accepted <= 8,
+        "{accepted} batches accepted within a budget of 8"
+    );
+    let (_, peak) = t.inbound_pending_stats();
+    assert!(
+        peak <= budget,
+        "the session was charged {peak} bytes, above {budget}"
+    );
+    charged_eventually(&t, 0).await;
+    still_serves(&t, region, &mem).await;
 }

@@ -44,7 +44,10 @@ pub mod memory;
 pub mod testing;
 
 pub use error::{Result, Side, TransportError};
-pub use memory::{AllocError, CopyError, MemoryRegion, RangeError, RegionSliceMut};
+pub use memory::{
+    Access, AccessError, AllocError, CopyError, ForeignMemory, MemoryKind, MemoryRegion,
+    RangeError, RegionSliceMut,
+};
 
 macro_rules! id_type {
     ($(#[$doc:meta])* $name:ident) => {
@@ -167,6 +170,8 @@ pub struct Capabilities {
     /// Largest number of descriptors in one batch, if limited. Must be at least 100,000 to pass
     /// the conformance suite's large-batch case unless declared smaller here.
     pub max_ops_per_batch: Option<usize>,
+    /// Regions of [`MemoryKind::Device`] memory may be registered (host memory always may).
+    pub device_memory: bool,
 }
 
 impl Capabilities {
@@ -176,6 +181,7 @@ impl Capabilities {
             reads: false,
             cross_process: false,
             max_ops_per_batch: None,
+            device_memory: false,
         }
     }
 
@@ -195,6 +201,35 @@ impl Capabilities {
     pub const fn with_max_ops_per_batch(mut self, max: Option<usize>) -> Self {
         self.max_ops_per_batch = max;
         self
+    }
+
+    /// Sets [`device_memory`](Self::device_memory).
+    pub const fn with_device_memory(mut self, device_memory: bool) -> Self {
+        self.device_memory = device_memory;
+        self
+    }
+
+    /// Whether regions of this kind may be registered.
+    pub fn accepts(&self, kind: MemoryKind) -> bool {
+        match kind {
+            MemoryKind::Host => true,
+            MemoryKind::Device { .. } => self.device_memory,
+        }
+    }
+
+    /// Refuses, with [`TransportError::Unsupported`], a region whose kind these capabilities do
+    /// not accept: the first check of every [`KvTransport::register`].
+    pub fn check_region(&self, transport: &'static str, region: &MemoryRegion) -> Result<()> {
+        if self.accepts(region.kind()) {
+            return Ok(());
+        }
+        Err(TransportError::Unsupported {
+            transport,
+            operation: "registering device memory (MemoryKind::Device)",
+            remedy: "register host memory (its allocate(), or ForeignMemory::host), copy the \
+                     bytes to host memory first, or use a transport whose capabilities() declare \
+                     device_memory",
+        })
     }
 }
 
@@ -277,7 +312,9 @@ pub struct Notification {
 ///    [`TransportError::BadDescriptor`].
 /// 8. **Capabilities are declared.** Whatever [`Capabilities`] says is off (reads, batch sizes)
 ///    is refused at `post` with [`TransportError::Unsupported`] (or `InvalidArgument` for a
-///    batch over the limit), never silently ignored.
+///    batch over the limit), never silently ignored; a region of a memory kind it does not
+///    accept (device memory unless [`Capabilities::device_memory`]) is refused at `register`
+///    with `Unsupported`.
 /// 9. **Shutdown.** After [`shutdown`](Self::shutdown), `post`, `register`, `connect` and
 ///    `recv_notification` fail with [`TransportError::Closed`]; batches in flight still reach a
 ///    final state.
@@ -303,7 +340,9 @@ pub trait KvTransport: Send + Sync + 'static {
     }
 
     /// Registers a region so local batches may read or write it and peers may target it.
-    /// The transport keeps the region alive until it is deregistered.
+    /// The transport keeps the region alive until it is deregistered. A region whose
+    /// [`kind`](MemoryRegion::kind) the [`Capabilities`] do not accept is refused with
+    /// [`TransportError::Unsupported`] ([`Capabilities::check_region`]).
     async fn register(&self, region: MemoryRegion) -> Result<RegionId>;
 
     /// Deregisters a region. Batches posted later that name it — local ones, and peers' batches
@@ -456,6 +495,26 @@ mod tests {
             len: u64::MAX,
         };
         assert_eq!(TransferBatch::write(vec![op, op]).total_bytes(), u64::MAX);
+    }
+
+    #[test]
+    fn device_memory_is_refused_unless_declared() {
+        let device = memory::placeholder_device_region(1, 64);
+        let host = MemoryRegion::allocate(64).unwrap();
+        let caps = Capabilities::minimal();
+        assert!(caps.check_region("t", &host).is_ok());
+        let err = caps.check_region("t", &device).unwrap_err();
+        assert!(matches!(err, TransportError::Unsupported { .. }), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("t does not support registering device memory")
+                && text.contains("declare device_memory"),
+            "{text}"
+        );
+        let gpu = caps.with_device_memory(true);
+        assert!(gpu.accepts(MemoryKind::Device { id: 1 }));
+        assert!(gpu.check_region("t", &device).is_ok());
+        assert!(gpu.check_region("t", &host).is_ok());
     }
 
     #[test]

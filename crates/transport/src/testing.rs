@@ -49,6 +49,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use crate::memory::placeholder_device_region;
 use crate::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Side, TransferBatch, TransferOp, TransportError,
@@ -58,6 +59,9 @@ mod rt;
 
 use rt::{Rng, join_all, sleep, timeout};
 
+/// Makes a device-memory region of the given length, for transports that accept device memory.
+pub type DeviceRegions = Arc<dyn Fn(usize) -> MemoryRegion + Send + Sync>;
+
 /// Two fresh, unconnected instances of the transport under test.
 #[derive(Clone)]
 pub struct TransportPair {
@@ -65,6 +69,7 @@ pub struct TransportPair {
     pub sender: Arc<dyn KvTransport>,
     /// Receives them; its memory is checked.
     pub receiver: Arc<dyn KvTransport>,
+    device_regions: Option<DeviceRegions>,
 }
 
 impl std::fmt::Debug for TransportPair {
@@ -79,7 +84,19 @@ impl std::fmt::Debug for TransportPair {
 impl TransportPair {
     /// A pair from two transports.
     pub fn new(sender: Arc<dyn KvTransport>, receiver: Arc<dyn KvTransport>) -> Self {
-        Self { sender, receiver }
+        Self {
+            sender,
+            receiver,
+            device_regions: None,
+        }
+    }
+
+    /// Gives the suite real device memory to register, for a transport whose capabilities
+    /// declare [`device_memory`](Capabilities::device_memory) (the memory-kind case fails
+    /// without it rather than skip).
+    pub fn with_device_regions(mut self, make: DeviceRegions) -> Self {
+        self.device_regions = Some(make);
+        self
     }
 
     /// The same pair, each side wrapped once more as `Arc<dyn KvTransport>` (through the blanket
@@ -87,7 +104,11 @@ impl TransportPair {
     pub fn boxed(self) -> Self {
         let sender: Arc<dyn KvTransport> = Arc::new(self.sender);
         let receiver: Arc<dyn KvTransport> = Arc::new(self.receiver);
-        Self { sender, receiver }
+        Self {
+            sender,
+            receiver,
+            device_regions: self.device_regions,
+        }
     }
 }
 
@@ -122,6 +143,20 @@ impl Reg {
             .to_vec(0, self.mem.len() as u64)
             .expect("whole-region read")
     }
+
+    /// The region's bytes at a moment the transport must not be writing them: a read refused
+    /// because a write is in progress fails `point`.
+    fn settled(&self, name: &str, point: &str, what: &str) -> Vec<u8> {
+        self.mem
+            .to_vec(0, self.mem.len() as u64)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "[{name}] {point}: after {what}, receiver region {} was still being written \
+                     when the suite read it ({e})",
+                    self.id
+                )
+            })
+    }
 }
 
 /// A connected pair with regions on both sides.
@@ -152,7 +187,9 @@ async fn bounded<F: std::future::Future>(
 
 impl Rig {
     async fn new(pair: TransportPair, local_sizes: &[usize], remote_sizes: &[usize]) -> Self {
-        let TransportPair { sender, receiver } = pair;
+        let TransportPair {
+            sender, receiver, ..
+        } = pair;
         let name = sender.name();
         let caps = sender.capabilities();
         let mut rng = Rng::new(0x5EED_0000 ^ local_sizes.len() as u64);
@@ -251,7 +288,11 @@ impl Rig {
 
     /// Asserts the receiver's memory does not change over [`FENCE_WATCH`].
     async fn assert_remote_quiet(&self, what: &str) {
-        let before = self.snapshot_remote();
+        let before: Vec<Vec<u8>> = self
+            .remote
+            .iter()
+            .map(|r| r.settled(self.name, FENCING, what))
+            .collect();
         sleep(FENCE_WATCH).await;
         self.assert_remote(&before, FENCING, what);
     }
@@ -290,7 +331,7 @@ async fn register(
 }
 
 fn assert_region(name: &str, reg: &Reg, want: &[u8], point: &str, what: &str) {
-    let got = reg.snapshot();
+    let got = reg.settled(name, point, what);
     if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
         let differing = got.iter().zip(want).filter(|(a, b)| a != b).count();
         panic!(
@@ -324,7 +365,7 @@ fn apply(model: &mut [Vec<u8>], rig: &Rig, ops: &[TransferOp]) {
 /// that ended without completing may have landed partly).
 fn assert_old_or_new(rig: &Rig, old: &[Vec<u8>], new: &[Vec<u8>], point: &str, what: &str) {
     for ((reg, old), new) in rig.remote.iter().zip(old).zip(new) {
-        let got = reg.snapshot();
+        let got = reg.settled(rig.name, point, what);
         if let Some(i) = (0..got.len()).find(|&i| got[i] != old[i] && got[i] != new[i]) {
             panic!(
                 "[{}] {point}: after {what}, receiver region {} holds at offset {i} a byte \
@@ -850,15 +891,14 @@ pub async fn notification_after_data(pair: TransportPair) {
                     rig.name
                 )
             });
-        let got = rig.remote[0]
-            .mem
-            .to_vec((i * SLOT) as u64, SLOT as u64)
-            .unwrap();
+        // A read refused because the bytes are still being written is a late write too.
+        let got = rig.remote[0].mem.to_vec((i * SLOT) as u64, SLOT as u64);
         assert!(
-            got == expected[i],
+            got.as_ref().is_ok_and(|got| *got == expected[i]),
             "[{}] {NOTIFY}: the notification of batch {i} arrived before all its bytes were \
-             visible in the receiver's memory",
-            rig.name
+             visible in the receiver's memory ({})",
+            rig.name,
+            got.map_or_else(|e| e.to_string(), |_| "they differ".into())
         );
         assert!(
             !seen[i],
@@ -1500,6 +1540,59 @@ pub async fn shutdown_closes(pair: TransportPair) {
     );
 }
 
+/// A region of device memory is refused at `register` with [`TransportError::Unsupported`]
+/// unless the transport's capabilities declare
+/// [`device_memory`](Capabilities::device_memory); then it is accepted (the pair supplies the
+/// memory, [`TransportPair::with_device_regions`]). Host memory is accepted either way.
+pub async fn device_memory_refused_unless_declared(pair: TransportPair) {
+    const LEN: usize = 4096;
+    let name = pair.sender.name();
+    for (side, t) in [("sender", &pair.sender), ("receiver", &pair.receiver)] {
+        let declared = t.capabilities().device_memory;
+        let device = match (&pair.device_regions, declared) {
+            (_, false) => placeholder_device_region(0, LEN),
+            (Some(make), true) => make(LEN),
+            (None, true) => panic!(
+                "[{name}] {CAPS}: the {side} declares device_memory, so the suite needs device \
+                 memory to register; build the pair with TransportPair::with_device_regions"
+            ),
+        };
+        let kind = device.kind();
+        assert!(
+            !kind.is_host(),
+            "[{name}] {CAPS}: the device region for the {side} is {kind}, not device memory"
+        );
+        let r = bounded(name, CAPS, "register", CALL_LIMIT, t.register(device)).await;
+        match (declared, r) {
+            (false, Err(TransportError::Unsupported { .. })) => {}
+            (false, r) => panic!(
+                "[{name}] {CAPS}: the {side} does not declare device_memory, so registering \
+                 {LEN} bytes of {kind} must fail with Unsupported, got {r:?}"
+            ),
+            (true, Ok(id)) => bounded(name, CAPS, "deregister", CALL_LIMIT, t.deregister(id))
+                .await
+                .unwrap_or_else(|e| {
+                    panic!("[{name}] {CAPS}: {side}.deregister of a device region failed: {e}")
+                }),
+            (true, Err(e)) => panic!(
+                "[{name}] {CAPS}: the {side} declares device_memory but refused {LEN} bytes of \
+                 {kind}: {e}"
+            ),
+        }
+        let host = t
+            .allocate(LEN)
+            .unwrap_or_else(|e| panic!("[{name}] {side}.allocate({LEN}) failed: {e}"));
+        let id = bounded(name, CAPS, "register", CALL_LIMIT, t.register(host))
+            .await
+            .unwrap_or_else(|e| {
+                panic!("[{name}] {CAPS}: {side}.register of host memory failed: {e}")
+            });
+        bounded(name, CAPS, "deregister", CALL_LIMIT, t.deregister(id))
+            .await
+            .unwrap_or_else(|e| panic!("[{name}] {CAPS}: {side}.deregister failed: {e}"));
+    }
+}
+
 /// Expands, in the caller's module, to one
 /// `#[tokio::test(flavor = "multi_thread", worker_threads = 2)]` per conformance case, named
 /// after the case, each calling `kvbridge_transport::testing::<case>($make_pair().await)`; and
@@ -1556,6 +1649,7 @@ macro_rules! __conformance_cases {
             wait_returns_final_state_once,
             bad_descriptor_refused,
             shutdown_closes,
+            device_memory_refused_unless_declared,
         }
     };
 }
@@ -1606,4 +1700,5 @@ pub const CASES: &[&str] = &[
     "wait_returns_final_state_once",
     "bad_descriptor_refused",
     "shutdown_closes",
+    "device_memory_refused_unless_declared",
 ];

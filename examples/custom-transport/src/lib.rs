@@ -355,6 +355,7 @@ impl KvTransport for NicTransport {
         if memory.closed {
             return Err(TransportError::Closed { transport: NAME });
         }
+        self.capabilities().check_region(NAME, &region)?;
         let id = RegionId(self.next_id());
         memory.regions.insert(id, region);
         Ok(id)

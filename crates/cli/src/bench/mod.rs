@@ -13,9 +13,10 @@
 
 use std::future::Future;
 use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::process::ExitCode;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -34,6 +35,21 @@ pub(crate) type TransportFuture =
 
 /// A transport constructor: each process (sender, receiver) calls it once.
 pub(crate) type Factory = fn() -> TransportFuture;
+
+/// Shared-memory control directories this process created. Each side tells the other, which
+/// removes them if this process dies before its destructors could (killed).
+static CONTROL_DIRS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Records a control directory a factory created.
+pub(crate) fn created_control_dir(dir: &Path) {
+    if let Ok(mut dirs) = CONTROL_DIRS.lock() {
+        dirs.push(dir.display().to_string());
+    }
+}
+
+fn control_dirs() -> Vec<String> {
+    CONTROL_DIRS.lock().map(|d| d.clone()).unwrap_or_default()
+}
 
 /// Transports `kvbridge bench` can measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -160,6 +176,8 @@ enum FromReceiver {
     Ready {
         descriptor_hex: String,
         region: u64,
+        #[serde(default)]
+        control_dirs: Vec<String>,
     },
     Verified {
         ok: bool,
@@ -201,7 +219,25 @@ struct Report {
 const BASELINE: &str = "memcpy into pre-faulted memory";
 const SEED: u64 = 0x6b76_6272_6964_6765;
 
+/// The first line of every bench: the build profile, and a warning on a debug build.
+fn profile_line() -> &'static str {
+    if cfg!(debug_assertions) {
+        "profile: debug build (unoptimized, debug assertions on): these figures are NOT \
+         representative; measure a release build (`cargo run --release -p kvbridge-cli -- bench`)"
+    } else {
+        "profile: release build"
+    }
+}
+
 pub(crate) fn run(args: BenchArgs) -> ExitCode {
+    if args.role.is_none() {
+        // On stdout it would break the JSON lines.
+        if args.json {
+            eprintln!("kvbridge bench: {}", profile_line());
+        } else {
+            println!("{}", profile_line());
+        }
+    }
     if args.e2e {
         return e2e::run(&args);
     }
@@ -233,11 +269,25 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match args.role {
-        Some(Role::Receiver) => rt.block_on(receiver(make, args.pool_bytes)),
-        Some(Role::RawTcpSink) => ExitCode::from(2),
-        None => rt.block_on(sender(make, args)),
-    }
+    let run = async {
+        match args.role {
+            Some(Role::Receiver) => receiver(make, args.pool_bytes).await,
+            Some(Role::RawTcpSink) => ExitCode::from(2),
+            None => sender(make, args).await,
+        }
+    };
+    // A signal (a Ctrl-C reaches the receiver too) drops the run instead of killing the
+    // process, so the transports' destructors remove their shared-memory directories, and a
+    // receiver sees its stdin close and stops the same way.
+    rt.block_on(async {
+        tokio::select! {
+            code = run => code,
+            why = crate::terminating_signal() => {
+                eprintln!("kvbridge bench: {why}; stopped");
+                ExitCode::from(130)
+            }
+        }
+    })
 }
 
 /// The descriptors of a pattern: (source offset, destination offset, length), and the pool size.
@@ -396,7 +446,12 @@ async fn receiver(make: Factory, pool_bytes: u64) -> ExitCode {
     say(&FromReceiver::Ready {
         descriptor_hex: hex(&t.local_descriptor()),
         region: id.0,
+        control_dirs: control_dirs(),
     });
+    let parent = std::os::unix::process::parent_id();
+    // The sender's control directories (`sender-dirs <JSON list>`), removed here if it dies.
+    let mut sender_dirs: Vec<String> = Vec::new();
+    let mut finished = false;
     // Notifications: "lat <unix nanos>" records a one-way latency; others are just drained.
     let listener = Arc::clone(&t);
     let latencies = tokio::spawn(async move {
@@ -417,6 +472,10 @@ async fn receiver(make: Factory, pool_bytes: u64) -> ExitCode {
     });
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     while let Ok(Some(line)) = lines.next_line().await {
+        if let Some(list) = line.strip_prefix("sender-dirs ") {
+            sender_dirs = serde_json::from_str(list).unwrap_or_default();
+            continue;
+        }
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
             ["verify", pattern, scale] => {
@@ -437,10 +496,26 @@ async fn receiver(make: Factory, pool_bytes: u64) -> ExitCode {
                     detail: checked.err().unwrap_or_default(),
                 });
             }
-            ["finish"] => break,
+            ["finish"] => {
+                finished = true;
+                break;
+            }
             _ => say(&FromReceiver::Failed {
                 error: format!("unknown command {line:?}"),
             }),
+        }
+    }
+    if !finished && !sender_dirs.is_empty() {
+        // Our stdin closed early. If the sender died, we are handed to another parent (the
+        // kernel closes its pipes first, so give that a moment) and remove what it could not.
+        for _ in 0..50 {
+            if std::os::unix::process::parent_id() != parent {
+                for dir in &sender_dirs {
+                    crate::remove_control_dir(Path::new(dir));
+                }
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
     let _ = t.shutdown().await;
@@ -457,6 +532,8 @@ struct ReceiverProcess {
     child: tokio::process::Child,
     stdin: tokio::process::ChildStdin,
     lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+    /// Its shared-memory control directories (from `Ready`).
+    control_dirs: Vec<PathBuf>,
 }
 
 impl ReceiverProcess {
@@ -468,7 +545,7 @@ impl ReceiverProcess {
             .arg(pool_bytes.to_string())
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
-            .kill_on_drop(true)
+            // Not killed on drop: its stdin closes, and it cleans up and exits.
             .spawn()
             .map_err(|e| format!("cannot start the receiver process: {e}"))?;
         let stdin = child.stdin.take().ok_or("no stdin pipe")?;
@@ -477,7 +554,18 @@ impl ReceiverProcess {
             child,
             stdin,
             lines: BufReader::new(stdout).lines(),
+            control_dirs: Vec::new(),
         })
+    }
+
+    /// After a failed run: stops the receiver and removes the control directories it may not
+    /// have removed itself (it may have been killed, which is why the run failed).
+    async fn reap(mut self) {
+        let _ = self.child.start_kill();
+        let _ = self.child.wait().await;
+        for dir in &self.control_dirs {
+            crate::remove_control_dir(dir);
+        }
     }
 
     async fn next(&mut self) -> Result<FromReceiver, String> {
@@ -579,21 +667,45 @@ async fn measure(
     pattern: Pattern,
     progress: &Progress,
 ) -> Result<Report, String> {
+    progress.show(&format!(
+        "{}: starting the receiver process",
+        pattern.name()
+    ));
+    let (pool, _) = plan(pattern, args.size_scale, SEED);
+    let mut rx = ReceiverProcess::start(args.transport, pool).await?;
+    let result = measure_with(&mut rx, make, args, pattern, progress).await;
+    if result.is_err() {
+        rx.reap().await;
+    }
+    result
+}
+
+async fn measure_with(
+    rx: &mut ReceiverProcess,
+    make: Factory,
+    args: &BenchArgs,
+    pattern: Pattern,
+    progress: &Progress,
+) -> Result<Report, String> {
     let name = pattern.name();
     let (pool, ops) = plan(pattern, args.size_scale, SEED);
-    progress.show(&format!("{name}: starting the receiver process"));
-    let mut rx = ReceiverProcess::start(args.transport, pool).await?;
     let (descriptor, remote) = match rx.next().await? {
         FromReceiver::Ready {
             descriptor_hex,
             region,
-        } => (
-            unhex(&descriptor_hex).ok_or("the receiver sent a malformed descriptor")?,
-            RegionId(region),
-        ),
+            control_dirs,
+        } => {
+            rx.control_dirs = control_dirs.into_iter().map(PathBuf::from).collect();
+            (
+                unhex(&descriptor_hex).ok_or("the receiver sent a malformed descriptor")?,
+                RegionId(region),
+            )
+        }
         other => return Err(format!("expected Ready from the receiver, got {other:?}")),
     };
     let t = make().await?;
+    let dirs = serde_json::to_string(&control_dirs()).map_err(|e| e.to_string())?;
+    rx.command(&format!("sender-dirs {dirs}")).await?;
     let e = |e: kvbridge_transport::TransportError| e.to_string();
     let (local, src) = t.allocate_registered(pool as usize).await.map_err(e)?;
     fill_source(&src)?;

@@ -11,8 +11,8 @@ use super::TransportFuture;
 /// `$XDG_RUNTIME_DIR` or the temp directory).
 pub(super) fn factory() -> TransportFuture {
     Box::pin(async {
-        ShmTransport::new()
-            .map(|t| Arc::new(t) as Arc<dyn KvTransport>)
-            .map_err(|e| e.to_string())
+        let t = ShmTransport::new().map_err(|e| e.to_string())?;
+        super::created_control_dir(t.control_dir());
+        Ok(Arc::new(t) as Arc<dyn KvTransport>)
     })
 }

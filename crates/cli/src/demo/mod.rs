@@ -62,7 +62,7 @@ pub(crate) enum Role {
 /// Arguments of `kvbridge demo`.
 #[derive(Debug, Clone, clap::Args)]
 #[command(
-    after_help = "Examples:\n  kvbridge demo                                  MLA, prefill DCP 1 -> decode DCP 4, shared memory\n  kvbridge demo --transport tcp                  the same over TCP\n  kvbridge demo --geometry gqa                   GQA, prefill TP 2 -> decode TP 4 (head slices)\n  kvbridge demo --prefix-tokens 2048             the decode already holds the first 2048 tokens\n  kvbridge demo --prefill-dcp 2 --dcp 4 --prefill-page-size 16\n                                                 any prefill DCP and page size to any decode's\n  kvbridge demo --tokens 1024 --requests 4       a quick run\n\nExit status: 0 when every request succeeded and every byte verified, 1 otherwise, 2 for\ninvalid arguments."
+    after_help = "Examples:\n  kvbridge demo                                  MLA, prefill DCP 1 -> decode DCP 4, shared memory\n  kvbridge demo --transport tcp                  the same over TCP\n  kvbridge demo --geometry gqa                   GQA, prefill TP 2 -> decode TP 4 (head slices)\n  kvbridge demo --prefix-tokens 2048             the decode already holds the first 2048 tokens\n  kvbridge demo --prefill-dcp 2 --dcp 4 --prefill-page-size 16\n                                                 any prefill DCP and page size to any decode's\n  kvbridge demo --tokens 1024 --requests 4       a quick run\n\nDeadlines: a request that misses --timeout fails; after the first failure (or a process\nthat dies) the run ends within --timeout plus a grace of 10 s, killing what is still running.\n\nLogging: every process logs to stderr, each line prefixed with the process. RUST_LOG picks\nwhat (e.g. RUST_LOG=kvbridge_tcp=debug); the default is errors only; --verbose logs warnings\nand kvbridge's debug messages (why a connection closed, which deadline fired). The summary\nnames each process's first failure.\n\nExit status: 0 when every request succeeded and every byte verified, 1 otherwise, 2 for\ninvalid arguments."
 )]
 pub(crate) struct DemoArgs {
     /// Transport that moves the KV bytes between the processes.
@@ -122,7 +122,7 @@ pub(crate) struct DemoArgs {
     #[arg(long, default_value_t = 0)]
     prefix_tokens: u64,
     /// Deadline in seconds for each request's handshake and transfer; the decode also declares
-    /// the prefill lost after missing heartbeats for about a fifth of it.
+    /// the prefill lost after missing heartbeats for about a fifth of it (see "Deadlines").
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
     /// Shared secret for the control channels (and the TCP transport); default: none.
@@ -134,6 +134,10 @@ pub(crate) struct DemoArgs {
     /// Print the final summary as one JSON object on stdout instead of text.
     #[arg(long)]
     json: bool,
+    /// Log warnings and kvbridge's debug messages of every process to stderr (RUST_LOG, when
+    /// set, decides instead).
+    #[arg(long, short)]
+    verbose: bool,
 
     /// Internal: the role of a process started by the demo.
     #[arg(long, hide = true, value_enum)]
@@ -148,6 +152,10 @@ pub(crate) struct DemoArgs {
     /// request: `decode:RANK@REQUEST` or `prefill@REQUEST`.
     #[arg(long, hide = true)]
     kill: Option<String>,
+    /// Test knob: like `--kill`, but stop the process (SIGSTOP) so that it hangs; only the
+    /// deadlines can end the run.
+    #[arg(long, hide = true, conflicts_with = "kill")]
+    freeze: Option<String>,
     /// Test knob: the prefill pauses this long after every chunk but a request's last.
     #[arg(long, hide = true, default_value_t = 0)]
     chunk_delay_ms: u64,
@@ -163,6 +171,9 @@ pub(crate) enum Event {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         bootstrap: Option<String>,
     },
+    /// A shared-memory control directory this process created (the parent removes it if the
+    /// process dies before it could).
+    ControlDir { path: String },
     /// Prefill: chunk `index` of `request` was posted by every prefill rank.
     Chunk { request: u32, index: u32 },
     /// Prefill: every prefill rank reported Success for `request`.
@@ -173,8 +184,14 @@ pub(crate) enum Event {
     },
     /// Decode: `request` succeeded and every byte this rank holds verified.
     Verified { request: u32, rank: u32, bytes: u64 },
-    /// A request failed on this process (first failure per request).
-    Failed { request: u32, reason: String },
+    /// A request failed on this process (first failure per request). `secondary`: the
+    /// failure is a consequence of another one (an abort after an earlier failure).
+    Failed {
+        request: u32,
+        reason: String,
+        #[serde(default)]
+        secondary: bool,
+    },
     /// The process finished; its final state.
     Done(Summary),
 }
@@ -196,9 +213,13 @@ pub(crate) struct Summary {
     pub(crate) bytes: u64,
     /// Rooms still held by the agents after cleanup (must be 0).
     pub(crate) rooms_left: usize,
-    /// The first failure reason, if any.
+    /// The first root cause: the first failure that is not a consequence of another one (an
+    /// abort), or the first failure if every one is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) first_failure: Option<String>,
+    /// Whether `first_failure` is only a consequence of another failure.
+    #[serde(skip)]
+    pub(crate) first_is_secondary: bool,
     /// The shared-memory transport's private directories (removed at exit).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub(crate) control_dirs: Vec<String>,
@@ -226,6 +247,10 @@ pub(crate) struct Setup {
     pub(crate) secret: Option<String>,
     pub(crate) chunk_delay: Duration,
 }
+
+/// How long after the first failure (or a dead process) the run may take beyond `--timeout`
+/// to stop: aborts, fences and cleanup. Stated in `--help`.
+pub(crate) const GRACE: Duration = Duration::from_secs(10);
 
 /// Aux buffers of every rank: one 64-byte metadata row per request.
 pub(crate) const AUX_ITEM_LENS: [u64; 1] = [64];

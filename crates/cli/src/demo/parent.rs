@@ -2,6 +2,7 @@
 //! draws the progress bar, and prints the summary.
 
 use std::io::IsTerminal;
+use std::path::PathBuf;
 use std::process::{ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
@@ -11,19 +12,24 @@ use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::mpsc;
 
 use super::worker::decode_bytes;
-use super::{DemoArgs, Event, Setup, Summary, Transport};
+use super::{DemoArgs, Event, GRACE, Setup, Summary, Transport};
+use crate::remove_control_dir;
 
-/// Which process to kill, and when (test knob `--kill`).
+/// Which process to kill or freeze, and when (test knobs `--kill`, `--freeze`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct KillSpec {
     /// `None`: the prefill; `Some(r)`: decode rank `r`.
     decode: Option<u32>,
     /// Killed once the prefill posted the first chunk of this request.
     request: u32,
+    /// SIGSTOP instead of SIGKILL.
+    freeze: bool,
 }
 
 fn parse_kill(s: &str, decode_ranks: u32, requests: u32) -> Result<KillSpec, String> {
-    let bad = || format!("--kill must be `decode:RANK@REQUEST` or `prefill@REQUEST`, got {s:?}");
+    let bad = || {
+        format!("--kill and --freeze take `decode:RANK@REQUEST` or `prefill@REQUEST`, got {s:?}")
+    };
     let (who, req) = s.split_once('@').ok_or_else(bad)?;
     let request: u32 = req.parse().map_err(|_| bad())?;
     let decode = match who {
@@ -46,7 +52,24 @@ fn parse_kill(s: &str, decode_ranks: u32, requests: u32) -> Result<KillSpec, Str
             "--kill names request {request}, but only {requests} run"
         ));
     }
-    Ok(KillSpec { decode, request })
+    Ok(KillSpec {
+        decode,
+        request,
+        freeze: false,
+    })
+}
+
+/// Stops a process (SIGSTOP) without killing it: it keeps its sockets and answers nothing.
+fn freeze(pid: u32) -> Result<(), String> {
+    let status = std::process::Command::new("kill")
+        .args(["-STOP", &pid.to_string()])
+        .status()
+        .map_err(|e| format!("cannot run kill -STOP {pid}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("kill -STOP {pid} failed with {status}"))
+    }
 }
 
 struct Proc {
@@ -59,8 +82,25 @@ struct Proc {
     pid: Option<u32>,
     eof: bool,
     exit_code: Option<i32>,
+    /// How it ended, when not with an exit code (e.g. "killed by signal 9").
+    exit_signal: Option<i32>,
     summary: Option<Summary>,
-    failure: Option<String>,
+    /// Its first root cause so far (from its `Failed` events), and whether that is only a
+    /// consequence of another failure.
+    failure: Option<(String, bool)>,
+    /// Shared-memory control directories it created: removed here if it dies without
+    /// reporting, since its destructors could not run.
+    control_dirs: Vec<PathBuf>,
+}
+
+impl Proc {
+    /// How the summary names it: "prefill", "decode rank 2".
+    fn name(&self) -> String {
+        match self.role {
+            "decode" => format!("decode rank {}", self.rank),
+            role => role.to_owned(),
+        }
+    }
 }
 
 enum Msg {
@@ -110,8 +150,10 @@ fn spawn(
         child,
         eof: false,
         exit_code: None,
+        exit_signal: None,
         summary: None,
         failure: None,
+        control_dirs: Vec::new(),
     })
 }
 
@@ -187,6 +229,8 @@ struct Report {
     verified_bytes: u64,
     expected_verified_bytes: u64,
     killed: Vec<String>,
+    /// Processes stopped with `--freeze`.
+    frozen: Vec<String>,
     timed_out: bool,
     failures: Vec<String>,
     processes: Vec<ProcReport>,
@@ -201,10 +245,12 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 pub(crate) fn run(args: &DemoArgs, setup: Setup) -> ExitCode {
-    let kill = match args.kill.as_deref() {
+    let knob = args.kill.as_deref().map(|s| (s, false));
+    let knob = knob.or(args.freeze.as_deref().map(|s| (s, true)));
+    let kill = match knob {
         None => None,
-        Some(s) => match parse_kill(s, setup.decode.len() as u32, setup.requests) {
-            Ok(k) => Some(k),
+        Some((s, freeze)) => match parse_kill(s, setup.decode.len() as u32, setup.requests) {
+            Ok(k) => Some(KillSpec { freeze, ..k }),
             Err(e) => {
                 eprintln!("kvbridge demo: {e}");
                 return ExitCode::from(2);
@@ -238,6 +284,7 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
     let mut bootstrap = None;
     let mut requests = vec![Request::default(); setup.requests as usize];
     let mut killed = Vec::new();
+    let mut frozen: Vec<String> = Vec::new();
     let mut timed_out = false;
     let begun = Instant::now();
     let mut progress = Progress {
@@ -272,19 +319,60 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
     let mut done_requests = 0u32;
     let mut done_bytes = 0u64;
     let mut finish_sent = false;
+    // The first failure or dead process: from then on the run ends within the timeout (the
+    // survivors' deadlines) plus the grace, or what still runs is killed.
+    let mut trouble: Option<Instant> = None;
+    // After a signal: the grace, for the children to stop.
+    let mut stop_by: Option<Instant> = None;
+    // The parent's SIGINT or SIGTERM stops the run cleanly (the children are told).
+    let signal = crate::terminating_signal();
+    tokio::pin!(signal);
 
     while !procs.is_empty() && procs.iter().any(|p| !p.eof) {
+        let end = [
+            Some(deadline),
+            trouble.map(|t| t + setup.timeout + GRACE),
+            stop_by,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+        .unwrap_or(deadline);
         let msg = tokio::select! {
             m = rx.recv() => m,
-            _ = tokio::time::sleep_until(deadline.into()) => {
+            why = &mut signal, if stop_by.is_none() => {
+                // Closing their stdin stops the children, which clean up and report.
+                for p in &mut procs {
+                    p.stdin = None;
+                }
+                failures.push(format!("{why}: every process was told to stop"));
+                stop_by.get_or_insert_with(|| Instant::now() + GRACE);
+                continue;
+            }
+            _ = tokio::time::sleep_until(end.into()) => {
                 timed_out = true;
                 for p in &mut procs {
                     let _ = p.child.start_kill();
                 }
-                failures.push(format!(
-                    "the run did not finish within {:.0} s; every process was killed",
-                    (deadline - begun).as_secs_f64()
-                ));
+                failures.push(match trouble {
+                    _ if stop_by == Some(end) => format!(
+                        "the processes did not stop within the grace of {} s; every process \
+                         still running was killed",
+                        GRACE.as_secs()
+                    ),
+                    Some(t) if end < deadline => format!(
+                        "the run did not end within --timeout {:.1} s plus the grace of {} s \
+                         after the first failure ({:.1} s after the start); every process still \
+                         running was killed",
+                        setup.timeout.as_secs_f64(),
+                        GRACE.as_secs(),
+                        (t - begun).as_secs_f64()
+                    ),
+                    _ => format!(
+                        "the run did not finish within {:.0} s; every process was killed",
+                        (deadline - begun).as_secs_f64()
+                    ),
+                });
                 break;
             }
         };
@@ -292,6 +380,9 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
         let (idx, line) = match msg {
             Msg::Eof(idx) => {
                 procs[idx].eof = true;
+                if procs[idx].summary.is_none() {
+                    trouble.get_or_insert_with(Instant::now);
+                }
                 maybe_finish(&mut procs, &mut finish_sent).await;
                 // A prefill that dies before it is ready leaves nothing to wait for.
                 if idx == 0 && bootstrap.is_none() {
@@ -348,9 +439,16 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
                     if let Some(t) =
                         target.filter(|&t| procs[t].exit_code.is_none() && !procs[t].eof)
                     {
-                        if killed.is_empty() {
-                            let _ = procs[t].child.start_kill();
-                            killed.push(procs[t].label.clone());
+                        if killed.is_empty() && frozen.is_empty() {
+                            if k.freeze {
+                                match procs[t].pid.ok_or("no pid".to_owned()).and_then(freeze) {
+                                    Ok(()) => frozen.push(procs[t].label.clone()),
+                                    Err(e) => failures.push(e),
+                                }
+                            } else {
+                                let _ = procs[t].child.start_kill();
+                                killed.push(procs[t].label.clone());
+                            }
                         }
                     }
                 }
@@ -380,16 +478,27 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
                     }
                 }
             }
-            Event::Failed { request, reason } => {
+            Event::ControlDir { path } => procs[idx].control_dirs.push(PathBuf::from(path)),
+            Event::Failed {
+                request,
+                reason,
+                secondary,
+            } => {
+                trouble.get_or_insert_with(Instant::now);
                 if let Some(r) = requests.get_mut(request as usize) {
                     r.failed = true;
                 }
                 let p = &mut procs[idx];
-                if p.failure.is_none() {
-                    p.failure = Some(reason);
+                if p.failure.as_ref().is_none_or(|f| f.1 && !secondary) {
+                    p.failure = Some((reason, secondary));
                 }
             }
-            Event::Done(s) => procs[idx].summary = Some(s),
+            Event::Done(s) => {
+                if s.first_failure.is_some() {
+                    trouble.get_or_insert_with(Instant::now);
+                }
+                procs[idx].summary = Some(s);
+            }
         }
         maybe_finish(&mut procs, &mut finish_sent).await;
     }
@@ -404,6 +513,13 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
             }
         };
         p.exit_code = status.and_then(|s| s.code());
+        p.exit_signal = status.and_then(|s| std::os::unix::process::ExitStatusExt::signal(&s));
+        if p.summary.is_none() {
+            // It died before it could clean up (killed, crashed): remove what it created.
+            for dir in &p.control_dirs {
+                remove_control_dir(dir);
+            }
+        }
     }
 
     let mut latencies: Vec<f64> = requests
@@ -432,18 +548,37 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
             .iter()
             .map(|d| decode_bytes(d, 0, setup.tokens))
             .sum::<u64>();
+    // Per process, its first root cause: a process that died comes first (it is usually
+    // what the others' failures follow from).
     for p in &procs {
-        if let Some(f) = p
-            .failure
+        if p.summary.is_some() {
+            continue;
+        }
+        let how = match (p.exit_code, p.exit_signal) {
+            (_, Some(9)) if killed.contains(&p.label) => "was killed (test knob --kill)".to_owned(),
+            (_, Some(sig)) => format!("was killed by signal {sig} before it reported"),
+            (Some(code), _) => {
+                format!("exited with status {code} before it reported (its stderr says why)")
+            }
+            (None, None) => "ended before it reported".to_owned(),
+        };
+        failures.push(format!("{}: {how}", p.name()));
+    }
+    for p in &procs {
+        // The child's own choice (its summary) when it reported, else its events'.
+        let first = p
+            .summary
             .as_ref()
-            .or(p.summary.as_ref().and_then(|s| s.first_failure.as_ref()))
-        {
-            failures.push(format!("{}: {f}", p.label));
+            .and_then(|s| s.first_failure.as_ref())
+            .or(p.failure.as_ref().map(|f| &f.0));
+        if let Some(f) = first {
+            failures.push(format!("{}: first failure: {f}", p.name()));
         }
     }
     let all_exited_ok = procs.len() == n_decode + 1 && procs.iter().all(|p| p.exit_code == Some(0));
     let ok = !timed_out
         && killed.is_empty()
+        && frozen.is_empty()
         && failures.is_empty()
         && all_exited_ok
         && succeeded == setup.requests
@@ -472,6 +607,7 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
         verified_bytes,
         expected_verified_bytes,
         killed,
+        frozen,
         timed_out,
         failures,
         processes: procs
@@ -560,6 +696,9 @@ fn print_report(args: &DemoArgs, setup: &Setup, r: &Report) {
     if !r.killed.is_empty() {
         println!("  killed     {} (test knob --kill)", r.killed.join(", "));
     }
+    if !r.frozen.is_empty() {
+        println!("  frozen     {} (test knob --freeze)", r.frozen.join(", "));
+    }
     if !r.failures.is_empty() {
         println!("  failures:");
         for f in &r.failures {
@@ -594,14 +733,16 @@ mod tests {
             parse_kill("decode:1@3", 4, 16).unwrap(),
             KillSpec {
                 decode: Some(1),
-                request: 3
+                request: 3,
+                freeze: false,
             }
         );
         assert_eq!(
             parse_kill("prefill@0", 4, 16).unwrap(),
             KillSpec {
                 decode: None,
-                request: 0
+                request: 0,
+                freeze: false,
             }
         );
         assert!(parse_kill("decode:4@0", 4, 16).is_err());

@@ -1,10 +1,14 @@
 //! The demo's child processes: the prefill (every prefill rank and the bootstrap server) and
 //! one decode rank. Each reports [`Event`]s on stdout and exits when its requests are done,
-//! when a request failed (after cleaning up), or when the parent goes away (stdin closes).
+//! when a request failed (after cleaning up), or when the parent goes away (stdin closes) or a
+//! signal (SIGTERM, SIGINT, SIGHUP) asks it to stop: then it aborts what is in flight and shuts
+//! down like after a failure, within [`GRACE`], so its destructors remove what it created.
 
 use std::collections::BTreeSet;
+use std::future::Future;
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -19,17 +23,18 @@ use kvbridge_coordinator::testing::{
     TokenLayout, chunk_plan, fill_aux, fill_rows, verify_aux, verify_rows,
 };
 use kvbridge_coordinator::{
-    AllocatedMemory, Chunk, DecodeAgent, DecodeConfig, KvMemory, PrefillAgent, PrefillConfig,
-    ReceiveRequest,
+    AllocatedMemory, Chunk, CoordinatorError, DecodeAgent, DecodeConfig, FailureCause, KvMemory,
+    PrefillAgent, PrefillConfig, ReceiveRequest,
 };
 use kvbridge_handshake::PeerDescriptor;
 use kvbridge_shm::ShmTransport;
 use kvbridge_tcp::{TcpConfig, TcpTransport};
 use kvbridge_transport::KvTransport;
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore, watch};
 use tokio::task::JoinSet;
 
-use super::{AUX_ITEM_LENS, DemoArgs, Event, Setup, Summary, Transport, room_of};
+use super::{AUX_ITEM_LENS, DemoArgs, Event, GRACE, Setup, Summary, Transport, room_of};
+use crate::remove_control_dir;
 
 /// Writes one event line to stdout (the parent reads it).
 fn emit(ev: &Event) {
@@ -39,36 +44,91 @@ fn emit(ev: &Event) {
     let _ = out.flush();
 }
 
-fn init_tracing() {
+/// Writes each log line to stderr prefixed with the process (`[decode 2] `), so the lines of
+/// the processes sharing the terminal can be told apart.
+struct Labelled(&'static str);
+
+impl Write for Labelled {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut err = std::io::stderr().lock();
+        err.write_all(self.0.as_bytes())?;
+        err.write_all(buf)?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
+/// `RUST_LOG` when set; otherwise errors only, or with `--verbose` warnings and kvbridge's
+/// debug messages.
+fn init_tracing(label: String, verbose: bool) {
+    let default = if verbose {
+        // Targets match by prefix: every kvbridge crate.
+        "warn,kvbridge=debug"
+    } else {
+        "error"
+    };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let label: &'static str = Box::leak(format!("[{label}] ").into_boxed_str());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(move || Labelled(label))
         .with_ansi(false)
         .try_init();
 }
 
-/// What the parent tells a child on its stdin.
-#[derive(Debug, Default)]
+/// What the parent tells a child on its stdin, and whether the child must stop.
+#[derive(Debug)]
 struct Commands {
     /// `start`: every decode process is up.
-    start: tokio::sync::Notify,
+    start: Notify,
     /// `finish`: every decode process is done; the prefill may shut its transports down.
-    finish: tokio::sync::Notify,
+    finish: Notify,
+    /// Set (with the reason) once this process must stop: the parent went away or a signal
+    /// asked it to.
+    stop: watch::Sender<Option<&'static str>>,
+}
+
+impl Commands {
+    /// Asks the process to stop (the first reason wins).
+    fn stop(&self, why: &'static str) {
+        self.stop
+            .send_if_modified(|s| s.is_none() && s.replace(why).is_none());
+    }
+
+    /// Resolves once the process must stop, with the reason.
+    async fn stopped(&self) -> &'static str {
+        let mut rx = self.stop.subscribe();
+        let why = rx.wait_for(Option::is_some).await.ok().and_then(|why| *why);
+        match why {
+            Some(why) => why,
+            // The sender lives as long as `self`.
+            None => std::future::pending().await,
+        }
+    }
 }
 
 /// Follows the parent through our stdin (see [`Commands`]); end of file (the parent exited or
-/// was killed) exits this process, so no child outlives the demo.
+/// was killed) stops this process, so no child outlives the demo.
 fn watch_parent() -> Arc<Commands> {
-    let commands = Arc::new(Commands::default());
+    let commands = Arc::new(Commands {
+        start: Notify::new(),
+        finish: Notify::new(),
+        stop: watch::Sender::new(None),
+    });
     let c = commands.clone();
     std::thread::spawn(move || {
         let mut line = String::new();
         loop {
             line.clear();
             match std::io::BufRead::read_line(&mut std::io::stdin().lock(), &mut line) {
-                Ok(0) | Err(_) => std::process::exit(3),
+                Ok(0) | Err(_) => {
+                    c.stop("stdin closed (the parent stopped the run, or died)");
+                    return;
+                }
                 Ok(_) => match line.trim() {
                     "start" => c.start.notify_one(),
                     "finish" => c.finish.notify_one(),
@@ -80,6 +140,84 @@ fn watch_parent() -> Arc<Commands> {
     commands
 }
 
+/// The shared-memory control directories this process created.
+type Dirs = Arc<Mutex<Vec<PathBuf>>>;
+
+/// Runs a child process's `main` until it returns or, once the process must stop, for at most
+/// [`GRACE`] more; then drops whatever still runs (tasks, agents, transports) and removes any
+/// control directory still there. Every exit path goes through here, so destructors run.
+fn run_child<F, Fut>(args: &DemoArgs, role: &'static str, rank: u32, main: F) -> ExitCode
+where
+    F: FnOnce(Arc<Commands>, Dirs) -> Fut,
+    Fut: Future<Output = Result<ExitCode, String>>,
+{
+    let label = match role {
+        "decode" => format!("decode {rank}"),
+        _ => role.to_owned(),
+    };
+    init_tracing(label, args.verbose);
+    let commands = watch_parent();
+    let dirs = Dirs::default();
+    let rt = match runtime() {
+        Ok(rt) => rt,
+        Err(e) => return report_error(role, rank, e),
+    };
+    let result = rt.block_on(async {
+        // A signal (a Ctrl-C reaches every process of the demo) stops it like a dead parent.
+        let c = commands.clone();
+        tokio::spawn(async move { c.stop(crate::terminating_signal().await) });
+        let main = main(commands.clone(), dirs.clone());
+        tokio::pin!(main);
+        tokio::select! {
+            r = &mut main => r,
+            why = commands.stopped() => match tokio::time::timeout(GRACE, &mut main).await {
+                Ok(r) => r,
+                Err(_) => Err(format!("{why}, and the process did not stop within {GRACE:?}")),
+            },
+        }
+    });
+    // Dropping the runtime drops every task, and with them the agents and transports; a fill
+    // or verification still running on a blocking thread gets a bounded wait.
+    rt.shutdown_timeout(Duration::from_secs(2));
+    for dir in lock(&dirs).iter() {
+        remove_control_dir(dir);
+    }
+    match result {
+        Ok(code) => code,
+        Err(e) => report_error(role, rank, e),
+    }
+}
+
+/// Once the process must stop: no further request starts and every room in flight is aborted,
+/// so the requests end and the process shuts down the way it does after a failure.
+fn stop_when_told(
+    commands: &Arc<Commands>,
+    stop: &Arc<AtomicBool>,
+    in_flight: &InFlight,
+    abort: impl Fn(u64) + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
+    let (commands, stop, in_flight) = (commands.clone(), stop.clone(), in_flight.clone());
+    tokio::spawn(async move {
+        let why = commands.stopped().await;
+        if stop_all(&stop, &in_flight, abort) {
+            tracing::warn!("{why}: aborted the rooms in flight, shutting down");
+        }
+    })
+}
+
+/// Sets `stop`, so no further request starts; the first caller also aborts every room in
+/// flight (and returns true).
+fn stop_all(stop: &AtomicBool, in_flight: &InFlight, abort: impl Fn(u64)) -> bool {
+    if stop.swap(true, Ordering::SeqCst) {
+        return false;
+    }
+    let rooms: Vec<u64> = lock(in_flight).iter().copied().collect();
+    for room in rooms {
+        abort(room);
+    }
+    true
+}
+
 fn runtime() -> Result<tokio::runtime::Runtime, String> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -88,12 +226,18 @@ fn runtime() -> Result<tokio::runtime::Runtime, String> {
         .map_err(|e| format!("cannot start the async runtime: {e}"))
 }
 
-/// A transport, and the private directory it removes at exit (shared memory only).
-async fn transport(setup: &Setup) -> Result<(Arc<dyn KvTransport>, Option<String>), String> {
+/// A transport, and the private directory it removes at exit (shared memory only; recorded
+/// in `dirs` and reported to the parent at once, so it is removed even if this process dies).
+async fn transport(
+    setup: &Setup,
+    dirs: &Dirs,
+) -> Result<(Arc<dyn KvTransport>, Option<String>), String> {
     match setup.transport {
         Transport::Shm => {
             let t = ShmTransport::new().map_err(|e| format!("shared-memory transport: {e}"))?;
+            lock(dirs).push(t.control_dir().to_path_buf());
             let dir = t.control_dir().display().to_string();
+            emit(&Event::ControlDir { path: dir.clone() });
             Ok((Arc::new(t), Some(dir)))
         }
         Transport::Tcp => {
@@ -144,7 +288,8 @@ fn decode_config(setup: &Setup) -> DecodeConfig {
         heartbeat_interval: heartbeat(setup),
         heartbeat_max_failures: 2,
         control_send_timeout: (t / 4).min(Duration::from_secs(1)),
-        fence_timeout: t,
+        // Only bounds when pages of a failed room may be reused; within the run's grace.
+        fence_timeout: t.min(GRACE / 2),
         abort_resend_interval: heartbeat(setup),
         ..DecodeConfig::default()
     }
@@ -233,17 +378,20 @@ async fn drive<T, Fut>(
     concurrency: u32,
     stop: &AtomicBool,
     mut start: impl FnMut(u32, u32) -> Fut,
-    mut on_done: impl FnMut(u32, Result<T, String>),
+    mut on_done: impl FnMut(u32, Result<T, Failure>),
 ) -> u32
 where
     T: Send + 'static,
-    Fut: std::future::Future<Output = Result<T, String>> + Send + 'static,
+    Fut: Future<Output = Result<T, Failure>> + Send + 'static,
 {
     let slots = Slots::new(concurrency);
-    let mut tasks: JoinSet<(u32, Result<T, String>)> = JoinSet::new();
-    let mut done = |res: Result<(u32, Result<T, String>), tokio::task::JoinError>| match res {
+    let mut tasks: JoinSet<(u32, Result<T, Failure>)> = JoinSet::new();
+    let mut done = |res: Result<(u32, Result<T, Failure>), tokio::task::JoinError>| match res {
         Ok((i, r)) => on_done(i, r),
-        Err(e) => on_done(u32::MAX, Err(format!("a request task panicked: {e}"))),
+        Err(e) => on_done(
+            u32::MAX,
+            Err(format!("a request task panicked: {e}").into()),
+        ),
     };
     let mut skipped = 0;
     for i in 0..requests {
@@ -276,26 +424,78 @@ where
     skipped
 }
 
+/// Why a request failed, and whether that is only a consequence of another failure (the room
+/// was aborted, by this side or the peer, after something else went wrong).
+#[derive(Debug)]
+struct Failure {
+    text: String,
+    secondary: bool,
+}
+
+impl From<String> for Failure {
+    fn from(text: String) -> Self {
+        Self {
+            text,
+            secondary: false,
+        }
+    }
+}
+
+impl From<CoordinatorError> for Failure {
+    fn from(e: CoordinatorError) -> Self {
+        let secondary = match &e {
+            CoordinatorError::Transfer(t) => {
+                t.is_from_another_rank
+                    || matches!(
+                        t.reason.cause,
+                        FailureCause::Aborted
+                            | FailureCause::RemoteFailure
+                            | FailureCause::DuplicateRoom
+                            | FailureCause::OtherRank
+                            | FailureCause::Shutdown
+                    )
+            }
+            _ => false,
+        };
+        Self {
+            text: e.to_string(),
+            secondary,
+        }
+    }
+}
+
 impl Summary {
-    /// Records a failed request; the first failure sets `stop` and aborts every room in flight.
+    /// Records why the process stopped early (parent gone, signal), unless a root cause is
+    /// already known.
+    fn stopped(&mut self, commands: &Commands) {
+        let why = *commands.stop.borrow();
+        if let Some(why) = why.filter(|_| self.first_failure.is_none() || self.first_is_secondary) {
+            self.first_failure = Some(format!("{why}; the process stopped"));
+            self.first_is_secondary = false;
+        }
+    }
+
+    /// Records a failed request (the first root cause stays in `first_failure`); the first
+    /// failure sets `stop` and aborts every room in flight.
     fn fail(
         &mut self,
         request: u32,
-        reason: String,
+        why: Failure,
         stop: &AtomicBool,
         in_flight: &InFlight,
         abort: impl Fn(u64),
     ) {
         self.failed += 1;
-        if self.first_failure.is_none() {
-            self.first_failure = Some(reason.clone());
+        if self.first_failure.is_none() || (self.first_is_secondary && !why.secondary) {
+            self.first_failure = Some(why.text.clone());
+            self.first_is_secondary = why.secondary;
         }
-        emit(&Event::Failed { request, reason });
-        if !stop.swap(true, Ordering::SeqCst) {
-            for room in lock(in_flight).iter() {
-                abort(*room);
-            }
-        }
+        emit(&Event::Failed {
+            request,
+            reason: why.text,
+            secondary: why.secondary,
+        });
+        stop_all(stop, in_flight, abort);
     }
 }
 
@@ -310,20 +510,15 @@ struct PRank {
 }
 
 pub(crate) fn run_prefill(args: &DemoArgs, setup: Setup) -> ExitCode {
-    init_tracing();
-    let commands = watch_parent();
-    let rt = match runtime() {
-        Ok(rt) => rt,
-        Err(e) => return fail_start("prefill", 0, e),
-    };
-    match rt.block_on(prefill_main(args, setup, commands)) {
-        Ok(code) => code,
-        Err(e) => fail_start("prefill", 0, e),
-    }
+    run_child(args, "prefill", 0, |commands, dirs| {
+        prefill_main(args, setup, commands, dirs)
+    })
 }
 
-fn fail_start(role: &str, rank: u32, e: String) -> ExitCode {
-    eprintln!("kvbridge demo ({role} {rank}): {e}");
+/// Reports a process that could not run its requests (start-up failed, or it was stopped).
+fn report_error(role: &str, rank: u32, e: String) -> ExitCode {
+    // Not eprintln!: with the terminal gone it would panic instead of exiting.
+    let _ = writeln!(std::io::stderr(), "kvbridge demo ({role} {rank}): {e}");
     emit(&Event::Done(Summary {
         role: role.to_owned(),
         rank,
@@ -337,6 +532,7 @@ async fn prefill_main(
     args: &DemoArgs,
     setup: Setup,
     commands: Arc<Commands>,
+    created: Dirs,
 ) -> Result<ExitCode, String> {
     let boot = BootstrapServer::bind(BootstrapConfig::default().with_bind_addr(SocketAddr::new(
         Ipv4Addr::LOCALHOST.into(),
@@ -349,7 +545,7 @@ async fn prefill_main(
     let mut ranks = Vec::new();
     let mut dirs = Vec::new();
     for d in &setup.prefill {
-        let (t, dir) = transport(&setup).await?;
+        let (t, dir) = transport(&setup, &created).await?;
         dirs.extend(dir);
         let mem = KvMemory::allocate(&*t, d, setup.prefill_pages * conc, conc)
             .await
@@ -379,12 +575,30 @@ async fn prefill_main(
     });
     // The parent says `start` once every decode process is up, so request latencies do not
     // include the decodes' start-up.
-    commands.start.notified().await;
+    tokio::select! {
+        _ = commands.start.notified() => {}
+        why = commands.stopped() => {
+            for r in &ranks {
+                r.agent.shutdown();
+                let _ = r.transport.shutdown().await;
+            }
+            boot.shutdown();
+            return Err(format!("{why} before the requests started"));
+        }
+    }
 
     let ranks = Arc::new(ranks);
     let setup = Arc::new(setup);
     let in_flight: InFlight = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
+    let stopper = {
+        let ranks = ranks.clone();
+        stop_when_told(&commands, &stop, &in_flight, move |room| {
+            for r in ranks.iter() {
+                r.agent.abort(room);
+            }
+        })
+    };
     let mut summary = Summary {
         role: "prefill".to_owned(),
         ..Summary::default()
@@ -421,6 +635,7 @@ async fn prefill_main(
     )
     .await;
 
+    summary.stopped(&commands);
     summary.bytes = ranks
         .iter()
         .map(|r| r.agent.metrics().bytes_transferred)
@@ -428,17 +643,20 @@ async fn prefill_main(
     summary.rooms_left = settle(|| ranks.iter().map(|r| r.agent.room_count()).sum()).await;
     summary.control_dirs = dirs;
     // The decode ranks shut their transports down first (they fence this side's writes).
-    let _ = tokio::time::timeout(
-        setup.timeout + Duration::from_secs(10),
-        commands.finish.notified(),
-    )
-    .await;
+    // After a failure their rooms end by their deadlines, so do not wait for a hung one.
+    let ok = summary.failed == 0 && summary.skipped == 0;
+    let wait = if ok { setup.timeout + GRACE } else { GRACE / 2 };
+    tokio::select! {
+        _ = commands.finish.notified() => {}
+        _ = commands.stopped() => {}
+        _ = tokio::time::sleep(wait) => {}
+    }
+    stopper.abort();
     for r in ranks.iter() {
         r.agent.shutdown();
         let _ = r.transport.shutdown().await;
     }
     boot.shutdown();
-    let ok = summary.failed == 0 && summary.skipped == 0;
     emit(&Event::Done(summary));
     Ok(if ok {
         ExitCode::SUCCESS
@@ -465,7 +683,7 @@ async fn prefill_request(
     slot: u32,
     in_flight: &InFlight,
     stop: &Arc<AtomicBool>,
-) -> Result<(Duration, u64), String> {
+) -> Result<(Duration, u64), Failure> {
     let room = room_of(i);
     // "Compute" the prompt's KV: every rank fills the rows it holds (CPU work, off the
     // async workers).
@@ -486,11 +704,14 @@ async fn prefill_request(
         .map_err(|e| format!("filling request {i}: {e}"))??
     };
     if stop.load(Ordering::SeqCst) {
-        return Err("stopped before the room was created (an earlier request failed)".to_owned());
+        return Err(Failure {
+            text: "stopped before the room was created (an earlier request failed)".to_owned(),
+            secondary: true,
+        });
     }
     let started = Instant::now();
     for r in ranks.iter() {
-        r.agent.create_room(room).map_err(|e| e.to_string())?;
+        r.agent.create_room(room)?;
     }
     lock(in_flight).insert(room);
     let mut per_rank = JoinSet::new();
@@ -510,7 +731,7 @@ async fn prefill_request(
     }
     let mut first_err = None;
     while let Some(res) = per_rank.join_next().await {
-        let res = res.unwrap_or_else(|e| Err(format!("rank task panicked: {e}")));
+        let res = res.unwrap_or_else(|e| Err(format!("rank task panicked: {e}").into()));
         if let Err(e) = res {
             first_err.get_or_insert(e);
         }
@@ -544,9 +765,9 @@ async fn send_room(
     room: u64,
     slot: u32,
     layout: &TokenLayout,
-) -> Result<(), String> {
+) -> Result<(), Failure> {
     let agent = &r.agent;
-    let prefix = agent.wait_ready(room).await.map_err(|e| e.to_string())?;
+    let prefix = agent.wait_ready(room).await?;
     // Chunks of whole pages of this rank's pool (virtual pages under prefill DCP), from the
     // decode's prefix on (the first chunk may start mid-page).
     let v = layout.virtual_page();
@@ -570,10 +791,7 @@ async fn send_room(
         } else {
             Chunk::new(ids, tokens)
         };
-        agent
-            .send_chunk(room, chunk)
-            .await
-            .map_err(|e| e.to_string())?;
+        agent.send_chunk(room, chunk).await?;
         if k == 0 {
             emit(&Event::Chunk {
                 request: i,
@@ -584,27 +802,24 @@ async fn send_room(
             tokio::time::sleep(setup.chunk_delay).await;
         }
     }
-    agent.wait(room).await.map_err(|e| e.to_string())
+    Ok(agent.wait(room).await?)
 }
 
 // ---------------------------------------------------------------------------------------------
 // Decode process.
 
 pub(crate) fn run_decode(args: &DemoArgs, setup: Setup) -> ExitCode {
-    init_tracing();
-    let _commands = watch_parent();
-    let rank = args.rank;
-    let rt = match runtime() {
-        Ok(rt) => rt,
-        Err(e) => return fail_start("decode", rank, e),
-    };
-    match rt.block_on(decode_main(args, setup)) {
-        Ok(code) => code,
-        Err(e) => fail_start("decode", rank, e),
-    }
+    run_child(args, "decode", args.rank, |commands, dirs| {
+        decode_main(args, setup, commands, dirs)
+    })
 }
 
-async fn decode_main(args: &DemoArgs, setup: Setup) -> Result<ExitCode, String> {
+async fn decode_main(
+    args: &DemoArgs,
+    setup: Setup,
+    commands: Arc<Commands>,
+    dirs: Dirs,
+) -> Result<ExitCode, String> {
     let rank = args.rank;
     let addr = args
         .bootstrap
@@ -616,7 +831,7 @@ async fn decode_main(args: &DemoArgs, setup: Setup) -> Result<ExitCode, String> 
         .cloned()
         .ok_or_else(|| format!("internal: no decode rank {rank}"))?;
     let conc = u64::from(setup.concurrency);
-    let (t, dir) = transport(&setup).await?;
+    let (t, dir) = transport(&setup, &dirs).await?;
     let mem = KvMemory::allocate(&*t, &desc, setup.decode_pages * conc, conc)
         .await
         .map_err(|e| format!("allocating the decode pool: {e}"))?;
@@ -652,6 +867,10 @@ async fn decode_main(args: &DemoArgs, setup: Setup) -> Result<ExitCode, String> 
         rank,
         ..Summary::default()
     };
+    let stopper = {
+        let agent = agent.clone();
+        stop_when_told(&commands, &stop, &in_flight, move |room| agent.abort(room))
+    };
     summary.skipped =
         drive(
             setup.requests,
@@ -684,6 +903,8 @@ async fn decode_main(args: &DemoArgs, setup: Setup) -> Result<ExitCode, String> 
             },
         )
         .await;
+    stopper.abort();
+    summary.stopped(&commands);
     summary.rooms_left = settle(|| agent.room_count()).await;
     summary.control_dirs = dir.into_iter().collect();
     agent.shutdown();
@@ -707,7 +928,7 @@ async fn decode_request(
     slot: u32,
     in_flight: &InFlight,
     addr: String,
-) -> Result<u64, String> {
+) -> Result<u64, Failure> {
     let room = room_of(i);
     let table = slot_table(slot, setup.decode_pages);
     let layout = TokenLayout::for_rank(desc, table.clone())?;
@@ -721,33 +942,28 @@ async fn decode_request(
         .await
         .map_err(|e| e.to_string())??;
     }
-    agent
-        .receive(
-            room,
-            ReceiveRequest {
-                bootstrap_addr: addr,
-                page_table: table,
-                cached_prefix_len: setup.prefix_tokens,
-                aux_index: u64::from(slot),
-            },
-        )
-        .map_err(|e| e.to_string())?;
+    agent.receive(
+        room,
+        ReceiveRequest {
+            bootstrap_addr: addr,
+            page_table: table,
+            cached_prefix_len: setup.prefix_tokens,
+            aux_index: u64::from(slot),
+        },
+    )?;
     lock(in_flight).insert(room);
     // The agent's own deadlines end every room; the outer bound only guards against a bug.
     let outcome = match tokio::time::timeout(setup.timeout * 4, agent.wait(room)).await {
-        Ok(r) => r.map_err(|e| e.to_string()),
+        Ok(r) => r.map_err(Failure::from),
         Err(_) => {
             agent.abort(room);
-            Err(format!(
-                "room {room} did not end within {:?}",
-                setup.timeout * 4
-            ))
+            Err(format!("room {room} did not end within {:?}", setup.timeout * 4).into())
         }
     };
     let result = match outcome {
         Ok(()) => {
             let (mem, layout, setup) = (mem.clone(), layout.clone(), setup.clone());
-            tokio::task::spawn_blocking(move || -> Result<u64, String> {
+            tokio::task::spawn_blocking(move || -> Result<u64, Failure> {
                 let bytes = verify_rows(&mem.kv_views(), &layout, room, 0..setup.tokens)
                     .map_err(|e| format!("request {i}: verification failed: {e}"))?;
                 verify_aux(
@@ -792,6 +1008,25 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_first_root_cause_wins_over_earlier_consequences() {
+        let stop = AtomicBool::new(false);
+        let in_flight = InFlight::default();
+        let mut s = Summary::default();
+        let secondary = |text: &str| Failure {
+            text: text.to_owned(),
+            secondary: true,
+        };
+        s.fail(0, secondary("aborted"), &stop, &in_flight, |_| {});
+        assert_eq!(s.first_failure.as_deref(), Some("aborted"));
+        s.fail(1, "peer lost".to_owned().into(), &stop, &in_flight, |_| {});
+        s.fail(2, "later".to_owned().into(), &stop, &in_flight, |_| {});
+        s.fail(3, secondary("aborted again"), &stop, &in_flight, |_| {});
+        assert_eq!(s.first_failure.as_deref(), Some("peer lost"));
+        assert_eq!(s.failed, 4);
+        assert!(stop.load(Ordering::SeqCst));
     }
 
     #[test]
