@@ -189,3 +189,342 @@ fn readme_has_two_setup_commands_and_ci_runs_the_test_one() {
         ".ci/run must run `cargo xtask ci`"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// No re-entrant locking: a std mutex guard never escapes into calls that take the same lock.
+
+/// `src` with the contents of comments, string and char literals blanked (offsets kept), so
+/// braces and names inside them do not count.
+fn code_only(src: &str) -> Vec<u8> {
+    let b = src.as_bytes();
+    let mut out = b.to_vec();
+    let mut i = 0;
+    let blank = |out: &mut Vec<u8>, from: usize, to: usize| {
+        for c in &mut out[from..to] {
+            if *c != b'\n' {
+                *c = b' ';
+            }
+        }
+    };
+    while i < b.len() {
+        match b[i] {
+            b'/' if b.get(i + 1) == Some(&b'/') => {
+                let end = b[i..]
+                    .iter()
+                    .position(|&c| c == b'\n')
+                    .map_or(b.len(), |p| i + p);
+                blank(&mut out, i, end);
+                i = end;
+            }
+            b'/' if b.get(i + 1) == Some(&b'*') => {
+                let end = src[i + 2..].find("*/").map_or(b.len(), |p| i + 2 + p + 2);
+                blank(&mut out, i, end);
+                i = end;
+            }
+            b'r' if (b.get(i + 1) == Some(&b'"') || b.get(i + 1) == Some(&b'#'))
+                && (i == 0 || !is_ident(b[i - 1])) =>
+            {
+                let hashes = b[i + 1..].iter().take_while(|&&c| c == b'#').count();
+                if b.get(i + 1 + hashes) != Some(&b'"') {
+                    i += 1;
+                    continue;
+                }
+                let close = format!("\"{}", "#".repeat(hashes));
+                let start = i + 2 + hashes;
+                let end = src[start..].find(&close).map_or(b.len(), |p| start + p);
+                blank(&mut out, start, end);
+                i = end + close.len();
+            }
+            b'"' => {
+                let mut j = i + 1;
+                while j < b.len() && b[j] != b'"' {
+                    j += if b[j] == b'\\' { 2 } else { 1 };
+                }
+                blank(&mut out, i + 1, j.min(b.len()));
+                i = j + 1;
+            }
+            // A char literal ('x', '\n', '{'), not a lifetime ('a).
+            b'\'' => {
+                let j = if b.get(i + 1) == Some(&b'\\') {
+                    b[i + 2..]
+                        .iter()
+                        .position(|&c| c == b'\'')
+                        .map(|p| i + 2 + p)
+                } else if b.get(i + 2) == Some(&b'\'') {
+                    Some(i + 2)
+                } else {
+                    None
+                };
+                match j {
+                    Some(j) => {
+                        blank(&mut out, i + 1, j);
+                        i = j + 1;
+                    }
+                    None => i += 1,
+                }
+            }
+            _ => i += 1,
+        }
+    }
+    out
+}
+
+fn is_ident(c: u8) -> bool {
+    c.is_ascii_alphanumeric() || c == b'_'
+}
+
+/// The offset just past the bracket matching the one at `open`.
+fn matching(code: &[u8], open: usize) -> usize {
+    let mut depth = 0usize;
+    for (i, &c) in code.iter().enumerate().skip(open) {
+        match c {
+            b'(' | b'[' | b'{' => depth += 1,
+            b')' | b']' | b'}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return i + 1;
+                }
+            }
+            _ => {}
+        }
+    }
+    code.len()
+}
+
+/// Every `fn` with a body: (name, body range).
+fn functions(code: &[u8]) -> Vec<(String, std::ops::Range<usize>)> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while let Some(p) = find(code, b"fn ", i) {
+        i = p + 3;
+        if p > 0 && is_ident(code[p - 1]) {
+            continue;
+        }
+        let name_end = code[i..]
+            .iter()
+            .position(|&c| !is_ident(c))
+            .map_or(code.len(), |n| i + n);
+        let name = String::from_utf8_lossy(&code[i..name_end]).into_owned();
+        // The body starts at the first `{` outside brackets; a `;` first means no body.
+        let mut j = name_end;
+        let mut depth = 0i32;
+        while j < code.len() {
+            match code[j] {
+                b'(' | b'[' | b'<' => depth += 1,
+                b')' | b']' => depth -= 1,
+                b'>' if code[j - 1] != b'-' => depth -= 1,
+                b'{' if depth <= 0 => break,
+                b';' if depth <= 0 => break,
+                _ => {}
+            }
+            j += 1;
+        }
+        if j < code.len() && code[j] == b'{' && !name.is_empty() {
+            out.push((name, j..matching(code, j)));
+        }
+    }
+    out
+}
+
+fn find(hay: &[u8], needle: &[u8], from: usize) -> Option<usize> {
+    hay.get(from..)?
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .map(|p| from + p)
+}
+
+/// Offsets of calls to `name` (`name(`, not part of a longer identifier) within `range`,
+/// each with its receiver's root (`self` in `self.inner.name(`; empty for a bare call).
+fn calls<'a>(
+    code: &'a [u8],
+    name: &str,
+    range: std::ops::Range<usize>,
+) -> impl Iterator<Item = (usize, String)> + 'a {
+    let n = name.len();
+    let name = name.as_bytes().to_vec();
+    range.clone().filter_map(move |i| {
+        if i + n > range.end || code[i..i + n] != name[..] {
+            return None;
+        }
+        if i > 0 && is_ident(code[i - 1]) {
+            return None;
+        }
+        let mut k = i + n;
+        while k < code.len() && code[k] == b' ' {
+            k += 1;
+        }
+        if code.get(k) != Some(&b'(') {
+            return None;
+        }
+        // A definition is not a call.
+        if i >= 3 && &code[i - 3..i] == b"fn " {
+            return None;
+        }
+        // Walk back over `recv.field.` to the receiver's root.
+        let mut s = i;
+        while s > 0 && (code[s - 1] == b'.' || is_ident(code[s - 1]) || code[s - 1] == b':') {
+            s -= 1;
+        }
+        let chain = String::from_utf8_lossy(&code[s..i]).into_owned();
+        let root = chain.split(['.', ':']).next().unwrap_or("").to_owned();
+        Some((i, root))
+    })
+}
+
+/// Whether a call's receiver root is the file's own object (or the call is a bare function).
+fn is_own(root: &str) -> bool {
+    matches!(root, "" | "self" | "inner" | "me" | "Self")
+}
+
+/// Re-entrant locking problems in one source file: (offset, message).
+///
+/// 1. A std `Mutex::lock()` is taken only inside a `with_*` helper that hands the guarded
+///    state to a closure (so no guard is returned to a caller that could call on with it).
+/// 2. Inside the closure passed to such a helper, nothing calls back into a function of the
+///    file that takes a lock (directly or through other functions), through `self`, `inner`,
+///    `me`, `Self::` or as a free function: that would take the same lock again.
+fn reentrant_locking(src: &str) -> Vec<(usize, String)> {
+    let code = code_only(src);
+    let fns = functions(&code);
+    let enclosing = |at: usize| {
+        fns.iter()
+            .filter(|(_, r)| r.contains(&at))
+            .min_by_key(|(_, r)| r.len())
+            .map(|(n, _)| n.as_str())
+    };
+    let mut problems = Vec::new();
+    let mut lockers = BTreeSet::new();
+    let mut at = 0;
+    while let Some(p) = find(&code, b".lock()", at) {
+        at = p + 1;
+        let rest = String::from_utf8_lossy(&code[p + 7..(p + 40).min(code.len())]).into_owned();
+        if rest.trim_start().starts_with(".await") {
+            continue; // an async mutex, made to be held across awaits
+        }
+        match enclosing(p) {
+            Some(name) if name.starts_with("with_") => {
+                lockers.insert(name.to_owned());
+            }
+            other => problems.push((
+                p,
+                format!(
+                    "`.lock()` in `{}`: take a std mutex only in a `with_*` helper that passes \
+                     the state to a closure",
+                    other.unwrap_or("<no function>")
+                ),
+            )),
+        }
+    }
+    // Functions that take a lock, directly or by calling one that does (to a fixed point).
+    let mut taking: BTreeSet<String> = lockers.clone();
+    loop {
+        let before = taking.len();
+        for (name, body) in &fns {
+            if !taking.contains(name)
+                && taking
+                    .iter()
+                    .any(|t| calls(&code, t, body.clone()).any(|(_, root)| is_own(&root)))
+            {
+                taking.insert(name.clone());
+            }
+        }
+        if taking.len() == before {
+            break;
+        }
+    }
+    for helper in &lockers {
+        for (call, _) in calls(&code, helper, 0..code.len()).collect::<Vec<_>>() {
+            let open = call + code[call..].iter().position(|&c| c == b'(').unwrap();
+            let args = open..matching(&code, open);
+            for t in &taking {
+                for (p, root) in calls(&code, t, args.clone()) {
+                    if is_own(&root) {
+                        problems.push((
+                            p,
+                            format!(
+                                "`{t}` takes a lock and is called inside the closure given to \
+                                 `{helper}`, which holds one: return what is needed from the \
+                                 closure and call `{t}` after it"
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    problems.sort();
+    problems.dedup();
+    problems
+}
+
+#[test]
+fn coordinator_state_locks_are_never_taken_twice() {
+    let mut files = Vec::new();
+    rust_files(&root().join("crates/coordinator/src"), &mut files);
+    let mut report = Vec::new();
+    for file in files {
+        let text = read(&file);
+        for (at, message) in reentrant_locking(&text) {
+            let line = text[..at].matches('\n').count() + 1;
+            report.push(format!("{}:{line}: {message}", file.display()));
+        }
+    }
+    assert!(report.is_empty(), "{}", report.join("\n"));
+}
+
+#[test]
+fn the_reentrant_locking_rule_catches_the_old_patterns() {
+    // A helper returning the guard, used by a caller that calls on while holding it: the
+    // pattern that deadlocked the prefill's registration path.
+    let returns_guard = r#"
+        impl Inner {
+            fn lock(&self) -> MutexGuard<'_, State> { self.state.lock().unwrap() }
+            fn reply(&self) { self.lock().peers.insert(1, 2); }
+            fn on_register(&self) {
+                match self.lock().peers.get(&1) { Some(_) => return self.reply(), None => {} }
+            }
+        }
+    "#;
+    let found: Vec<String> = reentrant_locking(returns_guard)
+        .into_iter()
+        .map(|(_, m)| m)
+        .collect();
+    assert_eq!(found.len(), 3, "{found:?}");
+    for f in ["lock", "reply", "on_register"] {
+        assert!(
+            found
+                .iter()
+                .any(|m| m.contains(&format!("`.lock()` in `{f}`"))),
+            "{found:?}"
+        );
+    }
+    // The same call made inside the closure of the state helper.
+    let nested = r#"
+        impl Inner {
+            fn with_state<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                f(&mut st)
+            }
+            fn reply(&self) { self.with_state(|st| st.peers.insert(1, 2)); }
+            fn on_register(&self) {
+                self.with_state(|st| if st.peers.contains_key(&1) { self.reply() });
+            }
+            fn fine(&self) {
+                let known = self.with_state(|st| st.peers.get(&1).copied());
+                if known.is_some() { self.reply() }
+                let s = "self.reply() in a string";
+                self.with_state(|st| st.peers.remove(&1)); // self.reply() in a comment
+            }
+        }
+        async fn waits(m: &tokio::sync::Mutex<u8>) { let _g = m.lock().await; }
+    "#;
+    let found = reentrant_locking(nested);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0]
+            .1
+            .contains("`reply` takes a lock and is called inside"),
+        "{found:?}"
+    );
+    assert_eq!(&nested[found[0].0..found[0].0 + 5], "reply");
+}

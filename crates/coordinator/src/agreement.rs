@@ -73,34 +73,39 @@ impl SharedMin {
         self.member
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Board> {
-        self.board.lock().unwrap_or_else(|e| e.into_inner())
+    /// Runs `f` on the board under its lock (the only place that takes it).
+    fn with_board<R>(&self, f: impl FnOnce(&mut Board) -> R) -> R {
+        let mut b = self.board.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut b)
     }
 }
 
 #[async_trait::async_trait]
 impl RankAgreement for SharedMin {
     async fn agree(&self, room: u64, local: RoomState) -> RoomState {
-        let mut b = self.lock();
-        let size = b.size;
-        let slots = b.rooms.entry(room).or_insert_with(|| vec![None; size]);
-        slots[self.member] = Some(local);
-        slots
-            .iter()
-            .map(|s| s.unwrap_or(RoomState::Bootstrapping))
-            .min()
-            .unwrap_or(local)
+        let member = self.member;
+        self.with_board(|b| {
+            let size = b.size;
+            let slots = b.rooms.entry(room).or_insert_with(|| vec![None; size]);
+            slots[member] = Some(local);
+            slots
+                .iter()
+                .map(|s| s.unwrap_or(RoomState::Bootstrapping))
+                .min()
+                .unwrap_or(local)
+        })
     }
 
     fn forget(&self, room: u64) {
-        let mut b = self.lock();
-        let size = b.size;
-        let n = b.cleared.entry(room).or_default();
-        *n += 1;
-        if *n >= size {
-            b.cleared.remove(&room);
-            b.rooms.remove(&room);
-        }
+        self.with_board(|b| {
+            let size = b.size;
+            let n = b.cleared.entry(room).or_default();
+            *n += 1;
+            if *n >= size {
+                b.cleared.remove(&room);
+                b.rooms.remove(&room);
+            }
+        });
     }
 }
 

@@ -205,26 +205,28 @@ impl InProcessControlHub {
     pub fn channel(&self, name: impl Into<String>) -> Result<InProcessChannel> {
         let endpoint = Endpoint(name.into());
         let (tx, rx) = mpsc::channel(self.inner.queue);
-        let mut st = self.inner.lock();
-        if st.slots.contains_key(&endpoint) {
-            return Err(CoordinatorError::ChannelClosed {
-                channel: IN_PROCESS,
-                reason: format!(
-                    "endpoint {endpoint} is already taken on this hub; give every agent its own endpoint name"
-                ),
-            });
-        }
-        st.next_id += 1;
-        let id = st.next_id;
-        st.slots.insert(
-            endpoint.clone(),
-            Slot {
-                tx,
-                id,
-                partitioned: false,
-                stalled: false,
-            },
-        );
+        let id = self.inner.with_state(|st| {
+            if st.slots.contains_key(&endpoint) {
+                return Err(CoordinatorError::ChannelClosed {
+                    channel: IN_PROCESS,
+                    reason: format!(
+                        "endpoint {endpoint} is already taken on this hub; give every agent its own endpoint name"
+                    ),
+                });
+            }
+            st.next_id += 1;
+            let id = st.next_id;
+            st.slots.insert(
+                endpoint.clone(),
+                Slot {
+                    tx,
+                    id,
+                    partitioned: false,
+                    stalled: false,
+                },
+            );
+            Ok(id)
+        })?;
         Ok(InProcessChannel {
             hub: self.inner.clone(),
             endpoint,
@@ -236,30 +238,38 @@ impl InProcessControlHub {
     /// Partitions `endpoint` (or heals it): while partitioned, messages to it and from it are
     /// silently dropped, like packets to a dead or unreachable host.
     pub fn set_partitioned(&self, endpoint: &Endpoint, partitioned: bool) {
-        if let Some(slot) = self.inner.lock().slots.get_mut(endpoint) {
-            slot.partitioned = partitioned;
-        }
+        self.inner.with_state(|st| {
+            if let Some(slot) = st.slots.get_mut(endpoint) {
+                slot.partitioned = partitioned;
+            }
+        });
     }
 
     /// Stalls `endpoint` (or un-stalls it): while stalled, sends to it never complete, like a
     /// peer that stopped reading a full socket.
     pub fn set_stalled(&self, endpoint: &Endpoint, stalled: bool) {
-        if let Some(slot) = self.inner.lock().slots.get_mut(endpoint) {
-            slot.stalled = stalled;
-        }
+        self.inner.with_state(|st| {
+            if let Some(slot) = st.slots.get_mut(endpoint) {
+                slot.stalled = stalled;
+            }
+        });
     }
 
     /// Endpoints currently registered on the hub.
     pub fn endpoints(&self) -> Vec<Endpoint> {
-        let mut v: Vec<_> = self.inner.lock().slots.keys().cloned().collect();
+        let mut v: Vec<Endpoint> = self
+            .inner
+            .with_state(|st| st.slots.keys().cloned().collect());
         v.sort();
         v
     }
 }
 
 impl HubInner {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HubState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    /// Runs `f` on the hub's state under its lock (the only place that takes it).
+    fn with_state<R>(&self, f: impl FnOnce(&mut HubState) -> R) -> R {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut st)
     }
 }
 
@@ -275,14 +285,14 @@ pub struct InProcessChannel {
 
 impl Drop for InProcessChannel {
     fn drop(&mut self) {
-        let mut st = self.hub.lock();
-        if st
-            .slots
-            .get(&self.endpoint)
-            .is_some_and(|s| s.id == self.id)
-        {
-            st.slots.remove(&self.endpoint);
-        }
+        let (endpoint, id) = (&self.endpoint, self.id);
+        self.hub.with_state(|st| {
+            if st.slots.get(endpoint).is_some_and(|s| s.id == id) {
+                st.slots.remove(endpoint)
+            } else {
+                None
+            }
+        });
     }
 }
 
@@ -311,23 +321,20 @@ impl ControlChannel for InProcessChannel {
         } else {
             message
         };
-        let (tx, drop_it, stalled) = {
-            let st = self.hub.lock();
+        let (tx, drop_it, stalled) = self.hub.with_state(|st| {
             let me_partitioned = st.slots.get(&self.endpoint).is_some_and(|s| s.partitioned);
             match st.slots.get(to) {
-                None => {
-                    return Err(CoordinatorError::UnknownEndpoint {
-                        channel: IN_PROCESS,
-                        endpoint: to.clone(),
-                    });
-                }
-                Some(slot) => (
+                None => Err(CoordinatorError::UnknownEndpoint {
+                    channel: IN_PROCESS,
+                    endpoint: to.clone(),
+                }),
+                Some(slot) => Ok((
                     slot.tx.clone(),
                     me_partitioned || slot.partitioned,
                     slot.stalled,
-                ),
+                )),
             }
-        };
+        })?;
         if stalled {
             std::future::pending::<()>().await;
         }

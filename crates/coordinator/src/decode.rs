@@ -3,7 +3,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use kvbridge_handshake::{PeerDescriptor, PeerTarget, RankMapping, check_with};
@@ -28,9 +28,9 @@ use crate::metrics::{Metrics, MetricsSnapshot, inc};
 use crate::outbox::{Outbox, send_failed_to};
 use crate::start::{check_role, current_runtime};
 use crate::state::{
-    FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, wait_terminal,
+    FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, admit_room, wait_terminal,
 };
-use crate::timer::{TimerGuard, spawn_timer};
+use crate::timer::{TimerGuard, spawn_timer_on};
 
 const SIDE: &str = "decode";
 
@@ -144,7 +144,6 @@ impl DecodeAgentBuilder {
                 agreement: self.agreement,
                 state: Mutex::new(DecodeState::default()),
                 next_generation: AtomicU64::new(1),
-                tasks: Mutex::new(Vec::new()),
             }
         });
         let control = runtime.spawn(control_loop(inner.channel.clone(), Arc::downgrade(&inner)));
@@ -152,11 +151,10 @@ impl DecodeAgentBuilder {
             Arc::downgrade(&inner),
             inner.config.heartbeat_interval,
         ));
-        inner
-            .tasks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .extend([control.abort_handle(), heartbeat.abort_handle()]);
+        inner.with_state(|st| {
+            st.tasks
+                .extend([control.abort_handle(), heartbeat.abort_handle()])
+        });
         tracing::info!(
             endpoint = %inner.endpoint,
             tp_rank = inner.descriptor.attn_tp_rank,
@@ -249,6 +247,7 @@ struct DecodeState {
     next_incarnation: u64,
     next_nonce: u64,
     closed: bool,
+    tasks: Vec<AbortHandle>,
 }
 
 pub(crate) struct DecodeInner {
@@ -263,19 +262,15 @@ pub(crate) struct DecodeInner {
     outbox: Outbox,
     metrics: Arc<Metrics>,
     agreement: Arc<dyn RankAgreement>,
+    /// Only [`DecodeInner::with_state`] locks it.
     state: Mutex<DecodeState>,
     next_generation: AtomicU64,
-    tasks: Mutex<Vec<AbortHandle>>,
 }
 
 impl Drop for DecodeInner {
     fn drop(&mut self) {
-        for t in self
-            .tasks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain(..)
-        {
+        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        for t in st.tasks.drain(..) {
             t.abort();
         }
     }
@@ -372,11 +367,12 @@ impl DecodeAgent {
     /// # Errors
     /// [`CoordinatorError::UnknownRoom`].
     pub fn poll(&self, room: u64) -> Result<RoomState> {
-        let st = self.inner.lock();
-        st.rooms
-            .get(&room)
-            .map(|r| r.status.state())
-            .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
+        self.inner.with_state(|st| {
+            st.rooms
+                .get(&room)
+                .map(|r| r.status.state())
+                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
+        })
     }
 
     /// The room's state agreed with the other ranks through the [`RankAgreement`] hook.
@@ -390,8 +386,8 @@ impl DecodeAgent {
 
     /// The failure of a Failed room (`None` otherwise), with its first recorded reason.
     pub fn failure(&self, room: u64) -> Option<KvTransferError> {
-        let st = self.inner.lock();
-        st.rooms.get(&room).and_then(|r| r.status.error(room))
+        self.inner
+            .with_state(|st| st.rooms.get(&room).and_then(|r| r.status.error(room)))
     }
 
     /// Waits until the room is terminal: `Ok` on Success, its [`KvTransferError`] on Failed.
@@ -400,24 +396,23 @@ impl DecodeAgent {
     /// [`CoordinatorError::Transfer`]; [`CoordinatorError::UnknownRoom`] (also when the room
     /// is cleared while waiting).
     pub async fn wait(&self, room: u64) -> Result<()> {
-        let rx = {
-            let st = self.inner.lock();
+        let rx = self.inner.with_state(|st| {
             st.rooms
                 .get(&room)
-                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })?
-                .status
-                .subscribe()
-        };
+                .map(|r| r.status.subscribe())
+                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
+        })?;
         let state = wait_terminal(rx).await;
-        let st = self.inner.lock();
-        let r = st
-            .rooms
-            .get(&room)
-            .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })?;
-        match state {
-            Some(RoomState::Success) => Ok(()),
-            _ => Err(r.status.failure_or_unknown(room, SIDE)),
-        }
+        self.inner.with_state(|st| {
+            let r = st
+                .rooms
+                .get(&room)
+                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })?;
+            match state {
+                Some(RoomState::Success) => Ok(()),
+                _ => Err(r.status.failure_or_unknown(room, SIDE)),
+            }
+        })
     }
 
     /// Aborts the room (`Aborted by AbortReq.`) and tells its prefill peers (once), who
@@ -436,11 +431,12 @@ impl DecodeAgent {
     /// # Errors
     /// [`CoordinatorError::UnknownRoom`].
     pub fn is_fenced(&self, room: u64) -> Result<bool> {
-        let st = self.inner.lock();
-        st.rooms
-            .get(&room)
-            .map(|r| r.status.state() == RoomState::Failed && *r.fenced.borrow())
-            .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
+        self.inner.with_state(|st| {
+            st.rooms
+                .get(&room)
+                .map(|r| r.status.state() == RoomState::Failed && *r.fenced.borrow())
+                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
+        })
     }
 
     /// Waits until the room is terminal and, if it Failed, until no byte of it can land any
@@ -460,7 +456,7 @@ impl DecodeAgent {
     /// Forgets a room. Prefer [`release_when_fenced`](Self::release_when_fenced) for a Failed
     /// room: clearing an unfenced room gives up the proof that its pages are safe.
     pub fn clear(&self, room: u64) {
-        let removed = self.inner.lock().rooms.remove(&room);
+        let removed = self.inner.with_state(|st| st.rooms.remove(&room));
         if let Some(r) = removed {
             if r.status.state() == RoomState::Failed && !*r.fenced.borrow() {
                 tracing::warn!(parent: &r.span, "cleared a failed room before it was fenced: its pages may still receive bytes");
@@ -471,26 +467,27 @@ impl DecodeAgent {
 
     /// A snapshot of this agent's metrics.
     pub fn metrics(&self) -> MetricsSnapshot {
-        let by_state =
-            Metrics::count_states(self.inner.lock().rooms.values().map(|r| r.status.state()));
+        let states: Vec<RoomState> = self
+            .inner
+            .with_state(|st| st.rooms.values().map(|r| r.status.state()).collect());
+        let by_state = Metrics::count_states(states.into_iter());
         self.inner.metrics.snapshot(by_state)
     }
 
     /// Rooms currently held.
     pub fn room_count(&self) -> usize {
-        self.inner.lock().rooms.len()
+        self.inner.with_state(|st| st.rooms.len())
     }
 
     /// Prefill endpoints this rank is registered with.
     pub fn registered_peers(&self) -> Vec<Endpoint> {
-        let mut v: Vec<_> = self
-            .inner
-            .lock()
-            .peers
-            .iter()
-            .filter(|(_, c)| matches!(c, PeerConn::Accepted { .. }))
-            .map(|(e, _)| e.clone())
-            .collect();
+        let mut v: Vec<Endpoint> = self.inner.with_state(|st| {
+            st.peers
+                .iter()
+                .filter(|(_, c)| matches!(c, PeerConn::Accepted { .. }))
+                .map(|(e, _)| e.clone())
+                .collect()
+        });
         v.sort();
         v
     }
@@ -498,11 +495,10 @@ impl DecodeAgent {
     /// Stops the agent: every room that is not terminal fails (and aborts its peers), the
     /// control loop and heartbeat stop.
     pub fn shutdown(&self) {
-        let rooms: Vec<u64> = {
-            let mut st = self.inner.lock();
+        let rooms: Vec<u64> = self.inner.with_state(|st| {
             st.closed = true;
             st.rooms.keys().copied().collect()
-        };
+        });
         for room in rooms {
             self.inner.fail_room(
                 room,
@@ -514,21 +510,29 @@ impl DecodeAgent {
                 ),
             );
         }
-        for t in self
-            .inner
-            .tasks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain(..)
-        {
+        let tasks = self.inner.with_state(|st| std::mem::take(&mut st.tasks));
+        for t in tasks {
             t.abort();
         }
     }
 }
 
 impl DecodeInner {
-    fn lock(&self) -> MutexGuard<'_, DecodeState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    /// Runs `f` on the agent's state under its lock; the only place that takes it. `f` gets
+    /// the state, not the agent, and its result cannot borrow the guard, so the lock is
+    /// released before the caller does anything else (a std mutex is not re-entrant: calling
+    /// back into the agent under it would park the thread forever).
+    fn with_state<R>(&self, f: impl FnOnce(&mut DecodeState) -> R) -> R {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut st)
+    }
+
+    fn timer(
+        self: &Arc<Self>,
+        delay: Duration,
+        f: impl FnOnce(&DecodeInner) + Send + 'static,
+    ) -> TimerGuard {
+        spawn_timer_on(Arc::downgrade(self), delay, f)
     }
 
     fn virtual_page(&self) -> u64 {
@@ -572,8 +576,7 @@ impl DecodeInner {
     ) {
         tracing::warn!(peer = %to, kind, room, error = %err, "decode could not deliver a control message");
         match kind {
-            "register" => {
-                let mut st = self.lock();
+            "register" => self.with_state(|st| {
                 if let Some(PeerConn::Registering { notify: tx, .. }) = st.peers.get(to) {
                     let tx = tx.clone();
                     st.peers.insert(
@@ -585,7 +588,7 @@ impl DecodeInner {
                     );
                     tx.send_replace(true);
                 }
-            }
+            }),
             "transfer_info" => {
                 if let Some(room) = room {
                     self.fail_room(
@@ -641,29 +644,6 @@ impl DecodeInner {
                 });
             }
         }
-        let mut st = self.lock();
-        if st.closed {
-            return Err(CoordinatorError::Shutdown { side: SIDE });
-        }
-        if let Some(r) = st.rooms.get(&room) {
-            return Err(CoordinatorError::DuplicateRoom {
-                room,
-                side: SIDE,
-                state: r.status.state(),
-            });
-        }
-        if st.rooms.len() >= self.config.max_rooms {
-            return Err(CoordinatorError::InvalidRequest {
-                what: "room",
-                message: format!(
-                    "this decode agent already holds {} rooms (max_rooms); release finished rooms \
-                     or raise DecodeConfig::max_rooms",
-                    st.rooms.len()
-                ),
-            });
-        }
-        st.next_incarnation += 1;
-        let incarnation = st.next_incarnation;
         let span = tracing::info_span!(
             parent: None,
             "kv_room",
@@ -693,26 +673,40 @@ impl DecodeInner {
             );
         }
         let generation = self.next_generation();
-        st.rooms.insert(
-            room,
-            DecodeRoom {
-                status: RoomStatus::new(RoomState::Bootstrapping),
-                incarnation,
-                generation,
-                created_at: Instant::now(),
-                targets: Vec::new(),
-                required_responses: 0,
-                successes: BTreeSet::new(),
-                metadata_sent: false,
-                abort_generation: None,
-                unacked: BTreeSet::new(),
-                acked: Vec::new(),
-                fenced: watch::Sender::new(false),
-                waiting_timer: None,
-                span: span.clone(),
-            },
-        );
-        drop(st);
+        let max_rooms = self.config.max_rooms;
+        let incarnation = self.with_state(|st| {
+            admit_room(
+                SIDE,
+                room,
+                st.closed,
+                st.rooms.get(&room).map(|r| r.status.state()),
+                st.rooms.len(),
+                max_rooms,
+                "release finished rooms or raise DecodeConfig::max_rooms",
+            )?;
+            st.next_incarnation += 1;
+            let incarnation = st.next_incarnation;
+            st.rooms.insert(
+                room,
+                DecodeRoom {
+                    status: RoomStatus::new(RoomState::Bootstrapping),
+                    incarnation,
+                    generation,
+                    created_at: Instant::now(),
+                    targets: Vec::new(),
+                    required_responses: 0,
+                    successes: BTreeSet::new(),
+                    metadata_sent: false,
+                    abort_generation: None,
+                    unacked: BTreeSet::new(),
+                    acked: Vec::new(),
+                    fenced: watch::Sender::new(false),
+                    waiting_timer: None,
+                    span: span.clone(),
+                },
+            );
+            Ok::<_, CoordinatorError>(incarnation)
+        })?;
         inc(&self.metrics.rooms_created);
         let dst_pages = req.page_table[first_page..].to_vec();
         let me = self.clone();
@@ -743,15 +737,15 @@ impl DecodeInner {
         aux_index: u64,
     ) {
         let timeout = self.config.bootstrap_timeout;
-        let pending: Arc<Mutex<Vec<Endpoint>>> = Arc::new(Mutex::new(Vec::new()));
+        // The peers not registered yet, named if the bootstrap times out.
+        let pending: Arc<watch::Sender<Vec<Endpoint>>> = Arc::new(watch::Sender::new(Vec::new()));
         let handshake = {
             let me = self.clone();
             let addr = addr.clone();
             let pending = pending.clone();
             async move {
                 let resolved = me.resolve(&addr).await?;
-                *pending.lock().unwrap_or_else(|e| e.into_inner()) =
-                    resolved.targets.iter().map(|(_, e)| e.clone()).collect();
+                pending.send_replace(resolved.targets.iter().map(|(_, e)| e.clone()).collect());
                 // Kick every registration first, then wait for each (they run concurrently).
                 let mut ranks = Vec::with_capacity(resolved.targets.len());
                 let receivers: Vec<_> = resolved
@@ -761,10 +755,7 @@ impl DecodeInner {
                     .collect();
                 for (endpoint, rx) in receivers {
                     let rank = me.await_registration(&endpoint, rx).await?;
-                    pending
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .retain(|p| p != &endpoint);
+                    pending.send_modify(|p| p.retain(|p| p != &endpoint));
                     ranks.push(rank);
                 }
                 Ok::<_, FailureReason>((resolved, ranks))
@@ -782,12 +773,7 @@ impl DecodeInner {
             ),
             Ok(Err(reason)) => self.fail_room(room, Some(incarnation), reason),
             Err(_) => {
-                let waiting: Vec<String> = pending
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .iter()
-                    .map(|e| e.to_string())
-                    .collect();
+                let waiting: Vec<String> = pending.borrow().iter().map(|e| e.to_string()).collect();
                 let what = if waiting.is_empty() {
                     format!("the directory lookup of {addr}")
                 } else {
@@ -812,8 +798,8 @@ impl DecodeInner {
 
     /// Resolves a bootstrap address to the rank mapping and the peers' endpoints (cached).
     async fn resolve(&self, addr: &str) -> std::result::Result<Arc<Resolved>, FailureReason> {
-        if let Some(r) = self.lock().addrs.get(addr) {
-            return Ok(r.clone());
+        if let Some(r) = self.with_state(|st| st.addrs.get(addr).cloned()) {
+            return Ok(r);
         }
         let ranks = self.directory.prefill_ranks(addr).await.map_err(|e| {
             FailureReason::with_peer(FailureCause::BootstrapTimeout, addr, e.to_string())
@@ -866,46 +852,46 @@ impl DecodeInner {
             }
         }
         let resolved = Arc::new(Resolved { mapping, targets });
-        self.lock().addrs.insert(addr.to_owned(), resolved.clone());
+        self.with_state(|st| st.addrs.insert(addr.to_owned(), resolved.clone()));
         Ok(resolved)
     }
 
     /// Sends a registration to `endpoint` unless one is done or in progress; returns a
     /// receiver that flips when an outcome is known.
     fn start_registration(self: &Arc<Self>, endpoint: &Endpoint) -> watch::Receiver<bool> {
-        let mut st = self.lock();
-        match st.peers.get(endpoint) {
-            Some(PeerConn::Registering { notify: tx, .. }) => return tx.subscribe(),
-            Some(PeerConn::Accepted { .. }) => return watch::Sender::new(true).subscribe(),
-            // A refusal or an unreachable peer is remembered for a heartbeat interval (rooms
-            // fail at once), then asked again: the prefill may have been fixed and restarted.
-            Some(PeerConn::Rejected(_, since) | PeerConn::Unreachable { since, .. })
-                if since.elapsed() < self.config.heartbeat_interval =>
-            {
-                return watch::Sender::new(true).subscribe();
-            }
-            _ => {}
-        }
-        let (tx, rx) = watch::channel(false);
-        let weak = Arc::downgrade(self);
-        let e = endpoint.clone();
         // A registration that is never answered is forgotten so a later room can retry.
-        let timer = spawn_timer(self.config.bootstrap_timeout, move || {
-            if let Some(inner) = weak.upgrade() {
-                let mut st = inner.lock();
-                if let Some(PeerConn::Registering { notify: tx, .. }) = st.peers.get(&e) {
-                    tx.send_replace(true);
-                    st.peers.remove(&e);
-                }
-            }
+        let e = endpoint.clone();
+        let timer = self.timer(self.config.bootstrap_timeout, move |inner| {
+            inner.registration_expired(&e)
         });
-        st.peers.insert(
-            endpoint.clone(),
-            PeerConn::Registering {
-                notify: tx,
-                _expiry: timer,
-            },
-        );
+        let remember = self.config.heartbeat_interval;
+        let started = self.with_state(|st| {
+            match st.peers.get(endpoint) {
+                Some(PeerConn::Registering { notify: tx, .. }) => return Err(tx.subscribe()),
+                Some(PeerConn::Accepted { .. }) => return Err(watch::Sender::new(true).subscribe()),
+                // A refusal or an unreachable peer is remembered for a heartbeat interval (rooms
+                // fail at once), then asked again: the prefill may have been fixed and restarted.
+                Some(PeerConn::Rejected(_, since) | PeerConn::Unreachable { since, .. })
+                    if since.elapsed() < remember =>
+                {
+                    return Err(watch::Sender::new(true).subscribe());
+                }
+                _ => {}
+            }
+            let (tx, rx) = watch::channel(false);
+            st.peers.insert(
+                endpoint.clone(),
+                PeerConn::Registering {
+                    notify: tx,
+                    _expiry: timer,
+                },
+            );
+            Ok(rx)
+        });
+        let rx = match started {
+            Ok(rx) => rx,
+            Err(known) => return known,
+        };
         let reg = Registration {
             protocol: CONTROL_PROTOCOL_VERSION,
             decode_endpoint: self.endpoint.clone(),
@@ -922,6 +908,15 @@ impl DecodeInner {
         rx
     }
 
+    fn registration_expired(&self, endpoint: &Endpoint) {
+        self.with_state(|st| {
+            if let Some(PeerConn::Registering { notify: tx, .. }) = st.peers.get(endpoint) {
+                tx.send_replace(true);
+                st.peers.remove(endpoint);
+            }
+        });
+    }
+
     async fn await_registration(
         self: &Arc<Self>,
         endpoint: &Endpoint,
@@ -934,30 +929,25 @@ impl DecodeInner {
         }
         loop {
             if *rx.borrow_and_update() {
-                let next = {
-                    let st = self.lock();
-                    match st.peers.get(endpoint) {
-                        Some(PeerConn::Accepted { rank }) => Next::Done(Ok(*rank)),
-                        Some(PeerConn::Rejected(problems, _)) => {
-                            Next::Done(Err(FailureReason::with_peer(
-                                FailureCause::PeerRejected,
-                                endpoint,
-                                render_problems(problems),
-                            )))
-                        }
-                        Some(PeerConn::Unreachable { reason, .. }) => {
-                            Next::Done(Err(FailureReason::with_peer(
-                                FailureCause::ControlChannel,
-                                endpoint,
-                                reason.clone(),
-                            )))
-                        }
-                        Some(PeerConn::Registering { notify: tx, .. }) => {
-                            Next::Wait(tx.subscribe())
-                        }
-                        None => Next::Retry,
+                let next = self.with_state(|st| match st.peers.get(endpoint) {
+                    Some(PeerConn::Accepted { rank }) => Next::Done(Ok(*rank)),
+                    Some(PeerConn::Rejected(problems, _)) => {
+                        Next::Done(Err(FailureReason::with_peer(
+                            FailureCause::PeerRejected,
+                            endpoint,
+                            render_problems(problems),
+                        )))
                     }
-                };
+                    Some(PeerConn::Unreachable { reason, .. }) => {
+                        Next::Done(Err(FailureReason::with_peer(
+                            FailureCause::ControlChannel,
+                            endpoint,
+                            reason.clone(),
+                        )))
+                    }
+                    Some(PeerConn::Registering { notify: tx, .. }) => Next::Wait(tx.subscribe()),
+                    None => Next::Retry,
+                });
                 match next {
                     Next::Done(r) => return r,
                     Next::Wait(r) => {
@@ -986,7 +976,7 @@ impl DecodeInner {
             tracing::debug!(prefill = %r.prefill_endpoint, "registration reply for an old session ignored");
             return;
         }
-        let mut st = self.lock();
+        let rejected = self.with_state(|st| {
         let conn = match r.result {
             RegistrationOutcome::Accepted { descriptor } => {
                 tracing::info!(prefill = %r.prefill_endpoint, rank = r.prefill_rank, tp_rank = descriptor.attn_tp_rank, "registered with prefill rank");
@@ -1001,19 +991,19 @@ impl DecodeInner {
                 PeerConn::Rejected(problems, Instant::now())
             }
         };
-        let rejected = matches!(conn, PeerConn::Rejected(..));
+        let rejected = match &conn {
+            PeerConn::Rejected(problems, _) => Some(problems.clone()),
+            _ => None,
+        };
         if let Some(PeerConn::Registering { notify: tx, .. }) =
             st.peers.insert(r.prefill_endpoint.clone(), conn)
         {
             tx.send_replace(true);
         }
-        drop(st);
-        if rejected {
+        rejected
+        });
+        if let Some(problems) = rejected {
             // Rooms already waiting on this peer fail at once with its problems.
-            let problems = match self.lock().peers.get(&r.prefill_endpoint) {
-                Some(PeerConn::Rejected(p, _)) => p.clone(),
-                _ => Vec::new(),
-            };
             self.fail_rooms_of(
                 &r.prefill_endpoint,
                 FailureReason::with_peer(
@@ -1036,7 +1026,11 @@ impl DecodeInner {
         prefix: u64,
         aux_index: u64,
     ) {
-        let mut st = self.lock();
+        let timeout = self.config.waiting_timeout;
+        let timer = self.timer(timeout, move |inner| {
+            inner.on_waiting_timeout(room, incarnation)
+        });
+        self.with_state(|st| {
         let Some(r) = st
             .rooms
             .get_mut(&room)
@@ -1081,59 +1075,60 @@ impl DecodeInner {
         r.metadata_sent = true;
         r.status.update(RoomState::WaitingForInput);
         tracing::debug!(parent: &r.span, peers = r.targets.len(), required = r.required_responses, prefix, pages = dst_pages.len(), "metadata sent");
-        let weak = Arc::downgrade(self);
-        let timeout = self.config.waiting_timeout;
-        r.waiting_timer = Some(spawn_timer(timeout, move || {
-            if let Some(inner) = weak.upgrade() {
-                // The peers that have not reported Success are the ones named.
-                let silent = inner.lock().rooms.get(&room).and_then(|r| {
-                    (r.incarnation == incarnation && !r.status.state().is_terminal()).then(|| {
-                        r.targets
-                            .iter()
-                            .filter(|t| !t.dummy && !r.successes.contains(&t.rank))
-                            .map(|t| t.endpoint.to_string())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    })
-                });
-                if let Some(silent) = silent {
-                    inner.fail_room(
-                        room,
-                        Some(incarnation),
-                        FailureReason::with_peer(
-                            FailureCause::WaitingTimeout,
-                            silent,
-                            format!(
-                                "Request {room} timed out after {:.1}s in KVPoll.WaitingForInput",
-                                timeout.as_secs_f64()
-                            ),
-                        ),
-                    );
-                }
-            }
-        }));
+        r.waiting_timer = Some(timer);
+        });
+    }
+
+    fn on_waiting_timeout(&self, room: u64, incarnation: u64) {
+        // The peers that have not reported Success are the ones named.
+        let silent = self.with_state(|st| {
+            st.rooms.get(&room).and_then(|r| {
+                (r.incarnation == incarnation && !r.status.state().is_terminal()).then(|| {
+                    r.targets
+                        .iter()
+                        .filter(|t| !t.dummy && !r.successes.contains(&t.rank))
+                        .map(|t| t.endpoint.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                })
+            })
+        });
+        if let Some(silent) = silent {
+            self.fail_room(
+                room,
+                Some(incarnation),
+                FailureReason::with_peer(
+                    FailureCause::WaitingTimeout,
+                    silent,
+                    format!(
+                        "Request {room} timed out after {:.1}s in KVPoll.WaitingForInput",
+                        self.config.waiting_timeout.as_secs_f64()
+                    ),
+                ),
+            );
+        }
     }
 
     fn on_status(&self, from: &Endpoint, s: StatusUpdate) {
         let room = s.room;
-        let mut st = self.lock();
+        let failed = self.with_state(|st| {
         let Some(r) = st.rooms.get_mut(&room) else {
             tracing::debug!(room, from = %from, "status for a room this decode does not hold: dropped");
-            return;
+            return None;
         };
         if s.generation != r.generation {
             tracing::debug!(room, from = %from, "status for an earlier use of the room: dropped");
-            return;
+            return None;
         }
         let Some(target) = r.targets.iter().find(|t| t.rank == s.prefill_rank).cloned() else {
             tracing::warn!(parent: &r.span, rank = s.prefill_rank, from = %from, "status from a prefill rank that is not a peer of this room: dropped");
-            return;
+            return None;
         };
         match s.state {
             RoomState::Success => {
                 if target.dummy {
                     tracing::warn!(parent: &r.span, rank = s.prefill_rank, "Success from a dummy prefill rank ignored");
-                    return;
+                    return None;
                 }
                 r.successes.insert(s.prefill_rank);
                 if r.successes.len() as u32 >= r.required_responses.max(1)
@@ -1154,26 +1149,19 @@ impl DecodeInner {
                     st.health.remove(&target.endpoint);
                     tracing::warn!(prefill = %target.endpoint, "the prefill does not know this decode any more; it will register again");
                 }
-                let Some(r) = st.rooms.get_mut(&room) else {
-                    return;
-                };
+                let r = st.rooms.get_mut(&room)?;
                 if r.status.state() == RoomState::Success {
                     tracing::warn!(parent: &r.span, rank = s.prefill_rank, "Failed status after Success ignored");
-                    return;
+                    return None;
                 }
-                drop(st);
-                let message = s.reason.filter(|m| !m.is_empty()).unwrap_or_else(|| {
+                let message = s.reason.clone().filter(|m| !m.is_empty()).unwrap_or_else(|| {
                     "Failed to get kvcache from prefill instance, it might be dead".to_owned()
                 });
-                self.fail_room(
-                    room,
-                    None,
-                    FailureReason::with_peer(
-                        s.cause.unwrap_or(FailureCause::RemoteFailure),
-                        &target.endpoint,
-                        message,
-                    ),
-                );
+                return Some(FailureReason::with_peer(
+                    s.cause.unwrap_or(FailureCause::RemoteFailure),
+                    &target.endpoint,
+                    message,
+                ));
             }
             other => tracing::debug!(
                 parent: &r.span,
@@ -1181,19 +1169,24 @@ impl DecodeInner {
                 s.prefill_rank
             ),
         }
+        None
+        });
+        if let Some(reason) = failed {
+            self.fail_room(room, None, reason);
+        }
     }
 
     fn fail_rooms_of(&self, endpoint: &Endpoint, reason: FailureReason) {
-        let rooms: Vec<u64> = self
-            .lock()
-            .rooms
-            .iter()
-            .filter(|(_, r)| {
-                r.status.state() != RoomState::Success
-                    && r.targets.iter().any(|t| &t.endpoint == endpoint)
-            })
-            .map(|(&k, _)| k)
-            .collect();
+        let rooms: Vec<u64> = self.with_state(|st| {
+            st.rooms
+                .iter()
+                .filter(|(_, r)| {
+                    r.status.state() != RoomState::Success
+                        && r.targets.iter().any(|t| &t.endpoint == endpoint)
+                })
+                .map(|(&k, _)| k)
+                .collect()
+        });
         for room in rooms {
             self.fail_room(room, None, reason.clone());
         }
@@ -1202,7 +1195,7 @@ impl DecodeInner {
     /// Fails a room (first reason wins). If its metadata went out, arms a new abort generation
     /// and sends ABORT to every peer that got it; otherwise the room is fenced at once.
     fn fail_room(&self, room: u64, incarnation: Option<u64>, reason: FailureReason) {
-        let mut st = self.lock();
+        self.with_state(|st| {
         let Some(r) = st.rooms.get_mut(&room) else {
             return;
         };
@@ -1219,27 +1212,18 @@ impl DecodeInner {
             let generation = self.next_generation();
             r.abort_generation = Some(generation);
             r.unacked = r.targets.iter().map(|t| t.endpoint.clone()).collect();
-            for e in &r.unacked {
-                self.outbox.send(
-                    e,
-                    ControlMessage::Abort(AbortRequest {
-                        room,
-                        generation,
-                        decode_endpoint: self.endpoint.clone(),
-                        reason: reason.message.clone(),
-                    }),
-                );
-            }
+            self.send_aborts(room, generation, &r.unacked, &reason.message);
             if r.unacked.is_empty() {
                 r.fenced.send_replace(true);
             }
         } else {
             r.fenced.send_replace(true);
         }
+        });
     }
 
     fn on_abort_ack(&self, a: AbortAck) {
-        let mut st = self.lock();
+        self.with_state(|st| {
         let Some(r) = st.rooms.get_mut(&a.room) else {
             return;
         };
@@ -1255,25 +1239,23 @@ impl DecodeInner {
                 tracing::info!(parent: &r.span, acks = r.acked.len(), "room fenced: every sender acknowledged the abort");
             }
         }
+        });
     }
 
     async fn release_when_fenced(&self, room: u64) -> Result<FenceReport> {
-        let (state_rx, mut fenced_rx) = {
-            let st = self.lock();
-            let r = st
-                .rooms
+        let (state_rx, mut fenced_rx) = self.with_state(|st| {
+            st.rooms
                 .get(&room)
-                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })?;
-            (r.status.subscribe(), r.fenced.subscribe())
-        };
+                .map(|r| (r.status.subscribe(), r.fenced.subscribe()))
+                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
+        })?;
         if wait_terminal(state_rx).await != Some(RoomState::Failed) {
-            let st = self.lock();
-            return match st.rooms.get(&room) {
+            return self.with_state(|st| match st.rooms.get(&room) {
                 Some(r) if r.status.state() == RoomState::Success => {
                     Err(CoordinatorError::NotFailed { room })
                 }
                 _ => Err(CoordinatorError::UnknownRoom { room, side: SIDE }),
-            };
+            });
         }
         let started = Instant::now();
         let deadline = started + self.config.fence_timeout;
@@ -1293,12 +1275,12 @@ impl DecodeInner {
                 }
                 _ = tokio::time::sleep(resend) => self.resend_aborts(room),
                 _ = tokio::time::sleep_until(deadline) => {
-                    let pending = self
-                        .lock()
-                        .rooms
-                        .get(&room)
-                        .map(|r| r.unacked.iter().map(|e| e.to_string()).collect::<Vec<_>>().join(", "))
-                        .unwrap_or_default();
+                    let pending = self.with_state(|st| {
+                        st.rooms
+                            .get(&room)
+                            .map(|r| r.unacked.iter().map(|e| e.to_string()).collect::<Vec<_>>().join(", "))
+                            .unwrap_or_default()
+                    });
                     return Err(CoordinatorError::FenceTimeout {
                         room,
                         waited: self.config.fence_timeout,
@@ -1307,7 +1289,7 @@ impl DecodeInner {
                 }
             }
         }
-        let removed = self.lock().rooms.remove(&room);
+        let removed = self.with_state(|st| st.rooms.remove(&room));
         self.agreement.forget(room);
         let acked_by = removed.map(|r| r.acked).unwrap_or_default();
         Ok(FenceReport {
@@ -1317,50 +1299,59 @@ impl DecodeInner {
         })
     }
 
-    fn resend_aborts(&self, room: u64) {
-        let st = self.lock();
-        let Some(r) = st.rooms.get(&room) else { return };
-        let (Some(generation), Some(reason)) = (r.abort_generation, r.status.reason()) else {
-            return;
-        };
-        for e in &r.unacked {
+    /// Queues an ABORT of `room` (this abort generation) to each of `to` (the outbox never
+    /// waits, and takes no lock of the agent).
+    fn send_aborts(&self, room: u64, generation: u64, to: &BTreeSet<Endpoint>, reason: &str) {
+        for e in to {
             self.outbox.send(
                 e,
                 ControlMessage::Abort(AbortRequest {
                     room,
                     generation,
                     decode_endpoint: self.endpoint.clone(),
-                    reason: reason.message.clone(),
+                    reason: reason.to_owned(),
                 }),
             );
         }
     }
 
+    fn resend_aborts(&self, room: u64) {
+        self.with_state(|st| {
+            let Some(r) = st.rooms.get(&room) else { return };
+            let (Some(generation), Some(reason)) = (r.abort_generation, r.status.reason()) else {
+                return;
+            };
+            self.send_aborts(room, generation, &r.unacked, &reason.message);
+        });
+    }
+
     fn heartbeat_tick(&self) {
-        let mut lost = Vec::new();
-        let mut st = self.lock();
-        let accepted: Vec<Endpoint> = st
-            .peers
-            .iter()
-            .filter(|(_, c)| matches!(c, PeerConn::Accepted { .. }))
-            .map(|(e, _)| e.clone())
-            .collect();
-        for e in accepted {
-            st.next_nonce += 1;
-            let nonce = st.next_nonce;
-            let h = st.health.entry(e.clone()).or_default();
-            if h.waiting.is_some() {
-                h.misses += 1;
+        let max_failures = self.config.heartbeat_max_failures.max(1);
+        let lost = self.with_state(|st| {
+            let mut lost = Vec::new();
+            let accepted: Vec<Endpoint> = st
+                .peers
+                .iter()
+                .filter(|(_, c)| matches!(c, PeerConn::Accepted { .. }))
+                .map(|(e, _)| e.clone())
+                .collect();
+            for e in accepted {
+                st.next_nonce += 1;
+                let nonce = st.next_nonce;
+                let h = st.health.entry(e.clone()).or_default();
+                if h.waiting.is_some() {
+                    h.misses += 1;
+                }
+                if h.misses >= max_failures {
+                    lost.push((e, h.misses));
+                } else {
+                    h.waiting = Some(nonce);
+                    self.outbox
+                        .send(&e, ControlMessage::Ping(Heartbeat { nonce }));
+                }
             }
-            if h.misses >= self.config.heartbeat_max_failures.max(1) {
-                lost.push((e, h.misses));
-            } else {
-                h.waiting = Some(nonce);
-                self.outbox
-                    .send(&e, ControlMessage::Ping(Heartbeat { nonce }));
-            }
-        }
-        drop(st);
+            lost
+        });
         for (e, misses) in lost {
             self.peer_lost(&e, misses);
         }
@@ -1368,23 +1359,23 @@ impl DecodeInner {
 
     fn on_pong(&self, from: &Endpoint, h: Heartbeat) {
         // Nonces are unique per agent, so the answer is matched by nonce, not by `from`.
-        let mut st = self.lock();
-        match st.health.values_mut().find(|x| x.waiting == Some(h.nonce)) {
-            Some(health) => {
-                health.waiting = None;
-                health.misses = 0;
+        self.with_state(|st| {
+            match st.health.values_mut().find(|x| x.waiting == Some(h.nonce)) {
+                Some(health) => {
+                    health.waiting = None;
+                    health.misses = 0;
+                }
+                None => {
+                    tracing::debug!(from = %from, nonce = h.nonce, "late or unknown heartbeat answer")
+                }
             }
-            None => {
-                tracing::debug!(from = %from, nonce = h.nonce, "late or unknown heartbeat answer")
-            }
-        }
+        });
     }
 
     /// A prefill peer stopped answering: forget it (a later room registers again) and fail
     /// every room that depends on it and has not succeeded.
     fn peer_lost(&self, endpoint: &Endpoint, misses: u32) {
-        let addrs: Vec<String> = {
-            let mut st = self.lock();
+        let addrs: Vec<String> = self.with_state(|st| {
             st.peers.remove(endpoint);
             st.health.remove(endpoint);
             let addrs: Vec<String> = st
@@ -1397,7 +1388,7 @@ impl DecodeInner {
                 st.addrs.remove(a);
             }
             addrs
-        };
+        });
         self.outbox.forget(endpoint);
         let addr = addrs
             .first()

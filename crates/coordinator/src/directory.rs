@@ -43,33 +43,30 @@ impl StaticDirectory {
 
     /// Publishes (or replaces) the ranks behind `bootstrap_addr`.
     pub fn insert(&self, bootstrap_addr: impl Into<String>, ranks: Vec<PrefillRankInfo>) {
-        self.lock().insert(bootstrap_addr.into(), ranks);
+        self.with_map(|m| m.insert(bootstrap_addr.into(), ranks));
     }
 
     /// Adds one rank behind `bootstrap_addr`.
     pub fn add_rank(&self, bootstrap_addr: impl Into<String>, rank: PrefillRankInfo) {
-        self.lock()
-            .entry(bootstrap_addr.into())
-            .or_default()
-            .push(rank);
+        self.with_map(|m| m.entry(bootstrap_addr.into()).or_default().push(rank));
     }
 
     /// Forgets `bootstrap_addr`.
     pub fn remove(&self, bootstrap_addr: &str) {
-        self.lock().remove(bootstrap_addr);
+        self.with_map(|m| m.remove(bootstrap_addr));
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<PrefillRankInfo>>> {
-        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    /// Runs `f` on the map under its lock (the only place that takes it).
+    fn with_map<R>(&self, f: impl FnOnce(&mut HashMap<String, Vec<PrefillRankInfo>>) -> R) -> R {
+        let mut m = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut m)
     }
 }
 
 #[async_trait::async_trait]
 impl PrefillDirectory for StaticDirectory {
     async fn prefill_ranks(&self, bootstrap_addr: &str) -> Result<Vec<PrefillRankInfo>> {
-        self.lock()
-            .get(bootstrap_addr)
-            .cloned()
+        self.with_map(|m| m.get(bootstrap_addr).cloned())
             .ok_or_else(|| CoordinatorError::Directory {
                 addr: bootstrap_addr.to_owned(),
                 reason: "no prefill ranks are registered under this address".to_owned(),

@@ -101,6 +101,8 @@ mod config;
 mod decode;
 mod directory;
 mod error;
+#[cfg(test)]
+mod fuzz;
 mod memory;
 mod messages;
 mod metrics;

@@ -117,8 +117,15 @@ pub(crate) struct Metrics {
     pub(crate) rooms_fenced: AtomicU64,
     pub(crate) control_sent: AtomicU64,
     pub(crate) control_received: AtomicU64,
-    failures: Mutex<BTreeMap<FailureCause, u64>>,
-    latency: Mutex<LatencyHistogram>,
+    /// Only [`Metrics::with_recorded`] locks it.
+    recorded: Mutex<Recorded>,
+}
+
+/// The metrics that are not plain counters.
+#[derive(Debug)]
+struct Recorded {
+    failures: BTreeMap<FailureCause, u64>,
+    latency: LatencyHistogram,
 }
 
 impl Default for Metrics {
@@ -135,8 +142,10 @@ impl Default for Metrics {
             rooms_fenced: AtomicU64::new(0),
             control_sent: AtomicU64::new(0),
             control_received: AtomicU64::new(0),
-            failures: Mutex::new(BTreeMap::new()),
-            latency: Mutex::new(LatencyHistogram::new()),
+            recorded: Mutex::new(Recorded {
+                failures: BTreeMap::new(),
+                latency: LatencyHistogram::new(),
+            }),
         }
     }
 }
@@ -150,22 +159,20 @@ pub(crate) fn add(c: &AtomicU64, v: u64) {
 }
 
 impl Metrics {
+    /// Runs `f` on the recorded metrics under their lock (the only place that takes it).
+    fn with_recorded<R>(&self, f: impl FnOnce(&mut Recorded) -> R) -> R {
+        let mut r = self.recorded.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut r)
+    }
+
     pub(crate) fn failed(&self, cause: FailureCause) {
         inc(&self.rooms_failed);
-        *self
-            .failures
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(cause)
-            .or_default() += 1;
+        self.with_recorded(|r| *r.failures.entry(cause).or_default() += 1);
     }
 
     pub(crate) fn succeeded(&self, latency: Duration) {
         inc(&self.rooms_succeeded);
-        self.latency
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .record(latency);
+        self.with_recorded(|r| r.latency.record(latency));
     }
 
     /// Counts rooms by state, for [`snapshot`](Self::snapshot).
@@ -181,6 +188,8 @@ impl Metrics {
 
     pub(crate) fn snapshot(&self, rooms_by_state: BTreeMap<RoomState, u64>) -> MetricsSnapshot {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let (failures_by_cause, transfer_latency) =
+            self.with_recorded(|r| (r.failures.clone(), r.latency.clone()));
         MetricsSnapshot {
             rooms_by_state,
             rooms_created: get(&self.rooms_created),
@@ -191,19 +200,11 @@ impl Metrics {
             batches_done: get(&self.batches_done),
             batches_failed: get(&self.batches_failed),
             descriptors_posted: get(&self.descriptors_posted),
-            failures_by_cause: self
-                .failures
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone(),
+            failures_by_cause,
             rooms_fenced: get(&self.rooms_fenced),
             control_sent: get(&self.control_sent),
             control_received: get(&self.control_received),
-            transfer_latency: self
-                .latency
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone(),
+            transfer_latency,
         }
     }
 }

@@ -35,10 +35,16 @@
 //! `max_frame_len`, invalid JSON or an unknown message type each close that connection with a
 //! logged reason and a counter in [`NetChannelStats`]; nothing a peer claims sizes an
 //! allocation beyond `max_frame_len`, and nothing panics. A handshake must finish within
-//! [`NetChannelConfig::handshake_timeout`], and a frame whose first byte arrived must complete
-//! within [`NetChannelConfig::frame_timeout`]. Inbound connections are capped at
-//! [`NetChannelConfig::max_connections`], outbound peers at [`NetChannelConfig::max_peers`];
-//! every queue is bounded by [`NetChannelConfig::queue`] messages.
+//! [`NetChannelConfig::handshake_timeout`], a frame whose first byte arrived must complete
+//! within [`NetChannelConfig::frame_timeout`], and a connection on which no frame starts for
+//! [`NetChannelConfig::idle_timeout`] is closed (the sending side closes its own after half of
+//! that, so it is the one to end a quiet connection). Inbound connections are capped at
+//! [`NetChannelConfig::max_connections`], the peer table at [`NetChannelConfig::max_peers`]: an
+//! entry whose connect fails is removed, a full table drops ended and then idle entries, and
+//! with every entry busy a send uses a connection of its own, so endpoint names a peer claims
+//! cannot keep a later peer out. Every queue
+//! is bounded by [`NetChannelConfig::queue`] messages. When a connection ends, both sides log
+//! why (docs/bootstrap.md lists every bound).
 //!
 //! # Loss
 //!
@@ -118,7 +124,9 @@ pub struct NetChannelConfig {
     pub queue: usize,
     /// Inbound connections served at once; more are closed at once. Default 1024.
     pub max_connections: usize,
-    /// Distinct endpoints this channel sends to; sends to more fail. Default 4096.
+    /// Endpoints whose connection is kept (the peer table). A full table drops ended, then
+    /// idle entries; with every entry busy, a send to a new endpoint uses a connection of its
+    /// own that closes after it. Default 4096.
     pub max_peers: usize,
     /// Time allowed for a TCP connect. Default 2 s.
     pub connect_timeout: Duration,
@@ -128,6 +136,11 @@ pub struct NetChannelConfig {
     pub frame_timeout: Duration,
     /// Time one frame may take to write before the connection is dropped. Default 10 s.
     pub write_timeout: Duration,
+    /// An accepted connection on which no frame starts for this long is closed. A sending
+    /// side closes its own connection after half of it without a frame, so with the same
+    /// setting on both sides the sender ends an idle connection first and no frame is lost to
+    /// the race. Default 60 s.
+    pub idle_timeout: Duration,
 }
 
 impl std::fmt::Debug for NetChannelConfig {
@@ -150,6 +163,7 @@ impl std::fmt::Debug for NetChannelConfig {
             .field("handshake_timeout", &self.handshake_timeout)
             .field("frame_timeout", &self.frame_timeout)
             .field("write_timeout", &self.write_timeout)
+            .field("idle_timeout", &self.idle_timeout)
             .finish()
     }
 }
@@ -168,6 +182,7 @@ impl Default for NetChannelConfig {
             handshake_timeout: Duration::from_secs(5),
             frame_timeout: Duration::from_secs(10),
             write_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -231,6 +246,13 @@ impl NetChannelConfig {
         self
     }
 
+    /// Sets [`idle_timeout`](Self::idle_timeout).
+    #[must_use]
+    pub fn with_idle_timeout(mut self, idle: Duration) -> Self {
+        self.idle_timeout = idle;
+        self
+    }
+
     /// Checks every value is in range.
     ///
     /// # Errors
@@ -266,6 +288,7 @@ impl NetChannelConfig {
             ("handshake_timeout", self.handshake_timeout),
             ("frame_timeout", self.frame_timeout),
             ("write_timeout", self.write_timeout),
+            ("idle_timeout", self.idle_timeout),
         ] {
             if v.is_zero() {
                 return bad(format!(
@@ -295,6 +318,11 @@ pub struct NetChannelStats {
     pub frames_sent: u64,
     /// Outbound connections opened (first connects and reconnects).
     pub connects: u64,
+    /// Inbound connections closed because no frame started within `idle_timeout`.
+    pub idle_closed: u64,
+    /// Peer-table entries removed: failed connects, dead connections, and idle peers evicted
+    /// to make room for a new one.
+    pub peers_pruned: u64,
 }
 
 #[derive(Debug, Default)]
@@ -306,6 +334,8 @@ struct Counters {
     frames_received: AtomicU64,
     frames_sent: AtomicU64,
     connects: AtomicU64,
+    idle_closed: AtomicU64,
+    peers_pruned: AtomicU64,
 }
 
 /// Resolves once the shutdown flag is set (at once if it already is). Also used by the
@@ -329,13 +359,57 @@ struct PeerSlot {
     conn: tokio::sync::Mutex<Option<OutConn>>,
 }
 
+impl PeerSlot {
+    /// No connection, or one whose writer ended (and no send is using the slot).
+    fn is_dead(&self) -> bool {
+        self.conn
+            .try_lock()
+            .is_ok_and(|c| c.as_ref().is_none_or(|c| c.tx.is_closed()))
+    }
+
+    /// Nothing queued and no send using the slot: dropping it loses nothing (its writer
+    /// finishes a frame in progress, then closes the connection).
+    fn is_idle(&self) -> bool {
+        self.conn.try_lock().is_ok_and(|c| {
+            c.as_ref()
+                .is_none_or(|c| c.tx.capacity() == c.tx.max_capacity())
+        })
+    }
+}
+
+#[derive(Debug)]
+struct PeerEntry {
+    slot: Arc<PeerSlot>,
+    last_used: tokio::time::Instant,
+}
+
 #[derive(Debug)]
 struct Shared {
     config: NetChannelConfig,
     endpoint: Endpoint,
     counters: Counters,
-    peers: Mutex<HashMap<Endpoint, Arc<PeerSlot>>>,
+    /// Only [`Shared::with_peers`] locks it.
+    peers: Mutex<HashMap<Endpoint, PeerEntry>>,
     shutdown: watch::Sender<bool>,
+}
+
+impl Shared {
+    /// Runs `f` on the peer table under its lock (the only place that takes it).
+    fn with_peers<R>(&self, f: impl FnOnce(&mut HashMap<Endpoint, PeerEntry>) -> R) -> R {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut peers)
+    }
+
+    /// Removes `to`'s entry if it still holds `slot` (a connect through it failed).
+    fn forget_slot(&self, to: &Endpoint, slot: &Arc<PeerSlot>) {
+        let removed = self.with_peers(|peers| {
+            let ours = peers.get(to).is_some_and(|e| Arc::ptr_eq(&e.slot, slot));
+            ours && peers.remove(to).is_some()
+        });
+        if removed {
+            bump(&self.counters.peers_pruned);
+        }
+    }
 }
 
 /// A [`ControlChannel`] over TCP; see the [module docs](self) for the wire format and limits.
@@ -405,7 +479,14 @@ impl NetChannel {
             frames_received: g(&c.frames_received),
             frames_sent: g(&c.frames_sent),
             connects: g(&c.connects),
+            idle_closed: g(&c.idle_closed),
+            peers_pruned: g(&c.peers_pruned),
         }
+    }
+
+    /// Endpoints currently in the peer table (at most [`NetChannelConfig::max_peers`]).
+    pub fn peer_count(&self) -> usize {
+        self.shared.with_peers(|peers| peers.len())
     }
 
     /// The settings the channel runs with.
@@ -417,11 +498,7 @@ impl NetChannel {
     /// [`CoordinatorError::ChannelClosed`] and `send` fails.
     pub fn close(&self) {
         self.shared.shutdown.send_replace(true);
-        self.shared
-            .peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        self.shared.with_peers(HashMap::clear);
     }
 
     fn closed_error(&self) -> CoordinatorError {
@@ -431,25 +508,51 @@ impl NetChannel {
         }
     }
 
-    fn slot(&self, to: &Endpoint) -> Result<Arc<PeerSlot>> {
-        let mut peers = self.shared.peers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = peers.get(to) {
-            return Ok(s.clone());
-        }
-        if peers.len() >= self.shared.config.max_peers {
-            return Err(CoordinatorError::ChannelSend {
-                channel: NET_CHANNEL_NAME,
-                endpoint: to.clone(),
-                reason: format!(
-                    "this channel already talks to {} endpoints (max_peers); raise \
-                     NetChannelConfig::max_peers",
-                    peers.len()
-                ),
-            });
-        }
-        let s = Arc::new(PeerSlot::default());
-        peers.insert(to.clone(), s.clone());
-        Ok(s)
+    /// The peer-table entry of `to`, made if needed. A full table first drops its dead
+    /// entries, then its least recently used idle one, so names a peer merely claims (and
+    /// that are never reached, or go quiet) cannot keep a later peer out. When every entry
+    /// is busy the send gets a slot outside the table: its connection serves this send and
+    /// closes once its frames are written, so a full table never refuses a send.
+    fn slot(&self, to: &Endpoint) -> Arc<PeerSlot> {
+        let max_peers = self.shared.config.max_peers;
+        let now = tokio::time::Instant::now();
+        let (slot, pruned) = self.shared.with_peers(|peers| {
+            if let Some(e) = peers.get_mut(to) {
+                e.last_used = now;
+                return (e.slot.clone(), 0);
+            }
+            let before = peers.len();
+            if before >= max_peers {
+                peers.retain(|_, e| !e.slot.is_dead());
+            }
+            if peers.len() >= max_peers {
+                let lru = peers
+                    .iter()
+                    .filter(|(_, e)| e.slot.is_idle())
+                    .min_by_key(|(_, e)| e.last_used)
+                    .map(|(k, _)| k.clone());
+                if let Some(k) = lru {
+                    peers.remove(&k);
+                }
+            }
+            let pruned = (before - peers.len()) as u64;
+            let s = Arc::new(PeerSlot::default());
+            if peers.len() < max_peers {
+                peers.insert(
+                    to.clone(),
+                    PeerEntry {
+                        slot: s.clone(),
+                        last_used: now,
+                    },
+                );
+            }
+            (s, pruned)
+        });
+        self.shared
+            .counters
+            .peers_pruned
+            .fetch_add(pruned, Ordering::Relaxed);
+        slot
     }
 }
 
@@ -491,12 +594,19 @@ impl ControlChannel for NetChannel {
         let mut frame = Vec::with_capacity(4 + json.len());
         frame.extend_from_slice(&(json.len() as u32).to_be_bytes());
         frame.extend_from_slice(&json);
-        let slot = self.slot(to)?;
+        let slot = self.slot(to);
         let mut conn = slot.conn.lock().await;
         // At most one reconnect per send: a connection found broken is replaced once.
         for _ in 0..2 {
             if conn.as_ref().is_none_or(|c| c.tx.is_closed()) {
-                *conn = Some(connect(&self.shared, to).await?);
+                match connect(&self.shared, to).await {
+                    Ok(c) => *conn = Some(c),
+                    Err(e) => {
+                        // An endpoint that cannot be reached keeps no entry.
+                        self.shared.forget_slot(to, &slot);
+                        return Err(e);
+                    }
+                }
             }
             let Some(c) = conn.as_ref() else { continue };
             match c.tx.send(frame).await {
@@ -697,7 +807,7 @@ async fn connect(shared: &Arc<Shared>, to: &Endpoint) -> Result<OutConn> {
         stream,
         rx,
         to.clone(),
-        cfg.write_timeout,
+        cfg.clone(),
         shared.shutdown.subscribe(),
     ));
     Ok(OutConn { tx })
@@ -777,23 +887,31 @@ async fn writer(
     stream: TcpStream,
     mut rx: mpsc::Receiver<Vec<u8>>,
     to: Endpoint,
-    write_timeout: Duration,
+    cfg: NetChannelConfig,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let (mut rd, mut wr) = stream.into_split();
     let mut probe = [0u8; 64];
+    // Half the receiver's idle bound: this side ends a quiet connection first, so no frame is
+    // written into a connection the receiver is closing.
+    let idle = cfg.idle_timeout / 2;
+    let mut frames = 0u64;
     loop {
         tokio::select! {
+            biased;
             frame = rx.recv() => {
-                let Some(frame) = frame else { return };
-                match tokio::time::timeout(write_timeout, wr.write_all(&frame)).await {
-                    Ok(Ok(())) => {}
+                let Some(frame) = frame else {
+                    tracing::debug!(peer = %to, frames, "outbound control connection no longer used; closing it");
+                    return;
+                };
+                match tokio::time::timeout(cfg.write_timeout, wr.write_all(&frame)).await {
+                    Ok(Ok(())) => frames += 1,
                     Ok(Err(e)) => {
-                        tracing::debug!(peer = %to, error = %e, "control connection lost while writing; the next send reconnects");
+                        tracing::warn!(peer = %to, error = %e, frames, frame_len = frame.len(), "control connection lost while writing a frame (the frame is lost; the peer's log says why it closed); the next send reconnects");
                         return;
                     }
                     Err(_) => {
-                        tracing::warn!(peer = %to, timeout = ?write_timeout, "control connection dropped: the peer did not read a frame in time");
+                        tracing::warn!(peer = %to, timeout = ?cfg.write_timeout, frames, "control connection dropped: the peer did not read a frame within write_timeout");
                         return;
                     }
                 }
@@ -801,7 +919,23 @@ async fn writer(
             // The server never writes after the verdict: any read result means the connection
             // is gone (or the peer broke the protocol).
             r = rd.read(&mut probe) => {
-                tracing::debug!(peer = %to, result = ?r, "control connection closed by the peer; the next send reconnects");
+                match r {
+                    Ok(0) => tracing::info!(peer = %to, frames, "control connection closed by the peer (end of stream: it shut down, restarted, or refused a frame; its log says why); the next send reconnects"),
+                    Ok(n) => tracing::warn!(peer = %to, bytes = n, "the peer wrote after its verdict, which the protocol forbids; closing the connection"),
+                    Err(e) => tracing::warn!(peer = %to, error = %e, frames, "control connection failed while idle; the next send reconnects"),
+                }
+                return;
+            }
+            () = tokio::time::sleep(idle) => {
+                // Frames queued meanwhile are still written; later sends see the queue closed
+                // and reconnect.
+                rx.close();
+                while let Ok(frame) = rx.try_recv() {
+                    if tokio::time::timeout(cfg.write_timeout, wr.write_all(&frame)).await.is_err() {
+                        break;
+                    }
+                }
+                tracing::debug!(peer = %to, idle = ?idle, frames, "closing an idle outbound control connection (half of idle_timeout without a frame); the next send reconnects");
                 return;
             }
             _ = closed(&mut shutdown) => return,
@@ -875,39 +1009,66 @@ async fn serve_conn(
     };
     bump(&shared.counters.accepted);
     tracing::debug!(peer = %addr, from = %from, "control connection accepted");
+    let mut frames = 0u64;
     loop {
-        match read_frame(&mut stream, cfg.max_frame_len, cfg.frame_timeout).await {
-            Ok(None) => return,
-            Ok(Some(body)) => match serde_json::from_slice::<ControlMessage>(&body) {
-                Ok(message) => {
-                    bump(&shared.counters.frames_received);
-                    let env = Envelope {
-                        from: from.clone(),
-                        message,
-                    };
-                    if tx.send(env).await.is_err() {
-                        return;
-                    }
-                }
-                Err(e) => {
-                    bump(&shared.counters.protocol_errors);
-                    tracing::warn!(peer = %addr, from = %from, error = %e, "control channel: closing a connection that sent a frame that is not a control message");
+        let limits = FrameLimits {
+            max_len: cfg.max_frame_len,
+            frame_timeout: cfg.frame_timeout,
+            idle_timeout: cfg.idle_timeout,
+        };
+        let body = match read_frame(&mut stream, limits).await {
+            Ok(body) => body,
+            Err(FrameEnd::Closed) => {
+                tracing::debug!(peer = %addr, from = %from, frames, "control connection closed by the peer (end of stream between frames)");
+                return;
+            }
+            Err(FrameEnd::Idle(idle)) => {
+                bump(&shared.counters.idle_closed);
+                tracing::info!(peer = %addr, from = %from, frames, idle = ?idle, "control channel: closing a connection on which no frame started within idle_timeout");
+                return;
+            }
+            Err(FrameEnd::Broken(reason)) => {
+                bump(&shared.counters.protocol_errors);
+                tracing::warn!(peer = %addr, from = %from, frames, %reason, "control channel: closing a connection");
+                return;
+            }
+        };
+        match decode_message(&body) {
+            Ok(message) => {
+                frames += 1;
+                bump(&shared.counters.frames_received);
+                let env = Envelope {
+                    from: from.clone(),
+                    message,
+                };
+                if tx.send(env).await.is_err() {
+                    tracing::debug!(peer = %addr, from = %from, "control channel closed; closing its connections");
                     return;
                 }
-            },
+            }
             Err(reason) => {
                 bump(&shared.counters.protocol_errors);
-                tracing::warn!(peer = %addr, from = %from, %reason, "control channel: closing a connection");
+                tracing::warn!(peer = %addr, from = %from, frames, %reason, "control channel: closing a connection that sent a frame that is not a control message");
                 return;
             }
         }
     }
 }
 
+/// Parses one frame body as a [`ControlMessage`], or says why it is not one.
+fn decode_message(body: &[u8]) -> std::result::Result<ControlMessage, String> {
+    serde_json::from_slice(body).map_err(|e| {
+        format!(
+            "a frame of {} bytes is not a control message: {e}",
+            body.len()
+        )
+    })
+}
+
 /// Runs the server side of the hello exchange; returns the client's endpoint.
-async fn server_handshake(
+async fn server_handshake<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     shared: &Shared,
-    stream: &mut TcpStream,
+    stream: &mut S,
 ) -> std::result::Result<Endpoint, String> {
     let io = |e: std::io::Error| format!("connection failed during the handshake: {e}");
     let secret = shared.config.secret.as_deref();
@@ -965,18 +1126,42 @@ async fn server_handshake(
     verdict
 }
 
-/// Reads one frame. `Ok(None)` on a clean end of stream between frames.
-async fn read_frame(
-    stream: &mut TcpStream,
-    max: u32,
+/// The bounds [`read_frame`] enforces.
+#[derive(Debug, Clone, Copy)]
+struct FrameLimits {
+    max_len: u32,
     frame_timeout: Duration,
-) -> std::result::Result<Option<Vec<u8>>, String> {
+    idle_timeout: Duration,
+}
+
+/// Why a connection yields no further frame.
+#[derive(Debug, PartialEq, Eq)]
+enum FrameEnd {
+    /// A clean end of stream between frames.
+    Closed,
+    /// No frame started within the idle timeout.
+    Idle(Duration),
+    /// The peer broke the protocol or the connection failed: why.
+    Broken(String),
+}
+
+/// Reads one frame body (its length checked before anything is allocated).
+async fn read_frame<R: tokio::io::AsyncRead + Unpin>(
+    stream: &mut R,
+    limits: FrameLimits,
+) -> std::result::Result<Vec<u8>, FrameEnd> {
+    let FrameLimits {
+        max_len: max,
+        frame_timeout,
+        idle_timeout,
+    } = limits;
     let mut header = [0u8; 4];
-    // Wait as long as it takes for a frame to start ...
-    match stream.read(&mut header[..1]).await {
-        Ok(0) => return Ok(None),
-        Ok(_) => {}
-        Err(e) => return Err(format!("read failed: {e}")),
+    // Wait up to the idle bound for a frame to start ...
+    match tokio::time::timeout(idle_timeout, stream.read(&mut header[..1])).await {
+        Err(_) => return Err(FrameEnd::Idle(idle_timeout)),
+        Ok(Ok(0)) => return Err(FrameEnd::Closed),
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return Err(FrameEnd::Broken(format!("read failed: {e}"))),
     }
     // ... but once it started, all of it must arrive in time.
     let rest = async {
@@ -1000,10 +1185,10 @@ async fn read_frame(
         Ok(body)
     };
     match tokio::time::timeout(frame_timeout, rest).await {
-        Ok(r) => r.map(Some),
-        Err(_) => Err(format!(
-            "a frame started but did not complete within {frame_timeout:?}"
-        )),
+        Ok(r) => r.map_err(FrameEnd::Broken),
+        Err(_) => Err(FrameEnd::Broken(format!(
+            "a frame started but did not complete within {frame_timeout:?} (frame_timeout)"
+        ))),
     }
 }
 
@@ -1023,6 +1208,217 @@ fn check_frame_len(len: u32, max: u32) -> std::result::Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fuzz;
+    use proptest::prelude::*;
+
+    fn test_shared() -> Shared {
+        Shared {
+            config: NetChannelConfig::default(),
+            endpoint: Endpoint::new("127.0.0.1:9"),
+            counters: Counters::default(),
+            peers: Mutex::new(HashMap::new()),
+            shutdown: watch::channel(false).0,
+        }
+    }
+
+    const FUZZ_LIMITS: FrameLimits = FrameLimits {
+        max_len: *FRAME_LEN_RANGE.start(),
+        frame_timeout: Duration::from_secs(10),
+        idle_timeout: Duration::from_secs(10),
+    };
+
+    /// What the server side makes of a connection that sent `input` and closed: the
+    /// handshake's verdict, then each frame (decoded or refused), then how it ended.
+    async fn serve_bytes(shared: &Shared, input: &[u8]) -> Vec<String> {
+        let (_peer, mut conn) = fuzz::peer_sent(input).await;
+        let mut seen = Vec::new();
+        match server_handshake(shared, &mut conn).await {
+            Ok(from) => {
+                assert!((1..=MAX_ENDPOINT_LEN).contains(&from.as_str().len()));
+                seen.push(format!("accepted {from}"));
+            }
+            Err(reason) => {
+                assert!(!reason.is_empty());
+                seen.push(format!("refused: {reason}"));
+                return seen;
+            }
+        }
+        loop {
+            match read_frame(&mut conn, FUZZ_LIMITS).await {
+                Ok(body) => {
+                    assert!(!body.is_empty() && body.len() <= FUZZ_LIMITS.max_len as usize);
+                    match decode_message(&body) {
+                        Ok(m) => seen.push(m.kind().to_owned()),
+                        Err(reason) => {
+                            assert!(reason.contains("is not a control message"), "{reason}");
+                            seen.push("not a message".to_owned());
+                            return seen;
+                        }
+                    }
+                }
+                Err(FrameEnd::Closed) => return seen,
+                Err(FrameEnd::Broken(reason)) => {
+                    assert!(!reason.is_empty());
+                    seen.push(format!("closed: {reason}"));
+                    return seen;
+                }
+                Err(FrameEnd::Idle(_)) => panic!("a connection that ended cannot be idle"),
+            }
+        }
+    }
+
+    #[test]
+    fn control_corpus_seeds_are_whole_sessions() {
+        let rt = fuzz::runtime();
+        let shared = test_shared();
+        for seed in fuzz::corpus("control") {
+            let seen = rt.block_on(serve_bytes(&shared, &seed));
+            assert!(seen[0].starts_with("accepted"), "{seen:?}");
+            assert!(seen.len() >= 2, "{seen:?}");
+            assert!(
+                !seen
+                    .iter()
+                    .any(|s| s.contains("closed") || s == "not a message"),
+                "{seen:?}"
+            );
+        }
+    }
+
+    proptest! {
+        #![proptest_config(fuzz::config())]
+
+        /// Mutated control-channel sessions: the handshake and frame decoders never panic,
+        /// never hang on input that ended, never allocate a frame above the limit, and end
+        /// every connection with a decoded value or a reason.
+        #[test]
+        fn fuzz_control_sessions(input in fuzz::mutated(fuzz::corpus("control"))) {
+            let rt = fuzz::runtime();
+            let shared = test_shared();
+            let seen = rt.block_on(async {
+                tokio::time::timeout(Duration::from_secs(60), serve_bytes(&shared, &input))
+                    .await
+                    .expect("a finished input is decoded without waiting")
+            });
+            prop_assert!(!seen.is_empty());
+        }
+    }
+
+    /// Writes the control corpus seeds (run by hand after a wire-format change:
+    /// `cargo test -p kvbridge-coordinator --lib -- --ignored write_control_corpus`).
+    #[test]
+    #[ignore = "regenerates tests/corpus/control"]
+    fn write_control_corpus() {
+        use crate::messages::*;
+        let descriptor: kvbridge_handshake::PeerDescriptor =
+            serde_json::from_value(serde_json::json!({
+                "role": "decode", "page_size": 16, "kv_cache_dtype": "auto", "kv_pool": "mla",
+                "attn_tp_size": 1, "kv_item_lens": [1024, 1024], "aux_item_lens": [64]
+            }))
+            .unwrap();
+        let ep = Endpoint::new("127.0.0.1:4000");
+        let frame = |m: &ControlMessage| {
+            let j = serde_json::to_vec(m).unwrap();
+            let mut f = (j.len() as u32).to_be_bytes().to_vec();
+            f.extend_from_slice(&j);
+            f
+        };
+        let session = |msgs: &[ControlMessage]| {
+            let mut v = encode_head(0, &[7; NONCE_LEN]).to_vec();
+            v.extend_from_slice(&(ep.as_str().len() as u16).to_be_bytes());
+            v.extend_from_slice(ep.as_str().as_bytes());
+            v.extend_from_slice(&[0; TAG_LEN]);
+            for m in msgs {
+                v.extend_from_slice(&frame(m));
+            }
+            v
+        };
+        let reg = Registration {
+            protocol: CONTROL_PROTOCOL_VERSION,
+            decode_endpoint: ep.clone(),
+            session: 3,
+            descriptor: descriptor.clone(),
+            transport: TransportInfo {
+                name: "tcp".into(),
+                descriptor: vec![1, 2, 3, 4],
+            },
+            kv_regions: vec![WireRegion {
+                region: 1,
+                offset: 0,
+                len: 65536,
+            }],
+            aux_regions: vec![WireRegion {
+                region: 2,
+                offset: 0,
+                len: 512,
+            }],
+        };
+        let info = TransferInfo {
+            room: 11,
+            generation: 2,
+            decode_endpoint: ep.clone(),
+            session: 3,
+            dst_pages: vec![4, 9, 1, 7],
+            dst_aux_index: Some(0),
+            is_dummy: false,
+            required_dst_info_num: 1,
+            decode_prefix_len: 16,
+        };
+        let seeds: Vec<(&str, Vec<ControlMessage>)> = vec![
+            (
+                "01-ping",
+                vec![ControlMessage::Ping(Heartbeat { nonce: 7 })],
+            ),
+            ("02-register", vec![ControlMessage::Register(reg)]),
+            ("03-transfer-info", vec![ControlMessage::TransferInfo(info)]),
+            (
+                "04-status-abort",
+                vec![
+                    ControlMessage::Status(StatusUpdate {
+                        room: 11,
+                        generation: 2,
+                        state: crate::RoomState::Failed,
+                        prefill_rank: 0,
+                        reason: Some("KV transfer failed".into()),
+                        cause: Some(crate::FailureCause::TransferError),
+                    }),
+                    ControlMessage::Abort(AbortRequest {
+                        room: 11,
+                        generation: 3,
+                        decode_endpoint: ep.clone(),
+                        reason: "Aborted by AbortReq.".into(),
+                    }),
+                    ControlMessage::AbortAck(AbortAck {
+                        room: 11,
+                        generation: 3,
+                        prefill_rank: 0,
+                        prefill_endpoint: ep.clone(),
+                    }),
+                    ControlMessage::Pong(Heartbeat { nonce: 7 }),
+                ],
+            ),
+            (
+                "05-register-reply",
+                vec![ControlMessage::RegisterReply(RegistrationReply {
+                    protocol: CONTROL_PROTOCOL_VERSION,
+                    prefill_endpoint: ep.clone(),
+                    prefill_rank: 0,
+                    session: 3,
+                    result: RegistrationOutcome::Rejected {
+                        problems: vec![WireProblem {
+                            code: "KVB-TRANSPORT".into(),
+                            message: "transport mismatch".into(),
+                            remedy: "start both sides with the same --transport".into(),
+                        }],
+                    },
+                })],
+            ),
+        ];
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/corpus/control");
+        std::fs::create_dir_all(&dir).unwrap();
+        for (name, msgs) in seeds {
+            std::fs::write(dir.join(format!("{name}.bin")), session(&msgs)).unwrap();
+        }
+    }
 
     #[test]
     fn tags_bind_label_nonces_and_endpoint() {

@@ -1,7 +1,9 @@
 //! The prefill (sending) agent.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use kvbridge_handshake::{PeerDescriptor, check_with, prefill_unique_rank};
 use kvbridge_transport::{BatchId, KvTransport, PeerId, TransferBatch, TransportError};
@@ -26,10 +28,10 @@ use crate::outbox::{Outbox, send_failed_to};
 use crate::plan::{Chunk, PeerPlan};
 use crate::start::{check_role, current_runtime};
 use crate::state::{
-    FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, wait_at_least,
+    FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, admit_room, wait_at_least,
     wait_terminal,
 };
-use crate::timer::{TimerGuard, spawn_timer};
+use crate::timer::{TimerGuard, spawn_timer_on};
 
 const SIDE: &str = "prefill";
 
@@ -109,12 +111,12 @@ impl PrefillAgentBuilder {
                 metrics,
                 agreement: self.agreement,
                 state: Mutex::new(PrefillState::default()),
-                control_task: Mutex::new(None),
+                incarnations: AtomicU64::new(0),
                 registrations: Arc::new(Semaphore::new(REGISTRATION_CONCURRENCY)),
             }
         });
         let task = runtime.spawn(control_loop(inner.channel.clone(), Arc::downgrade(&inner)));
-        *inner.control_task.lock().unwrap_or_else(|e| e.into_inner()) = Some(task.abort_handle());
+        inner.with_state(|st| st.control_task = Some(task.abort_handle()));
         tracing::info!(
             endpoint = %inner.endpoint,
             rank = inner.unique_rank,
@@ -207,8 +209,8 @@ struct PrefillState {
     rooms: HashMap<u64, PrefillRoom>,
     pending: HashMap<u64, Pending>,
     tombstones: HashMap<u64, Tombstone>,
-    next_incarnation: u64,
     closed: bool,
+    control_task: Option<AbortHandle>,
 }
 
 struct Job {
@@ -228,19 +230,17 @@ pub(crate) struct PrefillInner {
     outbox: Outbox,
     metrics: Arc<Metrics>,
     agreement: Arc<dyn RankAgreement>,
+    /// Only [`PrefillInner::with_state`] locks it.
     state: Mutex<PrefillState>,
-    control_task: Mutex<Option<AbortHandle>>,
+    /// Room incarnations, drawn before the state is locked (a room's timers name theirs).
+    incarnations: AtomicU64,
     registrations: Arc<Semaphore>,
 }
 
 impl Drop for PrefillInner {
     fn drop(&mut self) {
-        if let Some(t) = self
-            .control_task
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
+        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = st.control_task.take() {
             t.abort();
         }
     }
@@ -319,8 +319,8 @@ impl PrefillAgent {
     /// # Errors
     /// [`CoordinatorError::UnknownRoom`].
     pub fn poll(&self, room: u64) -> Result<RoomState> {
-        let st = self.inner.lock();
-        st.visible(room).map(|r| r.status.state())
+        self.inner
+            .with_state(|st| st.visible(room).map(|r| r.status.state()))
     }
 
     /// The room's state agreed with the other ranks through the [`RankAgreement`] hook.
@@ -334,15 +334,15 @@ impl PrefillAgent {
 
     /// The failure of a Failed room (`None` otherwise), with its first recorded reason.
     pub fn failure(&self, room: u64) -> Option<KvTransferError> {
-        let st = self.inner.lock();
-        st.visible(room).ok().and_then(|r| r.status.error(room))
+        self.inner
+            .with_state(|st| st.visible(room).ok().and_then(|r| r.status.error(room)))
     }
 
     /// The decode prefix (tokens the decode already holds) once every decode rank sent its
     /// metadata; the prefill sends tokens from here.
     pub fn decode_prefix_len(&self, room: u64) -> Option<u64> {
-        let st = self.inner.lock();
-        st.visible(room).ok().and_then(|r| r.prefix)
+        self.inner
+            .with_state(|st| st.visible(room).ok().and_then(|r| r.prefix))
     }
 
     /// Waits until every decode rank of the room sent its metadata (WaitingForInput) and
@@ -351,17 +351,17 @@ impl PrefillAgent {
     /// # Errors
     /// The room's [`KvTransferError`] if it fails first; [`CoordinatorError::UnknownRoom`].
     pub async fn wait_ready(&self, room: u64) -> Result<u64> {
-        let rx = {
-            let st = self.inner.lock();
-            st.visible(room)?.status.subscribe()
-        };
+        let rx = self
+            .inner
+            .with_state(|st| st.visible(room).map(|r| r.status.subscribe()))?;
         let state = wait_at_least(rx, RoomState::WaitingForInput).await;
-        let st = self.inner.lock();
-        let r = st.visible(room)?;
-        match state {
-            Some(RoomState::Failed) | None => Err(r.status.failure_or_unknown(room, SIDE)),
-            Some(_) => Ok(r.prefix.unwrap_or(0)),
-        }
+        self.inner.with_state(|st| {
+            let r = st.visible(room)?;
+            match state {
+                Some(RoomState::Failed) | None => Err(r.status.failure_or_unknown(room, SIDE)),
+                Some(_) => Ok(r.prefix.unwrap_or(0)),
+            }
+        })
     }
 
     /// Sends one chunk of the room to every decode rank that asked for it: plans it with the
@@ -384,17 +384,17 @@ impl PrefillAgent {
     /// [`CoordinatorError::Transfer`]; [`CoordinatorError::UnknownRoom`] (also when the room
     /// is cleared while waiting).
     pub async fn wait(&self, room: u64) -> Result<()> {
-        let rx = {
-            let st = self.inner.lock();
-            st.visible(room)?.status.subscribe()
-        };
+        let rx = self
+            .inner
+            .with_state(|st| st.visible(room).map(|r| r.status.subscribe()))?;
         let state = wait_terminal(rx).await;
-        let st = self.inner.lock();
-        let r = st.visible(room)?;
-        match state {
-            Some(RoomState::Success) => Ok(()),
-            _ => Err(r.status.failure_or_unknown(room, SIDE)),
-        }
+        self.inner.with_state(|st| {
+            let r = st.visible(room)?;
+            match state {
+                Some(RoomState::Success) => Ok(()),
+                _ => Err(r.status.failure_or_unknown(room, SIDE)),
+            }
+        })
     }
 
     /// Aborts the room (`Aborted by AbortReq.`): no further chunk is posted, batches in flight
@@ -415,35 +415,30 @@ impl PrefillAgent {
 
     /// A snapshot of this agent's metrics.
     pub fn metrics(&self) -> MetricsSnapshot {
-        let by_state = Metrics::count_states(
-            self.inner
-                .lock()
-                .rooms
+        let states: Vec<RoomState> = self.inner.with_state(|st| {
+            st.rooms
                 .values()
                 .filter(|r| !r.cleared)
-                .map(|r| r.status.state()),
-        );
+                .map(|r| r.status.state())
+                .collect()
+        });
+        let by_state = Metrics::count_states(states.into_iter());
         self.inner.metrics.snapshot(by_state)
     }
 
     /// Rooms currently held (not cleared).
     pub fn room_count(&self) -> usize {
         self.inner
-            .lock()
-            .rooms
-            .values()
-            .filter(|r| !r.cleared)
-            .count()
+            .with_state(|st| st.rooms.values().filter(|r| !r.cleared).count())
     }
 
     /// Stops the agent: every room that is not terminal fails (`the prefill agent shut down`),
     /// the control loop stops. Batches in flight are fenced by their rooms' drivers.
     pub fn shutdown(&self) {
-        let rooms: Vec<u64> = {
-            let mut st = self.inner.lock();
+        let rooms: Vec<u64> = self.inner.with_state(|st| {
             st.closed = true;
             st.rooms.keys().copied().collect()
-        };
+        });
         for room in rooms {
             self.inner.fail_room(
                 room,
@@ -455,19 +450,37 @@ impl PrefillAgent {
                 ),
             );
         }
-        if let Some(t) = self
-            .inner
-            .control_task
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
+        if let Some(t) = self.inner.with_state(|st| st.control_task.take()) {
             t.abort();
         }
     }
 }
 
 impl PrefillState {
+    /// Remembers for a while why a room failed before it was created.
+    fn tombstone(
+        &mut self,
+        max_rooms: usize,
+        room: u64,
+        reason: FailureReason,
+        expiry: TimerGuard,
+    ) {
+        if self.tombstones.len() >= max_rooms {
+            tracing::warn!(
+                room,
+                "too many tombstoned rooms; this one is not remembered"
+            );
+            return;
+        }
+        self.tombstones.insert(
+            room,
+            Tombstone {
+                reason,
+                _expiry: expiry,
+            },
+        );
+    }
+
     fn visible(&self, room: u64) -> Result<&PrefillRoom> {
         self.rooms
             .get(&room)
@@ -493,8 +506,21 @@ fn status_failed(
 }
 
 impl PrefillInner {
-    fn lock(&self) -> MutexGuard<'_, PrefillState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    /// Runs `f` on the agent's state under its lock; the only place that takes it. `f` gets
+    /// the state, not the agent, and its result cannot borrow the guard, so the lock is
+    /// released before the caller does anything else (a std mutex is not re-entrant: calling
+    /// back into the agent under it would park the thread forever).
+    fn with_state<R>(&self, f: impl FnOnce(&mut PrefillState) -> R) -> R {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut st)
+    }
+
+    fn timer(
+        self: &Arc<Self>,
+        delay: Duration,
+        f: impl FnOnce(&PrefillInner) + Send + 'static,
+    ) -> TimerGuard {
+        spawn_timer_on(self.weak(), delay, f)
     }
 
     fn weak(self: &Arc<Self>) -> Weak<Self> {
@@ -538,13 +564,15 @@ impl PrefillInner {
             problems = %render_problems(&problems),
             "refusing an incompatible decode rank; still serving the others"
         );
-        self.lock().peers.insert(
-            reg.decode_endpoint.clone(),
-            DecodePeer::Rejected {
-                session: reg.session,
-                problems: problems.clone(),
-            },
-        );
+        self.with_state(|st| {
+            st.peers.insert(
+                reg.decode_endpoint.clone(),
+                DecodePeer::Rejected {
+                    session: reg.session,
+                    problems: problems.clone(),
+                },
+            )
+        });
         self.outbox.send(
             &reg.decode_endpoint,
             ControlMessage::RegisterReply(RegistrationReply {
@@ -574,18 +602,19 @@ impl PrefillInner {
             );
             return self.reply_rejected(&reg, vec![p]);
         }
-        // Same session again (e.g. the decode retried): answer as before.
-        let existing = match self.lock().peers.get(&reg.decode_endpoint) {
-            Some(DecodePeer::Accepted(p)) if p.session == reg.session => Some(true),
+        // Same session again (the decode retried, or registers again after a refusal):
+        // answer as before.
+        let known = self.with_state(|st| match st.peers.get(&reg.decode_endpoint) {
+            Some(DecodePeer::Accepted(p)) if p.session == reg.session => Known::Accepted,
             Some(DecodePeer::Rejected { session, problems }) if *session == reg.session => {
-                let problems = problems.clone();
-                return self.reply_rejected(&reg, problems);
+                Known::Rejected(problems.clone())
             }
-            Some(_) => Some(false),
-            None => None,
-        };
-        if existing == Some(true) {
-            return self.reply_accepted(&reg);
+            _ => Known::New,
+        });
+        match known {
+            Known::Accepted => return self.reply_accepted(&reg),
+            Known::Rejected(problems) => return self.reply_rejected(&reg, problems),
+            Known::New => {}
         }
         let report = check_with(&self.descriptor, &reg.descriptor, &self.config.check);
         let mut problems: Vec<WireProblem> =
@@ -662,10 +691,17 @@ impl PrefillInner {
             peer,
             plan,
         });
-        let old = self
-            .lock()
-            .peers
-            .insert(reg.decode_endpoint.clone(), DecodePeer::Accepted(accepted));
+        let old = self.with_state(|st| match st.peers.get(&reg.decode_endpoint) {
+            // The same registration, handled concurrently, won: keep its connection.
+            Some(DecodePeer::Accepted(p)) if p.session == reg.session => Err(()),
+            _ => Ok(st
+                .peers
+                .insert(reg.decode_endpoint.clone(), DecodePeer::Accepted(accepted))),
+        });
+        let Ok(old) = old else {
+            let _ = self.transport.disconnect(peer).await;
+            return self.reply_accepted(&reg);
+        };
         if let Some(DecodePeer::Accepted(old)) = old {
             self.fail_rooms_of(
                 &old.endpoint,
@@ -706,18 +742,18 @@ impl PrefillInner {
     }
 
     fn fail_rooms_of(&self, endpoint: &Endpoint, session: Option<u64>, reason: FailureReason) {
-        let rooms: Vec<u64> = self
-            .lock()
-            .rooms
-            .iter()
-            .filter(|(_, r)| {
-                r.infos.iter().any(|p| {
-                    &p.info.decode_endpoint == endpoint
-                        && session.is_none_or(|s| p.info.session == s)
+        let rooms: Vec<u64> = self.with_state(|st| {
+            st.rooms
+                .iter()
+                .filter(|(_, r)| {
+                    r.infos.iter().any(|p| {
+                        &p.info.decode_endpoint == endpoint
+                            && session.is_none_or(|s| p.info.session == s)
+                    })
                 })
-            })
-            .map(|(&k, _)| k)
-            .collect();
+                .map(|(&k, _)| k)
+                .collect()
+        });
         for room in rooms {
             self.fail_room(room, None, reason.clone());
         }
@@ -725,46 +761,42 @@ impl PrefillInner {
 
     fn on_transfer_info(self: &Arc<Self>, info: TransferInfo) {
         let room = info.room;
-        let mut st = self.lock();
         let reply_failed = |reason: FailureReason| {
             self.outbox.send(
                 &info.decode_endpoint,
                 status_failed(room, &info, self.unique_rank, &reason),
             );
         };
-        let peer = match st.peers.get(&info.decode_endpoint) {
-            None => {
-                let reason = FailureReason::with_peer(
-                    FailureCause::Unregistered,
-                    &self.endpoint,
-                    format!(
-                        "decode {} sent metadata for room {room} without registering with prefill \
-                         {} first",
-                        info.decode_endpoint, self.endpoint
-                    ),
-                );
-                return reply_failed(reason);
-            }
-            Some(DecodePeer::Rejected { problems, .. }) => {
-                let reason = FailureReason::with_peer(
-                    FailureCause::PeerRejected,
-                    &self.endpoint,
-                    render_problems(problems),
-                );
-                return reply_failed(reason);
-            }
+        let peer = self.with_state(|st| match st.peers.get(&info.decode_endpoint) {
+            None => Err(FailureReason::with_peer(
+                FailureCause::Unregistered,
+                &self.endpoint,
+                format!(
+                    "decode {} sent metadata for room {room} without registering with prefill \
+                     {} first",
+                    info.decode_endpoint, self.endpoint
+                ),
+            )),
+            Some(DecodePeer::Rejected { problems, .. }) => Err(FailureReason::with_peer(
+                FailureCause::PeerRejected,
+                &self.endpoint,
+                render_problems(problems),
+            )),
             Some(DecodePeer::Accepted(p)) if p.session != info.session => {
-                let reason = FailureReason::with_peer(
+                Err(FailureReason::with_peer(
                     FailureCause::RemoteFailure,
                     &info.decode_endpoint,
                     format!(
                         "room {room}: metadata from an old session of decode {} (session {} != {})",
                         info.decode_endpoint, info.session, p.session
                     ),
-                );
-                return reply_failed(reason);
+                ))
             }
-            Some(DecodePeer::Accepted(p)) => p.clone(),
+            Some(DecodePeer::Accepted(p)) => Ok(p.clone()),
+        });
+        let peer = match peer {
+            Ok(p) => p,
+            Err(reason) => return reply_failed(reason),
         };
         let rp = RoomPeer {
             peer: (!info.is_dummy).then(|| peer.clone()),
@@ -791,84 +823,76 @@ impl PrefillInner {
         } else {
             None
         };
-        if st.rooms.get(&room).is_some_and(|r| !r.cleared) {
-            if let Some(reason) = invalid {
-                // The room fails; add_info below then tells this peer (and every other).
-                drop(st);
-                self.fail_room(room, None, reason);
-                st = self.lock();
+        // Timers are made before the lock is taken; the one not kept is cancelled on drop.
+        let expiry = match &invalid {
+            Some(_) => self.timer(self.config.bootstrap_timeout, move |inner| {
+                inner.forget_tombstone(room)
+            }),
+            None => self.timer(self.config.bootstrap_timeout, move |inner| {
+                inner.expire_pending(room)
+            }),
+        };
+        let max_rooms = self.config.max_rooms;
+        let step = self.with_state(|st| {
+            if st.rooms.get(&room).is_some_and(|r| !r.cleared) {
+                return match invalid {
+                    // The room fails; adding the info then tells this peer (and every other).
+                    Some(reason) => MetadataStep::FailThenAdd(reason, rp),
+                    None => MetadataStep::Added(match st.rooms.get_mut(&room) {
+                        Some(r) => add_info(r, rp, self.unique_rank),
+                        None => Added::default(),
+                    }),
+                };
             }
-            let added = match st.rooms.get_mut(&room) {
-                Some(r) => add_info(r, rp, self.unique_rank),
-                None => Added::default(),
-            };
-            drop(st);
-            self.apply_added(room, added);
-            return;
+            if let Some(reason) = invalid {
+                // Fail fast: tell the decode now, and fail the room when it is created.
+                st.tombstone(max_rooms, room, reason.clone(), expiry);
+                return MetadataStep::Reply(reason);
+            }
+            if let Some(t) = st.tombstones.get(&room) {
+                return MetadataStep::Reply(t.reason.clone());
+            }
+            if st.pending.len() + st.rooms.len() >= max_rooms && !st.pending.contains_key(&room) {
+                return MetadataStep::Reply(FailureReason::with_peer(
+                    FailureCause::ControlChannel,
+                    &self.endpoint,
+                    format!(
+                        "prefill {} holds {max_rooms} rooms (max_rooms); room {room} is refused",
+                        self.endpoint
+                    ),
+                ));
+            }
+            st.pending
+                .entry(room)
+                .or_insert_with(|| Pending {
+                    infos: Vec::new(),
+                    _expiry: expiry,
+                })
+                .infos
+                .push(rp);
+            MetadataStep::Pending
+        });
+        match step {
+            MetadataStep::Added(added) => self.apply_added(room, added),
+            MetadataStep::FailThenAdd(reason, rp) => {
+                self.fail_room(room, None, reason);
+                let added = self.with_state(|st| match st.rooms.get_mut(&room) {
+                    Some(r) => add_info(r, rp, self.unique_rank),
+                    None => Added::default(),
+                });
+                self.apply_added(room, added);
+            }
+            MetadataStep::Reply(reason) => reply_failed(reason),
+            MetadataStep::Pending => {}
         }
-        if let Some(reason) = invalid {
-            // Fail fast: tell the decode now, and fail the room when it is created.
-            reply_failed(reason.clone());
-            self.tombstone(&mut st, room, reason);
-            return;
-        }
-        if let Some(t) = st.tombstones.get(&room) {
-            let reason = t.reason.clone();
-            return reply_failed(reason);
-        }
-        if st.pending.len() + st.rooms.len() >= self.config.max_rooms
-            && !st.pending.contains_key(&room)
-        {
-            let reason = FailureReason::with_peer(
-                FailureCause::ControlChannel,
-                &self.endpoint,
-                format!(
-                    "prefill {} holds {} rooms (max_rooms); room {room} is refused",
-                    self.endpoint, self.config.max_rooms
-                ),
-            );
-            return reply_failed(reason);
-        }
-        let weak = self.weak();
-        let timeout = self.config.bootstrap_timeout;
-        st.pending
-            .entry(room)
-            .or_insert_with(|| Pending {
-                infos: Vec::new(),
-                _expiry: spawn_timer(timeout, move || {
-                    if let Some(inner) = weak.upgrade() {
-                        inner.expire_pending(room);
-                    }
-                }),
-            })
-            .infos
-            .push(rp);
     }
 
-    fn tombstone(self: &Arc<Self>, st: &mut PrefillState, room: u64, reason: FailureReason) {
-        if st.tombstones.len() >= self.config.max_rooms {
-            tracing::warn!(
-                room,
-                "too many tombstoned rooms; this one is not remembered"
-            );
-            return;
-        }
-        let weak = self.weak();
-        st.tombstones.insert(
-            room,
-            Tombstone {
-                reason,
-                _expiry: spawn_timer(self.config.bootstrap_timeout, move || {
-                    if let Some(inner) = weak.upgrade() {
-                        inner.lock().tombstones.remove(&room);
-                    }
-                }),
-            },
-        );
+    fn forget_tombstone(&self, room: u64) {
+        self.with_state(|st| st.tombstones.remove(&room));
     }
 
     fn expire_pending(&self, room: u64) {
-        let Some(p) = self.lock().pending.remove(&room) else {
+        let Some(p) = self.with_state(|st| st.pending.remove(&room)) else {
             return;
         };
         let reason = FailureReason::with_peer(
@@ -890,29 +914,10 @@ impl PrefillInner {
     }
 
     fn create_room(self: &Arc<Self>, room: u64) -> Result<()> {
-        let mut st = self.lock();
-        if st.closed {
-            return Err(CoordinatorError::Shutdown { side: SIDE });
-        }
-        if let Some(r) = st.rooms.get(&room) {
-            return Err(CoordinatorError::DuplicateRoom {
-                room,
-                side: SIDE,
-                state: r.status.state(),
-            });
-        }
-        if st.rooms.len() >= self.config.max_rooms {
-            return Err(CoordinatorError::InvalidRequest {
-                what: "room",
-                message: format!(
-                    "this prefill agent already holds {} rooms (max_rooms); clear finished rooms \
-                     or raise PrefillConfig::max_rooms",
-                    st.rooms.len()
-                ),
-            });
-        }
-        st.next_incarnation += 1;
-        let incarnation = st.next_incarnation;
+        let incarnation = self.incarnations.fetch_add(1, Ordering::Relaxed) + 1;
+        let timer = self.timer(self.config.bootstrap_timeout, move |inner| {
+            inner.on_bootstrap_timeout(room, incarnation)
+        });
         let span = tracing::info_span!(
             parent: None,
             "kv_room",
@@ -922,43 +927,48 @@ impl PrefillInner {
             bytes = field::Empty,
             duration_ms = field::Empty
         );
-        let weak = self.weak();
-        let timeout = self.config.bootstrap_timeout;
-        let timer = spawn_timer(timeout, move || {
-            if let Some(inner) = weak.upgrade() {
-                inner.on_bootstrap_timeout(room, incarnation);
+        let max_rooms = self.config.max_rooms;
+        let (added, tomb) = self.with_state(|st| {
+            admit_room(
+                SIDE,
+                room,
+                st.closed,
+                st.rooms.get(&room).map(|r| r.status.state()),
+                st.rooms.len(),
+                max_rooms,
+                "clear finished rooms or raise PrefillConfig::max_rooms",
+            )?;
+            let mut r = PrefillRoom {
+                status: RoomStatus::new(RoomState::Bootstrapping),
+                incarnation,
+                created_at: Instant::now(),
+                cleared: false,
+                infos: Vec::new(),
+                required: 0,
+                prefix: None,
+                pages_sent: 0,
+                tokens_sent: 0,
+                last_sent: false,
+                driver: None,
+                driver_alive: false,
+                pending_acks: Vec::new(),
+                poisoned: false,
+                notified: HashSet::new(),
+                timer: Some(timer),
+                span,
+            };
+            inc(&self.metrics.rooms_created);
+            tracing::debug!(parent: &r.span, "room created");
+            let tomb = st.tombstones.remove(&room).map(|t| t.reason);
+            let mut added = Vec::new();
+            if let Some(p) = st.pending.remove(&room) {
+                for rp in p.infos {
+                    added.push(add_info(&mut r, rp, self.unique_rank));
+                }
             }
-        });
-        let mut r = PrefillRoom {
-            status: RoomStatus::new(RoomState::Bootstrapping),
-            incarnation,
-            created_at: Instant::now(),
-            cleared: false,
-            infos: Vec::new(),
-            required: 0,
-            prefix: None,
-            pages_sent: 0,
-            tokens_sent: 0,
-            last_sent: false,
-            driver: None,
-            driver_alive: false,
-            pending_acks: Vec::new(),
-            poisoned: false,
-            notified: HashSet::new(),
-            timer: Some(timer),
-            span,
-        };
-        inc(&self.metrics.rooms_created);
-        tracing::debug!(parent: &r.span, "room created");
-        let tomb = st.tombstones.remove(&room).map(|t| t.reason);
-        let mut added = Vec::new();
-        if let Some(p) = st.pending.remove(&room) {
-            for rp in p.infos {
-                added.push(add_info(&mut r, rp, self.unique_rank));
-            }
-        }
-        st.rooms.insert(room, r);
-        drop(st);
+            st.rooms.insert(room, r);
+            Ok::<_, CoordinatorError>((added, tomb))
+        })?;
         for a in added {
             self.apply_added(room, a);
         }
@@ -970,21 +980,23 @@ impl PrefillInner {
 
     fn on_bootstrap_timeout(&self, room: u64, incarnation: u64) {
         // The decode ranks heard from so far are named (none: no decode ever asked for it).
-        let heard = self.lock().rooms.get(&room).and_then(|r| {
-            (r.incarnation == incarnation && r.status.state() == RoomState::Bootstrapping).then(
-                || {
-                    let names: Vec<String> = r
-                        .infos
-                        .iter()
-                        .map(|p| p.info.decode_endpoint.to_string())
-                        .collect();
-                    if names.is_empty() {
-                        "no decode rank".to_owned()
-                    } else {
-                        names.join(", ")
-                    }
-                },
-            )
+        let heard = self.with_state(|st| {
+            st.rooms.get(&room).and_then(|r| {
+                (r.incarnation == incarnation && r.status.state() == RoomState::Bootstrapping).then(
+                    || {
+                        let names: Vec<String> = r
+                            .infos
+                            .iter()
+                            .map(|p| p.info.decode_endpoint.to_string())
+                            .collect();
+                        if names.is_empty() {
+                            "no decode rank".to_owned()
+                        } else {
+                            names.join(", ")
+                        }
+                    },
+                )
+            })
         });
         if let Some(heard) = heard {
             let secs = self.config.bootstrap_timeout.as_secs_f64();
@@ -1007,30 +1019,39 @@ impl PrefillInner {
         if let Some(reason) = added.duplicate {
             self.fail_room(room, None, reason);
         }
-        if added.ready {
-            let weak = self.weak();
-            let mut st = self.lock();
-            if let Some(r) = st.rooms.get_mut(&room) {
-                let incarnation = r.incarnation;
-                r.timer = Some(spawn_timer(self.config.waiting_timeout, move || {
-                    if let Some(inner) = weak.upgrade() {
-                        inner.on_waiting_timeout(room, incarnation);
-                    }
-                }));
-            }
+        if !added.ready {
+            return;
         }
+        let Some(incarnation) = self.with_state(|st| st.rooms.get(&room).map(|r| r.incarnation))
+        else {
+            return;
+        };
+        let timer = self.timer(self.config.waiting_timeout, move |inner| {
+            inner.on_waiting_timeout(room, incarnation)
+        });
+        self.with_state(|st| {
+            if let Some(r) = st
+                .rooms
+                .get_mut(&room)
+                .filter(|r| r.incarnation == incarnation && !r.status.state().is_terminal())
+            {
+                r.timer = Some(timer);
+            }
+        });
     }
 
     fn on_waiting_timeout(&self, room: u64, incarnation: u64) {
-        let stuck = self.lock().rooms.get(&room).and_then(|r| {
-            let state = r.status.state();
-            (r.incarnation == incarnation && !state.is_terminal()).then(|| {
-                let peers: Vec<String> = r
-                    .infos
-                    .iter()
-                    .map(|p| p.info.decode_endpoint.to_string())
-                    .collect();
-                (state, peers.join(", "))
+        let stuck = self.with_state(|st| {
+            st.rooms.get(&room).and_then(|r| {
+                let state = r.status.state();
+                (r.incarnation == incarnation && !state.is_terminal()).then(|| {
+                    let peers: Vec<String> = r
+                        .infos
+                        .iter()
+                        .map(|p| p.info.decode_endpoint.to_string())
+                        .collect();
+                    (state, peers.join(", "))
+                })
             })
         });
         if let Some((state, peers)) = stuck {
@@ -1050,25 +1071,19 @@ impl PrefillInner {
     /// Fails a room (first reason wins). When no driver runs, the decode peers are told now;
     /// otherwise the driver fences its batches first and tells them when it ends.
     fn fail_room(&self, room: u64, incarnation: Option<u64>, reason: FailureReason) {
-        let mut st = self.lock();
-        let Some(r) = st.rooms.get_mut(&room) else {
-            return;
-        };
-        if incarnation.is_some_and(|i| i != r.incarnation) {
-            return;
-        }
-        if !r.status.fail(reason.clone()) {
-            return;
-        }
-        self.metrics.failed(reason.cause);
-        r.timer = None;
-        tracing::warn!(parent: &r.span, cause = %reason.cause, peer = reason.peer.as_deref(), reason = %reason.message, "room failed");
-        if !r.driver_alive {
-            let sends = failure_notices(r, self.unique_rank);
-            drop(st);
-            for (to, msg) in sends {
-                self.outbox.send(&to, msg);
+        let sends = self.with_state(|st| {
+            let r = st.rooms.get_mut(&room)?;
+            if incarnation.is_some_and(|i| i != r.incarnation) || !r.status.fail(reason.clone())
+            {
+                return None;
             }
+            self.metrics.failed(reason.cause);
+            r.timer = None;
+            tracing::warn!(parent: &r.span, cause = %reason.cause, peer = reason.peer.as_deref(), reason = %reason.message, "room failed");
+            (!r.driver_alive).then(|| failure_notices(r, self.unique_rank))
+        });
+        for (to, msg) in sends.into_iter().flatten() {
+            self.outbox.send(&to, msg);
         }
     }
 
@@ -1080,8 +1095,7 @@ impl PrefillInner {
             prefill_rank: self.unique_rank,
             prefill_endpoint: self.endpoint.clone(),
         });
-        let known = {
-            let st = self.lock();
+        let known = self.with_state(|st| {
             st.rooms
                 .get(&room)
                 .filter(|r| {
@@ -1091,36 +1105,13 @@ impl PrefillInner {
                         || !r.cleared
                 })
                 .map(|r| r.status.state())
-        };
-        match known {
-            Some(state) => {
-                if state != RoomState::Success {
-                    self.fail_room(
-                        room,
-                        None,
-                        FailureReason::with_peer(
-                            FailureCause::RemoteFailure,
-                            &a.decode_endpoint,
-                            format!("Aborted by decode {}: {}", a.decode_endpoint, a.reason),
-                        ),
-                    );
-                }
-                let mut st = self.lock();
-                let Some(r) = st.rooms.get_mut(&room) else {
-                    drop(st);
-                    return self.outbox.send(&a.decode_endpoint, ack);
-                };
-                if r.driver_alive {
-                    r.pending_acks.push((a.decode_endpoint, a.generation));
-                } else if r.poisoned {
-                    tracing::error!(parent: &r.span, decode = %a.decode_endpoint, "room is poisoned (a batch could not be fenced): no ABORT_ACK");
-                } else {
-                    drop(st);
-                    self.outbox.send(&a.decode_endpoint, ack);
-                }
-            }
-            None => {
-                let mut st = self.lock();
+        });
+        let Some(state) = known else {
+            let expiry = self.timer(self.config.bootstrap_timeout, move |inner| {
+                inner.forget_tombstone(room)
+            });
+            let max_rooms = self.config.max_rooms;
+            self.with_state(|st| {
                 if st.pending.remove(&room).is_some() {
                     tracing::debug!(room, "abort before the room was created: tombstoned");
                     let reason = FailureReason::with_peer(
@@ -1128,19 +1119,43 @@ impl PrefillInner {
                         &a.decode_endpoint,
                         "Duplicate or cancelled bootstrap room",
                     );
-                    self.tombstone(&mut st, room, reason);
+                    st.tombstone(max_rooms, room, reason, expiry);
                 }
-                drop(st);
-                self.outbox.send(&a.decode_endpoint, ack);
+            });
+            return self.outbox.send(&a.decode_endpoint, ack);
+        };
+        if state != RoomState::Success {
+            self.fail_room(
+                room,
+                None,
+                FailureReason::with_peer(
+                    FailureCause::RemoteFailure,
+                    &a.decode_endpoint,
+                    format!("Aborted by decode {}: {}", a.decode_endpoint, a.reason),
+                ),
+            );
+        }
+        let ack_now = self.with_state(|st| {
+            let Some(r) = st.rooms.get_mut(&room) else {
+                return true;
+            };
+            if r.driver_alive {
+                r.pending_acks.push((a.decode_endpoint.clone(), a.generation));
+                false
+            } else if r.poisoned {
+                tracing::error!(parent: &r.span, decode = %a.decode_endpoint, "room is poisoned (a batch could not be fenced): no ABORT_ACK");
+                false
+            } else {
+                true
             }
+        });
+        if ack_now {
+            self.outbox.send(&a.decode_endpoint, ack);
         }
     }
 
     fn clear(&self, room: u64) {
-        let state = {
-            let st = self.lock();
-            st.visible(room).ok().map(|r| r.status.state())
-        };
+        let state = self.with_state(|st| st.visible(room).ok().map(|r| r.status.state()));
         let Some(state) = state else { return };
         if !state.is_terminal() {
             self.fail_room(
@@ -1149,16 +1164,16 @@ impl PrefillInner {
                 FailureReason::new(FailureCause::Aborted, "Cleared before the transfer ended"),
             );
         }
-        let mut st = self.lock();
-        if let Some(r) = st.rooms.get_mut(&room) {
+        self.with_state(|st| {
+            let r = st.rooms.get_mut(&room)?;
             if r.driver_alive {
                 r.cleared = true;
                 r.driver = None;
+                None
             } else {
-                st.rooms.remove(&room);
+                st.rooms.remove(&room)
             }
-        }
-        drop(st);
+        });
         self.agreement.forget(room);
     }
 
@@ -1168,12 +1183,12 @@ impl PrefillInner {
             .descriptor
             .page_size
             .saturating_mul(u64::from(self.descriptor.dcp_size.max(1)));
-        let invalid = |message: String| {
+        fn invalid<T>(message: String) -> Result<T> {
             Err(CoordinatorError::InvalidRequest {
                 what: "chunk",
                 message,
             })
-        };
+        }
         if chunk.is_last && !self.memory.aux.is_empty() && chunk.aux_index.is_none() {
             return invalid(
                 "the last chunk needs the prefill's aux row (aux_index) because aux buffers are \
@@ -1200,8 +1215,8 @@ impl PrefillInner {
                 }
             }
         }
-        let (tx, job) = {
-            let mut st = self.lock();
+        let max_inflight = self.config.max_inflight_batches.max(1);
+        let step = self.with_state(|st| {
             let r = match st.rooms.get_mut(&room).filter(|r| !r.cleared) {
                 Some(r) => r,
                 None => return Err(CoordinatorError::UnknownRoom { room, side: SIDE }),
@@ -1263,136 +1278,214 @@ impl PrefillInner {
                 .collect();
             if senders.is_empty() {
                 // Only dummy peers: nothing to send; the last chunk concludes locally.
-                if chunk.is_last {
-                    drop(st);
-                    self.conclude_success(room, None, 0);
-                }
-                return Ok(());
+                return Ok(ChunkStep::Local {
+                    conclude: chunk.is_last,
+                });
             }
+            let mut start = None;
             if r.driver.is_none() && !r.driver_alive {
-                let (tx, rx) = mpsc::channel(self.config.max_inflight_batches.max(1));
+                let (tx, rx) = mpsc::channel(max_inflight);
                 r.driver = Some(tx);
                 r.driver_alive = true;
-                let status_rx = r.status.subscribe();
-                let prefix = r.prefix.unwrap_or(0);
-                let span = r.span.clone();
-                let incarnation = r.incarnation;
-                let me = self.clone();
-                tokio::spawn(tracing::Instrument::instrument(
-                    drive_room(me, room, incarnation, senders, prefix, rx, status_rx),
-                    span,
-                ));
+                start = Some(DriverStart {
+                    incarnation: r.incarnation,
+                    senders,
+                    prefix: r.prefix.unwrap_or(0),
+                    rx,
+                    status_rx: r.status.subscribe(),
+                    span: r.span.clone(),
+                });
             }
             let Some(tx) = r.driver.clone() else {
                 return invalid(format!("room {room} is no longer accepting chunks"));
             };
-            (
+            Ok(ChunkStep::Queue {
                 tx,
-                Job {
+                job: Job {
                     chunk,
                     page_offset,
                     token_offset,
                 },
-            )
+                start,
+            })
+        })?;
+        let (tx, job) = match step {
+            ChunkStep::Local { conclude } => {
+                if conclude {
+                    self.conclude_success(room, None, 0);
+                }
+                return Ok(());
+            }
+            ChunkStep::Queue { tx, job, start } => {
+                if let Some(d) = start {
+                    tokio::spawn(tracing::Instrument::instrument(
+                        drive_room(
+                            self.clone(),
+                            room,
+                            d.incarnation,
+                            d.senders,
+                            d.prefix,
+                            d.rx,
+                            d.status_rx,
+                        ),
+                        d.span,
+                    ));
+                }
+                (tx, job)
+            }
         };
         if tx.send(job).await.is_err() {
-            let st = self.lock();
-            let r = st.visible(room)?;
-            return Err(r.status.error(room).map(CoordinatorError::from).unwrap_or(
-                CoordinatorError::InvalidRequest {
-                    what: "chunk",
-                    message: format!("room {room} stopped accepting chunks"),
-                },
-            ));
+            return self.with_state(|st| {
+                let r = st.visible(room)?;
+                Err(r.status.error(room).map(CoordinatorError::from).unwrap_or(
+                    CoordinatorError::InvalidRequest {
+                        what: "chunk",
+                        message: format!("room {room} stopped accepting chunks"),
+                    },
+                ))
+            });
         }
         Ok(())
     }
 
     fn conclude_success(&self, room: u64, incarnation: Option<u64>, bytes: u64) {
-        let mut st = self.lock();
-        let Some(r) = st.rooms.get_mut(&room) else {
-            return;
-        };
-        if incarnation.is_some_and(|i| i != r.incarnation) {
-            return;
-        }
-        if r.status.state() == RoomState::Failed {
-            return;
-        }
-        r.status.update(RoomState::Success);
-        r.timer = None;
-        let elapsed = r.created_at.elapsed();
-        self.metrics.succeeded(elapsed);
-        r.span.record("bytes", bytes);
-        r.span.record("duration_ms", elapsed.as_millis() as u64);
-        tracing::info!(parent: &r.span, bytes, duration_ms = elapsed.as_millis() as u64, "room transferred");
-        let sends: Vec<(Endpoint, ControlMessage)> = r
-            .infos
-            .iter()
-            .filter(|p| p.peer.is_some())
-            .map(|p| {
-                (
-                    p.info.decode_endpoint.clone(),
-                    ControlMessage::Status(StatusUpdate {
-                        room,
-                        generation: p.info.generation,
-                        state: RoomState::Success,
-                        prefill_rank: self.unique_rank,
-                        reason: None,
-                        cause: None,
-                    }),
-                )
-            })
-            .collect();
-        drop(st);
-        for (to, msg) in sends {
+        let sends = self.with_state(|st| {
+            let r = st.rooms.get_mut(&room)?;
+            if incarnation.is_some_and(|i| i != r.incarnation)
+                || r.status.state() == RoomState::Failed
+            {
+                return None;
+            }
+            Some(conclude(r, room, self.unique_rank, bytes, &self.metrics))
+        });
+        for (to, msg) in sends.into_iter().flatten() {
             self.outbox.send(&to, msg);
         }
     }
 
     /// The driver of `room` ended: its batches are all final (or the room is poisoned).
     fn driver_finished(&self, room: u64, incarnation: u64, poisoned: bool) {
-        let mut st = self.lock();
-        let Some(r) = st
-            .rooms
-            .get_mut(&room)
-            .filter(|r| r.incarnation == incarnation)
-        else {
-            return;
-        };
-        r.driver_alive = false;
-        r.driver = None;
-        r.poisoned |= poisoned;
-        let mut sends = Vec::new();
-        if r.status.state() == RoomState::Failed {
-            sends.extend(failure_notices_inner(r, self.unique_rank));
-        }
-        let acks = std::mem::take(&mut r.pending_acks);
-        if r.poisoned {
-            if !acks.is_empty() {
-                tracing::error!(parent: &r.span, "room is poisoned (a batch could not be fenced): no ABORT_ACK is sent");
+        let sends = self.with_state(|st| {
+            let r = st
+                .rooms
+                .get_mut(&room)
+                .filter(|r| r.incarnation == incarnation)?;
+            let sends = driver_ended(r, room, poisoned, self.unique_rank, &self.endpoint);
+            if r.cleared {
+                st.rooms.remove(&room);
             }
-        } else {
-            for (to, generation) in acks {
-                sends.push((
-                    to,
-                    ControlMessage::AbortAck(AbortAck {
-                        room,
-                        generation,
-                        prefill_rank: self.unique_rank,
-                        prefill_endpoint: self.endpoint.clone(),
-                    }),
-                ));
-            }
-        }
-        if r.cleared {
-            st.rooms.remove(&room);
-        }
-        drop(st);
-        for (to, msg) in sends {
+            Some(sends)
+        });
+        for (to, msg) in sends.into_iter().flatten() {
             self.outbox.send(&to, msg);
         }
     }
+}
+
+/// Marks a room Success; returns the statuses to send.
+fn conclude(
+    r: &mut PrefillRoom,
+    room: u64,
+    rank: u32,
+    bytes: u64,
+    metrics: &Metrics,
+) -> Vec<(Endpoint, ControlMessage)> {
+    r.status.update(RoomState::Success);
+    r.timer = None;
+    let elapsed = r.created_at.elapsed();
+    metrics.succeeded(elapsed);
+    r.span.record("bytes", bytes);
+    r.span.record("duration_ms", elapsed.as_millis() as u64);
+    tracing::info!(parent: &r.span, bytes, duration_ms = elapsed.as_millis() as u64, "room transferred");
+    r.infos
+        .iter()
+        .filter(|p| p.peer.is_some())
+        .map(|p| {
+            (
+                p.info.decode_endpoint.clone(),
+                ControlMessage::Status(StatusUpdate {
+                    room,
+                    generation: p.info.generation,
+                    state: RoomState::Success,
+                    prefill_rank: rank,
+                    reason: None,
+                    cause: None,
+                }),
+            )
+        })
+        .collect()
+}
+
+/// Records that a room's driver ended; returns the notices and acks now due.
+fn driver_ended(
+    r: &mut PrefillRoom,
+    room: u64,
+    poisoned: bool,
+    rank: u32,
+    endpoint: &Endpoint,
+) -> Vec<(Endpoint, ControlMessage)> {
+    r.driver_alive = false;
+    r.driver = None;
+    r.poisoned |= poisoned;
+    let mut sends = Vec::new();
+    if r.status.state() == RoomState::Failed {
+        sends.extend(failure_notices_inner(r, rank));
+    }
+    let acks = std::mem::take(&mut r.pending_acks);
+    if r.poisoned {
+        if !acks.is_empty() {
+            tracing::error!(parent: &r.span, "room is poisoned (a batch could not be fenced): no ABORT_ACK is sent");
+        }
+    } else {
+        for (to, generation) in acks {
+            sends.push((
+                to,
+                ControlMessage::AbortAck(AbortAck {
+                    room,
+                    generation,
+                    prefill_rank: rank,
+                    prefill_endpoint: endpoint.clone(),
+                }),
+            ));
+        }
+    }
+    sends
+}
+
+/// What [`PrefillInner::on_transfer_info`] does once the state is unlocked.
+enum MetadataStep {
+    Added(Added),
+    FailThenAdd(FailureReason, RoomPeer),
+    Reply(FailureReason),
+    Pending,
+}
+
+/// What [`PrefillInner::send_chunk`] does once the state is unlocked.
+enum ChunkStep {
+    /// Only dummy peers: nothing to send (the last chunk concludes the room).
+    Local { conclude: bool },
+    Queue {
+        tx: mpsc::Sender<Job>,
+        job: Job,
+        start: Option<DriverStart>,
+    },
+}
+
+/// What a new room driver needs, taken under the lock and spawned after it.
+struct DriverStart {
+    incarnation: u64,
+    senders: Vec<RoomPeer>,
+    prefix: u64,
+    rx: mpsc::Receiver<Job>,
+    status_rx: watch::Receiver<RoomState>,
+    span: Span,
+}
+
+/// What the prefill already knows of a registering decode session.
+enum Known {
+    Accepted,
+    Rejected(Vec<WireProblem>),
+    New,
 }
 
 /// What adding a decode rank's metadata to a room asks the caller to do.

@@ -299,6 +299,35 @@ impl RoomStatus {
     }
 }
 
+/// Whether an agent may open one more room: not shut down, the id not held (`existing` is the
+/// held room's state), fewer than `max_rooms` held. `how_to_free` ends the message of a full
+/// agent (what the caller should do).
+pub(crate) fn admit_room(
+    side: &'static str,
+    room: u64,
+    closed: bool,
+    existing: Option<RoomState>,
+    held: usize,
+    max_rooms: usize,
+    how_to_free: &str,
+) -> Result<(), CoordinatorError> {
+    if closed {
+        return Err(CoordinatorError::Shutdown { side });
+    }
+    if let Some(state) = existing {
+        return Err(CoordinatorError::DuplicateRoom { room, side, state });
+    }
+    if held >= max_rooms {
+        return Err(CoordinatorError::InvalidRequest {
+            what: "room",
+            message: format!(
+                "this {side} agent already holds {held} rooms (max_rooms); {how_to_free}"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Waits on a status receiver until the room is terminal. Returns `None` when the room was
 /// cleared (the sender dropped) before that.
 pub(crate) async fn wait_terminal(mut rx: watch::Receiver<RoomState>) -> Option<RoomState> {

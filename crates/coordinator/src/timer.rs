@@ -16,6 +16,21 @@ impl Drop for TimerGuard {
     }
 }
 
+/// Runs `f` on the agent behind `weak` (if it still exists) after `delay`, unless the guard
+/// is dropped first. Agents make their timers before locking their state, so the callback
+/// (which locks it) is never built under the lock.
+pub(crate) fn spawn_timer_on<T: Send + Sync + 'static>(
+    weak: std::sync::Weak<T>,
+    delay: Duration,
+    f: impl FnOnce(&T) + Send + 'static,
+) -> TimerGuard {
+    spawn_timer(delay, move || {
+        if let Some(inner) = weak.upgrade() {
+            f(&inner);
+        }
+    })
+}
+
 /// Runs `f` after `delay` unless the returned guard is dropped first.
 pub(crate) fn spawn_timer(delay: Duration, f: impl FnOnce() + Send + 'static) -> TimerGuard {
     let task = tokio::spawn(async move {

@@ -11,7 +11,6 @@ use kvbridge_coordinator::{
     DecodeConfig, Endpoint, FailureCause, KvMemory, PrefillConfig, ReceiveRequest, Registration,
     RegistrationOutcome, RoomState, SharedMin, TransferInfo, TransportInfo,
 };
-use kvbridge_handshake::{CheckOptions, Compat};
 use kvbridge_mock::{FaultScript, LoopbackTransport};
 use kvbridge_transport::KvTransport;
 use tokio::time::sleep;
@@ -527,17 +526,7 @@ async fn incompatible_decode_is_refused_with_every_problem_and_the_prefill_keeps
 
 #[tokio::test(start_paused = true)]
 async fn a_decode_refused_by_the_prefill_fails_its_rooms_at_once_with_the_problems() {
-    // The decode (kvbridge envelope) accepts different page sizes; this prefill runs SGLang's
-    // envelope and refuses them at registration.
-    let mut spec = Spec::new(
-        vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
-        vec![mla("decode", 64, 2, 64, 1, 0, 1)],
-    );
-    spec.prefill_config = PrefillConfig {
-        check: CheckOptions::new(Compat::Sglang),
-        ..PrefillConfig::default()
-    };
-    let r = rig(spec).await;
+    let r = rig(Spec::refused_page_size()).await;
     let d = &r.decodes[0].0;
     for room in [1, 2] {
         d.receive(

@@ -28,21 +28,21 @@ fn ping(n: u64) -> ControlMessage {
 }
 
 async fn recv(ch: &NetChannel) -> kvbridge_coordinator::Envelope {
-    tokio::time::timeout(Duration::from_secs(10), ch.recv())
+    tokio::time::timeout(Duration::from_secs(30), ch.recv())
         .await
-        .expect("a message within 10 s")
+        .expect("a message within 30 s")
         .unwrap()
 }
 
 /// Polls `f` until it holds (bounded), for counters updated by background tasks.
 async fn eventually(what: &str, f: impl Fn() -> bool) {
-    for _ in 0..500 {
+    for _ in 0..3000 {
         if f() {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("{what} did not happen within 5 s");
+    panic!("{what} did not happen within 30 s");
 }
 
 #[tokio::test]
@@ -459,4 +459,148 @@ async fn agents_transfer_over_tcp_control_and_http_bootstrap() {
         assert_eq!(agent.room_count(), 0);
         assert_eq!(agent.registered_peers().len(), 1);
     }
+}
+
+/// Endpoint names of ports nobody listens on (bound, then released).
+async fn dead_endpoints(n: usize) -> Vec<String> {
+    let mut listeners = Vec::new();
+    for _ in 0..n {
+        listeners.push(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
+    }
+    listeners
+        .iter()
+        .map(|l| l.local_addr().unwrap().to_string())
+        .collect()
+}
+
+/// Pings `to` from a raw connection whose hello claims the endpoint `name`.
+async fn claim_and_ping(to: &Endpoint, name: &str, nonce: u64) -> TcpStream {
+    let mut s = TcpStream::connect(to.as_str()).await.unwrap();
+    let mut v = hello(NET_PROTOCOL_VERSION, 0, name.as_bytes());
+    v.extend_from_slice(&[0u8; 32]);
+    v.extend_from_slice(&frame(
+        format!(r#"{{"type":"ping","nonce":{nonce}}}"#).as_bytes(),
+    ));
+    s.write_all(&v).await.unwrap();
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pings_claiming_many_endpoints_do_not_keep_a_new_peer_out() {
+    // A prefill whose channel may talk to 8 peers; unauthenticated pings claim 40 endpoints
+    // nobody listens on and 12 that do (and then go quiet). The prefill answers each claim;
+    // afterwards a real peer must still get its answer.
+    const MAX_PEERS: usize = 8;
+    let pd = mla("prefill", 8, 1, 0, 1);
+    let pt: Arc<dyn KvTransport> = Arc::new(LoopbackTransport::new());
+    let pmem = KvMemory::allocate(&*pt, &pd, 4, 2).await.unwrap();
+    let pch = Arc::new(
+        NetChannel::bind(cfg().with_max_peers(MAX_PEERS))
+            .await
+            .unwrap(),
+    );
+    let prefill = PrefillAgent::builder(pd, pmem.memory.clone(), pt, pch.clone())
+        .start()
+        .unwrap();
+    let to = prefill.endpoint();
+    let mut live = Vec::new();
+    for _ in 0..12 {
+        live.push(NetChannel::bind(cfg()).await.unwrap());
+    }
+    let mut names = dead_endpoints(40).await;
+    names.extend(live.iter().map(|c| c.local_endpoint().to_string()));
+    let mut attack = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        attack.push(claim_and_ping(&to, name, i as u64).await);
+    }
+    eventually("every claim received", || {
+        pch.stats().frames_received == names.len() as u64
+    })
+    .await;
+    // The claimed listeners get their answers (the prefill did send to them).
+    for c in &live {
+        assert!(matches!(recv(c).await.message, ControlMessage::Pong(_)));
+    }
+    drop(attack);
+    let me = NetChannel::bind(cfg()).await.unwrap();
+    me.send(&to, ping(1_000)).await.unwrap();
+    let got = recv(&me).await;
+    assert_eq!(
+        got.message,
+        ControlMessage::Pong(Heartbeat { nonce: 1_000 })
+    );
+    assert!(pch.peer_count() <= MAX_PEERS, "{}", pch.peer_count());
+    // Every claimed endpoint that cannot be reached was dropped from the table.
+    eventually("the unreachable claims pruned", || {
+        pch.stats().peers_pruned >= 40
+    })
+    .await;
+    assert!(pch.peer_count() <= MAX_PEERS, "{}", pch.peer_count());
+}
+
+#[tokio::test]
+async fn idle_connections_are_closed_after_the_bound_and_free_their_slot() {
+    let idle = Duration::from_millis(300);
+    let b = NetChannel::bind(cfg().with_max_connections(1).with_idle_timeout(idle))
+        .await
+        .unwrap();
+    let ep = b.local_endpoint();
+    // A client completes the handshake, then sends nothing: the server closes it (EOF after
+    // the verdict) once the bound passes, and counts it.
+    let mut s = TcpStream::connect(ep.as_str()).await.unwrap();
+    s.write_all(&session(&[])).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out))
+        .await
+        .expect("an idle connection is closed by the server")
+        .unwrap();
+    // Server hello (28 + 32 bytes), then the verdict: accepted, no reason.
+    assert_eq!(out.len(), 63, "{out:?}");
+    assert!(out.ends_with(&[0, 0, 0]), "accepted, then closed: {out:?}");
+    eventually("one idle close", || b.stats().idle_closed == 1).await;
+    // Its slot is free again: a real peer gets through.
+    let a = NetChannel::bind(cfg()).await.unwrap();
+    a.send(&ep, ping(1)).await.unwrap();
+    assert_eq!(recv(&b).await.message, ping(1));
+}
+
+#[tokio::test]
+async fn a_silent_handshake_gives_its_slot_back_at_the_deadline() {
+    let b = NetChannel::bind(
+        cfg()
+            .with_max_connections(1)
+            .with_timeouts(Duration::from_millis(300), Duration::from_secs(2)),
+    )
+    .await
+    .unwrap();
+    let ep = b.local_endpoint();
+    // Holds the only slot without ever saying hello.
+    let _silent = TcpStream::connect(ep.as_str()).await.unwrap();
+    eventually("the silent handshake refused", || b.stats().refused == 1).await;
+    let a = NetChannel::bind(cfg()).await.unwrap();
+    a.send(&ep, ping(2)).await.unwrap();
+    assert_eq!(recv(&b).await.message, ping(2));
+}
+
+#[tokio::test]
+async fn the_sender_closes_a_quiet_connection_first_and_reconnects_without_loss() {
+    let idle = Duration::from_millis(400);
+    let a = NetChannel::bind(cfg().with_idle_timeout(idle))
+        .await
+        .unwrap();
+    let b = NetChannel::bind(cfg().with_idle_timeout(idle))
+        .await
+        .unwrap();
+    a.send(&b.local_endpoint(), ping(1)).await.unwrap();
+    assert_eq!(recv(&b).await.message, ping(1));
+    // After half the bound without a frame a closes its side; b never had to.
+    tokio::time::sleep(idle * 3).await;
+    for n in 2..50 {
+        a.send(&b.local_endpoint(), ping(n)).await.unwrap();
+    }
+    for n in 2..50 {
+        assert_eq!(recv(&b).await.message, ping(n));
+    }
+    assert_eq!(a.stats().connects, 2, "one reconnect after the idle close");
+    assert_eq!(b.stats().idle_closed, 0);
 }

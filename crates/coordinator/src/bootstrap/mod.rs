@@ -285,8 +285,10 @@ impl Registry {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, RegistryState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    /// Runs `f` on the registry under its lock (the only place that takes it).
+    fn with_state<R>(&self, f: impl FnOnce(&mut RegistryState) -> R) -> R {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut st)
     }
 
     /// Registers (or re-registers, e.g. after a restart) one prefill rank.
@@ -334,12 +336,17 @@ impl Registry {
             ));
         };
         let template = rank_template(d);
-        let mut st = self.lock();
+        let coords = row.coords();
+        let info = PrefillRankInfo {
+            endpoint: row.endpoint.clone(),
+            descriptor: row.descriptor.clone(),
+        };
+        self.with_state(|st| {
         match &st.deployment {
             None => {
                 st.deployment = Some(Deployment {
                     template,
-                    first: d.clone(),
+                    first: info.descriptor.clone(),
                     dp_size: row.dp_size,
                     expected: expected as usize,
                 });
@@ -377,26 +384,23 @@ impl Registry {
                 }
             }
         }
-        let coords = row.coords();
-        let info = PrefillRankInfo {
-            endpoint: row.endpoint,
-            descriptor: row.descriptor,
-        };
         if let Some(old) = st.ranks.insert(coords, info) {
             tracing::info!(old = %old.endpoint, ?coords, "bootstrap: a prefill rank registered again (restart)");
         }
         Ok(())
+        })
     }
 
     /// Whether every declared rank registered, and how many did.
     pub fn readiness(&self) -> Readiness {
-        let st = self.lock();
-        let expected = st.deployment.as_ref().map_or(0, |d| d.expected);
-        Readiness {
-            ready: expected > 0 && st.ranks.len() >= expected,
-            registered: st.ranks.len(),
-            expected,
-        }
+        self.with_state(|st| {
+            let expected = st.deployment.as_ref().map_or(0, |d| d.expected);
+            Readiness {
+                ready: expected > 0 && st.ranks.len() >= expected,
+                registered: st.ranks.len(),
+                expected,
+            }
+        })
     }
 
     /// The deployment's parameters, once every rank registered.
@@ -405,87 +409,92 @@ impl Registry {
         if !r.ready {
             return None;
         }
-        let st = self.lock();
-        let dep = st.deployment.as_ref()?;
-        let d = &dep.first;
-        Some(PrefillServerInfo {
-            attn_tp_size: d.attn_tp_size,
-            attn_cp_size: d.attn_cp_size,
-            dp_size: dep.dp_size,
-            pp_size: d.pp_size,
-            page_size: d.page_size,
-            kv_cache_dtype: d.kv_cache_dtype.clone(),
-            kv_layout: d.kv_layout.clone(),
-            kv_pool: d.kv_pool,
-            dcp_size: d.dcp_size,
-            enable_kv_cache_sharding: d.kv_cache_sharding,
-            follow_bootstrap_room: true,
-            decode_allocation_policy: "early".to_owned(),
-            registered: r.registered,
-            expected: r.expected,
+        self.with_state(|st| {
+            let dep = st.deployment.as_ref()?;
+            let d = &dep.first;
+            Some(PrefillServerInfo {
+                attn_tp_size: d.attn_tp_size,
+                attn_cp_size: d.attn_cp_size,
+                dp_size: dep.dp_size,
+                pp_size: d.pp_size,
+                page_size: d.page_size,
+                kv_cache_dtype: d.kv_cache_dtype.clone(),
+                kv_layout: d.kv_layout.clone(),
+                kv_pool: d.kv_pool,
+                dcp_size: d.dcp_size,
+                enable_kv_cache_sharding: d.kv_cache_sharding,
+                follow_bootstrap_room: true,
+                decode_allocation_policy: "early".to_owned(),
+                registered: r.registered,
+                expected: r.expected,
+            })
         })
     }
 
     /// Every registered rank of DP group `dp_rank`, ordered by (cp, tp, pp).
     pub fn ranks(&self, dp_rank: u32) -> Vec<PrefillRankInfo> {
-        self.lock()
-            .ranks
-            .iter()
-            .filter(|(c, _)| c.dp == dp_rank)
-            .map(|(_, r)| r.clone())
-            .collect()
+        self.with_state(|st| {
+            st.ranks
+                .iter()
+                .filter(|(c, _)| c.dp == dp_rank)
+                .map(|(_, r)| r.clone())
+                .collect()
+        })
     }
 
     /// Forgets every rank (e.g. the prefill deployment restarts with another topology).
     pub fn clear(&self) {
-        let mut st = self.lock();
-        st.deployment = None;
-        st.ranks.clear();
+        self.with_state(|st| {
+            st.deployment = None;
+            st.ranks.clear();
+        })
     }
 
     fn rank(&self, c: RankCoords) -> Option<PrefillRankInfo> {
-        self.lock().ranks.get(&c).cloned()
+        self.with_state(|st| st.ranks.get(&c).cloned())
     }
 
     fn register_room(&self, e: DpRankEntry, now: Instant) -> Result<(), Response> {
-        let mut st = self.lock();
-        if st.rooms.len() >= self.limits.max_entries && !st.rooms.contains_key(&e.bootstrap_room) {
-            let ttl = self.limits.ttl;
-            st.rooms.retain(|_, (_, t)| now.duration_since(*t) < ttl);
-            if st.rooms.len() >= self.limits.max_entries {
-                return Err(Response::text(
-                    503,
-                    format!(
-                        "the room table is full ({} entries younger than {:?}); retry later",
-                        st.rooms.len(),
-                        ttl
-                    ),
-                ));
+        self.with_state(|st| {
+            if st.rooms.len() >= self.limits.max_entries
+                && !st.rooms.contains_key(&e.bootstrap_room)
+            {
+                let ttl = self.limits.ttl;
+                st.rooms.retain(|_, (_, t)| now.duration_since(*t) < ttl);
+                if st.rooms.len() >= self.limits.max_entries {
+                    return Err(Response::text(
+                        503,
+                        format!(
+                            "the room table is full ({} entries younger than {:?}); retry later",
+                            st.rooms.len(),
+                            ttl
+                        ),
+                    ));
+                }
             }
-        }
-        st.rooms.insert(e.bootstrap_room, (e.dp_rank, now));
-        Ok(())
+            st.rooms.insert(e.bootstrap_room, (e.dp_rank, now));
+            Ok(())
+        })
     }
 
     fn query_rooms(&self, rooms: &[u64], now: Instant) -> BTreeMap<String, u32> {
-        let st = self.lock();
-        rooms
-            .iter()
-            .filter_map(|r| {
-                st.rooms
-                    .get(r)
-                    .filter(|(_, t)| now.duration_since(*t) < self.limits.ttl)
-                    .map(|(dp, _)| (r.to_string(), *dp))
-            })
-            .collect()
+        self.with_state(|st| {
+            rooms
+                .iter()
+                .filter_map(|r| {
+                    st.rooms
+                        .get(r)
+                        .filter(|(_, t)| now.duration_since(*t) < self.limits.ttl)
+                        .map(|(dp, _)| (r.to_string(), *dp))
+                })
+                .collect()
+        })
     }
 
     /// Drops room entries older than the TTL.
     fn purge_rooms(&self, now: Instant) {
         let ttl = self.limits.ttl;
-        self.lock()
-            .rooms
-            .retain(|_, (_, t)| now.duration_since(*t) < ttl);
+        self.with_state(|st| st.rooms.retain(|_, (_, t)| now.duration_since(*t) < ttl));
     }
 
     /// Answers one HTTP request (sans-IO).

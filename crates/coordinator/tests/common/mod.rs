@@ -116,6 +116,20 @@ impl Spec {
         }
     }
 
+    /// A decode the prefill refuses at registration: the decode (kvbridge envelope) accepts
+    /// another page size (64 vs 16), the prefill (SGLang's envelope) does not.
+    pub fn refused_page_size() -> Self {
+        let mut spec = Spec::new(
+            vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
+            vec![mla("decode", 64, 2, 64, 1, 0, 1)],
+        );
+        spec.prefill_config = PrefillConfig {
+            check: kvbridge_handshake::CheckOptions::new(kvbridge_handshake::Compat::Sglang),
+            ..PrefillConfig::default()
+        };
+        spec
+    }
+
     /// One MLA prefill rank to one MLA decode rank (16-token pages, 2 entries of 64 bytes a
     /// token, no TP or DCP).
     pub fn mla_one_to_one() -> Self {

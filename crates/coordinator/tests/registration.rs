@@ -1,0 +1,164 @@
+//! Registration sequences that once deadlocked the prefill: a refused decode registering again
+//! with the same session, and the same `register` message arriving on two connections. Each
+//! scenario runs on a thread of its own and is awaited with a bound, so a deadlock (threads
+//! parked on the agent's lock forever) fails the test instead of hanging it.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{ADDR, Spec, mla, rig};
+use kvbridge_coordinator::net_channel::{NetChannel, NetChannelConfig};
+use kvbridge_coordinator::{
+    CONTROL_PROTOCOL_VERSION, ControlChannel, ControlMessage, Endpoint, FailureCause, Heartbeat,
+    KvMemory, PrefillAgent, ReceiveRequest, Registration, RegistrationOutcome, TransportInfo,
+    WireRegion,
+};
+use kvbridge_mock::LoopbackTransport;
+use kvbridge_transport::KvTransport;
+
+/// Runs `scenario` on its own thread and runtime; fails if it does not end within `limit`
+/// (real time: a deadlocked runtime cannot fire its own timers).
+fn within(limit: Duration, paused: bool, scenario: impl AsyncFnOnce() + Send + 'static) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(paused)
+            .build()
+            .unwrap();
+        rt.block_on(scenario());
+        let _ = tx.send(());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(()) => {}
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            panic!("the scenario did not finish within {limit:?}: the prefill deadlocked")
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            panic!("the scenario panicked (see its output above)")
+        }
+    }
+}
+
+#[test]
+fn a_refused_decode_registers_again_for_its_next_room_and_is_refused_again() {
+    within(Duration::from_secs(120), true, async || {
+        let r = rig(Spec::refused_page_size()).await;
+        let d = &r.decodes[0].0;
+        let heartbeat = kvbridge_coordinator::DecodeConfig::default().heartbeat_interval;
+        for room in [1, 2, 3] {
+            d.receive(
+                room,
+                ReceiveRequest {
+                    bootstrap_addr: ADDR.into(),
+                    page_table: vec![0, 1],
+                    cached_prefix_len: 0,
+                    aux_index: 0,
+                },
+            )
+            .unwrap();
+            let err = common::bounded(d.wait(room)).await.unwrap_err().to_string();
+            assert!(err.contains("Page size mismatch"), "room {room}: {err}");
+            assert_eq!(
+                d.failure(room).unwrap().reason.cause,
+                FailureCause::PeerRejected
+            );
+            // The refusal is remembered for a heartbeat interval; after it the decode asks
+            // again, with the same session.
+            tokio::time::sleep(heartbeat * 2).await;
+        }
+        // The prefill still runs its control loop: it answers a ping.
+        let probe = r.hub.channel("probe").unwrap();
+        probe
+            .send(
+                &Endpoint::new("prefill-0"),
+                ControlMessage::Ping(Heartbeat { nonce: 5 }),
+            )
+            .await
+            .unwrap();
+        let pong = common::bounded(probe.recv()).await.unwrap();
+        assert_eq!(pong.message, ControlMessage::Pong(Heartbeat { nonce: 5 }));
+        assert_eq!(r.prefills[0].0.room_count(), 0);
+    });
+}
+
+/// A registration the prefill refuses (its transport is unknown), claiming `decode`.
+fn refused_registration(
+    desc: kvbridge_handshake::PeerDescriptor,
+    mem: &KvMemory,
+    decode: &Endpoint,
+) -> ControlMessage {
+    let wire = |e: &kvbridge_coordinator::EntryRegion| WireRegion {
+        region: e.region.0,
+        offset: e.offset,
+        len: e.len,
+    };
+    ControlMessage::Register(Registration {
+        protocol: CONTROL_PROTOCOL_VERSION,
+        decode_endpoint: decode.clone(),
+        session: 42,
+        descriptor: desc,
+        transport: TransportInfo {
+            name: "no-such-transport".into(),
+            descriptor: Vec::new(),
+        },
+        kv_regions: mem.kv.iter().map(wire).collect(),
+        aux_regions: mem.aux.iter().map(wire).collect(),
+    })
+}
+
+#[test]
+fn the_same_register_message_on_two_connections_is_answered_twice() {
+    within(Duration::from_secs(120), false, async || {
+        let cfg = || {
+            NetChannelConfig::default()
+                .with_timeouts(Duration::from_secs(10), Duration::from_secs(10))
+        };
+        let pd = mla("prefill", 16, 2, 64, 1, 0, 1);
+        let pt: Arc<dyn KvTransport> = Arc::new(LoopbackTransport::new());
+        let pmem = KvMemory::allocate(&*pt, &pd, 8, 2).await.unwrap();
+        let pch = Arc::new(NetChannel::bind(cfg()).await.unwrap());
+        let prefill = PrefillAgent::builder(pd, pmem.memory.clone(), pt, pch)
+            .start()
+            .unwrap();
+        let to = prefill.endpoint();
+        // The replies go to the claimed decode endpoint: a channel of the test listens there.
+        let decode = NetChannel::bind(cfg()).await.unwrap();
+        let dd = mla("decode", 16, 2, 64, 1, 0, 1);
+        let dt = LoopbackTransport::new();
+        let dmem = KvMemory::allocate(&dt, &dd, 8, 2).await.unwrap();
+        let msg = refused_registration(dd, &dmem.memory, &decode.local_endpoint());
+        // Two connections (two senders), the same message on each.
+        let a = NetChannel::bind(cfg()).await.unwrap();
+        let b = NetChannel::bind(cfg()).await.unwrap();
+        a.send(&to, msg.clone()).await.unwrap();
+        b.send(&to, msg).await.unwrap();
+        for _ in 0..2 {
+            let reply = tokio::time::timeout(Duration::from_secs(30), decode.recv())
+                .await
+                .expect("a registration reply within 30 s")
+                .unwrap();
+            let ControlMessage::RegisterReply(reply) = reply.message else {
+                panic!("expected a registration reply, got {reply:?}")
+            };
+            let RegistrationOutcome::Rejected { problems } = reply.result else {
+                panic!("an unknown transport must be refused")
+            };
+            assert!(
+                problems.iter().any(|p| p.code == "KVB-TRANSPORT"),
+                "{problems:?}"
+            );
+        }
+        // The prefill keeps serving: a ping on a third connection is answered.
+        a.send(&to, ControlMessage::Ping(Heartbeat { nonce: 3 }))
+            .await
+            .unwrap();
+        let pong = tokio::time::timeout(Duration::from_secs(30), a.recv())
+            .await
+            .expect("a pong within 30 s")
+            .unwrap();
+        assert_eq!(pong.message, ControlMessage::Pong(Heartbeat { nonce: 3 }));
+    });
+}
