@@ -13,7 +13,7 @@ use kvbridge_coordinator::{
     Chunk, DecodeAgent, InProcessControlHub, KvMemory, PrefillAgent, ReceiveRequest,
     StaticDirectory,
 };
-use kvbridge_handshake::PeerDescriptor;
+use kvbridge_handshake::{PeerDescriptor, Role};
 use kvbridge_mock::LoopbackTransport;
 use kvbridge_transport::{KvTransport, TransferBatch, TransferOp};
 
@@ -21,13 +21,12 @@ const LAYERS: usize = 61;
 const TOK: u64 = 1152;
 const PAGE: u64 = 64;
 
-fn desc(role: &str, tp: u32, rank: u32, dcp: u32) -> PeerDescriptor {
-    serde_json::from_value(serde_json::json!({
-        "role": role, "page_size": PAGE, "kv_cache_dtype": "auto", "kv_pool": "mla",
-        "attn_tp_size": tp, "attn_tp_rank": rank, "dcp_size": dcp, "dcp_rank": rank % dcp,
-        "kv_item_lens": vec![PAGE * TOK; LAYERS],
-    }))
-    .expect("descriptor")
+fn desc(role: Role, tp: u32, rank: u32, dcp: u32) -> PeerDescriptor {
+    PeerDescriptor::mla(role, PAGE, LAYERS, TOK)
+        .attn_tp(tp, rank)
+        .dcp(dcp)
+        .build()
+        .expect("descriptor")
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -44,7 +43,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let hub = InProcessControlHub::new();
     let dir = StaticDirectory::new();
     let pt: Arc<dyn KvTransport> = Arc::new(LoopbackTransport::new());
-    let pd = desc("prefill", 1, 0, 1);
+    let pd = desc(Role::Prefill, 1, 0, 1);
     let pmem = KvMemory::allocate(&*pt, &pd, pages, 0).await?;
     let prefill = PrefillAgent::builder(
         pd.clone(),
@@ -66,7 +65,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut decodes = Vec::new();
     for r in 0..dcp {
         let t: Arc<dyn KvTransport> = Arc::new(LoopbackTransport::new());
-        let d = desc("decode", dcp, r, dcp);
+        let d = desc(Role::Decode, dcp, r, dcp);
         let mem = KvMemory::allocate(&*t, &d, pages.div_ceil(u64::from(dcp)), 0).await?;
         let agent = DecodeAgent::builder(
             d.clone(),

@@ -39,34 +39,29 @@
 //!     Chunk, DecodeAgent, InProcessControlHub, KvMemory, PrefillAgent, ReceiveRequest,
 //!     StaticDirectory,
 //! };
-//! use kvbridge_handshake::PeerDescriptor;
+//! use kvbridge_handshake::{PeerDescriptor, Role};
 //! use kvbridge_mock::LoopbackTransport;
 //! use kvbridge_transport::KvTransport;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! // MLA, 2 layers, page size 16, 576-byte token rows.
-//! let desc = |role: &str| -> PeerDescriptor {
-//!     format!(r#"{{"role": "{role}", "page_size": 16, "kv_cache_dtype": "auto",
-//!                 "kv_pool": "mla", "attn_tp_size": 1, "kv_item_lens": [9216, 9216]}}"#)
-//!         .parse()
-//!         .unwrap()
-//! };
+//! let desc = |role| PeerDescriptor::mla(role, 16, 2, 576).build().unwrap();
 //! let hub = InProcessControlHub::new();
 //! let directory = StaticDirectory::new();
 //!
 //! let transport: Arc<dyn KvTransport> = Arc::new(LoopbackTransport::new());
-//! let p_mem = KvMemory::allocate(&*transport, &desc("prefill"), 8, 0).await?;
+//! let p_mem = KvMemory::allocate(&*transport, &desc(Role::Prefill), 8, 0).await?;
 //! let prefill = PrefillAgent::builder(
-//!     desc("prefill"), p_mem.memory.clone(), transport, Arc::new(hub.channel("prefill-0")?),
+//!     desc(Role::Prefill), p_mem.memory.clone(), transport, Arc::new(hub.channel("prefill-0")?),
 //! )
 //! .start()?;
 //! directory.add_rank("prefill:8998", prefill.rank_info());
 //!
 //! let transport: Arc<dyn KvTransport> = Arc::new(LoopbackTransport::new());
-//! let d_mem = KvMemory::allocate(&*transport, &desc("decode"), 8, 0).await?;
+//! let d_mem = KvMemory::allocate(&*transport, &desc(Role::Decode), 8, 0).await?;
 //! let decode = DecodeAgent::builder(
-//!     desc("decode"), d_mem.memory.clone(), transport, Arc::new(hub.channel("decode-0")?),
+//!     desc(Role::Decode), d_mem.memory.clone(), transport, Arc::new(hub.channel("decode-0")?),
 //!     Arc::new(directory),
 //! )
 //! .start()?;

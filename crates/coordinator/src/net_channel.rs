@@ -1309,12 +1309,11 @@ mod tests {
     #[ignore = "regenerates tests/corpus/control"]
     fn write_control_corpus() {
         use crate::messages::*;
-        let descriptor: kvbridge_handshake::PeerDescriptor =
-            serde_json::from_value(serde_json::json!({
-                "role": "decode", "page_size": 16, "kv_cache_dtype": "auto", "kv_pool": "mla",
-                "attn_tp_size": 1, "kv_item_lens": [1024, 1024], "aux_item_lens": [64]
-            }))
-            .unwrap();
+        let descriptor =
+            kvbridge_handshake::PeerDescriptor::mla(kvbridge_handshake::Role::Decode, 16, 2, 64)
+                .aux_item_lens(vec![64])
+                .build()
+                .unwrap();
         let ep = Endpoint::new("127.0.0.1:4000");
         let frame = |m: &ControlMessage| {
             let j = serde_json::to_vec(m).unwrap();

@@ -7,16 +7,15 @@ use kvbridge_coordinator::bootstrap::{
     RankRegistration,
 };
 use kvbridge_coordinator::{CoordinatorError, PrefillDirectory};
-use kvbridge_handshake::PeerDescriptor;
+use kvbridge_handshake::{PeerDescriptor, Role};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 fn prefill(tp: u32, rank: u32, page: u64) -> PeerDescriptor {
-    serde_json::from_value(serde_json::json!({
-        "role": "prefill", "page_size": page, "kv_cache_dtype": "auto", "kv_pool": "mla",
-        "attn_tp_size": tp, "attn_tp_rank": rank, "kv_item_lens": [page * 576, page * 576],
-    }))
-    .unwrap()
+    PeerDescriptor::mla(Role::Prefill, page, 2, 576)
+        .attn_tp(tp, rank)
+        .build()
+        .unwrap()
 }
 
 async fn server() -> BootstrapServer {
@@ -172,7 +171,7 @@ async fn registrations_are_checked_and_the_first_row_wins() {
     );
 
     let mut decode = prefill(2, 1, 64);
-    decode.role = kvbridge_handshake::Role::Decode;
+    decode.role = Role::Decode;
     let err = c
         .register(&RankRegistration::new("127.0.0.1:2", decode))
         .await
@@ -180,8 +179,10 @@ async fn registrations_are_checked_and_the_first_row_wins() {
         .to_string();
     assert!(err.contains("only prefill ranks register"), "{err}");
 
+    let mut out_of_range = prefill(2, 0, 64);
+    out_of_range.attn_tp_rank = 2;
     let err = c
-        .register(&RankRegistration::new("127.0.0.1:2", prefill(2, 2, 64)))
+        .register(&RankRegistration::new("127.0.0.1:2", out_of_range))
         .await
         .unwrap_err()
         .to_string();

@@ -332,12 +332,12 @@ async fn connections_over_the_limit_are_closed() {
 }
 
 fn mla(role: &str, page: u64, tp: u32, rank: u32, dcp: u32) -> PeerDescriptor {
-    serde_json::from_value(serde_json::json!({
-        "role": role, "page_size": page, "kv_cache_dtype": "auto", "kv_pool": "mla",
-        "attn_tp_size": tp, "attn_tp_rank": rank, "dcp_size": dcp, "dcp_rank": rank % dcp,
-        "kv_item_lens": [page * 64, page * 64, page * 64], "aux_item_lens": [64],
-    }))
-    .unwrap()
+    PeerDescriptor::mla(role.parse().unwrap(), page, 3, 64)
+        .attn_tp(tp, rank)
+        .dcp(dcp)
+        .aux_item_lens(vec![64])
+        .build()
+        .unwrap()
 }
 
 /// A prefill (DCP 1) and two decode ranks (DCP 2), each agent on its own TCP control channel,

@@ -29,6 +29,21 @@ impl Role {
     }
 }
 
+impl FromStr for Role {
+    type Err = String;
+
+    /// `"prefill"` or `"decode"`, as in the JSON form.
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s {
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            other => Err(format!(
+                "role must be \"prefill\" or \"decode\", got {other:?}"
+            )),
+        }
+    }
+}
+
 impl fmt::Display for Role {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())

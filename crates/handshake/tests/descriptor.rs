@@ -261,3 +261,11 @@ fn builder_refuses_incomplete_input_with_what_to_call() {
         "{t}"
     );
 }
+
+#[test]
+fn roles_parse_as_in_the_json_form() {
+    assert_eq!("prefill".parse::<Role>(), Ok(Role::Prefill));
+    assert_eq!("decode".parse::<Role>(), Ok(Role::Decode));
+    let e = "Decode".parse::<Role>().unwrap_err();
+    assert!(e.contains(r#"got "Decode""#), "{e}");
+}

@@ -16,13 +16,13 @@
 //!
 //! ```
 //! use kvbridge_coordinator::bootstrap::{BootstrapClient, BootstrapConfig, BootstrapServer, RankRegistration};
+//! use kvbridge_handshake::{PeerDescriptor, Role};
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> kvbridge_coordinator::Result<()> {
 //! let server = BootstrapServer::bind(BootstrapConfig::default()).await?;
 //! let client = BootstrapClient::new(server.bootstrap_addr());
 //! client.health().await?;
-//! let descriptor = r#"{"role": "prefill", "page_size": 64, "kv_cache_dtype": "auto",
-//!     "kv_pool": "mla", "attn_tp_size": 1, "kv_item_lens": [73728]}"#.parse().unwrap();
+//! let descriptor = PeerDescriptor::mla(Role::Prefill, 64, 1, 1152).build().unwrap();
 //! client.register(&RankRegistration::new("127.0.0.1:17000", descriptor)).await?;
 //! assert!(client.readiness().await?.ready);
 //! let ranks = client.ranks().await?;

@@ -30,19 +30,12 @@ pub fn mla(
     rank: u32,
     dcp: u32,
 ) -> PeerDescriptor {
-    serde_json::from_value(serde_json::json!({
-        "role": role,
-        "page_size": page,
-        "kv_cache_dtype": "auto",
-        "kv_pool": "mla",
-        "attn_tp_size": tp,
-        "attn_tp_rank": rank,
-        "dcp_size": dcp,
-        "dcp_rank": rank % dcp,
-        "kv_item_lens": vec![page * tok; layers],
-        "aux_item_lens": AUX_LENS,
-    }))
-    .unwrap()
+    PeerDescriptor::mla(role.parse().unwrap(), page, layers, tok)
+        .attn_tp(tp, rank)
+        .dcp(dcp)
+        .aux_item_lens(AUX_LENS.to_vec())
+        .build()
+        .unwrap()
 }
 
 /// An MHA/GQA descriptor: `2·layers` entries (K then V), `heads` KV heads of `head_dim` bf16.
@@ -55,21 +48,12 @@ pub fn mha(
     tp: u32,
     rank: u32,
 ) -> PeerDescriptor {
-    let per_rank = (heads / tp).max(1) as u64;
-    let tok = per_rank * head_dim as u64 * 2;
-    serde_json::from_value(serde_json::json!({
-        "role": role,
-        "page_size": page,
-        "kv_cache_dtype": "auto",
-        "kv_pool": "mha",
-        "attn_tp_size": tp,
-        "attn_tp_rank": rank,
-        "total_kv_heads": heads,
-        "head_dim": head_dim,
-        "kv_item_lens": vec![page * tok; 2 * layers],
-        "aux_item_lens": AUX_LENS,
-    }))
-    .unwrap()
+    PeerDescriptor::mha(role.parse().unwrap(), page, layers, heads, head_dim)
+        .element_bytes(2)
+        .attn_tp(tp, rank)
+        .aux_item_lens(AUX_LENS.to_vec())
+        .build()
+        .unwrap()
 }
 
 pub struct Rank {

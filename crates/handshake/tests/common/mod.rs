@@ -1,7 +1,7 @@
 //! Descriptor builders shared by the integration tests.
 #![allow(dead_code, unreachable_pub)]
 
-use kvbridge_handshake::{PeerDescriptor, Role};
+use kvbridge_handshake::PeerDescriptor;
 use serde_json::{Value, json};
 
 /// A descriptor from a JSON object, on top of `page_size 64` and `kv_cache_dtype "auto"`.
@@ -13,17 +13,9 @@ pub fn desc(v: Value) -> PeerDescriptor {
     serde_json::from_value(base).expect("valid descriptor")
 }
 
-fn role(name: &str) -> Role {
-    match name {
-        "prefill" => Role::Prefill,
-        "decode" => Role::Decode,
-        other => panic!("role {other:?}"),
-    }
-}
-
 /// An MLA rank (2 layers of 576·2 B per token, page 64) with TP `tp`, DCP `dcp`, TP rank `rank`.
-pub fn mla(role_name: &str, tp: u32, dcp: u32, rank: u32) -> PeerDescriptor {
-    PeerDescriptor::mla(role(role_name), 64, 2, 1152)
+pub fn mla(role: &str, tp: u32, dcp: u32, rank: u32) -> PeerDescriptor {
+    PeerDescriptor::mla(role.parse().expect("role"), 64, 2, 1152)
         .attn_tp(tp, rank)
         .dcp(dcp)
         .build()
@@ -31,8 +23,8 @@ pub fn mla(role_name: &str, tp: u32, dcp: u32, rank: u32) -> PeerDescriptor {
 }
 
 /// A GQA rank: `heads` KV heads of dim 128, bf16, 2 layers (4 entries), page 64.
-pub fn gqa(role_name: &str, tp: u32, heads: u32, rank: u32) -> PeerDescriptor {
-    PeerDescriptor::mha(role(role_name), 64, 2, heads, 128)
+pub fn gqa(role: &str, tp: u32, heads: u32, rank: u32) -> PeerDescriptor {
+    PeerDescriptor::mha(role.parse().expect("role"), 64, 2, heads, 128)
         .kv_cache_dtype("bfloat16")
         .attn_tp(tp, rank)
         .build()
