@@ -45,6 +45,13 @@ silently ignored; omitted optional fields take the defaults below.
 | `num_draft_entries` | integer | `0` | how many of the last entries are speculative-decoding draft entries |
 | `aux_item_lens` | list of integers | `[]` | bytes per row of every aux (metadata) buffer |
 
+In Rust, `PeerDescriptor::mla(role, page_size, layers, token_bytes)`,
+`PeerDescriptor::mha(role, page_size, layers, total_kv_heads, head_dim)` and
+`PeerDescriptor::builder(role)` build the same descriptor with the defaults above (and
+`kv_cache_dtype "auto"`); `build` refuses a missing required value, a size of 0, a rank not
+below its size or a DCP size that does not divide the TP size with `cannot build the peer
+descriptor: <what>; <the call that fixes it>`.
+
 Descriptors come from peers, so every size and count is bounded before `check` works with it;
 a value above its maximum is `KVB-E033`. The maxima are far above any real deployment:
 
