@@ -5,12 +5,13 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{ADDR, Request, Spec, bounded, mla, rig};
+use common::{ADDR, AUX_LENS, Request, Spec, bounded, mla, rig};
 use kvbridge_coordinator::{
     CONTROL_PROTOCOL_VERSION, ControlChannel, ControlMessage, CoordinatorError, DecodeAgent,
     DecodeConfig, Endpoint, FailureCause, KvMemory, PrefillConfig, ReceiveRequest, Registration,
     RegistrationOutcome, RoomState, SharedMin, TransferInfo, TransportInfo,
 };
+use kvbridge_handshake::{PeerDescriptor, Role};
 use kvbridge_mock::{FaultScript, LoopbackTransport};
 use kvbridge_transport::KvTransport;
 use tokio::time::sleep;
@@ -441,13 +442,14 @@ fn registration(
 async fn incompatible_decode_is_refused_with_every_problem_and_the_prefill_keeps_serving() {
     let r = rig(Spec::mla_one_to_one()).await;
     // The seed's misconfiguration: a GQA decode with DCP, another page size and dtype.
-    let bad: kvbridge_handshake::PeerDescriptor = serde_json::from_value(serde_json::json!({
-        "role": "decode", "page_size": 32, "kv_cache_dtype": "fp8_e4m3", "kv_pool": "mha",
-        "attn_tp_size": 2, "attn_tp_rank": 0, "dcp_size": 2, "dcp_rank": 0,
-        "total_kv_heads": 8, "head_dim": 128, "kv_item_lens": [65536, 65536],
-        "aux_item_lens": [64, 128]
-    }))
-    .unwrap();
+    let bad = PeerDescriptor::mha(Role::Decode, 32, 1, 8, 128)
+        .kv_cache_dtype("fp8_e4m3")
+        .attn_tp(2, 0)
+        .dcp(2)
+        .kv_item_lens(vec![65536, 65536])
+        .aux_item_lens(AUX_LENS.to_vec())
+        .build()
+        .unwrap();
     let transport = LoopbackTransport::new();
     let mem = KvMemory::allocate(&transport, &bad, 4, 2).await.unwrap();
     let rogue = r.hub.channel("rogue-decode").unwrap();
@@ -554,12 +556,13 @@ async fn a_decode_refused_by_the_prefill_fails_its_rooms_at_once_with_the_proble
         assert_eq!(e.reason.peer.as_deref(), Some("prefill-0"));
     }
     // A decode-side misfit (checked before any message) fails the same way, all problems listed.
-    let bad = serde_json::from_value(serde_json::json!({
-        "role": "decode", "page_size": 16, "kv_cache_dtype": "fp8_e4m3", "kv_pool": "mha",
-        "attn_tp_size": 1, "dcp_size": 2, "total_kv_heads": 8, "head_dim": 128,
-        "kv_item_lens": [65536, 65536], "aux_item_lens": [64, 128]
-    }))
-    .unwrap();
+    let mut bad = PeerDescriptor::mha(Role::Decode, 16, 1, 8, 128)
+        .kv_cache_dtype("fp8_e4m3")
+        .kv_item_lens(vec![65536, 65536])
+        .aux_item_lens(AUX_LENS.to_vec())
+        .build()
+        .unwrap();
+    bad.dcp_size = 2; // more DCP ranks than TP ranks: the builder refuses it, the test needs it
     let transport: Arc<dyn KvTransport> = Arc::new(LoopbackTransport::new());
     let mem = KvMemory::allocate(&*transport, &bad, 4, 2).await.unwrap();
     let agent = DecodeAgent::builder(
