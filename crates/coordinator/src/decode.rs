@@ -1157,8 +1157,18 @@ impl DecodeInner {
                 let message = s.reason.clone().filter(|m| !m.is_empty()).unwrap_or_else(|| {
                     "Failed to get kvcache from prefill instance, it might be dead".to_owned()
                 });
+                // The prefill's own abort is `aborted` there and a remote failure here, as a
+                // decode abort is on the prefill (docs/errors.md, "Abort causes").
+                let (cause, message) = match s.cause {
+                    Some(FailureCause::Aborted) => (
+                        FailureCause::RemoteFailure,
+                        format!("Aborted by prefill {}: {message}", target.endpoint),
+                    ),
+                    None => (FailureCause::RemoteFailure, message),
+                    Some(c) => (c, message),
+                };
                 return Some(FailureReason::with_peer(
-                    s.cause.unwrap_or(FailureCause::RemoteFailure),
+                    cause,
                     &target.endpoint,
                     message,
                 ));

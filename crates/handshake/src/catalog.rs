@@ -80,6 +80,37 @@ them. Their codes are reserved (`KVB-E003`, `KVB-E005`, `KVB-E006`) and explaine
 - Per-request checks of the transfer lifecycle (spec 02 §3 "Per request", §4.1): decode
   allocation policy, `follow_bootstrap_room` DP routing, bootstrap lookups and send failures.
   These are runtime failures of one request, not properties of two descriptors.
+
+## Transfer failure causes
+
+A failed room (`kvbridge-coordinator`) carries one cause, printed as `[cause: NAME; peer: ..]`
+and counted in `failures_by_cause`. When a prefill room fails, the prefill tells the decode in a
+Failed status carrying its cause, and the decode reports that same cause, with one exception:
+an abort is `aborted` only on the side whose caller aborted, and `remote_failure` on the other.
+
+| cause | meaning |
+|---|---|
+| `bootstrap_timeout` | the prefill room stayed in Bootstrapping past the bootstrap timeout, or the decode could not finish the handshake in time |
+| `waiting_timeout` | no Success (decode) or no last chunk (prefill) within the waiting timeout |
+| `batch_timeout` | a transport batch did not complete by its deadline |
+| `transfer_error` | a transport batch failed |
+| `peer_rejected` | the peer's descriptor is incompatible (the message lists every problem) |
+| `peer_lost` | the heartbeat declared the peer dead |
+| `aborted` | this side's caller aborted the room (`abort`, or `clear` before the transfer ended) |
+| `remote_failure` | the peer aborted or failed the room (a decode ABORT, seen on the prefill; a prefill abort, seen on the decode) |
+| `control_channel` | a control message could not be delivered |
+| `unregistered` | the prefill does not know this decode's registration (it restarted) |
+| `planning` | the transfer could not be planned (the message carries the planner's error) |
+| `duplicate_room` | two uses of the same room id collided |
+| `other_rank` | another rank of the request failed (cross-rank agreement) |
+| `shutdown` | the agent shut down |
+
+Aborts, in both directions:
+
+| who aborts | the initiator reports | the peer reports |
+|---|---|---|
+| decode (`DecodeAgent::abort`, or a decode-side failure after its metadata went out) | `aborted` (or that failure's cause) | `remote_failure`, `Aborted by decode ENDPOINT: REASON` |
+| prefill (`PrefillAgent::abort`) | `aborted` | `remote_failure`, `Aborted by prefill ENDPOINT: Aborted by AbortReq.` |
 "#;
 
 /// Every entry, in code order. `ProblemCode::info` finds entries here.
