@@ -4,7 +4,7 @@ use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use kvbridge_geometry::DcpPlanInput;
+use kvbridge_geometry::{DcpPlanInput, GeometryError, SendPages};
 use serde::{Deserialize, Serialize};
 
 const INPUT_HELP: &str = "\
@@ -18,6 +18,7 @@ INPUT is a JSON file, or - for standard input, holding one object:
    \"dcp_size\": 4,                decode DCP size d, 1..=1024
    \"dcp_rank\": 1,                destination DCP rank r, < d
    \"src_page_offset\": 0,         optional: pages of the send range sent before this chunk
+                                (SGLang's parameter; the library takes chunk_start in tokens)
    \"decode_prefix_len\": 0,       optional: tokens the decode already holds (multiple of P*d)
    \"num_kv_tokens\": 8}           optional: tokens in the chunk; null or absent = len(src_pages)*P;
                                 at most 4194304 (plan a longer range as several chunks)
@@ -91,13 +92,23 @@ fn plan(args: &PlanArgs) -> Result<String, String> {
     let text = read_input(&args.input)?;
     let req: PlanRequest =
         serde_json::from_str(&text).map_err(|e| format!("invalid plan input: {e}"))?;
+    // SGLang's interface counts the chunk offset in pages; the planner counts tokens.
+    let chunk_start = req
+        .src_page_offset
+        .checked_mul(req.page_size)
+        .ok_or_else(|| {
+            GeometryError::Overflow {
+                what: "src_page_offset x page_size",
+            }
+            .to_string()
+        })?;
     let input = DcpPlanInput {
         src_pages: &req.src_pages,
-        dst_pages: &req.dst_pages,
+        dst_pages: SendPages::after_prefix(&req.dst_pages),
         page_size: req.page_size,
         dcp_size: req.dcp_size,
         dcp_rank: req.dcp_rank,
-        src_page_offset: req.src_page_offset,
+        chunk_start,
         decode_prefix_len: req.decode_prefix_len,
         num_kv_tokens: req.num_kv_tokens,
     };

@@ -40,7 +40,9 @@ pub struct ReceiveRequest {
     /// The prefill deployment's bootstrap address (resolved by the [`PrefillDirectory`]).
     pub bootstrap_addr: String,
     /// The request's decode page ids from token position 0, one per decode page (virtual pages
-    /// of `page_size · dcp_size` tokens under DCP), covering at least the whole prompt.
+    /// of `page_size · dcp_size` tokens under DCP), covering at least the whole prompt. The
+    /// planners take the send range instead (entry 0 at the cached prefix); the agent converts,
+    /// and code planning by hand uses `kvbridge_geometry::SendPages::from_page_table`.
     pub page_table: Vec<u64>,
     /// Tokens of the prompt the decode already holds (its prefix cache hit).
     pub cached_prefix_len: u64,
@@ -1157,8 +1159,18 @@ impl DecodeInner {
                 let message = s.reason.clone().filter(|m| !m.is_empty()).unwrap_or_else(|| {
                     "Failed to get kvcache from prefill instance, it might be dead".to_owned()
                 });
+                // The prefill's own abort is `aborted` there and a remote failure here, as a
+                // decode abort is on the prefill (docs/errors.md, "Abort causes").
+                let (cause, message) = match s.cause {
+                    Some(FailureCause::Aborted) => (
+                        FailureCause::RemoteFailure,
+                        format!("Aborted by prefill {}: {message}", target.endpoint),
+                    ),
+                    None => (FailureCause::RemoteFailure, message),
+                    Some(c) => (c, message),
+                };
                 return Some(FailureReason::with_peer(
-                    s.cause.unwrap_or(FailureCause::RemoteFailure),
+                    cause,
                     &target.endpoint,
                     message,
                 ));

@@ -70,36 +70,45 @@ impl LatencyHistogram {
 }
 
 /// A point-in-time copy of an agent's metrics.
+///
+/// Every counter counts from the agent's start and never decreases; the unit of each field is
+/// stated below (docs/ARCHITECTURE.md, "Observability", has the same table). A batch is one
+/// transport batch (one chunk's KV, or the aux rows, for one decode peer); each posted batch
+/// ends up counted once, in `batches_done` or in `batches_failed`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct MetricsSnapshot {
-    /// Rooms currently held, by state.
+    /// Rooms currently held, by state (rooms).
     pub rooms_by_state: BTreeMap<RoomState, u64>,
-    /// Rooms created since start.
+    /// Rooms created since start (rooms).
     pub rooms_created: u64,
-    /// Rooms that reached Success.
+    /// Rooms that reached Success (rooms).
     pub rooms_succeeded: u64,
-    /// Rooms that reached Failed.
+    /// Rooms that reached Failed (rooms).
     pub rooms_failed: u64,
-    /// Payload bytes in batches that completed (prefill: sent; decode: 0, the decode does not
-    /// post).
+    /// Bytes the transport copied in batches that completed (bytes; prefill: sent, decode: 0,
+    /// the decode does not post): the sum of the posted byte ranges, KV and aux rows. The page
+    /// path copies whole pages, so a chunk whose last page is partly filled counts the whole
+    /// page; the row paths (DCP, resharding, head slices) count only the rows moved. A failed
+    /// or cancelled batch's bytes are not counted.
     pub bytes_transferred: u64,
-    /// Batches posted.
+    /// Batches posted to the transport (batches).
     pub batches_posted: u64,
-    /// Batches that completed.
+    /// Batches that completed (batches).
     pub batches_done: u64,
-    /// Batches that failed, timed out or were cancelled.
+    /// Batches that failed, timed out, or were cancelled by the fence after the room failed
+    /// (batches).
     pub batches_failed: u64,
-    /// Descriptors (byte ranges) posted.
+    /// Byte ranges (transfer operations) posted, summed over all batches (descriptors).
     pub descriptors_posted: u64,
-    /// Failed rooms by cause.
+    /// Failed rooms by cause (rooms; causes in docs/errors.md, "Transfer failure causes").
     pub failures_by_cause: BTreeMap<FailureCause, u64>,
-    /// Rooms whose pages were proven fenced after a failure (decode).
+    /// Rooms whose pages were proven fenced after a failure (rooms; decode).
     pub rooms_fenced: u64,
-    /// Control messages sent.
+    /// Control messages sent (messages).
     pub control_sent: u64,
-    /// Control messages received.
+    /// Control messages received (messages).
     pub control_received: u64,
-    /// Time from a room's creation to Success.
+    /// Time from a room's creation to Success (milliseconds buckets, microsecond sum).
     pub transfer_latency: LatencyHistogram,
 }
 

@@ -9,7 +9,7 @@
 
 use kvbridge_geometry::{
     ByteRanges, DcpPlanInput, EntryPair, HeadSharding, HeadSource, PoolFormat, PoolGeometry,
-    ReshardInput, identity_pairs, page_path_ranges,
+    ReshardInput, SendPages, identity_pairs, page_path_ranges,
 };
 use kvbridge_handshake::{PeerDescriptor, TransferPath};
 use kvbridge_transport::{RegionId, TransferOp};
@@ -251,7 +251,8 @@ impl PeerPlan {
     }
 
     /// The descriptors of one chunk. `page_offset` / `token_offset` = pages / tokens of the
-    /// send range sent before it.
+    /// send range sent before it; `dst_pages` = the decode's ids of the send range (entry 0
+    /// at `decode_prefix_len`, as its metadata carries them).
     pub(crate) fn chunk_ops(
         &self,
         chunk: &Chunk,
@@ -290,11 +291,11 @@ impl PeerPlan {
             Producer::NoHeads => ByteRanges::new(),
             Producer::Dcp => DcpPlanInput {
                 src_pages: &chunk.pages,
-                dst_pages,
+                dst_pages: SendPages::after_prefix(dst_pages),
                 page_size: self.src.page_size(),
                 dcp_size: self.dst_dcp_size,
                 dcp_rank: self.dst_dcp_rank,
-                src_page_offset: page_offset,
+                chunk_start: token_offset,
                 decode_prefix_len,
                 num_kv_tokens: Some(chunk.num_kv_tokens),
             }
@@ -303,7 +304,7 @@ impl PeerPlan {
             Producer::Reshard { heads } => {
                 let plan = ReshardInput {
                     src_pages: &chunk.pages,
-                    dst_pages,
+                    dst_pages: SendPages::after_prefix(dst_pages),
                     src_page_size: self.src.page_size(),
                     dst_page_size: self.dst.page_size(),
                     src_dcp_size: self.src_dcp_size,

@@ -1816,17 +1816,30 @@ async fn drive_room(
             Err(_) => poisoned = true,
         }
     }
+    // Every batch still waited on ends here and is counted once: done when it finished before
+    // the cancel took hold, failed otherwise (cancelled, failed, or hung).
+    let metrics = &inner.metrics;
     let drain = async {
+        let mut hung = false;
         while let Some(joined) = waits.join_next().await {
-            if let Ok((_, _, _, _, _, Waited::Hung)) = joined {
-                return true;
+            match joined {
+                Ok((_, _, _, bytes, _, Waited::Final(Ok(())))) => {
+                    inc(&metrics.batches_done);
+                    add(&metrics.bytes_transferred, bytes);
+                }
+                Ok((_, _, _, _, _, Waited::Hung)) => {
+                    inc(&metrics.batches_failed);
+                    hung = true;
+                }
+                _ => inc(&metrics.batches_failed),
             }
         }
-        false
+        hung
     };
     match tokio::time::timeout(wait_limit, drain).await {
         Ok(hung) => poisoned |= hung,
         Err(_) => {
+            add(&metrics.batches_failed, waits.len() as u64);
             waits.abort_all();
             poisoned = true;
         }

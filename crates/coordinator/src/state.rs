@@ -95,9 +95,11 @@ pub enum FailureCause {
     PeerRejected,
     /// The heartbeat declared the peer dead.
     PeerLost,
-    /// Aborted by the local caller.
+    /// Aborted by the local caller (`abort`, or `clear` before the transfer ended); the peer
+    /// reports [`FailureCause::RemoteFailure`].
     Aborted,
-    /// Aborted by the peer (decode ABORT, or a Failed status from the prefill).
+    /// Failed by the peer: a decode ABORT seen on the prefill, a prefill abort seen on the
+    /// decode, or a Failed status from the prefill without a cause.
     RemoteFailure,
     /// A control message could not be delivered.
     ControlChannel,

@@ -122,7 +122,8 @@ pub struct TokenLayout {
     /// The rank's DCP rank.
     pub dcp_rank: u64,
     /// The request's page ids from position 0 (virtual pages of `page_size · dcp_size`
-    /// tokens).
+    /// tokens), as in `ReceiveRequest::page_table`; for the planners' send range use
+    /// `kvbridge_geometry::SendPages::from_page_table`.
     pub page_table: Vec<u64>,
     /// Bytes of one token row in each entry of this rank's pool (`item_len / page_size`).
     pub token_bytes: Vec<u64>,

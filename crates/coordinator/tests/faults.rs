@@ -104,6 +104,21 @@ async fn abort_mid_transfer_releases_pages_only_once_fenced() {
     );
     assert_eq!(decode.metrics().rooms_fenced, 1);
     assert_eq!(decode.failure(77), None, "forgotten after release");
+    // The abort's initiator reports `aborted`, its peer `remote_failure`.
+    let pm = p.metrics();
+    assert_eq!(
+        pm.failures_by_cause.get(&FailureCause::RemoteFailure),
+        Some(&1)
+    );
+    assert_eq!(pm.failures_by_cause.get(&FailureCause::Aborted), None);
+    let dm = decode.metrics();
+    assert_eq!(dm.failures_by_cause.get(&FailureCause::Aborted), Some(&1));
+    assert_eq!(dm.failures_by_cause.get(&FailureCause::RemoteFailure), None);
+    // The held batch was cancelled by the fence: counted as failed, its bytes not counted.
+    assert_eq!(
+        (pm.batches_posted, pm.batches_done, pm.batches_failed),
+        (2, 1, 1)
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -131,7 +146,12 @@ async fn prefill_abort_is_reported_to_the_decode_and_acknowledged() {
     let err = bounded(d.wait(req.room)).await.unwrap_err();
     assert_eq!(
         err.to_string(),
-        "KVTransferError(bootstrap_room=77): Aborted by AbortReq. [cause: aborted; peer: prefill-0]"
+        "KVTransferError(bootstrap_room=77): Aborted by prefill prefill-0: Aborted by AbortReq. \
+         [cause: remote_failure; peer: prefill-0]"
+    );
+    assert_eq!(
+        d.failure(req.room).unwrap().reason.cause,
+        FailureCause::RemoteFailure
     );
     let report = bounded(d.release_when_fenced(req.room)).await.unwrap();
     assert_eq!(report.acked_by, vec![prefill_ep()]);
@@ -145,6 +165,18 @@ async fn prefill_abort_is_reported_to_the_decode_and_acknowledged() {
             .failures_by_cause
             .get(&FailureCause::Aborted),
         Some(&1)
+    );
+    let dm = d.metrics();
+    assert_eq!(
+        dm.failures_by_cause.get(&FailureCause::RemoteFailure),
+        Some(&1)
+    );
+    assert_eq!(dm.failures_by_cause.get(&FailureCause::Aborted), None);
+    // The fence cancelled the held batch: one posted batch done, one counted as failed.
+    let pm = r.prefills[0].0.metrics();
+    assert_eq!(
+        (pm.batches_posted, pm.batches_done, pm.batches_failed),
+        (2, 1, 1)
     );
 }
 

@@ -214,6 +214,8 @@ async fn misaligned_decode_prefix_fails_with_the_seed_text_in_strict_mode() {
             "{err}"
         );
         assert_eq!(d.failure(15).unwrap().reason.cause, FailureCause::Planning);
+        // The planner's problem code travels with the text, for `kvbridge explain`.
+        assert!(err.contains("(KVB-E040)"), "{err}");
     }
     let p = &r.prefills[0].0;
     assert_eq!(p.poll(15).unwrap(), RoomState::Failed);

@@ -5,7 +5,7 @@
 //! 0.5.23's numpy planner on the same inputs.
 
 use divan::{Bencher, black_box};
-use kvbridge_geometry::{DcpPlanInput, Run, group_concurrent_contiguous};
+use kvbridge_geometry::{DcpPlanInput, Run, SendPages, group_concurrent_contiguous};
 
 const PAGE_SIZE: u64 = 64;
 const DCP: u64 = 8;
@@ -27,7 +27,7 @@ fn pages() -> (Vec<u64>, Vec<u64>) {
 fn input<'a>(src: &'a [u64], dst: &'a [u64], rank: u64) -> DcpPlanInput<'a> {
     DcpPlanInput {
         src_pages: src,
-        dst_pages: dst,
+        dst_pages: SendPages::after_prefix(dst),
         page_size: PAGE_SIZE,
         dcp_size: DCP,
         dcp_rank: rank,
@@ -152,7 +152,7 @@ fn c_reshard_2_to_8_runs_all_pairs(bencher: Bencher<'_, '_>) {
             for br in kvbridge_geometry::reshard_targets(2, DCP, ar).unwrap() {
                 let plan = kvbridge_geometry::ReshardInput {
                     src_pages: black_box(&src),
-                    dst_pages: black_box(&dst),
+                    dst_pages: SendPages::after_prefix(black_box(&dst)),
                     src_page_size: 32,
                     dst_page_size: PAGE_SIZE,
                     src_dcp_size: 2,

@@ -2,16 +2,19 @@
 
 use crate::error::{GeometryError, Result};
 use crate::limits;
+use crate::pages::SendPages;
 use crate::rows::{Fault, Progression, SegmentRuns};
 use crate::runs::Run;
 
-/// Inputs of one chunk's DCP token plan (spec 01 §5.3). Build with struct-update syntax:
+/// Inputs of one chunk's DCP token plan. Build with struct-update syntax; every offset and
+/// length counts **tokens** (as in [`crate::ReshardInput`]), and the decode's page ids say where
+/// they start ([`SendPages`]):
 ///
 /// ```
-/// use kvbridge_geometry::DcpPlanInput;
+/// use kvbridge_geometry::{DcpPlanInput, SendPages};
 /// let plan = DcpPlanInput {
 ///     src_pages: &[5, 2, 11, 4],
-///     dst_pages: &[7],
+///     dst_pages: SendPages::after_prefix(&[7]),
 ///     page_size: 2,
 ///     dcp_size: 4,
 ///     dcp_rank: 1,
@@ -28,16 +31,17 @@ pub struct DcpPlanInput<'a> {
     /// `S`: prefill page ids of this chunk (page size `page_size`).
     pub src_pages: &'a [u64],
     /// `D`: decode **virtual** page ids of the whole send range (one per `page_size · dcp_size`
-    /// tokens); never sliced per chunk.
-    pub dst_pages: &'a [u64],
+    /// tokens), entry 0 at position `decode_prefix_len`; never sliced per chunk.
+    pub dst_pages: SendPages<'a>,
     /// `P`: physical page size, equal on both sides.
     pub page_size: u64,
     /// `d`: decode DCP size.
     pub dcp_size: u64,
     /// `r`: the destination's DCP rank.
     pub dcp_rank: u64,
-    /// `o`: pages of the send range sent before this chunk.
-    pub src_page_offset: u64,
+    /// Tokens of the send range sent before this chunk; a multiple of `P` (SGLang's
+    /// `src_page_offset` is `chunk_start / P`).
+    pub chunk_start: u64,
     /// `L`: tokens the decode already holds; must be a multiple of `P · d`.
     pub decode_prefix_len: u64,
     /// `n`: tokens in this chunk; `None` means `|S| · P`.
@@ -48,14 +52,16 @@ impl<'a> DcpPlanInput<'a> {
     /// Validates the inputs (recommended Rust contract of spec §5.3) and returns the plan.
     ///
     /// Order: `P = 0`, `d = 0`, `r ≥ d`, `P` and `d` above their maxima up front; then (1)
-    /// prefix alignment (0.5.23 text); (2) `n == 0` → empty plan, no further checks;
+    /// prefix alignment (0.5.23 text), `chunk_start` a multiple of `P`; (2) `n == 0` → empty
+    /// plan, no further checks;
     /// (3) `n > |S|·P` (seed capacity text), `n >` [`crate::MAX_CHUNK_TOKENS`];
-    /// (4) `|D| < ceil((o·P + n) / V)` (`Insufficient destination DCP pages`, with the 0.5.23
+    /// (4) `|D| < ceil((chunk_start + n) / V)` (`Insufficient destination DCP pages`, with the 0.5.23
     /// requirement, which covers the draft rows).
     ///
     /// # Errors
     /// [`GeometryError::ZeroPageSize`], [`GeometryError::ZeroDcpSize`],
     /// [`GeometryError::DcpRankOutOfRange`], [`GeometryError::PrefixMisaligned`],
+    /// [`GeometryError::ChunkStartMisaligned`],
     /// [`GeometryError::SrcCapacity`], [`GeometryError::DstInsufficient`],
     /// [`GeometryError::Overflow`], [`GeometryError::TooLarge`].
     pub fn plan(&self) -> Result<DcpPlan<'a>> {
@@ -83,6 +89,15 @@ impl<'a> DcpPlanInput<'a> {
                 decode_prefix_len: l,
             });
         }
+        let sent = self.chunk_start;
+        if sent % p != 0 {
+            return Err(GeometryError::ChunkStartMisaligned {
+                chunk_start: sent,
+                page_size: p,
+            });
+        }
+        let o = sent / p;
+        let dst_pages = self.dst_pages.as_slice();
         let capacity = (self.src_pages.len() as u64)
             .checked_mul(p)
             .ok_or(overflow("|src_pages| x page_size"))?;
@@ -103,16 +118,12 @@ impl<'a> DcpPlanInput<'a> {
             });
         }
         limits::chunk_tokens("num_kv_tokens", n)?;
-        let o = self.src_page_offset;
-        let sent = o
-            .checked_mul(p)
-            .ok_or(overflow("src_page_offset x page_size"))?;
         let rel_end = sent.checked_add(n).ok_or(overflow("send range end"))?;
         let required = rel_end.div_ceil(v);
-        if (self.dst_pages.len() as u64) < required {
+        if (dst_pages.len() as u64) < required {
             return Err(GeometryError::DstInsufficient {
                 required,
-                provided: self.dst_pages.len() as u64,
+                provided: dst_pages.len() as u64,
                 src_page_offset: o,
                 dcp_rank: r,
             });
@@ -129,7 +140,7 @@ impl<'a> DcpPlanInput<'a> {
             src_page_size: p,
             src_row0: first,
             src_step: d,
-            dst_pages: self.dst_pages,
+            dst_pages,
             dst_page_size: p,
             dst_row0: (sent + first) / d,
             dst_step: 1,
@@ -140,7 +151,7 @@ impl<'a> DcpPlanInput<'a> {
             src_page_size: p,
             src_row0: 0,
             src_step: 1,
-            dst_pages: self.dst_pages,
+            dst_pages,
             dst_page_size: v,
             dst_row0: sent,
             dst_step: 1,
@@ -159,7 +170,7 @@ impl<'a> DcpPlanInput<'a> {
                 Err(Fault::DstPages(required)) => {
                     return Err(GeometryError::DstInsufficient {
                         required,
-                        provided: self.dst_pages.len() as u64,
+                        provided: dst_pages.len() as u64,
                         src_page_offset: o,
                         dcp_rank: r,
                     });
@@ -363,7 +374,10 @@ impl DcpPlan<'_> {
         src.check_pages(crate::Side::Prefill, &self.input.src_pages[..used_src])?;
         let (_, last_dst) = self.draft.last_rows().unwrap_or((0, 0));
         let used_dst = (last_dst / (p * d) + 1) as usize;
-        dst.check_pages(crate::Side::Decode, &self.input.dst_pages[..used_dst])?;
+        dst.check_pages(
+            crate::Side::Decode,
+            &self.input.dst_pages.as_slice()[..used_dst],
+        )?;
         for &pair in pairs {
             let (s_len, d_len) = pair_item_lens(src, dst, pair)?;
             let draft = src.entries()[pair.src].role == EntryRole::Draft;

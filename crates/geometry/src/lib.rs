@@ -10,6 +10,11 @@
 //!   target and draft rows, as arrays ([`DcpPlan::to_token_plan`]), coalesced runs
 //!   ([`DcpPlan::target_runs`]) or byte ranges ([`DcpPlan::byte_ranges`]).
 //! * [`ReshardPlan`] — any prefill DCP size `a` to any decode DCP size `b`, any page sizes.
+//! * [`SendPages`] — the decode's page ids as both plans take them: entry 0 at the cached
+//!   prefix, made from ids that start there or from a page table that starts at position 0;
+//!   offsets and lengths in plan inputs count tokens.
+//! * Every [`GeometryError`] names its problem code ([`GeometryError::code`], `KVB-E0nn` at the
+//!   end of the message) for `kvbridge explain`.
 //! * [`group_concurrent_contiguous`], [`coalesce_pairs`], [`coalesce_runs`] — run coalescing.
 //! * [`page_path_ranges`], [`head_slice_ranges`], [`HeadSharding`] — non-DCP byte ranges,
 //!   MHA head slicing.
@@ -22,11 +27,11 @@
 //!   ([`GeometryError::TooLarge`]).
 //!
 //! ```
-//! use kvbridge_geometry::{DcpPlanInput, Run};
+//! use kvbridge_geometry::{DcpPlanInput, Run, SendPages};
 //! // Spec 01 §5.4 example A, rank 2: tokens 2 and 6 of the chunk.
 //! let plan = DcpPlanInput {
 //!     src_pages: &[5, 2, 11, 4],
-//!     dst_pages: &[7],
+//!     dst_pages: SendPages::after_prefix(&[7]),
 //!     page_size: 2,
 //!     dcp_size: 4,
 //!     dcp_rank: 2,
@@ -47,6 +52,7 @@ mod error;
 mod heads;
 mod limits;
 mod pack;
+mod pages;
 mod pairs;
 mod pool;
 mod reshard;
@@ -62,6 +68,7 @@ pub use heads::{
 };
 pub use limits::{MAX_CHUNK_TOKENS, MAX_ENTRIES, MAX_GROUP_SIZE, MAX_KV_HEADS, MAX_PAGE_SIZE};
 pub use pack::{dcp_pack_buffer_bytes, dcp_token_item_lens, prepare_dcp_token_item_lens};
+pub use pages::SendPages;
 pub use pairs::{pair_entries_by_layer_ids, pair_entries_flat_pp, pair_entries_mha_pp};
 pub use pool::{Entry, EntryRole, PoolFormat, PoolGeometry, PoolGeometryBuilder, PoolKind};
 pub use reshard::{ReshardInput, ReshardPlan, reshard_sources, reshard_targets};

@@ -86,7 +86,7 @@ pub struct PoolGeometry {
 #[derive(Debug, Clone)]
 pub struct PoolGeometryBuilder {
     page_size: u64,
-    num_pages: u64,
+    num_pages: Option<u64>,
     target: Vec<u64>,
     draft: Vec<u64>,
     format: PoolFormat,
@@ -94,10 +94,10 @@ pub struct PoolGeometryBuilder {
 }
 
 impl PoolGeometryBuilder {
-    /// Pages in the pool (every entry has this many pages). Default 0.
+    /// Pages in the pool (every entry has this many pages); required, and positive.
     #[must_use]
     pub fn num_pages(mut self, num_pages: u64) -> Self {
-        self.num_pages = num_pages;
+        self.num_pages = Some(num_pages);
         self
     }
 
@@ -134,7 +134,7 @@ impl PoolGeometryBuilder {
     /// # Errors
     /// [`GeometryError::ZeroPageSize`], [`GeometryError::BadItemLen`],
     /// [`GeometryError::InvalidGeometry`] (no target entry, odd MHA entry count, zero heads,
-    /// empty dtype), [`GeometryError::Overflow`] and [`GeometryError::TooLarge`] (a page size
+    /// empty dtype, `num_pages` not set or 0), [`GeometryError::Overflow`] and [`GeometryError::TooLarge`] (a page size
     /// above [`crate::MAX_PAGE_SIZE`]).
     pub fn build(self) -> Result<PoolGeometry> {
         let page_size = self.page_size;
@@ -179,6 +179,23 @@ impl PoolGeometryBuilder {
                         .to_owned(),
             });
         }
+        let num_pages = match self.num_pages {
+            Some(0) => {
+                return Err(GeometryError::InvalidGeometry {
+                    reason: "num_pages is 0: a pool without pages cannot hold a page id; pass \
+                             the pages of the KV pool (its allocator's capacity)"
+                        .to_owned(),
+                });
+            }
+            Some(n) => n,
+            None => {
+                return Err(GeometryError::InvalidGeometry {
+                    reason: "the pool's page count is not set; call num_pages(n) with the pages \
+                             of the KV pool (its allocator's capacity) before build"
+                        .to_owned(),
+                });
+            }
+        };
         let mut entries = Vec::with_capacity(self.target.len() + self.draft.len());
         let all = self
             .target
@@ -193,7 +210,7 @@ impl PoolGeometryBuilder {
                     page_size,
                 });
             }
-            if item_len.checked_mul(self.num_pages).is_none() {
+            if item_len.checked_mul(num_pages).is_none() {
                 return Err(GeometryError::Overflow {
                     what: "num_pages x item_len",
                 });
@@ -202,7 +219,7 @@ impl PoolGeometryBuilder {
         }
         Ok(PoolGeometry {
             page_size,
-            num_pages: self.num_pages,
+            num_pages,
             num_draft: self.draft.len(),
             entries,
             format: self.format,
@@ -212,13 +229,13 @@ impl PoolGeometryBuilder {
 }
 
 impl PoolGeometry {
-    /// Starts a builder for a pool of `page_size` tokens per page (MLA, dtype `"auto"`, no
-    /// pages, no entries).
+    /// Starts a builder for a pool of `page_size` tokens per page (MLA, dtype `"auto"`); the
+    /// page count ([`PoolGeometryBuilder::num_pages`]) and the target entries are required.
     #[must_use]
     pub fn builder(page_size: u64) -> PoolGeometryBuilder {
         PoolGeometryBuilder {
             page_size,
-            num_pages: 0,
+            num_pages: None,
             target: Vec::new(),
             draft: Vec::new(),
             format: PoolFormat::Mla,

@@ -21,6 +21,7 @@
 use crate::bytes::{ByteRanges, EntryPair, RowCopy, pair_item_lens};
 use crate::error::{GeometryError, Result, Side};
 use crate::limits;
+use crate::pages::SendPages;
 use crate::pool::{EntryRole, PoolGeometry};
 use crate::rows::{Fault, Progression};
 
@@ -94,8 +95,8 @@ pub struct ReshardInput<'a> {
     /// holds rank-local row `(decode_prefix_len + chunk_start) div src_dcp_size`.
     pub src_pages: &'a [u64],
     /// The decode's virtual page ids of the whole send range (`dst_page_size · dst_dcp_size`
-    /// tokens each), never sliced per chunk.
-    pub dst_pages: &'a [u64],
+    /// tokens each), entry 0 at position `decode_prefix_len`; never sliced per chunk.
+    pub dst_pages: SendPages<'a>,
     /// `P1`: prefill physical page size.
     pub src_page_size: u64,
     /// `P2`: decode physical page size.
@@ -110,7 +111,8 @@ pub struct ReshardInput<'a> {
     pub dst_dcp_rank: u64,
     /// `L`: tokens the decode already holds; a multiple of `P2 · b`.
     pub decode_prefix_len: u64,
-    /// Tokens of the send range sent before this chunk.
+    /// Tokens of the send range sent before this chunk (the same unit and name as
+    /// [`crate::DcpPlanInput::chunk_start`]; any value, chunks may start mid-page).
     pub chunk_start: u64,
     /// Tokens in this chunk.
     pub num_tokens: u64,
@@ -209,7 +211,7 @@ impl<'a> ReshardInput<'a> {
             src_page_size: p1,
             src_row0: p0 / a - src_base,
             src_step: lcm / a,
-            dst_pages: self.dst_pages,
+            dst_pages: self.dst_pages.as_slice(),
             dst_page_size: p2,
             dst_row0: p0 / b - l / b,
             dst_step: lcm / b,
@@ -409,7 +411,7 @@ impl<'a> ReshardPlan<'a> {
         let used_s = (last_s / i.src_page_size + 1) as usize;
         let used_d = (last_d / i.dst_page_size + 1) as usize;
         src.check_pages(Side::Prefill, &i.src_pages[first_s..used_s])?;
-        dst.check_pages(Side::Decode, &i.dst_pages[first_d..used_d])?;
+        dst.check_pages(Side::Decode, &i.dst_pages.as_slice()[first_d..used_d])?;
         for c in &copies {
             c.push_runs(&mut out, self.runs());
         }

@@ -5,7 +5,7 @@
 //! case is bounded by construction (every size above its maximum is refused before work;
 //! per-token arrays are only built for plans of at most `ROWS` rows).
 
-use kvbridge_geometry::{DcpPlanInput, MAX_CHUNK_TOKENS, ReshardInput};
+use kvbridge_geometry::{DcpPlanInput, MAX_CHUNK_TOKENS, ReshardInput, SendPages};
 use proptest::prelude::*;
 use serde_json::Value;
 
@@ -156,11 +156,11 @@ proptest! {
         }
         let input = DcpPlanInput {
             src_pages: &s.src,
-            dst_pages: &s.dst,
+            dst_pages: SendPages::after_prefix(&s.dst),
             page_size: s.p,
             dcp_size: s.d,
             dcp_rank: s.r,
-            src_page_offset: s.o,
+            chunk_start: s.o.saturating_mul(s.p),
             decode_prefix_len: s.l,
             num_kv_tokens: s.n,
         };
@@ -183,7 +183,7 @@ proptest! {
         let src_dcp_size = pick(a, a as u64 % 4 + 1);
         let reshard = ReshardInput {
             src_pages: &s.src,
-            dst_pages: &s.dst,
+            dst_pages: SendPages::after_prefix(&s.dst),
             src_page_size: pick(p1, s.p),
             dst_page_size: s.p,
             src_dcp_size,

@@ -3,7 +3,7 @@
 
 use kvbridge_geometry::{
     DcpPlanInput, GeometryError, HeadSharding, MAX_CHUNK_TOKENS, MAX_ENTRIES, MAX_GROUP_SIZE,
-    MAX_KV_HEADS, MAX_PAGE_SIZE, PoolGeometry, ReshardInput, pair_entries_flat_pp,
+    MAX_KV_HEADS, MAX_PAGE_SIZE, PoolGeometry, ReshardInput, SendPages, pair_entries_flat_pp,
     pair_entries_mha_pp, reshard_sources, reshard_targets,
 };
 
@@ -23,7 +23,7 @@ fn dcp_plan_refuses_huge_page_sizes() {
     for page_size in [1u64 << 32, 1 << 62, MAX_PAGE_SIZE + 1] {
         let e = DcpPlanInput {
             src_pages: &[0],
-            dst_pages: &[0],
+            dst_pages: SendPages::after_prefix(&[0]),
             page_size,
             dcp_size: 4,
             dcp_rank: 1,
@@ -47,7 +47,7 @@ fn dcp_plan_refuses_huge_page_sizes() {
 fn dcp_plan_bounds_the_dcp_size_and_the_chunk() {
     let base = DcpPlanInput {
         src_pages: &[0],
-        dst_pages: &[0],
+        dst_pages: SendPages::after_prefix(&[0]),
         page_size: 4,
         dcp_size: 2,
         ..DcpPlanInput::default()
@@ -63,7 +63,7 @@ fn dcp_plan_bounds_the_dcp_size_and_the_chunk() {
     let pages: Vec<u64> = (0..MAX_CHUNK_TOKENS / MAX_PAGE_SIZE + 1).collect();
     let e = DcpPlanInput {
         src_pages: &pages,
-        dst_pages: &pages,
+        dst_pages: SendPages::after_prefix(&pages),
         page_size: MAX_PAGE_SIZE,
         num_kv_tokens: Some(MAX_CHUNK_TOKENS + 1),
         ..base
@@ -77,7 +77,7 @@ fn dcp_plan_bounds_the_dcp_size_and_the_chunk() {
     // The largest chunk is planned.
     let plan = DcpPlanInput {
         src_pages: &pages,
-        dst_pages: &pages,
+        dst_pages: SendPages::after_prefix(&pages),
         page_size: MAX_PAGE_SIZE,
         num_kv_tokens: Some(MAX_CHUNK_TOKENS),
         ..base
@@ -91,7 +91,7 @@ fn dcp_plan_bounds_the_dcp_size_and_the_chunk() {
 fn reshard_plan_bounds_its_inputs() {
     let base = ReshardInput {
         src_pages: &[0],
-        dst_pages: &[0],
+        dst_pages: SendPages::after_prefix(&[0]),
         src_page_size: 16,
         dst_page_size: 16,
         src_dcp_size: 1,

@@ -3,7 +3,8 @@
 use std::collections::HashSet;
 
 use kvbridge_geometry::{
-    DcpPlanInput, PoolGeometry, Run, coalesce_pairs, group_concurrent_contiguous, identity_pairs,
+    DcpPlanInput, PoolGeometry, Run, SendPages, coalesce_pairs, group_concurrent_contiguous,
+    identity_pairs,
 };
 use proptest::prelude::*;
 
@@ -52,11 +53,11 @@ impl Range {
         let n = (end as u64 * self.p).min(self.total) - o as u64 * self.p;
         DcpPlanInput {
             src_pages: &self.src[o..end],
-            dst_pages: &self.dst,
+            dst_pages: SendPages::after_prefix(&self.dst),
             page_size: self.p,
             dcp_size: self.d,
             dcp_rank: r,
-            src_page_offset: o as u64,
+            chunk_start: o as u64 * self.p,
             decode_prefix_len: self.prefix,
             num_kv_tokens: Some(n),
         }

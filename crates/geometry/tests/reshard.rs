@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use kvbridge_geometry::{
     ByteRanges, DcpPlanInput, EntryPair, GeometryError, HeadSharding, PoolGeometry, ReshardInput,
-    identity_pairs, page_path_ranges, reshard_sources, reshard_targets,
+    SendPages, identity_pairs, page_path_ranges, reshard_sources, reshard_targets,
 };
 use proptest::prelude::*;
 
@@ -98,7 +98,7 @@ impl World {
         let first_page = ((self.prefix + c0) / self.a / self.p1) as usize;
         ReshardInput {
             src_pages: &self.prefill_tables[ar as usize][first_page..],
-            dst_pages: &self.dst,
+            dst_pages: SendPages::after_prefix(&self.dst),
             src_page_size: self.p1,
             dst_page_size: self.p2,
             src_dcp_size: self.a,
@@ -217,17 +217,17 @@ proptest! {
         let n = total - o as u64 * p;
         let sglang = DcpPlanInput {
             src_pages: &src[o..],
-            dst_pages: &dst,
+            dst_pages: SendPages::after_prefix(&dst),
             page_size: p,
             dcp_size: d,
             dcp_rank: r,
-            src_page_offset: o as u64,
+            chunk_start: o as u64 * p,
             decode_prefix_len: prefix_v * p * d,
             num_kv_tokens: Some(n),
         }.plan().unwrap();
         let ours = ReshardInput {
             src_pages: &src[o..],
-            dst_pages: &dst,
+            dst_pages: SendPages::after_prefix(&dst),
             src_page_size: p,
             dst_page_size: p,
             src_dcp_size: 1,
@@ -260,7 +260,7 @@ proptest! {
             for br in 0..n_dcp {
                 let plan = ReshardInput {
                     src_pages: &src[o as usize..],
-                    dst_pages: &dst,
+                    dst_pages: SendPages::after_prefix(&dst),
                     src_page_size: p,
                     dst_page_size: p,
                     src_dcp_size: n_dcp,
@@ -314,7 +314,7 @@ fn rank_mapping_counts() {
 fn reshard_errors_name_the_problem() {
     let base = ReshardInput {
         src_pages: &[0, 1],
-        dst_pages: &[0],
+        dst_pages: SendPages::after_prefix(&[0]),
         src_page_size: 16,
         dst_page_size: 64,
         src_dcp_size: 2,
@@ -398,7 +398,7 @@ fn descriptor_counts_for_documented_geometries() {
             for br in 0..b {
                 let plan = ReshardInput {
                     src_pages: &tables[ar as usize],
-                    dst_pages: &dst,
+                    dst_pages: SendPages::after_prefix(&dst),
                     src_page_size: p1,
                     dst_page_size: p2,
                     src_dcp_size: a,
@@ -454,7 +454,7 @@ fn head_slices_over_resharded_rows() {
         .unwrap();
     let plan = ReshardInput {
         src_pages: &[3, 5],
-        dst_pages: &[6],
+        dst_pages: SendPages::after_prefix(&[6]),
         src_page_size: 2,
         dst_page_size: 4,
         src_dcp_size: 1,

@@ -2,7 +2,7 @@
 
 use kvbridge_geometry::{
     ByteRange, DcpPlanInput, EntryPair, GeometryError, HeadSharding, HeadSlice, PoolFormat,
-    PoolGeometry, Run, align_prefix_down, align_prefix_up, compute_head_slice_params,
+    PoolGeometry, Run, SendPages, align_prefix_down, align_prefix_up, compute_head_slice_params,
     dcp_pack_buffer_bytes, dcp_token_item_lens, group_concurrent_contiguous, head_slice_ranges,
     identity_pairs, page_path_ranges, pair_entries_by_layer_ids, pair_entries_flat_pp,
     pair_entries_mha_pp, prepare_dcp_token_item_lens,
@@ -290,7 +290,7 @@ fn dcp_byte_ranges_example() {
     // P=2, d=4, rank 1, two MLA target entries and one draft entry, 1152 bytes per token.
     let input = DcpPlanInput {
         src_pages: &[5, 2, 11, 4],
-        dst_pages: &[7],
+        dst_pages: SendPages::after_prefix(&[7]),
         page_size: 2,
         dcp_size: 4,
         dcp_rank: 1,
@@ -391,11 +391,11 @@ fn worked_example_b_second_chunk_with_prefix() {
     let plan = |r| {
         DcpPlanInput {
             src_pages: &[9, 3],
-            dst_pages: &[4, 6],
+            dst_pages: SendPages::after_prefix(&[4, 6]),
             page_size: 2,
             dcp_size: 2,
             dcp_rank: r,
-            src_page_offset: 1,
+            chunk_start: 2,
             decode_prefix_len: 4,
             num_kv_tokens: Some(4),
         }
@@ -413,14 +413,14 @@ fn worked_example_b_second_chunk_with_prefix() {
 
 #[test]
 fn worked_example_c_last_chunk_mid_page_and_chunk_invariance() {
-    let run = |src: &[u64], o, n, r| {
+    let run = |src: &[u64], o: u64, n, r| {
         DcpPlanInput {
             src_pages: src,
-            dst_pages: &[5, 9],
+            dst_pages: SendPages::after_prefix(&[5, 9]),
             page_size: 4,
             dcp_size: 2,
             dcp_rank: r,
-            src_page_offset: o,
+            chunk_start: o * 4,
             decode_prefix_len: 8,
             num_kv_tokens: Some(n),
         }
@@ -448,7 +448,7 @@ fn worked_example_c_last_chunk_mid_page_and_chunk_invariance() {
 fn error_examples_d_and_up_front_rejections() {
     let base = DcpPlanInput {
         src_pages: &[0],
-        dst_pages: &[0],
+        dst_pages: SendPages::after_prefix(&[0]),
         page_size: 16,
         dcp_size: 4,
         ..DcpPlanInput::default()
@@ -479,7 +479,7 @@ fn error_examples_d_and_up_front_rejections() {
     );
     let e = DcpPlanInput {
         src_pages: &[1, 2, 3, 4],
-        dst_pages: &[7],
+        dst_pages: SendPages::after_prefix(&[7]),
         page_size: 2,
         dcp_size: 2,
         num_kv_tokens: Some(8),
@@ -520,7 +520,7 @@ fn error_examples_d_and_up_front_rejections() {
     // n == 0 short-circuits before the capacity check (0.5.23).
     let empty = DcpPlanInput {
         src_pages: &[],
-        dst_pages: &[],
+        dst_pages: SendPages::after_prefix(&[]),
         num_kv_tokens: Some(0),
         ..base
     };
@@ -549,7 +549,7 @@ fn prefix_alignment_helpers() {
     let l = align_prefix_down(100, 16, 4).unwrap();
     let ok = DcpPlanInput {
         src_pages: &[0],
-        dst_pages: &[0],
+        dst_pages: SendPages::after_prefix(&[0]),
         page_size: 16,
         dcp_size: 4,
         decode_prefix_len: l,
@@ -566,17 +566,37 @@ fn pool_geometry_constructor_validates() {
         .unwrap_err();
     assert!(matches!(e, GeometryError::ZeroPageSize { .. }));
     let e = PoolGeometry::builder(64)
+        .num_pages(4)
         .target_entries(&[100])
         .build()
         .unwrap_err();
     assert!(e.to_string().contains("entry 0 has item_len=100"), "{e}");
     let e = PoolGeometry::builder(64)
+        .num_pages(4)
         .target_entries(&[64])
         .draft_entries(&[0])
         .build()
         .unwrap_err();
     assert!(e.to_string().contains("entry 1 has item_len=0"), "{e}");
     assert!(PoolGeometry::builder(64).build().is_err());
+    // A page count left out is named as such, not reported later as every page id being out
+    // of range.
+    let e = PoolGeometry::builder(64)
+        .target_entries(&[64])
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("page count is not set; call num_pages(n)"),
+        "{e}"
+    );
+    let e = PoolGeometry::builder(64)
+        .num_pages(0)
+        .target_entries(&[64])
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("num_pages is 0"), "{e}");
     let mha = PoolFormat::Mha {
         total_kv_heads: 8,
         head_dim: 128,

@@ -2,7 +2,7 @@
 //! of the spec's vector file.
 
 use kvbridge_geometry::{
-    DcpPlanInput, Run, build_dcp_token_transfer_plan, group_concurrent_contiguous,
+    DcpPlanInput, Run, SendPages, build_dcp_token_transfer_plan, group_concurrent_contiguous,
 };
 use serde_json::Value;
 
@@ -35,13 +35,16 @@ fn every_case_matches_arrays_or_error_text() {
         let inp = &case["inputs"];
         let src = u64s(&inp["src_page_indices"]);
         let dst = u64s(&inp["dst_page_indices"]);
+        let page_size = inp["physical_page_size"].as_u64().unwrap();
+        // SGLang counts the chunk offset in pages; kvbridge's inputs count tokens.
+        let src_page_offset = inp["src_page_offset"].as_u64().unwrap();
         let input = DcpPlanInput {
             src_pages: &src,
-            dst_pages: &dst,
-            page_size: inp["physical_page_size"].as_u64().unwrap(),
+            dst_pages: SendPages::after_prefix(&dst),
+            page_size,
             dcp_size: inp["dcp_size"].as_u64().unwrap(),
             dcp_rank: inp["dcp_rank"].as_u64().unwrap(),
-            src_page_offset: inp["src_page_offset"].as_u64().unwrap(),
+            chunk_start: src_page_offset * page_size,
             decode_prefix_len: inp["decode_prefix_len"].as_u64().unwrap(),
             num_kv_tokens: inp["num_kv_tokens"].as_u64(),
         };

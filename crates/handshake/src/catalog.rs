@@ -18,8 +18,11 @@ prints the entry below for one code (`kvbridge explain KVB-E007`, `explain E7` w
 Codes `KVB-E001`–`KVB-E018` are checks SGLang 0.5.23 performs itself (E001–E012 numbered after
 the rows of its decode-side check table, spec 02 §3), with SGLang's message word for word;
 `KVB-E020`–`KVB-E033` catch setups SGLang lets through but that fail later (a hang, a 404, a
-dead control thread, an allocation of a peer-claimed size) or silently corrupt the KV cache; `KVB-E040` is raised by the planner per
-request; `KVB-Wnnn` are warnings (the pair is still accepted).
+dead control thread, an allocation of a peer-claimed size) or silently corrupt the KV cache;
+`KVB-E040`–`KVB-E042` are raised by the planner per request; `KVB-Wnnn` are warnings (the
+pair is still accepted). Every planner error ends with its code in parentheses, e.g.
+`... (KVB-E041)`; errors about sizes, ranks or item lengths carry the code of the matching
+`check` problem (`KVB-E021`, `KVB-E022`, `KVB-E027`, ...).
 
 ## Descriptor format
 
@@ -87,6 +90,37 @@ them. Their codes are reserved (`KVB-E003`, `KVB-E005`, `KVB-E006`) and explaine
 - Per-request checks of the transfer lifecycle (spec 02 §3 "Per request", §4.1): decode
   allocation policy, `follow_bootstrap_room` DP routing, bootstrap lookups and send failures.
   These are runtime failures of one request, not properties of two descriptors.
+
+## Transfer failure causes
+
+A failed room (`kvbridge-coordinator`) carries one cause, printed as `[cause: NAME; peer: ..]`
+and counted in `failures_by_cause`. When a prefill room fails, the prefill tells the decode in a
+Failed status carrying its cause, and the decode reports that same cause, with one exception:
+an abort is `aborted` only on the side whose caller aborted, and `remote_failure` on the other.
+
+| cause | meaning |
+|---|---|
+| `bootstrap_timeout` | the prefill room stayed in Bootstrapping past the bootstrap timeout, or the decode could not finish the handshake in time |
+| `waiting_timeout` | no Success (decode) or no last chunk (prefill) within the waiting timeout |
+| `batch_timeout` | a transport batch did not complete by its deadline |
+| `transfer_error` | a transport batch failed |
+| `peer_rejected` | the peer's descriptor is incompatible (the message lists every problem) |
+| `peer_lost` | the heartbeat declared the peer dead |
+| `aborted` | this side's caller aborted the room (`abort`, or `clear` before the transfer ended) |
+| `remote_failure` | the peer aborted or failed the room (a decode ABORT, seen on the prefill; a prefill abort, seen on the decode) |
+| `control_channel` | a control message could not be delivered |
+| `unregistered` | the prefill does not know this decode's registration (it restarted) |
+| `planning` | the transfer could not be planned (the message ends with the planner's problem code, e.g. `KVB-E041`) |
+| `duplicate_room` | two uses of the same room id collided |
+| `other_rank` | another rank of the request failed (cross-rank agreement) |
+| `shutdown` | the agent shut down |
+
+Aborts, in both directions:
+
+| who aborts | the initiator reports | the peer reports |
+|---|---|---|
+| decode (`DecodeAgent::abort`, or a decode-side failure after its metadata went out) | `aborted` (or that failure's cause) | `remote_failure`, `Aborted by decode ENDPOINT: REASON` |
+| prefill (`PrefillAgent::abort`) | `aborted` | `remote_failure`, `Aborted by prefill ENDPOINT: Aborted by AbortReq.` |
 "#;
 
 /// Every entry, in code order. `ProblemCode::info` finds entries here.
@@ -519,6 +553,32 @@ pub(crate) static CATALOG: &[ProblemInfo] = &[
         when: "Calling the planner with a `decode_prefix_len` that is not a multiple of V, e.g. prefix 100 with page_size 16 and dcp_size 4 (V = 64); a multiple of the physical page (48) is not enough. Typical causes: a decode radix cache paged by the physical page instead of V, chunked prefill leaving a partial virtual page, mismatched page sizes shifting the prefix boundary.",
         fix: "Keep decode prefix-cache hits aligned to V: page the decode radix cache by `page_size x dcp_size`.\nRound a prefix down to a multiple of V before planning (the prefill then resends the tail).\nUse the same page_size and dcp_size that produced the prefix.",
         example: "# before\nkvbridge plan examples/descriptors/misaligned-prefix/plan.json   # page 16, DCP 4, prefix 100 -> error\n# after\ndecode_prefix_len = (100 div 64) x 64 = 64   # prefill resends tokens 64..100",
+    },
+    ProblemInfo {
+        code: C::PagesInsufficient,
+        id: "KVB-E041",
+        title: "Page ids do not cover the chunk (planner)",
+        severity: Error,
+        detected_by: Planner,
+        sglang: "raises ValueError in `build_dcp_token_transfer_plan` on the prefill, per request, for the DCP token plan (`num_kv_tokens must fit ...`, `Insufficient destination DCP pages ...`); the other cases are kvbridge's own",
+        message: "Insufficient destination DCP pages: required={required}, provided={provided}, src_page_offset={src_page_offset}, dcp_rank={dcp_rank}",
+        meaning: "The planner was given fewer page ids than the rows it must address: the prefill's pages of the chunk hold fewer tokens than `num_kv_tokens`, the decode sent fewer virtual pages than the send range needs up to the chunk's end, a resharding rank's pages do not cover its rows, a page id lies outside its pool, or a page table (from position 0) is shorter than its cached prefix. Nothing is written; the room fails with cause `planning`.",
+        when: "The decode allocated pages for fewer tokens than the prefill sends; a chunk's page list was sliced wrong; a page table from position 0 was treated as the send range or the reverse (`SendPages::from_page_table` and `SendPages::after_prefix` name which); page ids from another pool.",
+        fix: "Allocate one decode virtual page per `page_size x dcp_size` tokens of the whole send range, counted from the cached prefix.\nPass every source page of the chunk, and `num_kv_tokens` no larger than they hold.\nBuild the decode's ids with `SendPages::from_page_table(table, prefix, V)` when the table starts at position 0.",
+        example: "# before\nsrc_pages [1, 2, 3, 4], page_size 2, dcp_size 2, dst_pages [7]   # 8 tokens need 2 virtual pages\n# after\nsrc_pages [1, 2, 3, 4], page_size 2, dcp_size 2, dst_pages [7, 8]",
+    },
+    ProblemInfo {
+        code: C::PlanInputInvalid,
+        id: "KVB-E042",
+        title: "Planner inputs inconsistent (planner)",
+        severity: Error,
+        detected_by: Planner,
+        sglang: "has no equivalent check for most of these (a DCP chunk that starts mid-page, or entries that do not exist, address the wrong rows); SGLang's layer-metadata texts are kept word for word",
+        message: "chunk_start={chunk_start} tokens is not a multiple of page_size={page_size}; ...",
+        meaning: "The inputs of one plan contradict each other: a DCP chunk that does not start on a page boundary, index arrays of different lengths, an entry index beyond a pool, a pool description inconsistent in itself, or layer ids that do not pair the entries. The planner refuses before computing anything.",
+        when: "A caller computing `chunk_start` from a partial chunk, or in pages instead of tokens; entry pairs built for another pool; layer ids published by one peer only.",
+        fix: "Count `chunk_start` in tokens: the tokens of the send range sent before the chunk (SGLang's `src_page_offset x page_size`).\nPair only entries both pools have; publish layer ids on both peers or on none.\nRead the message: it names the input and the value seen.",
+        example: "# before\nchunk_start: 1        # one page sent before, counted in pages\n# after\nchunk_start: 64       # one page of 64 tokens",
     },
     ProblemInfo {
         code: C::TpDiffersMha,

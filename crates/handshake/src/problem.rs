@@ -12,7 +12,7 @@ use crate::catalog::CATALOG;
 ///
 /// `KVB-E001`–`KVB-E018` follow SGLang 0.5.23's own checks (E001–E012 in the order of spec 02
 /// §3, whose rows they are numbered after); `KVB-E020`–`KVB-E033` are what SGLang lets through
-/// but cannot work; `KVB-E040` is raised by the planner per request; `KVB-Wnnn` are warnings.
+/// but cannot work; `KVB-E040`–`KVB-E042` are raised by the planner per request; `KVB-Wnnn` are warnings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[non_exhaustive]
 pub enum ProblemCode {
@@ -83,6 +83,10 @@ pub enum ProblemCode {
     TooLarge,
     /// `KVB-E040` decode prefix not aligned to the DCP virtual page (planner, per request).
     PrefixMisaligned,
+    /// `KVB-E041` the page ids given to the planner do not cover the chunk (per request).
+    PagesInsufficient,
+    /// `KVB-E042` the planner's inputs are inconsistent in themselves (per request).
+    PlanInputInvalid,
     /// `KVB-W001` different TP on an MHA/GQA pool (performance warning).
     TpDiffersMha,
     /// `KVB-W002` aux buffer counts differ.
@@ -125,6 +129,8 @@ impl ProblemCode {
         ProblemCode::ProtocolVersion,
         ProblemCode::TooLarge,
         ProblemCode::PrefixMisaligned,
+        ProblemCode::PagesInsufficient,
+        ProblemCode::PlanInputInvalid,
         ProblemCode::TpDiffersMha,
         ProblemCode::AuxCount,
     ];
@@ -412,6 +418,8 @@ mod tests {
                 | C::ProtocolVersion
                 | C::TooLarge
                 | C::PrefixMisaligned
+                | C::PagesInsufficient
+                | C::PlanInputInvalid
                 | C::TpDiffersMha
                 | C::AuxCount => position(c),
             };
