@@ -38,6 +38,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+pub mod batch;
 mod error;
 pub mod memory;
 #[cfg(any(test, feature = "testing"))]
@@ -102,6 +103,26 @@ pub struct TransferOp {
     pub len: u64,
 }
 
+impl TransferOp {
+    /// A copy of `len` bytes between `local_region[local_offset..]` and
+    /// `remote_region[remote_offset..]`.
+    pub const fn new(
+        local_region: RegionId,
+        local_offset: u64,
+        remote_region: RegionId,
+        remote_offset: u64,
+        len: u64,
+    ) -> Self {
+        Self {
+            local_region,
+            local_offset,
+            remote_region,
+            remote_offset,
+            len,
+        }
+    }
+}
+
 /// Default deadline of a batch when none is given.
 pub const DEFAULT_BATCH_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -121,22 +142,12 @@ pub struct TransferBatch {
 impl TransferBatch {
     /// A write batch with the default deadline and no notification.
     pub fn write(ops: Vec<TransferOp>) -> Self {
-        Self {
-            direction: Direction::Write,
-            ops,
-            notification: None,
-            timeout: DEFAULT_BATCH_TIMEOUT,
-        }
+        Self::new(Direction::Write, ops)
     }
 
     /// A read batch with the default deadline and no notification.
     pub fn read(ops: Vec<TransferOp>) -> Self {
-        Self {
-            direction: Direction::Read,
-            ops,
-            notification: None,
-            timeout: DEFAULT_BATCH_TIMEOUT,
-        }
+        Self::new(Direction::Read, ops)
     }
 
     /// Attaches a notification delivered to the peer after the data.
@@ -149,6 +160,16 @@ impl TransferBatch {
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
+    }
+
+    /// A batch in `direction` with the default deadline and no notification.
+    pub fn new(direction: Direction, ops: Vec<TransferOp>) -> Self {
+        Self {
+            direction,
+            ops,
+            notification: None,
+            timeout: DEFAULT_BATCH_TIMEOUT,
+        }
     }
 
     /// Sum of all descriptor lengths (saturating).
@@ -262,6 +283,13 @@ pub struct Notification {
     pub from: PeerId,
     /// The payload given to [`TransferBatch::with_notification`].
     pub payload: Bytes,
+}
+
+impl Notification {
+    /// A notification from `from` carrying `payload`.
+    pub fn new(from: PeerId, payload: Bytes) -> Self {
+        Self { from, payload }
+    }
 }
 
 /// A transport that moves bytes between registered memory regions of two peers.
