@@ -349,6 +349,28 @@ impl Notification {
 ///
 /// Destinations of one batch must not overlap (the caller's rule, as with RDMA); batches that
 /// run concurrently must not write the same bytes either.
+///
+/// # Implementing it
+///
+/// Keep your batches in a [`batch::Batches`] table: it hands out the ids and carries the
+/// lifecycle of points 2 (deadlines), 3 (the mover moves bytes only inside
+/// [`Batches::step`](batch::Batches::step), which runs nothing once a batch is final), 4 (the
+/// notification goes out in the step that declares the batch done), 5
+/// ([`fail_where`](batch::Batches::fail_where) on peer loss) and 7 (`wait` exactly once,
+/// unknown ids, `cancel` of a finished batch). `batch_state`, `wait` and `cancel` are then one
+/// line each; see `examples/custom-transport` and `docs/transports.md`.
+///
+/// # Why `wait` takes a `BatchId`, not a handle
+///
+/// Point 7's "`wait` returns a final state exactly once" is checked at run time
+/// ([`TransportError::UnknownBatch`]) rather than made a type (a handle owning the id, consumed
+/// by `wait`), for three reasons. `cancel` and `batch_state` are called on a batch while another
+/// task waits for it (an abort path cancels every batch in flight), so a copyable id exists
+/// anyway and the transport must answer stale ids without harm. The trait is used as
+/// `Arc<dyn KvTransport>` from `&self`, so a handle could neither borrow the transport across
+/// tasks nor own it without `Arc<Self>`. And bindings that cross a language boundary (Python,
+/// C engines) pass plain integers, for which only the run-time check exists. A typed handle can
+/// be layered on [`KvTransportExt`] later without changing the trait.
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait::async_trait]
 pub trait KvTransport: Send + Sync + 'static {
