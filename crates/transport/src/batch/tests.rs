@@ -1,11 +1,12 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 
 use super::*;
+use crate::testing::rt::{block_on, sleep_until};
 
 const T: &str = "t";
 
@@ -23,48 +24,6 @@ fn lost(peer: PeerId) -> TransportError {
 
 fn is_unknown<X: std::fmt::Debug>(r: &Result<X>) -> bool {
     matches!(r, Err(TransportError::UnknownBatch { .. }))
-}
-
-/// Polls a future to completion on this thread (the table needs no executor).
-fn block_on<F: Future>(fut: F) -> F::Output {
-    struct Unpark(std::thread::Thread);
-    impl Wake for Unpark {
-        fn wake(self: Arc<Self>) {
-            self.0.unpark();
-        }
-    }
-    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    let mut fut = std::pin::pin!(fut);
-    loop {
-        if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
-            return v;
-        }
-        std::thread::park();
-    }
-}
-
-/// A timer on a `std` thread: `sleep_until` for [`Batches::wait`].
-fn std_sleep(at: Instant) -> impl Future<Output = ()> {
-    let done = Arc::new(Mutex::new((false, None::<Waker>)));
-    let d = Arc::clone(&done);
-    std::thread::spawn(move || {
-        std::thread::sleep(at.saturating_duration_since(Instant::now()));
-        let mut g = d.lock().unwrap();
-        g.0 = true;
-        if let Some(w) = g.1.take() {
-            w.wake();
-        }
-    });
-    std::future::poll_fn(move |cx| {
-        let mut g = done.lock().unwrap();
-        if g.0 {
-            Poll::Ready(())
-        } else {
-            g.1 = Some(cx.waker().clone());
-            Poll::Pending
-        }
-    })
 }
 
 /// A timer that never fires.
@@ -108,7 +67,7 @@ fn wait_ends_at_the_deadline_without_a_mover() {
     let id = b
         .insert(PeerId(1), Duration::from_millis(30), Instant::now())
         .unwrap();
-    let r = block_on(b.wait(id, std_sleep));
+    let r = block_on(b.wait(id, sleep_until));
     assert!(
         matches!(r, Err(TransportError::TimedOut { batch, timeout }) if batch == id && timeout == Duration::from_millis(30)),
         "{r:?}"
