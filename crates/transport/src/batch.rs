@@ -22,6 +22,9 @@
 //!   is final. Once `cancel`, `batch_state` or `wait` reported a failure, no step runs again.
 //! - **4, notifications follow data**: deliver the notification inside the last `step`, the one
 //!   that returns [`Step::Finish`]`(`[`Outcome::Done`]`)`; a batch made final first never runs it.
+//!   A last piece that cannot be recalled once started (a notification write, posted work
+//!   requests) is a [`Step::Commit`]: the batch then ends when that piece reports, and
+//!   `cancel` waits for it ([`Batches::settle`]) instead of reporting a cancel it cannot keep.
 //! - **5, peer loss**: [`Batches::fail_where`] fails every pending batch of a peer.
 //! - **7, ids**: ids are handed out in increasing order and never reused; `wait` returns a final
 //!   state exactly once and removes the batch; afterwards, and for ids never handed out, every
@@ -78,6 +81,36 @@ pub enum Step {
     Continue,
     /// The batch ends with this outcome (the last chunk moved: [`Outcome::Done`]).
     Finish(Outcome),
+    /// The last piece (e.g. the notification write) is now in flight and cannot be recalled;
+    /// whoever carries it calls [`Batches::finish`]. Until then the batch is *committing*: no
+    /// step runs, `cancel` and peer failure leave it alone (it may still land), and if it is
+    /// still unfinished at its deadline plus the table's
+    /// [commit grace](BatchTable::with_commit_grace), the [`Fence`] runs first and the batch
+    /// then times out.
+    Commit(Fence),
+}
+
+/// What makes a committing batch's last piece unable to land (e.g. closing its connection),
+/// run once if the batch must end before that piece reports. It runs under the table's lock,
+/// so it must not call the table.
+pub struct Fence(Box<dyn FnOnce() + Send>);
+
+impl Fence {
+    /// A fence that runs `f`.
+    pub fn new(f: impl FnOnce() + Send + 'static) -> Self {
+        Self(Box::new(f))
+    }
+
+    /// A fence with nothing to do (the piece is bounded by the deadline on its own).
+    pub fn none() -> Self {
+        Self::new(|| {})
+    }
+}
+
+impl std::fmt::Debug for Fence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Fence")
+    }
 }
 
 #[derive(Debug)]
@@ -87,16 +120,35 @@ struct Entry {
     posted: Instant,
     deadline: Instant,
     outcome: Option<Outcome>,
+    /// `Some` once committing: the fence, until it ran.
+    commit: Option<Option<Fence>>,
     wakers: Vec<Waker>,
 }
 
 impl Entry {
-    /// Times the batch out if `now` is past its deadline; returns whether it is still pending.
-    fn pending_at(&mut self, now: Instant) -> bool {
-        if self.outcome.is_none() && now >= self.deadline {
+    /// When the batch times out: its deadline, plus `grace` once committing.
+    fn end(&self, grace: Duration) -> Instant {
+        match self.commit {
+            None => self.deadline,
+            Some(_) => self.deadline.checked_add(grace).unwrap_or(self.deadline),
+        }
+    }
+
+    /// Times the batch out if `now` is past its end (fencing a committing one first); returns
+    /// whether it is still not final.
+    fn pending_at(&mut self, now: Instant, grace: Duration) -> bool {
+        if self.outcome.is_none() && now >= self.end(grace) {
+            if let Some(fence) = self.commit.as_mut().and_then(Option::take) {
+                (fence.0)();
+            }
             self.outcome = Some(Outcome::TimedOut);
         }
         self.outcome.is_none()
+    }
+
+    /// Not final and not committing: the mover may move bytes.
+    fn movable_at(&mut self, now: Instant, grace: Duration) -> bool {
+        self.pending_at(now, grace) && self.commit.is_none()
     }
 
     fn state(&self) -> BatchState {
@@ -145,6 +197,7 @@ pub struct BatchTable {
     transport: &'static str,
     next: u64,
     limit: Option<usize>,
+    grace: Duration,
     entries: HashMap<BatchId, Entry>,
 }
 
@@ -155,6 +208,7 @@ impl BatchTable {
             transport,
             next: 1,
             limit: None,
+            grace: Duration::ZERO,
             entries: HashMap::new(),
         }
     }
@@ -163,6 +217,13 @@ impl BatchTable {
     /// never waits can pin).
     pub fn with_limit(mut self, max: usize) -> Self {
         self.limit = Some(max);
+        self
+    }
+
+    /// How long past its deadline a committing batch's last piece may take before the batch is
+    /// fenced and timed out (default zero).
+    pub fn with_commit_grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
         self
     }
 
@@ -205,6 +266,7 @@ impl BatchTable {
                 posted: now,
                 deadline: deadline_after(now, timeout),
                 outcome: None,
+                commit: None,
                 wakers: Vec::new(),
             },
         );
@@ -227,9 +289,15 @@ impl BatchTable {
         self.entries.get(&id).map(|e| e.peer)
     }
 
-    /// When a batch times out.
+    /// When a batch times out (for a committing one: without its grace).
     pub fn deadline(&self, id: BatchId) -> Option<Instant> {
         self.entries.get(&id).map(|e| e.deadline)
+    }
+
+    /// When a batch that is not final by then times out: its deadline, plus the commit grace
+    /// once committing.
+    pub fn end(&self, id: BatchId) -> Option<Instant> {
+        self.entries.get(&id).map(|e| e.end(self.grace))
     }
 
     /// Number of batches whose final state `wait` has not collected yet.
@@ -242,25 +310,43 @@ impl BatchTable {
         self.entries.is_empty()
     }
 
-    /// Whether the batch is known and still pending at `now` (the mover's check).
+    /// Whether the batch is known, not final and not committing at `now`: the mover's check.
     pub fn is_pending(&mut self, id: BatchId, now: Instant) -> bool {
-        self.entries.get_mut(&id).is_some_and(|e| e.pending_at(now))
+        let grace = self.grace;
+        self.entries
+            .get_mut(&id)
+            .is_some_and(|e| e.movable_at(now, grace))
     }
 
-    /// `batch_state`: the state at `now`.
+    /// Makes a movable batch committing (see [`Step::Commit`]); returns whether it did.
+    pub fn commit(&mut self, id: BatchId, fence: Fence, now: Instant) -> bool {
+        let grace = self.grace;
+        let Some(e) = self.entries.get_mut(&id) else {
+            return false;
+        };
+        let movable = e.movable_at(now, grace);
+        if movable {
+            e.commit = Some(Some(fence));
+        }
+        movable
+    }
+
+    /// `batch_state`: the state at `now` (a committing batch is still pending).
     pub fn state(&mut self, id: BatchId, now: Instant) -> Result<BatchState> {
+        let grace = self.grace;
         let e = self.entry(id)?;
-        e.pending_at(now);
+        e.pending_at(now, grace);
         Ok(e.state())
     }
 
     /// Records the final outcome of a pending batch; a batch already final (or unknown) keeps
     /// what it has. Returns whether this call set it, and the waiters to wake.
     pub fn finish(&mut self, id: BatchId, outcome: Outcome, now: Instant) -> (bool, Wakeups) {
+        let grace = self.grace;
         let Some(e) = self.entries.get_mut(&id) else {
             return (false, Wakeups::default());
         };
-        let set = e.pending_at(now);
+        let set = e.pending_at(now, grace);
         if set {
             e.outcome = Some(outcome);
         }
@@ -270,18 +356,21 @@ impl BatchTable {
     }
 
     /// `cancel`: a pending batch becomes [`BatchState::Cancelled`]; a final one reports the
-    /// final state it has. Fencing is the caller's: with [`Batches::step`] it is implied.
+    /// final state it has. Fencing is the caller's: with [`Batches::step`] it is implied. A
+    /// committing batch cannot be cancelled (its last piece may still land): it stays
+    /// [`BatchState::Pending`], and [`Batches::settle`] waits for how it ends.
     pub fn cancel(&mut self, id: BatchId, now: Instant) -> Result<(BatchState, Wakeups)> {
+        let grace = self.grace;
         let e = self.entry(id)?;
         let wakeups = Wakeups(std::mem::take(&mut e.wakers));
-        if e.pending_at(now) {
+        if e.movable_at(now, grace) {
             e.outcome = Some(Outcome::Cancelled);
         }
         Ok((e.state(), wakeups))
     }
 
     /// Fails, with `error(id, peer)`, every pending batch whose peer matches `which` (peer loss,
-    /// disconnect, shutdown).
+    /// disconnect, shutdown). Committing batches are left to whoever carries their last piece.
     pub fn fail_where(
         &mut self,
         which: impl Fn(PeerId) -> bool,
@@ -289,7 +378,7 @@ impl BatchTable {
     ) -> Wakeups {
         let mut wakeups = Wakeups::default();
         for (&id, e) in self.entries.iter_mut() {
-            if e.outcome.is_none() && which(e.peer) {
+            if e.outcome.is_none() && e.commit.is_none() && which(e.peer) {
                 e.outcome = Some(Outcome::Failed(error(id, e.peer)));
                 wakeups.extend(Wakeups(std::mem::take(&mut e.wakers)));
             }
@@ -301,14 +390,14 @@ impl BatchTable {
     /// forgotten), or `Pending`. Unknown and already collected ids are
     /// `Ready(Err(UnknownBatch))`.
     pub fn collect(&mut self, id: BatchId, now: Instant) -> Poll<Result<()>> {
-        let transport = self.transport;
+        let (transport, grace) = (self.transport, self.grace);
         let Some(e) = self.entries.get_mut(&id) else {
             return Poll::Ready(Err(TransportError::UnknownBatch {
                 batch: id,
                 transport,
             }));
         };
-        if e.pending_at(now) {
+        if e.pending_at(now, grace) {
             return Poll::Pending;
         }
         let Some(e) = self.entries.remove(&id) else {
@@ -380,6 +469,11 @@ impl Batches {
         self.lock().deadline(id)
     }
 
+    /// See [`BatchTable::end`].
+    pub fn end(&self, id: BatchId) -> Option<Instant> {
+        self.lock().end(id)
+    }
+
     /// See [`BatchTable::peer`].
     pub fn peer(&self, id: BatchId) -> Option<PeerId> {
         self.lock().peer(id)
@@ -449,39 +543,87 @@ impl Batches {
                 wakeups.wake();
                 false
             }
+            Step::Commit(fence) => {
+                table.commit(id, fence, now);
+                false
+            }
         }
     }
 
     /// `wait`: resolves with the batch's final result exactly once (see
-    /// [`BatchTable::collect`]), when it becomes final or at its deadline, whichever is first.
+    /// [`BatchTable::collect`]), when it becomes final or when it times out, whichever is first.
     ///
     /// `sleep_until` is the caller's timer (e.g. `|at| tokio::time::sleep_until(at.into())`):
-    /// the only clock `wait` uses. Once the sleep until the deadline has completed, the batch
-    /// counts as timed out if it is still pending.
-    pub async fn wait<F>(&self, id: BatchId, sleep_until: impl FnOnce(Instant) -> F) -> Result<()>
+    /// the only clock `wait` uses. Once a sleep until the batch's [end](BatchTable::end) has
+    /// completed, the batch counts as timed out if it is still not final.
+    pub async fn wait<F>(&self, id: BatchId, sleep_until: impl FnMut(Instant) -> F) -> Result<()>
     where
         F: Future<Output = ()>,
     {
-        let (posted, deadline) = {
+        self.until_final(id, sleep_until, |table, now| table.collect(id, now))
+            .await
+    }
+
+    /// Waits, like [`wait`](Self::wait), until the batch is final and returns its state
+    /// without collecting it (so `wait` still returns it once): what `cancel` returns for a
+    /// committing batch.
+    pub async fn settle<F>(
+        &self,
+        id: BatchId,
+        sleep_until: impl FnMut(Instant) -> F,
+    ) -> Result<BatchState>
+    where
+        F: Future<Output = ()>,
+    {
+        self.until_final(id, sleep_until, |table, now| match table.state(id, now) {
+            Ok(BatchState::Pending) => Poll::Pending,
+            other => Poll::Ready(other),
+        })
+        .await
+    }
+
+    async fn until_final<T, F>(
+        &self,
+        id: BatchId,
+        mut sleep_until: impl FnMut(Instant) -> F,
+        mut take: impl FnMut(&mut BatchTable, Instant) -> Poll<Result<T>>,
+    ) -> Result<T>
+    where
+        F: Future<Output = ()>,
+    {
+        // `known`: the latest instant known to have passed (the posting, then each end the
+        // timer reached).
+        let (mut known, mut end) = {
             let table = self.lock();
             match table.entries.get(&id) {
-                Some(e) => (e.posted, e.deadline),
+                Some(e) => (e.posted, e.end(table.grace)),
                 None => return Err(table.unknown(id)),
             }
         };
-        let mut sleep = std::pin::pin!(sleep_until(deadline));
-        let mut slept = false;
+        let mut sleep = Box::pin(sleep_until(end));
+        let mut fired = false;
         std::future::poll_fn(|cx| {
-            slept = slept || sleep.as_mut().poll(cx).is_ready();
-            // The latest instant known to have passed: the posting, or the deadline once the
-            // timer says so.
-            let now = if slept { deadline } else { posted };
-            let mut table = self.lock();
-            let ready = table.collect(id, now);
-            if ready.is_pending() {
+            loop {
+                if !fired && sleep.as_mut().poll(cx).is_ready() {
+                    fired = true;
+                    known = known.max(end);
+                }
+                let mut table = self.lock();
+                if let Poll::Ready(r) = take(&mut table, known) {
+                    return Poll::Ready(r);
+                }
                 table.register_waker(id, cx.waker());
+                // The end moves once the batch commits: sleep again until the new one.
+                match table.end(id) {
+                    Some(later) if fired && later > end => {
+                        drop(table);
+                        end = later;
+                        sleep = Box::pin(sleep_until(end));
+                        fired = false;
+                    }
+                    _ => return Poll::Pending,
+                }
             }
-            ready
         })
         .await
     }

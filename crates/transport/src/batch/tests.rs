@@ -139,12 +139,90 @@ fn huge_timeouts_do_not_panic() {
     assert_eq!(b.state(id, now + secs(3600)).unwrap(), BatchState::Pending);
 }
 
+#[test]
+fn a_committing_batch_is_not_cancelled_and_is_fenced_before_it_times_out() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let b = Batches::from_table(BatchTable::new(T).with_commit_grace(secs(5)));
+    let now = Instant::now();
+    let fenced = Arc::new(AtomicUsize::new(0));
+    let fence = |n: &Arc<AtomicUsize>| {
+        let n = Arc::clone(n);
+        Fence::new(move || {
+            n.fetch_add(1, Ordering::SeqCst);
+        })
+    };
+    // Ends by its writer: the fence never runs.
+    let done = b.insert(PeerId(1), secs(10), now).unwrap();
+    assert!(!b.step(done, now, || Step::Commit(fence(&fenced))));
+    assert!(!b.step(done, now, || panic!("moved bytes of a committing batch")));
+    assert_eq!(b.cancel(done, now).unwrap(), BatchState::Pending);
+    b.fail_where(|_| true, |_, p| lost(p));
+    assert_eq!(b.state(done, now + secs(12)).unwrap(), BatchState::Pending);
+    assert!(b.finish(done, Outcome::Done, now + secs(12)));
+    assert_eq!(b.cancel(done, now).unwrap(), BatchState::Done);
+    assert!(block_on(b.wait(done, never)).is_ok());
+    assert_eq!(fenced.load(Ordering::SeqCst), 0);
+
+    // Still committing at deadline + grace: fenced once, then timed out.
+    let stuck = b.insert(PeerId(1), secs(10), now).unwrap();
+    assert!(!b.step(stuck, now, || Step::Commit(fence(&fenced))));
+    assert_eq!(b.end(stuck), Some(now + secs(15)));
+    assert_eq!(
+        b.state(stuck, now + secs(15)).unwrap(),
+        BatchState::TimedOut
+    );
+    assert_eq!(
+        b.state(stuck, now + secs(20)).unwrap(),
+        BatchState::TimedOut
+    );
+    assert!(!b.finish(stuck, Outcome::Done, now + secs(20)));
+    assert_eq!(fenced.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn settle_and_wait_follow_a_commit_to_its_end() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let b = Arc::new(Batches::from_table(
+        BatchTable::new(T).with_commit_grace(Duration::from_millis(40)),
+    ));
+    // The writer reports: `settle` (what `cancel` waits with) sees it, `wait` collects it.
+    let id = b.insert(PeerId(1), secs(600), Instant::now()).unwrap();
+    assert!(!b.step(id, Instant::now(), || Step::Commit(Fence::none())));
+    let writer = {
+        let b = Arc::clone(&b);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            b.finish(id, Outcome::Done, Instant::now())
+        })
+    };
+    assert_eq!(block_on(b.settle(id, never)).unwrap(), BatchState::Done);
+    assert!(writer.join().unwrap());
+    assert!(block_on(b.wait(id, never)).is_ok());
+    assert!(is_unknown(&block_on(b.settle(id, never))));
+
+    // No writer: `wait` sleeps past the deadline into the grace, fences, times out.
+    let fenced = Arc::new(AtomicBool::new(false));
+    let f = Arc::clone(&fenced);
+    let id = b
+        .insert(PeerId(1), Duration::from_millis(20), Instant::now())
+        .unwrap();
+    assert!(
+        !b.step(id, Instant::now(), || Step::Commit(Fence::new(move || {
+            f.store(true, Ordering::SeqCst)
+        })))
+    );
+    let r = block_on(b.wait(id, sleep_until));
+    assert!(matches!(r, Err(TransportError::TimedOut { .. })), "{r:?}");
+    assert!(fenced.load(Ordering::SeqCst));
+}
+
 /// One event of a random run.
 #[derive(Debug, Clone)]
 enum Event {
     Post { peer: u64, timeout_ms: u64 },
     Advance(u64),
     Step { batch: u64, finish: Option<u8> },
+    Commit(u64),
     Cancel(u64),
     State(u64),
     Wait(u64),
@@ -158,6 +236,7 @@ fn event() -> impl Strategy<Value = Event> {
         (0..12u64, proptest::option::of(0..3u8))
             .prop_map(|(batch, finish)| Event::Step { batch, finish }),
         (0..12u64).prop_map(Event::Cancel),
+        (0..12u64).prop_map(Event::Commit),
         (0..12u64).prop_map(Event::State),
         (0..12u64).prop_map(Event::Wait),
         (0..3u64).prop_map(Event::FailPeer),
@@ -184,7 +263,10 @@ proptest! {
     /// are refused, ids are never reused.
     #[test]
     fn lifecycle_holds_in_any_event_order(events in proptest::collection::vec(event(), 1..80)) {
-        let b = Batches::new(T);
+        let grace = Duration::from_millis(10);
+        let b = Batches::from_table(BatchTable::new(T).with_commit_grace(grace));
+        let fences: Arc<Mutex<HashMap<BatchId, usize>>> = Arc::default();
+        let mut committing: HashSet<BatchId> = HashSet::new();
         let t0 = Instant::now();
         let mut now = t0;
         let mut posted: Vec<(BatchId, Instant)> = Vec::new();
@@ -218,10 +300,25 @@ proptest! {
                         outcome.map_or(Step::Continue, Step::Finish)
                     });
                     let was_final = seen.get(&id).is_some_and(|s| *s != "pending");
-                    prop_assert!(!(ran && (was_final || collected.contains(&id))),
+                    prop_assert!(!(ran && (was_final || collected.contains(&id) || committing.contains(&id))),
                         "a step ran for {} after it was reported final", id);
                     if ran && !more {
                         seen.insert(id, "final");
+                    }
+                }
+                Event::Commit(i) => {
+                    let id = pick(&posted, i);
+                    let f = Arc::clone(&fences);
+                    let mut ran = false;
+                    b.step(id, now, || {
+                        ran = true;
+                        Step::Commit(Fence::new(move || {
+                            *f.lock().unwrap().entry(id).or_default() += 1;
+                        }))
+                    });
+                    prop_assert!(!(ran && committing.contains(&id)));
+                    if ran {
+                        committing.insert(id);
                     }
                 }
                 Event::Cancel(i) => {
@@ -232,7 +329,8 @@ proptest! {
                         continue;
                     }
                     let state = r.unwrap();
-                    prop_assert!(state.is_final());
+                    prop_assert!(state.is_final() || committing.contains(&id),
+                        "cancel left {} pending without a commit", id);
                     if let Some(prev) = seen.get(&id).filter(|s| **s != "pending" && **s != "final") {
                         prop_assert_eq!(*prev, rank(&state), "cancel changed a final state");
                     }
@@ -246,7 +344,10 @@ proptest! {
                         continue;
                     }
                     let state = r.unwrap();
-                    let deadline = posted.iter().find(|p| p.0 == id).unwrap().1;
+                    let mut deadline = posted.iter().find(|p| p.0 == id).unwrap().1;
+                    if committing.contains(&id) {
+                        deadline += grace;
+                    }
                     prop_assert!(!(state == BatchState::Pending && now >= deadline),
                         "{} pending past its deadline", id);
                     if let Some(prev) = seen.get(&id) {
@@ -297,5 +398,9 @@ proptest! {
             prop_assert_eq!(collected.contains(id), matches!(&first, Poll::Ready(r) if is_unknown(r)));
         }
         prop_assert!(b.is_empty());
+        // A fence runs at most once, and only for a committing batch.
+        for (id, n) in fences.lock().unwrap().iter() {
+            prop_assert!(*n == 1 && committing.contains(id), "fence of {} ran {} times", id, n);
+        }
     }
 }
