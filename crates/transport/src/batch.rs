@@ -15,8 +15,8 @@
 //! # Which contract points it carries
 //!
 //! - **2, every batch ends**: a pending batch is timed out as soon as any call passes a `now` at
-//!   or after its deadline, and [`Batches::wait`] sleeps until the deadline at most, so `wait`
-//!   returns by the deadline even if the mover died.
+//!   or after its deadline, and [`Batches::wait`] sleeps until the deadline at most (plus the
+//!   commit grace for a committing batch), so `wait` returns by then even if the mover died.
 //! - **3, fencing**: a final state is set only under the table's lock, and the mover moves
 //!   bytes only inside [`Batches::step`], which holds that lock and runs nothing once the batch
 //!   is final. Once `cancel`, `batch_state` or `wait` reported a failure, no step runs again.
