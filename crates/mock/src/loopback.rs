@@ -6,12 +6,12 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
+use kvbridge_transport::batch::{Batches, Outcome, Step, deadline_after};
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
 };
-use tokio::sync::{Notify, mpsc, watch};
-use tokio::time::Instant;
+use tokio::sync::{mpsc, watch};
 
 const NAME: &str = "loopback";
 const DESCRIPTOR_PREFIX: &str = "kvbridge-loopback/1:";
@@ -138,10 +138,10 @@ struct Endpoint {
     config: LoopbackConfig,
     state: Mutex<EndpointState>,
     peers: Mutex<HashMap<PeerId, Arc<Link>>>,
-    batches: Mutex<HashMap<BatchId, Arc<Batch>>>,
+    /// Ids, states, deadlines and the copy fence of every batch posted here.
+    batches: Arc<Batches>,
     next_region: AtomicU64,
     next_peer: AtomicU64,
-    next_batch: AtomicU64,
     notif_tx: mpsc::Sender<Notification>,
     notif_rx: tokio::sync::Mutex<mpsc::Receiver<Notification>>,
     closed_tx: watch::Sender<bool>,
@@ -170,41 +170,6 @@ struct Link {
     alive: AtomicBool,
 }
 
-struct Batch {
-    id: BatchId,
-    peer: PeerId,
-    timeout: Duration,
-    deadline: Instant,
-    fence: Mutex<Fence>,
-    done: Notify,
-}
-
-/// A batch's state; the worker holds this lock while it copies a chunk, so whoever sets a final
-/// state under it knows no byte of the batch moves afterwards.
-struct Fence {
-    state: BatchState,
-    error: Option<TransportError>,
-}
-
-impl Batch {
-    fn finish(&self, fence: &mut Fence, state: BatchState, error: Option<TransportError>) {
-        if fence.state.is_final() {
-            return;
-        }
-        tracing::debug!(transport = NAME, ?state, "batch finished");
-        fence.state = state;
-        fence.error = error;
-        self.done.notify_waiters();
-    }
-
-    /// Marks the batch timed out if its deadline has passed.
-    fn check_deadline(&self, fence: &mut Fence) {
-        if !fence.state.is_final() && Instant::now() >= self.deadline {
-            self.finish(fence, BatchState::TimedOut, None);
-        }
-    }
-}
-
 struct ResolvedOp {
     local: MemoryRegion,
     local_offset: usize,
@@ -215,7 +180,10 @@ struct ResolvedOp {
 }
 
 struct Job {
-    batch: Arc<Batch>,
+    batches: Arc<Batches>,
+    id: BatchId,
+    peer: PeerId,
+    deadline: std::time::Instant,
     target: Arc<Endpoint>,
     link: Arc<Link>,
     direction: Direction,
@@ -238,70 +206,78 @@ async fn worker(mut rx: mpsc::Receiver<Job>) {
     }
 }
 
-/// Copies one batch in chunks, checking fence, deadline and peer between chunks.
+/// The current time, on tokio's clock (which tests may pause).
+fn now() -> std::time::Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+fn failed(e: TransportError) -> Step {
+    Step::Finish(Outcome::Failed(e))
+}
+
+/// Copies one batch in chunks, each a step under the batch table's fence, checking peer and
+/// registrations before each.
 async fn run(job: Job) {
-    let batch = &job.batch;
+    let Job {
+        batches,
+        id,
+        peer,
+        deadline,
+        target,
+        link,
+        direction,
+        ops,
+        notification,
+        chunk_bytes,
+    } = job;
     let mut i = 0;
     let mut done_in_op = 0;
-    while i < job.ops.len() {
-        {
-            let mut fence = lock(&batch.fence);
-            if fence.state.is_final() {
-                return;
+    while i < ops.len() {
+        let more = batches.step(id, now(), || {
+            if !link.alive.load(Ordering::Acquire) {
+                return failed(peer_lost(
+                    peer,
+                    "disconnected while the batch was in flight",
+                ));
             }
-            batch.check_deadline(&mut fence);
-            if fence.state.is_final() {
-                return;
-            }
-            if !job.link.alive.load(Ordering::Acquire) {
-                let e = peer_lost(batch.peer, "disconnected while the batch was in flight");
-                batch.finish(&mut fence, BatchState::Failed(e.to_string()), Some(e));
-                return;
-            }
-            let target = lock(&job.target.state);
+            let target = lock(&target.state);
             if target.closed {
-                let e = peer_lost(
-                    batch.peer,
+                return failed(peer_lost(
+                    peer,
                     "the peer shut down while the batch was in flight",
-                );
-                batch.finish(&mut fence, BatchState::Failed(e.to_string()), Some(e));
-                return;
+                ));
             }
-            let mut budget = job.chunk_bytes;
+            let mut budget = chunk_bytes;
             let mut steps = 0;
-            while i < job.ops.len() && budget > 0 && steps < 4096 {
-                let op = &job.ops[i];
+            while i < ops.len() && budget > 0 && steps < 4096 {
+                let op = &ops[i];
                 if !target
                     .regions
                     .get(&op.remote_id)
                     .is_some_and(|r| r.same_region(&op.remote))
                 {
-                    let e = TransportError::UnknownRegion {
+                    return failed(TransportError::UnknownRegion {
                         side: Side::Remote,
                         region: op.remote_id,
                         transport: NAME,
-                    };
-                    batch.finish(&mut fence, BatchState::Failed(e.to_string()), Some(e));
-                    return;
+                    });
                 }
                 let n = (op.len - done_in_op).min(budget);
                 let (lo, ro) = (
                     (op.local_offset + done_in_op) as u64,
                     (op.remote_offset + done_in_op) as u64,
                 );
-                let copied = match job.direction {
+                let copied = match direction {
                     Direction::Write => op.local.copy_to(lo, &op.remote, ro, n as u64),
                     Direction::Read => op.remote.copy_to(ro, &op.local, lo, n as u64),
                 };
                 if let Err(e) = copied {
                     // Only possible if a caller holds a `borrow_mut` over the bytes.
-                    let e = TransportError::BatchFailed {
-                        batch: batch.id,
-                        peer: batch.peer,
+                    return failed(TransportError::BatchFailed {
+                        batch: id,
+                        peer,
                         reason: format!("copy refused: {e}; release borrowed region slices"),
-                    };
-                    batch.finish(&mut fence, BatchState::Failed(e.to_string()), Some(e));
-                    return;
+                    });
                 }
                 done_in_op += n;
                 budget -= n;
@@ -311,48 +287,46 @@ async fn run(job: Job) {
                     done_in_op = 0;
                 }
             }
+            Step::Continue
+        });
+        if !more {
+            return;
         }
         tokio::task::yield_now().await;
     }
 
     // All bytes are in place. Reserve room for the notification before declaring the batch
     // done, so a done batch always notifies and a failed one never does.
-    let permit = match &job.notification {
+    let permit = match &notification {
         None => None,
         Some(payload) => {
-            match tokio::time::timeout_at(batch.deadline, job.target.notif_tx.reserve()).await {
+            let deadline = tokio::time::Instant::from_std(deadline);
+            match tokio::time::timeout_at(deadline, target.notif_tx.reserve()).await {
                 Ok(Ok(permit)) => Some((permit, payload.clone())),
                 Ok(Err(_)) => {
-                    let mut fence = lock(&batch.fence);
-                    let e = peer_lost(batch.peer, "the peer stopped receiving notifications");
-                    batch.finish(&mut fence, BatchState::Failed(e.to_string()), Some(e));
+                    let e = peer_lost(peer, "the peer stopped receiving notifications");
+                    batches.finish(id, Outcome::Failed(e), now());
                     return;
                 }
                 Err(_) => {
-                    let mut fence = lock(&batch.fence);
-                    batch.finish(&mut fence, BatchState::TimedOut, None);
+                    batches.finish(id, Outcome::TimedOut, now());
                     return;
                 }
             }
         }
     };
-    let mut fence = lock(&batch.fence);
-    batch.check_deadline(&mut fence);
-    if fence.state.is_final() {
-        return;
-    }
-    if lock(&job.target.state).closed {
-        let e = peer_lost(batch.peer, "the peer shut down before the batch completed");
-        batch.finish(&mut fence, BatchState::Failed(e.to_string()), Some(e));
-        return;
-    }
-    if let Some((permit, payload)) = permit {
-        permit.send(Notification {
-            from: job.link.inbound_id,
-            payload,
-        });
-    }
-    batch.finish(&mut fence, BatchState::Done, None);
+    batches.step(id, now(), || {
+        if lock(&target.state).closed {
+            return failed(peer_lost(
+                peer,
+                "the peer shut down before the batch completed",
+            ));
+        }
+        if let Some((permit, payload)) = permit {
+            permit.send(Notification::new(link.inbound_id, payload));
+        }
+        Step::Finish(Outcome::Done)
+    });
 }
 
 impl LoopbackTransport {
@@ -374,10 +348,9 @@ impl LoopbackTransport {
                 closed: false,
             }),
             peers: Mutex::new(HashMap::new()),
-            batches: Mutex::new(HashMap::new()),
+            batches: Arc::new(Batches::new(NAME)),
             next_region: AtomicU64::new(1),
             next_peer: AtomicU64::new(1),
-            next_batch: AtomicU64::new(1),
             notif_tx,
             notif_rx: tokio::sync::Mutex::new(notif_rx),
             closed_tx: watch::Sender::new(false),
@@ -420,16 +393,6 @@ impl LoopbackTransport {
         Ok((link, target))
     }
 
-    fn batch(&self, id: BatchId) -> Result<Arc<Batch>> {
-        lock(&self.ep.batches)
-            .get(&id)
-            .cloned()
-            .ok_or(TransportError::UnknownBatch {
-                batch: id,
-                transport: NAME,
-            })
-    }
-
     async fn enqueue(&self, job: Job) -> Result<()> {
         let tx = {
             let mut slot = lock(&self.ep.worker);
@@ -454,22 +417,6 @@ impl LoopbackTransport {
         tx.send(job)
             .await
             .map_err(|_| TransportError::Closed { transport: NAME })
-    }
-
-    /// Fails every pending batch matching `pred` with `error()`.
-    fn fail_pending(
-        &self,
-        pred: impl Fn(&Batch) -> bool,
-        error: impl Fn(&Batch) -> TransportError,
-    ) {
-        let batches: Vec<_> = lock(&self.ep.batches).values().cloned().collect();
-        for b in batches.iter().filter(|b| pred(b)) {
-            let mut fence = lock(&b.fence);
-            if !fence.state.is_final() {
-                let e = error(b);
-                b.finish(&mut fence, BatchState::Failed(e.to_string()), Some(e));
-            }
-        }
     }
 }
 
@@ -566,9 +513,9 @@ impl KvTransport for LoopbackTransport {
                 transport: NAME,
             })?;
         link.alive.store(false, Ordering::Release);
-        self.fail_pending(
-            |b| b.peer == peer,
-            |b| peer_lost(b.peer, "disconnected by this side"),
+        self.ep.batches.fail_where(
+            |p| p == peer,
+            |_, p| peer_lost(p, "disconnected by this side"),
         );
         Ok(())
     }
@@ -656,22 +603,14 @@ impl KvTransport for LoopbackTransport {
             }
         }
 
-        let id = BatchId(self.ep.next_batch.fetch_add(1, Ordering::Relaxed));
-        let entry = Arc::new(Batch {
-            id,
-            peer,
-            timeout: batch.timeout,
-            deadline: Instant::now() + batch.timeout,
-            fence: Mutex::new(Fence {
-                state: BatchState::Pending,
-                error: None,
-            }),
-            done: Notify::new(),
-        });
-        lock(&self.ep.batches).insert(id, entry.clone());
+        let posted = now();
+        let id = self.ep.batches.insert(peer, batch.timeout, posted)?;
         tracing::debug!(transport = NAME, %peer, batch = %id, ops = ops.len(), "posted");
         let job = Job {
-            batch: entry.clone(),
+            batches: Arc::clone(&self.ep.batches),
+            id,
+            peer,
+            deadline: deadline_after(posted, batch.timeout),
             target,
             link,
             direction: batch.direction,
@@ -680,69 +619,25 @@ impl KvTransport for LoopbackTransport {
             chunk_bytes: config.chunk_bytes.max(1),
         };
         if let Err(e) = self.enqueue(job).await {
-            lock(&self.ep.batches).remove(&id);
+            self.ep.batches.forget(id);
             return Err(e);
         }
         Ok(id)
     }
 
     fn batch_state(&self, batch: BatchId) -> Result<BatchState> {
-        let b = self.batch(batch)?;
-        let mut fence = lock(&b.fence);
-        b.check_deadline(&mut fence);
-        Ok(fence.state.clone())
+        self.ep.batches.state(batch, now())
     }
 
-    async fn wait(&self, id: BatchId) -> Result<()> {
-        let b = self.batch(id)?;
-        loop {
-            let notified = b.done.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            {
-                let mut fence = lock(&b.fence);
-                b.check_deadline(&mut fence);
-                if fence.state.is_final() {
-                    // Whoever removes the entry returns the final state; others see it unknown.
-                    if lock(&self.ep.batches).remove(&id).is_none() {
-                        return Err(TransportError::UnknownBatch {
-                            batch: id,
-                            transport: NAME,
-                        });
-                    }
-                    let error = fence.error.take();
-                    return match (&fence.state, error) {
-                        (BatchState::Done, _) => Ok(()),
-                        (_, Some(e)) => Err(e),
-                        (BatchState::TimedOut, None) => Err(TransportError::TimedOut {
-                            batch: id,
-                            timeout: b.timeout,
-                        }),
-                        (BatchState::Cancelled, None) => {
-                            Err(TransportError::Cancelled { batch: id })
-                        }
-                        (state, None) => Err(TransportError::BatchFailed {
-                            batch: id,
-                            peer: b.peer,
-                            reason: format!("{state:?}"),
-                        }),
-                    };
-                }
-            }
-            tokio::select! {
-                _ = &mut notified => {}
-                _ = tokio::time::sleep_until(b.deadline) => {}
-            }
-        }
+    async fn wait(&self, batch: BatchId) -> Result<()> {
+        let sleep = |at| tokio::time::sleep_until(tokio::time::Instant::from_std(at));
+        self.ep.batches.wait(batch, sleep).await
     }
 
     async fn cancel(&self, batch: BatchId) -> Result<BatchState> {
-        let b = self.batch(batch)?;
-        // The worker copies while holding this lock, so once we hold it no chunk is in flight.
-        let mut fence = lock(&b.fence);
-        b.check_deadline(&mut fence);
-        b.finish(&mut fence, BatchState::Cancelled, None);
-        Ok(fence.state.clone())
+        // The worker copies only inside `Batches::step`, under the table's lock, so once this
+        // returns no chunk of a cancelled batch is in flight or starts.
+        self.ep.batches.cancel(batch, now())
     }
 
     async fn recv_notification(&self) -> Result<Notification> {
@@ -785,7 +680,9 @@ impl KvTransport for LoopbackTransport {
         for link in lock(&self.ep.peers).drain() {
             link.1.alive.store(false, Ordering::Release);
         }
-        self.fail_pending(|_| true, |_| TransportError::Closed { transport: NAME });
+        self.ep
+            .batches
+            .fail_where(|_| true, |_, _| TransportError::Closed { transport: NAME });
         tracing::info!(transport = NAME, id = self.ep.id, "shut down");
         Ok(())
     }

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
+use kvbridge_transport::batch::{BatchTable, Batches, Fence, Outcome, Step, deadline_after};
 use kvbridge_transport::memory::checked_range;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
@@ -167,141 +168,30 @@ impl Conn {
     }
 }
 
-/// Where a batch is.
-enum Phase {
-    /// Queued or being copied; cancel, deadline and peer loss stop it between chunks.
-    Pending,
-    /// Copied; its notification is being written. It ends when the write does.
-    Committing,
-    Final(Outcome),
+/// The current time, on tokio's clock (which tests may pause).
+fn now() -> std::time::Instant {
+    Instant::now().into_std()
 }
 
-#[derive(Clone, Debug)]
-enum Outcome {
-    Done,
-    Failed { peer_lost: bool, reason: String },
-    Cancelled,
-    TimedOut,
+/// `wait`'s timer.
+fn sleep_until(at: std::time::Instant) -> tokio::time::Sleep {
+    tokio::time::sleep_until(Instant::from_std(at))
 }
 
-struct Batch {
-    id: BatchId,
-    peer: PeerId,
-    timeout: Duration,
-    deadline: Instant,
-    conn: Arc<Conn>,
-    state: Mutex<Phase>,
-    changed: Notify,
+fn failed(batch: BatchId, peer: PeerId, reason: String) -> Outcome {
+    Outcome::Failed(TransportError::BatchFailed {
+        batch,
+        peer,
+        reason,
+    })
 }
 
-impl Batch {
-    /// Moves a pending batch to `outcome`; returns whether it did.
-    fn finish_pending(&self, outcome: Outcome) -> bool {
-        let mut st = lock(&self.state);
-        if matches!(*st, Phase::Pending) {
-            *st = Phase::Final(outcome);
-            drop(st);
-            self.changed.notify_waiters();
-            true
-        } else {
-            false
-        }
-    }
-
-    /// Moves a batch that is not final yet to `outcome`.
-    fn finish(&self, outcome: Outcome) {
-        let mut st = lock(&self.state);
-        if !matches!(*st, Phase::Final(_)) {
-            *st = Phase::Final(outcome);
-            drop(st);
-            self.changed.notify_waiters();
-        }
-    }
-
-    fn state(&self) -> BatchState {
-        let mut st = lock(&self.state);
-        if matches!(*st, Phase::Pending) && Instant::now() >= self.deadline {
-            *st = Phase::Final(Outcome::TimedOut);
-            drop(st);
-            self.changed.notify_waiters();
-            return BatchState::TimedOut;
-        }
-        match &*st {
-            Phase::Pending | Phase::Committing => BatchState::Pending,
-            Phase::Final(o) => outcome_state(o),
-        }
-    }
-
-    /// Waits for the final state; enforces the deadline (fencing a notification write that
-    /// outlives it by [`FENCE_GRACE`] by closing the connection).
-    async fn settle(&self) -> Outcome {
-        loop {
-            let notified = self.changed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            let now = Instant::now();
-            let until = {
-                let mut st = lock(&self.state);
-                match &*st {
-                    Phase::Final(o) => return o.clone(),
-                    Phase::Pending if now >= self.deadline => {
-                        *st = Phase::Final(Outcome::TimedOut);
-                        drop(st);
-                        self.changed.notify_waiters();
-                        return Outcome::TimedOut;
-                    }
-                    Phase::Committing if now >= self.deadline + FENCE_GRACE => {
-                        // The write did not finish by the deadline: cut the connection so no
-                        // byte of the notification can arrive later.
-                        self.conn.wire.shutdown();
-                        *st = Phase::Final(Outcome::TimedOut);
-                        drop(st);
-                        self.changed.notify_waiters();
-                        return Outcome::TimedOut;
-                    }
-                    Phase::Pending => self.deadline,
-                    Phase::Committing => self.deadline + FENCE_GRACE,
-                }
-            };
-            tokio::select! {
-                _ = &mut notified => {}
-                _ = tokio::time::sleep_until(until) => {}
-            }
-        }
-    }
-
-    fn result(&self, outcome: Outcome) -> Result<()> {
-        match outcome {
-            Outcome::Done => Ok(()),
-            Outcome::Failed {
-                peer_lost: true,
-                reason,
-            } => Err(TransportError::PeerLost {
-                peer: self.peer,
-                transport: NAME,
-                reason,
-            }),
-            Outcome::Failed { reason, .. } => Err(TransportError::BatchFailed {
-                batch: self.id,
-                peer: self.peer,
-                reason,
-            }),
-            Outcome::Cancelled => Err(TransportError::Cancelled { batch: self.id }),
-            Outcome::TimedOut => Err(TransportError::TimedOut {
-                batch: self.id,
-                timeout: self.timeout,
-            }),
-        }
-    }
-}
-
-fn outcome_state(o: &Outcome) -> BatchState {
-    match o {
-        Outcome::Done => BatchState::Done,
-        Outcome::Failed { reason, .. } => BatchState::Failed(reason.clone()),
-        Outcome::Cancelled => BatchState::Cancelled,
-        Outcome::TimedOut => BatchState::TimedOut,
-    }
+fn lost(peer: PeerId, reason: String) -> Outcome {
+    Outcome::Failed(TransportError::PeerLost {
+        peer,
+        transport: NAME,
+        reason,
+    })
 }
 
 /// One descriptor, resolved to indices into the job's region tables.
@@ -316,7 +206,9 @@ struct PlannedOp {
 
 /// A validated batch, ready for the copy worker.
 struct Job {
-    batch: Arc<Batch>,
+    batches: Arc<Batches>,
+    id: BatchId,
+    conn: Arc<Conn>,
     direction: Direction,
     locals: Vec<MemoryRegion>,
     remotes: Vec<Arc<RemoteRegion>>,
@@ -335,40 +227,29 @@ fn worker(mut jobs: mpsc::Receiver<Job>) {
 
 fn run_job(job: Job) {
     let Job {
-        batch,
+        batches,
+        id,
+        conn,
         direction,
         locals,
         remotes,
         ops,
-        notification,
+        mut notification,
         deadline,
         rt,
     } = job;
-    let conn = Arc::clone(&batch.conn);
     let mut next = 0usize;
     let mut done_in_op = 0u64;
-    loop {
-        // The phase lock is held while a chunk is copied: cancel, the deadline and peer loss
-        // take it to fence the batch, so once they report, no further chunk starts.
-        let mut phase = lock(&batch.state);
-        if !matches!(*phase, Phase::Pending) {
-            return;
-        }
-        if std::time::Instant::now() >= deadline {
-            *phase = Phase::Final(Outcome::TimedOut);
-            drop(phase);
-            batch.changed.notify_waiters();
-            return;
-        }
+    let mut committed = None;
+    // Each chunk is a step under the batch table's lock: cancel, the deadline and peer loss
+    // take it to fence the batch, so once they report, no further chunk starts.
+    while batches.step(id, now(), || {
         let fence = conn
             .copy_lock
             .read()
             .unwrap_or_else(PoisonError::into_inner);
-        let failure = if conn.lost.load(Ordering::Acquire) {
-            Some(Outcome::Failed {
-                peer_lost: true,
-                reason: conn.lost_reason(),
-            })
+        let copied = if conn.lost.load(Ordering::Acquire) {
+            Err(lost(conn.id, conn.lost_reason()))
         } else {
             copy_chunk(
                 direction,
@@ -378,33 +259,31 @@ fn run_job(job: Job) {
                 &mut next,
                 &mut done_in_op,
             )
-            .err()
+            .map_err(|reason| failed(id, conn.id, reason))
         };
         drop(fence);
-        if let Some(outcome) = failure {
-            *phase = Phase::Final(outcome);
-            drop(phase);
-            batch.changed.notify_waiters();
-            return;
-        }
-        if next == ops.len() {
-            match notification {
-                None => *phase = Phase::Final(Outcome::Done),
+        match copied {
+            Err(outcome) => Step::Finish(outcome),
+            Ok(()) if next < ops.len() => Step::Continue,
+            Ok(()) => match notification.take() {
+                None => Step::Finish(Outcome::Done),
+                // The notification write cannot be recalled once started: if it outlives the
+                // deadline by the grace, closing the connection keeps it from arriving.
                 Some(payload) => {
-                    *phase = Phase::Committing;
-                    drop(phase);
-                    rt.spawn(commit(batch, payload));
-                    return;
+                    let conn = Arc::clone(&conn);
+                    committed = Some(payload);
+                    Step::Commit(Fence::new(move || conn.wire.shutdown()))
                 }
-            }
-            drop(phase);
-            batch.changed.notify_waiters();
-            return;
+            },
         }
+    }) {}
+    if let Some(payload) = committed {
+        rt.spawn(commit(batches, id, conn, payload, deadline));
     }
 }
 
-/// Copies up to [`CHUNK_BYTES`] of the batch, from descriptor `next` (`done_in_op` bytes into it).
+/// Copies up to [`CHUNK_BYTES`] of the batch, from descriptor `next` (`done_in_op` bytes into
+/// it); the error says why the batch fails.
 fn copy_chunk(
     direction: Direction,
     locals: &[MemoryRegion],
@@ -412,19 +291,16 @@ fn copy_chunk(
     ops: &[PlannedOp],
     next: &mut usize,
     done_in_op: &mut u64,
-) -> std::result::Result<(), Outcome> {
+) -> std::result::Result<(), String> {
     let mut budget = CHUNK_BYTES;
     while *next < ops.len() && budget > 0 {
         let op = ops[*next];
         let remote = &remotes[op.remote as usize];
         if remote.revoked.load(Ordering::Acquire) {
-            return Err(Outcome::Failed {
-                peer_lost: false,
-                reason: format!(
-                    "the peer deregistered its region {} while the batch was running",
-                    remote.id
-                ),
-            });
+            return Err(format!(
+                "the peer deregistered its region {} while the batch was running",
+                remote.id
+            ));
         }
         let local = &locals[op.local as usize];
         let n = (op.len - *done_in_op).min(budget);
@@ -437,10 +313,7 @@ fn copy_chunk(
             Direction::Read => remote.region.copy_to(ro, local, lo, n),
         };
         if let Err(e) = copied {
-            return Err(Outcome::Failed {
-                peer_lost: false,
-                reason: format!("a copy was refused by the region: {e}"),
-            });
+            return Err(format!("a copy was refused by the region: {e}"));
         }
         *done_in_op += n;
         budget = budget.saturating_sub(n.max(OP_COST));
@@ -454,21 +327,27 @@ fn copy_chunk(
 
 /// Sends a copied batch's notification and finishes the batch. The write is bounded by the
 /// batch's deadline; a write abandoned half-way closes the connection (see `Wire::send`).
-async fn commit(batch: Arc<Batch>, payload: Bytes) {
+async fn commit(
+    batches: Arc<Batches>,
+    id: BatchId,
+    conn: Arc<Conn>,
+    payload: Bytes,
+    deadline: std::time::Instant,
+) {
     let sent = tokio::time::timeout_at(
-        batch.deadline,
-        batch.conn.wire.send(&Frame::Notify { payload }, None),
+        Instant::from_std(deadline),
+        conn.wire.send(&Frame::Notify { payload }, None),
     )
     .await;
     let outcome = match sent {
         Ok(Ok(())) => Outcome::Done,
-        Ok(Err(e)) => Outcome::Failed {
-            peer_lost: true,
-            reason: format!("the notification could not be sent ({e}): the peer is gone"),
-        },
+        Ok(Err(e)) => lost(
+            conn.id,
+            format!("the notification could not be sent ({e}): the peer is gone"),
+        ),
         Err(_) => Outcome::TimedOut,
     };
-    batch.finish(outcome);
+    batches.finish(id, outcome, now());
 }
 
 struct Inner {
@@ -483,7 +362,8 @@ struct Inner {
     closed_notify: Notify,
     regions: Mutex<HashMap<RegionId, LocalRegion>>,
     conns: Mutex<HashMap<PeerId, Arc<Conn>>>,
-    batches: Mutex<HashMap<BatchId, Arc<Batch>>>,
+    /// Ids, states, deadlines and the copy fence of every batch posted here.
+    batches: Arc<Batches>,
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
     notif_tx: mpsc::Sender<Notification>,
     notif_rx: tokio::sync::Mutex<mpsc::Receiver<Notification>>,
@@ -524,17 +404,14 @@ impl Inner {
                 r.revoked.store(true, Ordering::Release);
             }
         }
-        let pending: Vec<Arc<Batch>> = lock(&self.batches)
-            .values()
-            .filter(|b| b.peer == conn.id)
-            .cloned()
-            .collect();
-        for b in pending {
-            b.finish_pending(Outcome::Failed {
-                peer_lost: true,
+        self.batches.fail_where(
+            |peer| peer == conn.id,
+            |_, peer| TransportError::PeerLost {
+                peer,
+                transport: NAME,
                 reason: reason.clone(),
-            });
-        }
+            },
+        );
     }
 
     fn conn(&self, peer: PeerId) -> Result<Arc<Conn>> {
@@ -543,16 +420,6 @@ impl Inner {
             .cloned()
             .ok_or(TransportError::UnknownPeer {
                 peer,
-                transport: NAME,
-            })
-    }
-
-    fn batch(&self, id: BatchId) -> Result<Arc<Batch>> {
-        lock(&self.batches)
-            .get(&id)
-            .cloned()
-            .ok_or(TransportError::UnknownBatch {
-                batch: id,
                 transport: NAME,
             })
     }
@@ -572,13 +439,14 @@ impl Inner {
                 task.abort();
             }
         }
-        let pending: Vec<Arc<Batch>> = lock(&self.batches).values().cloned().collect();
-        for b in pending {
-            b.finish_pending(Outcome::Failed {
-                peer_lost: false,
+        self.batches.fail_where(
+            |_| true,
+            |batch, peer| TransportError::BatchFailed {
+                batch,
+                peer,
                 reason: "the transport was shut down".to_owned(),
-            });
-        }
+            },
+        );
         *lock(&self.jobs) = None;
         lock(&self.regions).clear();
         self.dir.remove();
@@ -998,7 +866,11 @@ impl ShmTransport {
             closed_notify: Notify::new(),
             regions: Mutex::new(HashMap::new()),
             conns: Mutex::new(HashMap::new()),
-            batches: Mutex::new(HashMap::new()),
+            batches: Arc::new(Batches::from_table(
+                BatchTable::new(NAME)
+                    .with_limit(MAX_TRACKED_BATCHES)
+                    .with_commit_grace(FENCE_GRACE),
+            )),
             jobs: Mutex::new(Some(job_tx)),
             notif_tx,
             notif_rx: tokio::sync::Mutex::new(notif_rx),
@@ -1313,44 +1185,24 @@ impl KvTransport for ShmTransport {
             }
         }
         let now = Instant::now();
-        let deadline = now
-            .checked_add(batch.timeout)
-            .unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600));
+        let deadline = Instant::from_std(deadline_after(now.into_std(), batch.timeout));
         // Looking up the peer's regions is part of validation: bounded by the handshake timeout,
         // not by the batch deadline (a batch past its deadline still validates, then times out).
         let lookup_deadline = deadline.max(now + self.inner.options.handshake_timeout);
         let (locals, remotes, ops) = self.validate(&conn, &batch, lookup_deadline).await?;
-        let id = BatchId(self.inner.next_id());
-        let entry = Arc::new(Batch {
-            id,
-            peer,
-            timeout: batch.timeout,
-            deadline,
-            conn: Arc::clone(&conn),
-            state: Mutex::new(Phase::Pending),
-            changed: Notify::new(),
-        });
-        {
-            let mut batches = lock(&self.inner.batches);
-            if batches.len() >= MAX_TRACKED_BATCHES {
-                return Err(TransportError::InvalidArgument {
-                    transport: NAME,
-                    message: format!(
-                        "{} batches are waiting for `wait` to collect their final state; call \
-                         `wait` on finished batches before posting more",
-                        batches.len()
-                    ),
-                });
-            }
-            batches.insert(id, Arc::clone(&entry));
-        }
+        let id = self
+            .inner
+            .batches
+            .insert(peer, batch.timeout, now.into_std())?;
         let jobs = lock(&self.inner.jobs).clone();
         let Some(jobs) = jobs else {
-            lock(&self.inner.batches).remove(&id);
+            self.inner.batches.forget(id);
             return Err(TransportError::Closed { transport: NAME });
         };
         let job = Job {
-            batch: Arc::clone(&entry),
+            batches: Arc::clone(&self.inner.batches),
+            id,
+            conn,
             direction: batch.direction,
             locals,
             remotes,
@@ -1359,42 +1211,32 @@ impl KvTransport for ShmTransport {
             deadline: deadline.into_std(),
             rt: self.inner.rt.clone(),
         };
-        match tokio::time::timeout_at(deadline, jobs.send(job)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(_)) => {
-                entry.finish_pending(Outcome::Failed {
-                    peer_lost: false,
-                    reason: "the transport was shut down".into(),
-                });
-            }
-            Err(_) => {
-                entry.finish_pending(Outcome::TimedOut);
-            }
-        }
+        let outcome = match tokio::time::timeout_at(deadline, jobs.send(job)).await {
+            Ok(Ok(())) => return Ok(id),
+            Ok(Err(_)) => failed(id, peer, "the transport was shut down".into()),
+            Err(_) => Outcome::TimedOut,
+        };
+        self.inner.batches.finish(id, outcome, self::now());
         Ok(id)
     }
 
     fn batch_state(&self, batch: BatchId) -> Result<BatchState> {
         self.inner.check_open()?;
-        Ok(self.inner.batch(batch)?.state())
+        self.inner.batches.state(batch, self::now())
     }
 
     async fn wait(&self, batch: BatchId) -> Result<()> {
         self.inner.check_open()?;
-        let entry = self.inner.batch(batch)?;
-        let outcome = entry.settle().await;
-        lock(&self.inner.batches).remove(&batch);
-        entry.result(outcome)
+        self.inner.batches.wait(batch, sleep_until).await
     }
 
     async fn cancel(&self, batch: BatchId) -> Result<BatchState> {
         self.inner.check_open()?;
-        let entry = self.inner.batch(batch)?;
-        if entry.finish_pending(Outcome::Cancelled) {
-            return Ok(BatchState::Cancelled);
+        match self.inner.batches.cancel(batch, self::now())? {
+            // Its notification is being written: report how it ends.
+            BatchState::Pending => self.inner.batches.settle(batch, sleep_until).await,
+            state => Ok(state),
         }
-        // Final already, or its notification is being written: report how it ends.
-        Ok(outcome_state(&entry.settle().await))
     }
 
     async fn recv_notification(&self) -> Result<Notification> {

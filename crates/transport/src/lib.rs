@@ -40,6 +40,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+pub mod batch;
 mod error;
 pub mod memory;
 #[cfg(any(test, feature = "testing"))]
@@ -105,6 +106,26 @@ pub struct TransferOp {
     pub len: u64,
 }
 
+impl TransferOp {
+    /// A copy of `len` bytes between `local_region[local_offset..]` and
+    /// `remote_region[remote_offset..]`.
+    pub const fn new(
+        local_region: RegionId,
+        local_offset: u64,
+        remote_region: RegionId,
+        remote_offset: u64,
+        len: u64,
+    ) -> Self {
+        Self {
+            local_region,
+            local_offset,
+            remote_region,
+            remote_offset,
+            len,
+        }
+    }
+}
+
 /// Default deadline of a batch when none is given.
 pub const DEFAULT_BATCH_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -124,22 +145,12 @@ pub struct TransferBatch {
 impl TransferBatch {
     /// A write batch with the default deadline and no notification.
     pub fn write(ops: Vec<TransferOp>) -> Self {
-        Self {
-            direction: Direction::Write,
-            ops,
-            notification: None,
-            timeout: DEFAULT_BATCH_TIMEOUT,
-        }
+        Self::new(Direction::Write, ops)
     }
 
     /// A read batch with the default deadline and no notification.
     pub fn read(ops: Vec<TransferOp>) -> Self {
-        Self {
-            direction: Direction::Read,
-            ops,
-            notification: None,
-            timeout: DEFAULT_BATCH_TIMEOUT,
-        }
+        Self::new(Direction::Read, ops)
     }
 
     /// Attaches a notification delivered to the peer after the data.
@@ -152,6 +163,16 @@ impl TransferBatch {
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
+    }
+
+    /// A batch in `direction` with the default deadline and no notification.
+    pub fn new(direction: Direction, ops: Vec<TransferOp>) -> Self {
+        Self {
+            direction,
+            ops,
+            notification: None,
+            timeout: DEFAULT_BATCH_TIMEOUT,
+        }
     }
 
     /// Sum of all descriptor lengths (saturating).
@@ -267,6 +288,13 @@ pub struct Notification {
     pub payload: Bytes,
 }
 
+impl Notification {
+    /// A notification from `from` carrying `payload`.
+    pub fn new(from: PeerId, payload: Bytes) -> Self {
+        Self { from, payload }
+    }
+}
+
 /// A transport that moves bytes between registered memory regions of two peers.
 ///
 /// Use it as `Arc<dyn KvTransport>` ([`DynKvTransport`]); convenience methods live in
@@ -324,6 +352,28 @@ pub struct Notification {
 ///
 /// Destinations of one batch must not overlap (the caller's rule, as with RDMA); batches that
 /// run concurrently must not write the same bytes either.
+///
+/// # Implementing it
+///
+/// Keep your batches in a [`batch::Batches`] table: it hands out the ids and carries the
+/// lifecycle of points 2 (deadlines), 3 (the mover moves bytes only inside
+/// [`Batches::step`](batch::Batches::step), which runs nothing once a batch is final), 4 (the
+/// notification goes out in the step that declares the batch done), 5
+/// ([`fail_where`](batch::Batches::fail_where) on peer loss) and 7 (`wait` exactly once,
+/// unknown ids, `cancel` of a finished batch). `batch_state`, `wait` and `cancel` are then one
+/// line each; see `examples/custom-transport` and `docs/transports.md`.
+///
+/// # Why `wait` takes a `BatchId`, not a handle
+///
+/// Point 7's "`wait` returns a final state exactly once" is checked at run time
+/// ([`TransportError::UnknownBatch`]) rather than made a type (a handle owning the id, consumed
+/// by `wait`), for three reasons. `cancel` and `batch_state` are called on a batch while another
+/// task waits for it (an abort path cancels every batch in flight), so a copyable id exists
+/// anyway and the transport must answer stale ids without harm. The trait is used as
+/// `Arc<dyn KvTransport>` from `&self`, so a handle could neither borrow the transport across
+/// tasks nor own it without `Arc<Self>`. And bindings that cross a language boundary (Python,
+/// C engines) pass plain integers, for which only the run-time check exists. A typed handle can
+/// be layered on [`KvTransportExt`] later without changing the trait.
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait::async_trait]
 pub trait KvTransport: Send + Sync + 'static {

@@ -55,7 +55,7 @@ use crate::{
     RegionId, Side, TransferBatch, TransferOp, TransportError,
 };
 
-mod rt;
+pub(crate) mod rt;
 
 use rt::{Rng, join_all, sleep, timeout};
 

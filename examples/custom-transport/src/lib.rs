@@ -3,18 +3,19 @@
 //! The medium is a simulated NIC: every [`NicTransport`] owns one OS "progress thread" that
 //! executes work requests from a bounded queue, the way one-sided engines (RDMA verbs, Mooncake's
 //! transfer engine, NIXL, UCX) run their own progress threads. Endpoints find each other in a
-//! process-wide `Mutex<HashMap>` "fabric", keyed by the id in their descriptor. The interesting
-//! part is the adaptation to the trait, which any real engine needs too:
+//! process-wide `Mutex<HashMap>` "fabric", keyed by the id in their descriptor.
+//!
+//! The batch lifecycle — ids, states, deadlines, `wait` exactly once, cancel, fencing — is
+//! [`kvbridge_transport::batch::Batches`]; this file only adds what is specific to the medium:
 //!
 //! - **Bounds before bytes**: every descriptor is resolved and checked in `post`, against the
 //!   local regions and the peer's, before a work request is queued.
-//! - **Fencing**: the progress thread copies while holding the batch's status lock and
-//!   re-checks the status (cancelled? timed out? peer gone?) before each descriptor, so whoever
-//!   sets a final state under that lock knows no byte lands afterwards.
-//! - **Deadlines**: `wait` sleeps until the deadline at most, then marks the batch timed out
-//!   under the same lock.
-//! - **Notifications after data**: pushed to the peer's queue only after the last copy, under
-//!   the lock, when the batch is declared done.
+//! - **Fencing**: the progress thread copies each descriptor inside [`Batches::step`], which
+//!   runs nothing once the batch is final (cancelled, timed out, failed), and re-checks the
+//!   peer and its registrations there; `deregister` and `shutdown` take the memory lock that
+//!   copies into the NIC hold.
+//! - **Notifications after data**: pushed to the peer's bounded inbox in the last step, the
+//!   one that declares the batch done.
 //!
 //! Its tests run `kvbridge_transport::conformance_tests!` (see `tests/conformance.rs`).
 
@@ -25,6 +26,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use kvbridge_transport::batch::{Batches, Outcome, Step};
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
@@ -67,7 +69,7 @@ struct Nic {
     /// so `deregister` and `shutdown` fence them.
     memory: Mutex<Memory>,
     peers: Mutex<HashMap<PeerId, Arc<Link>>>,
-    batches: Mutex<HashMap<BatchId, Arc<Batch>>>,
+    batches: Arc<Batches>,
     counter: AtomicU64,
     queue: SyncSender<WorkRequest>,
     inbox: Mutex<VecDeque<Notification>>,
@@ -86,40 +88,6 @@ struct Link {
     alive: AtomicBool,
 }
 
-struct Batch {
-    id: BatchId,
-    peer: PeerId,
-    timeout: Duration,
-    deadline: Instant,
-    status: Mutex<Status>,
-    finished: Notify,
-}
-
-struct Status {
-    state: BatchState,
-    error: Option<TransportError>,
-}
-
-impl Batch {
-    fn finish(&self, status: &mut Status, state: BatchState, error: Option<TransportError>) {
-        if !status.state.is_final() {
-            status.state = state;
-            status.error = error;
-            self.finished.notify_waiters();
-        }
-    }
-
-    fn expire(&self, status: &mut Status) {
-        if Instant::now() >= self.deadline {
-            self.finish(status, BatchState::TimedOut, None);
-        }
-    }
-
-    fn fail(&self, status: &mut Status, error: TransportError) {
-        self.finish(status, BatchState::Failed(error.to_string()), Some(error));
-    }
-}
-
 /// One descriptor, resolved to region handles and checked.
 struct Copy {
     local: MemoryRegion,
@@ -131,7 +99,9 @@ struct Copy {
 }
 
 struct WorkRequest {
-    batch: Arc<Batch>,
+    batches: Arc<Batches>,
+    id: BatchId,
+    peer: PeerId,
     link: Arc<Link>,
     target: Arc<Nic>,
     direction: Direction,
@@ -154,86 +124,93 @@ fn progress(queue: Receiver<WorkRequest>) {
     }
 }
 
+fn failed(e: TransportError) -> Step {
+    Step::Finish(Outcome::Failed(e))
+}
+
 fn execute(wr: WorkRequest) {
-    let batch = &wr.batch;
-    for copy in &wr.copies {
-        let mut status = lock(&batch.status);
-        batch.expire(&mut status);
-        if status.state.is_final() {
+    let WorkRequest {
+        batches,
+        id,
+        peer,
+        link,
+        target,
+        direction,
+        copies,
+        notification,
+    } = wr;
+    // One descriptor per step, under the batch table's fence.
+    for copy in &copies {
+        let more = batches.step(id, Instant::now(), || {
+            if !link.alive.load(Ordering::Acquire) {
+                return failed(lost(peer, "disconnected"));
+            }
+            let memory = lock(&target.memory);
+            if memory.closed {
+                return failed(lost(peer, "the peer shut down"));
+            }
+            if !memory
+                .regions
+                .get(&copy.remote_id)
+                .is_some_and(|r| r.same_region(&copy.remote))
+            {
+                return failed(TransportError::UnknownRegion {
+                    side: Side::Remote,
+                    region: copy.remote_id,
+                    transport: NAME,
+                });
+            }
+            let moved = match direction {
+                Direction::Write => copy.local.copy_to(
+                    copy.local_offset,
+                    &copy.remote,
+                    copy.remote_offset,
+                    copy.len,
+                ),
+                Direction::Read => copy.remote.copy_to(
+                    copy.remote_offset,
+                    &copy.local,
+                    copy.local_offset,
+                    copy.len,
+                ),
+            };
+            match moved {
+                Ok(()) => Step::Continue,
+                Err(e) => failed(TransportError::BatchFailed {
+                    batch: id,
+                    peer,
+                    reason: e.to_string(),
+                }),
+            }
+        });
+        if !more {
             return;
         }
-        if !wr.link.alive.load(Ordering::Acquire) {
-            return batch.fail(&mut status, lost(batch.peer, "disconnected"));
+    }
+    // Data is in place: deliver the notification and declare the batch done in one step; while
+    // the peer's inbox is full, wait for room (the step times the batch out at its deadline).
+    while batches.step(id, Instant::now(), || {
+        if lock(&target.memory).closed {
+            return failed(lost(peer, "the peer shut down"));
         }
-        let memory = lock(&wr.target.memory);
-        if memory.closed {
-            return batch.fail(&mut status, lost(batch.peer, "the peer shut down"));
-        }
-        if !memory
-            .regions
-            .get(&copy.remote_id)
-            .is_some_and(|r| r.same_region(&copy.remote))
-        {
-            let e = TransportError::UnknownRegion {
-                side: Side::Remote,
-                region: copy.remote_id,
-                transport: NAME,
-            };
-            return batch.fail(&mut status, e);
-        }
-        let moved = match wr.direction {
-            Direction::Write => copy.local.copy_to(
-                copy.local_offset,
-                &copy.remote,
-                copy.remote_offset,
-                copy.len,
-            ),
-            Direction::Read => {
-                copy.remote
-                    .copy_to(copy.remote_offset, &copy.local, copy.local_offset, copy.len)
+        let mut inbox = lock(&target.inbox);
+        if let Some(payload) = &notification {
+            if inbox.len() >= NOTIFICATIONS {
+                return Step::Continue;
             }
-        };
-        if let Err(e) = moved {
-            let e = TransportError::BatchFailed {
-                batch: batch.id,
-                peer: batch.peer,
-                reason: e.to_string(),
-            };
-            return batch.fail(&mut status, e);
+            inbox.push_back(Notification::new(link.inbound, payload.clone()));
+            target.inbox_ready.notify_waiters();
         }
-    }
-
-    // Data is in place. Wait (bounded by the deadline) for room in the peer's inbox, then
-    // declare the batch done and deliver the notification in one step.
-    let mut inbox = lock(&wr.target.inbox);
-    while wr.notification.is_some() && inbox.len() >= NOTIFICATIONS {
-        let left = batch.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            break;
-        }
-        inbox = wr
-            .target
-            .inbox_room
-            .wait_timeout(inbox, left)
-            .unwrap_or_else(|e| e.into_inner())
-            .0;
-    }
-    let mut status = lock(&batch.status);
-    batch.expire(&mut status);
-    if status.state.is_final() {
-        return;
-    }
-    if lock(&wr.target.memory).closed {
-        return batch.fail(&mut status, lost(batch.peer, "the peer shut down"));
-    }
-    if let Some(payload) = &wr.notification {
-        inbox.push_back(Notification {
-            from: wr.link.inbound,
-            payload: payload.clone(),
+        Step::Finish(Outcome::Done)
+    }) {
+        let left = batches.deadline(id).map_or(Duration::ZERO, |d| {
+            d.saturating_duration_since(Instant::now())
         });
-        wr.target.inbox_ready.notify_waiters();
+        let inbox = lock(&target.inbox);
+        if inbox.len() >= NOTIFICATIONS {
+            drop(target.inbox_room.wait_timeout(inbox, left));
+        }
     }
-    batch.finish(&mut status, BatchState::Done, None);
 }
 
 impl Default for NicTransport {
@@ -259,7 +236,7 @@ impl NicTransport {
                 closed: false,
             }),
             peers: Mutex::default(),
-            batches: Mutex::default(),
+            batches: Arc::new(Batches::new(NAME)),
             counter: AtomicU64::new(1),
             queue,
             inbox: Mutex::default(),
@@ -281,16 +258,6 @@ impl NicTransport {
         Ok(())
     }
 
-    fn batch(&self, id: BatchId) -> Result<Arc<Batch>> {
-        lock(&self.nic.batches)
-            .get(&id)
-            .cloned()
-            .ok_or(TransportError::UnknownBatch {
-                batch: id,
-                transport: NAME,
-            })
-    }
-
     fn link(&self, peer: PeerId) -> Result<Arc<Link>> {
         lock(&self.nic.peers)
             .get(&peer)
@@ -299,20 +266,6 @@ impl NicTransport {
                 peer,
                 transport: NAME,
             })
-    }
-
-    fn fail_pending(
-        &self,
-        which: impl Fn(&Batch) -> bool,
-        error: impl Fn(&Batch) -> TransportError,
-    ) {
-        let all: Vec<_> = lock(&self.nic.batches).values().cloned().collect();
-        for b in all.iter().filter(|b| which(b)) {
-            let mut status = lock(&b.status);
-            if !status.state.is_final() {
-                b.fail(&mut status, error(b));
-            }
-        }
     }
 }
 
@@ -422,7 +375,9 @@ impl KvTransport for NicTransport {
                 transport: NAME,
             })?;
         link.alive.store(false, Ordering::Release);
-        self.fail_pending(|b| b.peer == peer, |b| lost(b.peer, "disconnected"));
+        self.nic
+            .batches
+            .fail_where(|p| p == peer, |_, p| lost(p, "disconnected"));
         Ok(())
     }
 
@@ -470,21 +425,14 @@ impl KvTransport for NicTransport {
                 )?;
             }
         }
-        let id = BatchId(self.next_id());
-        let entry = Arc::new(Batch {
+        let id = self
+            .nic
+            .batches
+            .insert(peer, batch.timeout, Instant::now())?;
+        let mut wr = WorkRequest {
+            batches: Arc::clone(&self.nic.batches),
             id,
             peer,
-            timeout: batch.timeout,
-            deadline: Instant::now() + batch.timeout,
-            status: Mutex::new(Status {
-                state: BatchState::Pending,
-                error: None,
-            }),
-            finished: Notify::new(),
-        });
-        lock(&self.nic.batches).insert(id, entry.clone());
-        let mut wr = WorkRequest {
-            batch: entry,
             link,
             target,
             direction: batch.direction,
@@ -494,68 +442,30 @@ impl KvTransport for NicTransport {
         // The queue is bounded: when the NIC is busy, back off asynchronously.
         loop {
             match self.nic.queue.try_send(wr) {
-                Ok(()) => break,
+                Ok(()) => return Ok(id),
                 Err(TrySendError::Full(back)) => {
                     wr = back;
                     tokio::time::sleep(Duration::from_micros(200)).await;
                 }
                 Err(TrySendError::Disconnected(_)) => {
-                    lock(&self.nic.batches).remove(&id);
+                    self.nic.batches.forget(id);
                     return Err(TransportError::Closed { transport: NAME });
                 }
             }
         }
-        Ok(id)
     }
 
     fn batch_state(&self, batch: BatchId) -> Result<BatchState> {
-        let b = self.batch(batch)?;
-        let mut status = lock(&b.status);
-        b.expire(&mut status);
-        Ok(status.state.clone())
+        self.nic.batches.state(batch, Instant::now())
     }
 
-    async fn wait(&self, id: BatchId) -> Result<()> {
-        let b = self.batch(id)?;
-        loop {
-            let finished = b.finished.notified();
-            tokio::pin!(finished);
-            finished.as_mut().enable();
-            {
-                let mut status = lock(&b.status);
-                b.expire(&mut status);
-                if status.state.is_final() {
-                    if lock(&self.nic.batches).remove(&id).is_none() {
-                        return Err(TransportError::UnknownBatch {
-                            batch: id,
-                            transport: NAME,
-                        });
-                    }
-                    let error = status.error.take();
-                    return match (&status.state, error) {
-                        (BatchState::Done, _) => Ok(()),
-                        (_, Some(e)) => Err(e),
-                        (BatchState::Cancelled, None) => {
-                            Err(TransportError::Cancelled { batch: id })
-                        }
-                        (_, None) => Err(TransportError::TimedOut {
-                            batch: id,
-                            timeout: b.timeout,
-                        }),
-                    };
-                }
-            }
-            let left = b.deadline.saturating_duration_since(Instant::now());
-            let _ = tokio::time::timeout(left, finished).await;
-        }
+    async fn wait(&self, batch: BatchId) -> Result<()> {
+        let sleep = |at| tokio::time::sleep_until(tokio::time::Instant::from_std(at));
+        self.nic.batches.wait(batch, sleep).await
     }
 
     async fn cancel(&self, batch: BatchId) -> Result<BatchState> {
-        let b = self.batch(batch)?;
-        let mut status = lock(&b.status);
-        b.expire(&mut status);
-        b.finish(&mut status, BatchState::Cancelled, None);
-        Ok(status.state.clone())
+        self.nic.batches.cancel(batch, Instant::now())
     }
 
     async fn recv_notification(&self) -> Result<Notification> {
@@ -591,7 +501,9 @@ impl KvTransport for NicTransport {
         for (_, link) in lock(&self.nic.peers).drain() {
             link.alive.store(false, Ordering::Release);
         }
-        self.fail_pending(|_| true, |_| TransportError::Closed { transport: NAME });
+        self.nic
+            .batches
+            .fail_where(|_| true, |_, _| TransportError::Closed { transport: NAME });
         self.nic.inbox_ready.notify_waiters();
         self.nic.inbox_room.notify_all();
         Ok(())

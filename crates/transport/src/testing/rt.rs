@@ -82,8 +82,31 @@ impl Future for Sleep {
 
 /// Sleeps for `duration`.
 pub(crate) fn sleep(duration: Duration) -> Sleep {
-    Sleep {
-        deadline: Instant::now() + duration,
+    sleep_until(Instant::now() + duration)
+}
+
+/// Sleeps until `deadline`.
+pub(crate) fn sleep_until(deadline: Instant) -> Sleep {
+    Sleep { deadline }
+}
+
+/// Polls a future to completion on the calling thread (for the crate's own unit tests).
+#[cfg(test)]
+pub(crate) fn block_on<F: Future>(fut: F) -> F::Output {
+    struct ThreadWaker(std::thread::Thread);
+    impl std::task::Wake for ThreadWaker {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(std::sync::Arc::new(ThreadWaker(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut fut = std::pin::pin!(fut);
+    loop {
+        if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park();
     }
 }
 
@@ -166,24 +189,6 @@ impl Rng {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn block_on<F: Future>(fut: F) -> F::Output {
-        struct ThreadWaker(std::thread::Thread);
-        impl std::task::Wake for ThreadWaker {
-            fn wake(self: std::sync::Arc<Self>) {
-                self.0.unpark();
-            }
-        }
-        let waker = Waker::from(std::sync::Arc::new(ThreadWaker(std::thread::current())));
-        let mut cx = Context::from_waker(&waker);
-        let mut fut = std::pin::pin!(fut);
-        loop {
-            if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
-                return v;
-            }
-            std::thread::park();
-        }
-    }
 
     #[test]
     fn timeout_fires_and_passes_through() {
