@@ -38,11 +38,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+pub mod delegate;
 mod error;
 pub mod memory;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
+pub use delegate::Delegate;
 pub use error::{Result, Side, TransportError};
 pub use memory::{
     Access, AccessError, AllocError, CopyError, ForeignMemory, MemoryKind, MemoryRegion,
@@ -267,7 +269,7 @@ pub struct Notification {
 /// A transport that moves bytes between registered memory regions of two peers.
 ///
 /// Use it as `Arc<dyn KvTransport>` ([`DynKvTransport`]); convenience methods live in
-/// [`KvTransportExt`].
+/// [`KvTransportExt`]. To wrap a transport and change part of it, implement [`Delegate`].
 ///
 /// # Contract
 ///
