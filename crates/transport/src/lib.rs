@@ -45,10 +45,9 @@ pub mod memory;
 pub mod testing;
 
 pub use delegate::Delegate;
-pub use error::{Result, Side, TransportError};
+pub use error::{Operand, Result, Side, TransportError};
 pub use memory::{
-    Access, AccessError, AllocError, CopyError, ForeignMemory, MemoryKind, MemoryRegion,
-    RangeError, RegionSliceMut,
+    Access, AllocError, ForeignMemory, MemoryKind, MemoryRegion, RangeError, RegionSliceMut,
 };
 
 macro_rules! id_type {
