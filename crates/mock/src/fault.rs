@@ -5,10 +5,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use bytes::Bytes;
 use kvbridge_transport::{
-    BatchId, BatchState, Capabilities, KvTransport, MemoryRegion, Notification, PeerId, RegionId,
-    Result, TransferBatch, TransferOp, TransportError,
+    BatchId, BatchState, Delegate, KvTransport, Notification, PeerId, Result, TransferBatch,
+    TransferOp, TransportError,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -153,8 +152,8 @@ impl FaultScript {
     }
 }
 
-/// A [`KvTransport`] decorator that injects the faults of a [`FaultScript`] into the transport
-/// it wraps. Batch faults apply to batches posted through the injector; notification faults to
+/// A [`KvTransport`] decorator (a [`Delegate`]) that injects the faults of a [`FaultScript`]
+/// into the transport it wraps. Batch faults apply to batches posted through the injector; notification faults to
 /// notifications received through it. With an empty script it is a pass-through that honours
 /// the whole contract (it runs the conformance suite).
 ///
@@ -339,38 +338,12 @@ fn remaining(deadline: Instant) -> Duration {
         .max(Duration::from_micros(1))
 }
 
+/// Overrides what the faults change; registration, connections, descriptors and shutdown are
+/// the inner transport's.
 #[async_trait::async_trait]
-impl<T: KvTransport> KvTransport for FaultInjector<T> {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    fn allocate(&self, len: usize) -> Result<MemoryRegion> {
-        self.inner.allocate(len)
-    }
-
-    async fn register(&self, region: MemoryRegion) -> Result<RegionId> {
-        self.inner.register(region).await
-    }
-
-    async fn deregister(&self, region: RegionId) -> Result<()> {
-        self.inner.deregister(region).await
-    }
-
-    fn local_descriptor(&self) -> Bytes {
-        self.inner.local_descriptor()
-    }
-
-    async fn connect(&self, descriptor: &[u8]) -> Result<PeerId> {
-        self.inner.connect(descriptor).await
-    }
-
-    async fn disconnect(&self, peer: PeerId) -> Result<()> {
-        self.inner.disconnect(peer).await
+impl<T: KvTransport> Delegate for FaultInjector<T> {
+    fn inner(&self) -> &dyn KvTransport {
+        &*self.inner
     }
 
     async fn post(&self, peer: PeerId, batch: TransferBatch) -> Result<BatchId> {
@@ -555,10 +528,6 @@ impl<T: KvTransport> KvTransport for FaultInjector<T> {
             return Err(self.lost(peer));
         }
         self.inner.probe(peer, timeout).await
-    }
-
-    async fn shutdown(&self) -> Result<()> {
-        self.inner.shutdown().await
     }
 }
 

@@ -17,7 +17,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use kvbridge_transport::{Access, CopyError, ForeignMemory, MemoryRegion};
+use kvbridge_transport::{ForeignMemory, MemoryRegion};
 use memmap2::{Advice, MmapOptions, MmapRaw};
 use rustix::fs::{FallocateFlags, FileType, MemfdFlags, SealFlags};
 
@@ -185,21 +185,16 @@ pub(crate) fn copy_out(
     dst: &MemoryRegion,
     dst_offset: u64,
     len: u64,
-) -> Result<(), CopyError> {
+) -> kvbridge_transport::Result<()> {
     #[cfg(target_arch = "x86_64")]
     if len >= STREAM_MIN && !src.same_region(dst) {
-        return src
-            .with_raw_range(src_offset, len, Access::Read, |s, n| {
-                dst.with_raw_range(dst_offset, len, Access::Write, |d, _| {
-                    // SAFETY: `with_raw_range` hands out `n` valid bytes at `s`, claimed for
-                    // reading, and `n` valid bytes at `d` in another region, claimed for
-                    // writing, for as long as these closures run; like the region's own
-                    // copies, this one creates no references to the bytes.
-                    unsafe { stream_copy(s, d, n) }
-                })
-            })
-            .map_err(CopyError::Source)?
-            .map_err(CopyError::Destination);
+        return src.with_raw_copy(src_offset, dst, dst_offset, len, |s, d, n| {
+            // SAFETY: `with_raw_copy` hands out `n` valid bytes at `s`, claimed for reading,
+            // and `n` valid bytes at `d` in another region, claimed for writing, for as long
+            // as this closure runs; like the region's own copies, this one creates no
+            // references to the bytes.
+            unsafe { stream_copy(s, d, n) }
+        });
     }
     src.copy_to(src_offset, dst, dst_offset, len)
 }
@@ -254,7 +249,7 @@ unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvbridge_transport::AccessError;
+    use kvbridge_transport::{Access, Operand, TransportError};
 
     #[test]
     fn allocated_regions_are_sealed_shared_and_recognised() {
@@ -304,11 +299,17 @@ mod tests {
         let dst = allocate(len).unwrap();
         assert!(matches!(
             copy_out(&src, 1, &dst, 0, len as u64),
-            Err(CopyError::Source(_))
+            Err(TransportError::AccessOutOfRange {
+                operand: Operand::Source,
+                ..
+            })
         ));
         assert!(matches!(
             copy_out(&src, 0, &dst, 1, len as u64),
-            Err(CopyError::Destination(_))
+            Err(TransportError::AccessOutOfRange {
+                operand: Operand::Destination,
+                ..
+            })
         ));
     }
 
@@ -343,7 +344,13 @@ mod tests {
         borrowed[0] = 7;
         let r = copy_out(&src, 0, &dst, 64, STREAM_MIN);
         assert!(
-            matches!(r, Err(CopyError::Destination(AccessError::Conflict { .. }))),
+            matches!(
+                r,
+                Err(TransportError::AccessConflict {
+                    operand: Operand::Destination,
+                    ..
+                })
+            ),
             "{r:?}"
         );
         assert_eq!(borrowed[0], 7);
@@ -352,7 +359,13 @@ mod tests {
             copy_out(&src, 0, &dst, 0, STREAM_MIN)
         });
         assert!(
-            matches!(r, Ok(Err(CopyError::Source(AccessError::Conflict { .. })))),
+            matches!(
+                r,
+                Ok(Err(TransportError::AccessConflict {
+                    operand: Operand::Source,
+                    ..
+                }))
+            ),
             "{r:?}"
         );
         copy_out(&src, 0, &dst, 0, STREAM_MIN).unwrap();

@@ -884,7 +884,7 @@ impl Receiver<'_> {
     }
 }
 
-fn busy(batch: u64, region: u64, e: kvbridge_transport::AccessError) -> LinkError {
+fn busy(batch: u64, region: u64, e: TransportError) -> LinkError {
     protocol(format!("batch {batch} cannot write region #{region}: {e}"))
 }
 

@@ -41,16 +41,17 @@ use std::time::Duration;
 use bytes::Bytes;
 
 pub mod batch;
+pub mod delegate;
 mod error;
 pub mod memory;
 #[cfg(any(test, feature = "testing"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 
-pub use error::{Result, Side, TransportError};
+pub use delegate::Delegate;
+pub use error::{Operand, Result, Side, TransportError};
 pub use memory::{
-    Access, AccessError, AllocError, CopyError, ForeignMemory, MemoryKind, MemoryRegion,
-    RangeError, RegionSliceMut,
+    Access, AllocError, ForeignMemory, MemoryKind, MemoryRegion, RangeError, RegionSliceMut,
 };
 
 macro_rules! id_type {
@@ -298,7 +299,7 @@ impl Notification {
 /// A transport that moves bytes between registered memory regions of two peers.
 ///
 /// Use it as `Arc<dyn KvTransport>` ([`DynKvTransport`]); convenience methods live in
-/// [`KvTransportExt`].
+/// [`KvTransportExt`]. To wrap a transport and change part of it, implement [`Delegate`].
 ///
 /// # Contract
 ///

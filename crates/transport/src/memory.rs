@@ -12,7 +12,8 @@
 //!
 //! - Every CPU access to a region's bytes first claims its byte range in the region's **claim
 //!   table**: reads claim it shared, writes exclusively. A claim that overlaps a claim of
-//!   another access, where either of them writes, is refused with [`AccessError::Conflict`]
+//!   another access, where either of them writes, is refused with
+//!   [`TransportError::AccessConflict`]
 //!   (never waited for, so nothing can deadlock on it). Copies hold their claim only for the
 //!   copy; [`RegionSliceMut`] and [`with_raw_range`](MemoryRegion::with_raw_range) hold theirs
 //!   until they end.
@@ -20,13 +21,14 @@
 //!   Foreign memory may be written by other processes or devices at any time, so it is only
 //!   ever copied with raw copies and never borrowed as a slice.
 //! - **Device** memory is not CPU-addressable: every CPU accessor refuses it with
-//!   [`AccessError::NotHostMemory`] before touching it. Transports that declare device support
+//!   [`TransportError::NotHostMemory`] before touching it. Transports that declare device support
 //!   hand its address to the device's own APIs.
 //! - The owner of foreign memory is kept alive and never handed back; transports recognise
 //!   their own memory by a typed [tag](MemoryRegion::tag) instead.
 //!
 //! Bounds and offset arithmetic live in safe functions ([`checked_range`]); only the copies
-//! themselves are `unsafe`.
+//! themselves are `unsafe`. Refusals are [`TransportError`]s (the crate's one error type), with
+//! an [`Operand`] saying which region of the access was refused.
 #![allow(unsafe_code)]
 
 use std::alloc::Layout;
@@ -35,6 +37,8 @@ use std::fmt;
 use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::{Operand, Result, TransportError};
 
 /// Alignment of owned regions: one 4 KiB page, so DMA engines and `O_DIRECT` are happy.
 pub const REGION_ALIGN: usize = 4096;
@@ -127,65 +131,15 @@ impl fmt::Display for Access {
     }
 }
 
-/// Why a CPU access to a region was refused. Nothing was read or written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum AccessError {
-    /// The range does not fit in the region.
-    #[error("{0}; keep offset + len within the region's length")]
-    OutOfRange(RangeError),
-    /// Another access holds an overlapping claim and one of the two writes.
-    #[error(
-        "refused {access} bytes [{offset}, {offset}+{len}) of a {region_len}-byte region: bytes \
-         [{held_start}, {held_end}) are claimed for {held} by another access right now; overlapping \
-         accesses must not run at the same time when one of them writes (keep the destinations of \
-         concurrent transfers disjoint, and drop a borrow before touching its bytes again)"
-    )]
-    Conflict {
-        /// What the refused access wanted to do.
-        access: Access,
-        /// Its offset.
-        offset: u64,
-        /// Its length.
-        len: u64,
-        /// The region's length.
-        region_len: u64,
-        /// What the access holding the overlapping claim does.
-        held: Access,
-        /// Start of the overlapping claim.
-        held_start: u64,
-        /// End of the overlapping claim.
-        held_end: u64,
-    },
-    /// The region is device memory, which the CPU cannot address.
-    #[error(
-        "the region is {kind} ({len} bytes), which the CPU cannot read or write; move it with a \
-         transport whose capabilities declare device_memory, or copy it to host memory with the \
-         device's own API first"
-    )]
-    NotHostMemory {
-        /// The region's kind.
-        kind: MemoryKind,
-        /// The region's length.
-        len: u64,
-    },
-    /// A slice of foreign memory was asked for.
-    #[error(
-        "cannot borrow bytes [{offset}, {offset}+{len}) as a slice: the region wraps foreign \
-         memory that other processes or devices may write, so a Rust reference to it would be \
-         unsound; copy with read_at / write_at / copy_to instead"
-    )]
-    ForeignMemory {
-        /// The offset asked for.
-        offset: u64,
-        /// The length asked for.
-        len: u64,
-    },
-}
-
-impl From<RangeError> for AccessError {
-    fn from(e: RangeError) -> Self {
-        AccessError::OutOfRange(e)
+impl RangeError {
+    /// The refusal of a CPU access to `operand` whose range this is.
+    fn refused(self, operand: Operand) -> TransportError {
+        TransportError::AccessOutOfRange {
+            operand,
+            offset: self.offset,
+            len: self.len,
+            region_len: self.region_len,
+        }
     }
 }
 
@@ -287,8 +241,9 @@ impl Inner {
         }
     }
 
-    fn conflict(&self, want: &Claim, held: &Claim) -> AccessError {
-        AccessError::Conflict {
+    fn conflict(&self, operand: Operand, want: &Claim, held: &Claim) -> TransportError {
+        TransportError::AccessConflict {
+            operand,
             access: want.access,
             offset: want.range.start as u64,
             len: want.range.len() as u64,
@@ -329,7 +284,7 @@ impl Drop for Claimed<'_> {
 /// transports.
 ///
 /// Concurrent accesses at disjoint byte ranges run in parallel; overlapping ones where either
-/// writes are refused with [`AccessError::Conflict`] (see the [module docs](self)). The
+/// writes are refused with [`TransportError::AccessConflict`] (see the [module docs](self)). The
 /// transfer plan keeps writers apart, so in a correct program no access is ever refused.
 #[derive(Clone)]
 pub struct MemoryRegion {
@@ -561,29 +516,37 @@ impl MemoryRegion {
     }
 
     /// Refuses device memory: the CPU must not touch it.
-    fn host_only(&self) -> Result<(), AccessError> {
+    fn host_only(&self, operand: Operand) -> Result<()> {
         if self.inner.kind.is_host() {
             Ok(())
         } else {
-            Err(AccessError::NotHostMemory {
+            Err(TransportError::NotHostMemory {
+                operand,
                 kind: self.inner.kind,
                 len: self.inner.len as u64,
             })
         }
     }
 
-    /// Checks the range and claims it for `access` (host memory only).
-    fn claim(&self, offset: u64, len: u64, access: Access) -> Result<Claimed<'_>, AccessError> {
-        self.host_only()?;
+    /// Checks the range and claims it for `access` (host memory only); refusals name
+    /// `operand`.
+    fn claim(
+        &self,
+        offset: u64,
+        len: u64,
+        access: Access,
+        operand: Operand,
+    ) -> Result<Claimed<'_>> {
+        self.host_only(operand)?;
         let claim = Claim {
-            range: self.range(offset, len)?,
+            range: self.range(offset, len).map_err(|e| e.refused(operand))?,
             access,
         };
         if !claim.range.is_empty() {
             self.inner
                 .table()
                 .try_insert(std::slice::from_ref(&claim))
-                .map_err(|(_, held)| self.inner.conflict(&claim, &held))?;
+                .map_err(|(_, held)| self.inner.conflict(operand, &claim, &held))?;
         }
         Ok(Claimed {
             inner: &self.inner,
@@ -592,8 +555,8 @@ impl MemoryRegion {
     }
 
     /// Copies `dst.len()` bytes starting at `offset` out of the region.
-    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), AccessError> {
-        let src = self.claim(offset, dst.len() as u64, Access::Read)?;
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        let src = self.claim(offset, dst.len() as u64, Access::Read, Operand::Region)?;
         // SAFETY: the range is inside the region, which is host memory valid for reads
         // (`allocate` / the `from_raw_parts` contract), and claimed for reading, so no write
         // from this process touches it meanwhile; `dst` is a distinct Rust slice.
@@ -602,8 +565,8 @@ impl MemoryRegion {
     }
 
     /// Copies `src` into the region at `offset`.
-    pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), AccessError> {
-        let dst = self.claim(offset, src.len() as u64, Access::Write)?;
+    pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<()> {
+        let dst = self.claim(offset, src.len() as u64, Access::Write, Operand::Region)?;
         // SAFETY: the range is inside the host region and claimed exclusively, so nothing else
         // in this process touches it meanwhile; `src` is a distinct Rust slice.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.ptr(), dst.len()) };
@@ -611,8 +574,8 @@ impl MemoryRegion {
     }
 
     /// Fills `[offset, offset + len)` with `byte`.
-    pub fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<(), AccessError> {
-        let dst = self.claim(offset, len, Access::Write)?;
+    pub fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<()> {
+        let dst = self.claim(offset, len, Access::Write, Operand::Region)?;
         // SAFETY: the range is inside the host region and claimed exclusively.
         unsafe { std::ptr::write_bytes(dst.ptr(), byte, dst.len()) };
         Ok(())
@@ -620,32 +583,62 @@ impl MemoryRegion {
 
     /// Copies `len` bytes from `self[src_offset..]` to `dst[dst_offset..]`. Both ranges are
     /// checked and claimed before any byte moves; `dst` may be the same region (overlap is
-    /// handled).
+    /// handled). A refusal names the end refused ([`Operand::Source`] or
+    /// [`Operand::Destination`]).
     pub fn copy_to(
         &self,
         src_offset: u64,
         dst: &MemoryRegion,
         dst_offset: u64,
         len: u64,
-    ) -> Result<(), CopyError> {
-        let (src_claim, dst_claim) = if self.same_region(dst) {
-            self.claim_within(src_offset, dst_offset, len)?
-        } else {
-            // Claimed one after the other: no two table locks are ever held at once.
-            let s = self
-                .claim(src_offset, len, Access::Read)
-                .map_err(CopyError::Source)?;
-            let d = dst
-                .claim(dst_offset, len, Access::Write)
-                .map_err(CopyError::Destination)?;
-            (s, d)
-        };
+    ) -> Result<()> {
+        let (src_claim, dst_claim) = self.claim_copy(src_offset, dst, dst_offset, len)?;
         // SAFETY: both ranges are inside their host regions and claimed (the source for
         // reading, the destination exclusively), so nothing else in this process writes the
         // source or touches the destination meanwhile; `ptr::copy` permits the overlap of a
         // copy within one region.
         unsafe { std::ptr::copy(src_claim.ptr(), dst_claim.ptr(), src_claim.len()) };
         Ok(())
+    }
+
+    /// Runs `f(src, dst, len)` with `self[src_offset..+len]` claimed for reading and
+    /// `dst[dst_offset..+len]` for writing, where `src` and `dst` are the addresses of the two
+    /// ranges' first bytes: [`with_raw_range`](Self::with_raw_range) for transport code that
+    /// copies between two regions with its own instructions (streaming stores). Both ranges
+    /// are checked and claimed before `f` runs, and refusals are those of
+    /// [`copy_to`](Self::copy_to). Host memory only.
+    ///
+    /// Dereferencing the pointers is the caller's `unsafe`: while `f` runs, `len` bytes at
+    /// `src` are readable and written by no one in this process, and `len` bytes at `dst` are
+    /// writable and touched by nothing else in this process. When `dst` is this same region
+    /// the two ranges may overlap. Do not use the pointers after `f` returns.
+    pub fn with_raw_copy<R>(
+        &self,
+        src_offset: u64,
+        dst: &MemoryRegion,
+        dst_offset: u64,
+        len: u64,
+        f: impl FnOnce(*const u8, *mut u8, usize) -> R,
+    ) -> Result<R> {
+        let (src_claim, dst_claim) = self.claim_copy(src_offset, dst, dst_offset, len)?;
+        Ok(f(src_claim.ptr(), dst_claim.ptr(), src_claim.len()))
+    }
+
+    /// Claims a copy's source (shared) and destination (exclusive).
+    fn claim_copy<'a>(
+        &'a self,
+        src_offset: u64,
+        dst: &'a MemoryRegion,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(Claimed<'a>, Claimed<'a>)> {
+        if self.same_region(dst) {
+            return self.claim_within(src_offset, dst_offset, len);
+        }
+        // Claimed one after the other: no two table locks are ever held at once.
+        let s = self.claim(src_offset, len, Access::Read, Operand::Source)?;
+        let d = dst.claim(dst_offset, len, Access::Write, Operand::Destination)?;
+        Ok((s, d))
     }
 
     /// Claims a copy's source (shared) and destination (exclusive) in this same region at once,
@@ -655,29 +648,29 @@ impl MemoryRegion {
         src_offset: u64,
         dst_offset: u64,
         len: u64,
-    ) -> Result<(Claimed<'_>, Claimed<'_>), CopyError> {
-        self.host_only().map_err(CopyError::Source)?;
+    ) -> Result<(Claimed<'_>, Claimed<'_>)> {
+        self.host_only(Operand::Source)?;
         let want = [
             Claim {
                 range: self
                     .range(src_offset, len)
-                    .map_err(|e| CopyError::Source(e.into()))?,
+                    .map_err(|e| e.refused(Operand::Source))?,
                 access: Access::Read,
             },
             Claim {
                 range: self
                     .range(dst_offset, len)
-                    .map_err(|e| CopyError::Destination(e.into()))?,
+                    .map_err(|e| e.refused(Operand::Destination))?,
                 access: Access::Write,
             },
         ];
         self.inner.table().try_insert(&want).map_err(|(i, held)| {
-            let e = self.inner.conflict(&want[i], &held);
-            if i == 0 {
-                CopyError::Source(e)
+            let operand = if i == 0 {
+                Operand::Source
             } else {
-                CopyError::Destination(e)
-            }
+                Operand::Destination
+            };
+            self.inner.conflict(operand, &want[i], &held)
         })?;
         let [s, d] = want;
         Ok((
@@ -693,9 +686,11 @@ impl MemoryRegion {
     }
 
     /// Returns a copy of `[offset, offset + len)`.
-    pub fn to_vec(&self, offset: u64, len: u64) -> Result<Vec<u8>, AccessError> {
+    pub fn to_vec(&self, offset: u64, len: u64) -> Result<Vec<u8>> {
         // Checked before allocating: `len` may come from a peer.
-        let range = self.range(offset, len)?;
+        let range = self
+            .range(offset, len)
+            .map_err(|e| e.refused(Operand::Region))?;
         let mut out = vec![0; range.len()];
         self.read_at(offset, &mut out)?;
         Ok(out)
@@ -705,12 +700,12 @@ impl MemoryRegion {
     /// read a socket's payload straight into the region. Refused for foreign and device
     /// memory, and while any other access overlaps the range; other accesses to the range are
     /// refused while the slice lives.
-    pub fn borrow_mut(&self, offset: u64, len: u64) -> Result<RegionSliceMut, AccessError> {
-        self.host_only()?;
+    pub fn borrow_mut(&self, offset: u64, len: u64) -> Result<RegionSliceMut> {
+        self.host_only(Operand::Region)?;
         if !self.can_borrow() {
-            return Err(AccessError::ForeignMemory { offset, len });
+            return Err(TransportError::ForeignBorrow { offset, len });
         }
-        let claimed = self.claim(offset, len, Access::Write)?;
+        let claimed = self.claim(offset, len, Access::Write, Operand::Region)?;
         let range = claimed.claim.range.clone();
         // The slice takes the claim over and releases it when it drops.
         std::mem::forget(claimed);
@@ -736,21 +731,10 @@ impl MemoryRegion {
         len: u64,
         access: Access,
         f: impl FnOnce(*mut u8, usize) -> R,
-    ) -> Result<R, AccessError> {
-        let claimed = self.claim(offset, len, access)?;
+    ) -> Result<R> {
+        let claimed = self.claim(offset, len, access, Operand::Region)?;
         Ok(f(claimed.ptr(), claimed.len()))
     }
-}
-
-/// A failed [`MemoryRegion::copy_to`]: which side was refused, and why.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum CopyError {
-    /// The source range was refused (out of range, busy, or not host memory).
-    #[error("source: {0}")]
-    Source(AccessError),
-    /// The destination range was refused (out of range, busy, or not host memory).
-    #[error("destination: {0}")]
-    Destination(AccessError),
 }
 
 /// An exclusive mutable view of part of an owned [`MemoryRegion`], released on drop.
@@ -850,7 +834,11 @@ mod tests {
         assert_eq!(r.to_vec(0, 4).unwrap(), [9, 9, 9, 0]);
         assert!(matches!(
             r.write_at(r.len() as u64 - 2, b"abc"),
-            Err(AccessError::OutOfRange(_))
+            Err(TransportError::AccessOutOfRange {
+                operand: Operand::Region,
+                len: 3,
+                ..
+            })
         ));
         // A refused write leaves the bytes untouched.
         assert_eq!(r.to_vec(r.len() as u64 - 2, 2).unwrap(), [0, 0]);
@@ -873,10 +861,30 @@ mod tests {
         a.write_at(0, &(0..16).collect::<Vec<u8>>()).unwrap();
         a.copy_to(4, &b, 2, 6).unwrap();
         assert_eq!(b.to_vec(0, 8).unwrap(), [0, 0, 4, 5, 6, 7, 8, 9]);
-        assert!(matches!(a.copy_to(12, &b, 0, 5), Err(CopyError::Source(_))));
+        let err = a.copy_to(12, &b, 0, 5).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TransportError::AccessOutOfRange {
+                    operand: Operand::Source,
+                    offset: 12,
+                    len: 5,
+                    region_len: 16
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "bytes [12, 12+5) are outside the copy's source region of 16 bytes; keep offset + len \
+             within the region's length"
+        );
         assert!(matches!(
             a.copy_to(0, &b, 4, 5),
-            Err(CopyError::Destination(_))
+            Err(TransportError::AccessOutOfRange {
+                operand: Operand::Destination,
+                ..
+            })
         ));
         a.copy_to(0, &a, 2, 8).unwrap();
         assert_eq!(a.to_vec(0, 10).unwrap(), [0, 1, 0, 1, 2, 3, 4, 5, 6, 7]);
@@ -909,21 +917,25 @@ mod tests {
             .with_raw_range(16, 32, Access::Write, |_, _| r.write_at(0, &[1; 32]))
             .unwrap()
             .unwrap_err();
-        assert_eq!(
-            err,
-            AccessError::Conflict {
-                access: Access::Write,
-                offset: 0,
-                len: 32,
-                region_len: 64,
-                held: Access::Write,
-                held_start: 16,
-                held_end: 48,
-            }
+        assert!(
+            matches!(
+                err,
+                TransportError::AccessConflict {
+                    operand: Operand::Region,
+                    access: Access::Write,
+                    offset: 0,
+                    len: 32,
+                    region_len: 64,
+                    held: Access::Write,
+                    held_start: 16,
+                    held_end: 48,
+                }
+            ),
+            "{err:?}"
         );
         let text = err.to_string();
         assert!(
-            text.contains("refused writing bytes [0, 0+32) of a 64-byte region")
+            text.contains("refused writing bytes [0, 0+32) of the 64-byte region")
                 && text.contains("[16, 48) are claimed for writing")
                 && text.contains("keep the destinations of concurrent transfers disjoint"),
             "{text}"
@@ -934,11 +946,14 @@ mod tests {
             r.copy_to(8, &r, 32, 8).unwrap();
             assert!(matches!(
                 r.copy_to(40, &r, 24, 8),
-                Err(CopyError::Destination(AccessError::Conflict { .. }))
+                Err(TransportError::AccessConflict {
+                    operand: Operand::Destination,
+                    ..
+                })
             ));
             assert!(matches!(
                 r.fill(31, 2, 0),
-                Err(AccessError::Conflict {
+                Err(TransportError::AccessConflict {
                     held: Access::Read,
                     ..
                 })
@@ -949,10 +964,63 @@ mod tests {
         let _busy = other.borrow_mut(0, 1).unwrap();
         assert!(matches!(
             r.copy_to(0, &other, 0, 8),
-            Err(CopyError::Destination(AccessError::Conflict { .. }))
+            Err(TransportError::AccessConflict {
+                operand: Operand::Destination,
+                ..
+            })
         ));
         // The refused copy released its source claim.
         r.fill(0, 64, 3).unwrap();
+    }
+
+    #[test]
+    fn raw_copies_claim_both_ends_like_copy_to() {
+        let a = MemoryRegion::allocate(32).unwrap();
+        let b = MemoryRegion::allocate(32).unwrap();
+        a.write_at(0, &(0..32).collect::<Vec<u8>>()).unwrap();
+        let copied = a
+            .with_raw_copy(4, &b, 8, 16, |s, d, n| {
+                assert_eq!(n, 16);
+                // Both ends are claimed while the hook runs.
+                assert!(a.write_at(4, &[0]).is_err());
+                assert!(b.read_at(8, &mut [0]).is_err());
+                // SAFETY: the hook's contract: `n` readable bytes at `s` and `n` writable
+                // bytes at `d`, in two different regions.
+                unsafe { std::ptr::copy_nonoverlapping(s, d, n) };
+                n
+            })
+            .unwrap();
+        assert_eq!(copied, 16);
+        assert_eq!(b.to_vec(8, 16).unwrap(), (4..20).collect::<Vec<u8>>());
+        let _busy = b.borrow_mut(30, 2).unwrap();
+        let r = a.with_raw_copy(0, &b, 24, 8, |_, _, _| panic!("must not run"));
+        assert!(
+            matches!(
+                r,
+                Err(TransportError::AccessConflict {
+                    operand: Operand::Destination,
+                    held_start: 30,
+                    held_end: 32,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        let r = a.with_raw_copy(20, &b, 0, 13, |_, _, _| panic!("must not run"));
+        assert!(
+            matches!(
+                r,
+                Err(TransportError::AccessOutOfRange {
+                    operand: Operand::Source,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        // Within one region the two claims do not refuse each other; every claim is released.
+        a.with_raw_copy(0, &a, 8, 16, |_, _, n| n).unwrap();
+        drop(a.borrow_mut(0, 32).unwrap());
+        drop(b.borrow_mut(0, 30).unwrap());
     }
 
     #[test]
@@ -972,7 +1040,10 @@ mod tests {
         r.write_at(0, b"xy").unwrap();
         assert_eq!(r.to_vec(0, 2).unwrap(), b"xy");
         let err = r.borrow_mut(0, 2).unwrap_err();
-        assert_eq!(err, AccessError::ForeignMemory { offset: 0, len: 2 });
+        assert!(
+            matches!(err, TransportError::ForeignBorrow { offset: 0, len: 2 }),
+            "{err:?}"
+        );
         assert!(
             err.to_string().contains("read_at / write_at / copy_to"),
             "{err}"
@@ -1012,33 +1083,38 @@ mod tests {
         let host = MemoryRegion::allocate(4096).unwrap();
         assert_eq!(d.kind(), MemoryKind::Device { id: 3 });
         assert_eq!(d.len(), 4096);
-        let refused = AccessError::NotHostMemory {
-            kind: MemoryKind::Device { id: 3 },
-            len: 4096,
+        let refused = |r: Result<(), TransportError>, want: Operand| match r {
+            Err(TransportError::NotHostMemory {
+                operand,
+                kind: MemoryKind::Device { id: 3 },
+                len: 4096,
+            }) => assert_eq!(operand, want),
+            other => panic!("{other:?}"),
         };
-        assert_eq!(d.read_at(0, &mut [0; 4]), Err(refused));
-        assert_eq!(d.write_at(0, &[0; 4]), Err(refused));
-        assert_eq!(d.fill(0, 4, 0), Err(refused));
-        assert_eq!(d.to_vec(0, 4), Err(refused));
-        assert_eq!(d.borrow_mut(0, 4).unwrap_err(), refused);
-        assert_eq!(
+        refused(d.read_at(0, &mut [0; 4]), Operand::Region);
+        refused(d.write_at(0, &[0; 4]), Operand::Region);
+        refused(d.fill(0, 4, 0), Operand::Region);
+        refused(d.to_vec(0, 4).map(drop), Operand::Region);
+        refused(d.borrow_mut(0, 4).map(drop), Operand::Region);
+        refused(
             d.with_raw_range(0, 4, Access::Read, |_, _| ()),
-            Err(refused)
+            Operand::Region,
         );
-        assert_eq!(d.copy_to(0, &host, 0, 4), Err(CopyError::Source(refused)));
-        assert_eq!(d.copy_to(0, &d, 8, 4), Err(CopyError::Source(refused)));
-        assert_eq!(
-            host.copy_to(0, &d, 0, 4),
-            Err(CopyError::Destination(refused))
+        refused(d.copy_to(0, &host, 0, 4), Operand::Source);
+        refused(d.copy_to(0, &d, 8, 4), Operand::Source);
+        refused(host.copy_to(0, &d, 0, 4), Operand::Destination);
+        refused(
+            host.with_raw_copy(0, &d, 0, 4, |_, _, _| ()),
+            Operand::Destination,
         );
-        let text = refused.to_string();
+        let text = d.read_at(0, &mut [0; 4]).unwrap_err().to_string();
         assert!(
-            text.contains("device memory (device 3) (4096 bytes)")
+            text.contains("the region is device memory (device 3) (4096 bytes)")
                 && text.contains("capabilities declare device_memory"),
             "{text}"
         );
         // Zero-length accesses are refused too: the kind is wrong, not the range.
-        assert_eq!(d.write_at(0, &[]), Err(refused));
+        refused(d.write_at(0, &[]), Operand::Region);
     }
 
     #[test]
@@ -1054,7 +1130,7 @@ mod tests {
         assert!(first.is_ok() || second.is_ok(), "{first:?} {second:?}");
         for r in [first, second] {
             assert!(
-                matches!(r, Ok(()) | Err(AccessError::Conflict { .. })),
+                matches!(r, Ok(()) | Err(TransportError::AccessConflict { .. })),
                 "{r:?}"
             );
         }

@@ -392,6 +392,10 @@ fn err_kind(e: &TransportError) -> &'static str {
         TransportError::Protocol { .. } => "Protocol",
         TransportError::Closed { .. } => "Closed",
         TransportError::Io { .. } => "Io",
+        TransportError::AccessOutOfRange { .. } => "AccessOutOfRange",
+        TransportError::AccessConflict { .. } => "AccessConflict",
+        TransportError::NotHostMemory { .. } => "NotHostMemory",
+        TransportError::ForeignBorrow { .. } => "ForeignBorrow",
         TransportError::Custom { .. } => "Custom",
     }
 }
