@@ -34,6 +34,10 @@ const MAX_OPS_PER_FRAME: usize = 512;
 /// one frame on connection 0, without waiting for the receiver's answer.
 const INLINE_BYTES: u64 = 64 << 10;
 
+/// Entries of a peer's region table kept at most (16 bytes each on the wire), so a listener
+/// cannot make this side hold more by announcing regions without end.
+const MAX_REMOTE_REGIONS: usize = 1 << 18;
+
 /// One descriptor with its local region resolved.
 struct LocalOp {
     region: MemoryRegion,
@@ -111,9 +115,17 @@ impl OutPeer {
         let mut remote = lock(&self.remote);
         for e in entries {
             match e.len {
-                Some(len) => remote.insert(e.region, len),
-                None => remote.remove(&e.region),
-            };
+                // A full table stops learning: a region it lacks is left to the listener.
+                Some(len)
+                    if remote.len() < MAX_REMOTE_REGIONS || remote.contains_key(&e.region) =>
+                {
+                    remote.insert(e.region, len);
+                }
+                Some(_) => {}
+                None => {
+                    remote.remove(&e.region);
+                }
+            }
         }
     }
 
@@ -416,7 +428,8 @@ async fn read_table(
     loop {
         match conn::read_frame(s, &mut buf, cfg.max_frame_len, cfg.connect_timeout).await? {
             Frame::Regions { last, regions } => {
-                table.extend(regions);
+                let room = MAX_REMOTE_REGIONS.saturating_sub(table.len());
+                table.extend(regions.into_iter().take(room));
                 if last {
                     return Ok(table);
                 }
