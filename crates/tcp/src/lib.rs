@@ -11,6 +11,10 @@
 //!   travel inside a JSON handshake. `connect` opens [`TcpConfig::connections_per_peer`]
 //!   connections; large batches are cut into pieces of [`TcpConfig::piece_bytes`] that are
 //!   spread over them.
+//! - **Peer region tables**: the listener sends its region table (ids and lengths) at `connect`
+//!   and announces every `register` / `deregister`; `post` refuses a write outside a region it
+//!   knows, and sends a batch of at most 64 KiB whole with its `Begin`, without waiting for an
+//!   answer (one round trip). The listener still checks every write.
 //! - **Authentication**: with a [`TcpConfig::secret`], both sides prove it with an HMAC-SHA256
 //!   challenge-response over both connection prefaces ([`auth`]).
 //! - **Keep-alive**: the connecting side pings every [`TcpConfig::keepalive_interval`]; a side
