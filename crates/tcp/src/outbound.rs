@@ -47,6 +47,17 @@ struct LocalOp {
     len: u64,
 }
 
+impl LocalOp {
+    /// The descriptor as the receiver sees it.
+    fn wire(&self) -> WireOp {
+        WireOp {
+            region: self.remote_region,
+            offset: self.remote_offset,
+            len: self.len,
+        }
+    }
+}
+
 /// A posted batch's descriptors and how far the writers got.
 struct Job {
     batch: Arc<TxBatch>,
@@ -649,15 +660,7 @@ impl Source {
 /// Source ranges are borrowed only for the duration of each non-blocking `writev`, never
 /// while waiting for the socket, so the application can read its own memory meanwhile.
 async fn send_piece(w: &OwnedWriteHalf, piece: Piece) -> std::io::Result<()> {
-    let ops: Vec<WireOp> = piece
-        .ops
-        .iter()
-        .map(|op| WireOp {
-            region: op.remote_region,
-            offset: op.remote_offset,
-            len: op.len,
-        })
-        .collect();
+    let ops: Vec<WireOp> = piece.ops.iter().map(LocalOp::wire).collect();
     let header = wire::encode_data_header(piece.batch.0.id.0, &ops);
     let head = header.len() as u64;
     let total = head + piece.ops.iter().map(|op| op.len).sum::<u64>();
@@ -861,14 +864,7 @@ pub(crate) async fn post(
         ack: inline.is_none(),
     };
     if let Some(payload) = inline {
-        let wire_ops: Vec<WireOp> = ops
-            .iter()
-            .map(|op| WireOp {
-                region: op.remote_region,
-                offset: op.remote_offset,
-                len: op.len,
-            })
-            .collect();
+        let wire_ops: Vec<WireOp> = ops.iter().map(LocalOp::wire).collect();
         let mut frame = begin.encode();
         if total > 0 {
             frame.extend(wire::encode_data_header(id.0, &wire_ops));

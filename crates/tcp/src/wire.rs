@@ -409,11 +409,7 @@ impl Frame {
             } => {
                 body.extend_from_slice(&batch.to_be_bytes());
                 body.push(*status as u8);
-                body.extend_from_slice(&(regions.len() as u32).to_be_bytes());
-                for r in regions {
-                    body.extend_from_slice(&r.region.to_be_bytes());
-                    body.extend_from_slice(&r.len.unwrap_or(u64::MAX).to_be_bytes());
-                }
+                put_region_lens(&mut body, regions);
             }
             Frame::Data { batch, ops } => return encode_data_header(*batch, ops),
             Frame::Done { batch } | Frame::Cancel { batch } => {
@@ -425,17 +421,22 @@ impl Frame {
             }
             Frame::Regions { last, regions } => {
                 body.push(u8::from(*last));
-                body.extend_from_slice(&(regions.len() as u32).to_be_bytes());
-                for r in regions {
-                    body.extend_from_slice(&r.region.to_be_bytes());
-                    body.extend_from_slice(&r.len.unwrap_or(u64::MAX).to_be_bytes());
-                }
+                put_region_lens(&mut body, regions);
             }
         }
         let mut out = Vec::with_capacity(HEADER_LEN + body.len());
         out.extend_from_slice(&encode_header(self.frame_type(), body.len() as u32));
         out.extend_from_slice(&body);
         out
+    }
+}
+
+/// A count and the (region, len or `u64::MAX`) pairs of `BeginAck` and `Regions`.
+fn put_region_lens(body: &mut Vec<u8>, regions: &[RegionLen]) {
+    body.extend_from_slice(&(regions.len() as u32).to_be_bytes());
+    for r in regions {
+        body.extend_from_slice(&r.region.to_be_bytes());
+        body.extend_from_slice(&r.len.unwrap_or(u64::MAX).to_be_bytes());
     }
 }
 
@@ -598,6 +599,20 @@ fn check_counted(kind: &'static str, body: usize, fixed: u64, count: u32, each: 
     Ok(())
 }
 
+/// `count` (region, len) pairs, the count already checked against the body length.
+fn region_lens(f: &mut Fields<'_>, count: u32) -> Result<Vec<RegionLen>> {
+    let mut regions = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let region = f.u64()?;
+        let len = f.u64()?;
+        regions.push(RegionLen {
+            region,
+            len: (len != u64::MAX).then_some(len),
+        });
+    }
+    Ok(regions)
+}
+
 /// Decodes a frame body of type `ty` (its length already checked by [`decode_header`]).
 pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
     let kind = ty.name();
@@ -738,15 +753,7 @@ pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
             };
             let count = f.u32()?;
             check_counted(kind, body.len(), 5, count, 16)?;
-            let mut regions = Vec::with_capacity(count as usize);
-            for _ in 0..count {
-                let region = f.u64()?;
-                let len = f.u64()?;
-                regions.push(RegionLen {
-                    region,
-                    len: (len != u64::MAX).then_some(len),
-                });
-            }
+            let regions = region_lens(&mut f, count)?;
             Frame::Regions { last, regions }
         }
         FrameType::BeginAck => {
@@ -764,15 +771,7 @@ pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
             };
             let count = f.u32()?;
             check_counted(kind, body.len(), 13, count, 16)?;
-            let mut regions = Vec::with_capacity(count as usize);
-            for _ in 0..count {
-                let region = f.u64()?;
-                let len = f.u64()?;
-                regions.push(RegionLen {
-                    region,
-                    len: (len != u64::MAX).then_some(len),
-                });
-            }
+            let regions = region_lens(&mut f, count)?;
             Frame::BeginAck {
                 batch,
                 status,

@@ -1242,31 +1242,9 @@ async fn a_begin_deadline_counts_from_its_epoch_not_from_its_arrival() {
     // A deadline 1 ms after the Welcome has passed once this Begin arrives, however late it
     // was read: the data is dropped, not written.
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let mut bytes = Frame::Begin {
-        batch: 1,
-        epoch: 0,
-        remaining_ms: 1,
-        total_bytes: 8,
-        regions: vec![RegionNeed {
-            region: region.0,
-            end: 8,
-        }],
-        notification: None,
-        ack: false,
-    }
-    .encode();
-    bytes.extend(
-        Frame::Data {
-            batch: 1,
-            ops: vec![WireOp {
-                region: region.0,
-                offset: 0,
-                len: 8,
-            }],
-        }
-        .encode(),
-    );
-    bytes.extend_from_slice(&[7; 8]);
+    let mut bytes = unasked(1, region.0, 0, &[7; 8]);
+    // remaining_ms at body offset 16, after the batch id and the epoch.
+    bytes[wire::HEADER_LEN + 16..wire::HEADER_LEN + 24].copy_from_slice(&1u64.to_be_bytes());
     raw.bytes(&bytes).await;
     // The Cancel is answered once the Data frame before it was handled (FIFO).
     raw.send(&Frame::Cancel { batch: 1 }).await;
