@@ -4,7 +4,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use kvbridge_transport::{BatchId, BatchState, PeerId, TransportError};
+use kvbridge_transport::{BatchId, BatchState, PeerId, RegionId, Side, TransportError};
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
@@ -16,7 +16,74 @@ pub(crate) enum Outcome {
     Done,
     Cancelled,
     TimedOut,
-    Failed { reason: String, peer_lost: bool },
+    Failed {
+        reason: String,
+        peer_lost: bool,
+    },
+    /// The receiver refused the batch at its `Begin`; nothing of it was written.
+    Refused(Refusal),
+}
+
+/// Why the receiver refused a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    Unknown(RegionId),
+    OutOfBounds {
+        region: RegionId,
+        offset: u64,
+        len: u64,
+        region_len: u64,
+    },
+    Busy,
+}
+
+impl Refusal {
+    pub(crate) fn into_error(self, batch: BatchId, peer: PeerId) -> TransportError {
+        match self {
+            Refusal::Unknown(region) => TransportError::UnknownRegion {
+                side: Side::Remote,
+                region,
+                transport: NAME,
+            },
+            Refusal::OutOfBounds {
+                region,
+                offset,
+                len,
+                region_len,
+            } => TransportError::OutOfBounds {
+                side: Side::Remote,
+                region,
+                offset,
+                len,
+                region_len,
+            },
+            Refusal::Busy => TransportError::BatchFailed {
+                batch,
+                peer,
+                reason: "the peer has too many batches in flight from this transport; wait for \
+                         some (or raise its TcpConfig::max_inbound_batches)"
+                    .into(),
+            },
+        }
+    }
+
+    fn reason(&self) -> String {
+        match self {
+            Refusal::Unknown(region) => {
+                format!("the peer has no region {region} registered; nothing was written")
+            }
+            Refusal::OutOfBounds {
+                region,
+                offset,
+                len,
+                region_len,
+            } => format!(
+                "the write of {len} bytes at offset {offset} is outside the peer's region \
+                 {region} of {region_len} bytes; nothing was written"
+            ),
+            Refusal::Busy => "the peer has too many batches in flight from this transport".into(),
+        }
+    }
 }
 
 impl Outcome {
@@ -41,6 +108,7 @@ impl Outcome {
                 peer: b.peer,
                 reason,
             }),
+            Outcome::Refused(r) => Err(r.into_error(b.id, b.peer)),
         }
     }
 }
@@ -61,6 +129,9 @@ pub(crate) struct TxBatch {
     /// Pieces of this batch a writer is sending right now (their source ranges are borrowed).
     sending: AtomicUsize,
     sending_idle: Notify,
+    /// Remote (region, offset, len) of each descriptor of a batch sent without waiting for
+    /// the receiver's answer, to name what it refused.
+    pub(crate) remote_ops: Vec<(RegionId, u64, u64)>,
 }
 
 impl TxBatch {
@@ -76,6 +147,7 @@ impl TxBatch {
             anchor: Mutex::new(None),
             sending: AtomicUsize::new(0),
             sending_idle: Notify::new(),
+            remote_ops: Vec::new(),
         }
     }
 
@@ -108,6 +180,7 @@ impl TxBatch {
             Some(Outcome::Cancelled) => BatchState::Cancelled,
             Some(Outcome::TimedOut) => BatchState::TimedOut,
             Some(Outcome::Failed { reason, .. }) => BatchState::Failed(reason.clone()),
+            Some(Outcome::Refused(r)) => BatchState::Failed(r.reason()),
         }
     }
 
@@ -133,6 +206,16 @@ impl TxBatch {
     pub(crate) fn piece_finished(&self) {
         self.sending.fetch_sub(1, Ordering::AcqRel);
         self.sending_idle.notify_waiters();
+    }
+
+    /// Records `Done` at once if no writer holds a source range of the batch; false if one does
+    /// (then [`finish_done`](Self::finish_done) waits for it).
+    pub(crate) fn try_finish_done(&self) -> bool {
+        if self.sending.load(Ordering::Acquire) != 0 {
+            return false;
+        }
+        self.finish(Outcome::Done);
+        true
     }
 
     /// Records `Done` once no writer holds a source range of the batch any more, so the caller

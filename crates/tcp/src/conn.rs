@@ -1,8 +1,12 @@
 //! Connection plumbing shared by both directions: timed reads, frame I/O and the handshake.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::tcp::OwnedWriteHalf;
 
 use crate::TcpConfig;
 use crate::auth::{self, HelloFields};
@@ -13,6 +17,40 @@ use crate::wire::{self, FLAG_SECRET, Frame, HEADER_LEN, PREFACE_LEN, Preface, VE
 pub(crate) const CTRL_QUEUE: usize = 1024;
 /// Time a writer gets to send a closing `Error` frame before the connection is dropped.
 pub(crate) const CLOSE_GRACE: Duration = Duration::from_millis(200);
+
+/// A connection's write half, shared by its writer task and callers that write a frame at once.
+pub(crate) type SharedWriter = Arc<tokio::sync::Mutex<OwnedWriteHalf>>;
+
+/// Writes `frame` from the calling task, saving the hop to the connection's writer task, when
+/// `idle_queue` (nothing is queued before it) and the writer holds no frame: frames already
+/// queued keep their order, and a frame is never interleaved with another. The part a full
+/// socket does not take is finished by a task holding the writer (within `limit`). Gives the
+/// frame back when it must be queued instead.
+pub(crate) fn write_now(
+    w: &SharedWriter,
+    idle_queue: bool,
+    frame: Vec<u8>,
+    limit: Duration,
+) -> Result<(), Vec<u8>> {
+    if !idle_queue {
+        return Err(frame);
+    }
+    let Ok(mut g) = w.clone().try_lock_owned() else {
+        return Err(frame);
+    };
+    let done = match g.try_write(&frame) {
+        Ok(n) => n,
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
+        // The writer task meets the same error on its next write and reports it.
+        Err(_) => return Err(frame),
+    };
+    if done < frame.len() {
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(limit, g.write_all(&frame[done..])).await;
+        });
+    }
+    Ok(())
+}
 
 /// Why a connection ended.
 #[derive(Debug)]
@@ -171,12 +209,13 @@ async fn exchange_prefaces<S: AsyncRead + AsyncWrite + Unpin>(
     Ok((mine, theirs_raw))
 }
 
-/// The connecting side's handshake: prefaces, proof of the secret, `Welcome`.
+/// The connecting side's handshake: prefaces, proof of the secret, `Welcome`. Returns when the
+/// `Welcome` was read (no earlier than the listener sent it: the epoch of `Begin` deadlines).
 pub(crate) async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     config: &TcpConfig,
     hello: HelloFields,
-) -> Result<(), LinkError> {
+) -> Result<Instant, LinkError> {
     let idle = config.connect_timeout;
     let names = SecretNames {
         only_here: ("this transport", "listener"),
@@ -197,10 +236,14 @@ pub(crate) async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     };
     s.write_all(&frame.encode()).await.map_err(io_err)?;
     let mut buf = Vec::new();
-    match read_frame(s, &mut buf, 4096, idle).await? {
+    let frame = read_frame(s, &mut buf, 4096, idle).await?;
+    let welcomed = Instant::now();
+    match frame {
         Frame::Welcome { mac } => match (&config.secret, mac) {
-            (None, None) => Ok(()),
-            (Some(k), Some(tag)) if auth::verify_server(k, &mine, &theirs_raw, &tag) => Ok(()),
+            (None, None) => Ok(welcomed),
+            (Some(k), Some(tag)) if auth::verify_server(k, &mine, &theirs_raw, &tag) => {
+                Ok(welcomed)
+            }
             (Some(_), _) => Err(TcpError::SecretMismatch { who: "listener" }.into()),
             (None, Some(_)) => Err(TcpError::UnexpectedFrame {
                 got: "Welcome with a proof",
@@ -217,14 +260,15 @@ pub(crate) async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// The listener's handshake; returns the client's `Hello`. On a protocol failure, or with
+/// The listener's handshake; returns the client's `Hello` and when the `Welcome` was sent (no
+/// later than the client read it: the epoch of `Begin` deadlines). On a protocol failure, or with
 /// `refuse` once the client is authenticated, the peer is told why before the caller closes
 /// the connection.
 pub(crate) async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     config: &TcpConfig,
     refuse: Option<TcpError>,
-) -> Result<HelloFields, LinkError> {
+) -> Result<(HelloFields, Instant), LinkError> {
     let r = server_handshake_inner(s, config, refuse).await;
     if let Err(LinkError::Protocol(e)) = &r {
         send_error(s, e).await;
@@ -236,7 +280,7 @@ async fn server_handshake_inner<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     config: &TcpConfig,
     refuse: Option<TcpError>,
-) -> Result<HelloFields, LinkError> {
+) -> Result<(HelloFields, Instant), LinkError> {
     let idle = config.connect_timeout;
     let names = SecretNames {
         only_here: ("this listener", "connecting peer"),
@@ -285,8 +329,9 @@ async fn server_handshake_inner<S: AsyncRead + AsyncWrite + Unpin>(
     if let Some(e) = refuse {
         return Err(e.into());
     }
+    let welcomed = Instant::now();
     s.write_all(&Frame::Welcome { mac: proof }.encode())
         .await
         .map_err(io_err)?;
-    Ok(hello)
+    Ok((hello, welcomed))
 }

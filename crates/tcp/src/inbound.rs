@@ -1,6 +1,6 @@
 //! The receiving side: accept, authenticate, check descriptors, read payloads into regions.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvbridge_transport::{MemoryRegion, Notification, PeerId, Result, TransportError};
 use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -29,6 +29,8 @@ const READ_SLICES: usize = 64;
 const DRAIN_BUF: usize = 64 << 10;
 /// Connections in the handshake at once; more wait in the kernel's backlog.
 const MAX_HANDSHAKES: usize = 64;
+/// `Pong`s remembered per session as epochs of `Begin` deadlines.
+const EPOCHS: usize = 64;
 
 /// Bytes an inbound peer is charged against `TcpConfig::max_inbound_pending_bytes`, released
 /// when dropped: with its batch when the batch is forgotten, or with the batch's notification
@@ -83,6 +85,9 @@ struct RxBatch {
     charge: Charge,
     deadline: Instant,
     cancelled: bool,
+    /// Refused at its `Begin` (sent without waiting for the answer): the data that follows is
+    /// read and dropped until the sender's `Cancel` makes this side forget it.
+    refused: bool,
     /// Pieces being written right now (a cancel is acknowledged only at zero).
     active: u32,
     cancels_seen: u16,
@@ -109,6 +114,10 @@ pub(crate) struct Session {
     idle: Duration,
     /// Bytes charged to this peer right now (see [`Charge`]).
     pending: Arc<AtomicU64>,
+    /// When the earliest `Welcome` of the session was sent (epoch 0 of `Begin` deadlines).
+    welcomed: Mutex<Instant>,
+    /// Recent `Pong`s (nonce, when queued), the other epochs a `Begin` may name.
+    epochs: Mutex<VecDeque<(u64, Instant)>>,
 }
 
 impl Session {
@@ -152,6 +161,45 @@ impl Session {
         match r {
             Ok(Some(())) => Ok(()),
             _ => Err(lost()),
+        }
+    }
+
+    /// The instant a `Begin`'s deadline counts from: never later than the sender received the
+    /// epoch's frame, so this side's deadline is never later than the sender's. An epoch not
+    /// remembered (any more) counts from the session's first `Welcome`, which is earlier still.
+    fn epoch(&self, epoch: u64) -> Instant {
+        let welcomed = *lock(&self.welcomed);
+        if epoch == 0 {
+            return welcomed;
+        }
+        lock(&self.epochs)
+            .iter()
+            .find(|(n, _)| *n == epoch)
+            .map_or(welcomed, |(_, at)| *at)
+    }
+
+    /// Records that a `Pong` with `nonce` is about to be sent (before it is, so the sender
+    /// reads it later than this instant).
+    fn record_pong(&self, nonce: u64) {
+        if nonce == 0 {
+            return;
+        }
+        let mut epochs = lock(&self.epochs);
+        if epochs.len() == EPOCHS {
+            epochs.pop_front();
+        }
+        epochs.push_back((nonce, Instant::now()));
+    }
+
+    /// Queues a region-table change for the peer (best effort: a peer that misses one still
+    /// gets every write checked here, and learns the length from a refusal).
+    fn announce(&self, entry: RegionLen) {
+        if let Some(ctrl) = self.ctrl(0) {
+            let frame = Frame::Regions {
+                last: true,
+                regions: vec![entry],
+            };
+            let _ = ctrl.try_send(Outgoing::plain(frame.encode()));
         }
     }
 
@@ -200,6 +248,47 @@ impl Session {
             }
         }
     }
+}
+
+/// Tells every inbound peer that a region was registered (`len`) or deregistered (`None`).
+/// Called with the region table's write lock held, so no connection admitted meanwhile misses
+/// the change (it copies the table under the read lock).
+pub(crate) fn announce(shared: &Shared, region: u64, len: Option<u64>) {
+    let sessions: Vec<_> = lock(&shared.sessions).values().cloned().collect();
+    for s in sessions {
+        s.announce(RegionLen { region, len });
+    }
+}
+
+/// The region table as `Regions` frames, the last one marked, for a connection's first bytes.
+fn table_frames(table: &HashMap<u64, MemoryRegion>) -> Vec<u8> {
+    let mut entries: Vec<RegionLen> = table
+        .iter()
+        .map(|(&region, r)| RegionLen {
+            region,
+            len: Some(r.len() as u64),
+        })
+        .collect();
+    entries.sort_by_key(|e| e.region);
+    let mut out = Vec::new();
+    let mut chunks = entries.chunks(wire::REGIONS_PER_FRAME).peekable();
+    if chunks.peek().is_none() {
+        out.extend(
+            Frame::Regions {
+                last: true,
+                regions: Vec::new(),
+            }
+            .encode(),
+        );
+    }
+    while let Some(chunk) = chunks.next() {
+        let frame = Frame::Regions {
+            last: chunks.peek().is_none(),
+            regions: chunk.to_vec(),
+        };
+        out.extend(frame.encode());
+    }
+    out
 }
 
 /// Accepts connections until the transport closes.
@@ -252,7 +341,7 @@ async fn admit(
     // One deadline for the whole handshake, so a slow peer cannot hold a handshake slot longer.
     let limit = shared.config.connect_timeout;
     let handshake = conn::server_handshake(&mut stream, &shared.config, refuse);
-    let hello = tokio::time::timeout(limit, handshake)
+    let (hello, welcomed) = tokio::time::timeout(limit, handshake)
         .await
         .map_err(|_| LinkError::HandshakeDeadline(limit))??;
     // The handshake refuses the connection when there is no slot.
@@ -266,7 +355,14 @@ async fn admit(
     let idle = Duration::from_millis(u64::from(hello.keepalive_ms))
         .saturating_mul(4)
         .clamp(own, own.saturating_mul(4));
+    // The region table goes first on connection 0; copied under the table's read lock with
+    // the connection joining its session, so each later change is announced to it.
+    let mut table = Vec::new();
     let session = {
+        let regions = shared.regions.read().unwrap_or_else(|e| e.into_inner());
+        if hello.conn_index == 0 {
+            table = table_frames(&regions);
+        }
         let mut sessions = lock(&shared.sessions);
         let session = sessions
             .entry(hello.session)
@@ -283,9 +379,15 @@ async fn admit(
                     ping_seq: AtomicU64::new(1),
                     idle,
                     pending: Arc::new(AtomicU64::new(0)),
+                    welcomed: Mutex::new(welcomed),
+                    epochs: Mutex::new(VecDeque::new()),
                 })
             })
             .clone();
+        {
+            let mut first = lock(&session.welcomed);
+            *first = (*first).min(welcomed);
+        }
         let mut ctrl = lock(&session.ctrl);
         let slot = ctrl.get_mut(usize::from(hello.conn_index));
         match slot {
@@ -293,6 +395,8 @@ async fn admit(
                 let (tx, rx) = mpsc::channel(conn::CTRL_QUEUE);
                 *slot = Some(tx);
                 drop(ctrl);
+                drop(sessions);
+                drop(regions);
                 Ok((session, rx))
             }
             _ => Err(TcpError::UnexpectedFrame {
@@ -309,11 +413,12 @@ async fn admit(
         }
     };
     tracing::debug!(peer = %session.peer, conn = hello.conn_index, "inbound connection admitted");
-    let writer = tokio::spawn(writer_loop(w, ctrl_rx, session.peer, idle));
+    let w = Arc::new(tokio::sync::Mutex::new(w));
+    let writer = tokio::spawn(writer_loop(w.clone(), table, ctrl_rx, session.peer, idle));
     let reader = tokio::spawn(reader_task(
         shared.clone(),
         session.clone(),
-        r,
+        (r, w),
         (hello.conn_index, slot),
         writer,
     ));
@@ -321,15 +426,27 @@ async fn admit(
     Ok(())
 }
 
-/// Sends a connection's control frames until its queue closes; a peer that does not read for
-/// `idle` cannot keep the writer (and its socket) alive.
+/// Sends `first` (the region table, on connection 0), then the connection's control frames
+/// until its queue closes; a peer that does not read for `idle` cannot keep the writer (and
+/// its socket) alive.
 async fn writer_loop(
-    mut w: OwnedWriteHalf,
+    w: conn::SharedWriter,
+    first: Vec<u8>,
     mut rx: mpsc::Receiver<Outgoing>,
     peer: PeerId,
     idle: Duration,
 ) {
-    while let Some(out) = rx.recv().await {
+    let first = Outgoing::plain(first);
+    let mut next = Some(first).filter(|f| !f.frame.is_empty());
+    loop {
+        let out = match next.take() {
+            Some(f) => f,
+            None => match rx.recv().await {
+                Some(f) => f,
+                None => return,
+            },
+        };
+        let mut w = w.lock().await;
         match tokio::time::timeout(idle, w.write_all(&out.frame)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -348,7 +465,7 @@ async fn writer_loop(
 async fn reader_task(
     shared: Arc<Shared>,
     session: Arc<Session>,
-    mut r: OwnedReadHalf,
+    (mut r, w): (OwnedReadHalf, conn::SharedWriter),
     (index, _slot): (u16, OwnedSemaphorePermit),
     mut writer: JoinHandle<()>,
 ) {
@@ -356,6 +473,7 @@ async fn reader_task(
         shared: &shared,
         session: &session,
         index,
+        writer: w,
         buf: Vec::new(),
         scratch: Vec::new(),
         bounce: Vec::new(),
@@ -462,16 +580,20 @@ impl Drop for ActiveGuard<'_> {
 
 /// What a `Begin` asks this side to keep, with its charge.
 struct NewBatch {
-    remaining_ms: u64,
+    deadline: Instant,
     total: u64,
     notification: Option<Bytes>,
     charge: Charge,
+    /// Answer even when accepted.
+    ack: bool,
 }
 
 struct Receiver<'a> {
     shared: &'a Shared,
     session: &'a Session,
     index: u16,
+    /// The connection's write half, for answers written without the writer task's hop.
+    writer: conn::SharedWriter,
     buf: Vec<u8>,
     scratch: Vec<u8>,
     bounce: Vec<u8>,
@@ -489,6 +611,22 @@ impl Receiver<'_> {
         ctrl.send(out).await.map_err(|_| LinkError::Eof)
     }
 
+    /// Sends `frame` at once from this task when nothing is queued before it (see
+    /// [`conn::write_now`]), otherwise through the writer task.
+    async fn send_now(&self, frame: Frame) -> Result<(), LinkError> {
+        let Some(ctrl) = self.session.ctrl(self.index) else {
+            return Err(LinkError::Eof);
+        };
+        let idle = ctrl.capacity() == ctrl.max_capacity();
+        match conn::write_now(&self.writer, idle, frame.encode(), self.session.idle) {
+            Ok(()) => Ok(()),
+            Err(frame) => ctrl
+                .send(Outgoing::plain(frame))
+                .await
+                .map_err(|_| LinkError::Eof),
+        }
+    }
+
     /// Serves the connection until it fails; returns why.
     async fn run(&mut self, r: &mut OwnedReadHalf) -> Result<std::convert::Infallible, LinkError> {
         let max = self.shared.config.max_frame_len;
@@ -504,7 +642,10 @@ impl Receiver<'_> {
             })
             .await?;
             match frame {
-                Frame::Ping { nonce } => self.send(Frame::Pong { nonce }).await?,
+                Frame::Ping { nonce } => {
+                    session.record_pong(nonce);
+                    self.send(Frame::Pong { nonce }).await?
+                }
                 Frame::Pong { nonce } => {
                     if let Some(tx) = lock(&self.session.pings).remove(&nonce) {
                         let _ = tx.send(());
@@ -512,20 +653,27 @@ impl Receiver<'_> {
                 }
                 Frame::Begin {
                     batch,
+                    epoch,
                     remaining_ms,
                     total_bytes,
                     regions,
                     notification,
+                    ack,
                 } => {
                     let charge = charge.ok_or(TcpError::UnexpectedFrame {
                         got: "Begin",
                         state: "no budget was charged for it",
                     })?;
+                    let deadline = session
+                        .epoch(epoch)
+                        .checked_add(Duration::from_millis(remaining_ms))
+                        .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365));
                     let begin = NewBatch {
-                        remaining_ms,
+                        deadline,
                         total: total_bytes,
                         notification,
                         charge,
+                        ack,
                     };
                     self.begin(batch, regions, begin).await?
                 }
@@ -574,12 +722,16 @@ impl Receiver<'_> {
                 }
                 .into());
             }
-            if !ok {
+            let status = if !ok {
                 BeginStatus::RegionRefused
             } else if batches.len() >= self.shared.config.max_inbound_batches {
                 BeginStatus::Busy
             } else {
-                let deadline = Instant::now() + Duration::from_millis(new.remaining_ms);
+                BeginStatus::Accepted
+            };
+            // A refused batch whose data follows unasked is kept (charged, as a tombstone) so
+            // that data is dropped, until the sender's `Cancel`.
+            if status == BeginStatus::Accepted || !new.ack {
                 batches.insert(
                     batch,
                     RxBatch {
@@ -588,25 +740,28 @@ impl Receiver<'_> {
                         inflight: 0,
                         notification: new.notification,
                         charge,
-                        deadline,
-                        cancelled: false,
+                        deadline: new.deadline,
+                        cancelled: status != BeginStatus::Accepted,
+                        refused: status != BeginStatus::Accepted,
                         active: 0,
                         cancels_seen: 0,
                     },
                 );
-                BeginStatus::Accepted
             }
+            status
         };
-        let ack = Frame::BeginAck {
-            batch,
-            status,
-            regions: lens,
-        };
-        self.send_out(Outgoing {
-            frame: ack.encode(),
-            _charge: Some(ack_charge),
-        })
-        .await?;
+        if status != BeginStatus::Accepted || new.ack {
+            let ack = Frame::BeginAck {
+                batch,
+                status,
+                regions: lens,
+            };
+            self.send_out(Outgoing {
+                frame: ack.encode(),
+                _charge: Some(ack_charge),
+            })
+            .await?;
+        }
         if status == BeginStatus::Accepted && total == 0 {
             self.maybe_complete(batch).await?;
         }
@@ -636,7 +791,7 @@ impl Receiver<'_> {
                 () = self.shared.wait_closed() => return Err(LinkError::Eof),
             }
         }
-        self.send(Frame::Done { batch }).await
+        self.send_now(Frame::Done { batch }).await
     }
 
     /// A `Data` frame: every descriptor is checked before any payload byte is read.
@@ -646,6 +801,11 @@ impl Receiver<'_> {
         batch: u64,
         ops: Vec<WireOp>,
     ) -> Result<(), LinkError> {
+        // The decoder checked that the sum does not overflow.
+        let sum = ops.iter().fold(0u64, |a, op| a.saturating_add(op.len));
+        if let Some(refused) = self.take_refused(batch, sum)? {
+            return self.drain(r, refused).await;
+        }
         let mut targets: Vec<MemoryRegion> = Vec::with_capacity(ops.len());
         let mut total = 0u64;
         for op in &ops {
@@ -747,6 +907,25 @@ impl Receiver<'_> {
         guard.applied = true;
         drop(guard);
         self.maybe_complete(batch).await
+    }
+
+    /// For a batch refused at its `Begin`: counts `bytes` more against what it announced and
+    /// returns them, to be dropped unread by any region. `None` for every other batch.
+    fn take_refused(&self, batch: u64, bytes: u64) -> Result<Option<u64>, LinkError> {
+        let mut batches = self.session.lock_batches();
+        let Some(b) = batches.get_mut(&batch).filter(|b| b.refused) else {
+            return Ok(None);
+        };
+        match b.received.checked_add(bytes).filter(|a| *a <= b.total) {
+            Some(after) => {
+                b.received = after;
+                Ok(Some(bytes))
+            }
+            None => Err(protocol(format!(
+                "batch {batch} announced {} bytes but Data frames carry more",
+                b.total
+            ))),
+        }
     }
 
     /// One non-blocking vectored read straight into the next descriptors' ranges, borrowed

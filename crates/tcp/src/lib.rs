@@ -7,10 +7,14 @@
 //! The wire format is specified in `docs/tcp-protocol.md`; its codec ([`wire`]) is sans-IO.
 //!
 //! - **Connections**: [`TcpTransport::bind`] listens (127.0.0.1 and an OS-assigned port by
-//!   default); `local_descriptor()` is the UTF-8 text `kvbridge-tcp/1@<ip>:<port>`, which can
+//!   default); `local_descriptor()` is the UTF-8 text `kvbridge-tcp/2@<ip>:<port>`, which can
 //!   travel inside a JSON handshake. `connect` opens [`TcpConfig::connections_per_peer`]
 //!   connections; large batches are cut into pieces of [`TcpConfig::piece_bytes`] that are
 //!   spread over them.
+//! - **Peer region tables**: the listener sends its region table (ids and lengths) at `connect`
+//!   and announces every `register` / `deregister`; `post` refuses a write outside a region it
+//!   knows, and sends a batch of at most 64 KiB whole with its `Begin`, without waiting for an
+//!   answer (one round trip). The listener still checks every write.
 //! - **Authentication**: with a [`TcpConfig::secret`], both sides prove it with an HMAC-SHA256
 //!   challenge-response over both connection prefaces ([`auth`]).
 //! - **Keep-alive**: the connecting side pings every [`TcpConfig::keepalive_interval`]; a side
@@ -316,10 +320,10 @@ pub const BATCH_STATE_BYTES: u64 = 128;
 
 /// Formats the descriptor of a listener.
 fn format_descriptor(addr: SocketAddr) -> String {
-    format!("kvbridge-tcp/1@{addr}")
+    format!("kvbridge-tcp/{}@{addr}", wire::VERSION)
 }
 
-/// Parses `kvbridge-tcp/1@<ip>:<port>`.
+/// Parses `kvbridge-tcp/2@<ip>:<port>`.
 pub fn parse_descriptor(descriptor: &[u8]) -> Result<SocketAddr, TcpError> {
     let shown = || {
         let cut = &descriptor[..descriptor.len().min(128)];
@@ -339,10 +343,10 @@ pub fn parse_descriptor(descriptor: &[u8]) -> Result<SocketAddr, TcpError> {
         got: shown(),
         reason: "the '@' before the address is missing",
     })?;
-    if version != "1" {
+    if version != wire::VERSION.to_string() {
         return Err(TcpError::BadDescriptor {
             got: shown(),
-            reason: "only protocol version 1 is supported; run the same kvbridge release on both sides",
+            reason: "only protocol version 2 is supported; run the same kvbridge release on both sides",
         });
     }
     addr.parse().map_err(|_| TcpError::BadDescriptor {
@@ -595,23 +599,31 @@ impl KvTransport for TcpTransport {
         self.check_open()?;
         self.capabilities().check_region(NAME, &region)?;
         let id = self.shared.next_region.fetch_add(1, Ordering::Relaxed);
-        self.shared
+        let len = region.len() as u64;
+        let mut regions = self
+            .shared
             .regions
             .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, region);
+            .unwrap_or_else(|e| e.into_inner());
+        regions.insert(id, region);
+        inbound::announce(&self.shared, id, Some(len));
+        drop(regions);
         Ok(RegionId(id))
     }
 
     async fn deregister(&self, region: RegionId) -> Result<()> {
         self.check_open()?;
-        match self
+        let mut regions = self
             .shared
             .regions
             .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&region.0)
-        {
+            .unwrap_or_else(|e| e.into_inner());
+        let removed = regions.remove(&region.0);
+        if removed.is_some() {
+            inbound::announce(&self.shared, region.0, None);
+        }
+        drop(regions);
+        match removed {
             Some(_) => Ok(()),
             None => Err(TransportError::UnknownRegion {
                 side: Side::Local,

@@ -20,15 +20,23 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::auth::{self, HelloFields};
-use crate::batch::{Outcome, TxBatch};
+use crate::batch::{Outcome, Refusal, TxBatch};
 use crate::conn::{self, LinkError};
 use crate::error::TcpError;
-use crate::wire::{self, BeginStatus, CancelStatus, Frame, RegionNeed, WireOp};
+use crate::wire::{self, BeginStatus, CancelStatus, Frame, RegionLen, RegionNeed, WireOp};
 use crate::{NAME, Shared, lock};
 
 /// Descriptors in one `Data` frame (one `writev` carries the header and all their payloads,
 /// and stays below the kernel's 1024-iovec limit).
 const MAX_OPS_PER_FRAME: usize = 512;
+
+/// Batches of at most this many payload bytes go out at once with their `Begin`, copied into
+/// one frame on connection 0, without waiting for the receiver's answer.
+const INLINE_BYTES: u64 = 64 << 10;
+
+/// Entries of a peer's region table kept at most (16 bytes each on the wire), so a listener
+/// cannot make this side hold more by announcing regions without end.
+const MAX_REMOTE_REGIONS: usize = 1 << 18;
 
 /// One descriptor with its local region resolved.
 struct LocalOp {
@@ -37,6 +45,17 @@ struct LocalOp {
     remote_region: u64,
     remote_offset: u64,
     len: u64,
+}
+
+impl LocalOp {
+    /// The descriptor as the receiver sees it.
+    fn wire(&self) -> WireOp {
+        WireOp {
+            region: self.remote_region,
+            offset: self.remote_offset,
+            len: self.len,
+        }
+    }
 }
 
 /// A posted batch's descriptors and how far the writers got.
@@ -81,6 +100,9 @@ pub(crate) struct OutPeer {
     pub(crate) id: PeerId,
     addr: SocketAddr,
     ctrl: Vec<mpsc::Sender<Vec<u8>>>,
+    /// The connections' write halves, held by their writer tasks (so the sockets close with
+    /// them) and borrowed for frames written without the writer task's hop.
+    writers: Vec<std::sync::Weak<tokio::sync::Mutex<OwnedWriteHalf>>>,
     queue: Mutex<VecDeque<Job>>,
     work: Notify,
     waiters: Mutex<Waiters>,
@@ -90,9 +112,34 @@ pub(crate) struct OutPeer {
     lost_signal: Notify,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     ping_seq: AtomicU64,
+    /// The peer's region table (id → length), as announced: a cache that lets `post` refuse
+    /// what is certainly out of bounds. The receiver checks every write anyway.
+    remote: Mutex<HashMap<u64, u64>>,
+    /// The latest epoch for `Begin` deadlines: (0 for the `Welcome` or a `Pong`'s nonce, when
+    /// this side read it).
+    epoch: Mutex<(u64, Instant)>,
 }
 
 impl OutPeer {
+    /// Applies announced (or answered) region lengths to the cached table.
+    fn learn(&self, entries: &[RegionLen]) {
+        let mut remote = lock(&self.remote);
+        for e in entries {
+            match e.len {
+                // A full table stops learning: a region it lacks is left to the listener.
+                Some(len)
+                    if remote.len() < MAX_REMOTE_REGIONS || remote.contains_key(&e.region) =>
+                {
+                    remote.insert(e.region, len);
+                }
+                Some(_) => {}
+                None => {
+                    remote.remove(&e.region);
+                }
+            }
+        }
+    }
+
     fn lost_error(&self) -> TransportError {
         TransportError::PeerLost {
             peer: self.id,
@@ -293,6 +340,8 @@ pub(crate) async fn connect(shared: &Arc<Shared>, addr: SocketAddr) -> Result<Ar
     let session = auth::random_u64();
     let keepalive_ms = u32::try_from(cfg.keepalive_interval.as_millis()).unwrap_or(u32::MAX);
     let mut streams = Vec::with_capacity(usize::from(count));
+    let mut welcomed = Instant::now();
+    let mut table = Vec::new();
     for index in 0..count {
         let hello = HelloFields {
             session,
@@ -303,7 +352,11 @@ pub(crate) async fn connect(shared: &Arc<Shared>, addr: SocketAddr) -> Result<Ar
         let attempt = tokio::time::timeout(cfg.connect_timeout, async {
             let mut s = TcpStream::connect(addr).await.map_err(LinkError::Io)?;
             let _ = s.set_nodelay(true);
-            conn::client_handshake(&mut s, cfg, hello).await?;
+            let at = conn::client_handshake(&mut s, cfg, hello).await?;
+            if index == 0 {
+                welcomed = at;
+                table = read_table(&mut s, cfg).await?;
+            }
             Ok::<_, LinkError>(s)
         })
         .await;
@@ -319,16 +372,21 @@ pub(crate) async fn connect(shared: &Arc<Shared>, addr: SocketAddr) -> Result<Ar
         }
     }
     let mut ctrl = Vec::new();
+    let mut writers = Vec::new();
     let mut halves = Vec::new();
     for s in streams {
         let (tx, rx) = mpsc::channel(conn::CTRL_QUEUE);
         ctrl.push(tx);
-        halves.push((s.into_split(), rx));
+        let (r, w) = s.into_split();
+        let w = Arc::new(tokio::sync::Mutex::new(w));
+        writers.push(Arc::downgrade(&w));
+        halves.push(((r, w), rx));
     }
     let peer = Arc::new(OutPeer {
         id: shared.alloc_peer_id(),
         addr,
         ctrl,
+        writers,
         queue: Mutex::new(VecDeque::new()),
         work: Notify::new(),
         waiters: Mutex::new(Waiters::default()),
@@ -337,7 +395,10 @@ pub(crate) async fn connect(shared: &Arc<Shared>, addr: SocketAddr) -> Result<Ar
         lost_signal: Notify::new(),
         tasks: Mutex::new(Vec::new()),
         ping_seq: AtomicU64::new(1),
+        remote: Mutex::new(HashMap::new()),
+        epoch: Mutex::new((0, welcomed)),
     });
+    peer.learn(&table);
     {
         let mut tasks = lock(&peer.tasks);
         for (index, ((r, w), rx)) in halves.into_iter().enumerate() {
@@ -368,11 +429,44 @@ pub(crate) async fn connect(shared: &Arc<Shared>, addr: SocketAddr) -> Result<Ar
     Ok(peer)
 }
 
+/// Reads the listener's region table, sent after its `Welcome` on connection 0.
+async fn read_table(
+    s: &mut TcpStream,
+    cfg: &crate::TcpConfig,
+) -> Result<Vec<RegionLen>, LinkError> {
+    let mut buf = Vec::new();
+    let mut table = Vec::new();
+    loop {
+        match conn::read_frame(s, &mut buf, cfg.max_frame_len, cfg.connect_timeout).await? {
+            Frame::Regions { last, regions } => {
+                let room = MAX_REMOTE_REGIONS.saturating_sub(table.len());
+                table.extend(regions.into_iter().take(room));
+                if last {
+                    return Ok(table);
+                }
+            }
+            Frame::Error { code, message } => {
+                return Err(TcpError::Rejected { code, message }.into());
+            }
+            other => {
+                return Err(TcpError::UnexpectedFrame {
+                    got: other.frame_type().name(),
+                    state: "waiting for the region table",
+                }
+                .into());
+            }
+        }
+    }
+}
+
 async fn keepalive_task(peer: Arc<OutPeer>, interval: Duration) {
     let ping = Frame::Ping { nonce: 0 }.encode();
     loop {
         tokio::time::sleep(interval).await;
-        for c in &peer.ctrl {
+        // Connection 0's pings carry fresh nonces: each answer is a new epoch for deadlines.
+        let nonce = peer.ping_seq.fetch_add(1, Ordering::Relaxed);
+        let _ = peer.ctrl[0].try_send(Frame::Ping { nonce }.encode());
+        for c in &peer.ctrl[1..] {
             // A full queue already keeps the link busy; the reader's timeout does the detecting.
             let _ = c.try_send(ping.clone());
         }
@@ -406,21 +500,44 @@ async fn reader_task(shared: Arc<Shared>, peer: Arc<OutPeer>, mut r: OwnedReadHa
         };
         match frame {
             Frame::Pong { nonce } => {
+                if nonce != 0 {
+                    *lock(&peer.epoch) = (nonce, Instant::now());
+                }
                 if let Some(tx) = lock(&peer.waiters).ping.remove(&nonce) {
                     let _ = tx.send(());
                 }
             }
+            Frame::Regions { regions, .. } => peer.learn(&regions),
             Frame::Ping { nonce } => {
                 let _ = peer.ctrl[index].try_send(Frame::Pong { nonce }.encode());
             }
-            Frame::BeginAck { batch, .. } => {
-                if let Some(tx) = lock(&peer.waiters).begin.remove(&batch) {
+            Frame::BeginAck {
+                batch,
+                status,
+                ref regions,
+            } => {
+                peer.learn(regions);
+                let waiter = lock(&peer.waiters).begin.remove(&batch);
+                if let Some(tx) = waiter {
                     let _ = tx.send(frame);
+                } else if status != BeginStatus::Accepted {
+                    // A batch sent without waiting was refused: nothing of it was written;
+                    // the cancel makes the receiver forget it.
+                    if let Some(b) = shared.batch(batch).filter(|b| b.peer == peer.id) {
+                        let why = refusal(status, &b.remote_ops, regions);
+                        let shared = shared.clone();
+                        let peer = peer.clone();
+                        tokio::spawn(async move {
+                            fence_on(&shared, Some(peer), &b, Outcome::Refused(why)).await;
+                        });
+                    }
                 }
             }
             Frame::Done { batch } => {
                 if let Some(b) = shared.batch(batch).filter(|b| b.peer == peer.id) {
-                    tokio::spawn(async move { b.finish_done().await });
+                    if !b.try_finish_done() {
+                        tokio::spawn(async move { b.finish_done().await });
+                    }
                 }
             }
             Frame::CancelAck { batch, status } => {
@@ -459,7 +576,7 @@ async fn reader_task(shared: Arc<Shared>, peer: Arc<OutPeer>, mut r: OwnedReadHa
 async fn writer_task(
     shared: Arc<Shared>,
     peer: Arc<OutPeer>,
-    mut w: OwnedWriteHalf,
+    w: conn::SharedWriter,
     mut ctrl: mpsc::Receiver<Vec<u8>>,
 ) {
     let piece_bytes = shared.config.piece_bytes;
@@ -468,7 +585,7 @@ async fn writer_task(
             // Control frames (cancels, pongs, pings) go first, between pieces.
             match ctrl.try_recv() {
                 Ok(f) => {
-                    w.write_all(&f).await?;
+                    w.lock().await.write_all(&f).await?;
                     continue;
                 }
                 Err(mpsc::error::TryRecvError::Disconnected) => return Ok(()),
@@ -478,13 +595,13 @@ async fn writer_task(
             tokio::pin!(notified);
             notified.as_mut().enable();
             if let Some(piece) = peer.take_piece(piece_bytes) {
-                send_piece(&w, piece).await?;
+                send_piece(&*w.lock().await, piece).await?;
                 continue;
             }
             tokio::select! {
                 biased;
                 f = ctrl.recv() => match f {
-                    Some(f) => w.write_all(&f).await?,
+                    Some(f) => w.lock().await.write_all(&f).await?,
                     None => return Ok(()),
                 },
                 () = &mut notified => {}
@@ -543,15 +660,7 @@ impl Source {
 /// Source ranges are borrowed only for the duration of each non-blocking `writev`, never
 /// while waiting for the socket, so the application can read its own memory meanwhile.
 async fn send_piece(w: &OwnedWriteHalf, piece: Piece) -> std::io::Result<()> {
-    let ops: Vec<WireOp> = piece
-        .ops
-        .iter()
-        .map(|op| WireOp {
-            region: op.remote_region,
-            offset: op.remote_offset,
-            len: op.len,
-        })
-        .collect();
+    let ops: Vec<WireOp> = piece.ops.iter().map(LocalOp::wire).collect();
     let header = wire::encode_data_header(piece.batch.0.id.0, &ops);
     let head = header.len() as u64;
     let total = head + piece.ops.iter().map(|op| op.len).sum::<u64>();
@@ -600,7 +709,38 @@ async fn send_piece(w: &OwnedWriteHalf, piece: Piece) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Posts a batch: local checks, `Begin` round trip (remote checks), then queue its pieces.
+/// Why the receiver refused a batch, named from its answer (`lens`: the lengths of the regions
+/// the batch writes, as the receiver has them).
+fn refusal(status: BeginStatus, ops: &[(RegionId, u64, u64)], lens: &[RegionLen]) -> Refusal {
+    if status == BeginStatus::Busy {
+        return Refusal::Busy;
+    }
+    let lens: HashMap<u64, Option<u64>> = lens.iter().map(|r| (r.region, r.len)).collect();
+    for &(region, offset, len) in ops {
+        match lens.get(&region.0).copied().flatten() {
+            None => return Refusal::Unknown(region),
+            Some(region_len) => {
+                if out_of_bounds(offset, len, region_len) {
+                    return Refusal::OutOfBounds {
+                        region,
+                        offset,
+                        len,
+                        region_len,
+                    };
+                }
+            }
+        }
+    }
+    Refusal::Unknown(lens.keys().next().map_or(RegionId(0), |&r| RegionId(r)))
+}
+
+fn out_of_bounds(offset: u64, len: u64, region_len: u64) -> bool {
+    checked_range(offset, len, usize::MAX).is_err() || offset.saturating_add(len) > region_len
+}
+
+/// Posts a batch: local checks, remote checks against the peer's announced region table, then
+/// either one frame with the `Begin` and all the data (small batches, no waiting), or the
+/// `Begin` round trip and the pieces.
 pub(crate) async fn post(
     shared: &Arc<Shared>,
     peer: &Arc<OutPeer>,
@@ -652,8 +792,27 @@ pub(crate) async fn post(
             });
         }
     }
+    // Remote side, against the announced table: a region's length never changes while it is
+    // registered (ids are not reused), so a write outside a known region is refused here. A
+    // region not in the table may have been registered since; the receiver decides.
+    {
+        let remote = lock(&peer.remote);
+        for op in &batch.ops {
+            if let Some(&region_len) = remote.get(&op.remote_region.0) {
+                if out_of_bounds(op.remote_offset, op.len, region_len) {
+                    return Err(TransportError::OutOfBounds {
+                        side: Side::Remote,
+                        region: op.remote_region,
+                        offset: op.remote_offset,
+                        len: op.len,
+                        region_len,
+                    });
+                }
+            }
+        }
+    }
     let notification_len = batch.notification.as_ref().map_or(0, |n| n.len());
-    let begin_len = 29 + 16 * needs.len() + notification_len;
+    let begin_len = wire::BEGIN_FIXED as usize + 16 * needs.len() + notification_len;
     if begin_len > cfg.max_frame_len as usize {
         return Err(TransportError::InvalidArgument {
             transport: NAME,
@@ -666,18 +825,35 @@ pub(crate) async fn post(
         });
     }
     let posted = Instant::now();
-    let b = Arc::new(TxBatch::new(id, peer.id, batch.timeout, posted));
+    let mut b = TxBatch::new(id, peer.id, batch.timeout, posted);
+    // A small batch goes out whole with its Begin, copied now (its sources are free at once).
+    let inline = if total <= INLINE_BYTES && ops.len() <= MAX_OPS_PER_FRAME {
+        inline_payload(&ops)
+    } else {
+        None
+    };
+    if inline.is_some() {
+        b.remote_ops = batch
+            .ops
+            .iter()
+            .map(|op| (op.remote_region, op.remote_offset, op.len))
+            .collect();
+    }
+    let b = Arc::new(b);
     lock(&shared.batches).insert(id.0, b.clone());
     let forget = || {
         lock(&shared.batches).remove(&id.0);
         lock(&peer.waiters).begin.remove(&id.0);
     };
-    let (tx, rx) = oneshot::channel();
-    lock(&peer.waiters).begin.insert(id.0, tx);
-    let remaining = b.deadline.saturating_duration_since(Instant::now());
+    // The deadline counts from an epoch the receiver stamped no later than this side read it,
+    // so the receiver's deadline for the batch is never later than `b.deadline`.
+    let (epoch, epoch_at) = *lock(&peer.epoch);
+    let remaining = b.deadline.saturating_duration_since(epoch_at);
     let remaining_ms = u64::try_from(remaining.as_millis()).unwrap_or(u64::MAX);
+    b.set_anchor(b.deadline + Duration::from_millis(1));
     let begin = Frame::Begin {
         batch: id.0,
+        epoch,
         remaining_ms,
         total_bytes: total,
         regions: needs
@@ -685,7 +861,43 @@ pub(crate) async fn post(
             .map(|(&region, &end)| RegionNeed { region, end })
             .collect(),
         notification: batch.notification.clone(),
+        ack: inline.is_none(),
     };
+    if let Some(payload) = inline {
+        let wire_ops: Vec<WireOp> = ops.iter().map(LocalOp::wire).collect();
+        let mut frame = begin.encode();
+        if total > 0 {
+            frame.extend(wire::encode_data_header(id.0, &wire_ops));
+            frame.extend(payload);
+        }
+        // Written from here when connection 0 is idle: one task hop less per small batch.
+        let ctrl = &peer.ctrl[0];
+        let idle = ctrl.capacity() == ctrl.max_capacity();
+        let direct = match peer.writers[0].upgrade() {
+            Some(w) => conn::write_now(&w, idle, frame, cfg.keepalive_timeout),
+            None => Err(frame),
+        };
+        let sent = match direct {
+            Ok(()) => Ok(Ok(())),
+            Err(frame) => tokio::time::timeout_at(b.deadline, ctrl.send(frame)).await,
+        };
+        match sent {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => {
+                forget();
+                return Err(peer.lost_error());
+            }
+            Err(_) => {
+                // Never queued: nothing can land.
+                b.finish(Outcome::TimedOut);
+                return Ok(());
+            }
+        }
+        watch_deadline(shared, b);
+        return Ok(());
+    }
+    let (tx, rx) = oneshot::channel();
+    lock(&peer.waiters).begin.insert(id.0, tx);
     let answer = tokio::time::timeout_at(b.deadline, async {
         peer.ctrl[0].send(begin.encode()).await.ok()?;
         rx.await.ok()
@@ -715,57 +927,15 @@ pub(crate) async fn post(
         forget();
         return Err(peer.lost_error());
     };
-    match status {
-        BeginStatus::Accepted => {}
-        BeginStatus::RegionRefused => {
-            forget();
-            let lens: HashMap<u64, Option<u64>> =
-                regions.iter().map(|r| (r.region, r.len)).collect();
-            for op in &batch.ops {
-                match lens.get(&op.remote_region.0).copied().flatten() {
-                    None => {
-                        return Err(TransportError::UnknownRegion {
-                            side: Side::Remote,
-                            region: op.remote_region,
-                            transport: NAME,
-                        });
-                    }
-                    Some(region_len) => {
-                        if checked_range(op.remote_offset, op.len, usize::MAX).is_err()
-                            || op.remote_offset.saturating_add(op.len) > region_len
-                        {
-                            return Err(TransportError::OutOfBounds {
-                                side: Side::Remote,
-                                region: op.remote_region,
-                                offset: op.remote_offset,
-                                len: op.len,
-                                region_len,
-                            });
-                        }
-                    }
-                }
-            }
-            return Err(TransportError::UnknownRegion {
-                side: Side::Remote,
-                region: regions.first().map_or(RegionId(0), |r| RegionId(r.region)),
-                transport: NAME,
-            });
-        }
-        BeginStatus::Busy => {
-            forget();
-            return Err(TransportError::BatchFailed {
-                batch: id,
-                peer: peer.id,
-                reason:
-                    "the peer has too many batches in flight from this transport; wait for some \
-                         (or raise its TcpConfig::max_inbound_batches)"
-                        .into(),
-            });
-        }
+    if status != BeginStatus::Accepted {
+        forget();
+        let remote: Vec<_> = batch
+            .ops
+            .iter()
+            .map(|op| (op.remote_region, op.remote_offset, op.len))
+            .collect();
+        return Err(refusal(status, &remote, &regions).into_error(id, peer.id));
     }
-    // The receiver stops applying this batch at most `remaining` after it saw the Begin,
-    // which was before now.
-    b.set_anchor(Instant::now() + remaining + Duration::from_millis(1));
     if total > 0 {
         lock(&peer.queue).push_back(Job {
             batch: b.clone(),
@@ -775,15 +945,59 @@ pub(crate) async fn post(
         });
         peer.work.notify_waiters();
     }
-    let shared2 = shared.clone();
+    watch_deadline(shared, b);
+    Ok(())
+}
+
+/// The payload of a small batch, copied from its sources; `None` when a source range is
+/// momentarily borrowed (the batch then takes the path with pieces, which waits for it).
+fn inline_payload(ops: &[LocalOp]) -> Option<Vec<u8>> {
+    let total: u64 = ops.iter().map(|op| op.len).sum();
+    let mut out = vec![0u8; total as usize];
+    let mut at = 0usize;
+    for op in ops {
+        let n = op.len as usize;
+        op.region
+            .read_at(op.local_offset, &mut out[at..at + n])
+            .ok()?;
+        at += n;
+    }
+    Some(out)
+}
+
+/// Fences the batch at its deadline unless it ends first.
+fn watch_deadline(shared: &Arc<Shared>, b: Arc<TxBatch>) {
+    let shared = shared.clone();
     tokio::spawn(async move {
         tokio::select! {
-            () = tokio::time::sleep_until(b.deadline) => fence(&shared2, &b, Outcome::TimedOut).await,
+            () = tokio::time::sleep_until(b.deadline) => fence(&shared, &b, Outcome::TimedOut).await,
             () = b.finished() => {}
-            () = shared2.wait_closed() => {}
+            () = shared.wait_closed() => {}
         }
     });
-    Ok(())
+}
+
+/// Sends `cancel` on each of `conns` and waits for all their answers; whether any said the
+/// batch was no longer pending. `None` when the peer is lost meanwhile.
+async fn cancel_round(
+    peer: &OutPeer,
+    batch: u64,
+    conns: &[mpsc::Sender<Vec<u8>>],
+    cancel: &[u8],
+) -> Option<bool> {
+    let (tx, rx) = oneshot::channel();
+    lock(&peer.waiters).cancel.insert(
+        batch,
+        CancelWait {
+            remaining: conns.len(),
+            not_pending: false,
+            tx: Some(tx),
+        },
+    );
+    for c in conns {
+        c.send(cancel.to_vec()).await.ok()?;
+    }
+    rx.await.ok()
 }
 
 /// Brings a pending batch to `outcome` so that no byte of it lands afterwards.
@@ -819,21 +1033,15 @@ async fn fence_on(
         }
         return;
     };
-    let (tx, rx) = oneshot::channel();
-    lock(&peer.waiters).cancel.insert(
-        b.id.0,
-        CancelWait {
-            remaining: peer.ctrl.len(),
-            not_pending: false,
-            tx: Some(tx),
-        },
-    );
     let cancel = Frame::Cancel { batch: b.id.0 }.encode();
     let acked = tokio::time::timeout(grace, async {
-        for c in &peer.ctrl {
-            c.send(cancel.clone()).await.ok()?;
+        // Connection 0 first: it carries the batch's `Begin`, so a `Cancel` on another
+        // connection cannot reach the receiver before the batch does.
+        let not_pending = cancel_round(&peer, b.id.0, &peer.ctrl[..1], &cancel).await?;
+        if not_pending || peer.ctrl.len() == 1 {
+            return Some(not_pending);
         }
-        rx.await.ok()
+        cancel_round(&peer, b.id.0, &peer.ctrl[1..], &cancel).await
     })
     .await;
     lock(&peer.waiters).cancel.remove(&b.id.0);

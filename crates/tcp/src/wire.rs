@@ -21,13 +21,17 @@ use crate::error::{Result, TcpError};
 /// The 8 bytes every connection starts with, in both directions.
 pub const MAGIC: [u8; 8] = *b"KVBTCP\r\n";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Length of a connection preface.
 pub const PREFACE_LEN: usize = 48;
 /// Length of a frame header.
 pub const HEADER_LEN: usize = 8;
 /// Length of one write descriptor in a `Data` frame.
 pub const OP_LEN: usize = 24;
+/// Length of a `Begin` body without its region table and notification.
+pub const BEGIN_FIXED: u64 = 38;
+/// Entries of one `Regions` frame at most (so it fits the smallest frame limit, 4 KiB).
+pub const REGIONS_PER_FRAME: usize = 255;
 /// Length of an HMAC-SHA256 tag.
 pub const MAC_LEN: usize = 32;
 /// Length of a preface nonce.
@@ -130,6 +134,8 @@ pub enum FrameType {
     Cancel = 10,
     /// Listener → client: no byte of the batch is applied after this on this connection.
     CancelAck = 11,
+    /// Listener → client: entries of its region table (at connect, and when regions change).
+    Regions = 12,
 }
 
 impl FrameType {
@@ -147,6 +153,7 @@ impl FrameType {
             9 => Self::Done,
             10 => Self::Cancel,
             11 => Self::CancelAck,
+            12 => Self::Regions,
             _ => return None,
         })
     }
@@ -165,6 +172,7 @@ impl FrameType {
             Self::Done => "Done",
             Self::Cancel => "Cancel",
             Self::CancelAck => "CancelAck",
+            Self::Regions => "Regions",
         }
     }
 }
@@ -260,7 +268,10 @@ pub enum Frame {
     Begin {
         /// Batch id (the sender's).
         batch: u64,
-        /// Milliseconds left until the batch's deadline when the frame was sent.
+        /// The time reference of `remaining_ms`: 0 for the `Welcome` of connection 0, otherwise
+        /// the nonce of a `Pong` the listener sent on this session.
+        epoch: u64,
+        /// Milliseconds from the epoch's frame (as the sender received it) to the deadline.
         remaining_ms: u64,
         /// Payload bytes the batch will send in total.
         total_bytes: u64,
@@ -268,6 +279,9 @@ pub enum Frame {
         regions: Vec<RegionNeed>,
         /// Delivered after the data.
         notification: Option<Bytes>,
+        /// Answer with a `BeginAck` even when accepted (otherwise only a refusal is answered,
+        /// and the batch's data follows without waiting).
+        ack: bool,
     },
     /// See [`FrameType::BeginAck`].
     BeginAck {
@@ -302,6 +316,13 @@ pub enum Frame {
         /// What the cancel found.
         status: CancelStatus,
     },
+    /// See [`FrameType::Regions`].
+    Regions {
+        /// The last frame of the table sent at connect (every later announcement sets it too).
+        last: bool,
+        /// Regions and their lengths; `None` means deregistered.
+        regions: Vec<RegionLen>,
+    },
 }
 
 impl Frame {
@@ -319,6 +340,7 @@ impl Frame {
             Frame::Done { .. } => FrameType::Done,
             Frame::Cancel { .. } => FrameType::Cancel,
             Frame::CancelAck { .. } => FrameType::CancelAck,
+            Frame::Regions { .. } => FrameType::Regions,
         }
     }
 
@@ -358,16 +380,20 @@ impl Frame {
             }
             Frame::Begin {
                 batch,
+                epoch,
                 remaining_ms,
                 total_bytes,
                 regions,
                 notification,
+                ack,
             } => {
                 body.extend_from_slice(&batch.to_be_bytes());
+                body.extend_from_slice(&epoch.to_be_bytes());
                 body.extend_from_slice(&remaining_ms.to_be_bytes());
                 body.extend_from_slice(&total_bytes.to_be_bytes());
                 body.extend_from_slice(&(regions.len() as u32).to_be_bytes());
                 body.push(u8::from(notification.is_some()));
+                body.push(u8::from(*ack));
                 for r in regions {
                     body.extend_from_slice(&r.region.to_be_bytes());
                     body.extend_from_slice(&r.end.to_be_bytes());
@@ -383,11 +409,7 @@ impl Frame {
             } => {
                 body.extend_from_slice(&batch.to_be_bytes());
                 body.push(*status as u8);
-                body.extend_from_slice(&(regions.len() as u32).to_be_bytes());
-                for r in regions {
-                    body.extend_from_slice(&r.region.to_be_bytes());
-                    body.extend_from_slice(&r.len.unwrap_or(u64::MAX).to_be_bytes());
-                }
+                put_region_lens(&mut body, regions);
             }
             Frame::Data { batch, ops } => return encode_data_header(*batch, ops),
             Frame::Done { batch } | Frame::Cancel { batch } => {
@@ -397,11 +419,24 @@ impl Frame {
                 body.extend_from_slice(&batch.to_be_bytes());
                 body.push(*status as u8);
             }
+            Frame::Regions { last, regions } => {
+                body.push(u8::from(*last));
+                put_region_lens(&mut body, regions);
+            }
         }
         let mut out = Vec::with_capacity(HEADER_LEN + body.len());
         out.extend_from_slice(&encode_header(self.frame_type(), body.len() as u32));
         out.extend_from_slice(&body);
         out
+    }
+}
+
+/// A count and the (region, len or `u64::MAX`) pairs of `BeginAck` and `Regions`.
+fn put_region_lens(body: &mut Vec<u8>, regions: &[RegionLen]) {
+    body.extend_from_slice(&(regions.len() as u32).to_be_bytes());
+    for r in regions {
+        body.extend_from_slice(&r.region.to_be_bytes());
+        body.extend_from_slice(&r.len.unwrap_or(u64::MAX).to_be_bytes());
     }
 }
 
@@ -564,6 +599,20 @@ fn check_counted(kind: &'static str, body: usize, fixed: u64, count: u32, each: 
     Ok(())
 }
 
+/// `count` (region, len) pairs, the count already checked against the body length.
+fn region_lens(f: &mut Fields<'_>, count: u32) -> Result<Vec<RegionLen>> {
+    let mut regions = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let region = f.u64()?;
+        let len = f.u64()?;
+        regions.push(RegionLen {
+            region,
+            len: (len != u64::MAX).then_some(len),
+        });
+    }
+    Ok(regions)
+}
+
 /// Decodes a frame body of type `ty` (its length already checked by [`decode_header`]).
 pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
     let kind = ty.name();
@@ -636,6 +685,7 @@ pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
         }
         FrameType::Begin => {
             let batch = f.u64()?;
+            let epoch = f.u64()?;
             let remaining_ms = f.u64()?;
             let total_bytes = f.u64()?;
             let count = f.u32()?;
@@ -644,6 +694,13 @@ pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
                 return Err(TcpError::ReservedNotZero {
                     field: "Begin notification presence byte (must be 0 or 1)",
                     value: u64::from(has_notification),
+                });
+            }
+            let ack = f.u8()?;
+            if ack > 1 {
+                return Err(TcpError::ReservedNotZero {
+                    field: "Begin acknowledgement byte (must be 0 or 1)",
+                    value: u64::from(ack),
                 });
             }
             let table = u64::from(count)
@@ -656,7 +713,7 @@ pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
             if table > f.buf.len() as u64 {
                 return Err(TcpError::BadLength {
                     kind,
-                    need: 29 + table,
+                    need: BEGIN_FIXED + table,
                     got: body.len() as u64,
                 });
             }
@@ -670,16 +727,34 @@ pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
             let notification = if has_notification == 1 {
                 Some(Bytes::copy_from_slice(f.rest()))
             } else {
-                f.end(29 + table)?;
+                f.end(BEGIN_FIXED + table)?;
                 None
             };
             Frame::Begin {
                 batch,
+                epoch,
                 remaining_ms,
                 total_bytes,
                 regions,
                 notification,
+                ack: ack == 1,
             }
+        }
+        FrameType::Regions => {
+            let last = match f.u8()? {
+                0 => false,
+                1 => true,
+                other => {
+                    return Err(TcpError::ReservedNotZero {
+                        field: "Regions last byte (must be 0 or 1)",
+                        value: u64::from(other),
+                    });
+                }
+            };
+            let count = f.u32()?;
+            check_counted(kind, body.len(), 5, count, 16)?;
+            let regions = region_lens(&mut f, count)?;
+            Frame::Regions { last, regions }
         }
         FrameType::BeginAck => {
             let batch = f.u64()?;
@@ -696,15 +771,7 @@ pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
             };
             let count = f.u32()?;
             check_counted(kind, body.len(), 13, count, 16)?;
-            let mut regions = Vec::with_capacity(count as usize);
-            for _ in 0..count {
-                let region = f.u64()?;
-                let len = f.u64()?;
-                regions.push(RegionLen {
-                    region,
-                    len: (len != u64::MAX).then_some(len),
-                });
-            }
+            let regions = region_lens(&mut f, count)?;
             Frame::BeginAck {
                 batch,
                 status,
@@ -823,17 +890,38 @@ mod tests {
         round_trip(Frame::Pong { nonce: u64::MAX });
         round_trip(Frame::Begin {
             batch: 3,
+            epoch: 0,
             remaining_ms: 100,
             total_bytes: 1 << 40,
             regions: vec![RegionNeed { region: 1, end: 10 }],
             notification: Some(Bytes::from_static(b"room 1")),
+            ack: false,
         });
         round_trip(Frame::Begin {
             batch: 3,
+            epoch: 9,
             remaining_ms: 100,
             total_bytes: 0,
             regions: vec![],
             notification: None,
+            ack: true,
+        });
+        round_trip(Frame::Regions {
+            last: true,
+            regions: vec![
+                RegionLen {
+                    region: 1,
+                    len: Some(4096),
+                },
+                RegionLen {
+                    region: 2,
+                    len: None,
+                },
+            ],
+        });
+        round_trip(Frame::Regions {
+            last: false,
+            regions: vec![],
         });
         round_trip(Frame::BeginAck {
             batch: 3,
@@ -888,12 +976,12 @@ mod tests {
             Err(TcpError::BadMagic { .. })
         ));
         let mut bad = bytes;
-        bad[9] = 2;
+        bad[9] = 3;
         assert_eq!(
             Preface::decode(&bad),
             Err(TcpError::UnsupportedVersion {
-                got: 2,
-                supported: 1
+                got: 3,
+                supported: VERSION
             })
         );
         let mut bad = bytes;
@@ -991,14 +1079,16 @@ mod tests {
     fn begin_with_huge_region_count_is_a_length_error() {
         let mut bytes = Frame::Begin {
             batch: 1,
+            epoch: 0,
             remaining_ms: 1,
             total_bytes: 1,
             regions: vec![RegionNeed { region: 1, end: 1 }],
             notification: None,
+            ack: true,
         }
         .encode();
-        // Region count lives at body offset 24.
-        bytes[HEADER_LEN + 24..HEADER_LEN + 28].copy_from_slice(&u32::MAX.to_be_bytes());
+        // Region count lives at body offset 32.
+        bytes[HEADER_LEN + 32..HEADER_LEN + 36].copy_from_slice(&u32::MAX.to_be_bytes());
         assert!(matches!(
             decode_frame(&bytes, 1 << 20),
             Err(TcpError::BadLength { .. })

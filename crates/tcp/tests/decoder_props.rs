@@ -44,10 +44,12 @@ fn frame() -> impl Strategy<Value = Frame> {
             any::<u64>(),
             proptest::collection::vec((any::<u64>(), any::<u64>()), 0..6),
             proptest::option::of(proptest::collection::vec(any::<u8>(), 0..40)),
+            (any::<u64>(), any::<bool>()),
         )
             .prop_map(
-                |(batch, remaining_ms, total_bytes, regions, note)| Frame::Begin {
+                |(batch, remaining_ms, total_bytes, regions, note, (epoch, ack))| Frame::Begin {
                     batch,
+                    epoch,
                     remaining_ms,
                     total_bytes,
                     regions: regions
@@ -55,6 +57,7 @@ fn frame() -> impl Strategy<Value = Frame> {
                         .map(|(region, end)| RegionNeed { region, end })
                         .collect(),
                     notification: note.map(Bytes::from),
+                    ack,
                 }
             ),
         (

@@ -38,6 +38,7 @@ fn corpus_dir() -> PathBuf {
 fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     let begin = |notification: Option<Bytes>| Frame::Begin {
         batch: 7,
+        epoch: 0,
         remaining_ms: 5_000,
         total_bytes: 24,
         regions: vec![
@@ -48,6 +49,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             },
         ],
         notification,
+        ack: false,
     };
     let data = Frame::Data {
         batch: 7,
@@ -115,6 +117,22 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                     },
                     RegionLen {
                         region: 2,
+                        len: None,
+                    },
+                ],
+            },
+        ),
+        (
+            "regions.bin",
+            Frame::Regions {
+                last: true,
+                regions: vec![
+                    RegionLen {
+                        region: 1,
+                        len: Some(4096),
+                    },
+                    RegionLen {
+                        region: 3,
                         len: None,
                     },
                 ],
@@ -298,7 +316,9 @@ fn kept_bytes(f: &Frame) -> usize {
             regions.capacity() * size_of::<RegionNeed>()
                 + notification.as_ref().map_or(0, Bytes::len)
         }
-        Frame::BeginAck { regions, .. } => regions.capacity() * size_of::<RegionLen>(),
+        Frame::BeginAck { regions, .. } | Frame::Regions { regions, .. } => {
+            regions.capacity() * size_of::<RegionLen>()
+        }
         Frame::Data { ops, .. } => ops.capacity() * size_of::<WireOp>(),
         Frame::Error { message, .. } => message.capacity(),
         _ => 0,

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use hmac::{Hmac, Mac};
-use kvbridge_tcp::wire::{self, FLAG_SECRET, Frame, Preface, RegionNeed, WireOp};
+use kvbridge_tcp::wire::{self, FLAG_SECRET, Frame, Preface, RegionLen, RegionNeed, WireOp};
 use kvbridge_tcp::{TcpConfig, TcpTransport};
 use kvbridge_transport::{
     KvTransport, KvTransportExt, MemoryRegion, RegionId, TransferBatch, TransferOp, TransportError,
@@ -46,6 +46,8 @@ struct Raw {
     s: TcpStream,
     /// Bytes read but not yet decoded (several frames may arrive in one read).
     buf: Vec<u8>,
+    /// The region table the listener sent after its `Welcome` (connection 0 only).
+    table: Vec<RegionLen>,
 }
 
 impl Raw {
@@ -55,7 +57,12 @@ impl Raw {
         s.write_all(&preface).await.unwrap();
         let mut theirs = [0u8; 48];
         s.read_exact(&mut theirs).await.unwrap();
-        (Self { s, buf: Vec::new() }, theirs)
+        let raw = Self {
+            s,
+            buf: Vec::new(),
+            table: Vec::new(),
+        };
+        (raw, theirs)
     }
 
     /// Sends a preface without a secret and then `hello` (any frame), as a client would.
@@ -119,6 +126,17 @@ impl Raw {
             }
             other => panic!("expected Welcome, got {other:?}"),
         }
+        // Connection 0 gets the listener's region table next.
+        let mut complete = index != 0;
+        while !complete {
+            match raw.frame().await {
+                Some(Frame::Regions { last, regions }) => {
+                    raw.table.extend(regions);
+                    complete = last;
+                }
+                other => panic!("expected the region table, got {other:?}"),
+            }
+        }
         raw
     }
 
@@ -160,7 +178,7 @@ impl Raw {
                     return message;
                 }
                 // Answers to frames sent before the bad one may come first.
-                Some(Frame::BeginAck { .. } | Frame::Pong { .. }) => {}
+                Some(Frame::BeginAck { .. } | Frame::Pong { .. } | Frame::Regions { .. }) => {}
                 other => panic!("expected an Error frame with code {code}, got {other:?}"),
             }
         }
@@ -169,6 +187,7 @@ impl Raw {
     async fn begin(&mut self, batch: u64, region: RegionId, total: u64) {
         self.send(&Frame::Begin {
             batch,
+            epoch: 0,
             remaining_ms: 10_000,
             total_bytes: total,
             regions: vec![RegionNeed {
@@ -176,6 +195,7 @@ impl Raw {
                 end: 4096,
             }],
             notification: None,
+            ack: true,
         })
         .await;
         match self.frame().await {
@@ -393,6 +413,7 @@ async fn unknown_region_is_refused() {
     // A Begin naming it is answered with a refusal, not an error.
     raw.send(&Frame::Begin {
         batch: 1,
+        epoch: 0,
         remaining_ms: 1000,
         total_bytes: 8,
         regions: vec![RegionNeed {
@@ -400,6 +421,7 @@ async fn unknown_region_is_refused() {
             end: 8,
         }],
         notification: None,
+        ack: true,
     })
     .await;
     match raw.frame().await {
@@ -502,6 +524,7 @@ async fn a_well_formed_raw_peer_writes_and_notifies() {
     let mut raw = Raw::handshake(&t, true).await;
     raw.send(&Frame::Begin {
         batch: 5,
+        epoch: 0,
         remaining_ms: 10_000,
         total_bytes: 6,
         regions: vec![RegionNeed {
@@ -509,6 +532,7 @@ async fn a_well_formed_raw_peer_writes_and_notifies() {
             end: 16,
         }],
         notification: Some("note".into()),
+        ack: true,
     })
     .await;
     assert!(matches!(raw.frame().await, Some(Frame::BeginAck { .. })));
@@ -576,6 +600,11 @@ async fn silent_listener(
                         s.write_all(&Frame::Welcome { mac: None }.encode())
                             .await
                             .unwrap();
+                        let table = Frame::Regions {
+                            last: true,
+                            regions: vec![],
+                        };
+                        s.write_all(&table.encode()).await.unwrap();
                     }
                     Frame::Begin { batch, .. } if ack_begin => {
                         let ack = Frame::BeginAck {
@@ -608,17 +637,18 @@ fn keepalive_config() -> TcpConfig {
 async fn silent_peer_is_detected_by_keepalive() {
     let (addr, task) = silent_listener(false).await;
     let t = TcpTransport::bind(keepalive_config()).await.unwrap();
-    let (src, _) = t.allocate_registered(64).await.unwrap();
+    let (src, _) = t.allocate_registered(1 << 17).await.unwrap();
     let peer = t
-        .connect(format!("kvbridge-tcp/1@{addr}").as_bytes())
+        .connect(format!("kvbridge-tcp/2@{addr}").as_bytes())
         .await
         .unwrap();
+    // Above the size that goes out without waiting, so `post` waits for the listener's answer.
     let op = TransferOp {
         local_region: src,
         local_offset: 0,
         remote_region: RegionId(1),
         remote_offset: 0,
-        len: 64,
+        len: 1 << 17,
     };
     // The Begin is never answered; the keep-alive gives up long before this 60 s deadline.
     let posted = tokio::time::timeout(
@@ -650,7 +680,7 @@ async fn pending_batch_fails_by_its_deadline_when_the_peer_goes_silent() {
     let t = TcpTransport::bind(keepalive_config()).await.unwrap();
     let (src, _) = t.allocate_registered(1 << 20).await.unwrap();
     let peer = t
-        .connect(format!("kvbridge-tcp/1@{addr}").as_bytes())
+        .connect(format!("kvbridge-tcp/2@{addr}").as_bytes())
         .await
         .unwrap();
     let op = TransferOp {
@@ -692,7 +722,7 @@ async fn garbage_from_a_listener_fails_connect_clearly() {
     });
     let t = TcpTransport::new().await.unwrap();
     let e = t
-        .connect(format!("kvbridge-tcp/1@{addr}").as_bytes())
+        .connect(format!("kvbridge-tcp/2@{addr}").as_bytes())
         .await
         .unwrap_err();
     assert!(e.to_string().contains("magic"), "{e}");
@@ -704,8 +734,8 @@ async fn bad_descriptors_and_configs_are_refused() {
     let t = TcpTransport::new().await.unwrap();
     for bad in [
         &b"tcp://127.0.0.1:1"[..],
-        b"kvbridge-tcp/2@127.0.0.1:1",
-        b"kvbridge-tcp/1@nowhere",
+        b"kvbridge-tcp/3@127.0.0.1:1",
+        b"kvbridge-tcp/2@nowhere",
         b"\xff\xfe",
     ] {
         let e = t.connect(bad).await.unwrap_err();
@@ -715,7 +745,7 @@ async fn bad_descriptors_and_configs_are_refused() {
         );
     }
     let text = String::from_utf8(t.local_descriptor().to_vec()).unwrap();
-    assert!(text.starts_with("kvbridge-tcp/1@127.0.0.1:"), "{text}");
+    assert!(text.starts_with("kvbridge-tcp/2@127.0.0.1:"), "{text}");
     for config in [
         TcpConfig::default().with_connections_per_peer(0),
         TcpConfig::default().with_secret(Vec::new()),
@@ -734,13 +764,15 @@ async fn bad_descriptors_and_configs_are_refused() {
 fn big_begin(batch: u64, region: RegionId, total: u64, body: usize) -> Frame {
     Frame::Begin {
         batch,
+        epoch: 0,
         remaining_ms: 60_000,
         total_bytes: total,
         regions: vec![RegionNeed {
             region: region.0,
             end: 4096,
         }],
-        notification: Some(vec![b'n'; body - 29 - 16].into()),
+        notification: Some(vec![b'n'; body - 38 - 16].into()),
+        ack: true,
     }
 }
 
@@ -838,7 +870,7 @@ async fn queued_notifications_stay_charged_until_the_application_takes_them() {
             .await
             .unwrap()
             .unwrap();
-        assert_eq!(n.payload.len(), body - 45);
+        assert_eq!(n.payload.len(), body - 54);
     }
     assert_eq!(
         t.inbound_pending_stats().0,
@@ -973,7 +1005,7 @@ async fn a_sender_giving_up_on_a_silent_listener_tells_it_why() {
     let (addr, task) = silent_listener(false).await;
     let t = TcpTransport::bind(keepalive_config()).await.unwrap();
     let peer = t
-        .connect(format!("kvbridge-tcp/1@{addr}").as_bytes())
+        .connect(format!("kvbridge-tcp/2@{addr}").as_bytes())
         .await
         .unwrap();
     let errors = tokio::time::timeout(LIMIT, task)
@@ -1085,4 +1117,215 @@ async fn concurrent_begins_on_every_connection_share_one_budget() {
     );
     charged_eventually(&t, 0).await;
     still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn the_region_table_is_sent_at_connect_and_announced_on_change() {
+    let (t, region, _mem) = target(TcpConfig::default()).await;
+    let mut raw = Raw::handshake(&t, false).await;
+    assert_eq!(
+        raw.table,
+        vec![RegionLen {
+            region: region.0,
+            len: Some(4096),
+        }]
+    );
+    let (later, _) = t.allocate_registered(100).await.unwrap();
+    assert_eq!(
+        raw.frame().await,
+        Some(Frame::Regions {
+            last: true,
+            regions: vec![RegionLen {
+                region: later.0,
+                len: Some(100),
+            }],
+        })
+    );
+    t.deregister(later).await.unwrap();
+    assert_eq!(
+        raw.frame().await,
+        Some(Frame::Regions {
+            last: true,
+            regions: vec![RegionLen {
+                region: later.0,
+                len: None,
+            }],
+        })
+    );
+}
+
+/// A `Begin` sent without waiting for its answer, followed at once by its data.
+fn unasked(batch: u64, region: u64, offset: u64, data: &[u8]) -> Vec<u8> {
+    let op = WireOp {
+        region,
+        offset,
+        len: data.len() as u64,
+    };
+    let mut bytes = Frame::Begin {
+        batch,
+        epoch: 0,
+        remaining_ms: 60_000,
+        total_bytes: data.len() as u64,
+        regions: vec![RegionNeed {
+            region,
+            end: offset + data.len() as u64,
+        }],
+        notification: None,
+        ack: false,
+    }
+    .encode();
+    bytes.extend(
+        Frame::Data {
+            batch,
+            ops: vec![op],
+        }
+        .encode(),
+    );
+    bytes.extend_from_slice(data);
+    bytes
+}
+
+#[tokio::test]
+async fn a_refused_batch_sent_without_waiting_is_dropped_and_the_connection_kept() {
+    let (t, region, mem) = target(TcpConfig::default()).await;
+    let mut raw = Raw::handshake(&t, false).await;
+    // Unknown region, then out of bounds: each is refused, its data read and dropped.
+    for (batch, target, offset, len) in [(1, 999, 0, None), (2, region.0, 4090, Some(4096))] {
+        raw.bytes(&unasked(batch, target, offset, &[9; 64])).await;
+        match raw.frame().await {
+            Some(Frame::BeginAck {
+                batch: b,
+                status,
+                regions,
+            }) => {
+                assert_eq!((b, status), (batch, wire::BeginStatus::RegionRefused));
+                assert_eq!(regions[0].len, len);
+            }
+            other => panic!("expected a refusal of batch {batch}, got {other:?}"),
+        }
+        raw.send(&Frame::Cancel { batch }).await;
+        assert_eq!(
+            raw.frame().await,
+            Some(Frame::CancelAck {
+                batch,
+                status: wire::CancelStatus::Dropped,
+            })
+        );
+    }
+    assert!(untouched(&mem), "a refused batch wrote memory");
+    // The same connection goes on: a good batch sent the same way is applied, unanswered
+    // until its `Done`.
+    raw.bytes(&unasked(3, region.0, 8, b"in place")).await;
+    assert_eq!(raw.frame().await, Some(Frame::Done { batch: 3 }));
+    assert_eq!(mem.to_vec(8, 8).unwrap(), b"in place");
+    // More data than a refused batch announced is still a protocol error.
+    raw.bytes(&unasked(4, 999, 0, &[4; 8])).await;
+    assert!(matches!(raw.frame().await, Some(Frame::BeginAck { .. })));
+    raw.send(&Frame::Data {
+        batch: 4,
+        ops: vec![WireOp {
+            region: 999,
+            offset: 0,
+            len: 8,
+        }],
+    })
+    .await;
+    raw.bytes(&[4; 8]).await;
+    let msg = raw.expect_error(14).await;
+    assert!(msg.contains("announced 8 bytes"), "{msg}");
+}
+
+#[tokio::test]
+async fn a_begin_deadline_counts_from_its_epoch_not_from_its_arrival() {
+    let (t, region, mem) = target(TcpConfig::default()).await;
+    let mut raw = Raw::handshake(&t, false).await;
+    // A deadline 1 ms after the Welcome has passed once this Begin arrives, however late it
+    // was read: the data is dropped, not written.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut bytes = unasked(1, region.0, 0, &[7; 8]);
+    // remaining_ms at body offset 16, after the batch id and the epoch.
+    bytes[wire::HEADER_LEN + 16..wire::HEADER_LEN + 24].copy_from_slice(&1u64.to_be_bytes());
+    raw.bytes(&bytes).await;
+    // The Cancel is answered once the Data frame before it was handled (FIFO).
+    raw.send(&Frame::Cancel { batch: 1 }).await;
+    assert_eq!(
+        raw.frame().await,
+        Some(Frame::CancelAck {
+            batch: 1,
+            status: wire::CancelStatus::Dropped,
+        })
+    );
+    assert!(untouched(&mem), "a batch past its deadline wrote memory");
+    // An epoch that is a Pong this side sent counts from that Pong.
+    raw.send(&Frame::Ping { nonce: 77 }).await;
+    assert_eq!(raw.frame().await, Some(Frame::Pong { nonce: 77 }));
+    let mut bytes = unasked(2, region.0, 0, b"fresh");
+    // Epoch field at body offset 8, after the batch id.
+    bytes[wire::HEADER_LEN + 8..wire::HEADER_LEN + 16].copy_from_slice(&77u64.to_be_bytes());
+    raw.bytes(&bytes).await;
+    assert_eq!(raw.frame().await, Some(Frame::Done { batch: 2 }));
+    assert_eq!(mem.to_vec(0, 5).unwrap(), b"fresh");
+}
+
+#[tokio::test]
+async fn posts_check_remote_bounds_against_the_announced_table() {
+    let (t, region, mem) = target(TcpConfig::default()).await;
+    let sender = TcpTransport::new().await.unwrap();
+    let (src, src_mem) = sender.allocate_registered(4096).await.unwrap();
+    src_mem.fill(0, 4096, 0x55).unwrap();
+    let peer = sender.connect(&t.local_descriptor()).await.unwrap();
+    let op = |remote_region, remote_offset, len| TransferOp {
+        local_region: src,
+        local_offset: 0,
+        remote_region,
+        remote_offset,
+        len,
+    };
+    // Out of bounds of a region in the table: refused by `post` itself.
+    let e = sender
+        .post(peer, TransferBatch::write(vec![op(region, 4000, 200)]))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            TransportError::OutOfBounds {
+                side: kvbridge_transport::Side::Remote,
+                region_len: 4096,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // Registered after connect: announced, and written.
+    let (late, late_mem) = t.allocate_registered(512).await.unwrap();
+    sender
+        .transfer(peer, TransferBatch::write(vec![op(late, 0, 512)]))
+        .await
+        .unwrap();
+    assert_eq!(late_mem.to_vec(0, 512).unwrap(), vec![0x55; 512]);
+    // Deregistered after connect: the receiver refuses it; `wait` names the region and
+    // nothing is written.
+    t.deregister(late).await.unwrap();
+    let r = sender
+        .transfer(peer, TransferBatch::write(vec![op(late, 0, 16)]))
+        .await;
+    assert!(
+        matches!(
+            r,
+            Err(TransportError::UnknownRegion {
+                side: kvbridge_transport::Side::Remote,
+                region,
+                ..
+            }) if region == late
+        ),
+        "{r:?}"
+    );
+    assert!(untouched(&mem));
+    // The connection is still good.
+    sender
+        .transfer(peer, TransferBatch::write(vec![op(region, 0, 64)]))
+        .await
+        .unwrap();
+    assert_eq!(mem.to_vec(0, 64).unwrap(), vec![0x55; 64]);
 }

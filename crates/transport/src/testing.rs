@@ -1544,6 +1544,103 @@ pub async fn shutdown_closes(pair: TransportPair) {
     );
 }
 
+/// A transport may learn the receiver's regions once, at `connect` (a peer region table), but a
+/// region the receiver registers **after** `connect` is writable as soon as its `register`
+/// returned — small and large batches alike — and a write past its end is refused (at `post`
+/// with [`TransportError::OutOfBounds`] naming the remote side, or by a failed `wait`) without
+/// touching memory.
+pub async fn regions_registered_after_connect(pair: TransportPair) {
+    const LARGE: usize = 256 * 1024;
+    let mut rig = Rig::new(pair, &[LARGE], &[4096]).await;
+    let mut rng = Rng::new(0x7AB1E);
+    rig.remote
+        .push(register(rig.name, &rig.receiver, 4096, &mut rng, "receiver").await);
+    rig.remote
+        .push(register(rig.name, &rig.receiver, LARGE, &mut rng, "receiver").await);
+    let mut model = rig.snapshot_remote();
+    for ops in [
+        vec![rig.op(0, 0, 1, 0, 4096)],
+        vec![
+            rig.op(0, 0, 2, LARGE as u64 / 2, LARGE as u64 / 2),
+            rig.op(0, LARGE as u64 / 2, 2, 0, LARGE as u64 / 2),
+        ],
+    ] {
+        apply(&mut model, &rig, &ops);
+        rig.transfer_ok(
+            TransferBatch::write(ops).with_timeout(BATCH_TIMEOUT),
+            "a batch into a region the receiver registered after connect",
+        )
+        .await;
+        rig.assert_remote(
+            &model,
+            DATA,
+            "a batch into a region the receiver registered after connect",
+        );
+    }
+    let small = rig.remote[1].id;
+    for (offset, len) in [(4000u64, 200u64), (0, 4097), (4096, LARGE as u64 / 2)] {
+        expect_remote_refusal(
+            &rig,
+            TransferBatch::write(vec![rig.op(0, 0, 0, 0, 64), rig.op(0, 0, 1, offset, len)])
+                .with_timeout(BATCH_TIMEOUT),
+            &format!(
+                "a batch writing [{offset}, {offset}+{len}) of a 4096-byte region registered \
+                 after connect"
+            ),
+            |e| {
+                matches!(e, TransportError::OutOfBounds { side: Side::Remote, region, region_len: 4096, .. }
+                    if *region == small)
+            },
+        )
+        .await;
+    }
+}
+
+/// Regions the receiver does not have when a batch arrives — deregistered after `connect`
+/// (so a table learned at `connect` is stale), or never registered — are refused at `post` with
+/// [`TransportError::UnknownRegion`] naming the remote side, or by a failed `wait`, for small and
+/// large batches, without touching memory; the peer keeps working afterwards.
+pub async fn stale_or_unknown_remote_regions_refused(pair: TransportPair) {
+    const LARGE: u64 = 256 * 1024;
+    let rig = Rig::new(pair, &[LARGE as usize], &[LARGE as usize, LARGE as usize]).await;
+    let gone = rig.remote[1].id;
+    bounded(
+        rig.name,
+        IDS,
+        "deregister",
+        CALL_LIMIT,
+        rig.receiver.deregister(gone),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("[{}] {IDS}: receiver.deregister failed: {e}", rig.name));
+    let bogus = RegionId(u64::MAX - 11);
+    for (region, what) in [
+        (gone, "deregistered after connect"),
+        (bogus, "never registered"),
+    ] {
+        for len in [64, LARGE] {
+            let mut op = rig.op(0, 0, 1, 0, len);
+            op.remote_region = region;
+            expect_remote_refusal(
+                &rig,
+                TransferBatch::write(vec![rig.op(0, 0, 0, 0, 64), op]).with_timeout(BATCH_TIMEOUT),
+                &format!("a {len}-byte write into a remote region {what}"),
+                |e| matches!(e, TransportError::UnknownRegion { side: Side::Remote, region: r, .. } if *r == region),
+            )
+            .await;
+        }
+    }
+    let mut model = rig.snapshot_remote();
+    let ops = vec![rig.op(0, 0, 0, 0, LARGE)];
+    apply(&mut model, &rig, &ops);
+    rig.transfer_ok(
+        TransferBatch::write(ops).with_timeout(BATCH_TIMEOUT),
+        "a valid batch after refused ones",
+    )
+    .await;
+    rig.assert_remote(&model, DATA, "a valid batch after refused ones");
+}
+
 /// A region of device memory is refused at `register` with [`TransportError::Unsupported`]
 /// unless the transport's capabilities declare
 /// [`device_memory`](Capabilities::device_memory); then it is accepted (the pair supplies the
@@ -1655,6 +1752,8 @@ macro_rules! __conformance_cases {
             bad_descriptor_refused,
             shutdown_closes,
             device_memory_refused_unless_declared,
+            regions_registered_after_connect,
+            stale_or_unknown_remote_regions_refused,
         }
     };
 }
@@ -1706,4 +1805,6 @@ pub const CASES: &[&str] = &[
     "bad_descriptor_refused",
     "shutdown_closes",
     "device_memory_refused_unless_declared",
+    "regions_registered_after_connect",
+    "stale_or_unknown_remote_regions_refused",
 ];

@@ -214,6 +214,11 @@ struct Report {
     local_p50_us: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     local_p99_us: Option<f64>,
+    /// `latency-4k`: the baseline's round trip (for TCP, a raw ping-pong of the same 4 KiB).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    baseline_p50_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    baseline_p99_us: Option<f64>,
 }
 
 const BASELINE: &str = "memcpy into pre-faulted memory";
@@ -765,6 +770,8 @@ async fn measure_with(
         p99_us: None,
         local_p50_us: None,
         local_p99_us: None,
+        baseline_p50_us: None,
+        baseline_p99_us: None,
     };
     if pattern == Pattern::Latency4k {
         latency(
@@ -849,7 +856,7 @@ async fn latency(
         if i % 100 == 0 {
             progress.show(&format!("latency-4k: {i}/{iterations}"));
         }
-        base.push(baseline_run()?);
+        base.push((baseline_run()? * 1e9) as u64);
         let note = Bytes::from(format!("lat {}", unix_nanos()));
         let start = Instant::now();
         t.transfer(
@@ -862,11 +869,17 @@ async fn latency(
     }
     let bytes: u64 = ops.iter().map(|o| o.2).sum();
     local.sort_unstable();
+    base.sort_unstable();
     let p50 = percentile(&local, 0.5);
+    let base_p50 = percentile(&base, 0.5);
     report.local_p50_us = Some(p50 / 1e3);
     report.local_p99_us = Some(percentile(&local, 0.99) / 1e3);
+    report.baseline_p50_us = Some(base_p50 / 1e3);
+    report.baseline_p99_us = Some(percentile(&base, 0.99) / 1e3);
+    // Both are round trips: post to `wait` returning (the receiver's `Done` back) against the
+    // baseline's send and reply. ratio = baseline p50 / transport p50.
     report.gbps = bytes as f64 / p50;
-    report.baseline_gbps = bytes as f64 / (median(base) * 1e9);
+    report.baseline_gbps = bytes as f64 / base_p50;
     report.ratio = report.gbps / report.baseline_gbps;
     Ok(())
 }
@@ -892,8 +905,17 @@ fn print_table(reports: &[Report], runs: u32) {
     for r in reports {
         let notes = match (r.p50_us, r.p99_us) {
             (Some(p50), Some(p99)) => format!(
-                "write+notify p50 {p50:.1} us, p99 {p99:.1} us (local wait p50 {:.1} us)",
-                r.local_p50_us.unwrap_or(f64::NAN)
+                "write+notify p50 {p50:.1} us, p99 {p99:.1} us; local wait p50 {:.1} us, \
+                 p99 {:.1} us; {} p50 {:.1} us, p99 {:.1} us",
+                r.local_p50_us.unwrap_or(f64::NAN),
+                r.local_p99_us.unwrap_or(f64::NAN),
+                if r.baseline == BASELINE {
+                    "memcpy"
+                } else {
+                    "raw TCP ping-pong"
+                },
+                r.baseline_p50_us.unwrap_or(f64::NAN),
+                r.baseline_p99_us.unwrap_or(f64::NAN),
             ),
             _ if !r.verified => "WRONG BYTES".to_owned(),
             _ => "verified".to_owned(),

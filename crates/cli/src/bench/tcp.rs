@@ -4,7 +4,8 @@
 //! The baseline's receiving end is a third process (this binary with `--role raw-tcp-sink`):
 //! it reads each run's bytes straight into a pre-faulted pool of the pattern's size and answers
 //! one byte when it has them all, so a baseline run, like a transport run, is timed from the
-//! first byte sent to the receiver's confirmation.
+//! first byte sent to the receiver's confirmation. For `latency-4k` that is a raw TCP
+//! ping-pong of the same 4 KiB (send, the peer replies), the row's round-trip baseline.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
