@@ -255,3 +255,21 @@ fn late_writer_pair() -> TransportPair {
 async fn a_write_landing_after_cancel_fails_cancel_fences() {
     testing::cancel_fences(late_writer_pair()).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "did not return within 250.001ms")]
+async fn the_pair_s_limits_bound_the_cases() {
+    // The first batch of `deadline_expiry` has a 1 µs deadline, so its `wait` is bounded by that
+    // plus the pair's deadline grace; `boxed` keeps the limits.
+    let limits = testing::Limits::default().with_deadline_grace(Duration::from_millis(250));
+    let pair = pair(Flaw::HangingWait).with_limits(limits).boxed();
+    assert_eq!(pair.limits(), limits);
+    testing::deadline_expiry(pair).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_late_writer_passes_cases_that_do_not_cancel() {
+    // Control: what fails `cancel_fences` is the late write, not the decorator.
+    testing::random_batches(late_writer_pair()).await;
+    testing::notification_after_data(late_writer_pair()).await;
+}
