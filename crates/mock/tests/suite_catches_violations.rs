@@ -2,7 +2,9 @@
 //! `LoopbackTransport` in a decorator that breaks one contract point and checks that the case
 //! covering it panics, naming that point.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -180,4 +182,94 @@ async fn the_wrapper_passes_cases_its_flaw_does_not_touch() {
     testing::cancel_fences(pair(Flaw::UndeclaredReads)).await;
     testing::notification_after_data(pair(Flaw::UndeclaredReads)).await;
     testing::device_memory_refused_unless_declared(pair(Flaw::UndeclaredReads)).await;
+}
+
+/// How long after `cancel` returned [`LateWriter`] lands the cancelled batch's bytes: far past
+/// a 50 ms quiet window, well inside the batch's deadline.
+const LATE_BY: Duration = Duration::from_millis(300);
+
+/// Fences a cancelled batch as the inner transport does and reports it `Cancelled`, but keeps
+/// one retry slot: [`LATE_BY`] after `cancel` returned it posts the cancelled batch's
+/// descriptors again, unless a later cancel took the slot first. So the last batch cancelled
+/// lands after the fence.
+struct LateWriter {
+    inner: Arc<LoopbackTransport>,
+    /// Posted batches not yet cancelled, each with its peer, to replay if cancelled.
+    posted: Mutex<HashMap<BatchId, (PeerId, TransferBatch)>>,
+    /// Bumped by every cancel; a retry runs only if it is still the newest.
+    slot: Arc<AtomicU64>,
+}
+
+#[async_trait::async_trait]
+impl kvbridge_transport::Delegate for LateWriter {
+    fn inner(&self) -> &dyn KvTransport {
+        &*self.inner
+    }
+
+    async fn post(&self, peer: PeerId, batch: TransferBatch) -> Result<BatchId> {
+        let replay = TransferBatch::write(batch.ops.clone());
+        let id = self.inner.post(peer, batch).await?;
+        self.posted
+            .lock()
+            .expect("posted table")
+            .insert(id, (peer, replay));
+        Ok(id)
+    }
+
+    async fn cancel(&self, batch: BatchId) -> Result<BatchState> {
+        let state = self.inner.cancel(batch).await?;
+        let replay = self.posted.lock().expect("posted table").remove(&batch);
+        if let (BatchState::Cancelled, Some((peer, replay))) = (&state, replay) {
+            let mine = self.slot.fetch_add(1, Ordering::SeqCst) + 1;
+            let slot = Arc::clone(&self.slot);
+            let inner = Arc::clone(&self.inner);
+            tokio::spawn(async move {
+                tokio::time::sleep(LATE_BY).await;
+                if slot.load(Ordering::SeqCst) != mine {
+                    return;
+                }
+                if let Ok(id) = inner.post(peer, replay).await {
+                    let _ = inner.wait(id).await;
+                }
+            });
+        }
+        Ok(state)
+    }
+}
+
+fn late_writer_pair() -> TransportPair {
+    // Small copy steps keep the batch in flight when `cancel` comes, so it is cancelled.
+    let config = LoopbackConfig::default().with_chunk_bytes(512);
+    let make = || {
+        Arc::new(LateWriter {
+            inner: Arc::new(LoopbackTransport::with_config(config.clone())),
+            posted: Mutex::default(),
+            slot: Arc::default(),
+        })
+    };
+    TransportPair::new(make(), make())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "contract 3 (fencing): after batch")]
+async fn a_write_landing_after_cancel_fails_cancel_fences() {
+    testing::cancel_fences(late_writer_pair()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "did not return within 250.001ms")]
+async fn the_pair_s_limits_bound_the_cases() {
+    // The first batch of `deadline_expiry` has a 1 µs deadline, so its `wait` is bounded by that
+    // plus the pair's deadline grace; `boxed` keeps the limits.
+    let limits = testing::Limits::default().with_deadline_grace(Duration::from_millis(250));
+    let pair = pair(Flaw::HangingWait).with_limits(limits).boxed();
+    assert_eq!(pair.limits(), limits);
+    testing::deadline_expiry(pair).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_late_writer_passes_cases_that_do_not_cancel() {
+    // Control: what fails `cancel_fences` is the late write, not the decorator.
+    testing::random_batches(late_writer_pair()).await;
+    testing::notification_after_data(late_writer_pair()).await;
 }

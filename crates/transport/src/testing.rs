@@ -39,13 +39,16 @@
 //! [`local_descriptor`](KvTransport::local_descriptor), posts batches from the sender and checks
 //! the receiver's memory byte for byte through its own [`MemoryRegion`] handles. Capabilities
 //! come from `sender.capabilities()`; a case a transport cannot do is checked to be refused with
-//! [`TransportError::Unsupported`], never skipped. Every await is bounded, so a broken transport
-//! fails with a message naming the transport and the contract point instead of hanging.
+//! [`TransportError::Unsupported`], never skipped. Every await is bounded by the pair's
+//! [`Limits`] (a slower transport raises them with [`TransportPair::with_limits`]), so a broken
+//! transport fails with a message naming the transport and the contract point instead of
+//! hanging. A fenced batch's destination is watched until the batch's deadline plus
+//! [`Limits::fence_grace`], so a write that lands well after `cancel` returned fails the case.
 //!
 //! The suite needs no particular executor: its timers run on one `std` thread.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
@@ -70,6 +73,107 @@ pub struct TransportPair {
     /// Receives them; its memory is checked.
     pub receiver: Arc<dyn KvTransport>,
     device_regions: Option<DeviceRegions>,
+    limits: Limits,
+}
+
+/// The suite's wall-clock limits: how long it waits for a transport before failing it, and how
+/// long it watches memory for bytes that must not land. The defaults suit the transports of
+/// this workspace on a loaded machine; a transport whose calls are slower (an RDMA connection
+/// setup, a remote device) raises them with [`TransportPair::with_limits`]. Every case takes
+/// its limits from here.
+///
+/// ```
+/// use std::time::Duration;
+/// use kvbridge_transport::testing::Limits;
+///
+/// let slow = Limits::default()
+///     .with_call(Duration::from_secs(30))
+///     .with_deadline_grace(Duration::from_secs(5));
+/// assert_eq!(slow.batch_timeout, Limits::default().batch_timeout);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Limits {
+    /// Upper bound for one call that should return promptly: `connect`, `register`, `post`,
+    /// `cancel`, `probe`, `shutdown`, an expected `recv_notification` (default 5 s).
+    pub call: Duration,
+    /// How long after a batch's deadline `wait` may take to return (default 2 s).
+    pub deadline_grace: Duration,
+    /// Deadline of ordinary batches, which should finish far sooner (default 10 s).
+    pub batch_timeout: Duration,
+    /// Deadline of the batches the suite interrupts (cancel, shutdown, peer loss): long
+    /// enough that they are usually still in flight when interrupted (default 2 s).
+    pub interrupted_batch_timeout: Duration,
+    /// How long past a fenced batch's deadline the suite keeps watching its destination
+    /// (default 500 ms). A cancelled, failed or timed-out batch is watched until its deadline
+    /// plus this grace, counted from `post`, so a transport that lets a write land after the
+    /// fence is caught unless the write comes later than the transport's own deadline would
+    /// allow.
+    pub fence_grace: Duration,
+    /// How long the suite watches for something that must not happen at all: bytes of a
+    /// refused batch, an extra notification; also the least time a fenced batch's destination
+    /// is watched after the fence (default 50 ms).
+    pub quiet: Duration,
+    /// The timeout the suite passes to `probe` (default 1 s).
+    pub probe: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            call: Duration::from_secs(5),
+            deadline_grace: Duration::from_secs(2),
+            batch_timeout: Duration::from_secs(10),
+            interrupted_batch_timeout: Duration::from_secs(2),
+            fence_grace: Duration::from_millis(500),
+            quiet: Duration::from_millis(50),
+            probe: Duration::from_secs(1),
+        }
+    }
+}
+
+impl Limits {
+    /// Sets [`call`](Self::call).
+    pub const fn with_call(mut self, limit: Duration) -> Self {
+        self.call = limit;
+        self
+    }
+
+    /// Sets [`deadline_grace`](Self::deadline_grace).
+    pub const fn with_deadline_grace(mut self, grace: Duration) -> Self {
+        self.deadline_grace = grace;
+        self
+    }
+
+    /// Sets [`batch_timeout`](Self::batch_timeout).
+    pub const fn with_batch_timeout(mut self, timeout: Duration) -> Self {
+        self.batch_timeout = timeout;
+        self
+    }
+
+    /// Sets [`interrupted_batch_timeout`](Self::interrupted_batch_timeout).
+    pub const fn with_interrupted_batch_timeout(mut self, timeout: Duration) -> Self {
+        self.interrupted_batch_timeout = timeout;
+        self
+    }
+
+    /// Sets [`fence_grace`](Self::fence_grace).
+    pub const fn with_fence_grace(mut self, grace: Duration) -> Self {
+        self.fence_grace = grace;
+        self
+    }
+
+    /// Sets [`quiet`](Self::quiet).
+    pub const fn with_quiet(mut self, window: Duration) -> Self {
+        self.quiet = window;
+        self
+    }
+
+    /// Sets [`probe`](Self::probe).
+    pub const fn with_probe(mut self, timeout: Duration) -> Self {
+        self.probe = timeout;
+        self
+    }
 }
 
 impl std::fmt::Debug for TransportPair {
@@ -77,6 +181,7 @@ impl std::fmt::Debug for TransportPair {
         f.debug_struct("TransportPair")
             .field("sender", &self.sender.name())
             .field("receiver", &self.receiver.name())
+            .field("limits", &self.limits)
             .finish()
     }
 }
@@ -88,7 +193,20 @@ impl TransportPair {
             sender,
             receiver,
             device_regions: None,
+            limits: Limits::default(),
         }
+    }
+
+    /// Runs the cases under other wall-clock limits than the [defaults](Limits::default), for
+    /// a transport that needs longer (a real RDMA connection setup is slower).
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// The limits the cases run under.
+    pub fn limits(&self) -> Limits {
+        self.limits
     }
 
     /// Gives the suite real device memory to register, for a transport whose capabilities
@@ -108,18 +226,17 @@ impl TransportPair {
             sender,
             receiver,
             device_regions: self.device_regions,
+            limits: self.limits,
         }
     }
 }
 
-/// Upper bound for any single call the suite makes that should return promptly.
-const CALL_LIMIT: Duration = Duration::from_secs(5);
-/// Grace after a batch deadline within which `wait` must have returned.
-const DEADLINE_GRACE: Duration = Duration::from_secs(2);
-/// Deadline of ordinary batches (they should finish far sooner).
-const BATCH_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a fenced region is watched for late writes.
-const FENCE_WATCH: Duration = Duration::from_millis(50);
+/// How often the suite polls `batch_state`, and how long it lets a batch run before one of
+/// the cancels: a pace, not a limit.
+const POLL: Duration = Duration::from_millis(1);
+/// Deadlines of the `deadline_expiry` batches: case inputs that expire mid-batch on any
+/// transport, not limits.
+const EXPIRING_DEADLINES: [Duration; 2] = [Duration::from_micros(1), Duration::from_millis(2)];
 
 const BOUNDS: &str = "contract 1 (bounds before bytes)";
 const ENDS: &str = "contract 2 (every batch ends by its deadline)";
@@ -166,6 +283,7 @@ struct Rig {
     receiver: Arc<dyn KvTransport>,
     peer: PeerId,
     caps: Capabilities,
+    limits: Limits,
     local: Vec<Reg>,
     remote: Vec<Reg>,
 }
@@ -188,18 +306,21 @@ async fn bounded<F: std::future::Future>(
 impl Rig {
     async fn new(pair: TransportPair, local_sizes: &[usize], remote_sizes: &[usize]) -> Self {
         let TransportPair {
-            sender, receiver, ..
+            sender,
+            receiver,
+            limits,
+            ..
         } = pair;
         let name = sender.name();
         let caps = sender.capabilities();
         let mut rng = Rng::new(0x5EED_0000 ^ local_sizes.len() as u64);
         let mut local = Vec::new();
         for &len in local_sizes {
-            local.push(register(name, &sender, len, &mut rng, "sender").await);
+            local.push(register(name, &sender, len, &mut rng, "sender", limits.call).await);
         }
         let mut remote = Vec::new();
         for &len in remote_sizes {
-            remote.push(register(name, &receiver, len, &mut rng, "receiver").await);
+            remote.push(register(name, &receiver, len, &mut rng, "receiver", limits.call).await);
         }
         let descriptor = receiver.local_descriptor();
         assert!(
@@ -210,7 +331,7 @@ impl Rig {
             name,
             PEER_LOSS,
             "connect",
-            CALL_LIMIT,
+            limits.call,
             sender.connect(&descriptor),
         )
         .await
@@ -223,6 +344,7 @@ impl Rig {
             receiver,
             peer,
             caps,
+            limits,
             local,
             remote,
         }
@@ -233,19 +355,19 @@ impl Rig {
             self.name,
             ENDS,
             "post",
-            CALL_LIMIT,
+            self.limits.call,
             self.sender.post(self.peer, batch),
         )
         .await
     }
 
-    /// Waits for a batch, panicking if `wait` outlives `timeout + DEADLINE_GRACE`.
+    /// Waits for a batch, panicking if `wait` outlives `timeout` plus the deadline grace.
     async fn wait(&self, id: BatchId, timeout: Duration) -> Result<(), TransportError> {
         bounded(
             self.name,
             ENDS,
             &format!("wait for batch {id} (deadline {timeout:?})"),
-            timeout + DEADLINE_GRACE,
+            timeout + self.limits.deadline_grace,
             self.sender.wait(id),
         )
         .await
@@ -269,7 +391,7 @@ impl Rig {
             self.name,
             NOTIFY,
             "recv_notification",
-            CALL_LIMIT,
+            self.limits.call,
             self.receiver.recv_notification(),
         )
         .await
@@ -286,15 +408,45 @@ impl Rig {
         }
     }
 
-    /// Asserts the receiver's memory does not change over [`FENCE_WATCH`].
+    /// Asserts the receiver's memory does not change over the [quiet](Limits::quiet) window.
     async fn assert_remote_quiet(&self, what: &str) {
+        self.watch_remote(Instant::now() + self.limits.quiet, what)
+            .await;
+    }
+
+    /// Asserts that no byte of a fenced batch lands later: the receiver's memory stays as it is
+    /// now until the batch's `deadline` plus the [fence grace](Limits::fence_grace) have passed
+    /// since `posted`, and for at least the [quiet](Limits::quiet) window. A transport's own
+    /// deadline stops even a batch nobody cancelled, so a late write that this misses would
+    /// have to outlive the transport's deadline too.
+    async fn assert_fenced(&self, posted: Instant, deadline: Duration, what: &str) {
+        let watch = deadline.saturating_add(self.limits.fence_grace);
+        let until = posted
+            .checked_add(watch)
+            .unwrap_or(posted)
+            .max(Instant::now() + self.limits.quiet);
+        self.watch_remote(until, what).await;
+    }
+
+    /// Compares the receiver's memory with how it is now, every quiet window until `until`,
+    /// so that a late write fails the case soon after it lands.
+    async fn watch_remote(&self, until: Instant, what: &str) {
+        let start = Instant::now();
         let before: Vec<Vec<u8>> = self
             .remote
             .iter()
             .map(|r| r.settled(self.name, FENCING, what))
             .collect();
-        sleep(FENCE_WATCH).await;
-        self.assert_remote(&before, FENCING, what);
+        let step = self.limits.quiet.max(POLL);
+        loop {
+            let now = Instant::now();
+            if now >= until {
+                return;
+            }
+            sleep((until - now).min(step)).await;
+            let later = format!("{what}, {:?} later", start.elapsed());
+            self.assert_remote(&before, FENCING, &later);
+        }
     }
 
     fn op(&self, l: usize, lo: u64, r: usize, ro: u64, len: u64) -> TransferOp {
@@ -314,6 +466,7 @@ async fn register(
     len: usize,
     rng: &mut Rng,
     side: &str,
+    call: Duration,
 ) -> Reg {
     let mem = t
         .allocate(len)
@@ -324,7 +477,7 @@ async fn register(
         "[{name}] {side}.allocate({len}) returned a region of another length"
     );
     mem.write_at(0, &rng.bytes(len)).expect("fill new region");
-    let id = bounded(name, IDS, "register", CALL_LIMIT, t.register(mem.clone()))
+    let id = bounded(name, IDS, "register", call, t.register(mem.clone()))
         .await
         .unwrap_or_else(|e| panic!("[{name}] {side}.register of a {len}-byte region failed: {e}"));
     Reg { id, mem }
@@ -456,7 +609,7 @@ async fn expect_local_refusal(
     let before = rig.snapshot_remote();
     match rig.post(batch).await {
         Ok(id) => {
-            let _ = rig.wait(id, BATCH_TIMEOUT).await;
+            let _ = rig.wait(id, rig.limits.batch_timeout).await;
             panic!(
                 "[{}] {BOUNDS}: {what} was accepted by post; it must be refused there",
                 rig.name
@@ -565,8 +718,11 @@ pub async fn random_batches(pair: TransportPair) {
         }
         apply(&mut model, &rig, &ops);
         let what = format!("random batch {round} ({} ops)", ops.len());
-        rig.transfer_ok(TransferBatch::write(ops).with_timeout(BATCH_TIMEOUT), &what)
-            .await;
+        rig.transfer_ok(
+            TransferBatch::write(ops).with_timeout(rig.limits.batch_timeout),
+            &what,
+        )
+        .await;
         rig.assert_remote(&model, DATA, &what);
     }
 }
@@ -577,7 +733,7 @@ pub async fn zero_length_and_empty_batches(pair: TransportPair) {
     let rig = Rig::new(pair, &[4096], &[4096]).await;
     let before = rig.snapshot_remote();
     rig.transfer_ok(
-        TransferBatch::write(vec![]).with_timeout(BATCH_TIMEOUT),
+        TransferBatch::write(vec![]).with_timeout(rig.limits.batch_timeout),
         "an empty batch",
     )
     .await;
@@ -587,7 +743,7 @@ pub async fn zero_length_and_empty_batches(pair: TransportPair) {
             rig.op(0, 17, 0, 4000, 0),
             rig.op(0, 4096, 0, 4096, 0),
         ])
-        .with_timeout(BATCH_TIMEOUT),
+        .with_timeout(rig.limits.batch_timeout),
         "a batch of zero-length descriptors",
     )
     .await;
@@ -602,7 +758,7 @@ pub async fn zero_length_and_empty_batches(pair: TransportPair) {
     ];
     apply(&mut model, &rig, &ops);
     rig.transfer_ok(
-        TransferBatch::write(ops).with_timeout(BATCH_TIMEOUT),
+        TransferBatch::write(ops).with_timeout(rig.limits.batch_timeout),
         "a mixed batch",
     )
     .await;
@@ -616,7 +772,7 @@ pub async fn zero_length_and_empty_batches(pair: TransportPair) {
     rig.transfer_ok(
         TransferBatch::write(vec![])
             .with_notification(payload.clone())
-            .with_timeout(BATCH_TIMEOUT),
+            .with_timeout(rig.limits.batch_timeout),
         "an empty batch with a notification",
     )
     .await;
@@ -624,7 +780,7 @@ pub async fn zero_length_and_empty_batches(pair: TransportPair) {
         rig.name,
         NOTIFY,
         "recv_notification after an empty batch with a notification",
-        CALL_LIMIT,
+        rig.limits.call,
         rig.receiver.recv_notification(),
     )
     .await
@@ -658,8 +814,11 @@ pub async fn large_batch(pair: TransportPair) {
     let mut model = rig.snapshot_remote();
     apply(&mut model, &rig, &ops);
     let what = format!("a batch of {n} descriptors");
-    rig.transfer_ok(TransferBatch::write(ops).with_timeout(BATCH_TIMEOUT), &what)
-        .await;
+    rig.transfer_ok(
+        TransferBatch::write(ops).with_timeout(rig.limits.batch_timeout),
+        &what,
+    )
+    .await;
     rig.assert_remote(&model, DATA, &what);
 
     if let Some(max) = caps.max_ops_per_batch.filter(|&m| m < WANT) {
@@ -702,7 +861,7 @@ pub async fn out_of_bounds_local_refused(pair: TransportPair) {
     let ops = vec![rig.op(0, 0, 0, 0, 4096)];
     apply(&mut model, &rig, &ops);
     rig.transfer_ok(
-        TransferBatch::write(ops).with_timeout(BATCH_TIMEOUT),
+        TransferBatch::write(ops).with_timeout(rig.limits.batch_timeout),
         "a valid batch after refusals",
     )
     .await;
@@ -719,7 +878,7 @@ pub async fn out_of_bounds_remote_refused(pair: TransportPair) {
         let ops = vec![rig.op(0, 0, 0, 0, 100), rig.op(0, 1000, 0, offset, len)];
         expect_remote_refusal(
             &rig,
-            TransferBatch::write(ops).with_timeout(BATCH_TIMEOUT),
+            TransferBatch::write(ops).with_timeout(rig.limits.batch_timeout),
             &format!("a batch writing remote [{offset}, {offset}+{len}) of a 4096-byte region"),
             |e| {
                 matches!(e, TransportError::OutOfBounds { side: Side::Remote, region: r, offset: o, len: l, region_len: 4096 }
@@ -748,7 +907,7 @@ pub async fn unknown_region_refused(pair: TransportPair) {
     op.remote_region = bogus;
     expect_remote_refusal(
         &rig,
-        TransferBatch::write(vec![rig.op(0, 0, 0, 100, 10), op]).with_timeout(BATCH_TIMEOUT),
+        TransferBatch::write(vec![rig.op(0, 0, 0, 100, 10), op]).with_timeout(rig.limits.batch_timeout),
         "a batch naming an unknown remote region",
         |e| matches!(e, TransportError::UnknownRegion { side: Side::Remote, region, .. } if *region == bogus),
     )
@@ -779,7 +938,8 @@ pub async fn offset_overflow_refused(pair: TransportPair) {
         op.remote_offset = offset;
         expect_remote_refusal(
             &rig,
-            TransferBatch::write(vec![rig.op(0, 0, 0, 100, 10), op]).with_timeout(BATCH_TIMEOUT),
+            TransferBatch::write(vec![rig.op(0, 0, 0, 100, 10), op])
+                .with_timeout(rig.limits.batch_timeout),
             &format!("a remote descriptor with offset {offset} + len {len} overflowing u64"),
             |e| overflow(e) || matches!(e, TransportError::OutOfBounds { .. }),
         )
@@ -796,7 +956,7 @@ pub async fn deregistered_region_refused(pair: TransportPair) {
     let ops = vec![rig.op(0, 0, 0, 0, 64), rig.op(1, 0, 1, 0, 64)];
     apply(&mut model, &rig, &ops);
     rig.transfer_ok(
-        TransferBatch::write(ops).with_timeout(BATCH_TIMEOUT),
+        TransferBatch::write(ops).with_timeout(rig.limits.batch_timeout),
         "a batch before deregistration",
     )
     .await;
@@ -807,7 +967,7 @@ pub async fn deregistered_region_refused(pair: TransportPair) {
         rig.name,
         IDS,
         "deregister",
-        CALL_LIMIT,
+        rig.limits.call,
         rig.sender.deregister(local),
     )
     .await
@@ -823,7 +983,7 @@ pub async fn deregistered_region_refused(pair: TransportPair) {
         rig.name,
         IDS,
         "deregister",
-        CALL_LIMIT,
+        rig.limits.call,
         rig.sender.deregister(local),
     )
     .await;
@@ -838,14 +998,14 @@ pub async fn deregistered_region_refused(pair: TransportPair) {
         rig.name,
         IDS,
         "deregister",
-        CALL_LIMIT,
+        rig.limits.call,
         rig.receiver.deregister(remote),
     )
     .await
     .unwrap_or_else(|e| panic!("[{}] {IDS}: receiver.deregister failed: {e}", rig.name));
     expect_remote_refusal(
         &rig,
-        TransferBatch::write(vec![rig.op(0, 0, 1, 0, 64)]).with_timeout(BATCH_TIMEOUT),
+        TransferBatch::write(vec![rig.op(0, 0, 1, 0, 64)]).with_timeout(rig.limits.batch_timeout),
         "a batch writing a region the receiver deregistered",
         |e| matches!(e, TransportError::UnknownRegion { side: Side::Remote, region, .. } if *region == remote),
     )
@@ -873,7 +1033,7 @@ pub async fn notification_after_data(pair: TransportPair) {
         expected.push(model[0][i * SLOT..(i + 1) * SLOT].to_vec());
         let batch = TransferBatch::write(ops)
             .with_notification(Bytes::from(format!("batch {i}")))
-            .with_timeout(BATCH_TIMEOUT);
+            .with_timeout(rig.limits.batch_timeout);
         ids.push(
             rig.post(batch).await.unwrap_or_else(|e| {
                 panic!("[{}] {NOTIFY}: posting batch {i} failed: {e}", rig.name)
@@ -912,7 +1072,7 @@ pub async fn notification_after_data(pair: TransportPair) {
         seen[i] = true;
     }
     for id in ids {
-        rig.wait(id, BATCH_TIMEOUT)
+        rig.wait(id, rig.limits.batch_timeout)
             .await
             .unwrap_or_else(|e| panic!("[{}] {DATA}: batch {id} failed: {e}", rig.name));
     }
@@ -920,7 +1080,7 @@ pub async fn notification_after_data(pair: TransportPair) {
     // A refused batch never notifies.
     let bad = TransferBatch::write(vec![rig.op(0, 0, 0, (BATCHES * SLOT) as u64, 1)])
         .with_notification(Bytes::from_static(b"refused"))
-        .with_timeout(BATCH_TIMEOUT);
+        .with_timeout(rig.limits.batch_timeout);
     expect_remote_refusal(
         &rig,
         bad,
@@ -939,7 +1099,7 @@ pub async fn notification_after_data(pair: TransportPair) {
     rig.transfer_ok(
         TransferBatch::write(vec![rig.op(0, 0, 0, 0, 8)])
             .with_notification(Bytes::from_static(b"good"))
-            .with_timeout(BATCH_TIMEOUT),
+            .with_timeout(rig.limits.batch_timeout),
         "a batch after a refused one",
     )
     .await;
@@ -950,7 +1110,7 @@ pub async fn notification_after_data(pair: TransportPair) {
         "[{}] {NOTIFY}: a refused batch delivered its notification",
         rig.name
     );
-    let extra = timeout(FENCE_WATCH, rig.receiver.recv_notification()).await;
+    let extra = timeout(rig.limits.quiet, rig.receiver.recv_notification()).await;
     assert!(
         extra.is_none(),
         "[{}] {NOTIFY}: an unexpected extra notification arrived: {extra:?}",
@@ -981,7 +1141,7 @@ pub async fn concurrent_batches(pair: TransportPair) {
         batches.push(
             TransferBatch::write(ops)
                 .with_notification(Bytes::from(i.to_le_bytes().to_vec()))
-                .with_timeout(BATCH_TIMEOUT),
+                .with_timeout(rig.limits.batch_timeout),
         );
     }
     let posted = join_all(batches.into_iter().map(|b| rig.post(b)).collect()).await;
@@ -1006,7 +1166,12 @@ pub async fn concurrent_batches(pair: TransportPair) {
         "[{}] {IDS}: concurrent posts returned duplicate batch ids",
         rig.name
     );
-    let waited = join_all(ids.iter().map(|&id| rig.wait(id, BATCH_TIMEOUT)).collect()).await;
+    let waited = join_all(
+        ids.iter()
+            .map(|&id| rig.wait(id, rig.limits.batch_timeout))
+            .collect(),
+    )
+    .await;
     for (id, r) in ids.iter().zip(waited) {
         r.unwrap_or_else(|e| panic!("[{}] {DATA}: concurrent batch {id} failed: {e}", rig.name));
     }
@@ -1033,10 +1198,7 @@ pub async fn concurrent_batches(pair: TransportPair) {
 pub async fn deadline_expiry(pair: TransportPair) {
     const SIZE: usize = 2 << 20;
     let rig = Rig::new(pair, &[SIZE], &[SIZE]).await;
-    for (round, deadline) in [Duration::from_micros(1), Duration::from_millis(2)]
-        .into_iter()
-        .enumerate()
-    {
+    for (round, deadline) in EXPIRING_DEADLINES.into_iter().enumerate() {
         rig.local[0]
             .mem
             .write_at(0, &Rng::new(round as u64 + 40).bytes(SIZE))
@@ -1046,6 +1208,7 @@ pub async fn deadline_expiry(pair: TransportPair) {
         let mut new = old.clone();
         apply(&mut new, &rig, &ops);
         let what = format!("a 2 MiB batch with a {deadline:?} deadline");
+        let posted = Instant::now();
         let id = match rig
             .post(TransferBatch::write(ops).with_timeout(deadline))
             .await
@@ -1056,8 +1219,9 @@ pub async fn deadline_expiry(pair: TransportPair) {
         match rig.wait(id, deadline).await {
             Ok(()) => rig.assert_remote(&new, DATA, &what),
             Err(TransportError::TimedOut { batch, .. }) if batch == id => {
-                assert_old_or_new(&rig, &old, &new, FENCING, &format!("{what} timed out"));
-                rig.assert_remote_quiet(&format!("{what} timed out")).await;
+                let what = format!("{what} timed out");
+                assert_old_or_new(&rig, &old, &new, FENCING, &what);
+                rig.assert_fenced(posted, deadline, &what).await;
             }
             Err(e) => panic!(
                 "[{}] {ENDS}: {what} must end done or TimedOut, got {}: {e}",
@@ -1076,10 +1240,13 @@ pub async fn deadline_expiry(pair: TransportPair) {
 }
 
 /// After `cancel` returns, no byte of the batch lands; `cancel` returns the final state, which
-/// `wait` then reports once.
+/// `wait` then reports once. A cancelled batch's destination is watched until its deadline
+/// ([`Limits::interrupted_batch_timeout`]) plus the [fence grace](Limits::fence_grace), so a
+/// write that lands well after `cancel` returned is caught.
 pub async fn cancel_fences(pair: TransportPair) {
     const SIZE: usize = 2 << 20;
     let rig = Rig::new(pair, &[SIZE], &[SIZE]).await;
+    let deadline = rig.limits.interrupted_batch_timeout;
     for round in 0..3u64 {
         rig.local[0]
             .mem
@@ -1089,18 +1256,19 @@ pub async fn cancel_fences(pair: TransportPair) {
         let ops = scattered_ops(&rig, SIZE, 4096);
         let mut new = old.clone();
         apply(&mut new, &rig, &ops);
+        let posted = Instant::now();
         let id = rig
-            .post(TransferBatch::write(ops).with_timeout(BATCH_TIMEOUT))
+            .post(TransferBatch::write(ops).with_timeout(deadline))
             .await
             .unwrap_or_else(|e| panic!("[{}] {FENCING}: post failed: {e}", rig.name));
         if round == 1 {
-            sleep(Duration::from_millis(1)).await;
+            sleep(POLL).await;
         }
         let state = bounded(
             rig.name,
             FENCING,
             "cancel",
-            CALL_LIMIT,
+            rig.limits.call,
             rig.sender.cancel(id),
         )
         .await
@@ -1109,29 +1277,44 @@ pub async fn cancel_fences(pair: TransportPair) {
         match state {
             BatchState::Done => {
                 rig.assert_remote(&new, DATA, &what);
-                let r = rig.wait(id, BATCH_TIMEOUT).await;
+                let r = rig.wait(id, deadline).await;
                 assert!(
                     r.is_ok(),
                     "[{}] {IDS}: cancel reported batch {id} done, but wait returned {r:?}",
                     rig.name
                 );
             }
-            BatchState::Cancelled => {
+            // Timed out: the machine was slow enough that the deadline passed before cancel.
+            BatchState::Cancelled | BatchState::TimedOut => {
                 assert_old_or_new(&rig, &old, &new, FENCING, &what);
-                rig.assert_remote_quiet(&what).await;
-                let r = rig.wait(id, BATCH_TIMEOUT).await;
+                rig.assert_fenced(posted, deadline, &what).await;
+                let r = rig.wait(id, deadline).await;
                 assert!(
-                    matches!(r, Err(TransportError::Cancelled { batch }) if batch == id),
-                    "[{}] {IDS}: cancel reported batch {id} cancelled, but wait returned {r:?}",
+                    match (&state, &r) {
+                        (BatchState::Cancelled, Err(TransportError::Cancelled { batch })) =>
+                            *batch == id,
+                        (BatchState::TimedOut, Err(TransportError::TimedOut { batch, .. })) =>
+                            *batch == id,
+                        _ => false,
+                    },
+                    "[{}] {IDS}: cancel reported batch {id} {state:?}, but wait returned {r:?}",
                     rig.name
                 );
             }
             other => panic!(
-                "[{}] {FENCING}: cancel of a healthy batch must return Done or Cancelled, got {other:?}",
+                "[{}] {FENCING}: cancel of a healthy batch must return Done, Cancelled or \
+                 (past its deadline) TimedOut, got {other:?}",
                 rig.name
             ),
         }
-        let again = bounded(rig.name, IDS, "cancel", CALL_LIMIT, rig.sender.cancel(id)).await;
+        let again = bounded(
+            rig.name,
+            IDS,
+            "cancel",
+            rig.limits.call,
+            rig.sender.cancel(id),
+        )
+        .await;
         assert_unknown_batch(rig.name, &again, id, "cancel after wait returned");
     }
     // Cancelling a batch that already finished keeps its final state.
@@ -1139,7 +1322,7 @@ pub async fn cancel_fences(pair: TransportPair) {
     let ops = vec![rig.op(0, 0, 0, 0, 4096)];
     apply(&mut model, &rig, &ops);
     let id = rig
-        .post(TransferBatch::write(ops).with_timeout(BATCH_TIMEOUT))
+        .post(TransferBatch::write(ops).with_timeout(rig.limits.batch_timeout))
         .await
         .unwrap();
     let state = wait_final_state(&rig, id).await;
@@ -1153,7 +1336,7 @@ pub async fn cancel_fences(pair: TransportPair) {
         rig.name,
         FENCING,
         "cancel",
-        CALL_LIMIT,
+        rig.limits.call,
         rig.sender.cancel(id),
     )
     .await;
@@ -1162,29 +1345,34 @@ pub async fn cancel_fences(pair: TransportPair) {
         "[{}] {FENCING}: cancel of a finished batch must return Ok(Done), got {cancelled:?}",
         rig.name
     );
-    rig.wait(id, BATCH_TIMEOUT).await.unwrap_or_else(|e| {
-        panic!(
-            "[{}] {IDS}: wait after cancelling a done batch must return Ok, got {e}",
-            rig.name
-        )
-    });
+    rig.wait(id, rig.limits.batch_timeout)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "[{}] {IDS}: wait after cancelling a done batch must return Ok, got {e}",
+                rig.name
+            )
+        });
     rig.assert_remote(&model, DATA, "a small batch");
 }
 
 /// Polls `batch_state` until final (bounded).
 async fn wait_final_state(rig: &Rig, id: BatchId) -> BatchState {
-    let polled = timeout(BATCH_TIMEOUT + DEADLINE_GRACE, async {
-        loop {
-            match rig.sender.batch_state(id) {
-                Ok(BatchState::Pending) => sleep(Duration::from_millis(1)).await,
-                Ok(s) => return s,
-                Err(e) => panic!(
-                    "[{}] {IDS}: batch_state of a posted, unwaited batch {id} failed: {e}",
-                    rig.name
-                ),
+    let polled = timeout(
+        rig.limits.batch_timeout + rig.limits.deadline_grace,
+        async {
+            loop {
+                match rig.sender.batch_state(id) {
+                    Ok(BatchState::Pending) => sleep(POLL).await,
+                    Ok(s) => return s,
+                    Err(e) => panic!(
+                        "[{}] {IDS}: batch_state of a posted, unwaited batch {id} failed: {e}",
+                        rig.name
+                    ),
+                }
             }
-        }
-    })
+        },
+    )
     .await;
     polled.unwrap_or_else(|| {
         panic!(
@@ -1204,8 +1392,8 @@ pub async fn peer_disconnect_mid_batch(pair: TransportPair) {
         rig.name,
         PEER_LOSS,
         "probe",
-        CALL_LIMIT,
-        rig.sender.probe(rig.peer, Duration::from_secs(1)),
+        rig.limits.call,
+        rig.sender.probe(rig.peer, rig.limits.probe),
     )
     .await
     .unwrap_or_else(|e| {
@@ -1214,8 +1402,9 @@ pub async fn peer_disconnect_mid_batch(pair: TransportPair) {
             rig.name
         )
     });
-    let deadline = Duration::from_secs(2);
+    let deadline = rig.limits.interrupted_batch_timeout;
     let ops = scattered_ops(&rig, SIZE, 32 * 1024);
+    let posted = Instant::now();
     let id = rig
         .post(TransferBatch::write(ops).with_timeout(deadline))
         .await
@@ -1224,15 +1413,19 @@ pub async fn peer_disconnect_mid_batch(pair: TransportPair) {
         rig.name,
         PEER_LOSS,
         "receiver.shutdown",
-        CALL_LIMIT,
+        rig.limits.call,
         rig.receiver.shutdown(),
     )
     .await
     .unwrap_or_else(|e| panic!("[{}] {PEER_LOSS}: receiver.shutdown failed: {e}", rig.name));
     // Done (it finished before the shutdown) or an error; never a hang.
     if rig.wait(id, deadline).await.is_err() {
-        rig.assert_remote_quiet("the in-flight batch failed on peer shutdown")
-            .await;
+        rig.assert_fenced(
+            posted,
+            deadline,
+            "the in-flight batch failed on peer shutdown",
+        )
+        .await;
     }
     // A batch posted after the peer is gone fails, at post or at wait.
     let before = rig.snapshot_remote();
@@ -1256,8 +1449,8 @@ pub async fn peer_disconnect_mid_batch(pair: TransportPair) {
         rig.name,
         PEER_LOSS,
         "probe of a shut-down peer",
-        CALL_LIMIT,
-        rig.sender.probe(rig.peer, Duration::from_millis(500)),
+        rig.limits.call,
+        rig.sender.probe(rig.peer, rig.limits.probe),
     )
     .await;
     assert!(
@@ -1274,7 +1467,7 @@ pub async fn reads_or_unsupported(pair: TransportPair) {
     let ops: Vec<_> = (0..64u64)
         .map(|i| rig.op(0, i * 1024, 0, (63 - i) * 1024, 1000))
         .collect();
-    let batch = TransferBatch::read(ops.clone()).with_timeout(BATCH_TIMEOUT);
+    let batch = TransferBatch::read(ops.clone()).with_timeout(rig.limits.batch_timeout);
     assert_eq!(batch.direction, Direction::Read);
     if !rig.caps.reads {
         let before = rig.local[0].snapshot();
@@ -1310,10 +1503,10 @@ pub async fn reads_or_unsupported(pair: TransportPair) {
     let bad = rig.op(0, 0, 0, 64 * 1024 - 4, 8);
     let before = rig.local[0].snapshot();
     let r = rig
-        .post(TransferBatch::read(vec![bad]).with_timeout(BATCH_TIMEOUT))
+        .post(TransferBatch::read(vec![bad]).with_timeout(rig.limits.batch_timeout))
         .await;
     if let Ok(id) = r {
-        let w = rig.wait(id, BATCH_TIMEOUT).await;
+        let w = rig.wait(id, rig.limits.batch_timeout).await;
         assert!(
             w.is_err(),
             "[{}] {BOUNDS}: an out-of-bounds read batch completed",
@@ -1333,9 +1526,16 @@ pub async fn reads_or_unsupported(pair: TransportPair) {
 pub async fn unknown_ids_refused(pair: TransportPair) {
     let rig = Rig::new(pair, &[4096], &[4096]).await;
     let id = BatchId(u64::MAX - 3);
-    let w = rig.wait(id, BATCH_TIMEOUT).await;
+    let w = rig.wait(id, rig.limits.batch_timeout).await;
     assert_unknown_batch(rig.name, &w, id, "wait of an unknown batch");
-    let c = bounded(rig.name, IDS, "cancel", CALL_LIMIT, rig.sender.cancel(id)).await;
+    let c = bounded(
+        rig.name,
+        IDS,
+        "cancel",
+        rig.limits.call,
+        rig.sender.cancel(id),
+    )
+    .await;
     assert_unknown_batch(rig.name, &c, id, "cancel of an unknown batch");
     let s = rig.sender.batch_state(id);
     assert_unknown_batch(rig.name, &s, id, "batch_state of an unknown batch");
@@ -1345,7 +1545,7 @@ pub async fn unknown_ids_refused(pair: TransportPair) {
         rig.name,
         IDS,
         "post",
-        CALL_LIMIT,
+        rig.limits.call,
         rig.sender
             .post(peer, TransferBatch::write(vec![rig.op(0, 0, 0, 0, 8)])),
     )
@@ -1360,8 +1560,8 @@ pub async fn unknown_ids_refused(pair: TransportPair) {
         rig.name,
         IDS,
         "probe",
-        CALL_LIMIT,
-        rig.sender.probe(peer, Duration::from_millis(200)),
+        rig.limits.call,
+        rig.sender.probe(peer, rig.limits.probe),
     )
     .await;
     assert!(
@@ -1373,7 +1573,7 @@ pub async fn unknown_ids_refused(pair: TransportPair) {
         rig.name,
         IDS,
         "disconnect",
-        CALL_LIMIT,
+        rig.limits.call,
         rig.sender.disconnect(peer),
     )
     .await;
@@ -1387,7 +1587,7 @@ pub async fn unknown_ids_refused(pair: TransportPair) {
         rig.name,
         IDS,
         "disconnect",
-        CALL_LIMIT,
+        rig.limits.call,
         rig.sender.disconnect(rig.peer),
     )
     .await
@@ -1417,7 +1617,7 @@ pub async fn wait_returns_final_state_once(pair: TransportPair) {
     let ops = vec![rig.op(0, 0, 0, 0, 4096)];
     apply(&mut model, &rig, &ops);
     let id = rig
-        .post(TransferBatch::write(ops).with_timeout(BATCH_TIMEOUT))
+        .post(TransferBatch::write(ops).with_timeout(rig.limits.batch_timeout))
         .await
         .unwrap_or_else(|e| panic!("[{}] {DATA}: post failed: {e}", rig.name));
     let state = wait_final_state(&rig, id).await;
@@ -1434,28 +1634,29 @@ pub async fn wait_returns_final_state_once(pair: TransportPair) {
         rig.name
     );
     rig.assert_remote(&model, DATA, "a small batch reported Done");
-    rig.wait(id, BATCH_TIMEOUT)
+    rig.wait(id, rig.limits.batch_timeout)
         .await
         .unwrap_or_else(|e| panic!("[{}] {IDS}: wait of a done batch failed: {e}", rig.name));
-    let w = rig.wait(id, BATCH_TIMEOUT).await;
+    let w = rig.wait(id, rig.limits.batch_timeout).await;
     assert_unknown_batch(rig.name, &w, id, "a second wait");
     let s = rig.sender.batch_state(id);
     assert_unknown_batch(rig.name, &s, id, "batch_state after wait returned");
     // Ids are not reused.
     let id2 = rig
-        .post(TransferBatch::write(vec![]).with_timeout(BATCH_TIMEOUT))
+        .post(TransferBatch::write(vec![]).with_timeout(rig.limits.batch_timeout))
         .await
         .unwrap();
     assert_ne!(id, id2, "[{}] {IDS}: a batch id was reused", rig.name);
-    rig.wait(id2, BATCH_TIMEOUT).await.unwrap();
+    rig.wait(id2, rig.limits.batch_timeout).await.unwrap();
 }
 
 /// A descriptor that is not one of this transport's is refused with
 /// [`TransportError::BadDescriptor`].
 pub async fn bad_descriptor_refused(pair: TransportPair) {
     let name = pair.sender.name();
+    let call = pair.limits.call;
     for bad in [&b""[..], &b"\xff\x00 definitely not a descriptor \x01"[..]] {
-        let r = bounded(name, IDS, "connect", CALL_LIMIT, pair.sender.connect(bad)).await;
+        let r = bounded(name, IDS, "connect", call, pair.sender.connect(bad)).await;
         assert!(
             matches!(r, Err(TransportError::BadDescriptor { .. })),
             "[{name}] {IDS}: connect({bad:?}) must fail with BadDescriptor, got {r:?}"
@@ -1469,7 +1670,7 @@ pub async fn shutdown_closes(pair: TransportPair) {
     const SIZE: usize = 2 << 20;
     let rig = Rig::new(pair, &[SIZE], &[SIZE]).await;
     let ops = scattered_ops(&rig, SIZE, 4096);
-    let deadline = Duration::from_secs(2);
+    let deadline = rig.limits.interrupted_batch_timeout;
     let id = rig
         .post(TransferBatch::write(ops).with_timeout(deadline))
         .await
@@ -1482,7 +1683,7 @@ pub async fn shutdown_closes(pair: TransportPair) {
         rig.name,
         CLOSED,
         "shutdown",
-        CALL_LIMIT,
+        rig.limits.call,
         rig.sender.shutdown(),
     )
     .await
@@ -1503,7 +1704,7 @@ pub async fn shutdown_closes(pair: TransportPair) {
         rig.name,
         CLOSED,
         "register",
-        CALL_LIMIT,
+        rig.limits.call,
         rig.sender.register(region),
     )
     .await
@@ -1518,7 +1719,7 @@ pub async fn shutdown_closes(pair: TransportPair) {
         rig.name,
         CLOSED,
         "connect",
-        CALL_LIMIT,
+        rig.limits.call,
         rig.sender.connect(&descriptor),
     )
     .await
@@ -1532,7 +1733,7 @@ pub async fn shutdown_closes(pair: TransportPair) {
         rig.name,
         CLOSED,
         "recv_notification",
-        CALL_LIMIT,
+        rig.limits.call,
         rig.sender.recv_notification(),
     )
     .await
@@ -1648,6 +1849,7 @@ pub async fn stale_or_unknown_remote_regions_refused(pair: TransportPair) {
 pub async fn device_memory_refused_unless_declared(pair: TransportPair) {
     const LEN: usize = 4096;
     let name = pair.sender.name();
+    let call = pair.limits.call;
     for (side, t) in [("sender", &pair.sender), ("receiver", &pair.receiver)] {
         let declared = t.capabilities().device_memory;
         let device = match (&pair.device_regions, declared) {
@@ -1663,14 +1865,14 @@ pub async fn device_memory_refused_unless_declared(pair: TransportPair) {
             !kind.is_host(),
             "[{name}] {CAPS}: the device region for the {side} is {kind}, not device memory"
         );
-        let r = bounded(name, CAPS, "register", CALL_LIMIT, t.register(device)).await;
+        let r = bounded(name, CAPS, "register", call, t.register(device)).await;
         match (declared, r) {
             (false, Err(TransportError::Unsupported { .. })) => {}
             (false, r) => panic!(
                 "[{name}] {CAPS}: the {side} does not declare device_memory, so registering \
                  {LEN} bytes of {kind} must fail with Unsupported, got {r:?}"
             ),
-            (true, Ok(id)) => bounded(name, CAPS, "deregister", CALL_LIMIT, t.deregister(id))
+            (true, Ok(id)) => bounded(name, CAPS, "deregister", call, t.deregister(id))
                 .await
                 .unwrap_or_else(|e| {
                     panic!("[{name}] {CAPS}: {side}.deregister of a device region failed: {e}")
@@ -1683,12 +1885,12 @@ pub async fn device_memory_refused_unless_declared(pair: TransportPair) {
         let host = t
             .allocate(LEN)
             .unwrap_or_else(|e| panic!("[{name}] {side}.allocate({LEN}) failed: {e}"));
-        let id = bounded(name, CAPS, "register", CALL_LIMIT, t.register(host))
+        let id = bounded(name, CAPS, "register", call, t.register(host))
             .await
             .unwrap_or_else(|e| {
                 panic!("[{name}] {CAPS}: {side}.register of host memory failed: {e}")
             });
-        bounded(name, CAPS, "deregister", CALL_LIMIT, t.deregister(id))
+        bounded(name, CAPS, "deregister", call, t.deregister(id))
             .await
             .unwrap_or_else(|e| panic!("[{name}] {CAPS}: {side}.deregister failed: {e}"));
     }
