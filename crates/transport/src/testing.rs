@@ -1755,9 +1755,9 @@ pub async fn regions_registered_after_connect(pair: TransportPair) {
     let mut rig = Rig::new(pair, &[LARGE], &[4096]).await;
     let mut rng = Rng::new(0x7AB1E);
     rig.remote
-        .push(register(rig.name, &rig.receiver, 4096, &mut rng, "receiver").await);
+        .push(register(rig.name, &rig.receiver, 4096, &mut rng, "receiver", rig.limits.call).await);
     rig.remote
-        .push(register(rig.name, &rig.receiver, LARGE, &mut rng, "receiver").await);
+        .push(register(rig.name, &rig.receiver, LARGE, &mut rng, "receiver", rig.limits.call).await);
     let mut model = rig.snapshot_remote();
     for ops in [
         vec![rig.op(0, 0, 1, 0, 4096)],
@@ -1768,7 +1768,7 @@ pub async fn regions_registered_after_connect(pair: TransportPair) {
     ] {
         apply(&mut model, &rig, &ops);
         rig.transfer_ok(
-            TransferBatch::write(ops).with_timeout(BATCH_TIMEOUT),
+            TransferBatch::write(ops).with_timeout(rig.limits.batch_timeout),
             "a batch into a region the receiver registered after connect",
         )
         .await;
@@ -1783,7 +1783,7 @@ pub async fn regions_registered_after_connect(pair: TransportPair) {
         expect_remote_refusal(
             &rig,
             TransferBatch::write(vec![rig.op(0, 0, 0, 0, 64), rig.op(0, 0, 1, offset, len)])
-                .with_timeout(BATCH_TIMEOUT),
+                .with_timeout(rig.limits.batch_timeout),
             &format!(
                 "a batch writing [{offset}, {offset}+{len}) of a 4096-byte region registered \
                  after connect"
@@ -1809,7 +1809,7 @@ pub async fn stale_or_unknown_remote_regions_refused(pair: TransportPair) {
         rig.name,
         IDS,
         "deregister",
-        CALL_LIMIT,
+        rig.limits.call,
         rig.receiver.deregister(gone),
     )
     .await
@@ -1824,7 +1824,7 @@ pub async fn stale_or_unknown_remote_regions_refused(pair: TransportPair) {
             op.remote_region = region;
             expect_remote_refusal(
                 &rig,
-                TransferBatch::write(vec![rig.op(0, 0, 0, 0, 64), op]).with_timeout(BATCH_TIMEOUT),
+                TransferBatch::write(vec![rig.op(0, 0, 0, 0, 64), op]).with_timeout(rig.limits.batch_timeout),
                 &format!("a {len}-byte write into a remote region {what}"),
                 |e| matches!(e, TransportError::UnknownRegion { side: Side::Remote, region: r, .. } if *r == region),
             )
@@ -1835,7 +1835,7 @@ pub async fn stale_or_unknown_remote_regions_refused(pair: TransportPair) {
     let ops = vec![rig.op(0, 0, 0, 0, LARGE)];
     apply(&mut model, &rig, &ops);
     rig.transfer_ok(
-        TransferBatch::write(ops).with_timeout(BATCH_TIMEOUT),
+        TransferBatch::write(ops).with_timeout(rig.limits.batch_timeout),
         "a valid batch after refused ones",
     )
     .await;
