@@ -1718,21 +1718,41 @@ async fn drive_room(
                     input_open = false;
                     continue;
                 };
-                for pi in 0..peers.len() {
-                    let (ops, endpoint) = {
-                        let p = &peers[pi];
-                        let Some(ap) = p.rp.peer.as_ref() else { continue };
-                        (
-                            ap.plan.chunk_ops(
-                                &job.chunk,
-                                job.page_offset,
-                                job.token_offset,
-                                &p.rp.info.dst_pages,
-                                prefix,
-                            ),
-                            p.rp.info.decode_endpoint.clone(),
-                        )
-                    };
+                // Planning is linear in the chunk's descriptors (hundreds of thousands when
+                // every token row of a head slice is one): it runs off the runtime's workers,
+                // so heartbeats, keep-alives and the other rooms' transfers go on meanwhile.
+                let targets: Vec<RoomPeer> = peers.iter().map(|p| p.rp.clone()).collect();
+                let planned = tokio::task::spawn_blocking(move || {
+                    let ops: Vec<_> = targets
+                        .iter()
+                        .map(|rp| {
+                            rp.peer.as_ref().map(|ap| {
+                                ap.plan.chunk_ops(
+                                    &job.chunk,
+                                    job.page_offset,
+                                    job.token_offset,
+                                    &rp.info.dst_pages,
+                                    prefix,
+                                )
+                            })
+                        })
+                        .collect();
+                    (job, ops)
+                })
+                .await;
+                let (job, planned) = match planned {
+                    Ok(p) => p,
+                    Err(e) => {
+                        failure = Some(FailureReason::new(
+                            FailureCause::Planning,
+                            format!("Failed to send kv chunk of {room}: the planning task died: {e}"),
+                        ));
+                        continue;
+                    }
+                };
+                for (pi, ops) in planned.into_iter().enumerate() {
+                    let Some(ops) = ops else { continue };
+                    let endpoint = peers[pi].rp.info.decode_endpoint.clone();
                     match ops {
                         Ok(ops) if ops.is_empty() => {}
                         Ok(ops) => {

@@ -74,6 +74,9 @@ struct Conn {
     /// Outbound: the peer's regions mapped so far.
     remote: Mutex<HashMap<RegionId, Arc<RemoteRegion>>>,
     region_waiters: Mutex<HashMap<u64, oneshot::Sender<Result<Arc<RemoteRegion>>>>>,
+    /// Outbound: held while a region is looked up, so concurrent first posts wait for one
+    /// mapping instead of each mapping (and populating) the whole region again.
+    lookup: tokio::sync::Mutex<()>,
     pings: Mutex<HashMap<u64, oneshot::Sender<()>>>,
     /// Inbound: regions whose file this peer received, and revocations awaiting its ack.
     shared: Mutex<HashSet<RegionId>>,
@@ -97,6 +100,7 @@ impl Conn {
             lost_reason: Mutex::new(None),
             remote: Mutex::new(HashMap::new()),
             region_waiters: Mutex::new(HashMap::new()),
+            lookup: tokio::sync::Mutex::new(()),
             pings: Mutex::new(HashMap::new()),
             shared: Mutex::new(HashSet::new()),
             revokes: Mutex::new(HashMap::new()),
@@ -123,6 +127,12 @@ impl Conn {
 
     /// The peer's region `id`, mapping it on first use.
     async fn remote_region(&self, id: RegionId, deadline: Instant) -> Result<Arc<RemoteRegion>> {
+        if let Some(r) = lock(&self.remote).get(&id) {
+            return Ok(Arc::clone(r));
+        }
+        let Ok(_one) = tokio::time::timeout_at(deadline, self.lookup.lock()).await else {
+            return Err(self.no_answer("a region lookup"));
+        };
         if let Some(r) = lock(&self.remote).get(&id) {
             return Ok(Arc::clone(r));
         }
@@ -1291,5 +1301,54 @@ impl KvTransport for ShmTransport {
         self.inner.close();
         tracing::info!("shm: transport shut down");
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvbridge_transport::{KvTransportExt, TransferOp};
+
+    /// Concurrent first posts to a peer look its region up once. Each lookup maps (and
+    /// populates) the whole region, so a first wave of N rooms used to map it N times, and
+    /// every room of the wave waited for all of those mappings.
+    #[tokio::test(flavor = "current_thread")]
+    async fn concurrent_first_posts_look_a_peer_region_up_once() {
+        const POSTS: u64 = 8;
+        let receiver = ShmTransport::new().unwrap();
+        let sender = Arc::new(ShmTransport::new().unwrap());
+        let (dst, _) = receiver
+            .allocate_registered((POSTS * 4096) as usize)
+            .await
+            .unwrap();
+        let (src, _) = sender
+            .allocate_registered((POSTS * 4096) as usize)
+            .await
+            .unwrap();
+        let peer = sender.connect(&receiver.local_descriptor()).await.unwrap();
+        let conn = sender.inner.conn(peer).unwrap();
+        let before = conn.next_req.load(Ordering::Relaxed);
+        let mut posts = tokio::task::JoinSet::new();
+        for i in 0..POSTS {
+            let sender = Arc::clone(&sender);
+            posts.spawn(async move {
+                let op = TransferOp {
+                    local_region: src,
+                    local_offset: i * 4096,
+                    remote_region: dst,
+                    remote_offset: i * 4096,
+                    len: 4096,
+                };
+                sender.transfer(peer, TransferBatch::write(vec![op])).await
+            });
+        }
+        while let Some(r) = posts.join_next().await {
+            r.unwrap().unwrap();
+        }
+        let lookups = conn.next_req.load(Ordering::Relaxed) - before;
+        assert_eq!(
+            lookups, 1,
+            "{POSTS} concurrent first posts sent {lookups} region lookups"
+        );
     }
 }

@@ -596,6 +596,12 @@ async fn writer_task(
             notified.as_mut().enable();
             if let Some(piece) = peer.take_piece(piece_bytes) {
                 send_piece(&*w.lock().await, piece).await?;
+                // Waiting for a writable socket does not count against tokio's task budget,
+                // so while the socket keeps up this loop would never give the worker back:
+                // keep-alives, heartbeats and the other connections' writers would starve
+                // for as long as pieces are queued (seconds on a loaded machine), and their
+                // peers would drop them as silent.
+                tokio::task::yield_now().await;
                 continue;
             }
             tokio::select! {
@@ -738,6 +744,9 @@ fn out_of_bounds(offset: u64, len: u64, region_len: u64) -> bool {
     checked_range(offset, len, usize::MAX).is_err() || offset.saturating_add(len) > region_len
 }
 
+/// Descriptors `post` checks between two yields to the runtime.
+const RESOLVE_SLICE: usize = 4096;
+
 /// Posts a batch: local checks, remote checks against the peer's announced region table, then
 /// either one frame with the `Begin` and all the data (small batches, no waiting), or the
 /// `Begin` round trip and the pieces.
@@ -755,9 +764,16 @@ pub(crate) async fn post(
     let mut ops = Vec::with_capacity(batch.ops.len());
     let mut needs: BTreeMap<u64, u64> = BTreeMap::new();
     let mut total = 0u64;
-    {
+    for (k, slice) in batch.ops.chunks(RESOLVE_SLICE).enumerate() {
+        if k > 0 {
+            // A batch can carry hundreds of thousands of descriptors (one per token row of a
+            // head slice): checking them all in one poll would hold this runtime worker for
+            // long enough that keep-alives and the other connections' tasks miss their
+            // deadlines, and peers drop the connection.
+            tokio::task::yield_now().await;
+        }
         let regions = shared.regions.read().unwrap_or_else(|e| e.into_inner());
-        for op in &batch.ops {
+        for op in slice {
             let region = regions
                 .get(&op.local_region.0)
                 .ok_or(TransportError::UnknownRegion {
@@ -1065,5 +1081,71 @@ async fn fence_on(
             }
             b.finish(outcome);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{TcpConfig, TcpTransport};
+    use kvbridge_transport::{KvTransport, KvTransportExt, TransferOp};
+
+    /// Payload bytes of the queued jobs not yet taken by a writer.
+    fn queued_bytes(p: &OutPeer) -> u64 {
+        lock(&p.queue)
+            .iter()
+            .map(|j| j.ops[j.next..].iter().map(|o| o.len).sum::<u64>() - j.offset)
+            .sum()
+    }
+
+    /// On one thread, with the socket keeping up (the whole batch fits the loopback buffers),
+    /// other tasks must still run between two pieces: the writer used to send every queued
+    /// piece in one poll, starving keep-alives and the other connections.
+    #[tokio::test(flavor = "current_thread")]
+    async fn the_writer_lets_other_tasks_run_between_pieces() {
+        const PIECE: u64 = 4096;
+        const PIECES: u64 = 8;
+        let config = TcpConfig::default().with_piece_bytes(PIECE);
+        let decode = TcpTransport::bind(config.clone()).await.unwrap();
+        let prefill = TcpTransport::bind(config).await.unwrap();
+        let len = (PIECE * PIECES) as usize;
+        let (dst, dst_mem) = decode.allocate_registered(len).await.unwrap();
+        let (src, src_mem) = prefill.allocate_registered(len).await.unwrap();
+        src_mem.fill(0, len as u64, 7).unwrap();
+        let peer = prefill.connect(&decode.local_descriptor()).await.unwrap();
+        let out = prefill.shared.out_peer(peer.0).unwrap();
+
+        // Records the bytes still queued each time it runs, until the batch is sent.
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let sent = Arc::new(AtomicBool::new(false));
+        let witness = tokio::spawn({
+            let (seen, sent, out) = (seen.clone(), sent.clone(), out.clone());
+            async move {
+                while !sent.load(Ordering::Acquire) {
+                    lock(&seen).push(queued_bytes(&out));
+                    tokio::task::yield_now().await;
+                }
+            }
+        });
+        let op = TransferOp {
+            local_region: src,
+            local_offset: 0,
+            remote_region: dst,
+            remote_offset: 0,
+            len: len as u64,
+        };
+        prefill
+            .transfer(peer, TransferBatch::write(vec![op]))
+            .await
+            .unwrap();
+        sent.store(true, Ordering::Release);
+        witness.await.unwrap();
+        assert_eq!(dst_mem.to_vec(0, len as u64).unwrap(), vec![7; len]);
+        let seen = lock(&seen).clone();
+        assert!(
+            seen.iter().any(|&q| q > 0 && q < PIECE * PIECES),
+            "no other task ran while the {PIECES} pieces were being sent (bytes queued each \
+             time the witness ran: {seen:?})"
+        );
     }
 }
