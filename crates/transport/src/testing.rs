@@ -1754,10 +1754,28 @@ pub async fn regions_registered_after_connect(pair: TransportPair) {
     const LARGE: usize = 256 * 1024;
     let mut rig = Rig::new(pair, &[LARGE], &[4096]).await;
     let mut rng = Rng::new(0x7AB1E);
-    rig.remote
-        .push(register(rig.name, &rig.receiver, 4096, &mut rng, "receiver", rig.limits.call).await);
-    rig.remote
-        .push(register(rig.name, &rig.receiver, LARGE, &mut rng, "receiver", rig.limits.call).await);
+    rig.remote.push(
+        register(
+            rig.name,
+            &rig.receiver,
+            4096,
+            &mut rng,
+            "receiver",
+            rig.limits.call,
+        )
+        .await,
+    );
+    rig.remote.push(
+        register(
+            rig.name,
+            &rig.receiver,
+            LARGE,
+            &mut rng,
+            "receiver",
+            rig.limits.call,
+        )
+        .await,
+    );
     let mut model = rig.snapshot_remote();
     for ops in [
         vec![rig.op(0, 0, 1, 0, 4096)],
