@@ -20,7 +20,9 @@
 //!   least as long as declared) and maps it. Regions registered after `connect` are fetched the
 //!   same way when a batch first names them.
 //! - **A write is a direct copy** by the posting process into its mapping of the peer's region,
-//!   on a dedicated copy thread (never on the async executor), in chunks of at most 1 MiB;
+//!   on a dedicated copy thread (never on the async executor), in chunks of at most 1 MiB
+//!   (a batch of at most 64 KiB is copied, and its notification written, by the posting task:
+//!   a hand-off would cost more than the copy);
 //!   between chunks it checks cancel, the deadline and the peer's liveness, so a cancelled or
 //!   late batch stops promptly and no byte of it lands afterwards. Completion is local; a
 //!   batch's notification is written to the socket only after all its bytes were copied.

@@ -32,6 +32,10 @@ pub(crate) const CHUNK_BYTES: u64 = 1 << 20;
 const OP_COST: u64 = 256;
 /// Batches whose final state has not been collected by `wait`, at most.
 const MAX_TRACKED_BATCHES: usize = 1 << 16;
+/// Batches of at most this many bytes are copied, and their notification written, by the
+/// posting task itself: a queue hop to the worker thread and a task spawn would cost more than
+/// the copy.
+const INLINE_BYTES: u64 = 64 << 10;
 /// Copy jobs queued for the worker thread, at most.
 const JOB_QUEUE: usize = 256;
 /// Notifications received but not yet taken by `recv_notification`, at most.
@@ -236,6 +240,14 @@ fn worker(mut jobs: mpsc::Receiver<Job>) {
 }
 
 fn run_job(job: Job) {
+    let rt = job.rt.clone();
+    if let Some(commit) = copy_job(job) {
+        rt.spawn(commit);
+    }
+}
+
+/// Copies a job's bytes; returns the write of its notification when that is what remains.
+fn copy_job(job: Job) -> Option<impl Future<Output = ()> + Send + 'static> {
     let Job {
         batches,
         id,
@@ -246,7 +258,7 @@ fn run_job(job: Job) {
         ops,
         mut notification,
         deadline,
-        rt,
+        rt: _,
     } = job;
     let mut next = 0usize;
     let mut done_in_op = 0u64;
@@ -287,8 +299,36 @@ fn run_job(job: Job) {
             },
         }
     }) {}
-    if let Some(payload) = committed {
-        rt.spawn(commit(batches, id, conn, payload, deadline));
+    committed.map(|payload| commit(batches, id, conn, payload, deadline))
+}
+
+/// A batch's commit, run by the task that posted it. If that task stops polling (its `post`
+/// future is dropped), the commit goes on as a task of its own, so the batch still ends.
+struct InlineCommit {
+    commit: Option<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>>,
+    rt: tokio::runtime::Handle,
+}
+
+impl Future for InlineCommit {
+    type Output = ();
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        if let Some(commit) = self.commit.as_mut() {
+            std::task::ready!(commit.as_mut().poll(cx));
+            self.commit = None;
+        }
+        std::task::Poll::Ready(())
+    }
+}
+
+impl Drop for InlineCommit {
+    fn drop(&mut self) {
+        if let Some(commit) = self.commit.take() {
+            self.rt.spawn(commit);
+        }
     }
 }
 
@@ -1221,6 +1261,17 @@ impl KvTransport for ShmTransport {
             deadline: deadline.into_std(),
             rt: self.inner.rt.clone(),
         };
+        if job.ops.iter().map(|op| op.len).sum::<u64>() <= INLINE_BYTES {
+            let rt = job.rt.clone();
+            if let Some(commit) = copy_job(job) {
+                InlineCommit {
+                    commit: Some(Box::pin(commit)),
+                    rt,
+                }
+                .await;
+            }
+            return Ok(id);
+        }
         let outcome = match tokio::time::timeout_at(deadline, jobs.send(job)).await {
             Ok(Ok(())) => return Ok(id),
             Ok(Err(_)) => failed(id, peer, "the transport was shut down".into()),
@@ -1350,5 +1401,34 @@ mod tests {
             lookups, 1,
             "{POSTS} concurrent first posts sent {lookups} region lookups"
         );
+    }
+
+    /// A `post` dropped while writing a small batch's notification must not strand the batch:
+    /// the rest of the commit runs as a task of its own.
+    #[tokio::test]
+    async fn an_inline_commit_dropped_half_way_still_runs_to_the_end() {
+        let (go_tx, go_rx) = oneshot::channel::<()>();
+        let (done_tx, done_rx) = oneshot::channel::<()>();
+        let mut inline = Box::pin(InlineCommit {
+            commit: Some(Box::pin(async move {
+                let _ = go_rx.await;
+                let _ = done_tx.send(());
+            })),
+            rt: tokio::runtime::Handle::current(),
+        });
+        // Polled once by the posting task: it waits on `go`.
+        let polled = std::future::poll_fn(|cx| {
+            std::task::Poll::Ready(inline.as_mut().poll(cx).is_pending())
+        })
+        .await;
+        assert!(polled, "the commit should wait for its signal");
+        drop(inline);
+        go_tx
+            .send(())
+            .expect("the dropped commit must still be alive");
+        tokio::time::timeout(Duration::from_secs(30), done_rx)
+            .await
+            .expect("the detached commit never finished")
+            .expect("the detached commit was dropped, not run");
     }
 }

@@ -84,6 +84,8 @@ pub(crate) enum Role {
     Receiver,
     /// The receiving end of the raw TCP baseline (`bench/tcp.rs`).
     RawTcpSink,
+    /// The other end of the shm `latency-4k` wake-up baseline (`bench/shm.rs`).
+    RawWakePeer,
 }
 
 /// Transfer patterns.
@@ -214,7 +216,8 @@ struct Report {
     local_p50_us: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     local_p99_us: Option<f64>,
-    /// `latency-4k`: the baseline's round trip (for TCP, a raw ping-pong of the same 4 KiB).
+    /// `latency-4k`: the baseline's round trip (for TCP, a raw ping-pong of the same 4 KiB; for
+    /// shm, a `memcpy` of it plus a raw cross-process wake-up round trip).
     #[serde(skip_serializing_if = "Option::is_none")]
     baseline_p50_us: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -260,8 +263,10 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if args.role == Some(Role::RawTcpSink) {
-        return tcp::raw_sink(args.pool_bytes);
+    match args.role {
+        Some(Role::RawTcpSink) => return tcp::raw_sink(args.pool_bytes),
+        Some(Role::RawWakePeer) => return shm::raw_wake_peer(),
+        _ => {}
     }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -277,7 +282,7 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
     let run = async {
         match args.role {
             Some(Role::Receiver) => receiver(make, args.pool_bytes).await,
-            Some(Role::RawTcpSink) => ExitCode::from(2),
+            Some(Role::RawTcpSink | Role::RawWakePeer) => ExitCode::from(2),
             None => sender(make, args).await,
         }
     };
@@ -727,14 +732,20 @@ async fn measure_with(
         .collect();
     // The baseline's destination: pre-faulted heap memory in this process.
     let baseline_dst = MemoryRegion::allocate(pool as usize).map_err(|e| e.to_string())?;
-    // TCP is measured against a raw TCP stream between two processes (`bench/tcp.rs`).
-    let raw_tcp = match args.transport {
-        TransportKind::Tcp => Some(tcp::RawTcpBaseline::start(pool)?),
-        TransportKind::Shm => None,
+    // TCP is measured against a raw TCP stream between two processes (`bench/tcp.rs`), shm's
+    // `latency-4k` against a raw cross-process wake-up round trip (`bench/shm.rs`).
+    let raw = match (args.transport, pattern) {
+        (TransportKind::Tcp, _) => Some(RawBaseline::Tcp(tcp::RawTcpBaseline::start(pool)?)),
+        (TransportKind::Shm, Pattern::Latency4k) => {
+            Some(RawBaseline::Wake(shm::RawWakeBaseline::start()?))
+        }
+        (TransportKind::Shm, _) => None,
     };
     let baseline_run = || -> Result<f64, String> {
-        if let Some(raw) = &raw_tcp {
-            return raw.run(&src);
+        match &raw {
+            Some(RawBaseline::Tcp(raw)) => return raw.run(&src),
+            Some(RawBaseline::Wake(raw)) => return raw.run(&src, &baseline_dst, pool),
+            None => {}
         }
         let start = Instant::now();
         for &(s, d, len) in &ops {
@@ -760,7 +771,7 @@ async fn measure_with(
         bytes: pool,
         blocks: ops.len() as u64,
         gbps: 0.0,
-        baseline: raw_tcp.as_ref().map_or(BASELINE, |_| tcp::BASELINE),
+        baseline: raw.as_ref().map_or(BASELINE, RawBaseline::description),
         baseline_gbps: 0.0,
         ratio: 0.0,
         receiver_peak_rss_bytes: 0,
@@ -876,12 +887,37 @@ async fn latency(
     report.local_p99_us = Some(percentile(&local, 0.99) / 1e3);
     report.baseline_p50_us = Some(base_p50 / 1e3);
     report.baseline_p99_us = Some(percentile(&base, 0.99) / 1e3);
-    // Both are round trips: post to `wait` returning (the receiver's `Done` back) against the
-    // baseline's send and reply. ratio = baseline p50 / transport p50.
+    // ratio = baseline p50 / `wait` p50. TCP's are both round trips (post to `wait` returning
+    // is the data out and the receiver's `Done` back, against send and reply); shm's `wait`
+    // returns once the notification is written, so its one-way figure is reported beside it.
     report.gbps = bytes as f64 / p50;
     report.baseline_gbps = bytes as f64 / base_p50;
     report.ratio = report.gbps / report.baseline_gbps;
     Ok(())
+}
+
+/// A baseline between two processes, measured in the same run as the transport.
+enum RawBaseline {
+    Tcp(tcp::RawTcpBaseline),
+    Wake(shm::RawWakeBaseline),
+}
+
+impl RawBaseline {
+    fn description(&self) -> &'static str {
+        match self {
+            RawBaseline::Tcp(_) => tcp::BASELINE,
+            RawBaseline::Wake(_) => shm::WAKE_BASELINE,
+        }
+    }
+}
+
+/// The short name of a baseline in the `latency-4k` notes.
+fn baseline_label(description: &str) -> &'static str {
+    match description {
+        tcp::BASELINE => "raw TCP ping-pong",
+        shm::WAKE_BASELINE => "memcpy + raw wake-up round trip",
+        _ => "memcpy",
+    }
 }
 
 fn print_table(reports: &[Report], runs: u32) {
@@ -909,11 +945,7 @@ fn print_table(reports: &[Report], runs: u32) {
                  p99 {:.1} us; {} p50 {:.1} us, p99 {:.1} us",
                 r.local_p50_us.unwrap_or(f64::NAN),
                 r.local_p99_us.unwrap_or(f64::NAN),
-                if r.baseline == BASELINE {
-                    "memcpy"
-                } else {
-                    "raw TCP ping-pong"
-                },
+                baseline_label(r.baseline),
                 r.baseline_p50_us.unwrap_or(f64::NAN),
                 r.baseline_p99_us.unwrap_or(f64::NAN),
             ),
@@ -936,6 +968,9 @@ fn print_table(reports: &[Report], runs: u32) {
         "median of {runs} runs; baseline: {baseline} of the same blocks, in the same run; \
          receiver in its own process"
     );
+    for r in reports.iter().filter(|r| r.baseline != baseline) {
+        println!("{}: baseline: {}, in the same run", r.pattern, r.baseline);
+    }
 }
 
 #[cfg(test)]
@@ -978,6 +1013,16 @@ mod tests {
         verify(&dst, &ops).unwrap();
         dst.write_at(ops[3].1 + 8, &[0xff]).unwrap();
         assert!(verify(&dst, &ops).unwrap_err().contains("differs"));
+    }
+
+    #[test]
+    fn each_baseline_has_its_own_label() {
+        assert_eq!(baseline_label(BASELINE), "memcpy");
+        assert_eq!(baseline_label(tcp::BASELINE), "raw TCP ping-pong");
+        assert_eq!(
+            baseline_label(shm::WAKE_BASELINE),
+            "memcpy + raw wake-up round trip"
+        );
     }
 
     #[test]
