@@ -1100,11 +1100,13 @@ mod tests {
 
     /// On one thread, with the socket keeping up (the whole batch fits the loopback buffers),
     /// other tasks must still run between two pieces: the writer used to send every queued
-    /// piece in one poll, starving keep-alives and the other connections.
+    /// piece in one poll, starving keep-alives and the other connections. The batch is larger
+    /// than `INLINE_BYTES`, so it goes through the writer's queue in pieces.
     #[tokio::test(flavor = "current_thread")]
     async fn the_writer_lets_other_tasks_run_between_pieces() {
-        const PIECE: u64 = 4096;
+        const PIECE: u64 = 16 << 10;
         const PIECES: u64 = 8;
+        const _: () = assert!(PIECE * PIECES > INLINE_BYTES);
         let config = TcpConfig::default().with_piece_bytes(PIECE);
         let decode = TcpTransport::bind(config.clone()).await.unwrap();
         let prefill = TcpTransport::bind(config).await.unwrap();
