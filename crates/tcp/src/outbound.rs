@@ -20,11 +20,12 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::auth::{self, HelloFields};
-use crate::batch::{Outcome, Refusal, TxBatch};
+use crate::batch::{Refusal, TxBatch};
 use crate::conn::{self, LinkError};
 use crate::error::TcpError;
 use crate::wire::{self, BeginStatus, CancelStatus, Frame, RegionLen, RegionNeed, WireOp};
 use crate::{NAME, Shared, lock};
+use kvbridge_transport::batch::{Fence, Outcome, Step};
 
 /// Descriptors in one `Data` frame (one `writev` carries the header and all their payloads,
 /// and stays below the kernel's 1024-iovec limit).
@@ -181,23 +182,21 @@ impl OutPeer {
         self.abort_tasks();
         let pending: Vec<_> = lock(&shared.batches)
             .values()
-            .filter(|b| b.peer == self.id && !b.is_final())
+            .filter(|b| b.peer == self.id && !shared.is_final(b))
             .cloned()
             .collect();
         for b in pending {
             b.stop();
-            let outcome = Outcome::Failed {
-                reason: reason.clone(),
-                peer_lost: true,
-            };
+            let outcome = b.lost(reason.clone());
             match b.anchor().filter(|a| !remote_closed && *a > Instant::now()) {
                 None => {
-                    b.finish(outcome);
+                    shared.finish(&b, outcome);
                 }
                 Some(anchor) => {
+                    let shared = shared.clone();
                     tokio::spawn(async move {
                         tokio::time::sleep_until(anchor).await;
-                        b.finish(outcome);
+                        shared.finish(&b, outcome);
                     });
                 }
             }
@@ -208,25 +207,16 @@ impl OutPeer {
     pub(crate) async fn close(self: &Arc<Self>, shared: &Arc<Shared>, reason: &str) {
         let pending: Vec<_> = lock(&shared.batches)
             .values()
-            .filter(|b| b.peer == self.id && !b.is_final())
+            .filter(|b| b.peer == self.id && !shared.is_final(b))
             .cloned()
             .collect();
         let mut fences = Vec::new();
         for b in pending {
             let shared = shared.clone();
             let peer = self.clone();
-            let reason = reason.to_owned();
+            let outcome = b.failed(reason.to_owned());
             fences.push(tokio::spawn(async move {
-                fence_on(
-                    &shared,
-                    Some(peer),
-                    &b,
-                    Outcome::Failed {
-                        reason,
-                        peer_lost: false,
-                    },
-                )
-                .await;
+                fence_on(&shared, Some(peer), &b, outcome).await;
             }));
         }
         for f in fences {
@@ -524,19 +514,20 @@ async fn reader_task(shared: Arc<Shared>, peer: Arc<OutPeer>, mut r: OwnedReadHa
                     // A batch sent without waiting was refused: nothing of it was written;
                     // the cancel makes the receiver forget it.
                     if let Some(b) = shared.batch(batch).filter(|b| b.peer == peer.id) {
-                        let why = refusal(status, &b.remote_ops, regions);
+                        let why = refusal(status, &b.remote_ops, regions).into_error(b.id, b.peer);
                         let shared = shared.clone();
                         let peer = peer.clone();
                         tokio::spawn(async move {
-                            fence_on(&shared, Some(peer), &b, Outcome::Refused(why)).await;
+                            fence_on(&shared, Some(peer), &b, Outcome::Failed(why)).await;
                         });
                     }
                 }
             }
             Frame::Done { batch } => {
                 if let Some(b) = shared.batch(batch).filter(|b| b.peer == peer.id) {
-                    if !b.try_finish_done() {
-                        tokio::spawn(async move { b.finish_done().await });
+                    if !shared.try_finish_done(&b) {
+                        let shared = shared.clone();
+                        tokio::spawn(async move { shared.finish_done(&b).await });
                     }
                 }
             }
@@ -744,9 +735,8 @@ fn out_of_bounds(offset: u64, len: u64, region_len: u64) -> bool {
 pub(crate) async fn post(
     shared: &Arc<Shared>,
     peer: &Arc<OutPeer>,
-    id: BatchId,
     batch: TransferBatch,
-) -> Result<()> {
+) -> Result<BatchId> {
     if peer.lost.load(Ordering::Acquire) {
         return Err(peer.lost_error());
     }
@@ -824,8 +814,20 @@ pub(crate) async fn post(
             ),
         });
     }
-    let posted = Instant::now();
-    let mut b = TxBatch::new(id, peer.id, batch.timeout, posted);
+    let id = shared
+        .table
+        .insert(peer.id, batch.timeout, crate::batch::now())?;
+    // Committing from the start: once any byte of the `Begin` may have left, only the
+    // receiver's fence decides how the batch ends (`fence`). The receiver applies nothing past
+    // its own deadline (at most the anchor), so the table's backstop needs no fence of its own.
+    shared
+        .table
+        .step(id, crate::batch::now(), || Step::Commit(Fence::none()));
+    let deadline = shared
+        .table
+        .deadline(id)
+        .map_or_else(Instant::now, Instant::from_std);
+    let mut b = TxBatch::new(id, peer.id, deadline);
     // A small batch goes out whole with its Begin, copied now (its sources are free at once).
     let inline = if total <= INLINE_BYTES && ops.len() <= MAX_OPS_PER_FRAME {
         inline_payload(&ops)
@@ -842,6 +844,7 @@ pub(crate) async fn post(
     let b = Arc::new(b);
     lock(&shared.batches).insert(id.0, b.clone());
     let forget = || {
+        shared.table.forget(id);
         lock(&shared.batches).remove(&id.0);
         lock(&peer.waiters).begin.remove(&id.0);
     };
@@ -889,12 +892,12 @@ pub(crate) async fn post(
             }
             Err(_) => {
                 // Never queued: nothing can land.
-                b.finish(Outcome::TimedOut);
-                return Ok(());
+                shared.finish(&b, Outcome::TimedOut);
+                return Ok(id);
             }
         }
         watch_deadline(shared, b);
-        return Ok(());
+        return Ok(id);
     }
     let (tx, rx) = oneshot::channel();
     lock(&peer.waiters).begin.insert(id.0, tx);
@@ -913,11 +916,11 @@ pub(crate) async fn post(
             // The deadline passed before the receiver answered: no byte was sent, so the batch
             // ends timed out. Let the receiver forget it if it accepts it later.
             lock(&peer.waiters).begin.remove(&id.0);
-            b.finish(Outcome::TimedOut);
+            shared.finish(&b, Outcome::TimedOut);
             for c in &peer.ctrl {
                 let _ = c.try_send(Frame::Cancel { batch: id.0 }.encode());
             }
-            return Ok(());
+            return Ok(id);
         }
     };
     let Frame::BeginAck {
@@ -946,7 +949,7 @@ pub(crate) async fn post(
         peer.work.notify_waiters();
     }
     watch_deadline(shared, b);
-    Ok(())
+    Ok(id)
 }
 
 /// The payload of a small batch, copied from its sources; `None` when a source range is
@@ -971,7 +974,7 @@ fn watch_deadline(shared: &Arc<Shared>, b: Arc<TxBatch>) {
     tokio::spawn(async move {
         tokio::select! {
             () = tokio::time::sleep_until(b.deadline) => fence(&shared, &b, Outcome::TimedOut).await,
-            () = b.finished() => {}
+            () = shared.finished(&b) => {}
             () = shared.wait_closed() => {}
         }
     });
@@ -1012,15 +1015,18 @@ async fn fence_on(
     b: &Arc<TxBatch>,
     outcome: Outcome,
 ) {
-    if b.is_final() {
+    if shared.is_final(b) {
         return;
     }
     let grace = shared.config.fence_grace;
     if !b.start_fence() {
         // Someone else fences it; they finish it within their grace (or at the anchor).
         let limit = b.anchor().unwrap_or_else(Instant::now).max(Instant::now()) + grace * 2;
-        if tokio::time::timeout_at(limit, b.finished()).await.is_err() {
-            b.finish(outcome);
+        if tokio::time::timeout_at(limit, shared.finished(b))
+            .await
+            .is_err()
+        {
+            shared.finish(b, outcome);
         }
         return;
     }
@@ -1028,8 +1034,11 @@ async fn fence_on(
     let Some(peer) = peer.filter(|p| !p.lost.load(Ordering::Acquire)) else {
         // The peer is gone; losing it scheduled this batch's failure (at its anchor).
         let limit = b.anchor().unwrap_or_else(Instant::now).max(Instant::now()) + grace;
-        if tokio::time::timeout_at(limit, b.finished()).await.is_err() {
-            b.finish(outcome);
+        if tokio::time::timeout_at(limit, shared.finished(b))
+            .await
+            .is_err()
+        {
+            shared.finish(b, outcome);
         }
         return;
     };
@@ -1047,9 +1056,9 @@ async fn fence_on(
     lock(&peer.waiters).cancel.remove(&b.id.0);
     match acked {
         // The receiver had already completed it: its `Done` is on the way.
-        Ok(Some(true)) => b.finish_done().await,
+        Ok(Some(true)) => shared.finish_done(b).await,
         Ok(Some(false)) => {
-            b.finish(outcome);
+            shared.finish(b, outcome);
         }
         _ => {
             peer.lose(
@@ -1063,7 +1072,7 @@ async fn fence_on(
             if let Some(anchor) = b.anchor() {
                 tokio::time::sleep_until(anchor).await;
             }
-            b.finish(outcome);
+            shared.finish(b, outcome);
         }
     }
 }
