@@ -372,6 +372,7 @@ pub(crate) struct Shared {
     pub(crate) table: Batches,
     /// What the wire needs of each batch in `table`, until `wait` collects it.
     pub(crate) batches: Mutex<HashMap<u64, Arc<TxBatch>>>,
+    pub(crate) deadlines: outbound::Deadlines,
     /// Notifications of completed batches, each with the charge of its batch (released when
     /// the application takes it).
     pub(crate) notify_tx: mpsc::Sender<(Notification, inbound::Charge)>,
@@ -483,6 +484,7 @@ impl TcpTransport {
             // receiver's own deadline for the batch is its anchor): the backstop comes after.
             table: Batches::from_table(BatchTable::new(NAME).with_commit_grace(commit_grace)),
             batches: Mutex::new(HashMap::new()),
+            deadlines: outbound::Deadlines::default(),
             notify_tx,
             notify_rx: tokio::sync::Mutex::new(notify_rx),
             peak_pending: AtomicU64::new(0),
@@ -490,6 +492,7 @@ impl TcpTransport {
             closed_tx,
             listener_task: Mutex::new(None),
         });
+        tokio::spawn(outbound::deadline_task(shared.clone()));
         let task = tokio::spawn(inbound::accept_loop(shared.clone(), listener));
         *lock(&shared.listener_task) = Some(task);
         tracing::info!(addr = %bound, "kvbridge-tcp listening");
@@ -683,7 +686,9 @@ impl KvTransport for TcpTransport {
 
     async fn wait(&self, batch: BatchId) -> Result<()> {
         let r = self.shared.table.wait(batch, batch::sleep_until).await;
-        lock(&self.shared.batches).remove(&batch.0);
+        if let Some(b) = lock(&self.shared.batches).remove(&batch.0) {
+            self.shared.deadlines.forget(&b);
+        }
         r
     }
 

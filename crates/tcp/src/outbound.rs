@@ -35,6 +35,9 @@ const MAX_OPS_PER_FRAME: usize = 512;
 /// one frame on connection 0, without waiting for the receiver's answer.
 const INLINE_BYTES: u64 = 64 << 10;
 
+/// Read-ahead of a connection's reader (it reads control frames only).
+const READ_AHEAD: usize = 4 << 10;
+
 /// Entries of a peer's region table kept at most (16 bytes each on the wire), so a listener
 /// cannot make this side hold more by announcing regions without end.
 const MAX_REMOTE_REGIONS: usize = 1 << 18;
@@ -463,7 +466,9 @@ async fn keepalive_task(peer: Arc<OutPeer>, interval: Duration) {
     }
 }
 
-async fn reader_task(shared: Arc<Shared>, peer: Arc<OutPeer>, mut r: OwnedReadHalf, index: usize) {
+async fn reader_task(shared: Arc<Shared>, peer: Arc<OutPeer>, r: OwnedReadHalf, index: usize) {
+    // Only control frames arrive here: one read takes a `Done` (or several) whole.
+    let mut r = tokio::io::BufReader::with_capacity(READ_AHEAD, r);
     let mut buf = Vec::new();
     let max = shared.config.max_frame_len;
     let idle = shared.config.keepalive_timeout;
@@ -896,7 +901,7 @@ pub(crate) async fn post(
                 return Ok(id);
             }
         }
-        watch_deadline(shared, b);
+        shared.deadlines.watch(b);
         return Ok(id);
     }
     let (tx, rx) = oneshot::channel();
@@ -948,7 +953,7 @@ pub(crate) async fn post(
         });
         peer.work.notify_waiters();
     }
-    watch_deadline(shared, b);
+    shared.deadlines.watch(b);
     Ok(id)
 }
 
@@ -968,16 +973,76 @@ fn inline_payload(ops: &[LocalOp]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// Fences the batch at its deadline unless it ends first.
-fn watch_deadline(shared: &Arc<Shared>, b: Arc<TxBatch>) {
-    let shared = shared.clone();
-    tokio::spawn(async move {
-        tokio::select! {
-            () = tokio::time::sleep_until(b.deadline) => fence(&shared, &b, Outcome::TimedOut).await,
-            () = shared.finished(&b) => {}
-            () = shared.wait_closed() => {}
+/// Posted batches by deadline, watched by one task per transport ([`deadline_task`]) rather
+/// than a task (and a wake-up of another worker) per batch.
+#[derive(Default)]
+pub(crate) struct Deadlines {
+    due: Mutex<Due>,
+    earlier: Notify,
+}
+
+#[derive(Default)]
+struct Due {
+    batches: BTreeMap<(Instant, u64), Arc<TxBatch>>,
+    /// When the task wakes next on its own; `None` while it waits for the first batch.
+    wake_at: Option<Instant>,
+}
+
+impl Deadlines {
+    /// The batch is fenced at its deadline unless `wait` collected it first.
+    fn watch(&self, b: Arc<TxBatch>) {
+        let at = b.deadline;
+        let wake = {
+            let mut due = lock(&self.due);
+            due.batches.insert((at, b.id.0), b);
+            due.wake_at.is_none_or(|w| at < w)
+        };
+        if wake {
+            self.earlier.notify_one();
         }
-    });
+    }
+
+    /// Stops watching a collected batch.
+    pub(crate) fn forget(&self, b: &TxBatch) {
+        lock(&self.due).batches.remove(&(b.deadline, b.id.0));
+    }
+}
+
+/// Fences every batch still pending at its deadline, until the transport closes.
+pub(crate) async fn deadline_task(shared: Arc<Shared>) {
+    let closed = shared.wait_closed();
+    tokio::pin!(closed);
+    let deadlines = &shared.deadlines;
+    loop {
+        let earlier = deadlines.earlier.notified();
+        let next = {
+            let mut due = lock(&deadlines.due);
+            due.wake_at = due.batches.keys().next().map(|k| k.0);
+            due.wake_at
+        };
+        let sleep = async {
+            match next {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = sleep => {}
+            () = earlier => continue,
+            () = &mut closed => return,
+        }
+        let expired = {
+            let mut due = lock(&deadlines.due);
+            let later = due.batches.split_off(&(Instant::now(), u64::MAX));
+            std::mem::replace(&mut due.batches, later)
+        };
+        for b in expired.into_values() {
+            if !shared.is_final(&b) {
+                let shared = shared.clone();
+                tokio::spawn(async move { fence(&shared, &b, Outcome::TimedOut).await });
+            }
+        }
+    }
 }
 
 /// Sends `cancel` on each of `conns` and waits for all their answers; whether any said the
