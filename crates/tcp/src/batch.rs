@@ -1,28 +1,20 @@
-//! Sender-side batch state: one final outcome, reached once, observable without waiting.
+//! Sender-side batches: their lifecycle lives in the shared batch table
+//! ([`kvbridge_transport::batch`]); what is kept here is what the wire needs on top of it.
+//!
+//! A batch is *committing* (`Step::Commit`) from the moment it is posted: once its `Begin` may
+//! have left, only the receiver's fence (its answer to `Cancel`) decides whether bytes of it
+//! still land, so `cancel` and peer loss go through that fence and record the outcome
+//! themselves. The table's commit grace is a backstop for a fence that never finishes.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Duration;
 
+use kvbridge_transport::batch::Outcome;
 use kvbridge_transport::{BatchId, BatchState, PeerId, RegionId, Side, TransportError};
-use tokio::sync::{Notify, watch};
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::{NAME, Shared, lock};
-
-/// How a batch ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Outcome {
-    Done,
-    Cancelled,
-    TimedOut,
-    Failed {
-        reason: String,
-        peer_lost: bool,
-    },
-    /// The receiver refused the batch at its `Begin`; nothing of it was written.
-    Refused(Refusal),
-}
 
 /// Why the receiver refused a batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,61 +58,24 @@ impl Refusal {
             },
         }
     }
-
-    fn reason(&self) -> String {
-        match self {
-            Refusal::Unknown(region) => {
-                format!("the peer has no region {region} registered; nothing was written")
-            }
-            Refusal::OutOfBounds {
-                region,
-                offset,
-                len,
-                region_len,
-            } => format!(
-                "the write of {len} bytes at offset {offset} is outside the peer's region \
-                 {region} of {region_len} bytes; nothing was written"
-            ),
-            Refusal::Busy => "the peer has too many batches in flight from this transport".into(),
-        }
-    }
 }
 
-impl Outcome {
-    pub(crate) fn into_result(self, b: &TxBatch) -> Result<(), TransportError> {
-        match self {
-            Outcome::Done => Ok(()),
-            Outcome::Cancelled => Err(TransportError::Cancelled { batch: b.id }),
-            Outcome::TimedOut => Err(TransportError::TimedOut {
-                batch: b.id,
-                timeout: b.timeout,
-            }),
-            Outcome::Failed {
-                reason,
-                peer_lost: true,
-            } => Err(TransportError::PeerLost {
-                peer: b.peer,
-                transport: NAME,
-                reason,
-            }),
-            Outcome::Failed { reason, .. } => Err(TransportError::BatchFailed {
-                batch: b.id,
-                peer: b.peer,
-                reason,
-            }),
-            Outcome::Refused(r) => Err(r.into_error(b.id, b.peer)),
-        }
-    }
+/// The table's clock: tokio's, so paused test time applies to deadlines too.
+pub(crate) fn now() -> std::time::Instant {
+    Instant::now().into_std()
 }
 
-/// A batch posted by this transport.
+/// The table's timer.
+pub(crate) fn sleep_until(at: std::time::Instant) -> tokio::time::Sleep {
+    tokio::time::sleep_until(at.into())
+}
+
+/// What the wire needs of a batch posted by this transport.
 pub(crate) struct TxBatch {
     pub(crate) id: BatchId,
     pub(crate) peer: PeerId,
-    pub(crate) timeout: Duration,
     pub(crate) deadline: Instant,
-    state: watch::Sender<Option<Outcome>>,
-    /// Set once the batch is being fenced: no further piece of it is sent.
+    /// Set once the batch is being fenced or is final: no further piece of it is sent.
     stop: AtomicBool,
     fence_started: AtomicBool,
     /// Upper bound of the receiver's own deadline for this batch (set when it accepted it):
@@ -135,13 +90,11 @@ pub(crate) struct TxBatch {
 }
 
 impl TxBatch {
-    pub(crate) fn new(id: BatchId, peer: PeerId, timeout: Duration, posted: Instant) -> Self {
+    pub(crate) fn new(id: BatchId, peer: PeerId, deadline: Instant) -> Self {
         Self {
             id,
             peer,
-            timeout,
-            deadline: posted + timeout,
-            state: watch::Sender::new(None),
+            deadline,
             stop: AtomicBool::new(false),
             fence_started: AtomicBool::new(false),
             anchor: Mutex::new(None),
@@ -151,37 +104,22 @@ impl TxBatch {
         }
     }
 
-    /// Records the final outcome unless one is recorded already; returns whether it did.
-    pub(crate) fn finish(&self, outcome: Outcome) -> bool {
-        self.stop.store(true, Ordering::Release);
-        self.state.send_if_modified(|s| {
-            if s.is_none() {
-                tracing::debug!(batch = %self.id, ?outcome, "batch final");
-                *s = Some(outcome);
-                true
-            } else {
-                false
-            }
+    /// The outcome of a batch that failed because the link to its peer is gone.
+    pub(crate) fn lost(&self, reason: String) -> Outcome {
+        Outcome::Failed(TransportError::PeerLost {
+            peer: self.peer,
+            transport: NAME,
+            reason,
         })
     }
 
-    pub(crate) fn is_final(&self) -> bool {
-        self.state.borrow().is_some()
-    }
-
-    pub(crate) fn outcome(&self) -> Option<Outcome> {
-        self.state.borrow().clone()
-    }
-
-    pub(crate) fn state(&self) -> BatchState {
-        match &*self.state.borrow() {
-            None => BatchState::Pending,
-            Some(Outcome::Done) => BatchState::Done,
-            Some(Outcome::Cancelled) => BatchState::Cancelled,
-            Some(Outcome::TimedOut) => BatchState::TimedOut,
-            Some(Outcome::Failed { reason, .. }) => BatchState::Failed(reason.clone()),
-            Some(Outcome::Refused(r)) => BatchState::Failed(r.reason()),
-        }
+    /// The outcome of a batch that failed for `reason` with the link still up.
+    pub(crate) fn failed(&self, reason: String) -> Outcome {
+        Outcome::Failed(TransportError::BatchFailed {
+            batch: self.id,
+            peer: self.peer,
+            reason,
+        })
     }
 
     pub(crate) fn stopped(&self) -> bool {
@@ -208,31 +146,6 @@ impl TxBatch {
         self.sending_idle.notify_waiters();
     }
 
-    /// Records `Done` at once if no writer holds a source range of the batch; false if one does
-    /// (then [`finish_done`](Self::finish_done) waits for it).
-    pub(crate) fn try_finish_done(&self) -> bool {
-        if self.sending.load(Ordering::Acquire) != 0 {
-            return false;
-        }
-        self.finish(Outcome::Done);
-        true
-    }
-
-    /// Records `Done` once no writer holds a source range of the batch any more, so the caller
-    /// may touch its memory the moment `wait` returns.
-    pub(crate) async fn finish_done(&self) {
-        loop {
-            let idle = self.sending_idle.notified();
-            tokio::pin!(idle);
-            idle.as_mut().enable();
-            if self.sending.load(Ordering::Acquire) == 0 {
-                break;
-            }
-            idle.await;
-        }
-        self.finish(Outcome::Done);
-    }
-
     pub(crate) fn set_anchor(&self, at: Instant) {
         *lock(&self.anchor) = Some(at);
     }
@@ -240,29 +153,52 @@ impl TxBatch {
     pub(crate) fn anchor(&self) -> Option<Instant> {
         *lock(&self.anchor)
     }
+}
 
-    /// Waits for the final outcome. The deadline watchdog guarantees one; as a last resort
-    /// (it cannot be reached unless a task died) the batch is failed well past its deadline.
-    pub(crate) async fn wait_final(&self, shared: &Shared) -> Outcome {
-        let mut rx = self.state.subscribe();
-        let limit = self.deadline + shared.config.fence_grace * 2 + Duration::from_secs(1);
-        tokio::select! {
-            r = rx.wait_for(Option::is_some) => {
-                if let Ok(v) = r {
-                    if let Some(o) = v.clone() {
-                        return o;
-                    }
-                }
-            }
-            () = tokio::time::sleep_until(limit) => {}
+impl Shared {
+    /// Records the final outcome unless one is recorded already (and stops the writers);
+    /// returns whether it did.
+    pub(crate) fn finish(&self, b: &TxBatch, outcome: Outcome) -> bool {
+        b.stop();
+        let set = self.table.finish(b.id, outcome, now());
+        if set {
+            tracing::debug!(batch = %b.id, "batch final");
         }
-        self.finish(Outcome::TimedOut);
-        self.outcome().unwrap_or(Outcome::TimedOut)
+        set
     }
 
-    /// Resolves when the batch is final.
-    pub(crate) async fn finished(&self) {
-        let mut rx = self.state.subscribe();
-        let _ = rx.wait_for(Option::is_some).await;
+    /// Whether the batch is final (or already collected by `wait`).
+    pub(crate) fn is_final(&self, b: &TxBatch) -> bool {
+        !matches!(self.table.state(b.id, now()), Ok(BatchState::Pending))
+    }
+
+    /// Resolves when the batch is final (at the latest at its deadline plus the commit grace).
+    pub(crate) async fn finished(&self, b: &TxBatch) {
+        let _ = self.table.settle(b.id, sleep_until).await;
+    }
+
+    /// Records `Done` at once if no writer holds a source range of the batch; false if one does
+    /// (then [`finish_done`](Self::finish_done) waits for it).
+    pub(crate) fn try_finish_done(&self, b: &TxBatch) -> bool {
+        if b.sending.load(Ordering::Acquire) != 0 {
+            return false;
+        }
+        self.finish(b, Outcome::Done);
+        true
+    }
+
+    /// Records `Done` once no writer holds a source range of the batch any more, so the caller
+    /// may touch its memory the moment `wait` returns.
+    pub(crate) async fn finish_done(&self, b: &TxBatch) {
+        loop {
+            let idle = b.sending_idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if b.sending.load(Ordering::Acquire) == 0 {
+                break;
+            }
+            idle.await;
+        }
+        self.finish(b, Outcome::Done);
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_transport::{MemoryRegion, Notification, PeerId, Result, TransportError};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
@@ -23,6 +23,12 @@ use crate::{BATCH_STATE_BYTES, NAME, Shared, lock};
 
 /// Bytes offered to one vectored read (between two checks that the batch is still live).
 const READ_BYTES: u64 = 1 << 20;
+/// Read-ahead of each connection: one read takes a small batch's frames whole (its `Begin`,
+/// `Data` header and payload). Payload bytes wait here until their descriptors are checked;
+/// larger reads bypass it.
+const READ_AHEAD: usize = 16 << 10;
+/// A connection's read half behind its read-ahead.
+type Reader = tokio::io::BufReader<OwnedReadHalf>;
 /// Descriptors offered to one vectored read.
 const READ_SLICES: usize = 64;
 /// Scratch buffer for draining the payload of a dropped batch.
@@ -465,7 +471,7 @@ async fn writer_loop(
 async fn reader_task(
     shared: Arc<Shared>,
     session: Arc<Session>,
-    (mut r, w): (OwnedReadHalf, conn::SharedWriter),
+    (r, w): (OwnedReadHalf, conn::SharedWriter),
     (index, _slot): (u16, OwnedSemaphorePermit),
     mut writer: JoinHandle<()>,
 ) {
@@ -478,6 +484,7 @@ async fn reader_task(
         scratch: Vec::new(),
         bounce: Vec::new(),
     };
+    let mut r = Reader::with_capacity(READ_AHEAD, r);
     let Err(error) = rx.run(&mut r).await;
     drop(rx);
     let reason = error.to_string();
@@ -628,7 +635,7 @@ impl Receiver<'_> {
     }
 
     /// Serves the connection until it fails; returns why.
-    async fn run(&mut self, r: &mut OwnedReadHalf) -> Result<std::convert::Infallible, LinkError> {
+    async fn run(&mut self, r: &mut Reader) -> Result<std::convert::Infallible, LinkError> {
         let max = self.shared.config.max_frame_len;
         let (shared, session) = (self.shared, self.session);
         loop {
@@ -797,7 +804,7 @@ impl Receiver<'_> {
     /// A `Data` frame: every descriptor is checked before any payload byte is read.
     async fn data(
         &mut self,
-        r: &mut OwnedReadHalf,
+        r: &mut Reader,
         batch: u64,
         ops: Vec<WireOp>,
     ) -> Result<(), LinkError> {
@@ -872,19 +879,29 @@ impl Receiver<'_> {
                 pos = 0;
                 continue;
             }
-            match tokio::time::timeout(idle, r.readable()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(LinkError::Io(e)),
-                Err(_) => return Err(LinkError::Silent(idle)),
+            let ahead = r.buffer().len();
+            if ahead == 0 {
+                match tokio::time::timeout(idle, r.get_ref().readable()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err(LinkError::Io(e)),
+                    Err(_) => return Err(LinkError::Silent(idle)),
+                }
             }
             if !self.session.batch_live(batch) {
                 dropping = true;
                 break;
             }
-            let n = if in_place {
-                self.read_in_place(r, batch, &ops, &targets, at, pos)?
+            let n = if ahead > 0 {
+                // Read ahead with an earlier frame; its descriptors are checked now.
+                let left: u64 = ops[at..].iter().map(|op| op.len).sum::<u64>() - pos;
+                let n = (ahead as u64).min(left) as usize;
+                scatter(batch, &ops, &targets, at, pos, &r.buffer()[..n])?;
+                r.consume(n);
+                n as u64
+            } else if in_place {
+                self.read_in_place(r.get_ref(), batch, &ops, &targets, at, pos)?
             } else {
-                self.read_through_bounce(r, batch, &ops, &targets, at, pos)?
+                self.read_through_bounce(r.get_ref(), batch, &ops, &targets, at, pos)?
             };
             left -= n;
             let mut n = n;
@@ -991,24 +1008,12 @@ impl Receiver<'_> {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(0),
             Err(e) => return Err(LinkError::Io(e)),
         };
-        let (mut k, mut from, mut done) = (at, pos, 0usize);
-        while done < n {
-            let op = &ops[k];
-            let step = ((op.len - from) as usize).min(n - done);
-            if step > 0 {
-                targets[k]
-                    .write_at(op.offset + from, &self.bounce[done..done + step])
-                    .map_err(|e| busy(batch, op.region, e))?;
-            }
-            done += step;
-            k += 1;
-            from = 0;
-        }
+        scatter(batch, ops, targets, at, pos, &self.bounce[..n])?;
         Ok(n as u64)
     }
 
     /// Reads and discards `n` payload bytes of a dropped batch (fixed-size scratch buffer).
-    async fn drain(&mut self, r: &mut OwnedReadHalf, mut n: u64) -> Result<(), LinkError> {
+    async fn drain(&mut self, r: &mut Reader, mut n: u64) -> Result<(), LinkError> {
         if self.scratch.is_empty() {
             self.scratch = vec![0; DRAIN_BUF];
         }
@@ -1061,6 +1066,32 @@ impl Receiver<'_> {
         };
         self.send(Frame::CancelAck { batch, status }).await
     }
+}
+
+/// Copies `bytes`, the payload from descriptor `at` (`pos` bytes into it) on, into the
+/// descriptors' ranges with `write_at`.
+fn scatter(
+    batch: u64,
+    ops: &[WireOp],
+    targets: &[MemoryRegion],
+    at: usize,
+    pos: u64,
+    bytes: &[u8],
+) -> Result<(), LinkError> {
+    let (mut k, mut from, mut done) = (at, pos, 0usize);
+    while done < bytes.len() {
+        let op = &ops[k];
+        let step = ((op.len - from) as usize).min(bytes.len() - done);
+        if step > 0 {
+            targets[k]
+                .write_at(op.offset + from, &bytes[done..done + step])
+                .map_err(|e| busy(batch, op.region, e))?;
+        }
+        done += step;
+        k += 1;
+        from = 0;
+    }
+    Ok(())
 }
 
 fn busy(batch: u64, region: u64, e: TransportError) -> LinkError {

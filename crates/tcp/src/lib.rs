@@ -86,8 +86,9 @@ pub mod wire;
 pub use auth::Secret;
 pub use error::TcpError;
 
-use batch::{Outcome, TxBatch};
+use batch::TxBatch;
 use inbound::Session;
+use kvbridge_transport::batch::{BatchTable, Batches, Outcome};
 use outbound::OutPeer;
 
 /// The transport's name in logs and errors.
@@ -364,11 +365,14 @@ pub(crate) struct Shared {
     next_region: AtomicU64,
     /// Peer ids for both outbound peers and inbound sessions.
     pub(crate) next_peer: AtomicU64,
-    next_batch: AtomicU64,
     pub(crate) out_peers: Mutex<HashMap<u64, Arc<OutPeer>>>,
     /// Inbound sessions by session id.
     pub(crate) sessions: Mutex<HashMap<u64, Arc<Session>>>,
+    /// Ids, states, deadlines, `wait` and `cancel` of the batches this side posted.
+    pub(crate) table: Batches,
+    /// What the wire needs of each batch in `table`, until `wait` collects it.
     pub(crate) batches: Mutex<HashMap<u64, Arc<TxBatch>>>,
+    pub(crate) deadlines: outbound::Deadlines,
     /// Notifications of completed batches, each with the charge of its batch (released when
     /// the application takes it).
     pub(crate) notify_tx: mpsc::Sender<(Notification, inbound::Charge)>,
@@ -412,14 +416,6 @@ impl Shared {
 
     pub(crate) fn batch(&self, id: u64) -> Option<Arc<TxBatch>> {
         lock(&self.batches).get(&id).cloned()
-    }
-
-    /// [`batch`](Self::batch), or `UnknownBatch` for the trait's callers.
-    fn known_batch(&self, batch: BatchId) -> Result<Arc<TxBatch>> {
-        self.batch(batch.0).ok_or(TransportError::UnknownBatch {
-            batch,
-            transport: NAME,
-        })
     }
 
     pub(crate) fn out_peer(&self, id: u64) -> Option<Arc<OutPeer>> {
@@ -471,6 +467,10 @@ impl TcpTransport {
         let advertised = SocketAddr::new(config.advertise_addr.unwrap_or(bound.ip()), bound.port());
         let (notify_tx, notify_rx) = mpsc::channel(NOTIFICATION_QUEUE);
         let (closed_tx, _) = watch::channel(false);
+        let commit_grace = config
+            .fence_grace
+            .saturating_mul(2)
+            .saturating_add(Duration::from_secs(1));
         let shared = Arc::new(Shared {
             descriptor: Bytes::from(format_descriptor(advertised)),
             local_addr: bound,
@@ -478,10 +478,13 @@ impl TcpTransport {
             regions: RwLock::new(HashMap::new()),
             next_region: AtomicU64::new(1),
             next_peer: AtomicU64::new(1),
-            next_batch: AtomicU64::new(1),
             out_peers: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
+            // A fence that cannot finish leaves the peer within twice its grace (and the
+            // receiver's own deadline for the batch is its anchor): the backstop comes after.
+            table: Batches::from_table(BatchTable::new(NAME).with_commit_grace(commit_grace)),
             batches: Mutex::new(HashMap::new()),
+            deadlines: outbound::Deadlines::default(),
             notify_tx,
             notify_rx: tokio::sync::Mutex::new(notify_rx),
             peak_pending: AtomicU64::new(0),
@@ -489,6 +492,7 @@ impl TcpTransport {
             closed_tx,
             listener_task: Mutex::new(None),
         });
+        tokio::spawn(outbound::deadline_task(shared.clone()));
         let task = tokio::spawn(inbound::accept_loop(shared.clone(), listener));
         *lock(&shared.listener_task) = Some(task);
         tracing::info!(addr = %bound, "kvbridge-tcp listening");
@@ -578,10 +582,7 @@ fn shutdown_now(shared: &Arc<Shared>) {
     }
     let batches: Vec<_> = lock(&shared.batches).values().cloned().collect();
     for b in batches {
-        b.finish(Outcome::Failed {
-            reason: "the transport was shut down".into(),
-            peer_lost: false,
-        });
+        shared.finish(&b, b.failed("the transport was shut down".into()));
     }
 }
 
@@ -676,27 +677,31 @@ impl KvTransport for TcpTransport {
                 transport: NAME,
             });
         };
-        let id = BatchId(self.shared.next_batch.fetch_add(1, Ordering::Relaxed));
-        outbound::post(&self.shared, &out, id, batch).await?;
-        Ok(id)
+        outbound::post(&self.shared, &out, batch).await
     }
 
     fn batch_state(&self, batch: BatchId) -> Result<BatchState> {
-        let b = self.shared.known_batch(batch)?;
-        Ok(b.state())
+        self.shared.table.state(batch, batch::now())
     }
 
     async fn wait(&self, batch: BatchId) -> Result<()> {
-        let b = self.shared.known_batch(batch)?;
-        let outcome = b.wait_final(&self.shared).await;
-        lock(&self.shared.batches).remove(&batch.0);
-        outcome.into_result(&b)
+        let r = self.shared.table.wait(batch, batch::sleep_until).await;
+        if let Some(b) = lock(&self.shared.batches).remove(&batch.0) {
+            self.shared.deadlines.forget(&b);
+        }
+        r
     }
 
     async fn cancel(&self, batch: BatchId) -> Result<BatchState> {
-        let b = self.shared.known_batch(batch)?;
-        outbound::fence(&self.shared, &b, Outcome::Cancelled).await;
-        Ok(b.state())
+        // Every posted batch is committing: the receiver's fence decides how it ends.
+        let state = self.shared.table.cancel(batch, batch::now())?;
+        if state != BatchState::Pending {
+            return Ok(state);
+        }
+        if let Some(b) = self.shared.batch(batch.0) {
+            outbound::fence(&self.shared, &b, Outcome::Cancelled).await;
+        }
+        self.shared.table.settle(batch, batch::sleep_until).await
     }
 
     async fn recv_notification(&self) -> Result<Notification> {
@@ -730,24 +735,16 @@ impl KvTransport for TcpTransport {
             return Ok(());
         }
         // Fence what is in flight while the connections still work, then close everything.
-        let pending: Vec<_> = lock(&self.shared.batches)
-            .values()
-            .filter(|b| !b.is_final())
-            .cloned()
-            .collect();
+        let pending: Vec<_> = lock(&self.shared.batches).values().cloned().collect();
         let mut fences = Vec::new();
         for b in pending {
+            if self.shared.is_final(&b) {
+                continue;
+            }
             let shared = self.shared.clone();
             fences.push(tokio::spawn(async move {
-                outbound::fence(
-                    &shared,
-                    &b,
-                    Outcome::Failed {
-                        reason: "the transport was shut down".into(),
-                        peer_lost: false,
-                    },
-                )
-                .await;
+                let outcome = b.failed("the transport was shut down".into());
+                outbound::fence(&shared, &b, outcome).await;
             }));
         }
         for f in fences {

@@ -20,11 +20,12 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::auth::{self, HelloFields};
-use crate::batch::{Outcome, Refusal, TxBatch};
+use crate::batch::{Refusal, TxBatch};
 use crate::conn::{self, LinkError};
 use crate::error::TcpError;
 use crate::wire::{self, BeginStatus, CancelStatus, Frame, RegionLen, RegionNeed, WireOp};
 use crate::{NAME, Shared, lock};
+use kvbridge_transport::batch::{Fence, Outcome, Step};
 
 /// Descriptors in one `Data` frame (one `writev` carries the header and all their payloads,
 /// and stays below the kernel's 1024-iovec limit).
@@ -33,6 +34,9 @@ const MAX_OPS_PER_FRAME: usize = 512;
 /// Batches of at most this many payload bytes go out at once with their `Begin`, copied into
 /// one frame on connection 0, without waiting for the receiver's answer.
 const INLINE_BYTES: u64 = 64 << 10;
+
+/// Read-ahead of a connection's reader (it reads control frames only).
+const READ_AHEAD: usize = 4 << 10;
 
 /// Entries of a peer's region table kept at most (16 bytes each on the wire), so a listener
 /// cannot make this side hold more by announcing regions without end.
@@ -181,23 +185,21 @@ impl OutPeer {
         self.abort_tasks();
         let pending: Vec<_> = lock(&shared.batches)
             .values()
-            .filter(|b| b.peer == self.id && !b.is_final())
+            .filter(|b| b.peer == self.id && !shared.is_final(b))
             .cloned()
             .collect();
         for b in pending {
             b.stop();
-            let outcome = Outcome::Failed {
-                reason: reason.clone(),
-                peer_lost: true,
-            };
+            let outcome = b.lost(reason.clone());
             match b.anchor().filter(|a| !remote_closed && *a > Instant::now()) {
                 None => {
-                    b.finish(outcome);
+                    shared.finish(&b, outcome);
                 }
                 Some(anchor) => {
+                    let shared = shared.clone();
                     tokio::spawn(async move {
                         tokio::time::sleep_until(anchor).await;
-                        b.finish(outcome);
+                        shared.finish(&b, outcome);
                     });
                 }
             }
@@ -208,25 +210,16 @@ impl OutPeer {
     pub(crate) async fn close(self: &Arc<Self>, shared: &Arc<Shared>, reason: &str) {
         let pending: Vec<_> = lock(&shared.batches)
             .values()
-            .filter(|b| b.peer == self.id && !b.is_final())
+            .filter(|b| b.peer == self.id && !shared.is_final(b))
             .cloned()
             .collect();
         let mut fences = Vec::new();
         for b in pending {
             let shared = shared.clone();
             let peer = self.clone();
-            let reason = reason.to_owned();
+            let outcome = b.failed(reason.to_owned());
             fences.push(tokio::spawn(async move {
-                fence_on(
-                    &shared,
-                    Some(peer),
-                    &b,
-                    Outcome::Failed {
-                        reason,
-                        peer_lost: false,
-                    },
-                )
-                .await;
+                fence_on(&shared, Some(peer), &b, outcome).await;
             }));
         }
         for f in fences {
@@ -473,7 +466,9 @@ async fn keepalive_task(peer: Arc<OutPeer>, interval: Duration) {
     }
 }
 
-async fn reader_task(shared: Arc<Shared>, peer: Arc<OutPeer>, mut r: OwnedReadHalf, index: usize) {
+async fn reader_task(shared: Arc<Shared>, peer: Arc<OutPeer>, r: OwnedReadHalf, index: usize) {
+    // Only control frames arrive here: one read takes a `Done` (or several) whole.
+    let mut r = tokio::io::BufReader::with_capacity(READ_AHEAD, r);
     let mut buf = Vec::new();
     let max = shared.config.max_frame_len;
     let idle = shared.config.keepalive_timeout;
@@ -524,19 +519,20 @@ async fn reader_task(shared: Arc<Shared>, peer: Arc<OutPeer>, mut r: OwnedReadHa
                     // A batch sent without waiting was refused: nothing of it was written;
                     // the cancel makes the receiver forget it.
                     if let Some(b) = shared.batch(batch).filter(|b| b.peer == peer.id) {
-                        let why = refusal(status, &b.remote_ops, regions);
+                        let why = refusal(status, &b.remote_ops, regions).into_error(b.id, b.peer);
                         let shared = shared.clone();
                         let peer = peer.clone();
                         tokio::spawn(async move {
-                            fence_on(&shared, Some(peer), &b, Outcome::Refused(why)).await;
+                            fence_on(&shared, Some(peer), &b, Outcome::Failed(why)).await;
                         });
                     }
                 }
             }
             Frame::Done { batch } => {
                 if let Some(b) = shared.batch(batch).filter(|b| b.peer == peer.id) {
-                    if !b.try_finish_done() {
-                        tokio::spawn(async move { b.finish_done().await });
+                    if !shared.try_finish_done(&b) {
+                        let shared = shared.clone();
+                        tokio::spawn(async move { shared.finish_done(&b).await });
                     }
                 }
             }
@@ -753,9 +749,8 @@ const RESOLVE_SLICE: usize = 4096;
 pub(crate) async fn post(
     shared: &Arc<Shared>,
     peer: &Arc<OutPeer>,
-    id: BatchId,
     batch: TransferBatch,
-) -> Result<()> {
+) -> Result<BatchId> {
     if peer.lost.load(Ordering::Acquire) {
         return Err(peer.lost_error());
     }
@@ -840,8 +835,20 @@ pub(crate) async fn post(
             ),
         });
     }
-    let posted = Instant::now();
-    let mut b = TxBatch::new(id, peer.id, batch.timeout, posted);
+    let id = shared
+        .table
+        .insert(peer.id, batch.timeout, crate::batch::now())?;
+    // Committing from the start: once any byte of the `Begin` may have left, only the
+    // receiver's fence decides how the batch ends (`fence`). The receiver applies nothing past
+    // its own deadline (at most the anchor), so the table's backstop needs no fence of its own.
+    shared
+        .table
+        .step(id, crate::batch::now(), || Step::Commit(Fence::none()));
+    let deadline = shared
+        .table
+        .deadline(id)
+        .map_or_else(Instant::now, Instant::from_std);
+    let mut b = TxBatch::new(id, peer.id, deadline);
     // A small batch goes out whole with its Begin, copied now (its sources are free at once).
     let inline = if total <= INLINE_BYTES && ops.len() <= MAX_OPS_PER_FRAME {
         inline_payload(&ops)
@@ -858,6 +865,7 @@ pub(crate) async fn post(
     let b = Arc::new(b);
     lock(&shared.batches).insert(id.0, b.clone());
     let forget = || {
+        shared.table.forget(id);
         lock(&shared.batches).remove(&id.0);
         lock(&peer.waiters).begin.remove(&id.0);
     };
@@ -905,12 +913,12 @@ pub(crate) async fn post(
             }
             Err(_) => {
                 // Never queued: nothing can land.
-                b.finish(Outcome::TimedOut);
-                return Ok(());
+                shared.finish(&b, Outcome::TimedOut);
+                return Ok(id);
             }
         }
-        watch_deadline(shared, b);
-        return Ok(());
+        shared.deadlines.watch(b);
+        return Ok(id);
     }
     let (tx, rx) = oneshot::channel();
     lock(&peer.waiters).begin.insert(id.0, tx);
@@ -929,11 +937,11 @@ pub(crate) async fn post(
             // The deadline passed before the receiver answered: no byte was sent, so the batch
             // ends timed out. Let the receiver forget it if it accepts it later.
             lock(&peer.waiters).begin.remove(&id.0);
-            b.finish(Outcome::TimedOut);
+            shared.finish(&b, Outcome::TimedOut);
             for c in &peer.ctrl {
                 let _ = c.try_send(Frame::Cancel { batch: id.0 }.encode());
             }
-            return Ok(());
+            return Ok(id);
         }
     };
     let Frame::BeginAck {
@@ -961,8 +969,8 @@ pub(crate) async fn post(
         });
         peer.work.notify_waiters();
     }
-    watch_deadline(shared, b);
-    Ok(())
+    shared.deadlines.watch(b);
+    Ok(id)
 }
 
 /// The payload of a small batch, copied from its sources; `None` when a source range is
@@ -981,16 +989,76 @@ fn inline_payload(ops: &[LocalOp]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// Fences the batch at its deadline unless it ends first.
-fn watch_deadline(shared: &Arc<Shared>, b: Arc<TxBatch>) {
-    let shared = shared.clone();
-    tokio::spawn(async move {
-        tokio::select! {
-            () = tokio::time::sleep_until(b.deadline) => fence(&shared, &b, Outcome::TimedOut).await,
-            () = b.finished() => {}
-            () = shared.wait_closed() => {}
+/// Posted batches by deadline, watched by one task per transport ([`deadline_task`]) rather
+/// than a task (and a wake-up of another worker) per batch.
+#[derive(Default)]
+pub(crate) struct Deadlines {
+    due: Mutex<Due>,
+    earlier: Notify,
+}
+
+#[derive(Default)]
+struct Due {
+    batches: BTreeMap<(Instant, u64), Arc<TxBatch>>,
+    /// When the task wakes next on its own; `None` while it waits for the first batch.
+    wake_at: Option<Instant>,
+}
+
+impl Deadlines {
+    /// The batch is fenced at its deadline unless `wait` collected it first.
+    fn watch(&self, b: Arc<TxBatch>) {
+        let at = b.deadline;
+        let wake = {
+            let mut due = lock(&self.due);
+            due.batches.insert((at, b.id.0), b);
+            due.wake_at.is_none_or(|w| at < w)
+        };
+        if wake {
+            self.earlier.notify_one();
         }
-    });
+    }
+
+    /// Stops watching a collected batch.
+    pub(crate) fn forget(&self, b: &TxBatch) {
+        lock(&self.due).batches.remove(&(b.deadline, b.id.0));
+    }
+}
+
+/// Fences every batch still pending at its deadline, until the transport closes.
+pub(crate) async fn deadline_task(shared: Arc<Shared>) {
+    let closed = shared.wait_closed();
+    tokio::pin!(closed);
+    let deadlines = &shared.deadlines;
+    loop {
+        let earlier = deadlines.earlier.notified();
+        let next = {
+            let mut due = lock(&deadlines.due);
+            due.wake_at = due.batches.keys().next().map(|k| k.0);
+            due.wake_at
+        };
+        let sleep = async {
+            match next {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = sleep => {}
+            () = earlier => continue,
+            () = &mut closed => return,
+        }
+        let expired = {
+            let mut due = lock(&deadlines.due);
+            let later = due.batches.split_off(&(Instant::now(), u64::MAX));
+            std::mem::replace(&mut due.batches, later)
+        };
+        for b in expired.into_values() {
+            if !shared.is_final(&b) {
+                let shared = shared.clone();
+                tokio::spawn(async move { fence(&shared, &b, Outcome::TimedOut).await });
+            }
+        }
+    }
 }
 
 /// Sends `cancel` on each of `conns` and waits for all their answers; whether any said the
@@ -1028,15 +1096,18 @@ async fn fence_on(
     b: &Arc<TxBatch>,
     outcome: Outcome,
 ) {
-    if b.is_final() {
+    if shared.is_final(b) {
         return;
     }
     let grace = shared.config.fence_grace;
     if !b.start_fence() {
         // Someone else fences it; they finish it within their grace (or at the anchor).
         let limit = b.anchor().unwrap_or_else(Instant::now).max(Instant::now()) + grace * 2;
-        if tokio::time::timeout_at(limit, b.finished()).await.is_err() {
-            b.finish(outcome);
+        if tokio::time::timeout_at(limit, shared.finished(b))
+            .await
+            .is_err()
+        {
+            shared.finish(b, outcome);
         }
         return;
     }
@@ -1044,8 +1115,11 @@ async fn fence_on(
     let Some(peer) = peer.filter(|p| !p.lost.load(Ordering::Acquire)) else {
         // The peer is gone; losing it scheduled this batch's failure (at its anchor).
         let limit = b.anchor().unwrap_or_else(Instant::now).max(Instant::now()) + grace;
-        if tokio::time::timeout_at(limit, b.finished()).await.is_err() {
-            b.finish(outcome);
+        if tokio::time::timeout_at(limit, shared.finished(b))
+            .await
+            .is_err()
+        {
+            shared.finish(b, outcome);
         }
         return;
     };
@@ -1063,9 +1137,9 @@ async fn fence_on(
     lock(&peer.waiters).cancel.remove(&b.id.0);
     match acked {
         // The receiver had already completed it: its `Done` is on the way.
-        Ok(Some(true)) => b.finish_done().await,
+        Ok(Some(true)) => shared.finish_done(b).await,
         Ok(Some(false)) => {
-            b.finish(outcome);
+            shared.finish(b, outcome);
         }
         _ => {
             peer.lose(
@@ -1079,7 +1153,7 @@ async fn fence_on(
             if let Some(anchor) = b.anchor() {
                 tokio::time::sleep_until(anchor).await;
             }
-            b.finish(outcome);
+            shared.finish(b, outcome);
         }
     }
 }

@@ -449,6 +449,17 @@ async fn unknown_region_is_refused() {
     still_serves(&t, region, &mem).await;
 }
 
+/// Two descriptors of 100 bytes into a 4096-byte region: one in bounds, then one past its end.
+fn straddling_ops(region: RegionId) -> Vec<WireOp> {
+    [0, 4000]
+        .map(|offset| WireOp {
+            region: region.0,
+            offset,
+            len: 100,
+        })
+        .to_vec()
+}
+
 #[tokio::test]
 async fn out_of_bounds_write_is_refused_before_its_payload() {
     let (t, region, mem) = target(TcpConfig::default()).await;
@@ -458,23 +469,46 @@ async fn out_of_bounds_write_is_refused_before_its_payload() {
     // frame may land, and the refusal comes before any payload byte is sent.
     raw.send(&Frame::Data {
         batch: 1,
-        ops: vec![
-            WireOp {
-                region: region.0,
-                offset: 0,
-                len: 100,
-            },
-            WireOp {
-                region: region.0,
-                offset: 4000,
-                len: 100,
-            },
-        ],
+        ops: straddling_ops(region),
     })
     .await;
     let msg = raw.expect_error(14).await;
     assert!(msg.contains("[4000, 4000+100)"), "{msg}");
     assert!(msg.contains("4096 bytes"), "{msg}");
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn payload_read_ahead_with_its_frame_lands_only_after_the_checks() {
+    let (t, region, mem) = target(TcpConfig::default()).await;
+    let mut raw = Raw::handshake(&t, false).await;
+    // One write: a small batch's `Begin` (sent without waiting), its `Data` header with an
+    // out-of-bounds second descriptor, and the payload. The listener's read-ahead takes the
+    // payload in with the headers; none of it may reach the region.
+    let mut bytes = Frame::Begin {
+        batch: 1,
+        epoch: 0,
+        remaining_ms: 10_000,
+        total_bytes: 200,
+        regions: vec![RegionNeed {
+            region: region.0,
+            end: 4096,
+        }],
+        notification: None,
+        ack: false,
+    }
+    .encode();
+    bytes.extend(
+        Frame::Data {
+            batch: 1,
+            ops: straddling_ops(region),
+        }
+        .encode(),
+    );
+    bytes.extend([0x55; 200]);
+    raw.bytes(&bytes).await;
+    let msg = raw.expect_error(14).await;
+    assert!(msg.contains("[4000, 4000+100)"), "{msg}");
     still_serves(&t, region, &mem).await;
 }
 
