@@ -216,13 +216,13 @@ pub enum TransportError {
         region_len: u64,
     },
     /// A CPU access to a region's bytes overlaps an access in progress, and one of the two
-    /// writes. Refused, never waited for; nothing was read or written.
+    /// writes, and did not end within `CLAIM_WAIT`. Nothing was read or written.
     #[error(
         "refused {access} bytes [{offset}, {offset}+{len}) of the {region_len}-byte {operand}: \
-         bytes [{held_start}, {held_end}) are claimed for {held} by another access right now; \
-         overlapping accesses must not run at the same time when one of them writes (keep the \
-         destinations of concurrent transfers disjoint, and drop a borrow before touching its \
-         bytes again)"
+         bytes [{held_start}, {held_end}) were still claimed for {held} by another access after \
+         waiting 1 s for it; overlapping accesses where one writes are serialised, so one holds \
+         its claim too long (drop a borrow before touching its bytes again, and do not hold one \
+         across other work)"
     )]
     AccessConflict {
         /// Which region.

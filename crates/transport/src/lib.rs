@@ -51,7 +51,8 @@ pub mod testing;
 pub use delegate::Delegate;
 pub use error::{Operand, Result, Side, TransportError};
 pub use memory::{
-    Access, AllocError, ForeignMemory, MemoryKind, MemoryRegion, RangeError, RegionSliceMut,
+    Access, AllocError, CLAIM_WAIT, ForeignMemory, MemoryKind, MemoryRegion, RangeError,
+    RegionSliceMut,
 };
 
 macro_rules! id_type {

@@ -12,11 +12,13 @@
 //!
 //! - Every CPU access to a region's bytes first claims its byte range in the region's **claim
 //!   table**: reads claim it shared, writes exclusively. A claim that overlaps a claim of
-//!   another access, where either of them writes, is refused with
-//!   [`TransportError::AccessConflict`]
-//!   (never waited for, so nothing can deadlock on it). Copies hold their claim only for the
-//!   copy; [`RegionSliceMut`] and [`with_raw_range`](MemoryRegion::with_raw_range) hold theirs
-//!   until they end.
+//!   another access, where either of them writes, waits for that access to end, at most
+//!   [`CLAIM_WAIT`], and is then refused with [`TransportError::AccessConflict`] (so nothing
+//!   deadlocks on it: a thread that conflicts with its own borrow is refused after the bound).
+//!   Two transfers may legitimately write the same bytes (two prefill ranks sending the same
+//!   aux row to one decode): they are serialised, never run at once. Copies hold their claim
+//!   only for the copy; [`RegionSliceMut`] and [`with_raw_range`](MemoryRegion::with_raw_range)
+//!   hold theirs until they end.
 //! - Rust slices of region bytes exist only for **owned** memory, under an exclusive claim.
 //!   Foreign memory may be written by other processes or devices at any time, so it is only
 //!   ever copied with raw copies and never borrowed as a slice.
@@ -36,9 +38,15 @@ use std::any::Any;
 use std::fmt;
 use std::ops::Range;
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::{Operand, Result, TransportError};
+
+/// How long an access waits for a conflicting access to the same bytes to end before it is
+/// refused. Copies hold their claims for microseconds; only a borrow held across other work
+/// (or a descheduled thread on a loaded machine) makes an access wait this long.
+pub const CLAIM_WAIT: Duration = Duration::from_secs(1);
 
 /// Alignment of owned regions: one 4 KiB page, so DMA engines and `O_DIRECT` are happy.
 pub const REGION_ALIGN: usize = 4096;
@@ -206,6 +214,8 @@ struct Inner {
     backing: Backing,
     tag: Option<Arc<dyn Any + Send + Sync>>,
     claims: Mutex<ClaimTable>,
+    /// Signalled whenever a claim is released, for accesses waiting on a conflict.
+    released: Condvar,
 }
 
 // SAFETY: `Inner` only holds a pointer to memory it owns (or whose owner it keeps alive; the
@@ -235,9 +245,32 @@ impl Inner {
         self.claims.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Records `wanted` once no conflicting claim is held, waiting at most [`CLAIM_WAIT`] for
+    /// conflicting accesses to end; then the first refused claim and the claim it met.
+    fn insert(&self, wanted: &[Claim]) -> std::result::Result<(), (usize, Claim)> {
+        let deadline = Instant::now() + CLAIM_WAIT;
+        let mut table = self.table();
+        loop {
+            let refused = match table.try_insert(wanted) {
+                Ok(()) => return Ok(()),
+                Err(refused) => refused,
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(refused);
+            }
+            table = self
+                .released
+                .wait_timeout(table, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
     fn release(&self, claim: &Claim) {
         if !claim.range.is_empty() {
             self.table().remove(claim);
+            self.released.notify_all();
         }
     }
 
@@ -467,6 +500,7 @@ impl MemoryRegion {
                 backing,
                 tag,
                 claims: Mutex::new(ClaimTable::default()),
+                released: Condvar::new(),
             }),
         }
     }
@@ -544,8 +578,7 @@ impl MemoryRegion {
         };
         if !claim.range.is_empty() {
             self.inner
-                .table()
-                .try_insert(std::slice::from_ref(&claim))
+                .insert(std::slice::from_ref(&claim))
                 .map_err(|(_, held)| self.inner.conflict(operand, &claim, &held))?;
         }
         Ok(Claimed {
@@ -664,7 +697,7 @@ impl MemoryRegion {
                 access: Access::Write,
             },
         ];
-        self.inner.table().try_insert(&want).map_err(|(i, held)| {
+        self.inner.insert(&want).map_err(|(i, held)| {
             let operand = if i == 0 {
                 Operand::Source
             } else {
