@@ -1174,6 +1174,25 @@ mod tests {
     }
 
     #[test]
+    fn a_conflicting_write_waits_for_the_other_access_instead_of_failing() {
+        // Two transfers writing the same bytes (two prefill ranks sending one aux row) are
+        // serialised: the second write waits until the first access's claim is released.
+        let a = MemoryRegion::allocate(64).unwrap();
+        let b = a.clone();
+        let held = a.borrow_mut(0, 64).unwrap();
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            started_tx.send(()).unwrap();
+            b.write_at(16, &[2; 32])
+        });
+        started_rx.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(if cfg!(miri) { 1 } else { 20 }));
+        drop(held);
+        t.join().unwrap().unwrap();
+        assert_eq!(a.to_vec(16, 32).unwrap(), vec![2; 32]);
+    }
+
+    #[test]
     fn concurrent_overlapping_accesses_through_every_accessor() {
         // Each writer writes one uniform byte over the whole of [0, 64) through one accessor;
         // every read that is not refused must see uniform bytes (no torn write), and Miri
