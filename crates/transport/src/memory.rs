@@ -969,8 +969,8 @@ mod tests {
         let text = err.to_string();
         assert!(
             text.contains("refused writing bytes [0, 0+32) of the 64-byte region")
-                && text.contains("[16, 48) are claimed for writing")
-                && text.contains("keep the destinations of concurrent transfers disjoint"),
+                && text.contains("[16, 48) were still claimed for writing")
+                && text.contains("drop a borrow before touching its bytes again"),
             "{text}"
         );
         // Reads share; a write next to them (not overlapping) is fine; one overlapping is not.
