@@ -23,6 +23,19 @@ pub(crate) fn default_base() -> PathBuf {
         .unwrap_or_else(std::env::temp_dir)
 }
 
+/// Whether process `pid` still runs: it exists and is not a zombie (a killed process stays in
+/// `/proc` until its parent reaps it, but it will never clean up again).
+fn runs(pid: u32) -> bool {
+    match fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("stat")) {
+        // The state is the first field after the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_none_or(|state| !matches!(state, 'Z' | 'X')),
+        Err(_) => Path::new("/proc").join(pid.to_string()).exists(),
+    }
+}
+
 /// Removes control directories in `base` left behind by processes of this user that died
 /// without cleaning up (killed, crashed): `kvbridge-shm-<pid>-*` whose `<pid>` no longer runs.
 /// Only the socket and the then-empty directory are removed; anything else is left alone.
@@ -41,7 +54,7 @@ pub(crate) fn sweep_stale(base: &Path) {
         else {
             continue;
         };
-        if pid == std::process::id() || Path::new("/proc").join(pid.to_string()).exists() {
+        if pid == std::process::id() || runs(pid) {
             continue;
         }
         let path = entry.path();

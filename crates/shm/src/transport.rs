@@ -846,6 +846,16 @@ impl std::fmt::Debug for ShmTransport {
 impl Drop for ShmTransport {
     fn drop(&mut self) {
         self.inner.close();
+        // A peer killed before it could clean up leaves its control directory; the survivor
+        // removes it on its way out too, not only the next transport to start.
+        sweep_stale(
+            &self
+                .inner
+                .options
+                .runtime_dir
+                .clone()
+                .unwrap_or_else(default_base),
+        );
     }
 }
 
