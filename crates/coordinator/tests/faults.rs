@@ -425,16 +425,7 @@ async fn metadata_for_a_room_the_prefill_never_creates_expires() {
     };
     let r = rig(spec).await;
     let d = &r.decodes[0].0;
-    d.receive(
-        50,
-        ReceiveRequest {
-            bootstrap_addr: ADDR.into(),
-            page_table: vec![0, 1, 2],
-            cached_prefix_len: 0,
-            aux_index: 0,
-        },
-    )
-    .unwrap();
+    d.receive(50, common::request(vec![0, 1, 2])).unwrap();
     let err = bounded(d.wait(50)).await.unwrap_err().to_string();
     assert!(
         err.contains(
@@ -563,16 +554,7 @@ async fn a_decode_refused_by_the_prefill_fails_its_rooms_at_once_with_the_proble
     let r = rig(Spec::refused_page_size()).await;
     let d = &r.decodes[0].0;
     for room in [1, 2] {
-        d.receive(
-            room,
-            ReceiveRequest {
-                bootstrap_addr: ADDR.into(),
-                page_table: vec![0, 1],
-                cached_prefix_len: 0,
-                aux_index: 0,
-            },
-        )
-        .unwrap();
+        d.receive(room, common::request(vec![0, 1])).unwrap();
     }
     for room in [1, 2] {
         let started = tokio::time::Instant::now();
@@ -606,17 +588,7 @@ async fn a_decode_refused_by_the_prefill_fails_its_rooms_at_once_with_the_proble
     )
     .start()
     .unwrap();
-    agent
-        .receive(
-            3,
-            ReceiveRequest {
-                bootstrap_addr: ADDR.into(),
-                page_table: vec![0],
-                cached_prefix_len: 0,
-                aux_index: 0,
-            },
-        )
-        .unwrap();
+    agent.receive(3, common::request(vec![0])).unwrap();
     let text = bounded(agent.wait(3)).await.unwrap_err().to_string();
     assert!(text.contains("KV cache dtype mismatch"), "{text}");
     assert!(

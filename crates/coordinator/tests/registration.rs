@@ -8,12 +8,11 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{ADDR, Spec, mla, rig};
+use common::{Spec, mla, rig};
 use kvbridge_coordinator::net_channel::{NetChannel, NetChannelConfig};
 use kvbridge_coordinator::{
     CONTROL_PROTOCOL_VERSION, ControlChannel, ControlMessage, Endpoint, FailureCause, Heartbeat,
-    KvMemory, PrefillAgent, ReceiveRequest, Registration, RegistrationOutcome, TransportInfo,
-    WireRegion,
+    KvMemory, PrefillAgent, Registration, RegistrationOutcome, TransportInfo, WireRegion,
 };
 use kvbridge_mock::LoopbackTransport;
 use kvbridge_transport::KvTransport;
@@ -49,16 +48,7 @@ fn a_refused_decode_registers_again_for_its_next_room_and_is_refused_again() {
         let d = &r.decodes[0].0;
         let heartbeat = kvbridge_coordinator::DecodeConfig::default().heartbeat_interval;
         for room in [1, 2, 3] {
-            d.receive(
-                room,
-                ReceiveRequest {
-                    bootstrap_addr: ADDR.into(),
-                    page_table: vec![0, 1],
-                    cached_prefix_len: 0,
-                    aux_index: 0,
-                },
-            )
-            .unwrap();
+            d.receive(room, common::request(vec![0, 1])).unwrap();
             let err = common::bounded(d.wait(room)).await.unwrap_err().to_string();
             assert!(err.contains("Page size mismatch"), "room {room}: {err}");
             assert_eq!(

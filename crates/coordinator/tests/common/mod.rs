@@ -18,6 +18,16 @@ use kvbridge_mock::{FaultInjector, FaultScript, LoopbackTransport};
 use kvbridge_transport::KvTransport;
 
 pub const ADDR: &str = "prefill.test:8998";
+
+/// A request for a room with no cached prefix, aux row 0, from the prefill at [`ADDR`].
+pub fn request(page_table: Vec<u64>) -> ReceiveRequest {
+    ReceiveRequest {
+        bootstrap_addr: ADDR.into(),
+        page_table,
+        cached_prefix_len: 0,
+        aux_index: 0,
+    }
+}
 pub const AUX_LENS: [u64; 2] = [64, 128];
 
 /// An MLA-style descriptor: `layers` entries of `page · tok` bytes, two aux buffers.
