@@ -8,19 +8,89 @@ use crate::error::{GeometryError, Result, Side};
 use crate::pool::PoolGeometry;
 use crate::runs::{Run, group_concurrent_contiguous};
 
-/// One contiguous copy from a source entry to a destination entry.
+/// One copy descriptor from a source entry to a destination entry: `count` rows of `len`
+/// bytes, row `i` at `src_offset + i·src_stride` → `dst_offset + i·dst_stride` (the rows of
+/// a transport's strided op). Build with [`ByteRange::new`] (one row) and
+/// [`ByteRange::with_rows`].
+///
+/// Ranges produced by this crate have `count ≥ 1`, strides 0 when `count == 1`, destination
+/// rows that never overlap (`dst_stride ≥ len` when `count > 1`), and every row inside its
+/// entries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct ByteRange {
     /// Source entry index (in the prefill pool's entry order).
     pub src_entry: usize,
-    /// Byte offset inside the source entry.
+    /// Byte offset of the first row inside the source entry.
     pub src_offset: u64,
     /// Destination entry index (in the decode pool's entry order).
     pub dst_entry: usize,
-    /// Byte offset inside the destination entry.
+    /// Byte offset of the first row inside the destination entry.
     pub dst_offset: u64,
-    /// Bytes to copy.
+    /// Bytes per row.
     pub len: u64,
+    /// Rows (1 for a contiguous copy).
+    pub count: u64,
+    /// Bytes from one source row to the next.
+    pub src_stride: u64,
+    /// Bytes from one destination row to the next.
+    pub dst_stride: u64,
+}
+
+impl ByteRange {
+    /// One contiguous copy of `len` bytes (`count` 1, strides 0).
+    #[must_use]
+    pub const fn new(
+        src_entry: usize,
+        src_offset: u64,
+        dst_entry: usize,
+        dst_offset: u64,
+        len: u64,
+    ) -> Self {
+        Self {
+            src_entry,
+            src_offset,
+            dst_entry,
+            dst_offset,
+            len,
+            count: 1,
+            src_stride: 0,
+            dst_stride: 0,
+        }
+    }
+
+    /// The same first row repeated `count` times with the given strides.
+    #[must_use]
+    pub const fn with_rows(self, count: u64, src_stride: u64, dst_stride: u64) -> Self {
+        Self {
+            count,
+            src_stride,
+            dst_stride,
+            ..self
+        }
+    }
+
+    /// The rows as `count` one-row ranges, in order.
+    pub fn rows(&self) -> impl ExactSizeIterator<Item = ByteRange> + use<> {
+        let r = *self;
+        let count = usize::try_from(r.count).unwrap_or(usize::MAX);
+        (0..count).map(move |i| {
+            let i = i as u64;
+            ByteRange::new(
+                r.src_entry,
+                r.src_offset.saturating_add(i.saturating_mul(r.src_stride)),
+                r.dst_entry,
+                r.dst_offset.saturating_add(i.saturating_mul(r.dst_stride)),
+                r.len,
+            )
+        })
+    }
+
+    /// Bytes moved by all rows (`len · count`).
+    #[must_use]
+    pub const fn total_bytes(&self) -> u64 {
+        self.len.saturating_mul(self.count)
+    }
 }
 
 /// A copy between two offsets of single registered regions (entries already placed).
@@ -76,11 +146,13 @@ impl ByteRanges {
     /// Appends a descriptor, merging it into the previous one when both entries match and
     /// both sides continue contiguously. Zero-length descriptors are dropped.
     pub fn push(&mut self, r: ByteRange) {
-        if r.len == 0 {
+        if r.len == 0 || r.count == 0 {
             return;
         }
         if let Some(last) = self.ranges.last_mut() {
-            if last.src_entry == r.src_entry
+            if last.count == 1
+                && r.count == 1
+                && last.src_entry == r.src_entry
                 && last.dst_entry == r.dst_entry
                 && last.src_offset + last.len == r.src_offset
                 && last.dst_offset + last.len == r.dst_offset
@@ -92,10 +164,18 @@ impl ByteRanges {
         self.ranges.push(r);
     }
 
-    /// Number of descriptors posted.
+    /// Number of descriptors posted (strided ranges; [`ByteRanges::row_count`] counts the
+    /// rows they cover).
     #[must_use]
     pub fn len(&self) -> usize {
         self.ranges.len()
+    }
+
+    /// Rows covered by all descriptors (the sum of their `count`s): the number of
+    /// descriptors a transport without strided ops posts.
+    #[must_use]
+    pub fn row_count(&self) -> u64 {
+        self.ranges.iter().map(|r| r.count).sum()
     }
 
     /// Whether nothing is posted.
@@ -107,7 +187,7 @@ impl ByteRanges {
     /// Sum of all lengths.
     #[must_use]
     pub fn total_bytes(&self) -> u64 {
-        self.ranges.iter().map(|r| r.len).sum()
+        self.ranges.iter().map(ByteRange::total_bytes).sum()
     }
 
     /// The descriptors.
@@ -141,7 +221,7 @@ impl ByteRanges {
         dst_entry_offsets: &[u64],
     ) -> Result<Vec<RegionRange>> {
         let mut out: Vec<RegionRange> = Vec::with_capacity(self.ranges.len());
-        for r in &self.ranges {
+        for r in self.ranges.iter().flat_map(ByteRange::rows) {
             let base = |offsets: &[u64], entry: usize, side| {
                 offsets
                     .get(entry)
@@ -222,22 +302,22 @@ impl RowCopy {
             && self.width == self.dst_width;
         runs.for_each(|run| {
             if whole {
-                out.push(ByteRange {
-                    src_entry: self.pair.src,
-                    src_offset: run.src_start * self.src_width,
-                    dst_entry: self.pair.dst,
-                    dst_offset: run.dst_start * self.dst_width,
-                    len: run.len * self.width,
-                });
+                out.push(ByteRange::new(
+                    self.pair.src,
+                    run.src_start * self.src_width,
+                    self.pair.dst,
+                    run.dst_start * self.dst_width,
+                    run.len * self.width,
+                ));
             } else {
                 for (s, d) in run.pairs() {
-                    out.push(ByteRange {
-                        src_entry: self.pair.src,
-                        src_offset: s * self.src_width + self.src_col,
-                        dst_entry: self.pair.dst,
-                        dst_offset: d * self.dst_width + self.dst_col,
-                        len: self.width,
-                    });
+                    out.push(ByteRange::new(
+                        self.pair.src,
+                        s * self.src_width + self.src_col,
+                        self.pair.dst,
+                        d * self.dst_width + self.dst_col,
+                        self.width,
+                    ));
                 }
             }
         });

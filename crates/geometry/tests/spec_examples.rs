@@ -114,16 +114,7 @@ fn page_path_truncates_source_and_refuses_mismatched_entries() {
     let src = pool(16, 16, &[1024], &[]);
     let dst = pool(16, 16, &[1024], &[]);
     let r = page_path_ranges(&src, &dst, &identity_pairs(1), &[1, 2, 3], &[4, 5]).unwrap();
-    assert_eq!(
-        r.as_slice(),
-        [ByteRange {
-            src_entry: 0,
-            src_offset: 1024,
-            dst_entry: 0,
-            dst_offset: 4096,
-            len: 2048
-        }]
-    );
+    assert_eq!(r.as_slice(), [ByteRange::new(0, 1024, 0, 4096, 2048)]);
     let other = pool(16, 16, &[2048], &[]);
     let err = page_path_ranges(&src, &other, &identity_pairs(1), &[1], &[4]).unwrap_err();
     assert!(matches!(err, GeometryError::WidthMismatch { .. }), "{err}");
