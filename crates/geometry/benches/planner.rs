@@ -5,7 +5,9 @@
 //! 0.5.23's numpy planner on the same inputs.
 
 use divan::{Bencher, black_box};
-use kvbridge_geometry::{DcpPlanInput, Run, SendPages, group_concurrent_contiguous};
+use kvbridge_geometry::{
+    DcpPlanInput, PoolGeometry, Run, SendPages, group_concurrent_contiguous, identity_pairs,
+};
 
 const PAGE_SIZE: u64 = 64;
 const DCP: u64 = 8;
@@ -166,6 +168,52 @@ fn c_reshard_2_to_8_runs_all_pairs(bencher: Bencher<'_, '_>) {
                 .unwrap();
                 black_box(plan.runs().fold(0u64, |acc, r| acc ^ r.src_start ^ r.len));
             }
+        }
+    });
+}
+
+/// MLA pools of `layers` entries of 1152-byte rows for the inputs above (source page ids
+/// below 4096, destination virtual page ids below 1024).
+fn mla_pools(layers: usize) -> (PoolGeometry, PoolGeometry) {
+    let pool = |pages| {
+        PoolGeometry::builder(PAGE_SIZE)
+            .num_pages(pages)
+            .target_entries(&vec![PAGE_SIZE * 1152; layers])
+            .build()
+            .unwrap()
+    };
+    (pool(4096), pool(1024))
+}
+
+/// (d) Plan plus strided byte ranges of one MLA layer for all 8 ranks: what a transport
+/// posts, comparable to SGLang's plan plus grouping.
+#[divan::bench]
+fn d_strided_byte_ranges_all_ranks(bencher: Bencher<'_, '_>) {
+    let (src, dst) = pages();
+    let (src_pool, dst_pool) = mla_pools(1);
+    let pairs = identity_pairs(1);
+    bencher.bench(|| {
+        for rank in 0..DCP {
+            let plan = input(black_box(&src), black_box(&dst), rank)
+                .plan()
+                .unwrap();
+            black_box(plan.byte_ranges(&src_pool, &dst_pool, &pairs).unwrap());
+        }
+    });
+}
+
+/// (d') The same for 61 MLA layers (the demo's model), all 8 ranks.
+#[divan::bench]
+fn d_strided_byte_ranges_61_layers_all_ranks(bencher: Bencher<'_, '_>) {
+    let (src, dst) = pages();
+    let (src_pool, dst_pool) = mla_pools(61);
+    let pairs = identity_pairs(61);
+    bencher.bench(|| {
+        for rank in 0..DCP {
+            let plan = input(black_box(&src), black_box(&dst), rank)
+                .plan()
+                .unwrap();
+            black_box(plan.byte_ranges(&src_pool, &dst_pool, &pairs).unwrap());
         }
     });
 }

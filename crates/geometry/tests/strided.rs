@@ -213,10 +213,8 @@ proptest! {
         let end = prefix + total;
         let tables: Vec<Vec<u64>> = (0..a).map(|_| table(sa, end.div_ceil(a).div_ceil(p1))).collect();
         let dst_pages = table(da, total.div_ceil(p2 * b));
-        let mut all: Vec<&[u64]> = tables.iter().map(Vec::as_slice).collect();
-        let num_src_pages = pages_for(&all);
-        all = vec![&dst_pages];
-        let num_dst_pages = pages_for(&all);
+        let num_src_pages = pages_for(&tables.iter().map(Vec::as_slice).collect::<Vec<_>>());
+        let num_dst_pages = pages_for(&[&dst_pages]);
         let sizes = [1u64, 2, 4, 8, 16];
         let (h, tp_src, tp_dst, hb) = ([1u64, 2, 4, 8][heads.0], sizes[heads.1], sizes[heads.2], heads.3);
         let sharding = HeadSharding::new(h, tp_src, tp_dst).unwrap();
