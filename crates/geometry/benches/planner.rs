@@ -172,9 +172,10 @@ fn c_reshard_2_to_8_runs_all_pairs(bencher: Bencher<'_, '_>) {
     });
 }
 
-/// MLA pools of `layers` entries of 1152-byte rows for the inputs above (source page ids
-/// below 4096, destination virtual page ids below 1024).
-fn mla_pools(layers: usize) -> (PoolGeometry, PoolGeometry) {
+/// Plan plus strided byte ranges of `layers` MLA layers (1152-byte rows) for all 8 ranks
+/// (source page ids below 4096, destination virtual page ids below 1024).
+fn strided_byte_ranges(bencher: Bencher<'_, '_>, layers: usize) {
+    let (src, dst) = pages();
     let pool = |pages| {
         PoolGeometry::builder(PAGE_SIZE)
             .num_pages(pages)
@@ -182,38 +183,27 @@ fn mla_pools(layers: usize) -> (PoolGeometry, PoolGeometry) {
             .build()
             .unwrap()
     };
-    (pool(4096), pool(1024))
+    let (src_pool, dst_pool) = (pool(4096), pool(1024));
+    let pairs = identity_pairs(layers);
+    bencher.bench(|| {
+        for rank in 0..DCP {
+            let plan = input(black_box(&src), black_box(&dst), rank)
+                .plan()
+                .unwrap();
+            black_box(plan.byte_ranges(&src_pool, &dst_pool, &pairs).unwrap());
+        }
+    });
 }
 
-/// (d) Plan plus strided byte ranges of one MLA layer for all 8 ranks: what a transport
-/// posts, comparable to SGLang's plan plus grouping.
+/// (d) Strided byte ranges of one MLA layer: what a transport posts, comparable to SGLang's
+/// plan plus grouping.
 #[divan::bench]
 fn d_strided_byte_ranges_all_ranks(bencher: Bencher<'_, '_>) {
-    let (src, dst) = pages();
-    let (src_pool, dst_pool) = mla_pools(1);
-    let pairs = identity_pairs(1);
-    bencher.bench(|| {
-        for rank in 0..DCP {
-            let plan = input(black_box(&src), black_box(&dst), rank)
-                .plan()
-                .unwrap();
-            black_box(plan.byte_ranges(&src_pool, &dst_pool, &pairs).unwrap());
-        }
-    });
+    strided_byte_ranges(bencher, 1);
 }
 
-/// (d') The same for 61 MLA layers (the demo's model), all 8 ranks.
+/// (d') The same for 61 MLA layers (the demo's model).
 #[divan::bench]
 fn d_strided_byte_ranges_61_layers_all_ranks(bencher: Bencher<'_, '_>) {
-    let (src, dst) = pages();
-    let (src_pool, dst_pool) = mla_pools(61);
-    let pairs = identity_pairs(61);
-    bencher.bench(|| {
-        for rank in 0..DCP {
-            let plan = input(black_box(&src), black_box(&dst), rank)
-                .plan()
-                .unwrap();
-            black_box(plan.byte_ranges(&src_pool, &dst_pool, &pairs).unwrap());
-        }
-    });
+    strided_byte_ranges(bencher, 61);
 }
