@@ -82,7 +82,7 @@ fn check(got: &ByteRanges, want: &Reference, src: &PoolGeometry, dst: &PoolGeome
     for r in got {
         assert!(r.count >= 1 && r.len > 0, "{r:?}");
         if r.count == 1 {
-            assert_eq!((r.src_stride, r.dst_stride), (0, 0), "{r:?}");
+            assert_eq!((r.src_stride, r.dst_stride), (r.len, r.len), "{r:?}");
         } else {
             assert!(r.dst_stride >= r.len, "destination rows overlap: {r:?}");
         }
