@@ -183,6 +183,18 @@ impl ByteRanges {
     /// previous range as a whole when it continues it with the same strides, or is appended
     /// as given (a range whose second row's offset overflows is appended as given).
     /// Zero-length and zero-count descriptors are dropped.
+    ///
+    /// ```
+    /// use kvbridge_geometry::{ByteRange, ByteRanges};
+    /// let mut r = ByteRanges::new();
+    /// // Every 4th 1152-byte row of the source onto consecutive destination rows.
+    /// for i in 0..16 {
+    ///     r.push(ByteRange::new(0, i * 4 * 1152, 0, i * 1152, 1152));
+    /// }
+    /// let op = ByteRange::new(0, 0, 0, 0, 1152).with_rows(16, 4 * 1152, 1152);
+    /// assert_eq!(r.as_slice(), [op]);
+    /// assert_eq!((r.len(), r.row_count()), (1, 16));
+    /// ```
     pub fn push(&mut self, r: ByteRange) {
         if r.len == 0 || r.count == 0 {
             return;
