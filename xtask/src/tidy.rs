@@ -98,6 +98,19 @@ fn crates_depend_only_on_what_the_codemap_allows() {
             ],
             false,
         ),
+        (
+            "kvbridge-python",
+            &[
+                "kvbridge-geometry",
+                "kvbridge-handshake",
+                "kvbridge-transport",
+                "kvbridge-mock",
+                "kvbridge-shm",
+                "kvbridge-tcp",
+                "kvbridge-coordinator",
+            ],
+            true,
+        ),
     ];
     for (dir, name) in crates() {
         let deps = normal_dependencies(&read(&dir.join("Cargo.toml")));
