@@ -15,7 +15,17 @@ def dcp_token_plan(
     src_page_offset: int,
     decode_prefix_len: int,
     num_kv_tokens: Optional[int],
-) -> Optional[Tuple[bytearray, bytearray, bytearray, bytearray]]: ...
+) -> Optional[Tuple[bytearray, int, int]]: ...
+def dcp_transfer_runs(
+    src_pages: bytes,
+    dst_pages: bytes,
+    page_size: int,
+    dcp_size: int,
+    dcp_rank: int,
+    src_page_offset: int,
+    decode_prefix_len: int,
+    num_kv_tokens: Optional[int],
+) -> Tuple[bytearray, bytearray]: ...
 def group_runs(
     src: bytes, dst: bytes, signed: bool
 ) -> Optional[Tuple[List[List[int]], List[List[int]]]]: ...
