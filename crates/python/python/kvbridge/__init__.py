@@ -10,10 +10,26 @@ from kvbridge._native import (
     align_prefix_up,
     virtual_page_size,
 )
+from kvbridge.checks import (
+    Explanation,
+    PeerDescriptor,
+    Problem,
+    Report,
+    check,
+    explain,
+    problem_codes,
+)
 
 __all__ = [
     "__version__",
     "align_prefix_down",
     "align_prefix_up",
     "virtual_page_size",
+    "Explanation",
+    "PeerDescriptor",
+    "Problem",
+    "Report",
+    "check",
+    "explain",
+    "problem_codes",
 ]
