@@ -266,3 +266,30 @@ def test_two_threads_wait_on_one_transfer(pair):
     for th in threads:
         th.join()
     assert results == [True] * 4
+
+
+def test_the_stubs_declare_every_class_and_method():
+    """Each engine, agent and error class of the native module is in `_native.pyi`, with
+    every public method it has."""
+    import ast
+    import pathlib
+
+    import kvbridge._native as native
+
+    stub = pathlib.Path(kvbridge.__file__).with_name("_native.pyi")
+    tree = ast.parse(stub.read_text())
+    declared = {
+        node.name: {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+        for node in tree.body
+        if isinstance(node, ast.ClassDef)
+    }
+    ours = [
+        "Engine", "Memory", "Peer", "Transfer", "BootstrapServer", "PrefillAgent",
+        "DecodeAgent", "KVPoll",
+    ] + [name for name in dir(native) if name.endswith("Error")]
+    for name in ours:
+        assert name in declared, f"{name} is missing from _native.pyi"
+        cls = getattr(native, name)
+        if isinstance(cls, type) and not issubclass(cls, (BaseException, int)):
+            public = {m for m in vars(cls) if not m.startswith("_")}
+            assert public <= declared[name], f"{name}: {public - declared[name]} not in the stub"
