@@ -1,12 +1,22 @@
 """kvbridge: move an LLM's KV cache from prefill to decode servers.
 
 ``kvbridge.sglang`` holds the SGLang planner drop-ins; ``check`` and ``explain`` the handshake
-checks. See docs/python.md.
+checks; ``python -m kvbridge.bench`` the benchmarks. See docs/python.md.
 """
 
-from kvbridge._native import __version__
+from kvbridge._native import (
+    __version__,
+    align_prefix_down,
+    align_prefix_up,
+    virtual_page_size,
+)
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    "align_prefix_down",
+    "align_prefix_up",
+    "virtual_page_size",
+]
 
 # The transfer engine, the agents and the typed errors (docs/python.md).
 from kvbridge._native import (  # noqa: E402
