@@ -304,6 +304,7 @@ fn state_name(state: &BatchState) -> &'static str {
         BatchState::Failed(_) => "failed",
         BatchState::Cancelled => "cancelled",
         BatchState::TimedOut => "timed_out",
+        _ => "failed",
     }
 }
 
@@ -485,16 +486,17 @@ fn parse_ops(ops: &Bound<'_, PyAny>) -> PyResult<Vec<TransferOp>> {
         .chunks_exact(8)
         .map(|b| u64::from_ne_bytes(b.try_into().unwrap_or([0; 8])))
         .collect();
-    words
+    Ok(words
         .chunks_exact(cols)
         .map(|w| {
             let op = TransferOp::new(RegionId(w[0]), w[1], RegionId(w[2]), w[3], w[4]);
-            if cols == 8 && w[5] != 1 {
-                return Err(Kind::Unsupported.err("strided ops (count > 1) are not supported yet"));
+            if cols == 8 {
+                op.with_rows(w[5], w[6], w[7])
+            } else {
+                op
             }
-            Ok(op)
         })
-        .collect()
+        .collect())
 }
 
 #[pymethods]

@@ -293,3 +293,21 @@ def test_the_stubs_declare_every_class_and_method():
         if isinstance(cls, type) and not issubclass(cls, (BaseException, int)):
             public = {m for m in vars(cls) if not m.startswith("_")}
             assert public <= declared[name], f"{name}: {public - declared[name]} not in the stub"
+
+
+def test_strided_ops_copy_rows_and_refuse_bad_strides(pair):
+    a, b, peer = pair
+    src = np.arange(16 * 64, dtype=np.uint8).reshape(16, 64)
+    region = a.register_buffer(src)
+    dst = b.allocate(8 * 64)
+    # Every other row of the source, packed: 8 rows of 64 bytes.
+    t = a.write(peer, ops((region, 0, dst.region, 0, 64, 8, 128, 64)))
+    assert t.wait(timeout=60.0)
+    assert t.nbytes == 8 * 64
+    assert (np.asarray(dst).reshape(8, 64) == src[::2]).all()
+    with pytest.raises(kvbridge.InvalidArgumentError, match="overlap"):
+        a.write(peer, np.array([(region, 0, dst.region, 0, 64, 2, 64, 32)], dtype=np.uint64))
+    with pytest.raises(kvbridge.OutOfBoundsError):
+        a.write(peer, np.array([(region, 0, dst.region, 0, 64, 9, 64, 64)], dtype=np.uint64))
+    with pytest.raises(kvbridge.OutOfBoundsError):
+        a.write(peer, np.array([(region, 0, dst.region, 0, 64, 2, 2**63, 64)], dtype=np.uint64))

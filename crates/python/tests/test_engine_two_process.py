@@ -47,6 +47,16 @@ def page_ops(src_region, dst_region):
     return np.array(rows, dtype=np.uint64)
 
 
+def strided_ops(src_region, dst_region):
+    """The same copy as strided ops: one row per page, `count` = layers, stride = one layer."""
+    layer = PAGES * ITEM
+    rows = [
+        (src_region, s * ITEM, dst_region, d * ITEM, ITEM, LAYERS, layer, layer)
+        for s, d in zip(SRC_PAGES, DST_PAGES)
+    ]
+    return np.array(rows, dtype=np.uint64)
+
+
 def decode_main(transport):
     """The decode process: allocate the pool, publish where it is, verify after the write."""
     with kvbridge.Engine(transport) as engine:
@@ -125,6 +135,19 @@ def test_pool_moves_between_processes(transport):
     finally:
         decode.close()
     assert decode.proc.returncode == 0
+
+
+def test_strided_ops_move_the_same_bytes(transport):
+    decode = Decode(transport)
+    try:
+        with kvbridge.Engine(transport) as engine:
+            region = engine.register_buffer(prefill_pool())
+            peer = engine.connect(decode.descriptor)
+            t = engine.write(peer, strided_ops(region, decode.region), notification=b"strided")
+            assert t.wait(timeout=60.0)
+            assert decode.ask(op="expect") == {"notifications": ["strided"], "wrong_bytes": 0}
+    finally:
+        decode.close()
 
 
 def test_a_dead_peer_raises_a_typed_error(transport):
