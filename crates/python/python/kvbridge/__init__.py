@@ -10,12 +10,28 @@ from kvbridge._native import (
     align_prefix_up,
     virtual_page_size,
 )
+from kvbridge.checks import (
+    Explanation,
+    PeerDescriptor,
+    Problem,
+    Report,
+    check,
+    explain,
+    problem_codes,
+)
 
 __all__ = [
     "__version__",
     "align_prefix_down",
     "align_prefix_up",
     "virtual_page_size",
+    "Explanation",
+    "PeerDescriptor",
+    "Problem",
+    "Report",
+    "check",
+    "explain",
+    "problem_codes",
 ]
 
 # The transfer engine, the agents and the typed errors (docs/python.md).

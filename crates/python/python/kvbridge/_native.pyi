@@ -15,7 +15,17 @@ def dcp_token_plan(
     src_page_offset: int,
     decode_prefix_len: int,
     num_kv_tokens: Optional[int],
-) -> Optional[Tuple[bytearray, bytearray, bytearray, bytearray]]: ...
+) -> Optional[Tuple[bytearray, int, int]]: ...
+def dcp_transfer_runs(
+    src_pages: bytes,
+    dst_pages: bytes,
+    page_size: int,
+    dcp_size: int,
+    dcp_rank: int,
+    src_page_offset: int,
+    decode_prefix_len: int,
+    num_kv_tokens: Optional[int],
+) -> Tuple[bytearray, bytearray]: ...
 def group_runs(
     src: bytes, dst: bytes, signed: bool
 ) -> Optional[Tuple[List[List[int]], List[List[int]]]]: ...
@@ -29,6 +39,10 @@ def align_prefix_down(prefix_len: int, physical_page_size: int, dcp_size: int) -
 def align_prefix_up(length: int, physical_page_size: int, dcp_size: int) -> int:
     """The smallest multiple of the virtual page ``>= length``: space (pages, padding), never a
     prefix."""
+def descriptor_json(text: str, which: str) -> str: ...
+def check_json(prefill: str, decode: str, compat: str, all_cp_ranks: bool = False) -> str: ...
+def explain_json(code: str) -> str: ...
+def problem_codes() -> List[str]: ...
 
 # --- The transfer engine (src/engine.rs) -------------------------------------------------------
 

@@ -28,7 +28,9 @@ from kvbridge._native import align_prefix_down, align_prefix_up, virtual_page_si
 
 __all__ = [
     "DCPTokenTransferPlan",
+    "DCPTransferRuns",
     "build_dcp_token_transfer_plan",
+    "build_dcp_transfer_runs",
     "group_concurrent_contiguous",
     "virtual_page_size",
     "align_prefix_down",
@@ -124,8 +126,12 @@ def build_dcp_token_transfer_plan(
                 tokens,
             )
             if arrays is not None:
+                buf, nt, nd = arrays
                 return DCPTokenTransferPlan(
-                    *(np.frombuffer(a, dtype=np.int64) for a in arrays)
+                    np.frombuffer(buf, dtype=np.int64, count=nt),
+                    np.frombuffer(buf, dtype=np.int64, count=nt, offset=8 * nt),
+                    np.frombuffer(buf, dtype=np.int64, count=nd, offset=16 * nt),
+                    np.frombuffer(buf, dtype=np.int64, count=nd, offset=16 * nt + 8 * nd),
                 )
     return _numpy_plan(
         src_pages,
@@ -168,6 +174,51 @@ def _numpy_plan(
     target_src, target_dst = to_rows(owned, page, owned_local)
     draft_src, draft_dst = to_rows(every, vpage, every_local)
     return DCPTokenTransferPlan(target_src, target_dst, draft_src, draft_dst)
+
+
+@dataclasses.dataclass(frozen=True)
+class DCPTransferRuns:
+    """A chunk's rows for one destination rank as coalesced runs: ``(N, 3)`` int64 arrays of
+    ``(src_row, dst_row, length)``, row ``src_row + i`` to ``dst_row + i`` for ``i < length``."""
+
+    target_runs: npt.NDArray[np.int64]
+    draft_runs: npt.NDArray[np.int64]
+
+
+def build_dcp_transfer_runs(
+    src_page_indices: IndexArray,
+    dst_page_indices: IndexArray,
+    *,
+    physical_page_size: int,
+    dcp_size: int,
+    dcp_rank: int,
+    src_page_offset: int = 0,
+    decode_prefix_len: int = 0,
+    num_kv_tokens: Optional[int] = None,
+) -> DCPTransferRuns:
+    """``build_dcp_token_transfer_plan`` followed by ``group_concurrent_contiguous`` on its
+    target and its draft arrays, in one call and without either intermediate: run ``k`` of
+    ``target_runs`` is group ``k`` of the target arrays (its first source row, first
+    destination row, length), likewise for the draft.
+
+    kvbridge's planner validates (``ValueError`` whose message names the fix and the problem
+    code, e.g. ``dcp_rank`` must be below ``dcp_size``, the pages must cover the chunk);
+    arguments are non-negative integers.
+    """
+    target, draft = _native.dcp_transfer_runs(
+        np.asarray(src_page_indices, dtype=np.int64).tobytes(),
+        np.asarray(dst_page_indices, dtype=np.int64).tobytes(),
+        physical_page_size,
+        dcp_size,
+        dcp_rank,
+        src_page_offset,
+        decode_prefix_len,
+        num_kv_tokens,
+    )
+    return DCPTransferRuns(
+        np.frombuffer(target, dtype=np.int64).reshape(-1, 3),
+        np.frombuffer(draft, dtype=np.int64).reshape(-1, 3),
+    )
 
 
 def group_concurrent_contiguous(
