@@ -93,6 +93,19 @@ def rust_gbps(binary: str, transport: str, runs: int) -> float:
     raise RuntimeError(f"no 'large' row in the Rust bench output:\n{out}")
 
 
+def lines(runs: int, mib: int, rust: str | None, transport: str = "all") -> list[str]:
+    """The table: one row per transport, Python's figure, the Rust bench's, their ratio."""
+    nbytes = mib << 20
+    out = [f"{'transport':<10}{'block':>10}{'python GB/s':>14}{'rust GB/s':>12}{'ratio':>8}  verified"]
+    for t in ["shm", "tcp"] if transport == "all" else [transport]:
+        gbps, verified = python_gbps(t, nbytes, runs)
+        rust_value = rust_gbps(rust, t, runs) if rust else None
+        ratio = f"{gbps / rust_value:8.2f}" if rust_value else f"{'-':>8}"
+        rust_text = f"{rust_value:12.2f}" if rust_value else f"{'-':>12}"
+        out.append(f"{t:<10}{mib:>7} MiB{gbps:14.2f}{rust_text}{ratio}  {verified}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvbridge.bench_engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--transport", choices=["shm", "tcp", "all"], default="all")
@@ -104,15 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.role == "receiver":
         return receiver(args.transport, args.bytes)
-    nbytes = args.mib << 20
-    transports = ["shm", "tcp"] if args.transport == "all" else [args.transport]
-    print(f"{'transport':<10}{'block':>10}{'python GB/s':>14}{'rust GB/s':>12}{'ratio':>8}  verified")
-    for transport in transports:
-        gbps, verified = python_gbps(transport, nbytes, args.runs)
-        rust = rust_gbps(args.rust, transport, args.runs) if args.rust else None
-        ratio = f"{gbps / rust:8.2f}" if rust else f"{'-':>8}"
-        rust_text = f"{rust:12.2f}" if rust else f"{'-':>12}"
-        print(f"{transport:<10}{args.mib:>7} MiB{gbps:14.2f}{rust_text}{ratio}  {verified}", flush=True)
+    for line in lines(args.runs, args.mib, args.rust, args.transport):
+        print(line, flush=True)
     return 0
 
 
