@@ -179,6 +179,87 @@ fn metrics_dict<'py>(
     py.import("json")?.call_method1("loads", (json,))
 }
 
+/// The methods both agents share (room state, abort, metrics, lifecycle), added to the
+/// class's own methods in one `#[pymethods]` block, and its `Drop`.
+macro_rules! agent_methods {
+    ($class:ident, $($own:tt)*) => {
+        #[pymethods]
+        impl $class {
+            $($own)*
+
+            /// This rank's control endpoint.
+            #[getter]
+            fn endpoint(&self) -> String {
+                self.agent.endpoint().0
+            }
+
+            /// The room's state (`KVPoll`).
+            fn poll<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyAny>> {
+                poll_value(py, self.agent.poll(room).map_err(errors::coordinator)?)
+            }
+
+            /// Why the room failed (SGLang's `KVTransferError` text), or None.
+            fn failure(&self, room: u64) -> Option<String> {
+                self.agent.failure(room).map(|e| e.to_string())
+            }
+
+            /// Waits until the room ends: returns `KVPoll.Success`, raises `KVTransferError` if
+            /// it failed, or returns the current state if `timeout` seconds pass first.
+            #[pyo3(signature = (room, timeout=None))]
+            fn wait<'py>(
+                &self,
+                py: Python<'py>,
+                room: u64,
+                timeout: Option<f64>,
+            ) -> PyResult<Bound<'py, PyAny>> {
+                let agent = self.agent.clone();
+                wait_room(py, timeout, async move { agent.wait(room).await }, || {
+                    self.agent.poll(room)
+                })
+            }
+
+            /// Fails the room (a decode also tells its prefill peers to stop writing).
+            fn abort(&self, room: u64) {
+                let _rt = runtime().map(|rt| rt.enter());
+                self.agent.abort(room);
+            }
+
+            /// Forgets a finished room.
+            fn clear(&self, room: u64) {
+                self.agent.clear(room);
+            }
+
+            /// Counters and the latency histogram, as a dict.
+            fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+                metrics_dict(py, &self.agent.metrics())
+            }
+
+            /// Stops the agent (rooms in flight fail).
+            fn close(&self) {
+                let _rt = runtime().map(|rt| rt.enter());
+                self.agent.shutdown();
+            }
+
+            fn __enter__(slf: Py<Self>) -> Py<Self> {
+                slf
+            }
+
+            #[pyo3(signature = (*_exc))]
+            fn __exit__(&self, _exc: &Bound<'_, PyTuple>) -> bool {
+                self.close();
+                false
+            }
+        }
+
+        impl Drop for $class {
+            fn drop(&mut self) {
+                let _rt = runtime().map(|rt| rt.enter());
+                self.agent.shutdown();
+            }
+        }
+    };
+}
+
 /// The bootstrap registry prefill ranks publish themselves to (SGLang's bootstrap server):
 /// HTTP on `host:port` (port 0: any free port). Run one per prefill deployment.
 #[pyclass(module = "kvbridge", frozen)]
@@ -230,8 +311,7 @@ pub(crate) struct PrefillAgent {
     agent: RustPrefillAgent,
 }
 
-#[pymethods]
-impl PrefillAgent {
+agent_methods! { PrefillAgent,
     /// Starts the agent for `engine`'s rank: `descriptor` is its `PeerDescriptor` (role
     /// prefill), `kv` one entry per KV item (`kv_item_lens` order), `aux` one per aux buffer;
     /// it registers itself with the `BootstrapServer` at `bootstrap_addr`. Timeouts are seconds
@@ -287,26 +367,10 @@ impl PrefillAgent {
         Ok(Self { agent })
     }
 
-    /// This rank's control endpoint.
-    #[getter]
-    fn endpoint(&self) -> String {
-        self.agent.endpoint().0
-    }
-
     /// Creates a room (Bootstrapping) for a request; the decode's metadata completes it.
     fn create_room(&self, room: u64) -> PyResult<()> {
         let _rt = runtime()?.enter();
         self.agent.create_room(room).map_err(errors::coordinator)
-    }
-
-    /// The room's state (`KVPoll`).
-    fn poll<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyAny>> {
-        poll_value(py, self.agent.poll(room).map_err(errors::coordinator)?)
-    }
-
-    /// Why the room failed (SGLang's `KVTransferError` text), or None.
-    fn failure(&self, room: u64) -> Option<String> {
-        self.agent.failure(room).map(|e| e.to_string())
     }
 
     /// Waits until every decode rank of the room sent its metadata; returns the prefix (tokens)
@@ -350,52 +414,6 @@ impl PrefillAgent {
             .map_err(errors::coordinator)
     }
 
-    /// Waits until the room ends: returns `KVPoll.Success`, raises `KVTransferError` if it
-    /// failed, or returns the current state if `timeout` seconds pass first.
-    #[pyo3(signature = (room, timeout=None))]
-    fn wait<'py>(
-        &self,
-        py: Python<'py>,
-        room: u64,
-        timeout: Option<f64>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let agent = self.agent.clone();
-        wait_room(py, timeout, async move { agent.wait(room).await }, || {
-            self.agent.poll(room)
-        })
-    }
-
-    /// Fails the room locally (its batches are cancelled).
-    fn abort(&self, room: u64) {
-        let _rt = runtime().map(|rt| rt.enter());
-        self.agent.abort(room);
-    }
-
-    /// Forgets a finished room.
-    fn clear(&self, room: u64) {
-        self.agent.clear(room);
-    }
-
-    /// Counters and the latency histogram, as a dict.
-    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        metrics_dict(py, &self.agent.metrics())
-    }
-
-    /// Stops the agent (rooms in flight fail).
-    fn close(&self) {
-        let _rt = runtime().map(|rt| rt.enter());
-        self.agent.shutdown();
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, _exc: &Bound<'_, PyTuple>) -> bool {
-        self.close();
-        false
-    }
 }
 
 /// A decode rank's agent: asks prefill ranks for a room's KV and reports SGLang's poll states.
@@ -404,8 +422,7 @@ pub(crate) struct DecodeAgent {
     agent: RustDecodeAgent,
 }
 
-#[pymethods]
-impl DecodeAgent {
+agent_methods! { DecodeAgent,
     /// Starts the agent for `engine`'s rank (`descriptor` of role decode, `kv`/`aux` as for
     /// `PrefillAgent`). Timeouts and the heartbeat are seconds (defaults: SGLang's).
     #[new]
@@ -462,12 +479,6 @@ impl DecodeAgent {
         Ok(Self { agent })
     }
 
-    /// This rank's control endpoint.
-    #[getter]
-    fn endpoint(&self) -> String {
-        self.agent.endpoint().0
-    }
-
     /// Tokens of a virtual page (`page_size · dcp_size`): cached prefixes are rounded down to it.
     #[getter]
     fn virtual_page_size(&self) -> u64 {
@@ -498,37 +509,6 @@ impl DecodeAgent {
             .map_err(errors::coordinator)
     }
 
-    /// The room's state (`KVPoll`).
-    fn poll<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyAny>> {
-        poll_value(py, self.agent.poll(room).map_err(errors::coordinator)?)
-    }
-
-    /// Why the room failed, or None.
-    fn failure(&self, room: u64) -> Option<String> {
-        self.agent.failure(room).map(|e| e.to_string())
-    }
-
-    /// Waits until the room ends: `KVPoll.Success` once every byte and the aux rows landed,
-    /// `KVTransferError` if it failed, the current state if `timeout` seconds pass first.
-    #[pyo3(signature = (room, timeout=None))]
-    fn wait<'py>(
-        &self,
-        py: Python<'py>,
-        room: u64,
-        timeout: Option<f64>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let agent = self.agent.clone();
-        wait_room(py, timeout, async move { agent.wait(room).await }, || {
-            self.agent.poll(room)
-        })
-    }
-
-    /// Fails the room and tells its prefill peers to stop writing.
-    fn abort(&self, room: u64) {
-        let _rt = runtime().map(|rt| rt.enter());
-        self.agent.abort(room);
-    }
-
     /// Whether every prefill peer confirmed it stopped writing a failed room's pages.
     fn is_fenced(&self, room: u64) -> PyResult<bool> {
         self.agent.is_fenced(room).map_err(errors::coordinator)
@@ -543,45 +523,6 @@ impl DecodeAgent {
         Ok(report.acked_by.into_iter().map(|e| e.0).collect())
     }
 
-    /// Forgets a finished room.
-    fn clear(&self, room: u64) {
-        self.agent.clear(room);
-    }
-
-    /// Counters and the latency histogram, as a dict.
-    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        metrics_dict(py, &self.agent.metrics())
-    }
-
-    /// Stops the agent.
-    fn close(&self) {
-        let _rt = runtime().map(|rt| rt.enter());
-        self.agent.shutdown();
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, _exc: &Bound<'_, PyTuple>) -> bool {
-        self.close();
-        false
-    }
-}
-
-impl Drop for PrefillAgent {
-    fn drop(&mut self) {
-        let _rt = runtime().map(|rt| rt.enter());
-        self.agent.shutdown();
-    }
-}
-
-impl Drop for DecodeAgent {
-    fn drop(&mut self) {
-        let _rt = runtime().map(|rt| rt.enter());
-        self.agent.shutdown();
-    }
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
