@@ -29,18 +29,29 @@ const SIGNAL_SLICE: Duration = Duration::from_millis(100);
 const MAX_NOTIFICATIONS: usize = 4096;
 
 /// The module's one tokio runtime: transports, agents and every wait run on it.
+///
+/// A `fork`ed child inherits the runtime's memory but none of its threads, so every call there
+/// would hang: the child is refused with a typed error instead.
 pub(crate) fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
-    static RUNTIME: OnceLock<std::io::Result<tokio::runtime::Runtime>> = OnceLock::new();
-    let rt = RUNTIME.get_or_init(|| {
+    static RUNTIME: OnceLock<(u32, std::io::Result<tokio::runtime::Runtime>)> = OnceLock::new();
+    let (pid, rt) = RUNTIME.get_or_init(|| {
         let workers = std::thread::available_parallelism()
             .map_or(2, |n| n.get())
             .clamp(2, 4);
-        tokio::runtime::Builder::new_multi_thread()
+        let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(workers)
             .thread_name("kvbridge-rt")
             .enable_all()
-            .build()
+            .build();
+        (std::process::id(), rt)
     });
+    if *pid != std::process::id() {
+        return Err(Kind::Unsupported.err(format!(
+            "this process was forked from process {pid} after kvbridge started there, and a \
+             forked child has none of its threads; create engines and agents in each process \
+             (multiprocessing.get_context(\"spawn\"), or subprocess)"
+        )));
+    }
     rt.as_ref().map_err(|e| {
         Kind::Io.err(format!(
             "cannot start kvbridge's async runtime: {e}; check the process's thread limit"

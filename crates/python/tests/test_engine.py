@@ -311,3 +311,25 @@ def test_strided_ops_copy_rows_and_refuse_bad_strides(pair):
         a.write(peer, np.array([(region, 0, dst.region, 0, 64, 9, 64, 64)], dtype=np.uint64))
     with pytest.raises(kvbridge.OutOfBoundsError):
         a.write(peer, np.array([(region, 0, dst.region, 0, 64, 2, 2**63, 64)], dtype=np.uint64))
+
+
+def _use_the_inherited_engine(engine, queue):
+    try:
+        engine.allocate(64)
+        queue.put("no error")
+    except kvbridge.UnsupportedError as e:
+        queue.put(str(e))
+
+
+def test_a_forked_child_is_refused_not_hung():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    with kvbridge.Engine("loopback") as engine:
+        engine.allocate(64)  # the runtime runs in this process
+        queue = ctx.Queue()
+        child = ctx.Process(target=_use_the_inherited_engine, args=(engine, queue))
+        child.start()
+        message = queue.get(timeout=120)
+        child.join(timeout=120)
+    assert "forked" in message and "spawn" in message, message
