@@ -1,8 +1,8 @@
 //! Planner benchmarks (divan): page size 64, DCP 8, one 131072-token chunk (2048 source pages,
 //! 256 destination virtual pages), every destination rank per iteration.
 //!
-//! Run with `cargo xtask bench planner`. `scripts/sglang_planner_bench.py` times SGLang
-//! 0.5.23's numpy planner on the same inputs.
+//! Run with `cargo xtask bench planner`. `python -m kvbridge.bench planner` (the Python package,
+//! `crates/python`) times SGLang 0.5.23's numpy planner on the same inputs.
 
 use divan::{Bencher, black_box};
 use kvbridge_geometry::{DcpPlanInput, Run, SendPages, group_concurrent_contiguous};

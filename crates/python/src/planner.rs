@@ -39,9 +39,8 @@ fn value_error(e: &GeometryError) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
 
-/// Native-endian 64-bit integers from `ndarray.tobytes()`; `None` when a value is negative
-/// (`signed`) so the caller takes numpy's path.
-fn read_u64s(bytes: &[u8], signed: bool) -> PyResult<Option<Vec<u64>>> {
+/// The 64-bit words of `ndarray.tobytes()` (native-endian int64 or uint64), as bit patterns.
+fn read_words(bytes: &[u8]) -> PyResult<Vec<u64>> {
     if bytes.len() % 8 != 0 {
         return Err(PyValueError::new_err(format!(
             "index bytes must hold whole 64-bit integers, got {} bytes; pass ndarray.tobytes() \
@@ -49,19 +48,19 @@ fn read_u64s(bytes: &[u8], signed: bool) -> PyResult<Option<Vec<u64>>> {
             bytes.len()
         )));
     }
-    let mut out = Vec::with_capacity(bytes.len() / 8);
-    for chunk in bytes.chunks_exact(8) {
-        let raw: [u8; 8] = chunk.try_into().expect("chunks_exact(8)");
-        if signed {
-            match u64::try_from(i64::from_ne_bytes(raw)) {
-                Ok(v) => out.push(v),
-                Err(_) => return Ok(None),
-            }
-        } else {
-            out.push(u64::from_ne_bytes(raw));
-        }
-    }
-    Ok(Some(out))
+    let word = |chunk: &[u8]| {
+        let mut raw = [0u8; 8];
+        raw.copy_from_slice(chunk);
+        u64::from_ne_bytes(raw)
+    };
+    Ok(bytes.chunks_exact(8).map(word).collect())
+}
+
+/// int64 words as `u64`s; `None` when one is negative (its sign bit set), so the caller takes
+/// numpy's path.
+fn read_u64s(bytes: &[u8]) -> PyResult<Option<Vec<u64>>> {
+    let words = read_words(bytes)?;
+    Ok(words.iter().all(|w| w >> 63 == 0).then_some(words))
 }
 
 /// `pairs` as two int64 arrays back to back in `bytes` (sources, then destinations).
@@ -101,7 +100,7 @@ fn dcp_token_plan<'py>(
         // Python's own text for `decode_prefix_len % 0`.
         return Err(PyZeroDivisionError::new_err("integer modulo by zero"));
     }
-    let (Some(src), Some(dst)) = (read_u64s(src_pages, true)?, read_u64s(dst_pages, true)?) else {
+    let (Some(src), Some(dst)) = (read_u64s(src_pages)?, read_u64s(dst_pages)?) else {
         return Ok(None);
     };
     let Some(chunk_start) = src_page_offset.checked_mul(page_size) else {
@@ -152,7 +151,7 @@ type TwoArrays<'py> = (Bound<'py, PyByteArray>, Bound<'py, PyByteArray>);
 
 /// Page ids for kvbridge's own planner entry points: non-negative, else a `ValueError`.
 fn page_ids(bytes: &[u8], which: &str) -> PyResult<Vec<u64>> {
-    read_u64s(bytes, true)?.ok_or_else(|| {
+    read_u64s(bytes)?.ok_or_else(|| {
         PyValueError::new_err(format!(
             "{which} must be non-negative page ids; pass the ids the KV pool's allocator handed out"
         ))
@@ -256,11 +255,7 @@ fn group_runs<'py>(
 ) -> PyResult<Option<Groups<'py>>> {
     let decode = |bytes: &[u8]| -> PyResult<Vec<u64>> {
         let flip = if signed { SIGN } else { 0 };
-        Ok(read_u64s(bytes, false)?
-            .expect("unsigned reads never refuse")
-            .into_iter()
-            .map(|v| v ^ flip)
-            .collect())
+        Ok(read_words(bytes)?.into_iter().map(|v| v ^ flip).collect())
     };
     let (s, d) = (decode(src)?, decode(dst)?);
     if s.contains(&u64::MAX) || d.contains(&u64::MAX) {
