@@ -1,0 +1,201 @@
+"""SGLang's transfer-engine interface (register by address, write by address) over
+``kvbridge.Engine``.
+
+SGLang's managers speak in raw pointers: ``kv_data_ptrs`` and friends on both sides, and a
+transfer is a list of ``(src_ptr, dst_ptr, len)``. kvbridge speaks in registered regions and
+offsets, so each side registers every buffer as its own region, and the decode's *session id*
+(the string SGLang carries to the prefill in its ZMQ registration message) holds the engine's
+descriptor and its region table: ``kvbridge1:`` + hex of JSON ``{"d": descriptor hex,
+"r": [[base, len, region], ...]}``. The prefill turns each pointer pair into
+``(local_region, local_offset, remote_region, remote_offset, len)`` rows; the engine checks
+every row's bounds before a byte moves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from typing import Optional, Sequence
+
+import numpy as np
+
+import kvbridge
+
+logger = logging.getLogger(__name__)
+
+SESSION_PREFIX = "kvbridge1:"
+# Seconds one batch of writes may take before it fails (docs/sglang.md, "Settings").
+TIMEOUT_ENV = "KVBRIDGE_SGLANG_TIMEOUT"
+
+
+def _timeout() -> float:
+    raw = os.environ.get(TIMEOUT_ENV, "30")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return value
+
+
+class _RegionTable:
+    """Sorted ``(base, len, region)`` rows; maps pointers to ``(region, offset)``."""
+
+    def __init__(self, rows: Sequence[Sequence[int]]):
+        rows = sorted((int(b), int(n), int(r)) for b, n, r in rows)
+        self.bases = np.array([r[0] for r in rows], dtype=np.uint64)
+        self.lens = np.array([r[1] for r in rows], dtype=np.uint64)
+        self.ids = np.array([r[2] for r in rows], dtype=np.uint64)
+
+    def locate(self, ptrs: np.ndarray, lengths: np.ndarray, side: str) -> tuple:
+        idx = np.searchsorted(self.bases, ptrs, side="right").astype(np.int64) - 1
+        bad = idx < 0
+        safe = np.where(bad, 0, idx)
+        offsets = ptrs - np.where(bad, ptrs, self.bases[safe])
+        bad |= offsets + lengths > np.where(bad, 0, self.lens[safe])
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise kvbridge.OutOfBoundsError(
+                f"{side} range at address {int(ptrs[i]):#x} of {int(lengths[i])} bytes is in no "
+                f"registered buffer ({len(self.bases)} registered); SGLang's kv_data_ptrs/"
+                "aux_data_ptrs and the transfer disagree: check the KVArgs the manager was built with"
+            )
+        return self.ids[safe], offsets
+
+
+class KvbridgeTransferEngine:
+    """What SGLang's Mooncake manager calls on its engine, done by a ``kvbridge.Engine``."""
+
+    def __init__(self, transport: str, host: str, timeout: Optional[float] = None):
+        self.timeout = _timeout() if timeout is None else timeout
+        if transport == "tcp":
+            self.engine = kvbridge.Engine("tcp", bind=f"{host}:0")
+        else:
+            self.engine = kvbridge.Engine(transport)
+        self._lock = threading.Lock()
+        self._regions: dict[int, tuple[int, int]] = {}  # base -> (len, region)
+        self._local: Optional[_RegionTable] = None
+        self._session_id: Optional[str] = None
+        self._peers: dict[str, tuple[kvbridge.Peer, _RegionTable]] = {}
+        self._last_error: Optional[str] = None
+
+    # Registration (both sides).
+    def register(self, ptr: int, length: int) -> int:
+        return self.batch_register([ptr], [length])
+
+    def batch_register(self, ptrs: Sequence[int], lengths: Sequence[int]) -> int:
+        with self._lock:
+            for ptr, length in zip(ptrs, lengths):
+                if int(length) == 0 or int(ptr) in self._regions:
+                    continue
+                region = self.engine.register(int(ptr), int(length))
+                self._regions[int(ptr)] = (int(length), region)
+            self._changed()
+        return 0
+
+    def deregister(self, ptr: int) -> int:
+        return self.batch_deregister([ptr])
+
+    def batch_deregister(self, ptrs: Sequence[int]) -> int:
+        with self._lock:
+            for ptr in ptrs:
+                entry = self._regions.pop(int(ptr), None)
+                if entry is not None:
+                    self.engine.deregister(entry[1])
+            self._changed()
+        return 0
+
+    def _changed(self) -> None:
+        self._local = _RegionTable([(b, n, r) for b, (n, r) in self._regions.items()])
+        self._session_id = None
+
+    def get_session_id(self) -> str:
+        with self._lock:
+            if self._session_id is None:
+                body = {
+                    "d": self.engine.local_descriptor().hex(),
+                    "r": [[b, n, r] for b, (n, r) in sorted(self._regions.items())],
+                }
+                self._session_id = SESSION_PREFIX + json.dumps(body).encode().hex()
+            return self._session_id
+
+    # Transfers (prefill side).
+    def _peer(self, session_id: str) -> tuple[kvbridge.Peer, _RegionTable]:
+        with self._lock:
+            found = self._peers.get(session_id)
+        if found is not None:
+            return found
+        if not session_id.startswith(SESSION_PREFIX):
+            raise kvbridge.BadDescriptorError(
+                f"session id {session_id[:40]!r} is not a kvbridge decode's: both servers "
+                "need --disaggregation-transfer-backend kvbridge"
+            )
+        try:
+            body = json.loads(bytes.fromhex(session_id[len(SESSION_PREFIX):]))
+            descriptor, rows = bytes.fromhex(body["d"]), body["r"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise kvbridge.BadDescriptorError(
+                f"session id of {len(session_id)} characters is not kvbridge's encoding ({e}); "
+                "use the same kvbridge-sglang version on prefill and decode"
+            ) from None
+        peer = self.engine.connect(descriptor)
+        found = (peer, _RegionTable(rows))
+        with self._lock:
+            self._peers[session_id] = found
+        return found
+
+    def batch_transfer_sync(
+        self,
+        session_id: str,
+        buffers: Sequence[int],
+        peer_buffer_addresses: Sequence[int],
+        lengths: Sequence[int],
+    ) -> int:
+        """0 when every byte landed; -1 otherwise, the cause kept for :meth:`take_error`."""
+        try:
+            if len(buffers) == 0:
+                return 0
+            peer, remote = self._peer(session_id)
+            src = np.asarray(buffers, dtype=np.uint64)
+            dst = np.asarray(peer_buffer_addresses, dtype=np.uint64)
+            lens = np.asarray(lengths, dtype=np.uint64)
+            with self._lock:
+                local = self._local
+            if local is None:
+                raise kvbridge.UnknownRegionError("no buffer is registered on this side")
+            src_region, src_off = local.locate(src, lens, "source")
+            dst_region, dst_off = remote.locate(dst, lens, "destination")
+            ops = np.stack([src_region, src_off, dst_region, dst_off, lens], axis=1)
+            transfer = self.engine.write(peer, np.ascontiguousarray(ops), timeout=self.timeout)
+            transfer.wait()
+            return 0
+        except kvbridge.KvbridgeError as e:
+            cause = f"{type(e).__name__}: {e}"
+            with self._lock:
+                self._last_error = cause
+            logger.warning("kvbridge: transfer to a decode failed: %s", cause)
+            return -1
+
+    def transfer_sync(self, session_id: str, buffer: int, peer_buffer_address: int, length: int) -> int:
+        return self.batch_transfer_sync(session_id, [buffer], [peer_buffer_address], [length])
+
+    def take_error(self) -> Optional[str]:
+        """The cause of the last failed transfer, once (SGLang records a room's failure in
+        another thread than the one whose write failed)."""
+        with self._lock:
+            last, self._last_error = self._last_error, None
+        return last
+
+    def send_probe(self, session_id: str) -> int:
+        try:
+            peer, _ = self._peer(session_id)
+            self.engine.probe(peer, timeout=min(self.timeout, 5.0))
+            return 0
+        except kvbridge.KvbridgeError:
+            return -1
+
+    def close(self) -> None:
+        self.engine.close()
