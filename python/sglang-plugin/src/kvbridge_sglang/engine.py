@@ -6,7 +6,8 @@ transfer is a list of ``(src_ptr, dst_ptr, len)``. kvbridge speaks in registered
 offsets, so each side registers every buffer as its own region, and the decode's *session id*
 (the string SGLang carries to the prefill in its ZMQ registration message) holds the engine's
 descriptor and its region table: ``kvbridge1:`` + hex of JSON ``{"d": descriptor hex,
-"r": [[base, len, region], ...]}``. The prefill turns each pointer pair into
+"r": [[base, len, region], ...]}`` + ``:`` + a number (SGLang's Mooncake manager reads
+session ids as ``host:port`` and spreads rooms over its queues by the port). The prefill turns each pointer pair into
 ``(local_region, local_offset, remote_region, remote_offset, len)`` rows; the engine checks
 every row's bounds before a byte moves.
 """
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import threading
+import zlib
 from typing import Optional, Sequence
 
 import numpy as np
@@ -119,7 +121,8 @@ class KvbridgeTransferEngine:
                     "d": self.engine.local_descriptor().hex(),
                     "r": [[b, n, r] for b, (n, r) in sorted(self._regions.items())],
                 }
-                self._session_id = SESSION_PREFIX + json.dumps(body).encode().hex()
+                encoded = json.dumps(body).encode()
+                self._session_id = f"{SESSION_PREFIX}{encoded.hex()}:{zlib.crc32(encoded) & 0xFFFF}"
             return self._session_id
 
     # Transfers (prefill side).
@@ -134,7 +137,8 @@ class KvbridgeTransferEngine:
                 "need --disaggregation-transfer-backend kvbridge"
             )
         try:
-            body = json.loads(bytes.fromhex(session_id[len(SESSION_PREFIX):]))
+            encoded = session_id[len(SESSION_PREFIX) :].rsplit(":", 1)[0]
+            body = json.loads(bytes.fromhex(encoded))
             descriptor, rows = bytes.fromhex(body["d"]), body["r"]
         except (ValueError, KeyError, TypeError) as e:
             raise kvbridge.BadDescriptorError(
