@@ -117,6 +117,7 @@ def wait_for(predicate, what: str, deadline: float = DEADLINE_S):
         if value:
             return value
         if time.monotonic() > end:
+            what = what() if callable(what) else what
             raise AssertionError(f"timed out after {deadline} s waiting for {what}")
         time.sleep(0.02)
 
@@ -141,4 +142,4 @@ def poll_until(obj, states, what: str, deadline: float = DEADLINE_S):
             raise AssertionError(f"{what}: Failed; states {seen}")
         return None
 
-    return wait_for(done, f"{what} (states so far {seen})", deadline)
+    return wait_for(done, lambda: f"{what} (states so far {seen})", deadline)

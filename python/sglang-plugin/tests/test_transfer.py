@@ -68,3 +68,70 @@ def test_tp1_to_tp1_every_byte(sglang_env):
     aux = np.zeros_like(decode.aux)
     aux[5] = prefill.aux[2]
     assert np.array_equal(decode.aux, aux)
+
+
+def _owner_rule_expected(prefill, decode_pages, src_pages, d_pages, n_tokens, page_size, dcp, rank, token_bytes):
+    """Decode rank ``rank``'s pool after the request: position p lives on rank p mod dcp at
+    local row x = p div dcp, physical row D[x div P]*P + x mod P (docs/planning.md)."""
+    out = []
+    for layer in range(prefill.layers):
+        src = prefill.kv[layer].reshape(-1, token_bytes)
+        want = np.zeros((decode_pages * page_size, token_bytes), dtype=np.uint8)
+        for p in range(rank, n_tokens, dcp):
+            x = p // dcp
+            want[d_pages[x // page_size] * page_size + x % page_size] = src[
+                src_pages[p // page_size] * page_size + p % page_size
+            ]
+        out.append(want.reshape(decode_pages, page_size * token_bytes))
+    return out
+
+
+def _ranks(tp, rank, dcp):
+    return dict(
+        tp_size=tp, attn_tp_size=tp, moe_tp_size=tp, tp_rank=rank, attn_tp_rank=rank, moe_tp_rank=rank,
+        attn_dcp_size=dcp, attn_dcp_rank=rank % dcp,
+    )
+
+
+def test_mla_prefill_dcp1_to_decode_dcp4_owner_rule(sglang_env):
+    from sglang.srt.disaggregation.base import KVPoll
+    from sglang.srt.runtime_context import get_parallel
+
+    t, mode, cls, addr = sglang_env["t"], sglang_env["mode"], sglang_env["cls"], sglang_env["addr"]
+    P, dcp, tb, n = 4, 4, 64, 37
+    prefill = harness.Pool(layers=2, pages=16, page_bytes=P * tb).fill(2)
+    decodes = [harness.Pool(layers=2, pages=8, page_bytes=P * tb) for _ in range(dcp)]
+    p_mgr = cls[t.MANAGER](prefill.kv_args(P), mode.PREFILL, sglang_env["args"], True)
+    d_mgrs = []
+    try:
+        for r in range(dcp):
+            # DCP is nested in attention TP: decode rank r is TP rank r of 4.
+            get_parallel().override_permanently(**_ranks(tp=dcp, rank=r, dcp=dcp))
+            d_mgrs.append(
+                cls[t.MANAGER](decodes[r].kv_args(P, engine_rank=r), mode.DECODE, sglang_env["args"], True)
+            )
+    finally:
+        get_parallel().override_permanently(**_ranks(tp=1, rank=0, dcp=1))
+    src_pages = [12, 3, 7, 0, 9, 14, 1, 5, 10, 2]  # ceil(37 / 4) prefill pages
+    d_pages = [5, 1, 6]  # ceil(37 / 16) virtual pages of 16 tokens
+    room = 21
+    sender = cls[t.SENDER](p_mgr, addr, room)
+    receivers = []
+    for d_mgr in d_mgrs:
+        harness.wait_for(lambda: d_mgr.try_ensure_parallel_info(addr), "the prefill's parallel info")
+        rcv = cls[t.RECEIVER](d_mgr, addr, room)
+        rcv.init(0)
+        receivers.append(rcv)
+    sender.init(len(src_pages), aux_index=1)
+    for rcv in receivers:
+        rcv.send_metadata(np.asarray(d_pages, dtype=np.int32), aux_index=3)
+    harness.poll_until(sender, {KVPoll.WaitingForInput}, "sender ready")
+    sender.send(np.asarray(src_pages, dtype=np.int32), num_kv_tokens=n)
+    assert harness.poll_until(sender, {KVPoll.Success}, "sender") == KVPoll.Success
+    for r, rcv in enumerate(receivers):
+        assert harness.poll_until(rcv, {KVPoll.Success}, f"decode rank {r}") == KVPoll.Success
+    for r in range(dcp):
+        want = _owner_rule_expected(prefill, 8, src_pages, d_pages, n, P, dcp, r, tb)
+        for layer, (w, got) in enumerate(zip(want, decodes[r].kv)):
+            assert np.array_equal(got, w), f"decode rank {r} layer {layer}"
+        assert np.array_equal(decodes[r].aux[3], prefill.aux[1])
