@@ -85,3 +85,37 @@ def test_registering_twice_changes_nothing(loaded):
 
     register()
     assert DISAGG_TRANSFER_BACKEND_CHOICES.count("kvbridge") == 1
+
+
+def _decode_dcp4(backend):
+    from sglang.srt.arg_groups.pd_disaggregation_hook import handle_pd_disaggregation
+    from sglang.srt.arg_groups.resolution_hooks import run_hook
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(
+        model_path="dummy",
+        device="cpu",
+        disaggregation_mode="decode",
+        dcp_size=4,
+        tp_size=4,
+        disaggregation_transfer_backend=backend,
+    )
+    run_hook(handle_pd_disaggregation, args)
+    return args
+
+
+def test_decode_dcp_is_lifted_for_kvbridge_only(loaded):
+    assert _decode_dcp4("kvbridge").disaggregation_transfer_backend == "kvbridge"
+    # SGLang's refusal stays for every backend it does not know.
+    with pytest.raises(ValueError, match="PD decode DCP requires"):
+        _decode_dcp4("not-a-backend")
+
+
+def test_kvbridges_own_checks_run_instead(loaded, monkeypatch):
+    monkeypatch.setenv("KVBRIDGE_SGLANG_TRANSPORT", "carrier-pigeon")
+    with pytest.raises(ValueError, match="KVBRIDGE_SGLANG_TRANSPORT='carrier-pigeon'.*tcp"):
+        _decode_dcp4("kvbridge")
+    monkeypatch.delenv("KVBRIDGE_SGLANG_TRANSPORT")
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "1")
+    with pytest.raises(ValueError, match="no staging buffers"):
+        _decode_dcp4("kvbridge")
