@@ -133,7 +133,7 @@ def poll_until(obj, states, what: str, deadline: float = DEADLINE_S):
         if not seen or seen[-1] != state:
             seen.append(state)
         if state in states:
-            return state
+            return (state,)  # KVPoll.Failed is 0: wrapped so that it counts as found
         if state == KVPoll.Failed and KVPoll.Failed not in states:
             try:
                 obj.failure_exception()
@@ -142,4 +142,4 @@ def poll_until(obj, states, what: str, deadline: float = DEADLINE_S):
             raise AssertionError(f"{what}: Failed; states {seen}")
         return None
 
-    return wait_for(done, lambda: f"{what} (states so far {seen})", deadline)
+    return wait_for(done, lambda: f"{what} (states so far {seen})", deadline)[0]

@@ -135,3 +135,66 @@ def test_mla_prefill_dcp1_to_decode_dcp4_owner_rule(sglang_env):
         for layer, (w, got) in enumerate(zip(want, decodes[r].kv)):
             assert np.array_equal(got, w), f"decode rank {r} layer {layer}"
         assert np.array_equal(decodes[r].aux[3], prefill.aux[1])
+
+
+def _setup_request(env, p_mgr, d_mgr, room, n_pages, dst_pages, p_aux=0, d_aux=0):
+    from sglang.srt.disaggregation.base import KVPoll
+
+    t, cls, addr = env["t"], env["cls"], env["addr"]
+    sender = cls[t.SENDER](p_mgr, addr, room)
+    harness.wait_for(lambda: d_mgr.try_ensure_parallel_info(addr), "the prefill's parallel info")
+    receiver = cls[t.RECEIVER](d_mgr, addr, room)
+    receiver.init(0)
+    sender.init(n_pages, aux_index=p_aux)
+    receiver.send_metadata(np.asarray(dst_pages, dtype=np.int32), aux_index=d_aux)
+    harness.poll_until(sender, {KVPoll.WaitingForInput}, "sender ready")
+    return sender, receiver
+
+
+def _failure_text(obj):
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+
+    with pytest.raises(KVTransferError) as info:
+        obj.failure_exception()
+    return str(info.value)
+
+
+def test_abort_mid_transfer_fails_both_sides_and_nothing_lands_after(sglang_env):
+    from sglang.srt.disaggregation.base import KVPoll
+
+    prefill = harness.Pool(layers=2, pages=16, page_bytes=4 * 64).fill(3)
+    decode = harness.Pool(layers=2, pages=16, page_bytes=4 * 64)
+    p_mgr, d_mgr = _managers(sglang_env, prefill, decode, page_size=4)
+    src, dst = [1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15]
+    sender, receiver = _setup_request(sglang_env, p_mgr, d_mgr, 31, len(src), dst, 1, 2)
+    sender.send(np.asarray(src[:3], dtype=np.int32))  # the first chunk of two
+    harness.wait_for(lambda: all(np.array_equal(d[dst[:3]], p[src[:3]]) for d, p in zip(decode.kv, prefill.kv)),
+                     "the first chunk's bytes")
+    receiver.abort()
+    assert receiver.poll() == KVPoll.Failed
+    assert harness.poll_until(sender, {KVPoll.Failed}, "sender after the abort") == KVPoll.Failed
+    sender.send(np.asarray(src[3:], dtype=np.int32))  # the last chunk, after the abort
+    assert "Aborted" in _failure_text(receiver)
+    _failure_text(sender)
+    # What the first chunk wrote stays; nothing of the second chunk or the aux row lands.
+    p_mgr.engine.engine.notifications(timeout=1.0)
+    for d, p in zip(decode.kv, prefill.kv):
+        assert np.array_equal(d[dst[:3]], p[src[:3]])
+        assert not d[dst[3:]].any()
+    assert not decode.aux.any()
+
+
+def test_dead_decode_engine_fails_the_room_with_kvbridges_cause(sglang_env):
+    from sglang.srt.disaggregation.base import KVPoll
+
+    prefill = harness.Pool(layers=2, pages=8, page_bytes=4 * 64).fill(4)
+    decode = harness.Pool(layers=2, pages=8, page_bytes=4 * 64)
+    p_mgr, d_mgr = _managers(sglang_env, prefill, decode, page_size=4)
+    sender, receiver = _setup_request(sglang_env, p_mgr, d_mgr, 41, 2, [5, 6])
+    d_mgr.engine.close()  # the decode's transfer engine is gone
+    sender.send(np.asarray([0, 1], dtype=np.int32))
+    assert harness.poll_until(sender, {KVPoll.Failed}, "sender") == KVPoll.Failed
+    assert "kvbridge:" in _failure_text(sender)
+    assert harness.poll_until(receiver, {KVPoll.Failed}, "receiver") == KVPoll.Failed
+    _failure_text(receiver)
+    assert not any(d.any() for d in decode.kv)

@@ -32,11 +32,20 @@ class KvbridgeKVManager(MooncakeKVManager):
         # Called by the Mooncake manager's __init__ before the buffers are registered.
         self.engine = KvbridgeTransferEngine(checks.transport(), host=self.local_ip)
 
-    def record_failure(self, bootstrap_room: int, failure_reason: str) -> None:
+    def _with_cause(self, failure_reason: str) -> str:
+        # The worker's reason names the room and the peer; kvbridge's error says why.
         cause = self.engine.take_error() if hasattr(self, "engine") else None
-        if cause:
-            failure_reason = f"{failure_reason}; kvbridge: {cause}"
-        super().record_failure(bootstrap_room, failure_reason)
+        return f"{failure_reason}; kvbridge: {cause}" if cause else failure_reason
+
+    def record_failure(self, bootstrap_room: int, failure_reason: str) -> None:
+        super().record_failure(bootstrap_room, self._with_cause(failure_reason))
+
+    def conclude_failure(self, *, bootstrap_room: int, failure_reason: str, targets=None):
+        return super().conclude_failure(
+            bootstrap_room=bootstrap_room,
+            failure_reason=self._with_cause(failure_reason),
+            targets=targets,
+        )
 
     def teardown(self) -> None:
         super().teardown()
