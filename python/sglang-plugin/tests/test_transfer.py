@@ -198,3 +198,32 @@ def test_dead_decode_engine_fails_the_room_with_kvbridges_cause(sglang_env):
     assert harness.poll_until(receiver, {KVPoll.Failed}, "receiver") == KVPoll.Failed
     _failure_text(receiver)
     assert not any(d.any() for d in decode.kv)
+
+
+def test_the_page_and_dcp_paths_plan_with_kvbridges_planner(sglang_env, monkeypatch):
+    import kvbridge.sglang
+    from sglang.srt.disaggregation.mooncake import conn as mooncake_conn
+
+    from kvbridge_sglang import conn
+
+    calls = []
+    for name in ("build_dcp_token_transfer_plan", "group_concurrent_contiguous"):
+        real = conn.PLANNER[name]
+        assert real is getattr(kvbridge.sglang, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls.append(_name)
+            return _real(*a, **k)
+
+        monkeypatch.setitem(conn._PLANNER_GLOBALS, name, counted)
+
+        def refused(*a, _name=name, **k):
+            raise AssertionError(f"SGLang's {_name} was called")
+
+        # SGLang's own functions, where the Mooncake methods would look them up.
+        monkeypatch.setattr(mooncake_conn, name, refused)
+    test_mla_prefill_dcp1_to_decode_dcp4_owner_rule(sglang_env)
+    assert "build_dcp_token_transfer_plan" in calls
+    calls.clear()
+    test_tp1_to_tp1_every_byte(sglang_env)
+    assert "group_concurrent_contiguous" in calls
