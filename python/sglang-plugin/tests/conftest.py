@@ -1,8 +1,14 @@
 """SGLang tests are marked ``sglang`` and skipped where SGLang 0.5.23 is not installed."""
 
+import importlib.util
 import os
+import sys
 
 import pytest
+
+# Collecting the tests needs no SGLang and no installed plugin: the source tree stands in.
+if importlib.util.find_spec("kvbridge_sglang") is None:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "src"))
 
 # Every socket SGLang opens stays on loopback.
 os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
