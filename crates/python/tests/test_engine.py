@@ -333,3 +333,17 @@ def test_a_forked_child_is_refused_not_hung():
         message = queue.get(timeout=120)
         child.join(timeout=120)
     assert "forked" in message and "spawn" in message, message
+
+
+def test_read_pulls_and_tcp_refuses_it(pair):
+    a, b, peer = pair
+    remote = b.allocate(256)
+    np.asarray(remote)[:] = np.arange(256, dtype=np.uint8)
+    local = a.allocate(256)
+    assert a.read(peer, ops((local.region, 0, remote.region, 0, 256))).wait(timeout=60.0)
+    assert (np.asarray(local) == np.arange(256, dtype=np.uint8)).all()
+    with kvbridge.Engine("tcp") as x, kvbridge.Engine("tcp") as y:
+        src, dst = x.allocate(64), y.allocate(64)
+        p = x.connect(y.local_descriptor())
+        with pytest.raises(kvbridge.UnsupportedError, match="read"):
+            x.read(p, ops((src.region, 0, dst.region, 0, 64))).wait(timeout=60.0)
