@@ -347,3 +347,28 @@ def test_read_pulls_and_tcp_refuses_it(pair):
         p = x.connect(y.local_descriptor())
         with pytest.raises(kvbridge.UnsupportedError, match="read"):
             x.read(p, ops((src.region, 0, dst.region, 0, 64))).wait(timeout=60.0)
+
+
+def test_concurrent_registrations_of_the_same_bytes_admit_one():
+    """Threads registering the same buffer at once: exactly one wins, the others are refused
+    (two regions over the same bytes would bypass each other's claims)."""
+    with kvbridge.Engine("loopback") as engine:
+        for _ in range(20):
+            arr = np.zeros(4096, dtype=np.uint8)
+            barrier = threading.Barrier(8)
+            won, refused = [], []
+
+            def race():
+                barrier.wait()
+                try:
+                    won.append(engine.register_buffer(arr))
+                except kvbridge.InvalidArgumentError:
+                    refused.append(1)
+
+            threads = [threading.Thread(target=race) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert (len(won), len(refused)) == (1, 7)
+            engine.deregister(won[0])
