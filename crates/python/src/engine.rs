@@ -59,13 +59,16 @@ pub(crate) fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
     })
 }
 
-/// Runs `fut` to completion on the runtime with the interpreter detached.
+/// Runs `fut` to completion on the runtime with the interpreter detached, without checking
+/// signals: for calls that must not be dropped half-way (a registration or a post that went
+/// through but whose id would be lost), all of them short or bounded by their own deadline.
 pub(crate) fn block_on<F>(py: Python<'_>, fut: F) -> PyResult<F::Output>
 where
     F: Future + Send,
     F::Output: Send,
 {
-    Ok(wait_for(py, None, fut)?.expect("no deadline"))
+    let rt = runtime()?;
+    Ok(py.detach(|| rt.block_on(fut)))
 }
 
 /// Runs `fut` until it completes (`Some`) or `limit` passes (`None`), detached, checking
