@@ -372,3 +372,13 @@ def test_concurrent_registrations_of_the_same_bytes_admit_one():
                 t.join()
             assert (len(won), len(refused)) == (1, 7)
             engine.deregister(won[0])
+
+
+def test_probe_and_disconnect(pair):
+    a, b, peer = pair
+    a.probe(peer, timeout=60.0)
+    a.disconnect(peer)
+    with pytest.raises(kvbridge.UnknownPeerError):
+        a.write(peer, np.zeros((0, 5), dtype=np.uint64))
+    with pytest.raises(kvbridge.InvalidArgumentError, match="seconds"):
+        a.probe(peer, timeout=-1.0)
