@@ -518,7 +518,8 @@ agent_methods! { DecodeAgent,
     /// returns the endpoints that acknowledged. Raises `TimedOutError` after `fence_timeout`.
     fn release_when_fenced(&self, py: Python<'_>, room: u64) -> PyResult<Vec<String>> {
         let agent = self.agent.clone();
-        let report = block_on(py, async move { agent.release_when_fenced(room).await })?
+        let report = wait_for(py, None, async move { agent.release_when_fenced(room).await })?
+            .ok_or_else(|| Kind::Base.err("release_when_fenced ended without an answer"))?
             .map_err(errors::coordinator)?;
         Ok(report.acked_by.into_iter().map(|e| e.0).collect())
     }

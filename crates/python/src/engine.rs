@@ -7,7 +7,7 @@
 //! its state behind `Arc`s and short locks, so one engine may be used from many threads.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -59,13 +59,16 @@ pub(crate) fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
     })
 }
 
-/// Runs `fut` to completion on the runtime with the interpreter detached.
+/// Runs `fut` to completion on the runtime with the interpreter detached, without checking
+/// signals: for calls that must not be dropped half-way (a registration or a post that went
+/// through but whose id would be lost), all of them short or bounded by their own deadline.
 pub(crate) fn block_on<F>(py: Python<'_>, fut: F) -> PyResult<F::Output>
 where
     F: Future + Send,
     F::Output: Send,
 {
-    Ok(wait_for(py, None, fut)?.expect("no deadline"))
+    let rt = runtime()?;
+    Ok(py.detach(|| rt.block_on(fut)))
 }
 
 /// Runs `fut` until it completes (`Some`) or `limit` passes (`None`), detached, checking
@@ -127,7 +130,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// A registered range, for refusing a second registration of the same bytes.
 #[derive(Debug, Clone, Copy)]
 struct Registered {
-    id: RegionId,
+    /// `None` while the registration is in progress (the range is reserved meanwhile).
+    id: Option<RegionId>,
+    /// Tells apart reservations of the same range.
+    ticket: u64,
     kind: MemoryKind,
     start: u64,
     len: u64,
@@ -148,6 +154,7 @@ pub(crate) struct EngineCore {
     pub(crate) transport: Arc<dyn KvTransport>,
     kind: &'static str,
     regions: Mutex<Vec<Registered>>,
+    tickets: AtomicU64,
     closed: AtomicBool,
 }
 
@@ -166,36 +173,75 @@ impl EngineCore {
     pub(crate) fn region_len(&self, id: RegionId) -> Option<u64> {
         lock(&self.regions)
             .iter()
-            .find(|r| r.id == id)
+            .find(|r| r.id == Some(id))
             .map(|r| r.len)
     }
 
-    /// Registers `region` (whose bytes start at `start`), refusing a range that overlaps one
-    /// already registered: two regions over the same bytes would bypass each other's claims.
-    fn register(&self, py: Python<'_>, region: MemoryRegion, start: u64) -> PyResult<RegionId> {
+    /// Registers the region `make` builds over `len` bytes of `kind` at `start`, refusing a
+    /// range that overlaps one registered (or being registered) before `make` runs: two regions
+    /// over the same bytes would bypass each other's claims. The range is reserved under the
+    /// lock first, so two threads cannot both pass the check.
+    fn register_with(
+        &self,
+        py: Python<'_>,
+        kind: MemoryKind,
+        start: u64,
+        len: u64,
+        make: impl FnOnce() -> PyResult<MemoryRegion>,
+    ) -> PyResult<(RegionId, MemoryRegion)> {
         self.check_open()?;
-        let (kind, len) = (region.kind(), region.len() as u64);
-        if let Some(r) = lock(&self.regions)
-            .iter()
-            .find(|r| r.overlaps(kind, start, len))
+        let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
         {
-            return Err(invalid(format!(
-                "bytes [{start:#x}, +{len}) of {kind} overlap region {} ([{:#x}, +{}), \
-                 registered earlier); register each allocation once and address its parts by \
-                 offset, or deregister the old region first",
-                r.id.0, r.start, r.len
-            )));
+            let mut regions = lock(&self.regions);
+            if let Some(r) = regions.iter().find(|r| r.overlaps(kind, start, len)) {
+                let which = r.id.map_or_else(
+                    || "being registered".to_owned(),
+                    |id| format!("region {}", id.0),
+                );
+                return Err(invalid(format!(
+                    "bytes [{start:#x}, +{len}) of {kind} overlap {which} ([{:#x}, +{}), \
+                     registered earlier); register each allocation once and address its parts \
+                     by offset, or deregister the old region first",
+                    r.start, r.len
+                )));
+            }
+            regions.push(Registered {
+                id: None,
+                ticket,
+                kind,
+                start,
+                len,
+            });
         }
-        let transport = self.transport.clone();
-        let id = block_on(py, async move { transport.register(region).await })?
-            .map_err(errors::transport)?;
-        lock(&self.regions).push(Registered {
-            id,
-            kind,
-            start,
-            len,
+        let registered = make().and_then(|region| {
+            let (transport, r) = (self.transport.clone(), region.clone());
+            let id = block_on(py, async move { transport.register(r).await })?
+                .map_err(errors::transport)?;
+            Ok((id, region))
         });
-        Ok(id)
+        let mut regions = lock(&self.regions);
+        match &registered {
+            Ok((id, _)) => regions
+                .iter_mut()
+                .filter(|r| r.ticket == ticket)
+                .for_each(|r| r.id = Some(*id)),
+            Err(_) => regions.retain(|r| r.ticket != ticket),
+        }
+        registered
+    }
+
+    /// Registers memory made just now (nothing can have registered it before).
+    fn register_new(
+        &self,
+        py: Python<'_>,
+        region: MemoryRegion,
+    ) -> PyResult<(RegionId, MemoryRegion)> {
+        let (kind, start, len) = (
+            region.kind(),
+            region.as_ptr().addr() as u64,
+            region.len() as u64,
+        );
+        self.register_with(py, kind, start, len, || Ok(region))
     }
 }
 
@@ -590,6 +636,7 @@ impl Engine {
                 transport: made.map_err(errors::transport)?,
                 kind,
                 regions: Mutex::new(Vec::new()),
+                tickets: AtomicU64::new(0),
                 closed: AtomicBool::new(false),
             }),
         })
@@ -630,8 +677,7 @@ impl Engine {
         } else {
             memory::alloc(n)?
         };
-        let start = region.as_ptr().addr() as u64;
-        let id = self.core.register(py, region.clone(), start)?;
+        let (id, region) = self.core.register_new(py, region)?;
         Ok(Memory { region, id })
     }
 
@@ -652,24 +698,44 @@ impl Engine {
         self.core.check_open()?;
         let (ptr, len) = (parse_u64(ptr, "ptr")?, parse_u64(length, "length")?);
         let owner = owner.unwrap_or_else(|| py.None());
-        let region = match kind {
-            "host" => memory::host(ptr, len, owner)?,
-            "cuda" | "device" => memory::device(device, ptr, len, owner)?,
+        let region_kind = match kind {
+            "host" => MemoryKind::Host,
+            "cuda" | "device" => MemoryKind::Device { id: device },
             other => {
                 return Err(invalid(format!(
                     "kind must be \"host\" or \"cuda\", got {other:?}"
                 )));
             }
         };
-        Ok(self.core.register(py, region, ptr)?.0)
+        let make = || match region_kind {
+            MemoryKind::Host => memory::host(ptr, len, owner),
+            _ => memory::device(device, ptr, len, owner),
+        };
+        Ok(self
+            .core
+            .register_with(py, region_kind, ptr, len, make)?
+            .0
+            .0)
     }
 
     /// Registers the memory of a writable, C-contiguous buffer (a numpy array, bytearray),
     /// which the engine keeps alive (and unresizable) until `deregister`.
     fn register_buffer(&self, py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<u64> {
         self.core.check_open()?;
-        let (region, addr, _) = memory::buffer(obj)?;
-        Ok(self.core.register(py, region, addr)?.0)
+        let (holder, addr, nbytes) = memory::pin(obj)?;
+        let make = || {
+            if nbytes == 0 {
+                // An empty buffer may sit at any address; an empty region of its own is the same.
+                memory::alloc(0)
+            } else {
+                memory::host(addr, nbytes, holder)
+            }
+        };
+        Ok(self
+            .core
+            .register_with(py, MemoryKind::Host, addr, nbytes, make)?
+            .0
+            .0)
     }
 
     /// Deregisters a region; once this returns, no peer writes into it.
@@ -677,7 +743,7 @@ impl Engine {
         self.core.check_open()?;
         let (transport, id) = (self.core.transport.clone(), RegionId(region));
         block_on(py, async move { transport.deregister(id).await })?.map_err(errors::transport)?;
-        lock(&self.core.regions).retain(|r| r.id != id);
+        lock(&self.core.regions).retain(|r| r.id != Some(id));
         Ok(())
     }
 

@@ -234,7 +234,13 @@ pub(crate) fn coordinator(e: CoordinatorError) -> PyErr {
         }
         CoordinatorError::FenceTimeout { .. } => Kind::TimedOut,
         CoordinatorError::Shutdown { .. } => Kind::Closed,
-        CoordinatorError::ChannelSend { .. } => Kind::PeerLost,
+        CoordinatorError::ChannelSend { .. }
+        | CoordinatorError::UnknownEndpoint { .. }
+        | CoordinatorError::SendTimeout { .. }
+        | CoordinatorError::Directory { .. }
+        | CoordinatorError::Bootstrap { .. } => Kind::PeerLost,
+        CoordinatorError::ChannelClosed { .. } => Kind::Closed,
+        CoordinatorError::Protocol { .. } => Kind::Protocol,
         _ => Kind::Base,
     };
     kind.err(error_chain(&e))

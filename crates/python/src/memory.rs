@@ -55,9 +55,9 @@ pub(crate) fn host(ptr: u64, len: u64, owner: Py<PyAny>) -> PyResult<MemoryRegio
         .ok_or_else(|| invalid("the pointer is 0 (NULL)"))?;
     // SAFETY: `ptr..ptr+n` is the caller's live, writable allocation kept alive by `owner`
     // (Engine.register's documented contract); `n <= isize::MAX` and the range does not wrap
-    // (checked above); the engine refuses a second registration overlapping it, so no other
-    // region of this process wraps these bytes; kvbridge makes no Rust reference to foreign
-    // memory, only raw copies.
+    // (checked above); the engine reserved the range before calling this and refuses any
+    // registration overlapping it, so no other region of this process wraps these bytes;
+    // kvbridge makes no Rust reference to foreign memory, only raw copies.
     Ok(unsafe { MemoryRegion::from_raw_parts(ForeignMemory::host(ptr, n, PyOwner(owner))) })
 }
 
@@ -72,13 +72,14 @@ pub(crate) fn device(device: u32, addr: u64, len: u64, owner: Py<PyAny>) -> PyRe
     })
 }
 
-/// The memory of a writable, C-contiguous object with the buffer protocol (a numpy array, a
-/// `bytearray`, a `memoryview`), pinned by a buffer export held for the region's life.
+/// Pins the memory of a writable, C-contiguous object with the buffer protocol (a numpy array,
+/// a `bytearray`, a `memoryview`): returns a holder that keeps a buffer export for as long as
+/// it lives (make it the region's owner with [`host`]), the address and the length.
 ///
-/// The export is a `ctypes` array made with `from_buffer`: it holds the object's buffer (so a
+/// The holder is a `ctypes` array made with `from_buffer`: it holds the object's buffer (so a
 /// `bytearray` cannot be resized and the array's memory cannot move) and refuses read-only or
-/// non-contiguous buffers. Returns the region, its address and length.
-pub(crate) fn buffer(obj: &Bound<'_, PyAny>) -> PyResult<(MemoryRegion, u64, u64)> {
+/// non-contiguous buffers.
+pub(crate) fn pin(obj: &Bound<'_, PyAny>) -> PyResult<(Py<PyAny>, u64, u64)> {
     let py = obj.py();
     let ctypes = py.import("ctypes")?;
     let view = py
@@ -111,13 +112,7 @@ pub(crate) fn buffer(obj: &Bound<'_, PyAny>) -> PyResult<(MemoryRegion, u64, u64
         .call_method1("__mul__", (nbytes,))?;
     let holder = array_type.call_method1("from_buffer", (byte_view,))?;
     let addr: u64 = ctypes.call_method1("addressof", (&holder,))?.extract()?;
-    let region = if nbytes == 0 {
-        // An empty buffer may have any address; an empty region of the engine's own is the same.
-        alloc(0)?
-    } else {
-        host(addr, nbytes, holder.unbind())?
-    };
-    Ok((region, addr, nbytes))
+    Ok((holder.unbind(), addr, nbytes))
 }
 
 /// One page of zeroed, page-aligned memory (the engine's allocations are made of these).

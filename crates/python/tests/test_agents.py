@@ -140,3 +140,11 @@ def test_a_missing_prefill_fails_the_room():
         with pytest.raises(kvbridge.KVTransferError, match="bootstrap_room=9"):
             d.wait(9, timeout=120.0)
     e.close()
+
+
+def test_an_unreachable_bootstrap_server_raises_peer_lost():
+    e = kvbridge.Engine("loopback")
+    kv = [e.allocate(PAGES * ITEM) for _ in range(LAYERS)]
+    with pytest.raises(kvbridge.PeerLostError, match="bootstrap"):
+        kvbridge.PrefillAgent(e, descriptor("prefill"), kv, bootstrap_addr="127.0.0.1:1")
+    e.close()

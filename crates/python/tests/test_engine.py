@@ -333,3 +333,52 @@ def test_a_forked_child_is_refused_not_hung():
         message = queue.get(timeout=120)
         child.join(timeout=120)
     assert "forked" in message and "spawn" in message, message
+
+
+def test_read_pulls_and_tcp_refuses_it(pair):
+    a, b, peer = pair
+    remote = b.allocate(256)
+    np.asarray(remote)[:] = np.arange(256, dtype=np.uint8)
+    local = a.allocate(256)
+    assert a.read(peer, ops((local.region, 0, remote.region, 0, 256))).wait(timeout=60.0)
+    assert (np.asarray(local) == np.arange(256, dtype=np.uint8)).all()
+    with kvbridge.Engine("tcp") as x, kvbridge.Engine("tcp") as y:
+        src, dst = x.allocate(64), y.allocate(64)
+        p = x.connect(y.local_descriptor())
+        with pytest.raises(kvbridge.UnsupportedError, match="read"):
+            x.read(p, ops((src.region, 0, dst.region, 0, 64))).wait(timeout=60.0)
+
+
+def test_concurrent_registrations_of_the_same_bytes_admit_one():
+    """Threads registering the same buffer at once: exactly one wins, the others are refused
+    (two regions over the same bytes would bypass each other's claims)."""
+    with kvbridge.Engine("loopback") as engine:
+        for _ in range(20):
+            arr = np.zeros(4096, dtype=np.uint8)
+            barrier = threading.Barrier(8)
+            won, refused = [], []
+
+            def race():
+                barrier.wait()
+                try:
+                    won.append(engine.register_buffer(arr))
+                except kvbridge.InvalidArgumentError:
+                    refused.append(1)
+
+            threads = [threading.Thread(target=race) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert (len(won), len(refused)) == (1, 7)
+            engine.deregister(won[0])
+
+
+def test_probe_and_disconnect(pair):
+    a, b, peer = pair
+    a.probe(peer, timeout=60.0)
+    a.disconnect(peer)
+    with pytest.raises(kvbridge.UnknownPeerError):
+        a.write(peer, np.zeros((0, 5), dtype=np.uint64))
+    with pytest.raises(kvbridge.InvalidArgumentError, match="seconds"):
+        a.probe(peer, timeout=-1.0)

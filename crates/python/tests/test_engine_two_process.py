@@ -73,6 +73,7 @@ def decode_main(transport):
             if command["op"] == "expect":
                 got = engine.notifications(timeout=60.0)
                 wrong = int(np.count_nonzero(pool != expected_decode_pool()))
+                pool[:] = 0  # before replying: the next write may follow the reply at once
                 print(
                     json.dumps(
                         {
@@ -82,7 +83,6 @@ def decode_main(transport):
                     ),
                     flush=True,
                 )
-                pool[:] = 0
             elif command["op"] == "quit":
                 break
 
