@@ -812,74 +812,87 @@ impl KvTransport for NixlTransport {
             });
         }
         // Bounds before bytes: every descriptor checked before anything is posted.
-        let (name, local, remote) =
-            {
-                let st = lock(&inner.state);
-                let p = st.out.get(&peer.0).ok_or(TransportError::UnknownPeer {
+        let (name, local, remote) = {
+            let st = lock(&inner.state);
+            let p = st.out.get(&peer.0).ok_or(TransportError::UnknownPeer {
+                peer,
+                transport: NAME,
+            })?;
+            if let Some(reason) = &p.lost {
+                return Err(TransportError::PeerLost {
                     peer,
                     transport: NAME,
+                    reason: reason.clone(),
+                });
+            }
+            let mut local = Vec::new();
+            let mut remote = Vec::new();
+            for op in &batch.ops {
+                let l =
+                    st.regions
+                        .get(&op.local_region.0)
+                        .ok_or(TransportError::UnknownRegion {
+                            side: Side::Local,
+                            region: op.local_region,
+                            transport: NAME,
+                        })?;
+                let lseg = Segment::of(&l.region);
+                checked_range(op.local_offset, op.len, lseg.len).map_err(|e| {
+                    TransportError::OutOfBounds {
+                        side: Side::Local,
+                        region: op.local_region,
+                        offset: e.offset,
+                        len: e.len,
+                        region_len: e.region_len,
+                    }
                 })?;
-                if let Some(reason) = &p.lost {
-                    return Err(TransportError::PeerLost {
-                        peer,
-                        transport: NAME,
-                        reason: reason.clone(),
+                let r =
+                    p.regions
+                        .get(&op.remote_region.0)
+                        .ok_or(TransportError::UnknownRegion {
+                            side: Side::Remote,
+                            region: op.remote_region,
+                            transport: NAME,
+                        })?;
+                let end = op.remote_offset.checked_add(op.len);
+                if end.is_none_or(|e| e > r.len) {
+                    return Err(TransportError::OutOfBounds {
+                        side: Side::Remote,
+                        region: op.remote_region,
+                        offset: op.remote_offset,
+                        len: op.len,
+                        region_len: r.len,
                     });
                 }
-                let mut local = Vec::new();
-                let mut remote = Vec::new();
-                for op in &batch.ops {
-                    let l = st.regions.get(&op.local_region.0).ok_or(
-                        TransportError::UnknownRegion {
-                            side: Side::Local,
-                            region: op.local_region,
-                            transport: NAME,
-                        },
-                    )?;
-                    let lseg = Segment::of(&l.region);
-                    checked_range(op.local_offset, op.len, lseg.len).map_err(|e| {
-                        TransportError::OutOfBounds {
-                            side: Side::Local,
-                            region: op.local_region,
-                            offset: e.offset,
-                            len: e.len,
-                            region_len: e.region_len,
-                        }
-                    })?;
-                    let r = p.regions.get(&op.remote_region.0).ok_or(
-                        TransportError::UnknownRegion {
-                            side: Side::Remote,
-                            region: op.remote_region,
-                            transport: NAME,
-                        },
-                    )?;
-                    let end = op.remote_offset.checked_add(op.len);
-                    if end.is_none_or(|e| e > r.len) {
-                        return Err(TransportError::OutOfBounds {
-                            side: Side::Remote,
-                            region: op.remote_region,
-                            offset: op.remote_offset,
-                            len: op.len,
-                            region_len: r.len,
-                        });
-                    }
-                    if op.len == 0 {
-                        continue;
-                    }
-                    local.push((
-                        lseg.addr + op.local_offset as usize,
-                        op.len as usize,
-                        lseg.device,
-                    ));
-                    remote.push((
-                        (r.addr + op.remote_offset) as usize,
-                        op.len as usize,
-                        r.device,
-                        op.remote_region.0,
-                    ));
+                if op.len == 0 {
+                    continue;
                 }
-                (p.name.clone(), local, remote)
-            };
+                local.push((
+                    lseg.addr + op.local_offset as usize,
+                    op.len as usize,
+                    lseg.device,
+                ));
+                remote.push((
+                    (r.addr + op.remote_offset) as usize,
+                    op.len as usize,
+                    r.device,
+                    op.remote_region.0,
+                ));
+            }
+            // One NIXL descriptor list holds one memory type per side.
+            let mixed = |kinds: Vec<bool>| kinds.windows(2).any(|w| w[0] != w[1]);
+            if mixed(local.iter().map(|l| l.2.is_some()).collect())
+                || mixed(remote.iter().map(|r| r.2.is_some()).collect())
+            {
+                return Err(TransportError::InvalidArgument {
+                    transport: NAME,
+                    message: "a batch mixes host and device memory on one side; NIXL moves one \
+                                  memory type per side in a transfer: post them as separate batches"
+                        .to_owned(),
+                });
+            }
+            (p.name.clone(), local, remote)
+        };
         let now = Instant::now();
         let id = inner.batches.insert(peer, batch.timeout, now)?;
         if local.is_empty() {
@@ -911,11 +924,17 @@ impl KvTransport for NixlTransport {
         if let Err(e) = inner.agent.post_xfer_req(&req, None) {
             drop(st);
             inner.batches.forget(id);
-            return Err(call_err(
-                "postXferReq",
-                e,
-                "the peer's connection is gone; check the peer and reconnect",
-            ));
+            // NIXL refuses to post to an agent whose connection broke (the peer died).
+            let reason = format!(
+                "NIXL postXferReq failed with status {e:?}: the peer process died or its UCX \
+                 connection broke"
+            );
+            inner.peer_lost(peer, reason.clone());
+            return Err(TransportError::PeerLost {
+                peer,
+                transport: NAME,
+                reason,
+            });
         }
         st.inflight.insert(
             id,

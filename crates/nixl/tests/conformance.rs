@@ -57,3 +57,30 @@ mod conformance {
         kvbridge_transport::__conformance_cases!(emit_boxed);
     }
 }
+
+/// Runs the whole suite again in a child test process with `UCX_TLS=tcp`, so every case also
+/// passes over UCX's TCP lane.
+#[test]
+fn whole_suite_over_ucx_tcp() {
+    const LANES_ENV: &str = "KVBRIDGE_NIXL_LANES";
+    if std::env::var_os(LANES_ENV).is_some() {
+        return;
+    }
+    if let Err(e) = Runtime::locate() {
+        eprintln!("skipped: {e}");
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--test-threads=2", "conformance::"])
+        .env("UCX_TLS", "tcp")
+        .env(LANES_ENV, "tcp")
+        .output()
+        .expect("re-run the suite");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let want = format!("{} passed", 2 * kvbridge_transport::testing::CASES.len());
+    assert!(
+        out.status.success() && text.contains(&want),
+        "the conformance suite failed with UCX_TLS=tcp (wanted {want}):\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
