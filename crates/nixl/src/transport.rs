@@ -811,6 +811,8 @@ impl KvTransport for NixlTransport {
                 remedy: "post writes from the side that holds the data",
             });
         }
+        // Each row is one NIXL descriptor: strided ops expand into the descriptor lists.
+        let batch = batch.expand_rows(NAME, inner.caps.max_ops_per_batch)?;
         // Bounds before bytes: every descriptor checked before anything is posted.
         let (name, local, remote) = {
             let st = lock(&inner.state);
