@@ -9,7 +9,8 @@
 //! region receives no byte once `deregister` returned.
 //!
 //! One background thread per transport drives NIXL: it polls the transfers in flight and the
-//! notifications, backing off from 20 µs to 2 ms while nothing happens (no busy spin).
+//! notifications, sleeping 10 to 50 µs between polls while transfers are in flight and backing
+//! off to 1 ms when idle (no busy spin); `post` wakes it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -35,8 +36,12 @@ use crate::ffi::{self, Segment};
 use crate::runtime::Runtime;
 use crate::{NAME, NixlError, NixlOptions};
 
-const POLL_MIN: Duration = Duration::from_micros(20);
-const POLL_MAX: Duration = Duration::from_millis(2);
+/// The polling thread's back-off: from `POLL_MIN` up to `POLL_BUSY_MAX` while transfers are
+/// in flight (each poll also drives UCX's progress on this side), up to `POLL_IDLE_MAX` when
+/// nothing is; `post` wakes it at once.
+const POLL_MIN: Duration = Duration::from_micros(10);
+const POLL_BUSY_MAX: Duration = Duration::from_micros(50);
+const POLL_IDLE_MAX: Duration = Duration::from_millis(1);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every critical section leaves its state consistent, so a poisoned lock is usable.
@@ -78,6 +83,8 @@ struct InPeer {
 struct Inflight {
     req: XferRequest,
     peer: PeerId,
+    /// Local regions it reads: kept registered until it ends.
+    local_regions: Vec<u64>,
     remote_regions: Vec<u64>,
 }
 
@@ -87,6 +94,38 @@ struct DeferredAck {
     to: String,
     seq: u64,
     waiting_on: Vec<BatchId>,
+}
+
+impl Drop for State {
+    fn drop(&mut self) {
+        // A transport dropped with transfers still in flight: releasing their requests or
+        // deregistering the memory they read is not safe while NIXL may still use them, so
+        // those are leaked instead (only in that case).
+        if !self.inflight.is_empty() || !self.zombies.is_empty() {
+            std::mem::forget(std::mem::take(&mut self.inflight));
+            std::mem::forget(std::mem::take(&mut self.zombies));
+            std::mem::forget(std::mem::take(&mut self.retired));
+            std::mem::forget(std::mem::take(&mut self.regions));
+        }
+    }
+}
+
+impl State {
+    /// Local regions a transfer in flight (or a zombie) reads.
+    fn sources_in_use(&self) -> HashSet<u64> {
+        self.inflight
+            .values()
+            .chain(&self.zombies)
+            .flat_map(|f| f.local_regions.iter().copied())
+            .collect()
+    }
+
+    /// Deregisters `local` from NIXL now, or once no transfer reads it any more.
+    fn retire(&mut self, id: u64, local: LocalRegion) {
+        if self.sources_in_use().contains(&id) {
+            self.retired.push((id, local));
+        }
+    }
 }
 
 #[derive(Default)]
@@ -100,7 +139,11 @@ struct State {
     inflight: HashMap<BatchId, Inflight>,
     /// Requests of fenced or failed batches NIXL still reports in progress: kept (releasing a
     /// request in progress is not safe) and polled until NIXL lets go of them.
-    zombies: Vec<XferRequest>,
+    zombies: Vec<Inflight>,
+    /// Local regions deregistered (or left at shutdown) while a transfer still read them:
+    /// deregistered from NIXL once no transfer in flight or zombie names them (UCX must not
+    /// lose the registration of memory it is still sending from).
+    retired: Vec<(u64, LocalRegion)>,
     deferred: Vec<DeferredAck>,
     /// Batches whose deadline passed while NIXL still had them: their peer is cut off.
     fenced: Vec<BatchId>,
@@ -121,6 +164,8 @@ pub(crate) struct Inner {
     acks: Mutex<HashMap<u64, oneshot::Sender<()>>>,
     notify_tx: Mutex<Option<mpsc::UnboundedSender<Notification>>>,
     notify_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<Notification>>,
+    /// The polling thread, unparked by `post`.
+    poller: std::sync::OnceLock<std::thread::Thread>,
 }
 
 /// A [`KvTransport`] on a NIXL agent with the UCX backend (feature `nixl`).
@@ -218,6 +263,7 @@ impl NixlTransport {
             acks: Mutex::new(HashMap::new()),
             notify_tx: Mutex::new(Some(tx)),
             notify_rx: tokio::sync::Mutex::new(rx),
+            poller: std::sync::OnceLock::new(),
         });
         let weak = Arc::downgrade(&inner);
         let poller = std::thread::Builder::new()
@@ -228,6 +274,7 @@ impl NixlTransport {
                 context: "starting the NIXL polling thread".to_owned(),
                 source: e,
             })?;
+        let _ = inner.poller.set(poller.thread().clone());
         Ok(Self {
             inner,
             poller: Some(poller),
@@ -368,14 +415,6 @@ impl Inner {
 
     // ---- the polling thread's work ----------------------------------------------------------
 
-    /// One round: transfers, fences, deferred acks, notifications. Returns whether anything
-    /// happened.
-    fn poll_once(&self) -> bool {
-        let mut busy = self.poll_transfers();
-        busy |= self.poll_notifications();
-        busy
-    }
-
     fn poll_transfers(&self) -> bool {
         let mut st = lock(&self.state);
         let now = Instant::now();
@@ -386,7 +425,7 @@ impl Inner {
         for id in fenced {
             if let Some(f) = st.inflight.remove(&id) {
                 cut.push(f.peer);
-                st.zombies.push(f.req);
+                st.zombies.push(f);
                 busy = true;
             }
         }
@@ -424,8 +463,16 @@ impl Inner {
                 }
             }
         }
-        st.zombies
-            .retain(|req| matches!(self.agent.get_xfer_status(req), Ok(XferStatus::InProgress)));
+        st.zombies.retain(|f| {
+            matches!(
+                self.agent.get_xfer_status(&f.req),
+                Ok(XferStatus::InProgress)
+            )
+        });
+        if !st.retired.is_empty() {
+            let used = st.sources_in_use();
+            st.retired.retain(|(id, _)| used.contains(id));
+        }
         // Acks deferred until the batches into removed regions ended.
         let inflight: HashSet<BatchId> = st.inflight.keys().copied().collect();
         let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut st.deferred)
@@ -603,23 +650,39 @@ impl Inner {
 
 fn poll_loop(weak: Weak<Inner>) {
     let mut backoff = POLL_MIN;
+    let mut last_notifications = Instant::now();
     loop {
         let Some(inner) = weak.upgrade() else { return };
-        let busy = inner.poll_once();
-        let done = inner.finished.load(Ordering::SeqCst) && {
+        let in_flight = !lock(&inner.state).inflight.is_empty();
+        // While bytes are in flight and the options allow it, every turn polls the transfers
+        // (which drives UCX's progress on this side) and yields the CPU instead of sleeping;
+        // notifications are still polled at the busy back-off's pace.
+        let spin = in_flight && inner.options.poll_in_flight;
+        let mut busy = inner.poll_transfers();
+        if !spin || last_notifications.elapsed() >= POLL_BUSY_MAX {
+            busy |= inner.poll_notifications();
+            last_notifications = Instant::now();
+        }
+        let (idle, done) = {
             let st = lock(&inner.state);
-            st.inflight.is_empty() && st.zombies.is_empty()
+            let idle = st.inflight.is_empty() && st.zombies.is_empty();
+            (idle, idle && inner.finished.load(Ordering::SeqCst))
         };
         drop(inner);
         if done {
             return;
         }
+        if spin {
+            std::thread::yield_now();
+            continue;
+        }
+        let max = if idle { POLL_IDLE_MAX } else { POLL_BUSY_MAX };
         backoff = if busy {
             POLL_MIN
         } else {
-            (backoff * 2).min(POLL_MAX)
+            (backoff * 2).min(max)
         };
-        std::thread::sleep(backoff);
+        std::thread::park_timeout(backoff);
     }
 }
 
@@ -699,7 +762,7 @@ impl KvTransport for NixlTransport {
         // Senders drop the region from their tables and acknowledge once their batches into
         // it have ended; only then is it deregistered from NIXL.
         inner.publish(None).await;
-        drop(local);
+        lock(&inner.state).retire(region.0, local);
         Ok(())
     }
 
@@ -873,6 +936,7 @@ impl KvTransport for NixlTransport {
                     lseg.addr + op.local_offset as usize,
                     op.len as usize,
                     lseg.device,
+                    op.local_region.0,
                 ));
                 remote.push((
                     (r.addr + op.remote_offset) as usize,
@@ -915,12 +979,13 @@ impl KvTransport for NixlTransport {
                 return Err(e);
             }
         };
-        let remote_regions: Vec<u64> = {
-            let mut v: Vec<u64> = remote.iter().map(|r| r.3).collect();
+        let ids = |mut v: Vec<u64>| {
             v.sort_unstable();
             v.dedup();
             v
         };
+        let remote_regions = ids(remote.iter().map(|r| r.3).collect());
+        let local_regions = ids(local.iter().map(|l| l.3).collect());
         // Posted under the region lock so a deregistration's deferred ack sees the batch.
         let mut st = lock(&inner.state);
         if let Err(e) = inner.agent.post_xfer_req(&req, None) {
@@ -943,6 +1008,7 @@ impl KvTransport for NixlTransport {
             Inflight {
                 req,
                 peer,
+                local_regions,
                 remote_regions,
             },
         );
@@ -954,6 +1020,9 @@ impl KvTransport for NixlTransport {
             }
         });
         inner.batches.step(id, now, || Step::Commit(fence));
+        if let Some(poller) = inner.poller.get() {
+            poller.unpark();
+        }
         Ok(id)
     }
 
@@ -1024,13 +1093,25 @@ impl KvTransport for NixlTransport {
         // are deregistered; then every peer hears that this agent is gone.
         let regions = std::mem::take(&mut lock(&inner.state).regions);
         inner.publish(None).await;
-        drop(regions);
+        {
+            let mut st = lock(&inner.state);
+            for (id, local) in regions {
+                st.retire(id, local);
+            }
+        }
         let names: Vec<String> = {
             let st = lock(&inner.state);
+            // Peers already gone are not told (NIXL could only fail to reach them).
             st.out
                 .values()
+                .filter(|p| p.lost.is_none())
                 .map(|p| p.name.clone())
-                .chain(st.inbound.keys().cloned())
+                .chain(
+                    st.inbound
+                        .iter()
+                        .filter(|(_, p)| !p.silent)
+                        .map(|(n, _)| n.clone()),
+                )
                 .collect::<HashSet<_>>()
                 .into_iter()
                 .collect()
@@ -1065,7 +1146,7 @@ fn partial_metadata(inner: &Inner, seg: Segment) -> Result<Option<Vec<u8>>> {
     Ok(inner.agent.get_local_partial_md(&descs, None).ok())
 }
 
-type LocalDesc = (usize, usize, Option<u32>);
+type LocalDesc = (usize, usize, Option<u32>, u64);
 type RemoteDesc = (usize, usize, Option<u32>, u64);
 
 fn make_request(
@@ -1084,7 +1165,7 @@ fn make_request(
     };
     let mem = |d: Option<u32>| Segment::mem_type(d);
     let mut l = XferDescList::new(mem(local[0].2)).map_err(unusable)?;
-    for &(addr, len, dev) in local {
+    for &(addr, len, dev, _) in local {
         l.add_desc(addr, len, u64::from(dev.unwrap_or(0)));
     }
     let mut r = XferDescList::new(mem(remote[0].2)).map_err(unusable)?;
