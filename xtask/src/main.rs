@@ -198,8 +198,21 @@ fn bench(name: Option<&str>) -> Result<(), String> {
             "bench",
             "--e2e",
         ]),
+        // Needs `cargo xtask nixl-setup` first.
+        Some("nixl") => cargo(&[
+            "run",
+            "--release",
+            "-p",
+            "kvbridge-cli",
+            "--features",
+            "nixl",
+            "--",
+            "bench",
+            "--transport",
+            "nixl",
+        ]),
         Some(other) => Err(format!(
-            "unknown bench `{other}`; choose one of: planner, shm, tcp, e2e"
+            "unknown bench `{other}`; choose one of: planner, shm, tcp, e2e, nixl"
         )),
     }
 }
@@ -444,7 +457,7 @@ fn main() -> ExitCode {
         Some("stress") => parse_stress(&args[1..]).and_then(stress),
         Some("nixl-setup") => nixl_setup::nixl_setup(args.get(1).map(String::as_str)),
         _ => Err(
-            "usage: cargo xtask <ci|fmt|clippy|test|deny|msrv|miri|bench [planner|shm|tcp|e2e]|stress \
+            "usage: cargo xtask <ci|fmt|clippy|test|deny|msrv|miri|bench [planner|shm|tcp|e2e|nixl]|stress \
              [--iterations N] [--time-limit SECS] [--burners K]|nixl-setup [DIR]>"
                 .to_owned(),
         ),

@@ -111,6 +111,22 @@ impl Drop for State {
 }
 
 impl State {
+    /// An outbound peer that is known and not lost.
+    fn usable(&self, peer: PeerId) -> Result<&OutPeer> {
+        let p = self.out.get(&peer.0).ok_or(TransportError::UnknownPeer {
+            peer,
+            transport: NAME,
+        })?;
+        match &p.lost {
+            Some(reason) => Err(TransportError::PeerLost {
+                peer,
+                transport: NAME,
+                reason: reason.clone(),
+            }),
+            None => Ok(p),
+        }
+    }
+
     /// Local regions a transfer in flight (or a zombie) reads.
     fn sources_in_use(&self) -> HashSet<u64> {
         self.inflight
@@ -161,7 +177,8 @@ pub(crate) struct Inner {
     closed: AtomicBool,
     /// Set once `shutdown` has told every peer: the poller may stop when nothing is in flight.
     finished: AtomicBool,
-    acks: Mutex<HashMap<u64, oneshot::Sender<()>>>,
+    /// Waiters for acks, by sequence number, with the agent that should answer.
+    acks: Mutex<HashMap<u64, (String, oneshot::Sender<()>)>>,
     notify_tx: Mutex<Option<mpsc::UnboundedSender<Notification>>>,
     notify_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<Notification>>,
     /// The polling thread, unparked by `post`.
@@ -359,7 +376,7 @@ impl Inner {
     async fn request(&self, to: &str, make: impl FnOnce(u64) -> Control, within: Duration) -> bool {
         let seq = self.id();
         let (tx, rx) = oneshot::channel();
-        lock(&self.acks).insert(seq, tx);
+        lock(&self.acks).insert(seq, (to.to_owned(), tx));
         let sent = self.send(to, &make(seq)).is_ok();
         let ok = sent && matches!(tokio::time::timeout(within, rx).await, Ok(Ok(())));
         lock(&self.acks).remove(&seq);
@@ -586,7 +603,7 @@ impl Inner {
                 let _ = self.send(from, &Control::Ack { seq });
             }
             Control::Ack { seq } => {
-                if let Some(tx) = lock(&self.acks).remove(&seq) {
+                if let Some((_, tx)) = lock(&self.acks).remove(&seq) {
                     let _ = tx.send(());
                 }
             }
@@ -629,6 +646,8 @@ impl Inner {
                 });
             }
             Control::Bye => {
+                // Whoever waits for an answer from it stops waiting.
+                lock(&self.acks).retain(|_, (to, _)| to != from);
                 let peers: Vec<PeerId> = {
                     let mut st = lock(&self.state);
                     if let Some(p) = st.inbound.get_mut(from) {
@@ -879,17 +898,7 @@ impl KvTransport for NixlTransport {
         // Bounds before bytes: every descriptor checked before anything is posted.
         let (name, local, remote) = {
             let st = lock(&inner.state);
-            let p = st.out.get(&peer.0).ok_or(TransportError::UnknownPeer {
-                peer,
-                transport: NAME,
-            })?;
-            if let Some(reason) = &p.lost {
-                return Err(TransportError::PeerLost {
-                    peer,
-                    transport: NAME,
-                    reason: reason.clone(),
-                });
-            }
+            let p = st.usable(peer)?;
             let mut local = Vec::new();
             let mut remote = Vec::new();
             for op in &batch.ops {
@@ -1057,17 +1066,7 @@ impl KvTransport for NixlTransport {
         inner.check_open()?;
         let name = {
             let st = lock(&inner.state);
-            let p = st.out.get(&peer.0).ok_or(TransportError::UnknownPeer {
-                peer,
-                transport: NAME,
-            })?;
-            if let Some(reason) = &p.lost {
-                return Err(TransportError::PeerLost {
-                    peer,
-                    transport: NAME,
-                    reason: reason.clone(),
-                });
-            }
+            let p = st.usable(peer)?;
             p.name.clone()
         };
         if inner

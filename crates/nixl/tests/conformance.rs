@@ -6,14 +6,15 @@
 //! (`cargo xtask nixl-setup`); `.ci/run` sets it up, so CI runs them all.
 #![cfg(feature = "nixl")]
 
+mod common;
+
 use std::sync::Arc;
 
-use kvbridge_nixl::{NixlOptions, NixlTransport, Runtime};
+use kvbridge_nixl::{NixlOptions, NixlTransport};
 use kvbridge_transport::testing::TransportPair;
 
 async fn nixl_pair() -> Option<TransportPair> {
-    if let Err(e) = Runtime::locate() {
-        eprintln!("skipped: {e}");
+    if !common::runtime_ready() {
         return None;
     }
     // The suite has no way to allocate device memory here, so device memory stays off even on
@@ -66,8 +67,7 @@ fn whole_suite_over_ucx_tcp() {
     if std::env::var_os(LANES_ENV).is_some() {
         return;
     }
-    if let Err(e) = Runtime::locate() {
-        eprintln!("skipped: {e}");
+    if !common::runtime_ready() {
         return;
     }
     let out = std::process::Command::new(std::env::current_exe().unwrap())

@@ -2,19 +2,12 @@
 //! `BadDescriptor`, never a crash, and the transport keeps working afterwards.
 #![cfg(feature = "nixl")]
 
-use kvbridge_nixl::descriptor::Descriptor;
-use kvbridge_nixl::{NixlTransport, Runtime};
-use kvbridge_transport::{KvTransport, KvTransportExt, TransportError};
+mod common;
 
-fn runtime_ready() -> bool {
-    match Runtime::locate() {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("skipped: {e}");
-            false
-        }
-    }
-}
+use common::runtime_ready;
+use kvbridge_nixl::NixlTransport;
+use kvbridge_nixl::descriptor::Descriptor;
+use kvbridge_transport::{KvTransport, KvTransportExt, TransportError};
 
 async fn refused(t: &NixlTransport, bytes: &[u8], what: &str) -> String {
     match t.connect(bytes).await {

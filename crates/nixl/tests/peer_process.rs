@@ -7,13 +7,16 @@
 //! printed, when the NIXL runtime is not set up (`cargo xtask nixl-setup`).
 #![cfg(feature = "nixl")]
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvbridge_nixl::{NixlTransport, Runtime};
+use common::runtime_ready;
+use kvbridge_nixl::NixlTransport;
 use kvbridge_transport::{
     KvTransport, KvTransportExt, PeerId, RegionId, TransferBatch, TransferOp, TransportError,
 };
@@ -39,16 +42,6 @@ fn unhex(s: &str) -> Vec<u8> {
         .step_by(2)
         .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
         .collect()
-}
-
-fn runtime_ready() -> bool {
-    match Runtime::locate() {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("skipped: {e}");
-            false
-        }
-    }
 }
 
 /// Not a test of its own: the entry point of the peer processes the tests below start. Without
