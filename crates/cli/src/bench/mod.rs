@@ -26,6 +26,7 @@ use kvbridge_transport::{
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 mod e2e;
+mod nixl;
 mod shm;
 mod tcp;
 
@@ -58,6 +59,8 @@ pub(crate) enum TransportKind {
     Shm,
     /// TCP (kvbridge-tcp).
     Tcp,
+    /// NIXL's UCX backend (kvbridge-nixl; build with `--features nixl`).
+    Nixl,
 }
 
 impl TransportKind {
@@ -65,6 +68,7 @@ impl TransportKind {
         match self {
             TransportKind::Shm => "shm",
             TransportKind::Tcp => "tcp",
+            TransportKind::Nixl => "nixl",
         }
     }
 }
@@ -74,6 +78,7 @@ fn factory(kind: TransportKind) -> Result<Factory, String> {
     match kind {
         TransportKind::Shm => Ok(shm::factory),
         TransportKind::Tcp => Ok(tcp::factory),
+        TransportKind::Nixl => Ok(nixl::factory),
     }
 }
 
@@ -734,11 +739,18 @@ async fn measure_with(
             Some(RawBaseline::Wake(shm::RawWakeBaseline::start()?))
         }
         (TransportKind::Shm, _) => None,
+        // NIXL against the same descriptors posted through nixl-sys directly (`bench/nixl.rs`).
+        (TransportKind::Nixl, _) => Some(RawBaseline::Nixl(nixl::DirectBaseline::start(
+            &src,
+            &descriptor,
+            remote,
+        )?)),
     };
     let baseline_run = || -> Result<f64, String> {
         match &raw {
             Some(RawBaseline::Tcp(raw)) => return raw.run(&src),
             Some(RawBaseline::Wake(raw)) => return raw.run(&src, &baseline_dst, pool),
+            Some(RawBaseline::Nixl(raw)) => return raw.run(&ops),
             None => {}
         }
         let start = Instant::now();
@@ -894,6 +906,7 @@ async fn latency(
 enum RawBaseline {
     Tcp(tcp::RawTcpBaseline),
     Wake(shm::RawWakeBaseline),
+    Nixl(nixl::DirectBaseline),
 }
 
 impl RawBaseline {
@@ -901,6 +914,7 @@ impl RawBaseline {
         match self {
             RawBaseline::Tcp(_) => tcp::BASELINE,
             RawBaseline::Wake(_) => shm::WAKE_BASELINE,
+            RawBaseline::Nixl(_) => nixl::BASELINE,
         }
     }
 }
@@ -910,6 +924,7 @@ fn baseline_label(description: &str) -> &'static str {
     match description {
         tcp::BASELINE => "raw TCP ping-pong",
         shm::WAKE_BASELINE => "memcpy + raw wake-up round trip",
+        nixl::BASELINE => "direct nixl-sys",
         _ => "memcpy",
     }
 }
