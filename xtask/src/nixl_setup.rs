@@ -46,7 +46,7 @@ fn run(cmd: &mut Command) -> Result<(), String> {
 }
 
 /// Whether a `libclang` shared library is where bindgen (clang-sys) looks for it.
-fn has_libclang() -> bool {
+pub(crate) fn has_libclang() -> bool {
     if let Ok(dir) = std::env::var("LIBCLANG_PATH") {
         if fs::read_dir(&dir).is_ok_and(|d| {
             d.flatten()

@@ -54,6 +54,46 @@ fn normal_dependencies(manifest: &str) -> BTreeSet<String> {
     deps
 }
 
+/// The `[features]` of a manifest, but `default`.
+fn features(manifest: &str) -> BTreeSet<String> {
+    let mut in_features = false;
+    let mut names = BTreeSet::new();
+    for line in manifest.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            in_features = line == "[features]";
+            continue;
+        }
+        if in_features && !line.is_empty() && !line.starts_with('#') {
+            let name = line.split(['=', ' ']).next().unwrap().trim();
+            if name != "default" && !name.is_empty() {
+                names.insert(name.to_owned());
+            }
+        }
+    }
+    names
+}
+
+#[test]
+fn the_feature_list_without_nixl_names_every_other_feature() {
+    let listed: BTreeSet<String> = crate::FEATURES_WITHOUT_NIXL
+        .split(',')
+        .map(str::to_owned)
+        .collect();
+    let mut all = BTreeSet::new();
+    for (dir, name) in crates() {
+        for feature in features(&read(&dir.join("Cargo.toml"))) {
+            if feature != "nixl" {
+                all.insert(format!("{name}/{feature}"));
+            }
+        }
+    }
+    assert_eq!(
+        listed, all,
+        "xtask's FEATURES_WITHOUT_NIXL must list every feature but `nixl` (package/feature)"
+    );
+}
+
 #[test]
 fn every_crate_has_a_codemap_section() {
     let arch = read(&root().join("docs/ARCHITECTURE.md"));
