@@ -16,8 +16,9 @@
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU32;
 
-use kvbridge_transport::{ForeignMemory, MemoryRegion};
+use kvbridge_transport::{Access, ForeignMemory, MemoryRegion, TransportError};
 use memmap2::{Advice, MmapOptions, MmapRaw};
 use rustix::fs::{FallocateFlags, FileType, MemfdFlags, SealFlags};
 
@@ -170,6 +171,41 @@ pub(crate) fn map_remote(region: u64, fd: OwnedFd, len: u64) -> Result<MemoryReg
     wrap(Arc::new(SharedMapping { map, fd }))
 }
 
+/// Runs `f` with `region[offset..offset + 4 * count]` claimed exclusively and seen as `count`
+/// atomic 32-bit words: how the doorbell ring (`crate::doorbell`) reads and writes memory that
+/// another process writes at the same time. Refused (as a range error) when the range is out of
+/// bounds or not 4-byte aligned.
+pub(crate) fn with_atomic_words<R>(
+    region: &MemoryRegion,
+    offset: u64,
+    count: usize,
+    f: impl FnOnce(&[AtomicU32]) -> R,
+) -> kvbridge_transport::Result<R> {
+    let len = (count as u64).saturating_mul(4);
+    region.with_raw_range(offset, len, Access::Write, |ptr, n| {
+        if ptr.align_offset(std::mem::align_of::<AtomicU32>()) != 0 || n != count * 4 {
+            return Err(TransportError::InvalidArgument {
+                transport: crate::NAME,
+                message: format!(
+                    "a doorbell ring at offset {offset} is not 4-byte aligned; rings start at the \
+                     page-aligned base of their mapping"
+                ),
+            });
+        }
+        // SAFETY: `with_raw_range` hands out `n = 4 * count` valid bytes at `ptr`, claimed
+        // exclusively for as long as this closure runs, so nothing else in this process touches
+        // them; `ptr` is aligned for `AtomicU32` (checked above), which has the size and
+        // alignment of `u32`. Every access this process makes to the words goes through these
+        // atomics (interior mutability, so the shared slice may be written through), and the
+        // slice does not outlive the closure. Other processes writing the same bytes (the peer of
+        // a shared mapping, whatever it writes) are the shared-memory case the region's contract
+        // allows: each word this process loads is some `u32`, and every value is checked before
+        // use.
+        let words = unsafe { std::slice::from_raw_parts(ptr.cast::<AtomicU32>(), count) };
+        Ok(f(words))
+    })?
+}
+
 /// Pieces at least this long are written with non-temporal (streaming) stores on x86-64.
 pub(crate) const STREAM_MIN: u64 = 64 << 10;
 
@@ -249,7 +285,7 @@ unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvbridge_transport::{Access, Operand, TransportError};
+    use kvbridge_transport::Operand;
 
     #[test]
     fn allocated_regions_are_sealed_shared_and_recognised() {

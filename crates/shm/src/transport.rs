@@ -1,7 +1,7 @@
 //! [`ShmTransport`]: connections, batches, the copy worker and the `KvTransport` impl.
 
 use std::collections::{HashMap, HashSet};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
@@ -21,6 +21,7 @@ use tokio::time::Instant;
 
 use crate::descriptor::Descriptor;
 use crate::dir::{PrivateDir, default_base, random_bytes, sweep_stale};
+use crate::doorbell::{self, Consumer, Producer};
 use crate::map::{self, SharedMapping};
 use crate::proto::{self, Frame, RegionStatus};
 use crate::wire::{ReadError, Wire, WireReader};
@@ -92,14 +93,17 @@ struct Conn {
     copy_lock: RwLock<()>,
     task: Mutex<Option<AbortHandle>>,
     next_req: AtomicU64,
+    /// Outbound: the peer's doorbell ring, which carries short notifications.
+    bell: Option<Producer>,
 }
 
 impl Conn {
-    fn new(id: PeerId, outbound: bool, wire: Wire) -> Self {
+    fn new(id: PeerId, outbound: bool, wire: Wire, bell: Option<Producer>) -> Self {
         Self {
             id,
             outbound,
             wire,
+            bell,
             lost: AtomicBool::new(false),
             lost_reason: Mutex::new(None),
             remote: Mutex::new(HashMap::new()),
@@ -112,6 +116,15 @@ impl Conn {
             copy_lock: RwLock::new(()),
             task: Mutex::new(None),
             next_req: AtomicU64::new(1),
+        }
+    }
+
+    /// Publishes a copied batch's notification through the doorbell ring; `Ok(false)` when it
+    /// must go over the socket instead (too long for a slot, the ring full, or no ring).
+    fn ring(&self, payload: &[u8]) -> Result<bool> {
+        match &self.bell {
+            Some(bell) => bell.push(payload),
+            None => Ok(false),
         }
     }
 
@@ -289,6 +302,11 @@ fn copy_job(job: Job) -> Option<impl Future<Output = ()> + Send + 'static> {
             Ok(()) if next < ops.len() => Step::Continue,
             Ok(()) => match notification.take() {
                 None => Step::Finish(Outcome::Done),
+                // Published in this step, so it is fenced like the copies: once cancel or the
+                // deadline reports, it has either been rung or never will be.
+                Some(payload) if matches!(conn.ring(&payload), Ok(true)) => {
+                    Step::Finish(Outcome::Done)
+                }
                 // The notification write cannot be recalled once started: if it outlives the
                 // deadline by the grace, closing the connection keeps it from arriving.
                 Some(payload) => {
@@ -398,6 +416,53 @@ async fn commit(
         Err(_) => Outcome::TimedOut,
     };
     batches.finish(id, outcome, now());
+}
+
+/// How long the doorbell reader sleeps at most before it checks whether its connection is
+/// still open.
+const BELL_CHECK: Duration = Duration::from_millis(100);
+
+/// Reads an inbound connection's doorbell ring on a thread of its own and delivers each
+/// notification straight to `recv_notification`'s queue, until the connection is lost. A ring
+/// the peer broke drops the connection with the reason.
+fn doorbell_reader(
+    inner: std::sync::Weak<Inner>,
+    conn: Arc<Conn>,
+    mut ring: Consumer,
+    notifications: mpsc::Sender<Notification>,
+) {
+    while !conn.lost.load(Ordering::Acquire) {
+        let payload = match ring.next(BELL_CHECK) {
+            Ok(Some(payload)) => payload,
+            Ok(None) => continue,
+            Err(reason) => {
+                let reason = format!("the peer broke its doorbell ring: {reason}");
+                tracing::warn!(peer = %conn.id, "shm: {reason}");
+                if let Some(inner) = inner.upgrade() {
+                    inner.lose(&conn, reason);
+                }
+                return;
+            }
+        };
+        let mut n = Notification {
+            from: conn.id,
+            payload,
+        };
+        // A full queue waits for `recv_notification`, as the socket reader does.
+        loop {
+            match notifications.try_send(n) {
+                Ok(()) => break,
+                Err(mpsc::error::TrySendError::Closed(_)) => return,
+                Err(mpsc::error::TrySendError::Full(back)) => {
+                    if conn.lost.load(Ordering::Acquire) {
+                        return;
+                    }
+                    n = back;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+    }
 }
 
 struct Inner {
@@ -633,25 +698,50 @@ impl Inner {
             let _ = wire.send(&Frame::Reject { reason }, None).await;
             return;
         }
-        if wire
-            .send(
-                &Frame::Welcome {
-                    version: proto::VERSION,
-                },
-                None,
-            )
-            .await
-            .is_err()
-        {
+        let ring = match map::allocate(doorbell::RING_BYTES) {
+            Ok(ring) => ring,
+            Err(e) => {
+                let reason = format!("could not allocate the connection's doorbell ring: {e}");
+                tracing::warn!(uid, pid, "shm: {reason}");
+                let _ = wire.send(&Frame::Reject { reason }, None).await;
+                return;
+            }
+        };
+        let (Some(ring_fd), Ok(consumer)) = (doorbell::ring_fd(&ring), Consumer::new(ring, 0))
+        else {
+            return;
+        };
+        let welcome = Frame::Welcome {
+            version: proto::VERSION,
+            ring: doorbell::RING_BYTES as u64,
+        };
+        if wire.send(&welcome, Some(ring_fd.as_fd())).await.is_err() {
             return;
         }
-        let conn = Arc::new(Conn::new(PeerId(self.next_id()), false, wire));
+        drop(ring_fd);
+        let conn = Arc::new(Conn::new(PeerId(self.next_id()), false, wire, None));
         {
             let mut conns = lock(&self.conns);
             if self.closed.load(Ordering::Acquire) {
                 return;
             }
             conns.insert(conn.id, Arc::clone(&conn));
+        }
+        let bell = (
+            Arc::downgrade(&self),
+            Arc::clone(&conn),
+            self.notif_tx.clone(),
+        );
+        let started = std::thread::Builder::new()
+            .name("kvbridge-shm-bell".into())
+            .spawn(move || doorbell_reader(bell.0, bell.1, consumer, bell.2));
+        if let Err(e) = started {
+            self.lose(
+                &conn,
+                format!("could not start the doorbell reader thread: {e}"),
+            );
+            lock(&self.conns).remove(&conn.id);
+            return;
         }
         tracing::debug!(peer = %conn.id, uid, pid, "shm: accepted a peer");
         let reason = self.inbound_frames(&conn, &mut reader).await;
@@ -1153,8 +1243,24 @@ impl KvTransport for ShmTransport {
             reader.next(&wire).await
         };
         let peer = PeerId(inner.next_id());
-        match tokio::time::timeout(hs, handshake).await {
-            Ok(Ok(Some((Frame::Welcome { .. }, _)))) => {}
+        let ring = match tokio::time::timeout(hs, handshake).await {
+            Ok(Ok(Some((Frame::Welcome { ring, .. }, Some(fd))))) => {
+                tokio::task::spawn_blocking(move || map::map_remote(0, fd, ring))
+                    .await
+                    .unwrap_or_else(|e| {
+                        Err(ShmError::Map {
+                            what: "mapping the peer's doorbell ring".into(),
+                            source: std::io::Error::other(e.to_string()),
+                        })
+                    })?
+            }
+            Ok(Ok(Some((Frame::Welcome { .. }, None)))) => {
+                return Err(TransportError::Protocol {
+                    peer,
+                    transport: NAME,
+                    message: "the peer's Welcome came without a doorbell ring".into(),
+                });
+            }
             Ok(Ok(Some((Frame::Reject { reason }, _)))) => {
                 return Err(ShmError::RefusedByPeer { reason }.into());
             }
@@ -1186,8 +1292,13 @@ impl KvTransport for ShmTransport {
                     reason: format!("no answer to the opening exchange within {hs:?}"),
                 });
             }
-        }
-        let conn = Arc::new(Conn::new(peer, true, wire));
+        };
+        let bell = Producer::new(ring, 0).map_err(|message| TransportError::Protocol {
+            peer,
+            transport: NAME,
+            message: format!("the peer's doorbell ring is unusable: {message}"),
+        })?;
+        let conn = Arc::new(Conn::new(peer, true, wire, Some(bell)));
         {
             let mut conns = lock(&inner.conns);
             inner.check_open()?;
@@ -1411,6 +1522,87 @@ mod tests {
             lookups, 1,
             "{POSTS} concurrent first posts sent {lookups} region lookups"
         );
+    }
+
+    /// Short notifications are one push into the peer's doorbell ring; longer ones still go
+    /// over the socket. Both arrive, after their bytes.
+    #[tokio::test]
+    async fn short_notifications_ring_the_doorbell_and_long_ones_use_the_socket() {
+        let receiver = ShmTransport::new().unwrap();
+        let sender = ShmTransport::new().unwrap();
+        let (dst, dst_region) = receiver.allocate_registered(8192).await.unwrap();
+        let (src, src_region) = sender.allocate_registered(8192).await.unwrap();
+        src_region.fill(0, 8192, 9).unwrap();
+        let peer = sender.connect(&receiver.local_descriptor()).await.unwrap();
+        let conn = sender.inner.conn(peer).unwrap();
+        let bell = conn
+            .bell
+            .as_ref()
+            .expect("an outbound connection has a ring");
+        let wait = Duration::from_secs(30);
+        for (i, len) in [
+            (0u64, 7usize),
+            (1, doorbell::SLOT_PAYLOAD),
+            (2, 1000),
+            (3, 0),
+        ] {
+            let op = TransferOp {
+                local_region: src,
+                local_offset: i * 2048,
+                remote_region: dst,
+                remote_offset: i * 2048,
+                len: 2048,
+            };
+            let payload = Bytes::from(vec![i as u8 + 1; len]);
+            sender
+                .transfer(
+                    peer,
+                    TransferBatch::write(vec![op]).with_notification(payload.clone()),
+                )
+                .await
+                .unwrap();
+            let n = tokio::time::timeout(wait, receiver.recv_notification())
+                .await
+                .expect("the notification never arrived")
+                .unwrap();
+            assert_eq!(n.payload, payload, "notification {i}");
+            assert_eq!(
+                dst_region.to_vec(i * 2048, 2048).unwrap(),
+                vec![9; 2048],
+                "batch {i}'s bytes"
+            );
+        }
+        // The 1000-byte payload went over the socket.
+        assert_eq!(bell.pushed(), 3);
+    }
+
+    /// A peer that writes garbage into the doorbell ring is dropped with the reason, on both
+    /// sides; nothing hangs or panics.
+    #[tokio::test]
+    async fn a_peer_that_scribbles_on_the_doorbell_ring_is_dropped() {
+        let receiver = ShmTransport::new().unwrap();
+        let sender = ShmTransport::new().unwrap();
+        let peer = sender.connect(&receiver.local_descriptor()).await.unwrap();
+        let conn = sender.inner.conn(peer).unwrap();
+        // A tail far ahead of anything pushed.
+        conn.bell.as_ref().unwrap().scribble(0, 1 << 20);
+        let dropped = async {
+            loop {
+                let inbound = receiver.inner.inbound_conns();
+                if inbound.is_empty() && conn.lost.load(Ordering::Acquire) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), dropped)
+            .await
+            .expect("the connection of a peer that broke its ring was not dropped");
+        let err = sender
+            .probe(peer, Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, TransportError::PeerLost { .. }), "{err:?}");
     }
 
     /// A `post` dropped while writing a small batch's notification must not strand the batch:
