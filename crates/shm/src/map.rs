@@ -18,7 +18,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU32;
 
-use kvbridge_transport::{Access, ForeignMemory, MemoryRegion, TransportError};
+use kvbridge_transport::{Access, ForeignMemory, MemoryRegion, Operand, TransportError};
 use memmap2::{Advice, MmapOptions, MmapRaw};
 use rustix::fs::{FallocateFlags, FileType, MemfdFlags, SealFlags};
 
@@ -235,6 +235,124 @@ pub(crate) fn copy_out(
     src.copy_to(src_offset, dst, dst_offset, len)
 }
 
+/// Copies `count` rows of `len` bytes, row `i` from `src[src_offset + i * src_stride..]` into
+/// `dst[dst_offset + i * dst_stride..]`: one strided op, or a run of its rows. Both spans (first
+/// row's start to last row's end) are checked and claimed once, before any byte moves, and the
+/// rows are copied in one tight loop inside the claims: no per-row checks or claims. Rows are
+/// streamed (see [`copy_out`]) when `streaming` is set (the destination is a peer's memory) and
+/// the rows together reach [`STREAM_MIN`]. Rows overlapping on
+/// the destination are the caller's to refuse (the transport does, at `post`); here they only
+/// make the result depend on row order.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn copy_rows(
+    src: &MemoryRegion,
+    src_offset: u64,
+    src_stride: u64,
+    dst: &MemoryRegion,
+    dst_offset: u64,
+    dst_stride: u64,
+    len: u64,
+    count: u64,
+    streaming: bool,
+) -> kvbridge_transport::Result<()> {
+    if count <= 1 || src.same_region(dst) {
+        // One row, or a copy within one region (whose two claims must be taken together):
+        // row by row through the region's own checked copy.
+        for i in 0..count {
+            let at = |offset: u64, stride: u64| offset.wrapping_add(i.wrapping_mul(stride));
+            let (so, doff) = (at(src_offset, src_stride), at(dst_offset, dst_stride));
+            if streaming {
+                copy_out(src, so, dst, doff, len)?;
+            } else {
+                src.copy_to(so, dst, doff, len)?;
+            }
+        }
+        return Ok(());
+    }
+    // The span from the first row's start to the last row's end; `u64::MAX` (refused by the
+    // claim as out of range) when it overflows.
+    let span = |offset: u64, stride: u64| {
+        kvbridge_transport::memory::rows_end(offset, stride, len, count)
+            .map_or(u64::MAX, |end| end - offset)
+    };
+    let (src_span, dst_span) = (span(src_offset, src_stride), span(dst_offset, dst_stride));
+    let stream = cfg!(target_arch = "x86_64")
+        && streaming
+        && len >= 64
+        && len.saturating_mul(count) >= STREAM_MIN;
+    let copied = src.with_raw_range(src_offset, src_span, Access::Read, |s, _| {
+        dst.with_raw_range(dst_offset, dst_span, Access::Write, |d, _| {
+            // The spans fit in `usize` (they are inside mapped regions), so every row offset
+            // below does too: row `i < count` starts at `i * stride <= span - len`.
+            let (len, src_stride, dst_stride) =
+                (len as usize, src_stride as usize, dst_stride as usize);
+            let count = count as usize;
+            for i in 0..count {
+                // The hardware prefetchers start over at every row; fetching a row a few rows
+                // ahead keeps the loads of strided rows from stalling on memory.
+                if i + PREFETCH_ROWS < count {
+                    prefetch(s.wrapping_add((i + PREFETCH_ROWS) * src_stride), len);
+                }
+                // SAFETY: row `i` lies inside both claimed spans (`i * stride + len <= span`),
+                // so `len` bytes at `s + i * src_stride` are readable and written by no one in
+                // this process, and `len` bytes at `d + i * dst_stride` are writable and
+                // touched by nothing else in this process, for as long as these closures run;
+                // the two spans are in different regions (checked above), so they do not
+                // overlap. No references to the bytes are made.
+                unsafe {
+                    let (s, d) = (s.add(i * src_stride), d.add(i * dst_stride));
+                    #[cfg(target_arch = "x86_64")]
+                    if stream {
+                        stream_rows(s, d, len);
+                        continue;
+                    }
+                    std::ptr::copy_nonoverlapping(s, d, len);
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            if stream {
+                sfence();
+            }
+        })
+    });
+    match copied {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(naming(e, Operand::Destination)),
+        Err(e) => Err(naming(e, Operand::Source)),
+    }
+}
+
+/// How many rows ahead a strided copy prefetches its source.
+const PREFETCH_ROWS: usize = 2;
+
+/// Asks the CPU to bring the `len` bytes at `at` into the cache: a hint, which never faults and
+/// reads nothing in the sense of the memory model, so `at` need not be claimed or valid.
+fn prefetch(at: *const u8, len: usize) {
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
+    for line in (0..len).step_by(64) {
+        // SAFETY: `prefetcht0` (SSE, part of every x86-64 CPU) is a hint: it does not fault on
+        // any address and does not access memory as far as the program can observe.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                at.wrapping_add(line).cast::<i8>(),
+            );
+        }
+    }
+    #[cfg(not(all(target_arch = "x86_64", not(miri))))]
+    let _ = (at, len);
+}
+
+/// A refusal of one region's access, naming which end of a copy it was (as `copy_to` does).
+fn naming(mut e: TransportError, end: Operand) -> TransportError {
+    if let TransportError::AccessOutOfRange { operand, .. }
+    | TransportError::AccessConflict { operand, .. }
+    | TransportError::NotHostMemory { operand, .. } = &mut e
+    {
+        *operand = end;
+    }
+    e
+}
+
 /// `memcpy` with non-temporal stores (SSE2, part of every x86-64 CPU), ending with `sfence` so
 /// the bytes are globally visible before anything this thread does next (such as sending the
 /// batch's notification).
@@ -244,15 +362,36 @@ pub(crate) fn copy_out(
 /// `src` must be valid for reads and `dst` for writes of `len` bytes.
 #[cfg(target_arch = "x86_64")]
 unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: the caller's contract is `stream_rows`'.
+    unsafe { stream_rows(src, dst, len) };
+    sfence();
+}
+
+/// Orders every streaming store before it ahead of what this thread does next.
+#[cfg(target_arch = "x86_64")]
+fn sfence() {
+    // Miri cannot run the fence instruction.
+    #[cfg(not(miri))]
+    // SAFETY: `sfence` has no memory operands and is part of every x86-64 CPU (SSE).
+    unsafe {
+        std::arch::x86_64::_mm_sfence();
+    }
+}
+
+/// The body of [`stream_copy`], without the closing fence, so a run of rows pays one fence.
+///
+/// # Safety
+///
+/// `src` must be valid for reads and `dst` for writes of `len` bytes.
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_rows(src: *const u8, dst: *mut u8, len: usize) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128};
-    // Miri cannot run the streaming-store and fence instructions; under Miri the same loop uses
-    // ordinary aligned stores, so the pointer arithmetic and alignment are still checked.
+    // Miri cannot run the streaming-store instruction; under Miri the same loop uses ordinary
+    // aligned stores, so the pointer arithmetic and alignment are still checked.
     #[cfg(miri)]
     use std::arch::x86_64::_mm_store_si128 as _mm_stream_si128;
     #[cfg(not(miri))]
-    use std::arch::x86_64::{_mm_sfence, _mm_stream_si128};
-    #[cfg(miri)]
-    fn _mm_sfence() {}
+    use std::arch::x86_64::_mm_stream_si128;
     // Bytes until `dst` is 16-byte aligned (streaming stores need aligned destinations).
     let head = (dst.align_offset(16)).min(len);
     // SAFETY: `head <= len`, so both ranges are inside the caller's valid ranges.
@@ -275,17 +414,15 @@ unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
         }
         at += 64;
     }
-    // SAFETY: the tail `[at, len)` is inside both ranges; `sfence` has no memory operands.
+    // SAFETY: the tail `[at, len)` is inside both ranges.
     unsafe {
         std::ptr::copy(src.add(at), dst.add(at), len - at);
-        _mm_sfence();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvbridge_transport::Operand;
 
     #[test]
     fn allocated_regions_are_sealed_shared_and_recognised() {
@@ -407,6 +544,111 @@ mod tests {
         copy_out(&src, 0, &dst, 0, STREAM_MIN).unwrap();
         drop(dst.borrow_mut(0, len as u64).unwrap());
         drop(src.borrow_mut(0, len as u64).unwrap());
+    }
+
+    /// Row `i` of a strided copy, done one row at a time with the region's own copy.
+    fn rows_by_hand(
+        src: &[u8],
+        dst: &mut [u8],
+        geometry: (usize, usize, usize, usize, usize, usize),
+    ) {
+        let (so, ss, doff, ds, len, count) = geometry;
+        for i in 0..count {
+            dst[doff + i * ds..doff + i * ds + len]
+                .copy_from_slice(&src[so + i * ss..so + i * ss + len]);
+        }
+    }
+
+    proptest::proptest! {
+        /// A strided copy equals its rows copied one by one, for any geometry that fits, with
+        /// and without streaming stores; bytes between and around the rows stay untouched.
+        #[test]
+        fn strided_copies_equal_their_rows(
+            so in 0usize..300,
+            doff in 0usize..300,
+            len in 0usize..1200,
+            extra_s in 0usize..300,
+            extra_d in 0usize..300,
+            count in 0usize..40,
+            streaming: bool,
+        ) {
+            let (ss, ds) = (len + extra_s, len + extra_d);
+            let src_len = so + ss * count + len + 1;
+            let dst_len = doff + ds * count + len + 1;
+            let src = MemoryRegion::allocate(src_len).unwrap();
+            let bytes: Vec<u8> = (0..src_len).map(|i| (i * 13 + i / 251) as u8).collect();
+            src.write_at(0, &bytes).unwrap();
+            let dst = MemoryRegion::allocate(dst_len).unwrap();
+            dst.fill(0, dst_len as u64, 0xee).unwrap();
+            copy_rows(
+                &src, so as u64, ss as u64, &dst, doff as u64, ds as u64, len as u64,
+                count as u64, streaming,
+            )
+            .unwrap();
+            let mut want = vec![0xee; dst_len];
+            rows_by_hand(&bytes, &mut want, (so, ss, doff, ds, len, count));
+            proptest::prop_assert_eq!(dst.to_vec(0, dst_len as u64).unwrap(), want);
+        }
+    }
+
+    /// Streaming is used for rows of 64 bytes and more once the rows reach `STREAM_MIN`; the
+    /// shape of the DCP relayout (rows of 1152 bytes, every 4th on the source) on shared memory.
+    #[test]
+    fn long_strided_copies_stream_into_shared_memory() {
+        let (len, count) = (1152usize, 2 * STREAM_MIN as usize / 1152);
+        let src = MemoryRegion::allocate(4 * len * count).unwrap();
+        let bytes: Vec<u8> = (0..src.len()).map(|i| (i * 7 + i / 509) as u8).collect();
+        src.write_at(0, &bytes).unwrap();
+        let dst = allocate(len * count + 64).unwrap();
+        copy_rows(
+            &src,
+            3 * len as u64,
+            4 * len as u64,
+            &dst,
+            64,
+            len as u64,
+            len as u64,
+            count as u64,
+            true,
+        )
+        .unwrap();
+        let mut want = vec![0u8; dst.len()];
+        rows_by_hand(&bytes, &mut want, (3 * len, 4 * len, 64, len, len, count));
+        assert_eq!(dst.to_vec(0, dst.len() as u64).unwrap(), want);
+    }
+
+    /// Bounds of the whole op are checked before any byte moves: a last row past the end (or
+    /// a span past `u64`) refuses the copy with nothing written, naming the end refused.
+    #[test]
+    fn a_strided_copy_past_either_end_moves_nothing() {
+        let src = MemoryRegion::allocate(4096).unwrap();
+        src.fill(0, 4096, 1).unwrap();
+        let dst = MemoryRegion::allocate(4096).unwrap();
+        let r = copy_rows(&src, 0, 1024, &dst, 0, 100, 100, 5, true);
+        assert!(
+            matches!(
+                r,
+                Err(TransportError::AccessOutOfRange {
+                    operand: Operand::Source,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        let r = copy_rows(&src, 0, 100, &dst, 0, 1024, 100, 5, false);
+        assert!(
+            matches!(
+                r,
+                Err(TransportError::AccessOutOfRange {
+                    operand: Operand::Destination,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        let r = copy_rows(&src, 0, 100, &dst, 0, u64::MAX / 2, 100, 3, true);
+        assert!(r.is_err(), "{r:?}");
+        assert_eq!(dst.to_vec(0, 4096).unwrap(), vec![0; 4096]);
     }
 
     #[test]

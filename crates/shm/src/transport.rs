@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{BatchTable, Batches, Fence, Outcome, Step, deadline_after};
-use kvbridge_transport::memory::checked_range;
+use kvbridge_transport::memory::checked_rows;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
@@ -221,7 +221,9 @@ fn lost(peer: PeerId, reason: String) -> Outcome {
     })
 }
 
-/// One descriptor, resolved to indices into the job's region tables.
+/// One descriptor (a strided op stays one), resolved to indices into the job's region tables.
+/// Every row of it was checked against both regions at `post` (`checked_rows`), so row offsets
+/// computed from it do not overflow.
 #[derive(Debug, Clone, Copy)]
 struct PlannedOp {
     local: u32,
@@ -229,6 +231,17 @@ struct PlannedOp {
     local_offset: u64,
     remote_offset: u64,
     len: u64,
+    count: u64,
+    local_stride: u64,
+    remote_stride: u64,
+}
+
+/// Where a job's copy stands: row `row` of op `op`, `in_row` bytes into that row.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Cursor {
+    op: usize,
+    row: u64,
+    in_row: u64,
 }
 
 /// A validated batch, ready for the copy worker.
@@ -273,8 +286,7 @@ fn copy_job(job: Job) -> Option<impl Future<Output = ()> + Send + 'static> {
         deadline,
         rt: _,
     } = job;
-    let mut next = 0usize;
-    let mut done_in_op = 0u64;
+    let mut at = Cursor::default();
     let mut committed = None;
     // Each chunk is a step under the batch table's lock: cancel, the deadline and peer loss
     // take it to fence the batch, so once they report, no further chunk starts.
@@ -286,20 +298,13 @@ fn copy_job(job: Job) -> Option<impl Future<Output = ()> + Send + 'static> {
         let copied = if conn.lost.load(Ordering::Acquire) {
             Err(lost(conn.id, conn.lost_reason()))
         } else {
-            copy_chunk(
-                direction,
-                &locals,
-                &remotes,
-                &ops,
-                &mut next,
-                &mut done_in_op,
-            )
-            .map_err(|reason| failed(id, conn.id, reason))
+            copy_chunk(direction, &locals, &remotes, &ops, &mut at)
+                .map_err(|reason| failed(id, conn.id, reason))
         };
         drop(fence);
         match copied {
             Err(outcome) => Step::Finish(outcome),
-            Ok(()) if next < ops.len() => Step::Continue,
+            Ok(()) if at.op < ops.len() => Step::Continue,
             Ok(()) => match notification.take() {
                 None => Step::Finish(Outcome::Done),
                 // Published in this step, so it is fenced like the copies: once cancel or the
@@ -350,19 +355,28 @@ impl Drop for InlineCommit {
     }
 }
 
-/// Copies up to [`CHUNK_BYTES`] of the batch, from descriptor `next` (`done_in_op` bytes into
-/// it); the error says why the batch fails.
+/// Copies up to [`CHUNK_BYTES`] of the batch from `at`, and moves `at` past what it copied; the
+/// error says why the batch fails. Whole rows of a strided op go in one `map::copy_rows` call
+/// (one pair of claims, one tight loop); only a row longer than what is left of the chunk is
+/// cut.
 fn copy_chunk(
     direction: Direction,
     locals: &[MemoryRegion],
     remotes: &[Arc<RemoteRegion>],
     ops: &[PlannedOp],
-    next: &mut usize,
-    done_in_op: &mut u64,
+    at: &mut Cursor,
 ) -> std::result::Result<(), String> {
     let mut budget = CHUNK_BYTES;
-    while *next < ops.len() && budget > 0 {
-        let op = ops[*next];
+    while at.op < ops.len() && budget > 0 {
+        let op = ops[at.op];
+        if at.row >= op.count || op.len == 0 {
+            *at = Cursor {
+                op: at.op + 1,
+                ..Cursor::default()
+            };
+            budget = budget.saturating_sub(OP_COST);
+            continue;
+        }
         let remote = &remotes[op.remote as usize];
         if remote.revoked.load(Ordering::Acquire) {
             return Err(format!(
@@ -371,23 +385,35 @@ fn copy_chunk(
             ));
         }
         let local = &locals[op.local as usize];
-        let n = (op.len - *done_in_op).min(budget);
-        let (lo, ro) = (
-            op.local_offset + *done_in_op,
-            op.remote_offset + *done_in_op,
-        );
+        // In range without overflow: every row was checked at `post`.
+        let lo = op.local_offset + at.row * op.local_stride + at.in_row;
+        let ro = op.remote_offset + at.row * op.remote_stride + at.in_row;
+        let (rows, n) = if at.in_row == 0 && op.len <= budget {
+            ((op.count - at.row).min(budget / op.len), op.len)
+        } else {
+            (1, (op.len - at.in_row).min(budget))
+        };
+        let (rs, ls) = (op.remote_stride, op.local_stride);
         let copied = match direction {
-            Direction::Write => map::copy_out(local, lo, &remote.region, ro, n),
-            Direction::Read => remote.region.copy_to(ro, local, lo, n),
+            Direction::Write => {
+                map::copy_rows(local, lo, ls, &remote.region, ro, rs, n, rows, true)
+            }
+            Direction::Read => {
+                map::copy_rows(&remote.region, ro, rs, local, lo, ls, n, rows, false)
+            }
         };
         if let Err(e) = copied {
             return Err(format!("a copy was refused by the region: {e}"));
         }
-        *done_in_op += n;
-        budget = budget.saturating_sub(n.max(OP_COST));
-        if *done_in_op == op.len {
-            *next += 1;
-            *done_in_op = 0;
+        budget = budget.saturating_sub((n * rows).max(OP_COST));
+        if n == op.len {
+            at.row += rows;
+        } else {
+            at.in_row += n;
+            if at.in_row == op.len {
+                at.row += 1;
+                at.in_row = 0;
+            }
         }
     }
     Ok(())
@@ -444,10 +470,7 @@ fn doorbell_reader(
                 return;
             }
         };
-        let mut n = Notification {
-            from: conn.id,
-            payload,
-        };
+        let mut n = Notification::new(conn.id, payload);
         // A full queue waits for `recv_notification`, as the socket reader does.
         loop {
             match notifications.try_send(n) {
@@ -1079,21 +1102,29 @@ impl ShmTransport {
                         idx
                     }
                 };
-                checked_range(op.local_offset, op.len, locals[idx as usize].len()).map_err(
-                    |e| TransportError::OutOfBounds {
-                        side: Side::Local,
-                        region: op.local_region,
-                        offset: op.local_offset,
-                        len: op.len,
-                        region_len: e.region_len,
-                    },
-                )?;
+                checked_rows(
+                    locals[idx as usize].len(),
+                    op.local_offset,
+                    op.local_stride,
+                    op.len,
+                    op.count,
+                )
+                .map_err(|e| TransportError::OutOfBounds {
+                    side: Side::Local,
+                    region: op.local_region,
+                    offset: e.offset,
+                    len: e.len,
+                    region_len: e.region_len,
+                })?;
                 planned.push(PlannedOp {
                     local: idx,
                     remote: 0,
                     local_offset: op.local_offset,
                     remote_offset: op.remote_offset,
                     len: op.len,
+                    count: op.count,
+                    local_stride: op.local_stride,
+                    remote_stride: op.remote_stride,
                 });
             }
         }
@@ -1118,15 +1149,20 @@ impl ShmTransport {
                     idx
                 }
             };
-            checked_range(op.remote_offset, op.len, remotes[idx as usize].region.len()).map_err(
-                |e| TransportError::OutOfBounds {
-                    side: Side::Remote,
-                    region: op.remote_region,
-                    offset: op.remote_offset,
-                    len: op.len,
-                    region_len: e.region_len,
-                },
-            )?;
+            checked_rows(
+                remotes[idx as usize].region.len(),
+                op.remote_offset,
+                op.remote_stride,
+                op.len,
+                op.count,
+            )
+            .map_err(|e| TransportError::OutOfBounds {
+                side: Side::Remote,
+                region: op.remote_region,
+                offset: e.offset,
+                len: e.len,
+                region_len: e.region_len,
+            })?;
             plan.remote = idx;
         }
         Ok((locals, remotes, planned))
@@ -1144,6 +1180,7 @@ impl KvTransport for ShmTransport {
             .with_reads(true)
             .with_cross_process(true)
             .with_max_ops_per_batch(None)
+            .with_strided_ops(true)
     }
 
     fn allocate(&self, len: usize) -> Result<MemoryRegion> {
@@ -1328,8 +1365,21 @@ impl KvTransport for ShmTransport {
 
     async fn post(&self, peer: PeerId, batch: TransferBatch) -> Result<BatchId> {
         self.inner.check_open()?;
-        // Rows of strided ops are moved one descriptor each (no native strided support).
-        let batch = batch.expand_rows(self.name(), self.capabilities().max_ops_per_batch)?;
+        // Strided ops stay one descriptor each (native support); rows that overlap on the
+        // destination are refused before anything else, as the expansion helper would.
+        if let Some((i, op)) = (batch.ops.iter().enumerate())
+            .find(|(_, op)| op.rows_overlap_on_destination(batch.direction))
+        {
+            return Err(TransportError::InvalidArgument {
+                transport: NAME,
+                message: format!(
+                    "op {i} has {} rows of {} bytes whose destination stride is smaller than a \
+                     row, so its rows overlap on the destination; use a destination stride of at \
+                     least the row length",
+                    op.count, op.len
+                ),
+            });
+        }
         let conn = self.inner.conn(peer)?;
         if !conn.outbound {
             return Err(TransportError::Unsupported {
@@ -1360,6 +1410,7 @@ impl KvTransport for ShmTransport {
         // not by the batch deadline (a batch past its deadline still validates, then times out).
         let lookup_deadline = deadline.max(now + self.inner.options.handshake_timeout);
         let (locals, remotes, ops) = self.validate(&conn, &batch, lookup_deadline).await?;
+        let batch_bytes = batch.total_bytes();
         let id = self
             .inner
             .batches
@@ -1381,7 +1432,7 @@ impl KvTransport for ShmTransport {
             deadline: deadline.into_std(),
             rt: self.inner.rt.clone(),
         };
-        if job.ops.iter().map(|op| op.len).sum::<u64>() <= INLINE_BYTES {
+        if batch_bytes <= INLINE_BYTES {
             let rt = job.rt.clone();
             if let Some(commit) = copy_job(job) {
                 InlineCommit {
@@ -1539,13 +1590,7 @@ mod tests {
             (2, 1000),
             (3, 0),
         ] {
-            let op = TransferOp {
-                local_region: src,
-                local_offset: i * 2048,
-                remote_region: dst,
-                remote_offset: i * 2048,
-                len: 2048,
-            };
+            let op = TransferOp::new(src, i * 2048, dst, i * 2048, 2048);
             let payload = Bytes::from(vec![i as u8 + 1; len]);
             sender
                 .transfer(
@@ -1596,6 +1641,82 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, TransportError::PeerLost { .. }), "{err:?}");
+    }
+
+    /// Strided ops are moved natively, each as one descriptor: rows across chunk boundaries,
+    /// rows longer than a chunk, and reads, land exactly where the rows say; rows that overlap
+    /// on the destination are refused before anything moves.
+    #[tokio::test]
+    async fn strided_ops_move_natively_across_chunks() {
+        const MIB: u64 = 1 << 20;
+        let receiver = ShmTransport::new().unwrap();
+        let sender = ShmTransport::new().unwrap();
+        assert!(sender.capabilities().strided_ops);
+        let (dst, dst_region) = receiver.allocate_registered(8 << 20).await.unwrap();
+        let (src, src_region) = sender.allocate_registered(16 << 20).await.unwrap();
+        let (back, back_region) = sender.allocate_registered(16 << 20).await.unwrap();
+        let bytes: Vec<u8> = (0..16 * MIB).map(|i| (i * 31 + i / 4099) as u8).collect();
+        src_region.write_at(0, &bytes).unwrap();
+        let peer = sender.connect(&receiver.local_descriptor()).await.unwrap();
+        // 3000 rows of 1152 bytes, every 4th row of the source, packed on the destination;
+        // then 2 rows of 1.5 MiB (longer than a chunk), 2 MiB apart on the source.
+        let dcp = TransferOp::new(src, 1152, dst, 0, 1152).with_rows(3000, 4 * 1152, 1152);
+        let long = TransferOp::new(src, 12 * MIB, dst, 4 * MIB, 3 * MIB / 2).with_rows(
+            2,
+            2 * MIB,
+            3 * MIB / 2 + 4096,
+        );
+        sender
+            .transfer(peer, TransferBatch::write(vec![dcp, long]))
+            .await
+            .unwrap();
+        let got = dst_region.to_vec(0, 8 * MIB).unwrap();
+        for op in [dcp, long] {
+            for row in op.rows() {
+                let (s, d, n) = (
+                    row.local_offset as usize,
+                    row.remote_offset as usize,
+                    row.len as usize,
+                );
+                assert_eq!(&got[d..d + n], &bytes[s..s + n], "row at {d}");
+            }
+        }
+        // Read the packed rows back, spread every 3rd row on this side.
+        let read = TransferOp::new(back, 0, dst, 0, 1152).with_rows(3000, 3 * 1152, 1152);
+        sender
+            .transfer(peer, TransferBatch::read(vec![read]))
+            .await
+            .unwrap();
+        let spread = back_region.to_vec(0, 3000 * 3 * 1152).unwrap();
+        for (i, row) in read.rows().enumerate() {
+            let l = row.local_offset as usize;
+            let s = dcp.local_offset as usize + i * 4 * 1152;
+            assert_eq!(&spread[l..l + 1152], &bytes[s..s + 1152], "read row {i}");
+        }
+        let overlapping = TransferOp::new(src, 0, dst, 0, 1152).with_rows(2, 1152, 1000);
+        let err = sender
+            .post(peer, TransferBatch::write(vec![overlapping]))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, TransportError::InvalidArgument { .. }),
+            "{err}"
+        );
+        let past = TransferOp::new(src, 0, dst, 0, 1152).with_rows(8000, 4 * 1152, 1152);
+        let err = sender
+            .post(peer, TransferBatch::write(vec![past]))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TransportError::OutOfBounds {
+                    side: Side::Local,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 
     /// A `post` dropped while writing a small batch's notification must not strand the batch:
