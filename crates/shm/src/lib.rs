@@ -26,6 +26,10 @@
 //!   between chunks it checks cancel, the deadline and the peer's liveness, so a cancelled or
 //!   late batch stops promptly and no byte of it lands afterwards. Completion is local; a
 //!   batch's notification is sent only after all its bytes were copied.
+//! - **Strided ops are native**
+//!   ([`Capabilities::strided_ops`](kvbridge_transport::Capabilities::strided_ops)): an op of
+//!   many rows stays one descriptor, every row of it is bounds-checked at `post` before any byte
+//!   moves, and the rows of a chunk are copied in one loop inside one claim per side.
 //! - **Short notifications ring a doorbell.** Each connection has a ring of small frames in
 //!   shared memory (allocated by the accepting side, handed over at connect); a notification of
 //!   at most 252 bytes is one push into it plus, only when the reader sleeps, one futex wake.
