@@ -3,7 +3,8 @@
 //! Tasks: `ci` (fmt, clippy, test, deny), `fmt`, `clippy`, `test`, `deny`, `msrv` (build with
 //! the declared rust-version), `miri` (registered memory's tests under Miri, when nightly Miri
 //! is installed), `bench [NAME]`, `stress [--iterations N] [--time-limit SECS] [--burners K]`
-//! (the cross-process tests, again and again, on a loaded machine).
+//! (the cross-process tests, again and again, on a loaded machine), `nixl-setup [DIR]` (libclang
+//! and the NIXL runtime for `kvbridge-nixl`, into `target/nixl/`).
 
 use std::env;
 use std::fs;
@@ -15,6 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
+mod nixl_setup;
 #[cfg(test)]
 mod tidy;
 
@@ -196,8 +198,21 @@ fn bench(name: Option<&str>) -> Result<(), String> {
             "bench",
             "--e2e",
         ]),
+        // Needs `cargo xtask nixl-setup` first.
+        Some("nixl") => cargo(&[
+            "run",
+            "--release",
+            "-p",
+            "kvbridge-cli",
+            "--features",
+            "nixl",
+            "--",
+            "bench",
+            "--transport",
+            "nixl",
+        ]),
         Some(other) => Err(format!(
-            "unknown bench `{other}`; choose one of: planner, shm, tcp, e2e"
+            "unknown bench `{other}`; choose one of: planner, shm, tcp, e2e, nixl"
         )),
     }
 }
@@ -440,9 +455,10 @@ fn main() -> ExitCode {
         Some("miri") => miri(),
         Some("bench") => bench(args.get(1).map(String::as_str)),
         Some("stress") => parse_stress(&args[1..]).and_then(stress),
+        Some("nixl-setup") => nixl_setup::nixl_setup(args.get(1).map(String::as_str)),
         _ => Err(
-            "usage: cargo xtask <ci|fmt|clippy|test|deny|msrv|miri|bench [planner|shm|tcp|e2e]|stress \
-             [--iterations N] [--time-limit SECS] [--burners K]>"
+            "usage: cargo xtask <ci|fmt|clippy|test|deny|msrv|miri|bench [planner|shm|tcp|e2e|nixl]|stress \
+             [--iterations N] [--time-limit SECS] [--burners K]|nixl-setup [DIR]>"
                 .to_owned(),
         ),
     };

@@ -1,6 +1,6 @@
 //! End to end across real processes: `kvbridge demo` starts a prefill process (with the
-//! bootstrap server) and one process per decode rank, over shared memory and over TCP, and
-//! every decode rank checks every byte it holds. Small geometries and short deadlines keep
+//! bootstrap server) and one process per decode rank, over shared memory, over TCP and (feature
+//! `nixl`) over NIXL, and every decode rank checks every byte it holds. Small geometries and short deadlines keep
 //! each case to a second or a few. Every run gets a private temporary directory, which must be
 //! empty once the demo exited, whatever was killed.
 
@@ -832,4 +832,56 @@ fn a_terminated_bench_and_its_receiver_leave_nothing_behind() {
     assert_eq!(out.status.code(), Some(130), "{out:?}");
     wait_exited(&[receiver]);
     scratch.assert_empty("a terminated bench");
+}
+
+/// The same runs over NIXL's UCX backend (feature `nixl`; each skipped, with the reason printed,
+/// when the NIXL runtime is not set up: `cargo xtask nixl-setup`, which `.ci/run` runs).
+#[cfg(feature = "nixl")]
+mod nixl {
+    use super::*;
+
+    fn ready() -> bool {
+        match kvbridge_nixl::Runtime::locate() {
+            Ok(_) => true,
+            Err(e) => {
+                eprintln!("skipped: {e}");
+                false
+            }
+        }
+    }
+
+    #[test]
+    fn mla_dcp_1_to_4_nixl() {
+        if ready() {
+            mla_dcp("nixl", "4");
+        }
+    }
+
+    #[test]
+    fn gqa_tp_2_to_4_nixl() {
+        if ready() {
+            gqa_tp_2_to_4("nixl");
+        }
+    }
+
+    #[test]
+    fn any_to_any_dcp_and_page_sizes_nixl() {
+        if ready() {
+            assert_ok(&args(
+                "nixl",
+                &[
+                    "--prefill-dcp",
+                    "2",
+                    "--dcp",
+                    "4",
+                    "--prefill-page-size",
+                    "16",
+                    "--page-size",
+                    "64",
+                    "--tokens",
+                    "500",
+                ],
+            ));
+        }
+    }
 }

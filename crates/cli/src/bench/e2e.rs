@@ -383,6 +383,7 @@ fn print(args: &BenchArgs, r: &Report) {
     let kind = match args.transport {
         TransportKind::Shm => "shared-memory",
         TransportKind::Tcp => "TCP",
+        TransportKind::Nixl => "NIXL (UCX)",
     };
     println!(
         "kvbridge bench --e2e: {}; {:.1} MB per request; {kind} transport; median of {} runs",

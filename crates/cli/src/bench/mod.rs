@@ -26,6 +26,7 @@ use kvbridge_transport::{
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 mod e2e;
+mod nixl;
 mod shm;
 mod tcp;
 
@@ -58,6 +59,8 @@ pub(crate) enum TransportKind {
     Shm,
     /// TCP (kvbridge-tcp).
     Tcp,
+    /// NIXL's UCX backend (kvbridge-nixl; build with `--features nixl`).
+    Nixl,
 }
 
 impl TransportKind {
@@ -65,6 +68,7 @@ impl TransportKind {
         match self {
             TransportKind::Shm => "shm",
             TransportKind::Tcp => "tcp",
+            TransportKind::Nixl => "nixl",
         }
     }
 }
@@ -74,6 +78,7 @@ fn factory(kind: TransportKind) -> Result<Factory, String> {
     match kind {
         TransportKind::Shm => Ok(shm::factory),
         TransportKind::Tcp => Ok(tcp::factory),
+        TransportKind::Nixl => Ok(nixl::factory),
     }
 }
 
@@ -787,6 +792,12 @@ async fn measure_with(
         }
         (TransportKind::Shm, Pattern::Strided1152) => Some(RawBaseline::LargeBlock),
         (TransportKind::Shm, _) => None,
+        // NIXL against the same descriptors posted through nixl-sys directly (`bench/nixl.rs`).
+        (TransportKind::Nixl, _) => Some(RawBaseline::Nixl(nixl::DirectBaseline::start(
+            &src,
+            &descriptor,
+            remote,
+        )?)),
     };
     let baseline_run = || -> Result<f64, String> {
         match &raw {
@@ -798,6 +809,7 @@ async fn measure_with(
                     .map_err(|e| e.to_string())?;
                 return Ok(start.elapsed().as_secs_f64());
             }
+            Some(RawBaseline::Nixl(raw)) => return raw.run(&ops),
             None => {}
         }
         let start = Instant::now();
@@ -956,6 +968,7 @@ enum RawBaseline {
     Wake(shm::RawWakeBaseline),
     /// `memcpy` of the same bytes as one large block (what a strided pattern is held to).
     LargeBlock,
+    Nixl(nixl::DirectBaseline),
 }
 
 impl RawBaseline {
@@ -964,6 +977,7 @@ impl RawBaseline {
             RawBaseline::Tcp(_) => tcp::BASELINE,
             RawBaseline::Wake(_) => shm::WAKE_BASELINE,
             RawBaseline::LargeBlock => LARGE_BLOCK_BASELINE,
+            RawBaseline::Nixl(_) => nixl::BASELINE,
         }
     }
 }
@@ -977,6 +991,7 @@ fn baseline_label(description: &str) -> &'static str {
         tcp::BASELINE => "raw TCP ping-pong",
         shm::WAKE_BASELINE => "memcpy + raw wake-up round trip",
         LARGE_BLOCK_BASELINE => "memcpy (one large block)",
+        nixl::BASELINE => "direct nixl-sys",
         _ => "memcpy",
     }
 }

@@ -36,6 +36,9 @@ pub(crate) enum Transport {
     Shm,
     /// TCP over loopback (kvbridge-tcp).
     Tcp,
+    /// NIXL's UCX backend (kvbridge-nixl; build with `--features nixl` after
+    /// `cargo xtask nixl-setup`).
+    Nixl,
 }
 
 /// Model families.
@@ -62,7 +65,7 @@ pub(crate) enum Role {
 /// Arguments of `kvbridge demo`.
 #[derive(Debug, Clone, clap::Args)]
 #[command(
-    after_help = "Examples:\n  kvbridge demo                                  MLA, prefill DCP 1 -> decode DCP 4, shared memory\n  kvbridge demo --transport tcp                  the same over TCP\n  kvbridge demo --geometry gqa                   GQA, prefill TP 2 -> decode TP 4 (head slices)\n  kvbridge demo --prefix-tokens 2048             the decode already holds the first 2048 tokens\n  kvbridge demo --prefill-dcp 2 --dcp 4 --prefill-page-size 16\n                                                 any prefill DCP and page size to any decode's\n  kvbridge demo --tokens 1024 --requests 4       a quick run\n\nDeadlines: a request that misses --timeout fails; after the first failure (or a process\nthat dies) the run ends within --timeout plus a grace of 10 s, killing what is still running.\n\nLogging: every process logs to stderr, each line prefixed with the process. RUST_LOG picks\nwhat (e.g. RUST_LOG=kvbridge_tcp=debug); the default is errors only; --verbose logs warnings\nand kvbridge's debug messages (why a connection closed, which deadline fired). The summary\nnames each process's first failure.\n\nExit status: 0 when every request succeeded and every byte verified, 1 otherwise, 2 for\ninvalid arguments."
+    after_help = "Examples:\n  kvbridge demo                                  MLA, prefill DCP 1 -> decode DCP 4, shared memory\n  kvbridge demo --transport tcp                  the same over TCP\n  kvbridge demo --transport nixl                 the same over NIXL (build with --features nixl)\n  kvbridge demo --geometry gqa                   GQA, prefill TP 2 -> decode TP 4 (head slices)\n  kvbridge demo --prefix-tokens 2048             the decode already holds the first 2048 tokens\n  kvbridge demo --prefill-dcp 2 --dcp 4 --prefill-page-size 16\n                                                 any prefill DCP and page size to any decode's\n  kvbridge demo --tokens 1024 --requests 4       a quick run\n\nDeadlines: a request that misses --timeout fails; after the first failure (or a process\nthat dies) the run ends within --timeout plus a grace of 10 s, killing what is still running.\n\nLogging: every process logs to stderr, each line prefixed with the process. RUST_LOG picks\nwhat (e.g. RUST_LOG=kvbridge_tcp=debug); the default is errors only; --verbose logs warnings\nand kvbridge's debug messages (why a connection closed, which deadline fired). The summary\nnames each process's first failure.\n\nExit status: 0 when every request succeeded and every byte verified, 1 otherwise, 2 for\ninvalid arguments."
 )]
 pub(crate) struct DemoArgs {
     /// Transport that moves the KV bytes between the processes.
@@ -424,6 +427,7 @@ impl Setup {
             match self.transport {
                 Transport::Shm => "shared-memory",
                 Transport::Tcp => "TCP",
+                Transport::Nixl => "NIXL (UCX)",
             }
         )
     }

@@ -253,6 +253,7 @@ async fn transport(
                 .map_err(|e| format!("TCP transport: {e}"))?;
             Ok((Arc::new(t), None))
         }
+        Transport::Nixl => Ok((crate::nixl_transport()?, None)),
     }
 }
 
