@@ -788,10 +788,7 @@ impl Receiver<'_> {
         };
         let Some(b) = done else { return Ok(()) };
         if let Some(payload) = b.notification {
-            let n = Notification {
-                from: self.session.peer,
-                payload,
-            };
+            let n = Notification::new(self.session.peer, payload);
             // The charge stays with the notification until the application takes it.
             tokio::select! {
                 r = self.shared.notify_tx.send((n, b.charge)) => r.map_err(|_| LinkError::Eof)?,
