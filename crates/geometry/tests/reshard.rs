@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use kvbridge_geometry::{
-    ByteRanges, DcpPlanInput, EntryPair, GeometryError, HeadSharding, PoolGeometry, ReshardInput,
-    SendPages, identity_pairs, page_path_ranges, reshard_sources, reshard_targets,
+    ByteRange, ByteRanges, DcpPlanInput, EntryPair, GeometryError, HeadSharding, PoolGeometry,
+    ReshardInput, SendPages, identity_pairs, page_path_ranges, reshard_sources, reshard_targets,
 };
 use proptest::prelude::*;
 
@@ -181,8 +181,9 @@ proptest! {
                 for br in 0..w.b {
                     let plan = w.input(ar, br, c0, n).plan().unwrap();
                     let ranges = plan.byte_ranges(&src, &dst, &identity_pairs(2)).unwrap();
-                    prop_assert!(ranges.len() as u64 <= 2 * plan.len());
-                    for r in &ranges {
+                    prop_assert!(ranges.row_count() <= 2 * plan.len());
+                    prop_assert!(ranges.len() as u64 <= ranges.row_count());
+                    for r in ranges.iter().flat_map(ByteRange::rows) {
                         let s = &prefill[ar as usize][r.src_entry][r.src_offset as usize..(r.src_offset + r.len) as usize];
                         let d = &mut decode[br as usize][r.dst_entry][r.dst_offset as usize..(r.dst_offset + r.len) as usize];
                         prop_assert!(d.iter().all(|&x| x == 0), "byte written twice");
@@ -279,7 +280,7 @@ proptest! {
                 prop_assert_eq!(plan.len(), owned);
                 let ranges = plan.byte_ranges(&pool, &pool, &identity_pairs(1)).unwrap();
                 // Every reshard byte range lies inside one page-path range at the same shift.
-                for br in &ranges {
+                for br in ranges.iter().flat_map(ByteRange::rows) {
                     prop_assert!(page_path.iter().any(|pp| br.src_offset >= pp.src_offset
                         && br.src_offset + br.len <= pp.src_offset + pp.len
                         && br.dst_offset - pp.dst_offset == br.src_offset - pp.src_offset
@@ -370,73 +371,6 @@ fn reshard_errors_name_the_problem() {
     assert!(matches!(e, GeometryError::ZeroPageSize { .. }));
 }
 
-/// Descriptor counts quoted in docs/benchmarks.md: MLA, 4 layers of 1152-byte tokens, a
-/// 4096-token request in one chunk, scattered page ids (so pages never merge across runs).
-#[test]
-fn descriptor_counts_for_documented_geometries() {
-    fn count_for(total: u64, layers: usize, a: u64, b: u64, p1: u64, p2: u64) -> (u64, usize) {
-        let tables: Vec<Vec<u64>> = (0..a)
-            .map(|r| {
-                (0..total.div_ceil(a).div_ceil(p1))
-                    .map(|i| 2 * i + r % 2)
-                    .collect()
-            })
-            .collect();
-        let dst: Vec<u64> = (0..total.div_ceil(p2 * b)).map(|i| 2 * i + 1).collect();
-        let src_pool = PoolGeometry::builder(p1)
-            .num_pages(1024)
-            .target_entries(&vec![p1 * 1152; layers])
-            .build()
-            .unwrap();
-        let dst_pool = PoolGeometry::builder(p2)
-            .num_pages(1024)
-            .target_entries(&vec![p2 * 1152; layers])
-            .build()
-            .unwrap();
-        let (mut rows, mut ranges) = (0, 0);
-        for ar in 0..a {
-            for br in 0..b {
-                let plan = ReshardInput {
-                    src_pages: &tables[ar as usize],
-                    dst_pages: SendPages::after_prefix(&dst),
-                    src_page_size: p1,
-                    dst_page_size: p2,
-                    src_dcp_size: a,
-                    src_dcp_rank: ar,
-                    dst_dcp_size: b,
-                    dst_dcp_rank: br,
-                    num_tokens: total,
-                    ..ReshardInput::default()
-                }
-                .plan()
-                .unwrap();
-                rows += plan.len();
-                ranges += plan
-                    .byte_ranges(&src_pool, &dst_pool, &identity_pairs(layers))
-                    .unwrap()
-                    .len();
-            }
-        }
-        (rows, ranges)
-    }
-    let count = |a, b, p1, p2| count_for(4096, 4, a, b, p1, p2);
-    // (rows moved, byte ranges posted) summed over all rank pairs.
-    assert_eq!(count(1, 1, 64, 64), (4096, 4 * 64));
-    assert_eq!(count(1, 4, 64, 64), (4096, 4 * 4096));
-    assert_eq!(count(2, 2, 64, 64), (4096, 4 * 64));
-    assert_eq!(count(2, 4, 64, 64), (4096, 4 * 4096));
-    assert_eq!(count(4, 2, 64, 64), (4096, 4 * 4096));
-    assert_eq!(count(4, 1, 64, 64), (4096, 4 * 4096));
-    assert_eq!(count(1, 1, 16, 64), (4096, 4 * 256));
-    assert_eq!(count(2, 4, 16, 64), (4096, 4 * 4096));
-    // The demo's geometry: one 8192-token request, 61 MLA layers.
-    let demo = |a, b, p1, p2| count_for(8192, 61, a, b, p1, p2);
-    assert_eq!(demo(1, 1, 64, 64), (8192, 61 * 128));
-    assert_eq!(demo(1, 4, 64, 64), (8192, 61 * 8192));
-    assert_eq!(demo(2, 4, 16, 64), (8192, 61 * 8192));
-    assert_eq!(demo(4, 4, 64, 64), (8192, 61 * 128));
-}
-
 #[test]
 fn head_slices_over_resharded_rows() {
     // MHA, 8 KV heads of 64 bytes per token row; prefill TP 2 (4 heads) -> decode TP 4
@@ -471,6 +405,7 @@ fn head_slices_over_resharded_rows() {
         .unwrap();
     let got: Vec<(u64, u64, u64)> = ranges
         .iter()
+        .flat_map(ByteRange::rows)
         .map(|r| (r.src_offset, r.dst_offset, r.len))
         .collect();
     // Rows 6,7,10,11 (heads 2..4 of the prefill rank, bytes 128..256) -> rows 24..28.
