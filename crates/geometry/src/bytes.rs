@@ -15,7 +15,8 @@ use crate::runs::{Run, group_concurrent_contiguous};
 /// a transport's strided op). Build with [`ByteRange::new`] (one row) and
 /// [`ByteRange::with_rows`].
 ///
-/// Ranges produced by this crate have `count ≥ 1`, strides 0 when `count == 1`, destination
+/// Ranges produced by this crate have `count ≥ 1`, strides `len` when `count == 1` (as
+/// `kvbridge_transport::TransferOp::new` makes them), destination
 /// rows that never overlap (`dst_stride ≥ len` when `count > 1`), and every row inside its
 /// entries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -40,7 +41,7 @@ pub struct ByteRange {
 }
 
 impl ByteRange {
-    /// One contiguous copy of `len` bytes (`count` 1, strides 0).
+    /// One contiguous copy of `len` bytes (`count` 1, both strides `len`).
     #[must_use]
     pub const fn new(
         src_entry: usize,
@@ -56,8 +57,8 @@ impl ByteRange {
             dst_offset,
             len,
             count: 1,
-            src_stride: 0,
-            dst_stride: 0,
+            src_stride: len,
+            dst_stride: len,
         }
     }
 
@@ -86,6 +87,17 @@ impl ByteRange {
                 r.len,
             )
         })
+    }
+
+    /// The first row alone.
+    const fn first_row(&self) -> Self {
+        Self::new(
+            self.src_entry,
+            self.src_offset,
+            self.dst_entry,
+            self.dst_offset,
+            self.len,
+        )
     }
 
     /// Bytes moved by all rows (`len · count`).
@@ -171,12 +183,24 @@ impl ByteRanges {
     /// previous range as a whole when it continues it with the same strides, or is appended
     /// as given (a range whose second row's offset overflows is appended as given).
     /// Zero-length and zero-count descriptors are dropped.
+    ///
+    /// ```
+    /// use kvbridge_geometry::{ByteRange, ByteRanges};
+    /// let mut r = ByteRanges::new();
+    /// // Every 4th 1152-byte row of the source onto consecutive destination rows.
+    /// for i in 0..16 {
+    ///     r.push(ByteRange::new(0, i * 4 * 1152, 0, i * 1152, 1152));
+    /// }
+    /// let op = ByteRange::new(0, 0, 0, 0, 1152).with_rows(16, 4 * 1152, 1152);
+    /// assert_eq!(r.as_slice(), [op]);
+    /// assert_eq!((r.len(), r.row_count()), (1, 16));
+    /// ```
     pub fn push(&mut self, r: ByteRange) {
         if r.len == 0 || r.count == 0 {
             return;
         }
         if r.count == 1 {
-            self.push_row(r.with_rows(1, 0, 0));
+            self.push_row(r.first_row());
             return;
         }
         let (Some(src_offset), Some(dst_offset)) = (
@@ -186,7 +210,7 @@ impl ByteRanges {
             self.ranges.push(r);
             return;
         };
-        self.push_row(r.with_rows(1, 0, 0));
+        self.push_row(r.first_row());
         let rest = ByteRange {
             src_offset,
             dst_offset,
@@ -195,14 +219,14 @@ impl ByteRanges {
         };
         if !self.extend_progression(&rest) {
             self.ranges.push(if rest.count == 1 {
-                rest.with_rows(1, 0, 0)
+                rest.first_row()
             } else {
                 rest
             });
         }
     }
 
-    /// Pushes one row (`count == 1`, strides 0).
+    /// Pushes one row (`count == 1`, strides `len`).
     fn push_row(&mut self, row: ByteRange) {
         if let Some(last) = self.ranges.last_mut() {
             if last.src_entry == row.src_entry && last.dst_entry == row.dst_entry {
@@ -215,11 +239,11 @@ impl ByteRanges {
                         return;
                     };
                     if last.count == 1 {
-                        last.len = len;
+                        (last.len, last.src_stride, last.dst_stride) = (len, len, len);
                     } else {
                         last.count -= 1;
                         if last.count == 1 {
-                            (last.src_stride, last.dst_stride) = (0, 0);
+                            *last = last.first_row();
                         }
                         let merged = ByteRange::new(row.src_entry, fs, row.dst_entry, fd, len);
                         self.ranges.push(merged);

@@ -2,10 +2,12 @@
 //! gives exactly the per-row ranges of a planner that only merges contiguous continuations
 //! (the reference below), for random geometries.
 
+mod common;
+
+use common::World;
 use kvbridge_geometry::{
-    ByteRange, ByteRanges, DcpPlanInput, EntryPair, EntryRole, HeadSharding, PoolGeometry,
-    ReshardInput, Run, SendPages, group_concurrent_contiguous, head_slice_ranges, identity_pairs,
-    page_path_ranges,
+    ByteRange, ByteRanges, DcpPlanInput, EntryPair, EntryRole, HeadSharding, PoolGeometry, Run,
+    SendPages, group_concurrent_contiguous, head_slice_ranges, identity_pairs, page_path_ranges,
 };
 use proptest::prelude::*;
 
@@ -80,7 +82,7 @@ fn check(got: &ByteRanges, want: &Reference, src: &PoolGeometry, dst: &PoolGeome
     for r in got {
         assert!(r.count >= 1 && r.len > 0, "{r:?}");
         if r.count == 1 {
-            assert_eq!((r.src_stride, r.dst_stride), (0, 0), "{r:?}");
+            assert_eq!((r.src_stride, r.dst_stride), (r.len, r.len), "{r:?}");
         } else {
             assert!(r.dst_stride >= r.len, "destination rows overlap: {r:?}");
         }
@@ -116,19 +118,18 @@ fn table(alloc: Alloc, n: u64) -> Vec<u64> {
         Alloc::Ascending(base) => (base..base + n).collect(),
         Alloc::Descending(base) => (base..base + n).rev().collect(),
         Alloc::Step(base, step) => (0..n).map(|i| base + i * step).collect(),
-        Alloc::Shuffled(seed) => {
-            let mut state = seed | 1;
-            let mut v: Vec<u64> = (0..2 * n + 1).collect();
-            for i in (1..v.len()).rev() {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                v.swap(i, (state % (i as u64 + 1)) as usize);
-            }
-            v.truncate(n as usize);
-            v
-        }
+        Alloc::Shuffled(seed) => common::shuffled(&mut (seed | 1), n),
     }
+}
+
+/// A head split (KV heads 1..=8, attention TP sizes 1..=16 on each side), the decode TP size
+/// and the bytes of one head per token row.
+fn head_sharding() -> impl Strategy<Value = (HeadSharding, u64, u64)> {
+    let sizes = [1u64, 2, 4, 8, 16];
+    (0usize..4, 0usize..5, 0usize..5, 1u64..=3).prop_map(move |(h, s, d, hb)| {
+        let sharding = HeadSharding::new([1u64, 2, 4, 8][h], sizes[s], sizes[d]).unwrap();
+        (sharding, sizes[d], hb)
+    })
 }
 
 fn pages_for(tables: &[&[u64]]) -> u64 {
@@ -206,20 +207,26 @@ proptest! {
         total in 1u64..=120,
         chunks in 1u64..=3,
         (sa, da) in (alloc(), alloc()),
-        heads in (0usize..4, 0usize..5, 0usize..5, 1u64..=3),
+        (sharding, tp_dst, hb) in head_sharding(),
         layers in 1usize..=3,
     ) {
         let prefix = prefix_pages * p2 * b;
-        let end = prefix + total;
-        let tables: Vec<Vec<u64>> = (0..a).map(|_| table(sa, end.div_ceil(a).div_ceil(p1))).collect();
-        let dst_pages = table(da, total.div_ceil(p2 * b));
-        let mut all: Vec<&[u64]> = tables.iter().map(Vec::as_slice).collect();
-        let num_src_pages = pages_for(&all);
-        all = vec![&dst_pages];
-        let num_dst_pages = pages_for(&all);
-        let sizes = [1u64, 2, 4, 8, 16];
-        let (h, tp_src, tp_dst, hb) = ([1u64, 2, 4, 8][heads.0], sizes[heads.1], sizes[heads.2], heads.3);
-        let sharding = HeadSharding::new(h, tp_src, tp_dst).unwrap();
+        let mut cuts: Vec<u64> = (1..chunks).map(|k| k * total / chunks).collect();
+        cuts.dedup();
+        cuts.retain(|&c| c > 0);
+        let w = World {
+            a,
+            b,
+            p1,
+            p2,
+            prefix,
+            total,
+            cuts,
+            prefill_tables: (0..a).map(|_| table(sa, (prefix + total).div_ceil(a).div_ceil(p1))).collect(),
+            dst: table(da, total.div_ceil(p2 * b)),
+        };
+        let num_src_pages = pages_for(&w.prefill_tables.iter().map(Vec::as_slice).collect::<Vec<_>>());
+        let num_dst_pages = pages_for(&[&w.dst]);
         let (hs, hd) = (sharding.heads_per_src_rank(), sharding.heads_per_dst_rank());
         let pool = |p: u64, pages: u64, tok: u64| {
             PoolGeometry::builder(p)
@@ -231,27 +238,10 @@ proptest! {
         let (src, dst) = (pool(p1, num_src_pages, 8), pool(p2, num_dst_pages, 8));
         let (hsrc, hdst) = (pool(p1, num_src_pages, hs * hb), pool(p2, num_dst_pages, hd * hb));
         let pairs = identity_pairs(layers);
-        let cuts: Vec<u64> = (0..=chunks).map(|k| k * total / chunks).collect();
-        for c in cuts.windows(2) {
-            let (c0, n) = (c[0], c[1] - c[0]);
-            let first_page = ((prefix + c0) / a / p1) as usize;
+        for (c0, n) in w.chunks() {
             for ar in 0..a {
                 for br in 0..b {
-                    let plan = ReshardInput {
-                        src_pages: &tables[ar as usize][first_page..],
-                        dst_pages: SendPages::after_prefix(&dst_pages),
-                        src_page_size: p1,
-                        dst_page_size: p2,
-                        src_dcp_size: a,
-                        src_dcp_rank: ar,
-                        dst_dcp_size: b,
-                        dst_dcp_rank: br,
-                        decode_prefix_len: prefix,
-                        chunk_start: c0,
-                        num_tokens: n,
-                    }
-                    .plan()
-                    .unwrap();
+                    let plan = w.input(ar, br, c0, n).plan().unwrap();
                     let got = plan.byte_ranges(&src, &dst, &pairs).unwrap();
                     let mut want = Reference::default();
                     for &pair in &pairs {
@@ -283,7 +273,7 @@ proptest! {
         n in 0u64..=12,
         extra in 0u64..=2,
         (sa, da) in (alloc(), alloc()),
-        heads in (0usize..4, 0usize..5, 0usize..5, 1u64..=3),
+        (sharding, tp_dst, hb) in head_sharding(),
         layers in 1usize..=3,
     ) {
         let src_pages = table(sa, n + extra);
@@ -306,9 +296,6 @@ proptest! {
         }
         check(&got, &want, &src, &dst);
 
-        let sizes = [1u64, 2, 4, 8, 16];
-        let (h, tp_src, tp_dst, hb) = ([1u64, 2, 4, 8][heads.0], sizes[heads.1], sizes[heads.2], heads.3);
-        let sharding = HeadSharding::new(h, tp_src, tp_dst).unwrap();
         let (hs, hd) = (sharding.heads_per_src_rank(), sharding.heads_per_dst_rank());
         let (hsrc, hdst) = (pool(&src_pages, hs * hb), pool(&dst_pages, hd * hb));
         let row_runs = || runs.iter().map(|r| Run::new(r.src_start * p, r.dst_start * p, r.len * p));
@@ -508,10 +495,19 @@ fn descriptors(
     (p1, p2): (u64, u64),
 ) -> (u64, usize, u64) {
     const CHUNK: u64 = 4096;
-    let tables: Vec<Vec<u64>> = (0..a)
-        .map(|r| table(src(1031 + r), total.div_ceil(a).div_ceil(p1)))
-        .collect();
-    let dst_pages = table(dst(257), total.div_ceil(p2 * b));
+    let w = World {
+        a,
+        b,
+        p1,
+        p2,
+        prefix: 0,
+        total,
+        cuts: (CHUNK..total).step_by(CHUNK as usize).collect(),
+        prefill_tables: (0..a)
+            .map(|r| table(src(1031 + r), total.div_ceil(a).div_ceil(p1)))
+            .collect(),
+        dst: table(dst(257), total.div_ceil(p2 * b)),
+    };
     let pool = |p: u64| {
         PoolGeometry::builder(p)
             .num_pages(4099)
@@ -521,24 +517,10 @@ fn descriptors(
     };
     let (src_pool, dst_pool) = (pool(p1), pool(p2));
     let (mut rows, mut ranges, mut covered) = (0, 0, 0);
-    for c0 in (0..total).step_by(CHUNK as usize) {
+    for (c0, n) in w.chunks() {
         for ar in 0..a {
             for br in 0..b {
-                let plan = ReshardInput {
-                    src_pages: &tables[ar as usize][(c0 / a / p1) as usize..],
-                    dst_pages: SendPages::after_prefix(&dst_pages),
-                    src_page_size: p1,
-                    dst_page_size: p2,
-                    src_dcp_size: a,
-                    src_dcp_rank: ar,
-                    dst_dcp_size: b,
-                    dst_dcp_rank: br,
-                    chunk_start: c0,
-                    num_tokens: CHUNK.min(total - c0),
-                    ..ReshardInput::default()
-                }
-                .plan()
-                .unwrap();
+                let plan = w.input(ar, br, c0, n).plan().unwrap();
                 rows += plan.len();
                 let r = plan
                     .byte_ranges(&src_pool, &dst_pool, &identity_pairs(layers))
