@@ -7,7 +7,11 @@
 
 use pyo3::prelude::*;
 
+mod agents;
 mod checks;
+mod engine;
+mod errors;
+mod memory;
 mod planner;
 
 /// The native module: one `register` call per submodule.
@@ -16,5 +20,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     planner::register(m)?;
     checks::register(m)?;
+    errors::register(m)?;
+    engine::register(m)?;
+    agents::register(m)?;
     Ok(())
 }

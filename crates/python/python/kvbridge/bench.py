@@ -1,13 +1,18 @@
 """Benchmarks of the Python package, each against its baseline in the same run.
 
     python -m kvbridge.bench planner [--repeats 30] [--sglang DIR]
+    python -m kvbridge.bench engine [--repeats 30] [--rust target/release/kvbridge]
 
 ``planner``: the SGLang drop-ins and kvbridge's fused ``build_dcp_transfer_runs`` against
 SGLang 0.5.23's own numpy planner (fetched with ``kvbridge.reference`` unless ``--sglang``
 names an unpacked copy) on the same inputs: page size 64, DCP 8, one 131072-token chunk
 (2048 scattered source pages, 256 destination virtual pages), all 8 destination ranks per
 iteration. Prints the median and the fastest of the repeats per rank, and the speed-ups of the
-medians. Results are checked equal before anything is timed. See docs/benchmarks.md.
+medians. Results are checked equal before anything is timed.
+
+``engine``: ``kvbridge.Engine`` write throughput from Python on one 256 MiB block over shm and
+TCP, every byte verified, and with ``--rust`` the Rust bench's large block (``kvbridge bench
+--pattern large``) in the same run (``kvbridge.bench_engine``). See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import time
 from typing import Callable, Dict, List, Tuple
 
 import numpy as np
+
+from kvbridge import bench_engine
 
 PAGE_SIZE, DCP, TOKENS = 64, 8, 131072
 
@@ -134,6 +141,8 @@ def planner(repeats: int, sglang_dir: str | None) -> List[str]:
 
 BENCHES: Dict[str, Callable[[argparse.Namespace], List[str]]] = {
     "planner": lambda a: planner(a.repeats, a.sglang),
+    # Engine write throughput on one 256 MiB block, shm and TCP (kvbridge.bench_engine).
+    "engine": lambda a: bench_engine.lines(a.repeats, 256, a.rust),
 }
 
 
@@ -144,6 +153,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--repeats", type=int, default=30, help="timed repeats per row (median reported)")
     parser.add_argument("--sglang", default=None, help="an unpacked SGLang 0.5.23 (default: fetch it)")
+    parser.add_argument("--rust", default=None, help="the kvbridge binary, to run its engine bench alongside")
     args = parser.parse_args(argv)
     unknown = [w for w in args.which if w not in BENCHES]
     if unknown:

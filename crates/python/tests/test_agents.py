@@ -1,0 +1,150 @@
+"""kvbridge.PrefillAgent / DecodeAgent in one process: SGLang's KVPoll, a request end to end
+while another thread drives the prefill (the GIL is released in waits), and typed errors."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import kvbridge
+
+PAGE, ROW, LAYERS, PAGES = 16, 576, 2, 8
+ITEM = PAGE * ROW
+
+
+def descriptor(role, **extra):
+    d = {
+        "role": role,
+        "page_size": PAGE,
+        "kv_cache_dtype": "auto",
+        "kv_pool": "mla",
+        "attn_tp_size": 1,
+        "kv_item_lens": [ITEM] * LAYERS,
+    }
+    d.update(extra)
+    return d
+
+
+def test_kvpoll_has_sglangs_names_and_values():
+    assert [(p.name, int(p)) for p in kvbridge.KVPoll] == [
+        ("Failed", 0),
+        ("Bootstrapping", 1),
+        ("WaitingForInput", 2),
+        ("Transferring", 3),
+        ("Success", 4),
+    ]
+
+
+@pytest.fixture
+def setup():
+    server = kvbridge.BootstrapServer()
+    p_engine, d_engine = kvbridge.Engine("loopback"), kvbridge.Engine("loopback")
+    p_kv = [p_engine.allocate(PAGES * ITEM) for _ in range(LAYERS)]
+    d_kv = [d_engine.allocate(PAGES * ITEM) for _ in range(LAYERS)]
+    prefill = kvbridge.PrefillAgent(
+        p_engine, descriptor("prefill"), p_kv, bootstrap_addr=server.addr
+    )
+    decode = kvbridge.DecodeAgent(d_engine, descriptor("decode"), d_kv)
+    yield server, prefill, decode, p_kv, d_kv
+    prefill.close()
+    decode.close()
+    p_engine.close()
+    d_engine.close()
+    server.close()
+
+
+def test_a_request_while_another_thread_sends(setup):
+    server, prefill, decode, p_kv, d_kv = setup
+    for layer, m in enumerate(p_kv):
+        np.asarray(m)[:] = np.arange(m.nbytes, dtype=np.uint64).astype(np.uint8) + layer
+    prefill.create_room(7)
+    errors = []
+
+    def prefill_side():
+        try:
+            assert prefill.wait_ready(7, timeout=120.0) == 0
+            prefill.send_chunk(7, [4, 2], 2 * PAGE, last=True)
+            assert prefill.wait(7, timeout=120.0) == kvbridge.KVPoll.Success
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    worker = threading.Thread(target=prefill_side)
+    worker.start()
+    decode.receive(7, server.addr, [5, 0])
+    # Waits in Rust with the GIL released: the prefill thread runs meanwhile.
+    assert decode.wait(7, timeout=120.0) == kvbridge.KVPoll.Success
+    worker.join()
+    assert errors == []
+    assert decode.poll(7) == kvbridge.KVPoll.Success
+    for src, dst in zip(p_kv, d_kv):
+        s = np.asarray(src).reshape(PAGES, ITEM)
+        d = np.asarray(dst).reshape(PAGES, ITEM)
+        assert (d[5] == s[4]).all() and (d[0] == s[2]).all()
+    assert decode.metrics()["rooms_succeeded"] == 1
+    decode.clear(7)
+    with pytest.raises(kvbridge.RoomError, match="not known"):
+        decode.poll(7)
+
+
+def test_wait_with_a_timeout_returns_the_current_state(setup):
+    _, prefill, _, _, _ = setup
+    prefill.create_room(1)
+    assert prefill.wait(1, timeout=0.05) == kvbridge.KVPoll.Bootstrapping
+    with pytest.raises(kvbridge.TimedOutError):
+        prefill.wait_ready(1, timeout=0.05)
+    with pytest.raises(kvbridge.RoomError, match="already exists"):
+        prefill.create_room(1)
+    with pytest.raises(kvbridge.RoomError):
+        prefill.send_chunk(1, [0], PAGE)
+
+
+def test_an_aborted_room_fails_with_kvtransfererror(setup):
+    server, prefill, decode, _, _ = setup
+    prefill.create_room(3)
+    decode.receive(3, server.addr, [1])
+    decode.abort(3)
+    with pytest.raises(kvbridge.KVTransferError, match="bootstrap_room=3"):
+        decode.wait(3, timeout=120.0)
+    assert decode.poll(3) == kvbridge.KVPoll.Failed
+    assert "bootstrap_room=3" in decode.failure(3)
+
+
+def test_bad_agent_input_raises_typed_errors():
+    e = kvbridge.Engine("loopback")
+    m = e.allocate(PAGES * ITEM)
+    with pytest.raises(kvbridge.InvalidArgumentError, match="descriptor"):
+        kvbridge.DecodeAgent(e, {"role": "decode"}, [m, m])
+    with pytest.raises(kvbridge.InvalidArgumentError, match="descriptor"):
+        kvbridge.DecodeAgent(e, "{not json", [m, m])
+    with pytest.raises(kvbridge.InvalidArgumentError, match="KV entries"):
+        kvbridge.DecodeAgent(e, descriptor("decode"), [m])
+    with pytest.raises(kvbridge.InvalidArgumentError, match="entry"):
+        kvbridge.DecodeAgent(e, descriptor("decode"), ["layer 0", m])
+    with pytest.raises(kvbridge.UnknownRegionError):
+        kvbridge.DecodeAgent(e, descriptor("decode"), [12345, m])
+    with pytest.raises(kvbridge.InvalidArgumentError, match="prefill"):
+        kvbridge.PrefillAgent(e, descriptor("decode"), [m, m], bootstrap_addr="127.0.0.1:1")
+    d = kvbridge.DecodeAgent(e, descriptor("decode"), [m, (m.region, 0, m.nbytes)])
+    with pytest.raises(kvbridge.InvalidArgumentError, match="page ids"):
+        d.receive(1, "127.0.0.1:1", [-1])
+    d.close()
+    e.close()
+
+
+def test_a_missing_prefill_fails_the_room():
+    e = kvbridge.Engine("loopback")
+    kv = [e.allocate(PAGES * ITEM) for _ in range(LAYERS)]
+    with kvbridge.DecodeAgent(e, descriptor("decode"), kv, bootstrap_timeout=1.0) as d:
+        # Nothing listens on port 1 of 127.0.0.1: the handshake cannot complete.
+        d.receive(9, "127.0.0.1:1", [0])
+        with pytest.raises(kvbridge.KVTransferError, match="bootstrap_room=9"):
+            d.wait(9, timeout=120.0)
+    e.close()
+
+
+def test_an_unreachable_bootstrap_server_raises_peer_lost():
+    e = kvbridge.Engine("loopback")
+    kv = [e.allocate(PAGES * ITEM) for _ in range(LAYERS)]
+    with pytest.raises(kvbridge.PeerLostError, match="bootstrap"):
+        kvbridge.PrefillAgent(e, descriptor("prefill"), kv, bootstrap_addr="127.0.0.1:1")
+    e.close()
