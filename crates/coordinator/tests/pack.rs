@@ -148,3 +148,46 @@ async fn a_chunk_longer_than_the_buffers_hold_is_refused() {
         "{err}"
     );
 }
+
+#[tokio::test]
+async fn pack_buffers_need_the_kv_region_handles() {
+    use std::sync::Arc;
+
+    use kvbridge_coordinator::{CoordinatorError, InProcessControlHub, KvMemory, PrefillAgent};
+    use kvbridge_mock::LoopbackTransport;
+    use kvbridge_transport::KvTransport;
+
+    let desc = mla("prefill", 16, LAYERS as usize, TOK, 1, 0, 1);
+    let transport: Arc<dyn KvTransport> = Arc::new(LoopbackTransport::new());
+    let mem = KvMemory::allocate(&*transport, &desc, 4, 1).await.unwrap();
+    let hub = InProcessControlHub::new();
+    let config = PrefillConfig::default().with_pack_buffers(PackBuffers::new(1, 64, 1));
+    let start = |regions: Option<Vec<kvbridge_transport::MemoryRegion>>, name: &str| {
+        let b = PrefillAgent::builder(
+            desc.clone(),
+            mem.memory.clone(),
+            transport.clone(),
+            Arc::new(hub.channel(name).unwrap()),
+        )
+        .config(config.clone());
+        match regions {
+            Some(r) => b.kv_regions(r),
+            None => b,
+        }
+        .start()
+    };
+    let err = start(None, "p0").unwrap_err();
+    assert!(
+        matches!(&err, CoordinatorError::InvalidSetup { message } if message.contains("kv_regions")),
+        "{err}"
+    );
+    let err = start(Some(mem.kv_regions[..1].to_vec()), "p1").unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("one KV region handle per KV entry"),
+        "{err}"
+    );
+    start(Some(mem.kv_regions.clone()), "p2")
+        .unwrap()
+        .shutdown();
+}
