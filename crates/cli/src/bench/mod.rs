@@ -9,7 +9,8 @@
 //! peak RSS.
 //!
 //! A transport plugs in with a [`Factory`] (see [`factory`]); `shm.rs` is one, a `tcp.rs` will be
-//! another. `--e2e` (the whole prefill → decode path against the raw transport) lives in `e2e.rs`.
+//! another. `--e2e` (the whole prefill → decode path against memcpy and the transport's own
+//! large-block throughput) lives in `e2e.rs`.
 
 use std::future::Future;
 use std::io::{IsTerminal, Write};
@@ -173,6 +174,22 @@ pub(crate) struct BenchArgs {
     /// Measure the whole prefill -> decode path instead of one transport.
     #[arg(long)]
     e2e: bool,
+    /// `--e2e`: gather strided rows into pack buffers on the prefill and post contiguous
+    /// ranges (default: post the planner's strided ops).
+    #[arg(long, requires = "e2e")]
+    pack: bool,
+    /// `--e2e`: prefill DCP size (one prefill rank each).
+    #[arg(long, requires = "e2e", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
+    prefill_dcp: u32,
+    /// `--e2e`: decode DCP size (one decode rank each).
+    #[arg(long, requires = "e2e", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=16))]
+    dcp: u32,
+    /// `--e2e`: page size of the prefill pool, in tokens.
+    #[arg(long, requires = "e2e", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    prefill_page_size: u64,
+    /// `--e2e`: page size of the decode pool, in tokens.
+    #[arg(long, requires = "e2e", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    page_size: u64,
     /// Scale every pattern's size by this factor (for quick smoke runs).
     #[arg(long, hide = true, default_value_t = 1.0)]
     size_scale: f64,
