@@ -3,7 +3,8 @@
 //! Tasks: `ci` (fmt, clippy, test, deny), `fmt`, `clippy`, `test`, `deny`, `msrv` (build with
 //! the declared rust-version), `miri` (registered memory's tests under Miri, when nightly Miri
 //! is installed), `bench [NAME]`, `stress [--iterations N] [--time-limit SECS] [--burners K]`
-//! (the cross-process tests, again and again, on a loaded machine).
+//! (the cross-process tests, again and again, on a loaded machine), `nixl-setup [DIR]` (libclang
+//! and the NIXL runtime for `kvbridge-nixl`, into `target/nixl/`).
 
 use std::env;
 use std::fs;
@@ -15,6 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
+mod nixl_setup;
 #[cfg(test)]
 mod tidy;
 
@@ -44,40 +46,52 @@ fn fmt() -> Result<(), String> {
     cargo(&["fmt", "--all", "--", "--check"])
 }
 
+/// Every feature of every package but the NIXL ones, for machines without libclang: building
+/// nixl-sys (features `kvbridge-nixl/nixl`, `kvbridge-cli/nixl`) runs bindgen, which needs it.
+/// `tidy::the_feature_list_without_nixl_names_every_other_feature` keeps the list complete.
+pub(crate) const FEATURES_WITHOUT_NIXL: &str = "kvbridge-geometry/serde,kvbridge-transport/mock,\
+kvbridge-transport/testing,kvbridge/full,kvbridge/coordinator,kvbridge/handshake,kvbridge/mock,\
+kvbridge/planner,kvbridge/shm,kvbridge/tcp,kvbridge/testing,kvbridge/transport";
+
+/// `--all-features` where nixl-sys can be built (libclang present, as `cargo xtask nixl-setup`
+/// makes it), otherwise every other feature, saying once why the NIXL tests do not run.
+fn feature_args() -> Vec<&'static str> {
+    static NOTED: std::sync::Once = std::sync::Once::new();
+    if nixl_setup::has_libclang() {
+        return vec!["--all-features"];
+    }
+    NOTED.call_once(|| {
+        eprintln!(
+            "xtask: libclang not found, so the NIXL features (nixl-sys) are left out and the NIXL \
+             tests do not run; `cargo xtask nixl-setup` installs libclang and the NIXL runtime"
+        )
+    });
+    vec!["--features", FEATURES_WITHOUT_NIXL]
+}
+
 fn clippy() -> Result<(), String> {
-    cargo(&[
-        "clippy",
-        "--workspace",
-        "--all-targets",
-        "--all-features",
-        "--",
-        "-D",
-        "warnings",
-    ])
+    let mut args = vec!["clippy", "--workspace", "--all-targets"];
+    args.extend(feature_args());
+    args.extend(["--", "-D", "warnings"]);
+    cargo(&args)
 }
 
 fn test() -> Result<(), String> {
+    let features = feature_args();
     if has_nextest() {
-        cargo(&[
-            "nextest",
-            "run",
-            "--workspace",
-            "--all-features",
-            "--no-fail-fast",
-        ])?;
+        let mut args = vec!["nextest", "run", "--workspace", "--no-fail-fast"];
+        args.extend(&features);
+        cargo(&args)?;
     } else {
         eprintln!("xtask: cargo-nextest not found, using cargo test");
-        cargo(&[
-            "test",
-            "--workspace",
-            "--all-features",
-            "--lib",
-            "--bins",
-            "--tests",
-        ])?;
+        let mut args = vec!["test", "--workspace", "--lib", "--bins", "--tests"];
+        args.extend(&features);
+        cargo(&args)?;
     }
     // nextest does not run doctests.
-    cargo(&["test", "--workspace", "--all-features", "--doc"])
+    let mut args = vec!["test", "--workspace", "--doc"];
+    args.extend(&features);
+    cargo(&args)
 }
 
 fn deny() -> Result<(), String> {
@@ -196,8 +210,21 @@ fn bench(name: Option<&str>) -> Result<(), String> {
             "bench",
             "--e2e",
         ]),
+        // Needs `cargo xtask nixl-setup` first.
+        Some("nixl") => cargo(&[
+            "run",
+            "--release",
+            "-p",
+            "kvbridge-cli",
+            "--features",
+            "nixl",
+            "--",
+            "bench",
+            "--transport",
+            "nixl",
+        ]),
         Some(other) => Err(format!(
-            "unknown bench `{other}`; choose one of: planner, shm, tcp, e2e"
+            "unknown bench `{other}`; choose one of: planner, shm, tcp, e2e, nixl"
         )),
     }
 }
@@ -440,9 +467,10 @@ fn main() -> ExitCode {
         Some("miri") => miri(),
         Some("bench") => bench(args.get(1).map(String::as_str)),
         Some("stress") => parse_stress(&args[1..]).and_then(stress),
+        Some("nixl-setup") => nixl_setup::nixl_setup(args.get(1).map(String::as_str)),
         _ => Err(
-            "usage: cargo xtask <ci|fmt|clippy|test|deny|msrv|miri|bench [planner|shm|tcp|e2e]|stress \
-             [--iterations N] [--time-limit SECS] [--burners K]>"
+            "usage: cargo xtask <ci|fmt|clippy|test|deny|msrv|miri|bench [planner|shm|tcp|e2e|nixl]|stress \
+             [--iterations N] [--time-limit SECS] [--burners K]|nixl-setup [DIR]>"
                 .to_owned(),
         ),
     };

@@ -54,6 +54,46 @@ fn normal_dependencies(manifest: &str) -> BTreeSet<String> {
     deps
 }
 
+/// The `[features]` of a manifest, but `default`.
+fn features(manifest: &str) -> BTreeSet<String> {
+    let mut in_features = false;
+    let mut names = BTreeSet::new();
+    for line in manifest.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            in_features = line == "[features]";
+            continue;
+        }
+        if in_features && !line.is_empty() && !line.starts_with('#') {
+            let name = line.split(['=', ' ']).next().unwrap().trim();
+            if name != "default" && !name.is_empty() {
+                names.insert(name.to_owned());
+            }
+        }
+    }
+    names
+}
+
+#[test]
+fn the_feature_list_without_nixl_names_every_other_feature() {
+    let listed: BTreeSet<String> = crate::FEATURES_WITHOUT_NIXL
+        .split(',')
+        .map(str::to_owned)
+        .collect();
+    let mut all = BTreeSet::new();
+    for (dir, name) in crates() {
+        for feature in features(&read(&dir.join("Cargo.toml"))) {
+            if feature != "nixl" {
+                all.insert(format!("{name}/{feature}"));
+            }
+        }
+    }
+    assert_eq!(
+        listed, all,
+        "xtask's FEATURES_WITHOUT_NIXL must list every feature but `nixl` (package/feature)"
+    );
+}
+
 #[test]
 fn every_crate_has_a_codemap_section() {
     let arch = read(&root().join("docs/ARCHITECTURE.md"));
@@ -87,6 +127,7 @@ fn crates_depend_only_on_what_the_codemap_allows() {
         ("kvbridge-mock", &["kvbridge-transport"], true),
         ("kvbridge-shm", &["kvbridge-transport"], true),
         ("kvbridge-tcp", &["kvbridge-transport"], true),
+        ("kvbridge-nixl", &["kvbridge-transport"], true),
         (
             "kvbridge-coordinator",
             &[
@@ -135,12 +176,14 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 }
 
 #[test]
-fn unsafe_code_lives_only_in_the_two_memory_modules() {
+fn unsafe_code_lives_only_in_the_memory_and_ffi_modules() {
     let allowed = [
         root().join("crates/transport/src/memory.rs"),
         root().join("crates/shm/src/map.rs"),
         // Python memory (numpy buffers, caller pointers) wrapped as foreign regions.
         root().join("crates/python/src/memory.rs"),
+        // The NIXL C API and the memory handed to it.
+        root().join("crates/nixl/src/ffi.rs"),
     ];
     let mut files = Vec::new();
     for dir in ["crates", "examples", "tests", "xtask"] {
@@ -156,7 +199,7 @@ fn unsafe_code_lives_only_in_the_two_memory_modules() {
         for marker in markers {
             assert!(
                 !text.contains(marker),
-                "{} contains `{marker}`; unsafe code belongs in the registered-memory module or the shm mapping layer",
+                "{} contains `{marker}`; unsafe code belongs in the registered-memory module, the shm mapping layer, the Python memory wrapper (crates/python/src/memory.rs) or the NIXL loader (crates/nixl/src/ffi.rs)",
                 file.display()
             );
         }

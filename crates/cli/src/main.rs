@@ -63,6 +63,25 @@ pub(crate) async fn terminating_signal() -> &'static str {
     }
 }
 
+/// A NIXL transport for `--transport nixl`, or why this build cannot make one.
+#[cfg(feature = "nixl")]
+pub(crate) fn nixl_transport() -> Result<std::sync::Arc<dyn kvbridge_transport::KvTransport>, String>
+{
+    kvbridge_nixl::NixlTransport::new()
+        .map(|t| std::sync::Arc::new(t) as _)
+        .map_err(|e| format!("NIXL transport: {e}"))
+}
+
+/// A NIXL transport for `--transport nixl`, or why this build cannot make one.
+#[cfg(not(feature = "nixl"))]
+pub(crate) fn nixl_transport() -> Result<std::sync::Arc<dyn kvbridge_transport::KvTransport>, String>
+{
+    Err(format!(
+        "NIXL transport: {}",
+        kvbridge_nixl::NixlError::NotBuilt
+    ))
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {

@@ -1,6 +1,6 @@
 //! End to end across real processes: `kvbridge demo` starts a prefill process (with the
-//! bootstrap server) and one process per decode rank, over shared memory and over TCP, and
-//! every decode rank checks every byte it holds. Small geometries and short deadlines keep
+//! bootstrap server) and one process per decode rank, over shared memory, over TCP and (feature
+//! `nixl`) over NIXL, and every decode rank checks every byte it holds. Small geometries and short deadlines keep
 //! each case to a second or a few. Every run gets a private temporary directory, which must be
 //! empty once the demo exited, whatever was killed.
 
@@ -218,6 +218,47 @@ fn mla_dcp(transport: &str, dcp: &str) {
     // Each position on exactly one decode rank: the union is every token row of every layer.
     assert_eq!(r["expected_verified_bytes"], 6 * 333 * 3 * 1152);
     assert_eq!(procs(&r).len(), 1 + dcp.parse::<usize>().unwrap());
+    // Strided ops: fewer descriptors than the rows they cover.
+    let d = &r["descriptors_per_request"];
+    assert!(
+        d["descriptors"].as_u64().unwrap() < d["rows"].as_u64().unwrap(),
+        "{d}"
+    );
+    assert_eq!(d["pack_batches"], 0);
+}
+
+fn mla_dcp_pack(transport: &str) {
+    // Chunks of 64 tokens (4 prefill pages of 16) to 4 decode ranks: each batch holds one
+    // decode page per layer, gathered into one contiguous range per layer.
+    let r = assert_ok(&args(
+        transport,
+        &[
+            "--dcp",
+            "4",
+            "--tokens",
+            "256",
+            "--chunk-tokens",
+            "64",
+            "--pack",
+        ],
+    ));
+    assert_eq!(r["expected_verified_bytes"], 6 * 256 * 3 * 1152);
+    let d = &r["descriptors_per_request"];
+    // 4 chunks x 4 decode ranks x 3 layers, plus one aux row per decode rank.
+    assert_eq!(d["descriptors"], 4 * 4 * 3 + 4, "{d}");
+    assert_eq!(d["rows"], d["descriptors"], "{d}");
+    assert_eq!(d["pack_batches"], 4 * 4, "{d}");
+    assert_eq!(d["pack_bytes"], 256 * 3 * 1152, "{d}");
+}
+
+#[test]
+fn mla_dcp_1_to_4_pack_shm() {
+    mla_dcp_pack("shm");
+}
+
+#[test]
+fn mla_dcp_1_to_4_pack_tcp() {
+    mla_dcp_pack("tcp");
 }
 
 #[test]
@@ -676,7 +717,7 @@ fn a_shared_secret_protects_the_control_channels() {
     ));
 }
 
-fn bench_e2e(transport: &str) {
+fn bench_e2e(transport: &str, extra: &[&str]) -> Value {
     let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
         .args([
             "bench",
@@ -688,6 +729,7 @@ fn bench_e2e(transport: &str) {
             "0.02",
         ])
         .args(["--transport", transport])
+        .args(extra)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -699,21 +741,53 @@ fn bench_e2e(transport: &str) {
     let r: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(r["bench"], "e2e");
     assert_eq!(r["verified"], true, "{r}");
-    assert_eq!(
-        r["coordinator_descriptors"], r["raw_descriptors"],
-        "both paths post the same descriptors"
+    assert!(r["memcpy_ratio"].as_f64().unwrap() > 0.0);
+    assert!(r["transport_ratio"].as_f64().unwrap() > 0.0);
+    // Strided ops cover every row of the request with fewer descriptors (pack ranges are
+    // contiguous: one row each).
+    let (ops, rows) = (
+        r["descriptors"].as_u64().unwrap(),
+        r["rows"].as_u64().unwrap(),
     );
-    assert!(r["ratio"].as_f64().unwrap() > 0.0);
+    if r["pack"] == true {
+        assert_eq!(ops, rows, "{r}");
+    } else {
+        assert!(ops < rows, "{r}");
+    }
+    r
 }
 
 #[test]
-fn bench_e2e_compares_the_same_descriptors_and_verifies_both_paths_shm() {
-    bench_e2e("shm");
+fn bench_e2e_verifies_the_coordinator_against_both_baselines_shm() {
+    bench_e2e("shm", &[]);
 }
 
 #[test]
-fn bench_e2e_compares_the_same_descriptors_and_verifies_both_paths_tcp() {
-    bench_e2e("tcp");
+fn bench_e2e_verifies_the_coordinator_against_both_baselines_tcp() {
+    bench_e2e("tcp", &[]);
+}
+
+#[test]
+fn bench_e2e_pack_path_and_other_dcp_pairs() {
+    let r = bench_e2e("shm", &["--pack"]);
+    assert_eq!(r["pack"], true);
+    assert!(r["pack_batches"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(
+        r["rows"], r["descriptors"],
+        "pack ranges are contiguous: {r}"
+    );
+    bench_e2e(
+        "shm",
+        &[
+            "--prefill-dcp",
+            "2",
+            "--prefill-page-size",
+            "16",
+            "--page-size",
+            "64",
+        ],
+    );
+    bench_e2e("tcp", &["--prefill-dcp", "4", "--dcp", "1"]);
 }
 
 #[test]
@@ -832,4 +906,56 @@ fn a_terminated_bench_and_its_receiver_leave_nothing_behind() {
     assert_eq!(out.status.code(), Some(130), "{out:?}");
     wait_exited(&[receiver]);
     scratch.assert_empty("a terminated bench");
+}
+
+/// The same runs over NIXL's UCX backend (feature `nixl`; each skipped, with the reason printed,
+/// when the NIXL runtime is not set up: `cargo xtask nixl-setup`, which `.ci/run` runs).
+#[cfg(feature = "nixl")]
+mod nixl {
+    use super::*;
+
+    fn ready() -> bool {
+        match kvbridge_nixl::Runtime::locate() {
+            Ok(_) => true,
+            Err(e) => {
+                eprintln!("skipped: {e}");
+                false
+            }
+        }
+    }
+
+    #[test]
+    fn mla_dcp_1_to_4_nixl() {
+        if ready() {
+            mla_dcp("nixl", "4");
+        }
+    }
+
+    #[test]
+    fn gqa_tp_2_to_4_nixl() {
+        if ready() {
+            gqa_tp_2_to_4("nixl");
+        }
+    }
+
+    #[test]
+    fn any_to_any_dcp_and_page_sizes_nixl() {
+        if ready() {
+            assert_ok(&args(
+                "nixl",
+                &[
+                    "--prefill-dcp",
+                    "2",
+                    "--dcp",
+                    "4",
+                    "--prefill-page-size",
+                    "16",
+                    "--page-size",
+                    "64",
+                    "--tokens",
+                    "500",
+                ],
+            ));
+        }
+    }
 }

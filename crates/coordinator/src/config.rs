@@ -32,6 +32,53 @@ pub struct PrefillConfig {
     pub max_inflight_batches: usize,
     /// Compatibility envelope for the handshake checks.
     pub check: CheckOptions,
+    /// Gather strided source rows into registered pack buffers and post contiguous ranges
+    /// (default `None`: post the planner's strided ops as they are). Set with
+    /// [`with_pack_buffers`](Self::with_pack_buffers); the agent then needs its KV regions'
+    /// handles ([`PrefillAgentBuilder::kv_regions`](crate::PrefillAgentBuilder::kv_regions)).
+    pub pack_buffers: Option<PackBuffers>,
+}
+
+impl PrefillConfig {
+    /// This configuration with pack buffers on.
+    #[must_use]
+    pub fn with_pack_buffers(mut self, pack: PackBuffers) -> Self {
+        self.pack_buffers = Some(pack);
+        self
+    }
+}
+
+/// The prefill's pack-buffer pool ([`PrefillConfig::pack_buffers`]): a fixed number of
+/// registered buffers, each holding one batch (one chunk's rows for one decode rank).
+///
+/// A KV op whose source rows are strided (a DCP relayout: every `d`-th row of a prefill page)
+/// is gathered into a buffer in destination order, and the batch posts contiguous ranges from
+/// it instead: one per layer, chunk and destination rank when the decode's pages of the chunk
+/// are adjacent. What a GPU engine does with a gather kernel before an RDMA write. A buffer is
+/// written only while no batch reads it: it returns to the pool once its batch is final, and a
+/// batch that finds every buffer in use waits for one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PackBuffers {
+    /// Buffers in the pool (at least 1); batches in flight with a buffer are bounded by it.
+    pub count: usize,
+    /// The most tokens of one chunk (`send_chunk` refuses longer chunks).
+    pub max_chunk_tokens: u64,
+    /// The smallest decode DCP size this prefill sends to: a decode rank of DCP `d` receives at
+    /// most `ceil(max_chunk_tokens / d)` tokens of a chunk, which sizes each buffer.
+    pub min_decode_dcp: u64,
+}
+
+impl PackBuffers {
+    /// `count` buffers for chunks of up to `max_chunk_tokens` tokens sent to decode ranks of
+    /// DCP size `min_decode_dcp` or more.
+    pub fn new(count: usize, max_chunk_tokens: u64, min_decode_dcp: u64) -> Self {
+        Self {
+            count,
+            max_chunk_tokens,
+            min_decode_dcp,
+        }
+    }
 }
 
 impl Default for PrefillConfig {
@@ -46,6 +93,7 @@ impl Default for PrefillConfig {
             max_rooms: 65_536,
             max_inflight_batches: 64,
             check: CheckOptions::default(),
+            pack_buffers: None,
         }
     }
 }

@@ -115,7 +115,7 @@ pub use channel::{
     ControlChannel, DEFAULT_HUB_QUEUE, DynControlChannel, Endpoint, Envelope, InProcessChannel,
     InProcessControlHub,
 };
-pub use config::{DecodeConfig, PrefillConfig};
+pub use config::{DecodeConfig, PackBuffers, PrefillConfig};
 pub use decode::{DecodeAgent, DecodeAgentBuilder, FenceReport, ReceiveRequest};
 pub use directory::{PrefillDirectory, PrefillRankInfo, StaticDirectory};
 pub use error::{CoordinatorError, Result};

@@ -98,8 +98,18 @@ pub struct MetricsSnapshot {
     /// Batches that failed, timed out, or were cancelled by the fence after the room failed
     /// (batches).
     pub batches_failed: u64,
-    /// Byte ranges (transfer operations) posted, summed over all batches (descriptors).
+    /// Transfer operations posted, summed over all batches (descriptors; a strided op is
+    /// one).
     pub descriptors_posted: u64,
+    /// Rows the posted operations cover (rows; a strided op of `count` rows counts `count`,
+    /// a contiguous one 1): what a transport without strided ops moves one by one.
+    pub rows_posted: u64,
+    /// Batches posted from a pack buffer (batches; prefill with pack buffers).
+    pub pack_batches: u64,
+    /// Bytes gathered into pack buffers (bytes).
+    pub pack_bytes: u64,
+    /// Times a batch found every pack buffer in use and waited for one (waits).
+    pub pack_waits: u64,
     /// Failed rooms by cause (rooms; causes in docs/errors.md, "Transfer failure causes").
     pub failures_by_cause: BTreeMap<FailureCause, u64>,
     /// Rooms whose pages were proven fenced after a failure (rooms; decode).
@@ -123,6 +133,10 @@ pub(crate) struct Metrics {
     pub(crate) batches_done: AtomicU64,
     pub(crate) batches_failed: AtomicU64,
     pub(crate) descriptors_posted: AtomicU64,
+    pub(crate) rows_posted: AtomicU64,
+    pub(crate) pack_batches: AtomicU64,
+    pub(crate) pack_bytes: AtomicU64,
+    pub(crate) pack_waits: AtomicU64,
     pub(crate) rooms_fenced: AtomicU64,
     pub(crate) control_sent: AtomicU64,
     pub(crate) control_received: AtomicU64,
@@ -148,6 +162,10 @@ impl Default for Metrics {
             batches_done: AtomicU64::new(0),
             batches_failed: AtomicU64::new(0),
             descriptors_posted: AtomicU64::new(0),
+            rows_posted: AtomicU64::new(0),
+            pack_batches: AtomicU64::new(0),
+            pack_bytes: AtomicU64::new(0),
+            pack_waits: AtomicU64::new(0),
             rooms_fenced: AtomicU64::new(0),
             control_sent: AtomicU64::new(0),
             control_received: AtomicU64::new(0),
@@ -209,6 +227,10 @@ impl Metrics {
             batches_done: get(&self.batches_done),
             batches_failed: get(&self.batches_failed),
             descriptors_posted: get(&self.descriptors_posted),
+            rows_posted: get(&self.rows_posted),
+            pack_batches: get(&self.pack_batches),
+            pack_bytes: get(&self.pack_bytes),
+            pack_waits: get(&self.pack_waits),
             failures_by_cause,
             rooms_fenced: get(&self.rooms_fenced),
             control_sent: get(&self.control_sent),

@@ -8,10 +8,11 @@
 //! write outside the decode's advertised entry).
 
 use kvbridge_geometry::{
-    ByteRange, ByteRanges, DcpPlanInput, EntryPair, HeadSharding, HeadSource, PoolFormat,
-    PoolGeometry, ReshardInput, SendPages, identity_pairs, page_path_ranges,
+    ByteRanges, DcpPlanInput, EntryPair, HeadSharding, HeadSource, PoolFormat, PoolGeometry,
+    ReshardInput, SendPages, identity_pairs, page_path_ranges,
 };
 use kvbridge_handshake::{PeerDescriptor, TransferPath};
+use kvbridge_transport::memory::checked_rows;
 use kvbridge_transport::{RegionId, TransferOp};
 
 use crate::memory::KvMemory;
@@ -324,9 +325,9 @@ impl PeerPlan {
                 }
             }
         };
-        let mut ops = Vec::with_capacity(usize::try_from(ranges.row_count()).unwrap_or(0));
-        // One transport op per row until the ops carry rows themselves.
-        for r in ranges.iter().flat_map(ByteRange::rows) {
+        // One strided transport op per planned range.
+        let mut ops = Vec::with_capacity(ranges.len());
+        for r in ranges.iter() {
             let (sr, so, sl) = *self.src_kv.get(r.src_entry).ok_or_else(|| {
                 PlanError(format!(
                     "planner addressed prefill entry {} which does not exist",
@@ -339,13 +340,34 @@ impl PeerPlan {
                     r.dst_entry
                 ))
             })?;
-            ops.push(TransferOp::new(
-                sr,
-                place(so, sl, r.src_offset, r.len, "prefill", r.src_entry)?,
-                dr,
-                place(doff, dl, r.dst_offset, r.len, "decode", r.dst_entry)?,
-                r.len,
-            ));
+            let rows = Rows {
+                len: r.len,
+                count: r.count,
+            };
+            let local = place(
+                so,
+                sl,
+                r.src_offset,
+                r.src_stride,
+                rows,
+                "prefill",
+                r.src_entry,
+            )?;
+            let remote = place(
+                doff,
+                dl,
+                r.dst_offset,
+                r.dst_stride,
+                rows,
+                "decode",
+                r.dst_entry,
+            )?;
+            let op = TransferOp::new(sr, local, dr, remote, r.len);
+            ops.push(if r.count == 1 {
+                op
+            } else {
+                op.with_rows(r.count, r.src_stride, r.dst_stride)
+            });
         }
         Ok(ops)
     }
@@ -373,11 +395,12 @@ impl PeerPlan {
             let dst_off = d_item
                 .checked_mul(dst_index)
                 .ok_or_else(|| PlanError(format!("aux buffer {j}: row {dst_index} overflows")))?;
+            let row = Rows::one(s_item);
             ops.push(TransferOp::new(
                 sr,
-                place(so, sl, src_off, s_item, "prefill aux", j)?,
+                place(so, sl, src_off, 0, row, "prefill aux", j)?,
                 dr,
-                place(doff, dl, dst_off, s_item, "decode aux", j)?,
+                place(doff, dl, dst_off, 0, row, "decode aux", j)?,
                 s_item,
             ));
         }
@@ -385,24 +408,129 @@ impl PeerPlan {
     }
 }
 
-/// `base + offset`, refusing a range that leaves the entry `[base, base + entry_len)`.
+/// `count` rows of `len` bytes (one side's stride is passed next to it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Rows {
+    len: u64,
+    count: u64,
+}
+
+impl Rows {
+    const fn one(len: u64) -> Self {
+        Self { len, count: 1 }
+    }
+}
+
+/// `base + offset`, refusing rows (`offset + i·stride`, `len` bytes each) that leave the entry
+/// `[base, base + entry_len)`.
 fn place(
     base: u64,
     entry_len: u64,
     offset: u64,
-    len: u64,
+    stride: u64,
+    rows: Rows,
     side: &str,
     entry: usize,
 ) -> Result<u64, PlanError> {
-    match offset.checked_add(len) {
-        Some(end) if end <= entry_len => base
+    let Rows { len, count } = rows;
+    let within = usize::try_from(entry_len).unwrap_or(usize::MAX);
+    match checked_rows(within, offset, stride, len, count) {
+        Ok(_) => base
             .checked_add(offset)
             .ok_or_else(|| PlanError(format!("{side} entry {entry}: offset {offset} overflows"))),
-        _ => Err(PlanError(format!(
-            "{side} entry {entry} is {entry_len} bytes but a descriptor addresses [{offset}, \
-             {offset}+{len}); the page or row index is outside what was registered"
+        Err(_) => Err(PlanError(format!(
+            "{side} entry {entry} is {entry_len} bytes but a descriptor addresses {count} rows \
+             of {len} bytes from offset {offset} every {stride} bytes; the page or row index \
+             is outside what was registered"
         ))),
     }
+}
+
+/// Whether an op's source rows are strided (several rows, not back to back): what the pack
+/// path gathers.
+pub(crate) fn is_strided_source(op: &TransferOp) -> bool {
+    op.count > 1 && op.len > 0 && op.local_stride != op.len
+}
+
+/// A batch rewritten for a pack buffer: the ops to post, and the gathers that fill the buffer
+/// first (each a strided op from a KV region into the buffer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PackedOps {
+    pub(crate) ops: Vec<TransferOp>,
+    pub(crate) gathers: Vec<TransferOp>,
+    /// Bytes gathered into the buffer.
+    pub(crate) bytes: u64,
+}
+
+/// Rewrites a batch for the pack buffer `pack` of `capacity` bytes: every op with strided
+/// source rows is gathered into the buffer, laid out in destination order, and posted from it;
+/// ops that land back to back in one destination region are merged, so a chunk whose
+/// destination pages are adjacent posts one range per layer. Other ops are kept as they are.
+pub(crate) fn pack_ops(
+    ops: Vec<TransferOp>,
+    pack: RegionId,
+    capacity: u64,
+) -> Result<PackedOps, PlanError> {
+    let (mut strided, mut out): (Vec<TransferOp>, Vec<TransferOp>) =
+        ops.into_iter().partition(is_strided_source);
+    // Destination order, so adjacent destination rows become one range.
+    strided.sort_by_key(|o| (o.remote_region.0, o.remote_offset));
+    let mut gathers = Vec::with_capacity(strided.len());
+    let mut packed: Vec<TransferOp> = Vec::new();
+    let mut cursor = 0u64;
+    for o in strided {
+        let bytes = o.len.checked_mul(o.count);
+        let end = bytes.and_then(|b| cursor.checked_add(b));
+        let (Some(bytes), Some(end)) = (bytes, end.filter(|&e| e <= capacity)) else {
+            return Err(PlanError(format!(
+                "the batch gathers more than a pack buffer holds ({capacity} bytes; {} rows of \
+                 {} bytes do not fit after {cursor}); size PackBuffers for the smallest decode \
+                 DCP size and the longest chunk sent",
+                o.count, o.len
+            )));
+        };
+        gathers.push(
+            TransferOp::new(o.local_region, o.local_offset, pack, cursor, o.len).with_rows(
+                o.count,
+                o.local_stride,
+                o.len,
+            ),
+        );
+        let op = if o.remote_stride == o.len {
+            TransferOp::new(pack, cursor, o.remote_region, o.remote_offset, bytes)
+        } else {
+            TransferOp::new(pack, cursor, o.remote_region, o.remote_offset, o.len).with_rows(
+                o.count,
+                o.len,
+                o.remote_stride,
+            )
+        };
+        match packed.last_mut() {
+            Some(last)
+                if last.count == 1
+                    && op.count == 1
+                    && last.remote_region == op.remote_region
+                    && last.local_offset + last.len == op.local_offset
+                    && last.remote_offset.checked_add(last.len) == Some(op.remote_offset) =>
+            {
+                *last = TransferOp::new(
+                    last.local_region,
+                    last.local_offset,
+                    last.remote_region,
+                    last.remote_offset,
+                    last.len + op.len,
+                );
+            }
+            _ => packed.push(op),
+        }
+        cursor = end;
+    }
+    out.extend(packed);
+    Ok(PackedOps {
+        ops: out,
+        gathers,
+        bytes: cursor,
+    })
 }
 
 #[cfg(test)]
@@ -411,8 +539,63 @@ mod tests {
 
     #[test]
     fn place_refuses_ranges_outside_the_entry() {
-        assert_eq!(place(100, 50, 10, 40, "decode", 0), Ok(110));
-        assert!(place(100, 50, 10, 41, "decode", 0).is_err());
-        assert!(place(100, 50, u64::MAX, 2, "decode", 0).is_err());
+        let one = Rows::one;
+        assert_eq!(place(100, 50, 10, 0, one(40), "decode", 0), Ok(110));
+        assert!(place(100, 50, 10, 0, one(41), "decode", 0).is_err());
+        assert!(place(100, 50, u64::MAX, 0, one(2), "decode", 0).is_err());
+    }
+
+    #[test]
+    fn place_checks_every_row_of_a_strided_descriptor() {
+        let rows = Rows { len: 4, count: 3 };
+        // Rows at 10, 20, 30 (+4): the last ends at 34.
+        assert_eq!(place(100, 34, 10, 10, rows, "decode", 0), Ok(110));
+        assert!(place(100, 33, 10, 10, rows, "decode", 0).is_err());
+        assert!(place(0, u64::MAX, 0, u64::MAX, rows, "decode", 0).is_err());
+        assert_eq!(
+            place(0, 10, 10, 7, Rows { len: 0, count: 0 }, "decode", 0),
+            Ok(10)
+        );
+    }
+
+    fn strided(local: u64, remote: u64, rows: u64) -> TransferOp {
+        // `rows` rows of 8 bytes, every 32 bytes on the source, back to back on the
+        // destination (a DCP 1 -> 4 page-layer).
+        TransferOp::new(RegionId(1), local, RegionId(2), remote, 8).with_rows(rows, 32, 8)
+    }
+
+    #[test]
+    fn pack_ops_gathers_strided_sources_in_destination_order_and_merges() {
+        let plain = TransferOp::new(RegionId(1), 0, RegionId(3), 0, 100);
+        // Two page-layers whose destinations are adjacent, listed in reverse order.
+        let ops = vec![strided(1000, 64, 8), plain, strided(0, 0, 8)];
+        let p = pack_ops(ops, RegionId(9), 128).unwrap();
+        assert_eq!(p.bytes, 128);
+        assert_eq!(
+            p.ops,
+            vec![plain, TransferOp::new(RegionId(9), 0, RegionId(2), 0, 128)]
+        );
+        assert_eq!(
+            p.gathers,
+            vec![
+                TransferOp::new(RegionId(1), 0, RegionId(9), 0, 8).with_rows(8, 32, 8),
+                TransferOp::new(RegionId(1), 1000, RegionId(9), 64, 8).with_rows(8, 32, 8),
+            ]
+        );
+    }
+
+    #[test]
+    fn pack_ops_keeps_strided_destinations_and_refuses_what_does_not_fit() {
+        let both = TransferOp::new(RegionId(1), 0, RegionId(2), 0, 8).with_rows(4, 16, 24);
+        let p = pack_ops(vec![both], RegionId(9), 32).unwrap();
+        assert_eq!(
+            p.ops,
+            vec![TransferOp::new(RegionId(9), 0, RegionId(2), 0, 8).with_rows(4, 8, 24)]
+        );
+        assert!(pack_ops(vec![both], RegionId(9), 31).is_err());
+        // Nothing strided on the source: nothing to gather.
+        let contiguous = TransferOp::new(RegionId(1), 0, RegionId(2), 0, 8).with_rows(4, 8, 24);
+        let p = pack_ops(vec![contiguous], RegionId(9), 0).unwrap();
+        assert_eq!((p.ops, p.gathers.len(), p.bytes), (vec![contiguous], 0, 0));
     }
 }

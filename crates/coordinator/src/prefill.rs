@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use kvbridge_handshake::{PeerDescriptor, check_with, prefill_unique_rank};
-use kvbridge_transport::{BatchId, KvTransport, PeerId, TransferBatch, TransportError};
+use kvbridge_transport::{
+    BatchId, KvTransport, MemoryRegion, PeerId, TransferBatch, TransferOp, TransportError,
+};
 use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::task::{AbortHandle, JoinSet};
 use tokio::time::Instant;
@@ -17,7 +19,7 @@ use crate::channel::{ControlChannel, Endpoint, Envelope};
 use crate::config::PrefillConfig;
 use crate::directory::PrefillRankInfo;
 use crate::error::{CoordinatorError, Result};
-use crate::memory::KvMemory;
+use crate::memory::{KvHandles, KvMemory, PackLease, PackPool, pack_buffer_bytes};
 use crate::messages::{
     AbortAck, AbortRequest, CONTROL_PROTOCOL_VERSION, ControlMessage, Registration,
     RegistrationOutcome, RegistrationReply, StatusUpdate, TransferInfo, WireProblem,
@@ -25,7 +27,7 @@ use crate::messages::{
 };
 use crate::metrics::{Metrics, MetricsSnapshot, add, inc};
 use crate::outbox::{Outbox, send_failed_to};
-use crate::plan::{Chunk, PeerPlan};
+use crate::plan::{Chunk, PeerPlan, is_strided_source, pack_ops};
 use crate::start::{check_role, current_runtime};
 use crate::state::{
     FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, admit_room, wait_at_least,
@@ -46,6 +48,7 @@ pub struct PrefillAgentBuilder {
     channel: Arc<dyn ControlChannel>,
     config: PrefillConfig,
     agreement: Arc<dyn RankAgreement>,
+    kv_regions: Option<Vec<MemoryRegion>>,
 }
 
 impl std::fmt::Debug for PrefillAgentBuilder {
@@ -65,6 +68,16 @@ impl PrefillAgentBuilder {
         self
     }
 
+    /// Gives the agent CPU handles of its KV regions, one per KV entry in entry order
+    /// ([`AllocatedMemory::kv_regions`](crate::AllocatedMemory::kv_regions)): the pack gather
+    /// reads the source rows through them. Required with
+    /// [`PrefillConfig::pack_buffers`], unused otherwise.
+    #[must_use]
+    pub fn kv_regions(mut self, regions: Vec<MemoryRegion>) -> Self {
+        self.kv_regions = Some(regions);
+        self
+    }
+
     /// Sets the cross-rank agreement hook (default [`LocalOnly`]).
     #[must_use]
     pub fn agreement(mut self, agreement: Arc<dyn RankAgreement>) -> Self {
@@ -77,11 +90,32 @@ impl PrefillAgentBuilder {
     ///
     /// # Errors
     /// [`CoordinatorError::InvalidSetup`] when the descriptor is not a prefill's, its memory
-    /// does not match it, or no tokio runtime is running.
+    /// does not match it, pack buffers are configured without fitting KV region handles or
+    /// with sizes that do not fit, or no tokio runtime is running.
     pub fn start(self) -> Result<PrefillAgent> {
         let d = &self.descriptor;
         check_role(d, kvbridge_handshake::Role::Prefill, "PrefillAgent")?;
         self.memory.validate(d)?;
+        let pack = match &self.config.pack_buffers {
+            None => None,
+            Some(cfg) => {
+                let Some(regions) = &self.kv_regions else {
+                    return Err(CoordinatorError::InvalidSetup {
+                        message: "pack buffers are configured but the agent has no KV region \
+                                  handles to gather from; call PrefillAgentBuilder::kv_regions \
+                                  with AllocatedMemory::kv_regions"
+                            .to_owned(),
+                    });
+                };
+                let sources = KvHandles::new(&self.memory, regions)?;
+                let len = pack_buffer_bytes(d, cfg)?;
+                Some(Pack {
+                    pool: Arc::new(PackPool::new(self.transport.clone(), cfg.count, len)),
+                    sources: Arc::new(sources),
+                    max_chunk_tokens: cfg.max_chunk_tokens,
+                })
+            }
+        };
         let runtime = current_runtime("PrefillAgent")?;
         let metrics = Arc::new(Metrics::default());
         let unique_rank = prefill_unique_rank(
@@ -105,6 +139,7 @@ impl PrefillAgentBuilder {
                 descriptor: self.descriptor,
                 unique_rank,
                 memory: self.memory,
+                pack,
                 transport: self.transport,
                 channel: self.channel,
                 outbox,
@@ -213,6 +248,13 @@ struct PrefillState {
     control_task: Option<AbortHandle>,
 }
 
+/// The pack path of an agent ([`PrefillConfig::pack_buffers`]).
+struct Pack {
+    pool: Arc<PackPool>,
+    sources: Arc<KvHandles>,
+    max_chunk_tokens: u64,
+}
+
 struct Job {
     chunk: Chunk,
     page_offset: u64,
@@ -224,6 +266,8 @@ pub(crate) struct PrefillInner {
     descriptor: PeerDescriptor,
     unique_rank: u32,
     memory: KvMemory,
+    /// The pack-buffer pool and the handles its gather reads, when configured.
+    pack: Option<Pack>,
     transport: Arc<dyn KvTransport>,
     channel: Arc<dyn ControlChannel>,
     endpoint: Endpoint,
@@ -277,6 +321,7 @@ impl PrefillAgent {
             channel,
             config: PrefillConfig::default(),
             agreement: Arc::new(LocalOnly),
+            kv_regions: None,
         }
     }
 
@@ -1189,6 +1234,16 @@ impl PrefillInner {
                 message,
             })
         }
+        if let Some(pack) = &self.pack {
+            if chunk.num_kv_tokens > pack.max_chunk_tokens {
+                return invalid(format!(
+                    "the chunk has {} tokens but the pack buffers hold chunks of at most {} \
+                     (PackBuffers::max_chunk_tokens); send smaller chunks or size the pack \
+                     buffers for them",
+                    chunk.num_kv_tokens, pack.max_chunk_tokens
+                ));
+            }
+        }
         if chunk.is_last && !self.memory.aux.is_empty() && chunk.aux_index.is_none() {
             return invalid(
                 "the last chunk needs the prefill's aux row (aux_index) because aux buffers are \
@@ -1588,6 +1643,98 @@ enum Waited {
     Hung,
 }
 
+/// What a batch's waiter task reports.
+struct WaitResult {
+    pi: usize,
+    aux: bool,
+    id: BatchId,
+    bytes: u64,
+    waited: Waited,
+    /// The batch's pack buffer, still held when the batch was not seen final.
+    lease: Option<PackLease>,
+}
+
+/// Whether a batch has an op whose source rows are strided (what the pack path gathers).
+fn has_strided_source(ops: &[TransferOp]) -> bool {
+    ops.iter().any(is_strided_source)
+}
+
+/// Takes a pack buffer (waiting while all are out, bounded by `wait_limit` and by the room
+/// failing), gathers the batch's strided source rows into it off the runtime's workers, and
+/// returns the ops to post from it.
+async fn pack_batch(
+    inner: &Arc<PrefillInner>,
+    pack: &Pack,
+    ops: Vec<TransferOp>,
+    room: u64,
+    endpoint: &Endpoint,
+    wait_limit: Duration,
+    mut status_rx: watch::Receiver<RoomState>,
+) -> std::result::Result<Option<(Vec<TransferOp>, PackLease)>, FailureReason> {
+    let fail = |cause, what: String| {
+        FailureReason::with_peer(
+            cause,
+            endpoint,
+            format!("Failed to send kv chunk of {room} to {endpoint}: {what}"),
+        )
+    };
+    if !pack.pool.has_free() {
+        inc(&inner.metrics.pack_waits);
+    }
+    let acquired = tokio::time::timeout(wait_limit, async {
+        tokio::select! {
+            lease = pack.pool.acquire() => Some(lease),
+            _ = status_rx.wait_for(|s| *s == RoomState::Failed) => None,
+        }
+    })
+    .await;
+    let lease = match acquired {
+        Ok(Some(Ok(lease))) => lease,
+        Ok(Some(Err(e))) => return Err(fail(FailureCause::TransferError, e.to_string())),
+        // The room failed meanwhile; the driver sees it next.
+        Ok(None) => return Ok(None),
+        Err(_) => {
+            return Err(fail(
+                FailureCause::BatchTimeout,
+                format!(
+                    "no pack buffer became free within {wait_limit:?} (every batch holding one \
+                     should have ended by then); raise PackBuffers::count"
+                ),
+            ));
+        }
+    };
+    let sources = pack.sources.clone();
+    let capacity = pack.pool.buffer_len();
+    let gathered = tokio::task::spawn_blocking(move || {
+        let r = pack_ops(ops, lease.id(), capacity)
+            .map_err(|e| e.0)
+            .and_then(|p| {
+                let Some(dst) = lease.region() else {
+                    return Err("the pack buffer has no handle".to_owned());
+                };
+                sources.gather(&p.gathers, dst).map(|()| p)
+            });
+        (r, lease)
+    })
+    .await;
+    match gathered {
+        Ok((Ok(p), lease)) => {
+            inc(&inner.metrics.pack_batches);
+            add(&inner.metrics.pack_bytes, p.bytes);
+            Ok(Some((p.ops, lease)))
+        }
+        Ok((Err(e), lease)) => {
+            // Nothing was posted from it.
+            lease.release();
+            Err(fail(FailureCause::Planning, e))
+        }
+        Err(e) => Err(fail(
+            FailureCause::Planning,
+            format!("the pack gather task died: {e}"),
+        )),
+    }
+}
+
 /// Posts a room's chunks and waits for its batches; on failure, fences every batch in flight
 /// before the decode peers are told (and before any abort is acknowledged).
 async fn drive_room(
@@ -1610,7 +1757,10 @@ async fn drive_room(
             bytes: 0,
         })
         .collect();
-    let mut waits: JoinSet<(usize, bool, BatchId, u64, u64, Waited)> = JoinSet::new();
+    let mut waits: JoinSet<WaitResult> = JoinSet::new();
+    // Pack buffers of batches whose waiter gave up (hung): released once the fence proves
+    // the batch final, retired otherwise.
+    let mut hung_leases: HashMap<BatchId, PackLease> = HashMap::new();
     let mut inflight: HashMap<BatchId, usize> = HashMap::new();
     let mut input_open = true;
     let mut src_aux: Option<u64> = None;
@@ -1618,21 +1768,30 @@ async fn drive_room(
     let max_inflight = inner.config.max_inflight_batches.max(1);
     let wait_limit = inner.config.batch_timeout + inner.config.fence_grace;
 
-    // Posts `ops` to peer `pi`; records the wait. Returns a failure reason on error.
+    // Posts `ops` to peer `pi` (reading the pack buffer `lease`, if any); records the wait.
+    // Returns a failure reason on error.
     macro_rules! post {
-        ($pi:expr, $ops:expr, $aux:expr) => {{
+        ($pi:expr, $ops:expr, $aux:expr, $lease:expr) => {{
             let pi: usize = $pi;
-            let ops: Vec<kvbridge_transport::TransferOp> = $ops;
+            let ops: Vec<TransferOp> = $ops;
+            let lease: Option<PackLease> = $lease;
             let n_ops = ops.len() as u64;
-            let bytes: u64 = ops.iter().map(|o| o.len).sum();
+            let rows: u64 = ops.iter().map(|o| o.count).sum();
+            let bytes: u64 = ops.iter().map(TransferOp::total_bytes).sum();
             let batch = TransferBatch::write(ops).with_timeout(inner.config.batch_timeout);
             let peer = peers[pi].rp.peer.as_ref().map(|p| p.peer);
             match peer {
-                None => None,
+                None => {
+                    if let Some(l) = lease {
+                        l.release();
+                    }
+                    None
+                }
                 Some(peer_id) => match inner.transport.post(peer_id, batch).await {
                     Ok(id) => {
                         inc(&inner.metrics.batches_posted);
                         add(&inner.metrics.descriptors_posted, n_ops);
+                        add(&inner.metrics.rows_posted, rows);
                         inflight.insert(id, pi);
                         let t = inner.transport.clone();
                         waits.spawn(async move {
@@ -1640,16 +1799,37 @@ async fn drive_room(
                                 Ok(r) => Waited::Final(r),
                                 Err(_) => Waited::Hung,
                             };
-                            (pi, $aux, id, bytes, n_ops, w)
+                            // Final: no byte of the batch is read any more.
+                            let lease = match (&w, lease) {
+                                (Waited::Final(_), Some(l)) => {
+                                    l.release();
+                                    None
+                                }
+                                (_, l) => l,
+                            };
+                            WaitResult {
+                                pi,
+                                aux: $aux,
+                                id,
+                                bytes,
+                                waited: w,
+                                lease,
+                            }
                         });
                         None
                     }
-                    Err(e) => Some(batch_failure(
-                        room,
-                        &peers[pi].rp.info.decode_endpoint,
-                        $aux,
-                        &e,
-                    )),
+                    Err(e) => {
+                        // Refused: nothing of the batch moves.
+                        if let Some(l) = lease {
+                            l.release();
+                        }
+                        Some(batch_failure(
+                            room,
+                            &peers[pi].rp.info.decode_endpoint,
+                            $aux,
+                            &e,
+                        ))
+                    }
                 },
             }
         }};
@@ -1675,7 +1855,7 @@ async fn drive_room(
                 }
             }
             Some(joined) = waits.join_next(), if !waits.is_empty() => {
-                let Ok((pi, is_aux, id, bytes, _n_ops, waited)) = joined else {
+                let Ok(WaitResult { pi, aux: is_aux, id, bytes, waited, lease }) = joined else {
                     failure = Some(FailureReason::new(FailureCause::TransferError, format!("Failed to send kv chunk of {room}: a batch waiter task died")));
                     continue;
                 };
@@ -1699,6 +1879,9 @@ async fn drive_room(
                         continue;
                     }
                     Waited::Hung => {
+                        if let Some(l) = lease {
+                            hung_leases.insert(id, l);
+                        }
                         inc(&inner.metrics.batches_failed);
                         let what = if is_aux { "aux data" } else { "kv chunk" };
                         failure = Some(FailureReason::with_peer(
@@ -1756,7 +1939,21 @@ async fn drive_room(
                     match ops {
                         Ok(ops) if ops.is_empty() => {}
                         Ok(ops) => {
-                            if let Some(f) = post!(pi, ops, false) {
+                            let (ops, lease) = match &inner.pack {
+                                Some(pack) if has_strided_source(&ops) => {
+                                    match pack_batch(&inner, pack, ops, room, &endpoint, wait_limit, status_rx.clone()).await {
+                                        Ok(Some((ops, lease))) => (ops, Some(lease)),
+                                        // The room failed while waiting for a buffer.
+                                        Ok(None) => break,
+                                        Err(f) => {
+                                            failure = Some(f);
+                                            break;
+                                        }
+                                    }
+                                }
+                                _ => (ops, None),
+                            };
+                            if let Some(f) = post!(pi, ops, false, lease) {
                                 failure = Some(f);
                                 break;
                             }
@@ -1797,7 +1994,7 @@ async fn drive_room(
             match ops {
                 Ok(ops) if ops.is_empty() => peers[pi].done = true,
                 Ok(ops) => {
-                    if let Some(f) = post!(pi, ops, true) {
+                    if let Some(f) = post!(pi, ops, true, None) {
                         failure = Some(f);
                         break;
                     }
@@ -1828,7 +2025,11 @@ async fn drive_room(
                 Ok(_)
                 | Err(TransportError::UnknownBatch { .. })
                 | Err(TransportError::Closed { .. }),
-            ) => {}
+            ) => {
+                if let Some(l) = hung_leases.remove(&id) {
+                    l.release();
+                }
+            }
             Ok(Err(e)) => {
                 tracing::error!(room, batch = %id, error = %e, "cancel failed: the batch cannot be proven fenced");
                 poisoned = true;
@@ -1843,11 +2044,19 @@ async fn drive_room(
         let mut hung = false;
         while let Some(joined) = waits.join_next().await {
             match joined {
-                Ok((_, _, _, bytes, _, Waited::Final(Ok(())))) => {
+                Ok(WaitResult {
+                    bytes,
+                    waited: Waited::Final(Ok(())),
+                    ..
+                }) => {
                     inc(&metrics.batches_done);
                     add(&metrics.bytes_transferred, bytes);
                 }
-                Ok((_, _, _, _, _, Waited::Hung)) => {
+                // Its lease (if any) drops unreleased: the buffer is retired.
+                Ok(WaitResult {
+                    waited: Waited::Hung,
+                    ..
+                }) => {
                     inc(&metrics.batches_failed);
                     hung = true;
                 }

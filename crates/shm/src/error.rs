@@ -53,6 +53,15 @@ pub enum ShmError {
         /// The peer's explanation.
         reason: String,
     },
+    /// A doorbell ring refused a frame, or the other process broke it.
+    #[error(
+        "doorbell ring: {reason}; a broken ring means the other process wrote garbage into shared \
+         memory, so its connection is dropped"
+    )]
+    Doorbell {
+        /// What was wrong.
+        reason: String,
+    },
     /// The private control directory or socket could not be set up.
     #[error(
         "could not set up the control socket in {dir}: {source}; set `ShmOptions::runtime_dir` to a \

@@ -25,7 +25,17 @@
 //!   a hand-off would cost more than the copy);
 //!   between chunks it checks cancel, the deadline and the peer's liveness, so a cancelled or
 //!   late batch stops promptly and no byte of it lands afterwards. Completion is local; a
-//!   batch's notification is written to the socket only after all its bytes were copied.
+//!   batch's notification is sent only after all its bytes were copied.
+//! - **Strided ops are native**
+//!   ([`Capabilities::strided_ops`](kvbridge_transport::Capabilities::strided_ops)): an op of
+//!   many rows stays one descriptor, every row of it is bounds-checked at `post` before any byte
+//!   moves, and the rows of a chunk are copied in one loop inside one claim per side.
+//! - **Short notifications ring a doorbell.** Each connection has a ring of small frames in
+//!   shared memory (allocated by the accepting side, handed over at connect); a notification of
+//!   at most 252 bytes is one push into it plus, only when the reader sleeps, one futex wake.
+//!   A thread of the receiving transport reads the ring (a short spin, then the futex) and
+//!   trusts none of it: a peer that writes garbage there loses its connection. Longer
+//!   notifications go over the socket.
 //! - **Peer loss**: end of file or an error on the socket fails the peer's pending batches with
 //!   [`TransportError::PeerLost`](kvbridge_transport::TransportError::PeerLost) at once (and by
 //!   their deadline at the latest).
@@ -74,6 +84,7 @@
 
 mod descriptor;
 mod dir;
+mod doorbell;
 mod error;
 mod map;
 mod options;
@@ -81,6 +92,7 @@ mod proto;
 mod transport;
 mod wire;
 
+pub use doorbell::DoorbellPair;
 pub use error::ShmError;
 pub use options::ShmOptions;
 pub use transport::ShmTransport;

@@ -16,8 +16,9 @@
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU32;
 
-use kvbridge_transport::{ForeignMemory, MemoryRegion};
+use kvbridge_transport::{Access, ForeignMemory, MemoryRegion, Operand, TransportError};
 use memmap2::{Advice, MmapOptions, MmapRaw};
 use rustix::fs::{FallocateFlags, FileType, MemfdFlags, SealFlags};
 
@@ -170,6 +171,41 @@ pub(crate) fn map_remote(region: u64, fd: OwnedFd, len: u64) -> Result<MemoryReg
     wrap(Arc::new(SharedMapping { map, fd }))
 }
 
+/// Runs `f` with `region[offset..offset + 4 * count]` claimed exclusively and seen as `count`
+/// atomic 32-bit words: how the doorbell ring (`crate::doorbell`) reads and writes memory that
+/// another process writes at the same time. Refused (as a range error) when the range is out of
+/// bounds or not 4-byte aligned.
+pub(crate) fn with_atomic_words<R>(
+    region: &MemoryRegion,
+    offset: u64,
+    count: usize,
+    f: impl FnOnce(&[AtomicU32]) -> R,
+) -> kvbridge_transport::Result<R> {
+    let len = (count as u64).saturating_mul(4);
+    region.with_raw_range(offset, len, Access::Write, |ptr, n| {
+        if ptr.align_offset(std::mem::align_of::<AtomicU32>()) != 0 || n != count * 4 {
+            return Err(TransportError::InvalidArgument {
+                transport: crate::NAME,
+                message: format!(
+                    "a doorbell ring at offset {offset} is not 4-byte aligned; rings start at the \
+                     page-aligned base of their mapping"
+                ),
+            });
+        }
+        // SAFETY: `with_raw_range` hands out `n = 4 * count` valid bytes at `ptr`, claimed
+        // exclusively for as long as this closure runs, so nothing else in this process touches
+        // them; `ptr` is aligned for `AtomicU32` (checked above), which has the size and
+        // alignment of `u32`. Every access this process makes to the words goes through these
+        // atomics (interior mutability, so the shared slice may be written through), and the
+        // slice does not outlive the closure. Other processes writing the same bytes (the peer of
+        // a shared mapping, whatever it writes) are the shared-memory case the region's contract
+        // allows: each word this process loads is some `u32`, and every value is checked before
+        // use.
+        let words = unsafe { std::slice::from_raw_parts(ptr.cast::<AtomicU32>(), count) };
+        Ok(f(words))
+    })?
+}
+
 /// Pieces at least this long are written with non-temporal (streaming) stores on x86-64.
 pub(crate) const STREAM_MIN: u64 = 64 << 10;
 
@@ -199,6 +235,149 @@ pub(crate) fn copy_out(
     src.copy_to(src_offset, dst, dst_offset, len)
 }
 
+/// Copies `count` rows of `len` bytes, row `i` from `src[src_offset + i * src_stride..]` into
+/// `dst[dst_offset + i * dst_stride..]`: one strided op, or a run of its rows. Both spans (first
+/// row's start to last row's end) are checked and claimed once, before any byte moves, and the
+/// rows are copied in one tight loop inside the claims: no per-row checks or claims. Rows are
+/// streamed (see [`copy_out`]) when `streaming` is set (the destination is a peer's memory) and
+/// the rows together reach [`STREAM_MIN`]. Rows overlapping on
+/// the destination are the caller's to refuse (the transport does, at `post`); here they only
+/// make the result depend on row order.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn copy_rows(
+    src: &MemoryRegion,
+    src_offset: u64,
+    src_stride: u64,
+    dst: &MemoryRegion,
+    dst_offset: u64,
+    dst_stride: u64,
+    len: u64,
+    count: u64,
+    streaming: bool,
+) -> kvbridge_transport::Result<()> {
+    if count <= 1 || src.same_region(dst) {
+        // One row, or a copy within one region (whose two claims must be taken together):
+        // row by row through the region's own checked copy.
+        for i in 0..count {
+            let at = |offset: u64, stride: u64| offset.wrapping_add(i.wrapping_mul(stride));
+            let (so, doff) = (at(src_offset, src_stride), at(dst_offset, dst_stride));
+            if streaming {
+                copy_out(src, so, dst, doff, len)?;
+            } else {
+                src.copy_to(so, dst, doff, len)?;
+            }
+        }
+        return Ok(());
+    }
+    // The span from the first row's start to the last row's end; `u64::MAX` (refused by the
+    // claim as out of range) when it overflows.
+    let span = |offset: u64, stride: u64| {
+        kvbridge_transport::memory::rows_end(offset, stride, len, count)
+            .map_or(u64::MAX, |end| end - offset)
+    };
+    let (src_span, dst_span) = (span(src_offset, src_stride), span(dst_offset, dst_stride));
+    let stream = cfg!(target_arch = "x86_64")
+        && streaming
+        && len >= 64
+        && len.saturating_mul(count) >= STREAM_MIN;
+    let copied = src.with_raw_range(src_offset, src_span, Access::Read, |s, _| {
+        dst.with_raw_range(dst_offset, dst_span, Access::Write, |d, _| {
+            // The spans fit in `usize` (they are inside mapped regions), so every row offset
+            // below does too: row `i < count` starts at `i * stride <= span - len`.
+            let (len, src_stride, dst_stride) =
+                (len as usize, src_stride as usize, dst_stride as usize);
+            let count = count as usize;
+            let mut first = 0;
+            // Rows whose length is whole cache lines, into 16-byte aligned destinations (the
+            // DCP relayout's 1152-byte rows): `ROWS_AT_ONCE` rows at a time, a line of each in
+            // turn, so that many independent load streams are in flight.
+            #[cfg(target_arch = "x86_64")]
+            if stream && len % 64 == 0 && d.align_offset(16) == 0 && dst_stride % 16 == 0 {
+                let rows: [usize; ROWS_AT_ONCE] = std::array::from_fn(|k| k);
+                while first + ROWS_AT_ONCE <= count {
+                    for k in first + ROWS_AT_ONCE..(first + 2 * ROWS_AT_ONCE).min(count) {
+                        prefetch(s.wrapping_add(k * src_stride), len);
+                    }
+                    // SAFETY: rows `first..first + ROWS_AT_ONCE` are below `count`, so each lies
+                    // inside both claimed spans, as in the loop below; each destination row
+                    // starts 16-byte aligned (`d` and the stride are) and `len` is a multiple
+                    // of 64.
+                    unsafe {
+                        stream_row_group(
+                            rows.map(|k| s.add((first + k) * src_stride).cast_const()),
+                            rows.map(|k| d.add((first + k) * dst_stride)),
+                            len,
+                        );
+                    }
+                    first += ROWS_AT_ONCE;
+                }
+            }
+            for i in first..count {
+                // The hardware prefetchers start over at every row; fetching a row a few rows
+                // ahead keeps the loads of strided rows from stalling on memory.
+                if i + PREFETCH_ROWS < count {
+                    prefetch(s.wrapping_add((i + PREFETCH_ROWS) * src_stride), len);
+                }
+                // SAFETY: row `i` lies inside both claimed spans (`i * stride + len <= span`),
+                // so `len` bytes at `s + i * src_stride` are readable and written by no one in
+                // this process, and `len` bytes at `d + i * dst_stride` are writable and
+                // touched by nothing else in this process, for as long as these closures run;
+                // the two spans are in different regions (checked above), so they do not
+                // overlap. No references to the bytes are made.
+                unsafe {
+                    let (s, d) = (s.add(i * src_stride), d.add(i * dst_stride));
+                    #[cfg(target_arch = "x86_64")]
+                    if stream {
+                        stream_rows(s, d, len);
+                        continue;
+                    }
+                    std::ptr::copy_nonoverlapping(s, d, len);
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            if stream {
+                sfence();
+            }
+        })
+    });
+    match copied {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(naming(e, Operand::Destination)),
+        Err(e) => Err(naming(e, Operand::Source)),
+    }
+}
+
+/// How many rows ahead a strided copy prefetches its source.
+const PREFETCH_ROWS: usize = 2;
+
+/// Asks the CPU to bring the `len` bytes at `at` into the cache: a hint, which never faults and
+/// reads nothing in the sense of the memory model, so `at` need not be claimed or valid.
+fn prefetch(at: *const u8, len: usize) {
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
+    for line in (0..len).step_by(64) {
+        // SAFETY: `prefetcht0` (SSE, part of every x86-64 CPU) is a hint: it does not fault on
+        // any address and does not access memory as far as the program can observe.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                at.wrapping_add(line).cast::<i8>(),
+            );
+        }
+    }
+    #[cfg(not(all(target_arch = "x86_64", not(miri))))]
+    let _ = (at, len);
+}
+
+/// A refusal of one region's access, naming which end of a copy it was (as `copy_to` does).
+fn naming(mut e: TransportError, end: Operand) -> TransportError {
+    if let TransportError::AccessOutOfRange { operand, .. }
+    | TransportError::AccessConflict { operand, .. }
+    | TransportError::NotHostMemory { operand, .. } = &mut e
+    {
+        *operand = end;
+    }
+    e
+}
+
 /// `memcpy` with non-temporal stores (SSE2, part of every x86-64 CPU), ending with `sfence` so
 /// the bytes are globally visible before anything this thread does next (such as sending the
 /// batch's notification).
@@ -208,15 +387,82 @@ pub(crate) fn copy_out(
 /// `src` must be valid for reads and `dst` for writes of `len` bytes.
 #[cfg(target_arch = "x86_64")]
 unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: the caller's contract is `stream_rows`'.
+    unsafe { stream_rows(src, dst, len) };
+    sfence();
+}
+
+/// Orders every streaming store before it ahead of what this thread does next.
+#[cfg(target_arch = "x86_64")]
+fn sfence() {
+    // Miri cannot run the fence instruction.
+    #[cfg(not(miri))]
+    // SAFETY: `sfence` has no memory operands and is part of every x86-64 CPU (SSE).
+    unsafe {
+        std::arch::x86_64::_mm_sfence();
+    }
+}
+
+/// Rows a strided copy streams at once (measured best of 1, 4, 8 and 16 in
+/// `docs/benchmarks.md`).
+#[cfg(target_arch = "x86_64")]
+const ROWS_AT_ONCE: usize = 4;
+
+/// Streams `ROWS_AT_ONCE` rows of `len` bytes, one 64-byte line of each row in turn, without
+/// the closing fence.
+///
+/// # Safety
+///
+/// Each `src[k]` must be valid for reads and each `dst[k]` for writes of `len` bytes; every
+/// `dst[k]` must be 16-byte aligned and `len` a multiple of 64.
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_row_group(
+    src: [*const u8; ROWS_AT_ONCE],
+    dst: [*mut u8; ROWS_AT_ONCE],
+    len: usize,
+) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128};
-    // Miri cannot run the streaming-store and fence instructions; under Miri the same loop uses
-    // ordinary aligned stores, so the pointer arithmetic and alignment are still checked.
+    // As in `stream_rows`: ordinary aligned stores under Miri.
     #[cfg(miri)]
     use std::arch::x86_64::_mm_store_si128 as _mm_stream_si128;
     #[cfg(not(miri))]
-    use std::arch::x86_64::{_mm_sfence, _mm_stream_si128};
+    use std::arch::x86_64::_mm_stream_si128;
+    let mut at = 0;
+    while at < len {
+        for (s, d) in src.iter().zip(&dst) {
+            // SAFETY: `at + 64 <= len` (`len` is a multiple of 64): 64 readable bytes at
+            // `s + at` and 64 writable bytes at `d + at`, which is 16-byte aligned.
+            unsafe {
+                let s = s.add(at).cast::<__m128i>();
+                let d = d.add(at).cast::<__m128i>();
+                let a = _mm_loadu_si128(s);
+                let b = _mm_loadu_si128(s.add(1));
+                let c = _mm_loadu_si128(s.add(2));
+                let e = _mm_loadu_si128(s.add(3));
+                _mm_stream_si128(d, a);
+                _mm_stream_si128(d.add(1), b);
+                _mm_stream_si128(d.add(2), c);
+                _mm_stream_si128(d.add(3), e);
+            }
+        }
+        at += 64;
+    }
+}
+
+/// The body of [`stream_copy`], without the closing fence, so a run of rows pays one fence.
+///
+/// # Safety
+///
+/// `src` must be valid for reads and `dst` for writes of `len` bytes.
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_rows(src: *const u8, dst: *mut u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128};
+    // Miri cannot run the streaming-store instruction; under Miri the same loop uses ordinary
+    // aligned stores, so the pointer arithmetic and alignment are still checked.
     #[cfg(miri)]
-    fn _mm_sfence() {}
+    use std::arch::x86_64::_mm_store_si128 as _mm_stream_si128;
+    #[cfg(not(miri))]
+    use std::arch::x86_64::_mm_stream_si128;
     // Bytes until `dst` is 16-byte aligned (streaming stores need aligned destinations).
     let head = (dst.align_offset(16)).min(len);
     // SAFETY: `head <= len`, so both ranges are inside the caller's valid ranges.
@@ -239,17 +485,15 @@ unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
         }
         at += 64;
     }
-    // SAFETY: the tail `[at, len)` is inside both ranges; `sfence` has no memory operands.
+    // SAFETY: the tail `[at, len)` is inside both ranges.
     unsafe {
         std::ptr::copy(src.add(at), dst.add(at), len - at);
-        _mm_sfence();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvbridge_transport::{Access, Operand, TransportError};
 
     #[test]
     fn allocated_regions_are_sealed_shared_and_recognised() {
@@ -371,6 +615,144 @@ mod tests {
         copy_out(&src, 0, &dst, 0, STREAM_MIN).unwrap();
         drop(dst.borrow_mut(0, len as u64).unwrap());
         drop(src.borrow_mut(0, len as u64).unwrap());
+    }
+
+    /// Row `i` of a strided copy, done one row at a time with the region's own copy.
+    fn rows_by_hand(
+        src: &[u8],
+        dst: &mut [u8],
+        geometry: (usize, usize, usize, usize, usize, usize),
+    ) {
+        let (so, ss, doff, ds, len, count) = geometry;
+        for i in 0..count {
+            dst[doff + i * ds..doff + i * ds + len]
+                .copy_from_slice(&src[so + i * ss..so + i * ss + len]);
+        }
+    }
+
+    proptest::proptest! {
+        /// A strided copy equals its rows copied one by one, for any geometry that fits, with
+        /// and without streaming stores; bytes between and around the rows stay untouched.
+        #[test]
+        fn strided_copies_equal_their_rows(
+            so in 0usize..300,
+            doff in 0usize..300,
+            len in 0usize..1200,
+            extra_s in 0usize..300,
+            extra_d in 0usize..300,
+            count in 0usize..40,
+            streaming: bool,
+        ) {
+            let (ss, ds) = (len + extra_s, len + extra_d);
+            let src_len = so + ss * count + len + 1;
+            let dst_len = doff + ds * count + len + 1;
+            let src = MemoryRegion::allocate(src_len).unwrap();
+            let bytes: Vec<u8> = (0..src_len).map(|i| (i * 13 + i / 251) as u8).collect();
+            src.write_at(0, &bytes).unwrap();
+            let dst = MemoryRegion::allocate(dst_len).unwrap();
+            dst.fill(0, dst_len as u64, 0xee).unwrap();
+            copy_rows(
+                &src, so as u64, ss as u64, &dst, doff as u64, ds as u64, len as u64,
+                count as u64, streaming,
+            )
+            .unwrap();
+            let mut want = vec![0xee; dst_len];
+            rows_by_hand(&bytes, &mut want, (so, ss, doff, ds, len, count));
+            proptest::prop_assert_eq!(dst.to_vec(0, dst_len as u64).unwrap(), want);
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+        /// The same for copies long enough to stream, with rows of whole cache lines into
+        /// aligned destinations (the path that streams several rows at once) and without.
+        #[test]
+        fn streamed_strided_copies_equal_their_rows(
+            so in 0usize..200,
+            doff16 in 0usize..12,
+            lines in 16usize..20,
+            ragged: bool,
+            extra_s in 0usize..200,
+            extra_d16 in 0usize..8,
+            count in 64usize..120,
+        ) {
+            let len = lines * 64 + usize::from(ragged) * 9;
+            let (ss, ds, doff) = (len + extra_s, len + 16 * extra_d16, 16 * doff16);
+            let src_len = so + ss * count + len;
+            let dst_len = doff + ds * count + len;
+            let src = MemoryRegion::allocate(src_len).unwrap();
+            let bytes: Vec<u8> = (0..src_len).map(|i| (i * 29 + i / 241) as u8).collect();
+            src.write_at(0, &bytes).unwrap();
+            let dst = MemoryRegion::allocate(dst_len).unwrap();
+            copy_rows(
+                &src, so as u64, ss as u64, &dst, doff as u64, ds as u64, len as u64,
+                count as u64, true,
+            )
+            .unwrap();
+            let mut want = vec![0; dst_len];
+            rows_by_hand(&bytes, &mut want, (so, ss, doff, ds, len, count));
+            proptest::prop_assert_eq!(dst.to_vec(0, dst_len as u64).unwrap(), want);
+        }
+    }
+
+    /// Streaming is used for rows of 64 bytes and more once the rows reach `STREAM_MIN`; the
+    /// shape of the DCP relayout (rows of 1152 bytes, every 4th on the source) on shared memory.
+    #[test]
+    fn long_strided_copies_stream_into_shared_memory() {
+        let (len, count) = (1152usize, 2 * STREAM_MIN as usize / 1152);
+        let src = MemoryRegion::allocate(4 * len * count).unwrap();
+        let bytes: Vec<u8> = (0..src.len()).map(|i| (i * 7 + i / 509) as u8).collect();
+        src.write_at(0, &bytes).unwrap();
+        let dst = allocate(len * count + 64).unwrap();
+        copy_rows(
+            &src,
+            3 * len as u64,
+            4 * len as u64,
+            &dst,
+            64,
+            len as u64,
+            len as u64,
+            count as u64,
+            true,
+        )
+        .unwrap();
+        let mut want = vec![0u8; dst.len()];
+        rows_by_hand(&bytes, &mut want, (3 * len, 4 * len, 64, len, len, count));
+        assert_eq!(dst.to_vec(0, dst.len() as u64).unwrap(), want);
+    }
+
+    /// Bounds of the whole op are checked before any byte moves: a last row past the end (or
+    /// a span past `u64`) refuses the copy with nothing written, naming the end refused.
+    #[test]
+    fn a_strided_copy_past_either_end_moves_nothing() {
+        let src = MemoryRegion::allocate(4096).unwrap();
+        src.fill(0, 4096, 1).unwrap();
+        let dst = MemoryRegion::allocate(4096).unwrap();
+        let r = copy_rows(&src, 0, 1024, &dst, 0, 100, 100, 5, true);
+        assert!(
+            matches!(
+                r,
+                Err(TransportError::AccessOutOfRange {
+                    operand: Operand::Source,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        let r = copy_rows(&src, 0, 100, &dst, 0, 1024, 100, 5, false);
+        assert!(
+            matches!(
+                r,
+                Err(TransportError::AccessOutOfRange {
+                    operand: Operand::Destination,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        let r = copy_rows(&src, 0, 100, &dst, 0, u64::MAX / 2, 100, 3, true);
+        assert!(r.is_err(), "{r:?}");
+        assert_eq!(dst.to_vec(0, 4096).unwrap(), vec![0; 4096]);
     }
 
     #[test]

@@ -8,7 +8,7 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 /// Protocol version carried in `Hello` / `Welcome`.
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 /// Largest notification payload accepted (and sent).
 pub(crate) const MAX_NOTIFICATION: usize = 16 << 20;
 /// Largest frame body accepted: a notification plus headroom. A peer claiming more is cut off
@@ -33,8 +33,9 @@ pub(crate) enum RegionStatus {
 pub(crate) enum Frame {
     /// Client → server, first frame: protocol version and the server's token.
     Hello { version: u32, token: [u8; 16] },
-    /// Server → client: accepted.
-    Welcome { version: u32 },
+    /// Server → client: accepted. The file of the connection's doorbell ring (`ring` bytes of
+    /// shared memory, see `crate::doorbell`) comes with the frame.
+    Welcome { version: u32, ring: u64 },
     /// Either way: refused, with the reason; the connection closes after it.
     Reject { reason: String },
     /// Client → server: please send region `region` (answered by `Region` with the same `req`).
@@ -92,8 +93,9 @@ impl Frame {
                 body.put_slice(token);
                 kind::HELLO
             }
-            Frame::Welcome { version } => {
+            Frame::Welcome { version, ring } => {
                 body.put_u32_le(*version);
+                body.put_u64_le(*ring);
                 kind::WELCOME
             }
             Frame::Reject { reason } => {
@@ -153,16 +155,33 @@ impl Frame {
         out
     }
 
+    /// The frame's kind, for messages.
+    pub(crate) fn kind_name(&self) -> &'static str {
+        match self {
+            Frame::Hello { .. } => "Hello",
+            Frame::Welcome { .. } => "Welcome",
+            Frame::Reject { .. } => "Reject",
+            Frame::GetRegion { .. } => "GetRegion",
+            Frame::Region { .. } => "Region",
+            Frame::Notify { .. } => "Notify",
+            Frame::Ping { .. } => "Ping",
+            Frame::Pong { .. } => "Pong",
+            Frame::Revoke { .. } => "Revoke",
+            Frame::RevokeAck { .. } => "RevokeAck",
+        }
+    }
+
     /// Whether a file descriptor travels with this frame.
     pub(crate) fn carries_fd(&self) -> bool {
-        matches!(
-            self,
+        match self {
             Frame::Region {
                 status: RegionStatus::Shared,
                 len,
                 ..
-            } if *len > 0
-        )
+            } => *len > 0,
+            Frame::Welcome { ring, .. } => *ring > 0,
+            _ => false,
+        }
     }
 }
 
@@ -188,9 +207,10 @@ pub(crate) fn decode(k: u8, mut body: Bytes) -> Result<Frame, ProtoError> {
             Frame::Hello { version, token }
         }
         kind::WELCOME => {
-            exact("Welcome", &body, 4)?;
+            exact("Welcome", &body, 12)?;
             Frame::Welcome {
                 version: body.get_u32_le(),
+                ring: body.get_u64_le(),
             }
         }
         kind::REJECT => Frame::Reject {
@@ -316,7 +336,10 @@ mod tests {
                 version: VERSION,
                 token: [7; 16],
             },
-            Frame::Welcome { version: VERSION },
+            Frame::Welcome {
+                version: VERSION,
+                ring: 4096,
+            },
             Frame::Reject {
                 reason: "uid 5 not allowed".into(),
             },
@@ -409,5 +432,12 @@ mod tests {
         assert!(shared(1).carries_fd());
         assert!(!shared(0).carries_fd());
         assert!(!Frame::Ping { nonce: 1 }.carries_fd());
+        assert!(
+            Frame::Welcome {
+                version: VERSION,
+                ring: 1
+            }
+            .carries_fd()
+        );
     }
 }

@@ -160,9 +160,10 @@ impl WireReader {
             if let Some(frame) = self.dec.next_frame().map_err(ReadError::Proto)? {
                 let fd = if frame.carries_fd() {
                     Some(self.fds.pop_front().ok_or_else(|| {
-                        ReadError::Proto(ProtoError(
-                            "a Region frame arrived without its file descriptor".into(),
-                        ))
+                        ReadError::Proto(ProtoError(format!(
+                            "a {} frame arrived without its file descriptor",
+                            frame.kind_name()
+                        )))
                     })?)
                 } else {
                     None

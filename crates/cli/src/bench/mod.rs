@@ -9,7 +9,8 @@
 //! peak RSS.
 //!
 //! A transport plugs in with a [`Factory`] (see [`factory`]); `shm.rs` is one, a `tcp.rs` will be
-//! another. `--e2e` (the whole prefill → decode path against the raw transport) lives in `e2e.rs`.
+//! another. `--e2e` (the whole prefill → decode path against memcpy and the transport's own
+//! large-block throughput) lives in `e2e.rs`.
 
 use std::future::Future;
 use std::io::{IsTerminal, Write};
@@ -26,6 +27,7 @@ use kvbridge_transport::{
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 mod e2e;
+mod nixl;
 mod shm;
 mod tcp;
 
@@ -58,6 +60,8 @@ pub(crate) enum TransportKind {
     Shm,
     /// TCP (kvbridge-tcp).
     Tcp,
+    /// NIXL's UCX backend (kvbridge-nixl; build with `--features nixl`).
+    Nixl,
 }
 
 impl TransportKind {
@@ -65,6 +69,7 @@ impl TransportKind {
         match self {
             TransportKind::Shm => "shm",
             TransportKind::Tcp => "tcp",
+            TransportKind::Nixl => "nixl",
         }
     }
 }
@@ -74,6 +79,7 @@ fn factory(kind: TransportKind) -> Result<Factory, String> {
     match kind {
         TransportKind::Shm => Ok(shm::factory),
         TransportKind::Tcp => Ok(tcp::factory),
+        TransportKind::Nixl => Ok(nixl::factory),
     }
 }
 
@@ -105,14 +111,19 @@ pub(crate) enum Pattern {
     /// Latency of one 4 KiB write plus its notification (p50, p99).
     #[value(name = "latency-4k")]
     Latency4k,
+    /// A DCP 1 -> 4 relayout: 3640 strided ops (one per page and layer), each 64 rows of
+    /// 1152 bytes taken every 4th row of the source and packed on the destination.
+    #[value(name = "strided-1152")]
+    Strided1152,
 }
 
 impl Pattern {
-    const ALL: [Pattern; 5] = [
+    const ALL: [Pattern; 6] = [
         Pattern::Large,
         Pattern::Scatter64k,
         Pattern::Scatter72k,
         Pattern::Scatter16k,
+        Pattern::Strided1152,
         Pattern::Latency4k,
     ];
 
@@ -123,6 +134,7 @@ impl Pattern {
             Pattern::Scatter72k => "scatter-72k",
             Pattern::Scatter16k => "scatter-16k",
             Pattern::Latency4k => "latency-4k",
+            Pattern::Strided1152 => "strided-1152",
         }
     }
 
@@ -134,6 +146,8 @@ impl Pattern {
             Pattern::Scatter72k => (73_728, 3640),
             Pattern::Scatter16k => (16 << 10, 16384),
             Pattern::Latency4k => (4096, 1),
+            // Rows; STRIDED_ROWS of them per op.
+            Pattern::Strided1152 => (1152, 3640 * STRIDED_ROWS),
         }
     }
 
@@ -160,6 +174,22 @@ pub(crate) struct BenchArgs {
     /// Measure the whole prefill -> decode path instead of one transport.
     #[arg(long)]
     e2e: bool,
+    /// `--e2e`: gather strided rows into pack buffers on the prefill and post contiguous
+    /// ranges (default: post the planner's strided ops).
+    #[arg(long, requires = "e2e")]
+    pack: bool,
+    /// `--e2e`: prefill DCP size (one prefill rank each).
+    #[arg(long, requires = "e2e", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
+    prefill_dcp: u32,
+    /// `--e2e`: decode DCP size (one decode rank each).
+    #[arg(long, requires = "e2e", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=16))]
+    dcp: u32,
+    /// `--e2e`: page size of the prefill pool, in tokens.
+    #[arg(long, requires = "e2e", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    prefill_page_size: u64,
+    /// `--e2e`: page size of the decode pool, in tokens.
+    #[arg(long, requires = "e2e", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    page_size: u64,
     /// Scale every pattern's size by this factor (for quick smoke runs).
     #[arg(long, hide = true, default_value_t = 1.0)]
     size_scale: f64,
@@ -300,8 +330,47 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
     })
 }
 
+/// Rows per op of `strided-1152` (one page of 64 tokens), and how many source rows apart.
+const STRIDED_ROWS: u64 = 64;
+const STRIDED_EVERY: u64 = 4;
+
+/// `strided-1152`'s rows: source page `p` holds `STRIDED_EVERY * STRIDED_ROWS` rows, and op
+/// `(p, r)` takes its rows `r, r + 4, ...` into a destination page at a random place.
+fn plan_strided(scale: f64, seed: u64) -> (u64, Vec<(u64, u64, u64)>) {
+    let (row, count) = Pattern::Strided1152.shape();
+    let pages = ((count / STRIDED_ROWS / STRIDED_EVERY) as f64 * scale)
+        .round()
+        .max(1.0) as u64;
+    let mut rng = SplitMix(seed ^ row);
+    let mut dst: Vec<u64> = (0..pages * STRIDED_EVERY).collect();
+    shuffle(&mut dst, &mut rng);
+    let page = STRIDED_EVERY * STRIDED_ROWS * row;
+    let rows = (0..pages * STRIDED_EVERY)
+        .flat_map(|op| {
+            let (p, r, slot) = (op / STRIDED_EVERY, op % STRIDED_EVERY, dst[op as usize]);
+            (0..STRIDED_ROWS).map(move |k| {
+                let src = p * page + (STRIDED_EVERY * k + r) * row;
+                (src, (slot * STRIDED_ROWS + k) * row, row)
+            })
+        })
+        .collect();
+    (pages * page, rows)
+}
+
+/// `strided-1152`'s rows (from [`plan_strided`]) as one strided op per destination page: its
+/// first row, repeated `STRIDED_ROWS` times.
+fn strided_ops(rows: &[TransferOp]) -> Vec<TransferOp> {
+    (rows.iter().step_by(STRIDED_ROWS as usize))
+        .map(|op| op.with_rows(STRIDED_ROWS, STRIDED_EVERY * op.len, op.len))
+        .collect()
+}
+
 /// The descriptors of a pattern: (source offset, destination offset, length), and the pool size.
+/// For `strided-1152`, the rows (the transfer groups them into strided ops).
 fn plan(pattern: Pattern, scale: f64, seed: u64) -> (u64, Vec<(u64, u64, u64)>) {
+    if pattern == Pattern::Strided1152 {
+        return plan_strided(scale, seed);
+    }
     let (block, count) = pattern.shape();
     let (block, count) = if pattern == Pattern::Large {
         let b = ((block as f64 * scale) as u64 / 4096).max(1) * 4096;
@@ -724,6 +793,11 @@ async fn measure_with(
         .iter()
         .map(|&(s, d, len)| TransferOp::new(local, s, remote, d, len))
         .collect();
+    let transfer_ops = if pattern == Pattern::Strided1152 {
+        strided_ops(&transfer_ops)
+    } else {
+        transfer_ops
+    };
     // The baseline's destination: pre-faulted heap memory in this process.
     let baseline_dst = MemoryRegion::allocate(pool as usize).map_err(|e| e.to_string())?;
     // TCP is measured against a raw TCP stream between two processes (`bench/tcp.rs`), shm's
@@ -733,12 +807,26 @@ async fn measure_with(
         (TransportKind::Shm, Pattern::Latency4k) => {
             Some(RawBaseline::Wake(shm::RawWakeBaseline::start()?))
         }
+        (TransportKind::Shm, Pattern::Strided1152) => Some(RawBaseline::LargeBlock),
         (TransportKind::Shm, _) => None,
+        // NIXL against the same descriptors posted through nixl-sys directly (`bench/nixl.rs`).
+        (TransportKind::Nixl, _) => Some(RawBaseline::Nixl(nixl::DirectBaseline::start(
+            &src,
+            &descriptor,
+            remote,
+        )?)),
     };
     let baseline_run = || -> Result<f64, String> {
         match &raw {
             Some(RawBaseline::Tcp(raw)) => return raw.run(&src),
             Some(RawBaseline::Wake(raw)) => return raw.run(&src, &baseline_dst, pool),
+            Some(RawBaseline::LargeBlock) => {
+                let start = Instant::now();
+                src.copy_to(0, &baseline_dst, 0, pool)
+                    .map_err(|e| e.to_string())?;
+                return Ok(start.elapsed().as_secs_f64());
+            }
+            Some(RawBaseline::Nixl(raw)) => return raw.run(&ops),
             None => {}
         }
         let start = Instant::now();
@@ -763,7 +851,7 @@ async fn measure_with(
         transport: args.transport.name(),
         pattern: name,
         bytes: pool,
-        blocks: ops.len() as u64,
+        blocks: transfer_ops.len() as u64,
         gbps: 0.0,
         baseline: raw.as_ref().map_or(BASELINE, RawBaseline::description),
         baseline_gbps: 0.0,
@@ -890,10 +978,14 @@ async fn latency(
     Ok(())
 }
 
-/// A baseline between two processes, measured in the same run as the transport.
+/// A baseline other than `memcpy` of the same blocks, measured in the same run as the
+/// transport.
 enum RawBaseline {
     Tcp(tcp::RawTcpBaseline),
     Wake(shm::RawWakeBaseline),
+    /// `memcpy` of the same bytes as one large block (what a strided pattern is held to).
+    LargeBlock,
+    Nixl(nixl::DirectBaseline),
 }
 
 impl RawBaseline {
@@ -901,15 +993,22 @@ impl RawBaseline {
         match self {
             RawBaseline::Tcp(_) => tcp::BASELINE,
             RawBaseline::Wake(_) => shm::WAKE_BASELINE,
+            RawBaseline::LargeBlock => LARGE_BLOCK_BASELINE,
+            RawBaseline::Nixl(_) => nixl::BASELINE,
         }
     }
 }
+
+/// The baseline of `strided-1152` on shm.
+const LARGE_BLOCK_BASELINE: &str = "memcpy of the same bytes as one large block";
 
 /// The short name of a baseline in the `latency-4k` notes.
 fn baseline_label(description: &str) -> &'static str {
     match description {
         tcp::BASELINE => "raw TCP ping-pong",
         shm::WAKE_BASELINE => "memcpy + raw wake-up round trip",
+        LARGE_BLOCK_BASELINE => "memcpy (one large block)",
+        nixl::BASELINE => "direct nixl-sys",
         _ => "memcpy",
     }
 }
@@ -993,6 +1092,27 @@ mod tests {
         assert_eq!((pool, ops.len()), (3640 * 73_728, 3640));
         let (pool, ops) = plan(Pattern::Large, 1.0, 1);
         assert_eq!((pool, ops.len()), (256 << 20, 1));
+    }
+
+    #[test]
+    fn strided_ops_cover_exactly_the_planned_rows() {
+        let (pool, rows) = plan(Pattern::Strided1152, 0.01, SEED);
+        let ops: Vec<TransferOp> = rows
+            .iter()
+            .map(|&(s, d, len)| TransferOp::new(RegionId(1), s, RegionId(2), d, len))
+            .collect();
+        let strided = strided_ops(&ops);
+        assert_eq!(strided.len() as u64 * STRIDED_ROWS, ops.len() as u64);
+        assert_eq!(
+            TransferBatch::write(strided)
+                .expand_rows("t", None)
+                .unwrap()
+                .ops,
+            ops
+        );
+        let (full_pool, full_rows) = plan(Pattern::Strided1152, 1.0, SEED);
+        assert_eq!((full_pool, full_rows.len()), (268_369_920, 232_960));
+        assert!(pool <= full_pool);
     }
 
     #[test]

@@ -2,23 +2,26 @@
 //! `latency-4k` row: a raw cross-process wake-up round trip.
 //!
 //! The baseline copies the same 4 KiB with `memcpy`, then wakes a second process (this binary
-//! with `--role raw-wake-peer`) through a pipe and sleeps until that process wakes it back: the
-//! least any transport can spend to move 4 KiB and have the other process know it, and hear
-//! back. The transport's local `wait` is the same round trip (post, the peer's answer).
+//! with `--role raw-wake-peer`) through a [`DoorbellPair`], the shared-memory ring and futex
+//! wake-up (with the same adaptive spin) that carry the transport's own notifications, and
+//! waits until that process wakes it back the same way: the least any transport built on that
+//! mechanism can spend to move 4 KiB and have the other process know it, and hear back.
 
-use std::io::{Read, Write};
-use std::process::{Child, ChildStdin, ChildStdout, ExitCode, Stdio};
+use std::process::{Child, ExitCode, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use kvbridge_shm::ShmTransport;
+use kvbridge_shm::{DoorbellPair, ShmTransport};
 use kvbridge_transport::{KvTransport, MemoryRegion};
 
 use super::TransportFuture;
 
 /// How the `latency-4k` baseline is described in the report.
-pub(super) const WAKE_BASELINE: &str =
-    "memcpy plus a raw cross-process wake-up round trip (pipe ping-pong between two processes)";
+pub(super) const WAKE_BASELINE: &str = "memcpy plus a raw cross-process wake-up round trip \
+     (doorbell-ring and futex ping-pong over shared memory between two processes)";
+
+/// How long either end of the baseline waits for the other before giving up.
+const WAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Creates a [`ShmTransport`] with default options (same-user peers, socket under
 /// `$XDG_RUNTIME_DIR` or the temp directory).
@@ -33,41 +36,41 @@ pub(super) fn factory() -> TransportFuture {
 /// The waking end of the wake-up baseline, with the peer process it wakes.
 pub(super) struct RawWakeBaseline {
     peer: Child,
-    /// Taken (closed) on drop, which ends the peer.
-    pipes: Mutex<Option<(ChildStdin, ChildStdout)>>,
+    bell: Mutex<DoorbellPair>,
 }
 
 impl RawWakeBaseline {
-    /// Starts the peer process and waits until it answers once.
+    /// Starts the peer process (the pair's shared memory is its stdin) and waits until it
+    /// answers once.
     pub(super) fn start() -> Result<Self, String> {
         let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
-        let mut peer = std::process::Command::new(exe)
+        let (bell, fd) =
+            DoorbellPair::create().map_err(|e| format!("creating the doorbell pair: {e}"))?;
+        let peer = std::process::Command::new(exe)
             .args(["bench", "--transport", "shm", "--role", "raw-wake-peer"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
+            .stdin(Stdio::from(fd))
+            .stdout(Stdio::null())
             .spawn()
             .map_err(|e| format!("cannot start the wake-up peer process: {e}"))?;
-        let (Some(stdin), Some(stdout)) = (peer.stdin.take(), peer.stdout.take()) else {
-            let _ = peer.kill();
-            let _ = peer.wait();
-            return Err("the wake-up peer process has no pipes".to_owned());
-        };
         let this = Self {
             peer,
-            pipes: Mutex::new(Some((stdin, stdout))),
+            bell: Mutex::new(bell),
         };
         this.ping()?;
         Ok(this)
     }
 
     fn ping(&self) -> Result<(), String> {
-        let mut pipes = self.pipes.lock().map_err(|e| e.to_string())?;
-        let (to, from) = pipes.as_mut().ok_or("the wake-up peer is closed")?;
-        to.write_all(&[1])
+        let mut bell = self.bell.lock().map_err(|e| e.to_string())?;
+        bell.ring(b"1")
             .map_err(|e| format!("waking the peer process: {e}"))?;
-        let mut back = [0u8; 1];
-        from.read_exact(&mut back)
-            .map_err(|e| format!("the peer process did not wake this one: {e}"))
+        match bell.wait(WAKE_TIMEOUT) {
+            Ok(Some(_)) => Ok(()),
+            Ok(None) => Err(format!(
+                "the peer process did not wake this one within {WAKE_TIMEOUT:?}"
+            )),
+            Err(e) => Err(format!("the peer process did not wake this one: {e}")),
+        }
     }
 
     /// One timed run: copies `len` bytes from `src` into `dst`, then one wake-up round trip.
@@ -86,28 +89,44 @@ impl RawWakeBaseline {
 
 impl Drop for RawWakeBaseline {
     fn drop(&mut self) {
-        // Closing its stdin ends the peer.
-        if let Ok(pipes) = self.pipes.get_mut() {
-            pipes.take();
+        // An empty frame ends the peer.
+        if let Ok(bell) = self.bell.get_mut() {
+            let _ = bell.ring(b"");
         }
         let _ = self.peer.wait();
     }
 }
 
-/// The peer process: answers each byte on stdin with one byte on stdout, until stdin closes.
+/// The peer process: answers each frame of the doorbell pair on its stdin, until an empty
+/// frame comes or the process that started it is gone.
 pub(super) fn raw_wake_peer() -> ExitCode {
-    let mut from = std::io::stdin().lock();
-    let mut to = std::io::stdout().lock();
-    let mut byte = [0u8; 1];
+    use std::os::fd::AsFd;
+    let parent = std::os::unix::process::parent_id();
+    let opened = std::io::stdin()
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|e| e.to_string())
+        .and_then(|fd| DoorbellPair::open(fd).map_err(|e| e.to_string()));
+    let mut bell = match opened {
+        Ok(bell) => bell,
+        Err(e) => {
+            eprintln!("kvbridge bench raw-wake-peer: {e}");
+            return ExitCode::from(1);
+        }
+    };
     loop {
-        match from.read_exact(&mut byte) {
-            Ok(()) => {
-                if let Err(e) = to.write_all(&byte).and_then(|()| to.flush()) {
+        match bell.wait(Duration::from_secs(1)) {
+            Ok(Some(frame)) if frame.is_empty() => return ExitCode::SUCCESS,
+            Ok(Some(frame)) => {
+                if let Err(e) = bell.ring(&frame) {
                     eprintln!("kvbridge bench raw-wake-peer: {e}");
                     return ExitCode::from(1);
                 }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return ExitCode::SUCCESS,
+            Ok(None) if std::os::unix::process::parent_id() != parent => {
+                return ExitCode::SUCCESS;
+            }
+            Ok(None) => {}
             Err(e) => {
                 eprintln!("kvbridge bench raw-wake-peer: {e}");
                 return ExitCode::from(1);

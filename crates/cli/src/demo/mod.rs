@@ -36,6 +36,9 @@ pub(crate) enum Transport {
     Shm,
     /// TCP over loopback (kvbridge-tcp).
     Tcp,
+    /// NIXL's UCX backend (kvbridge-nixl; build with `--features nixl` after
+    /// `cargo xtask nixl-setup`).
+    Nixl,
 }
 
 /// Model families.
@@ -62,7 +65,7 @@ pub(crate) enum Role {
 /// Arguments of `kvbridge demo`.
 #[derive(Debug, Clone, clap::Args)]
 #[command(
-    after_help = "Examples:\n  kvbridge demo                                  MLA, prefill DCP 1 -> decode DCP 4, shared memory\n  kvbridge demo --transport tcp                  the same over TCP\n  kvbridge demo --geometry gqa                   GQA, prefill TP 2 -> decode TP 4 (head slices)\n  kvbridge demo --prefix-tokens 2048             the decode already holds the first 2048 tokens\n  kvbridge demo --prefill-dcp 2 --dcp 4 --prefill-page-size 16\n                                                 any prefill DCP and page size to any decode's\n  kvbridge demo --tokens 1024 --requests 4       a quick run\n\nDeadlines: a request that misses --timeout fails; after the first failure (or a process\nthat dies) the run ends within --timeout plus a grace of 10 s, killing what is still running.\n\nLogging: every process logs to stderr, each line prefixed with the process. RUST_LOG picks\nwhat (e.g. RUST_LOG=kvbridge_tcp=debug); the default is errors only; --verbose logs warnings\nand kvbridge's debug messages (why a connection closed, which deadline fired). The summary\nnames each process's first failure.\n\nExit status: 0 when every request succeeded and every byte verified, 1 otherwise, 2 for\ninvalid arguments."
+    after_help = "Examples:\n  kvbridge demo                                  MLA, prefill DCP 1 -> decode DCP 4, shared memory\n  kvbridge demo --transport tcp                  the same over TCP\n  kvbridge demo --transport nixl                 the same over NIXL (build with --features nixl)\n  kvbridge demo --geometry gqa                   GQA, prefill TP 2 -> decode TP 4 (head slices)\n  kvbridge demo --prefix-tokens 2048             the decode already holds the first 2048 tokens\n  kvbridge demo --prefill-dcp 2 --dcp 4 --prefill-page-size 16\n                                                 any prefill DCP and page size to any decode's\n  kvbridge demo --tokens 1024 --requests 4       a quick run\n\nDeadlines: a request that misses --timeout fails; after the first failure (or a process\nthat dies) the run ends within --timeout plus a grace of 10 s, killing what is still running.\n\nLogging: every process logs to stderr, each line prefixed with the process. RUST_LOG picks\nwhat (e.g. RUST_LOG=kvbridge_tcp=debug); the default is errors only; --verbose logs warnings\nand kvbridge's debug messages (why a connection closed, which deadline fired). The summary\nnames each process's first failure.\n\nExit status: 0 when every request succeeded and every byte verified, 1 otherwise, 2 for\ninvalid arguments."
 )]
 pub(crate) struct DemoArgs {
     /// Transport that moves the KV bytes between the processes.
@@ -131,6 +134,10 @@ pub(crate) struct DemoArgs {
     /// Port of the bootstrap server on 127.0.0.1 (default: any free port).
     #[arg(long, default_value_t = 0)]
     bootstrap_port: u16,
+    /// Gather each chunk's strided rows into registered pack buffers on the prefill and post
+    /// one contiguous range per layer, chunk and decode rank (the default posts strided ops).
+    #[arg(long)]
+    pack: bool,
     /// Print the final summary as one JSON object on stdout instead of text.
     #[arg(long)]
     json: bool,
@@ -213,6 +220,18 @@ pub(crate) struct Summary {
     pub(crate) bytes: u64,
     /// Rooms still held by the agents after cleanup (must be 0).
     pub(crate) rooms_left: usize,
+    /// Prefill: transport descriptors posted (a strided op counts one), over all ranks.
+    #[serde(default)]
+    pub(crate) descriptors: u64,
+    /// Prefill: rows those descriptors cover.
+    #[serde(default)]
+    pub(crate) rows: u64,
+    /// Prefill: batches posted from a pack buffer (`--pack`).
+    #[serde(default)]
+    pub(crate) pack_batches: u64,
+    /// Prefill: bytes gathered into pack buffers (`--pack`).
+    #[serde(default)]
+    pub(crate) pack_bytes: u64,
     /// The first root cause: the first failure that is not a consequence of another one (an
     /// abort), or the first failure if every one is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -246,6 +265,8 @@ pub(crate) struct Setup {
     pub(crate) timeout: Duration,
     pub(crate) secret: Option<String>,
     pub(crate) chunk_delay: Duration,
+    /// Pack buffers on the prefill (`--pack`): how many per prefill rank, and their bytes.
+    pub(crate) pack: Option<(usize, u64)>,
 }
 
 /// How long after the first failure (or a dead process) the run may take beyond `--timeout`
@@ -362,6 +383,18 @@ impl Setup {
                 .iter()
                 .map(|d| per_rank(d, decode_pages))
                 .sum::<u64>();
+        // Pack buffers: one per decode rank for each request in flight, each holding a chunk's
+        // share for one decode rank (`ceil(chunk / dcp)` tokens of every layer).
+        let pack = a.pack.then(|| {
+            let share = a.chunk_tokens.min(a.tokens).div_ceil(u64::from(dcp));
+            (dtp as usize * a.concurrency as usize, share * token_bytes)
+        });
+        let total = total
+            + pack.map_or(0, |(n, bytes)| {
+                (n as u64)
+                    .saturating_mul(bytes)
+                    .saturating_mul(prefill.len() as u64)
+            });
         const LIMIT: u64 = 16 << 30;
         if total > LIMIT {
             return Err(format!(
@@ -390,6 +423,7 @@ impl Setup {
             timeout: Duration::from_secs_f64(a.timeout),
             secret: a.secret.clone(),
             chunk_delay: Duration::from_millis(a.chunk_delay_ms),
+            pack,
         })
     }
 
@@ -424,6 +458,7 @@ impl Setup {
             match self.transport {
                 Transport::Shm => "shared-memory",
                 Transport::Tcp => "TCP",
+                Transport::Nixl => "NIXL (UCX)",
             }
         )
     }

@@ -203,6 +203,14 @@ struct Latency {
 }
 
 #[derive(Debug, Serialize)]
+struct PerRequest {
+    descriptors: u64,
+    rows: u64,
+    pack_batches: u64,
+    pack_bytes: u64,
+}
+
+#[derive(Debug, Serialize)]
 struct ProcReport {
     role: &'static str,
     rank: u32,
@@ -228,6 +236,10 @@ struct Report {
     latency_ms: Option<Latency>,
     verified_bytes: u64,
     expected_verified_bytes: u64,
+    /// Per request that succeeded, over every prefill rank: transport descriptors posted (a
+    /// strided op counts one), the rows they cover, and on the pack path (`--pack`) the
+    /// batches posted from pack buffers and the bytes gathered into them.
+    descriptors_per_request: Option<PerRequest>,
     killed: Vec<String>,
     /// Processes stopped with `--freeze`.
     frozen: Vec<String>,
@@ -584,6 +596,19 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
         && succeeded == setup.requests
         && verified_bytes == expected_verified_bytes;
     let secs = elapsed.as_secs_f64();
+    let descriptors_per_request = procs
+        .first()
+        .and_then(|p| p.summary.as_ref())
+        .filter(|_| succeeded > 0)
+        .map(|s| {
+            let n = u64::from(succeeded);
+            PerRequest {
+                descriptors: s.descriptors / n,
+                rows: s.rows / n,
+                pack_batches: s.pack_batches / n,
+                pack_bytes: s.pack_bytes / n,
+            }
+        });
     Report {
         ok,
         setup: setup.describe(),
@@ -606,6 +631,7 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
         }),
         verified_bytes,
         expected_verified_bytes,
+        descriptors_per_request,
         killed,
         frozen,
         timed_out,
@@ -679,6 +705,22 @@ fn print_report(args: &DemoArgs, setup: &Setup, r: &Report) {
             "  latency    p50 {:.1} ms, p99 {:.1} ms per request (room created -> Success on \
              every prefill rank)",
             l.p50, l.p99
+        );
+    }
+    if let Some(d) = &r.descriptors_per_request {
+        println!(
+            "  descriptors {} per request (transport ops, KV and aux), covering {} rows{}",
+            d.descriptors,
+            d.rows,
+            if setup.pack.is_some() {
+                format!(
+                    "; pack path: {} batches from pack buffers, {} gathered",
+                    d.pack_batches,
+                    gb(d.pack_bytes)
+                )
+            } else {
+                " (strided ops)".to_owned()
+            }
         );
     }
     let verified = r.verified_bytes == r.expected_verified_bytes;

@@ -24,7 +24,7 @@ use kvbridge_coordinator::testing::{
 };
 use kvbridge_coordinator::{
     AllocatedMemory, Chunk, CoordinatorError, DecodeAgent, DecodeConfig, FailureCause, KvMemory,
-    PrefillAgent, PrefillConfig, ReceiveRequest,
+    PackBuffers, PrefillAgent, PrefillConfig, ReceiveRequest,
 };
 use kvbridge_handshake::PeerDescriptor;
 use kvbridge_shm::ShmTransport;
@@ -253,6 +253,7 @@ async fn transport(
                 .map_err(|e| format!("TCP transport: {e}"))?;
             Ok((Arc::new(t), None))
         }
+        Transport::Nixl => Ok((crate::nixl_transport()?, None)),
     }
 }
 
@@ -268,15 +269,25 @@ fn heartbeat(setup: &Setup) -> Duration {
     (setup.timeout / 10).clamp(Duration::from_millis(50), Duration::from_secs(5))
 }
 
-fn prefill_config(setup: &Setup) -> PrefillConfig {
+fn prefill_config(setup: &Setup, d: &PeerDescriptor) -> PrefillConfig {
     let t = setup.timeout;
-    PrefillConfig {
+    let config = PrefillConfig {
         bootstrap_timeout: t,
         waiting_timeout: t,
         batch_timeout: t,
         fence_grace: (t / 4).min(Duration::from_secs(5)),
         control_send_timeout: (t / 4).min(Duration::from_secs(30)),
         ..PrefillConfig::default()
+    };
+    match setup.pack {
+        None => config,
+        Some((count, _)) => {
+            // The longest chunk `prefill_request` sends: whole virtual pages, at least one.
+            let v = d.page_size * u64::from(d.dcp_size.max(1));
+            let chunk = (setup.chunk_tokens / v).max(1) * v;
+            let dcp = setup.decode.first().map_or(1, |d| d.dcp_size.max(1));
+            config.with_pack_buffers(PackBuffers::new(count, chunk, u64::from(dcp)))
+        }
     }
 }
 
@@ -555,7 +566,8 @@ async fn prefill_main(
             .map_err(|e| e.to_string())?;
         let agent =
             PrefillAgent::builder(d.clone(), mem.memory.clone(), t.clone(), Arc::new(channel))
-                .config(prefill_config(&setup))
+                .config(prefill_config(&setup, d))
+                .kv_regions(mem.kv_regions.clone())
                 .start()
                 .map_err(|e| e.to_string())?;
         client
@@ -636,10 +648,14 @@ async fn prefill_main(
     .await;
 
     summary.stopped(&commands);
-    summary.bytes = ranks
-        .iter()
-        .map(|r| r.agent.metrics().bytes_transferred)
-        .sum();
+    for r in ranks.iter() {
+        let m = r.agent.metrics();
+        summary.bytes += m.bytes_transferred;
+        summary.descriptors += m.descriptors_posted;
+        summary.rows += m.rows_posted;
+        summary.pack_batches += m.pack_batches;
+        summary.pack_bytes += m.pack_bytes;
+    }
     summary.rooms_left = settle(|| ranks.iter().map(|r| r.agent.room_count()).sum()).await;
     summary.control_dirs = dirs;
     // The decode ranks shut their transports down first (they fence this side's writes).

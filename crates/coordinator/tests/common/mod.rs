@@ -151,6 +151,7 @@ pub async fn rig(spec: Spec) -> Rig {
         let agent =
             PrefillAgent::builder(desc.clone(), mem.memory.clone(), transport.clone(), channel)
                 .config(spec.prefill_config.clone())
+                .kv_regions(mem.kv_regions.clone())
                 .start()
                 .unwrap();
         dir.add_rank(ADDR, agent.rank_info());

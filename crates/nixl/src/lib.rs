@@ -1,0 +1,115 @@
+//! `kvbridge-nixl`: a [`KvTransport`](kvbridge_transport::KvTransport) over NIXL, the transfer
+//! engine serving stacks use for RDMA, NVLink and TCP, with its UCX backend.
+//!
+//! The NIXL engine itself is behind the feature `nixl` (it pulls in `nixl-sys`, whose build
+//! needs libclang). Without it this crate builds with Rust alone and holds the parts that need
+//! no engine: the descriptor format, the control messages, and [`Runtime`], which finds the
+//! NIXL libraries. Run `cargo xtask nixl-setup` once (libclang, and the NIXL runtime in
+//! `target/nixl/`); the transport then finds the runtime there, or where
+//! `KVBRIDGE_NIXL_LIB_DIR` points, with nothing to export. See `docs/transports.md` ("NIXL").
+//!
+//! ```ignore
+//! let transport = kvbridge_nixl::NixlTransport::new()?; // feature `nixl`
+//! ```
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+use std::time::Duration;
+
+#[cfg(feature = "nixl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
+pub mod baseline;
+#[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+mod control;
+pub mod descriptor;
+mod error;
+#[cfg(feature = "nixl")]
+mod ffi;
+pub mod runtime;
+#[cfg(feature = "nixl")]
+mod transport;
+
+pub use error::NixlError;
+pub use runtime::{LIB_DIR_ENV, Runtime};
+#[cfg(feature = "nixl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
+pub use transport::NixlTransport;
+
+/// The transport's name in logs and errors.
+pub const NAME: &str = "nixl";
+
+/// Settings of a [`NixlTransport`](crate) (feature `nixl`).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct NixlOptions {
+    /// The runtime to load; `None` finds it with [`Runtime::locate`].
+    pub runtime: Option<Runtime>,
+    /// How long NIXL's progress thread sleeps between rounds (default 200 µs): how soon a UCX
+    /// lane that needs the target's progress (tcp) lands bytes, against the CPU it costs.
+    pub progress_interval: Duration,
+    /// How long a control exchange (connect, region updates, probes) waits for the peer
+    /// (default 5 s).
+    pub control_timeout: Duration,
+    /// How long past its deadline a batch NIXL still carries may take before the transport
+    /// fences it by closing the peer's connection (default 1 s).
+    pub commit_grace: Duration,
+    /// Accept device memory when the UCX backend supports it (default true).
+    pub device_memory: bool,
+    /// While a transfer is in flight, poll it without sleeping, yielding the CPU between polls
+    /// (default false): each poll drives UCX's progress on the sending side, which the bytes'
+    /// rate depends on, at the cost of a core while bytes move (what NIXL's own progress thread
+    /// does at its default delay of zero). Off, the polling thread sleeps 10 to 50 µs between
+    /// polls. Idle transports always back off to 1 ms.
+    pub poll_in_flight: bool,
+}
+
+impl Default for NixlOptions {
+    fn default() -> Self {
+        Self {
+            runtime: None,
+            progress_interval: Duration::from_micros(200),
+            control_timeout: Duration::from_secs(5),
+            commit_grace: Duration::from_secs(1),
+            device_memory: true,
+            poll_in_flight: false,
+        }
+    }
+}
+
+impl NixlOptions {
+    /// Sets [`runtime`](Self::runtime).
+    pub fn runtime(mut self, runtime: Runtime) -> Self {
+        self.runtime = Some(runtime);
+        self
+    }
+
+    /// Sets [`progress_interval`](Self::progress_interval).
+    pub fn progress_interval(mut self, interval: Duration) -> Self {
+        self.progress_interval = interval;
+        self
+    }
+
+    /// Sets [`control_timeout`](Self::control_timeout).
+    pub fn control_timeout(mut self, timeout: Duration) -> Self {
+        self.control_timeout = timeout;
+        self
+    }
+
+    /// Sets [`commit_grace`](Self::commit_grace).
+    pub fn commit_grace(mut self, grace: Duration) -> Self {
+        self.commit_grace = grace;
+        self
+    }
+
+    /// Sets [`poll_in_flight`](Self::poll_in_flight).
+    pub fn poll_in_flight(mut self, poll: bool) -> Self {
+        self.poll_in_flight = poll;
+        self
+    }
+
+    /// Sets [`device_memory`](Self::device_memory).
+    pub fn device_memory(mut self, accept: bool) -> Self {
+        self.device_memory = accept;
+        self
+    }
+}

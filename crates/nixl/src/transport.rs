@@ -1,0 +1,1192 @@
+//! `NixlTransport`: the `KvTransport` contract on one NIXL agent with the UCX backend.
+//!
+//! Data moves as NIXL WRITE transfers, posted once and never recalled, so every batch is a
+//! committing batch of the shared [`Batches`] table: it ends when NIXL reports it (done or
+//! failed), and `cancel` waits for that ([`Batches::settle`]). A small control protocol rides
+//! on NIXL notifications (see [`crate::control`]): a sender introduces itself at `connect`, and
+//! a receiver tells its senders about every region it registers or deregisters and waits for
+//! their acknowledgement, so the sender's region table is never stale and a deregistered
+//! region receives no byte once `deregister` returned.
+//!
+//! One background thread per transport drives NIXL: it polls the transfers in flight and the
+//! notifications, sleeping 10 to 50 µs between polls while transfers are in flight and backing
+//! off to 1 ms when idle (no busy spin); `post` wakes it.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvbridge_transport::batch::{BatchTable, Batches, Fence, Outcome, Step};
+use kvbridge_transport::memory::checked_range;
+use kvbridge_transport::{
+    BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
+    RegionId, Result, Side, TransferBatch, TransportError,
+};
+use nixl_sys::{
+    Agent, AgentConfig, Backend, MemType, NotificationMap, OptArgs, RegDescList,
+    RegistrationHandle, ThreadSync, XferDescList, XferOp, XferRequest, XferStatus,
+};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::control::Control;
+use crate::descriptor::{Descriptor, RemoteRegion};
+use crate::ffi::{self, Segment};
+use crate::runtime::Runtime;
+use crate::{NAME, NixlError, NixlOptions};
+
+/// The polling thread's back-off: from `POLL_MIN` up to `POLL_BUSY_MAX` while transfers are
+/// in flight (each poll also drives UCX's progress on this side), up to `POLL_IDLE_MAX` when
+/// nothing is; `post` wakes it at once.
+const POLL_MIN: Duration = Duration::from_micros(10);
+const POLL_BUSY_MAX: Duration = Duration::from_micros(50);
+const POLL_IDLE_MAX: Duration = Duration::from_millis(1);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section leaves its state consistent, so a poisoned lock is usable.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn sleep_until(at: Instant) -> tokio::time::Sleep {
+    tokio::time::sleep_until(tokio::time::Instant::from_std(at))
+}
+
+fn call_err(call: &'static str, e: nixl_sys::NixlError, remedy: &'static str) -> TransportError {
+    NixlError::Call {
+        call,
+        status: format!("{e:?} ({e})"),
+        remedy,
+    }
+    .into()
+}
+
+struct LocalRegion {
+    region: MemoryRegion,
+    /// Deregisters from NIXL when dropped.
+    _registration: RegistrationHandle,
+}
+
+struct OutPeer {
+    name: String,
+    regions: HashMap<u64, RemoteRegion>,
+    /// Why the peer is unusable, once it is.
+    lost: Option<String>,
+}
+
+struct InPeer {
+    id: PeerId,
+    /// Stopped answering control messages: skipped from then on.
+    silent: bool,
+}
+
+struct Inflight {
+    req: XferRequest,
+    peer: PeerId,
+    /// Local regions it reads: kept registered until it ends.
+    local_regions: Vec<u64>,
+    remote_regions: Vec<u64>,
+}
+
+/// An acknowledgement that waits until the batches in flight into regions the peer removed
+/// have ended (the fencing point of the peer's `deregister`).
+struct DeferredAck {
+    to: String,
+    seq: u64,
+    waiting_on: Vec<BatchId>,
+}
+
+impl Drop for State {
+    fn drop(&mut self) {
+        // A transport dropped with transfers still in flight: releasing their requests or
+        // deregistering the memory they read is not safe while NIXL may still use them, so
+        // those are leaked instead (only in that case).
+        if !self.inflight.is_empty() || !self.zombies.is_empty() {
+            std::mem::forget(std::mem::take(&mut self.inflight));
+            std::mem::forget(std::mem::take(&mut self.zombies));
+            std::mem::forget(std::mem::take(&mut self.retired));
+            std::mem::forget(std::mem::take(&mut self.regions));
+        }
+    }
+}
+
+impl State {
+    /// An outbound peer that is known and not lost.
+    fn usable(&self, peer: PeerId) -> Result<&OutPeer> {
+        let p = self.out.get(&peer.0).ok_or(TransportError::UnknownPeer {
+            peer,
+            transport: NAME,
+        })?;
+        match &p.lost {
+            Some(reason) => Err(TransportError::PeerLost {
+                peer,
+                transport: NAME,
+                reason: reason.clone(),
+            }),
+            None => Ok(p),
+        }
+    }
+
+    /// Local regions a transfer in flight (or a zombie) reads.
+    fn sources_in_use(&self) -> HashSet<u64> {
+        self.inflight
+            .values()
+            .chain(&self.zombies)
+            .flat_map(|f| f.local_regions.iter().copied())
+            .collect()
+    }
+
+    /// Deregisters `local` from NIXL now, or once no transfer reads it any more.
+    fn retire(&mut self, id: u64, local: LocalRegion) {
+        if self.sources_in_use().contains(&id) {
+            self.retired.push((id, local));
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    regions: HashMap<u64, LocalRegion>,
+    out: HashMap<u64, OutPeer>,
+    /// Inbound peers (senders that introduced themselves), by agent name.
+    inbound: HashMap<String, InPeer>,
+    /// Agent names whose NIXL metadata is loaded.
+    loaded: HashSet<String>,
+    inflight: HashMap<BatchId, Inflight>,
+    /// Requests of fenced or failed batches NIXL still reports in progress: kept (releasing a
+    /// request in progress is not safe) and polled until NIXL lets go of them.
+    zombies: Vec<Inflight>,
+    /// Local regions deregistered (or left at shutdown) while a transfer still read them:
+    /// deregistered from NIXL once no transfer in flight or zombie names them (UCX must not
+    /// lose the registration of memory it is still sending from).
+    retired: Vec<(u64, LocalRegion)>,
+    deferred: Vec<DeferredAck>,
+    /// Batches whose deadline passed while NIXL still had them: their peer is cut off.
+    fenced: Vec<BatchId>,
+}
+
+pub(crate) struct Inner {
+    agent: Agent,
+    backend: Backend,
+    name: String,
+    caps: Capabilities,
+    options: NixlOptions,
+    batches: Batches,
+    state: Mutex<State>,
+    next_id: AtomicU64,
+    closed: AtomicBool,
+    /// Set once `shutdown` has told every peer: the poller may stop when nothing is in flight.
+    finished: AtomicBool,
+    /// Waiters for acks, by sequence number, with the agent that should answer.
+    acks: Mutex<HashMap<u64, (String, oneshot::Sender<()>)>>,
+    notify_tx: Mutex<Option<mpsc::UnboundedSender<Notification>>>,
+    notify_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<Notification>>,
+    /// The polling thread, unparked by `post`.
+    poller: std::sync::OnceLock<std::thread::Thread>,
+}
+
+/// A [`KvTransport`] on a NIXL agent with the UCX backend (feature `nixl`).
+///
+/// Regions must come from [`allocate`](KvTransport::allocate) (or be foreign memory): a peer's
+/// NIXL writes them behind the CPU's back, so they are never borrowed as Rust slices. Device
+/// memory is accepted when the UCX backend reports VRAM support.
+pub struct NixlTransport {
+    inner: Arc<Inner>,
+    poller: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for NixlTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlTransport")
+            .field("agent", &self.inner.name)
+            .finish()
+    }
+}
+
+impl NixlTransport {
+    /// A transport with the default [`NixlOptions`].
+    pub fn new() -> Result<Self> {
+        Self::with_options(NixlOptions::default())
+    }
+
+    /// A transport on a fresh NIXL agent. Finds and loads the runtime first (see
+    /// [`Runtime::locate`]); a missing runtime is an error naming `cargo xtask nixl-setup`.
+    pub fn with_options(options: NixlOptions) -> Result<Self> {
+        let rt = match &options.runtime {
+            Some(rt) => rt.clone(),
+            None => Runtime::locate()?,
+        };
+        ffi::load(&rt)?;
+        static AGENTS: AtomicU64 = AtomicU64::new(0);
+        let name = format!(
+            "kvbridge-{}-{}-{:x}",
+            std::process::id(),
+            AGENTS.fetch_add(1, Ordering::Relaxed),
+            Instant::now().elapsed().as_nanos() as u64 ^ std::ptr::addr_of!(AGENTS) as u64
+        );
+        let cfg = AgentConfig {
+            enable_prog_thread: true,
+            // The progress thread sleeps this long between rounds: UCX lanes that need the
+            // target to progress (tcp) land bytes without any call from the receiver.
+            pthr_delay_us: options.progress_interval.as_micros() as u64,
+            thread_sync: ThreadSync::Strict,
+            ..AgentConfig::default()
+        };
+        let agent = Agent::new_configured(&name, &cfg).map_err(|e| {
+            call_err(
+                "createAgent",
+                e,
+                "check that the runtime from `cargo xtask nixl-setup` is complete",
+            )
+        })?;
+        let (_mems, params) = agent.get_plugin_params("UCX").map_err(|e| {
+            call_err(
+                "getPluginParams(UCX)",
+                e,
+                "the UCX plugin was not found: check NIXL_PLUGIN_DIR, or run `cargo xtask nixl-setup` again",
+            )
+        })?;
+        let backend = agent.create_backend("UCX", &params).map_err(|e| {
+            call_err(
+                "createBackend(UCX)",
+                e,
+                "UCX found no usable transport: check UCX_TLS (e.g. unset it, or UCX_TLS=tcp)",
+            )
+        })?;
+        let vram = agent
+            .get_backend_params(&backend)
+            .ok()
+            .is_some_and(|(mems, _)| mems.iter().any(|m| matches!(m, Ok(MemType::Vram))));
+        // The wheel's UCX reports VRAM support whether or not a GPU is there: declare device
+        // memory only where a CUDA device node exists too.
+        let gpu = std::path::Path::new("/dev/nvidiactl").exists();
+        let caps = Capabilities::minimal()
+            .with_cross_process(true)
+            .with_device_memory(vram && gpu && options.device_memory);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let inner = Arc::new(Inner {
+            agent,
+            backend,
+            name,
+            caps,
+            batches: Batches::from_table(
+                BatchTable::new(NAME).with_commit_grace(options.commit_grace),
+            ),
+            options,
+            state: Mutex::new(State::default()),
+            next_id: AtomicU64::new(1),
+            closed: AtomicBool::new(false),
+            finished: AtomicBool::new(false),
+            acks: Mutex::new(HashMap::new()),
+            notify_tx: Mutex::new(Some(tx)),
+            notify_rx: tokio::sync::Mutex::new(rx),
+            poller: std::sync::OnceLock::new(),
+        });
+        let weak = Arc::downgrade(&inner);
+        let poller = std::thread::Builder::new()
+            .name("kvbridge-nixl".to_owned())
+            .spawn(move || poll_loop(weak))
+            .map_err(|e| TransportError::Io {
+                transport: NAME,
+                context: "starting the NIXL polling thread".to_owned(),
+                source: e,
+            })?;
+        let _ = inner.poller.set(poller.thread().clone());
+        Ok(Self {
+            inner,
+            poller: Some(poller),
+        })
+    }
+
+    /// The NIXL agent's name (unique per transport).
+    pub fn agent_name(&self) -> &str {
+        &self.inner.name
+    }
+}
+
+impl Drop for NixlTransport {
+    fn drop(&mut self) {
+        self.inner.closed.store(true, Ordering::SeqCst);
+        self.inner.finished.store(true, Ordering::SeqCst);
+        // The poller holds only a weak reference and stops once the transport is gone.
+        drop(self.poller.take());
+    }
+}
+
+impl Inner {
+    fn id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::SeqCst) {
+            Err(TransportError::Closed { transport: NAME })
+        } else {
+            Ok(())
+        }
+    }
+
+    fn descriptor(&self, regions: Vec<RemoteRegion>) -> Result<Descriptor> {
+        let metadata = self.agent.get_local_md().map_err(|e| {
+            call_err(
+                "getLocalMD",
+                e,
+                "the agent is unusable; create a new transport",
+            )
+        })?;
+        Ok(Descriptor {
+            name: self.name.clone(),
+            regions,
+            metadata,
+        })
+    }
+
+    fn region_table(&self) -> Vec<RemoteRegion> {
+        let st = lock(&self.state);
+        let mut v: Vec<RemoteRegion> = st
+            .regions
+            .iter()
+            .map(|(&id, r)| {
+                let seg = Segment::of(&r.region);
+                RemoteRegion {
+                    id,
+                    addr: seg.addr as u64,
+                    len: seg.len as u64,
+                    device: seg.device,
+                }
+            })
+            .collect();
+        v.sort_by_key(|r| r.id);
+        v
+    }
+
+    fn send(&self, to: &str, msg: &Control) -> Result<()> {
+        self.agent
+            .send_notification(to, &msg.encode(), Some(&self.backend))
+            .map_err(|e| {
+                call_err(
+                    "genNotif",
+                    e,
+                    "the peer's connection is gone; reconnect with its descriptor",
+                )
+            })
+    }
+
+    /// Sends a control message that the peer acknowledges, and waits for the ack.
+    async fn request(&self, to: &str, make: impl FnOnce(u64) -> Control, within: Duration) -> bool {
+        let seq = self.id();
+        let (tx, rx) = oneshot::channel();
+        lock(&self.acks).insert(seq, (to.to_owned(), tx));
+        let sent = self.send(to, &make(seq)).is_ok();
+        let ok = sent && matches!(tokio::time::timeout(within, rx).await, Ok(Ok(())));
+        lock(&self.acks).remove(&seq);
+        ok
+    }
+
+    /// Tells every inbound peer the current region table (plus the NIXL metadata of a new
+    /// region) and waits for their acks; a peer that does not answer is skipped from then on.
+    async fn publish(&self, md: Option<Vec<u8>>) {
+        let table = self.region_table();
+        let peers: Vec<String> = lock(&self.state)
+            .inbound
+            .iter()
+            .filter(|(_, p)| !p.silent)
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in peers {
+            let ok = self
+                .request(
+                    &name,
+                    |seq| Control::Update {
+                        seq,
+                        regions: table.clone(),
+                        metadata: md.clone().unwrap_or_default(),
+                    },
+                    self.options.control_timeout,
+                )
+                .await;
+            if !ok {
+                tracing::warn!(peer = %name, "a NIXL peer did not acknowledge a region update; it is skipped from now on");
+                if let Some(p) = lock(&self.state).inbound.get_mut(&name) {
+                    p.silent = true;
+                }
+            }
+        }
+    }
+
+    fn peer_lost(&self, peer: PeerId, reason: String) {
+        let mut st = lock(&self.state);
+        if let Some(p) = st.out.get_mut(&peer.0) {
+            p.lost.get_or_insert(reason.clone());
+        }
+        drop(st);
+        self.batches.fail_where(
+            |p| p == peer,
+            |_, peer| TransportError::PeerLost {
+                peer,
+                transport: NAME,
+                reason: reason.clone(),
+            },
+        );
+    }
+
+    // ---- the polling thread's work ----------------------------------------------------------
+
+    fn poll_transfers(&self) -> bool {
+        let mut st = lock(&self.state);
+        let now = Instant::now();
+        let mut busy = false;
+        // Fenced batches (deadline passed): cut the peer off so nothing more is sent.
+        let fenced = std::mem::take(&mut st.fenced);
+        let mut cut = Vec::new();
+        for id in fenced {
+            if let Some(f) = st.inflight.remove(&id) {
+                cut.push(f.peer);
+                st.zombies.push(f);
+                busy = true;
+            }
+        }
+        let mut finished = Vec::new();
+        for (&id, f) in st.inflight.iter() {
+            match self.agent.get_xfer_status(&f.req) {
+                Ok(XferStatus::InProgress) => {}
+                Ok(XferStatus::Success) => finished.push((id, Ok(()))),
+                Err(e) => finished.push((id, Err((f.peer, e)))),
+            }
+        }
+        let mut lost = Vec::new();
+        for (id, r) in finished {
+            busy = true;
+            st.inflight.remove(&id);
+            match r {
+                Ok(()) => {
+                    self.batches.finish(id, Outcome::Done, now);
+                }
+                Err((peer, e)) => {
+                    let reason = format!(
+                        "NIXL reported the transfer failed with status {e:?}: the peer process \
+                         died or its UCX connection broke"
+                    );
+                    self.batches.finish(
+                        id,
+                        Outcome::Failed(TransportError::PeerLost {
+                            peer,
+                            transport: NAME,
+                            reason: reason.clone(),
+                        }),
+                        now,
+                    );
+                    lost.push((peer, reason));
+                }
+            }
+        }
+        st.zombies.retain(|f| {
+            matches!(
+                self.agent.get_xfer_status(&f.req),
+                Ok(XferStatus::InProgress)
+            )
+        });
+        if !st.retired.is_empty() {
+            let used = st.sources_in_use();
+            st.retired.retain(|(id, _)| used.contains(id));
+        }
+        // Acks deferred until the batches into removed regions ended.
+        let inflight: HashSet<BatchId> = st.inflight.keys().copied().collect();
+        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut st.deferred)
+            .into_iter()
+            .partition(|d| d.waiting_on.iter().all(|b| !inflight.contains(b)));
+        st.deferred = waiting;
+        let cut_names: Vec<(PeerId, String)> = cut
+            .iter()
+            .filter_map(|p| st.out.get(&p.0).map(|o| (*p, o.name.clone())))
+            .collect();
+        drop(st);
+        for d in ready {
+            busy = true;
+            let _ = self.send(&d.to, &Control::Ack { seq: d.seq });
+        }
+        for (peer, reason) in lost {
+            self.peer_lost(peer, reason);
+        }
+        for (peer, name) in cut_names {
+            // Closing the UCX endpoints stops whatever of the batch was not sent yet.
+            let _ = self.agent.invalidate_remote_md(&name);
+            lock(&self.state).loaded.remove(&name);
+            self.peer_lost(
+                peer,
+                "a batch to it passed its deadline while NIXL still had it; the connection was \
+                 closed to fence it"
+                    .to_owned(),
+            );
+        }
+        busy
+    }
+
+    fn poll_notifications(&self) -> bool {
+        let Ok(mut map) = NotificationMap::new() else {
+            return false;
+        };
+        if self.agent.get_notifications(&mut map, None).is_err() {
+            return false;
+        }
+        if map.is_empty().unwrap_or(true) {
+            return false;
+        }
+        let agents: Vec<String> = map
+            .agents()
+            .filter_map(|a| a.ok().map(str::to_owned))
+            .collect();
+        for from in agents {
+            let n = map.get_notifications_size(&from).unwrap_or(0);
+            for i in 0..n {
+                if let Ok(bytes) = map.get_notification_bytes(&from, i) {
+                    self.on_message(&from, &bytes);
+                }
+            }
+        }
+        true
+    }
+
+    fn on_message(&self, from: &str, bytes: &[u8]) {
+        let msg = match Control::decode(bytes) {
+            Ok(m) => m,
+            Err(why) => {
+                tracing::warn!(peer = %from, "dropped a malformed NIXL notification: {why}");
+                return;
+            }
+        };
+        match msg {
+            Control::User(payload) => {
+                let id = {
+                    let mut st = lock(&self.state);
+                    match st.inbound.get(from) {
+                        Some(p) => p.id,
+                        None => {
+                            let id = PeerId(self.id());
+                            st.inbound
+                                .insert(from.to_owned(), InPeer { id, silent: true });
+                            id
+                        }
+                    }
+                };
+                if let Some(tx) = lock(&self.notify_tx).as_ref() {
+                    let _ = tx.send(Notification::new(id, Bytes::from(payload)));
+                }
+            }
+            Control::Hello { seq, descriptor } => {
+                let d = match Descriptor::decode(&descriptor) {
+                    Ok(d) if d.name == from => d,
+                    Ok(d) => {
+                        tracing::warn!(peer = %from, claimed = %d.name, "refused a NIXL hello whose descriptor names another agent");
+                        return;
+                    }
+                    Err(why) => {
+                        tracing::warn!(peer = %from, "refused a NIXL hello: {why}");
+                        return;
+                    }
+                };
+                let loaded = lock(&self.state).loaded.contains(from);
+                if !loaded {
+                    if let Err(e) = self.agent.load_remote_md(&d.metadata) {
+                        tracing::warn!(peer = %from, "could not load a NIXL peer's metadata: {e:?}");
+                        return;
+                    }
+                    lock(&self.state).loaded.insert(from.to_owned());
+                }
+                {
+                    let mut st = lock(&self.state);
+                    let id = st.inbound.get(from).map(|p| p.id);
+                    let id = id.unwrap_or_else(|| PeerId(self.id()));
+                    st.inbound
+                        .insert(from.to_owned(), InPeer { id, silent: false });
+                }
+                let _ = self.send(from, &Control::Ack { seq });
+            }
+            Control::Ack { seq } => {
+                if let Some((_, tx)) = lock(&self.acks).remove(&seq) {
+                    let _ = tx.send(());
+                }
+            }
+            Control::Probe { seq } => {
+                let _ = self.send(from, &Control::Ack { seq });
+            }
+            Control::Update {
+                seq,
+                regions,
+                metadata,
+            } => {
+                if !metadata.is_empty() {
+                    if let Err(e) = self.agent.load_remote_md(&metadata) {
+                        tracing::warn!(peer = %from, "could not load a NIXL peer's region metadata: {e:?}");
+                    }
+                }
+                let mut st = lock(&self.state);
+                let mut removed = HashSet::new();
+                let table: HashMap<u64, RemoteRegion> =
+                    regions.into_iter().map(|r| (r.id, r)).collect();
+                let mut peers = Vec::new();
+                for (&pid, p) in st.out.iter_mut().filter(|(_, p)| p.name == from) {
+                    removed.extend(p.regions.keys().filter(|k| !table.contains_key(k)).copied());
+                    p.regions = table.clone();
+                    peers.push(PeerId(pid));
+                }
+                let waiting_on: Vec<BatchId> = st
+                    .inflight
+                    .iter()
+                    .filter(|(_, f)| {
+                        peers.contains(&f.peer)
+                            && f.remote_regions.iter().any(|r| removed.contains(r))
+                    })
+                    .map(|(&id, _)| id)
+                    .collect();
+                st.deferred.push(DeferredAck {
+                    to: from.to_owned(),
+                    seq,
+                    waiting_on,
+                });
+            }
+            Control::Bye => {
+                // Whoever waits for an answer from it stops waiting.
+                lock(&self.acks).retain(|_, (to, _)| to != from);
+                let peers: Vec<PeerId> = {
+                    let mut st = lock(&self.state);
+                    if let Some(p) = st.inbound.get_mut(from) {
+                        p.silent = true;
+                    }
+                    st.out
+                        .iter()
+                        .filter(|(_, p)| p.name == from)
+                        .map(|(&id, _)| PeerId(id))
+                        .collect()
+                };
+                for peer in peers {
+                    self.peer_lost(peer, "the peer shut down or disconnected".to_owned());
+                }
+            }
+        }
+    }
+}
+
+fn poll_loop(weak: Weak<Inner>) {
+    let mut backoff = POLL_MIN;
+    let mut last_notifications = Instant::now();
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        let in_flight = !lock(&inner.state).inflight.is_empty();
+        // While bytes are in flight and the options allow it, every turn polls the transfers
+        // (which drives UCX's progress on this side) and yields the CPU instead of sleeping;
+        // notifications are still polled at the busy back-off's pace.
+        let spin = in_flight && inner.options.poll_in_flight;
+        let mut busy = inner.poll_transfers();
+        if !spin || last_notifications.elapsed() >= POLL_BUSY_MAX {
+            busy |= inner.poll_notifications();
+            last_notifications = Instant::now();
+        }
+        let (idle, done) = {
+            let st = lock(&inner.state);
+            let idle = st.inflight.is_empty() && st.zombies.is_empty();
+            (idle, idle && inner.finished.load(Ordering::SeqCst))
+        };
+        drop(inner);
+        if done {
+            return;
+        }
+        if spin {
+            std::thread::yield_now();
+            continue;
+        }
+        let max = if idle { POLL_IDLE_MAX } else { POLL_BUSY_MAX };
+        backoff = if busy {
+            POLL_MIN
+        } else {
+            (backoff * 2).min(max)
+        };
+        std::thread::park_timeout(backoff);
+    }
+}
+
+#[async_trait::async_trait]
+impl KvTransport for NixlTransport {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.caps
+    }
+
+    fn allocate(&self, len: usize) -> Result<MemoryRegion> {
+        self.inner.check_open()?;
+        ffi::allocate(len).map_err(|e| TransportError::Io {
+            transport: NAME,
+            context: format!("mapping a {len}-byte region"),
+            source: e,
+        })
+    }
+
+    async fn register(&self, region: MemoryRegion) -> Result<RegionId> {
+        let inner = &self.inner;
+        inner.check_open()?;
+        inner.caps.check_region(NAME, &region)?;
+        if region.can_borrow() {
+            return Err(TransportError::InvalidArgument {
+                transport: NAME,
+                message: format!(
+                    "a {}-byte owned region (MemoryRegion::allocate) cannot be registered: peers' \
+                     NIXL agents write registered memory behind the CPU's back, which an owned \
+                     region's borrows do not allow; allocate it with the transport's allocate()",
+                    region.len()
+                ),
+            });
+        }
+        if region.is_empty() {
+            // NIXL refuses empty registrations; an empty region needs none.
+            return Err(TransportError::InvalidArgument {
+                transport: NAME,
+                message: "a zero-length region cannot be registered with NIXL; allocate at least one byte".to_owned(),
+            });
+        }
+        let seg = Segment::of(&region);
+        let registration = inner.agent.register_memory(&seg, None).map_err(|e| {
+            call_err(
+                "registerMem",
+                e,
+                "UCX could not register this memory (for device memory: is the device's \
+                 driver loaded and the UCX CUDA module present?)",
+            )
+        })?;
+        let id = inner.id();
+        let md = partial_metadata(inner, seg)?;
+        lock(&inner.state).regions.insert(
+            id,
+            LocalRegion {
+                region,
+                _registration: registration,
+            },
+        );
+        inner.publish(md).await;
+        Ok(RegionId(id))
+    }
+
+    async fn deregister(&self, region: RegionId) -> Result<()> {
+        let inner = &self.inner;
+        inner.check_open()?;
+        let Some(local) = lock(&inner.state).regions.remove(&region.0) else {
+            return Err(TransportError::UnknownRegion {
+                side: Side::Local,
+                region,
+                transport: NAME,
+            });
+        };
+        // Senders drop the region from their tables and acknowledge once their batches into
+        // it have ended; only then is it deregistered from NIXL.
+        inner.publish(None).await;
+        lock(&inner.state).retire(region.0, local);
+        Ok(())
+    }
+
+    fn local_descriptor(&self) -> Bytes {
+        match self.inner.descriptor(self.inner.region_table()) {
+            Ok(d) => Bytes::from(d.encode()),
+            Err(e) => {
+                tracing::warn!("local_descriptor: {e}");
+                Bytes::new()
+            }
+        }
+    }
+
+    async fn connect(&self, descriptor: &[u8]) -> Result<PeerId> {
+        let inner = &self.inner;
+        inner.check_open()?;
+        let d =
+            Descriptor::decode(descriptor).map_err(|message| TransportError::BadDescriptor {
+                transport: NAME,
+                message,
+            })?;
+        if d.name == inner.name {
+            return Err(TransportError::BadDescriptor {
+                transport: NAME,
+                message: "the descriptor is this transport's own".to_owned(),
+            });
+        }
+        let loaded = lock(&inner.state).loaded.contains(&d.name);
+        if !loaded {
+            let name = inner.agent.load_remote_md(&d.metadata).map_err(|e| {
+                TransportError::BadDescriptor {
+                    transport: NAME,
+                    message: format!("NIXL refused the peer's metadata (loadRemoteMD: {e:?})"),
+                }
+            })?;
+            if name != d.name {
+                let _ = inner.agent.invalidate_remote_md(&name);
+                return Err(TransportError::BadDescriptor {
+                    transport: NAME,
+                    message: format!(
+                        "the metadata is agent {name:?}'s but the descriptor names {:?}",
+                        d.name
+                    ),
+                });
+            }
+            lock(&inner.state).loaded.insert(d.name.clone());
+        }
+        let me = inner.descriptor(inner.region_table())?.encode();
+        let ok = inner
+            .request(
+                &d.name,
+                |seq| Control::Hello {
+                    seq,
+                    descriptor: me,
+                },
+                inner.options.control_timeout,
+            )
+            .await;
+        if !ok {
+            return Err(TransportError::PeerLost {
+                peer: PeerId(0),
+                transport: NAME,
+                reason: format!(
+                    "agent {} did not answer the connection within {:?} (is it running, and do \
+                     both hosts reach each other over the UCX lanes in UCX_TLS?)",
+                    d.name, inner.options.control_timeout
+                ),
+            });
+        }
+        let id = inner.id();
+        lock(&inner.state).out.insert(
+            id,
+            OutPeer {
+                name: d.name,
+                regions: d.regions.into_iter().map(|r| (r.id, r)).collect(),
+                lost: None,
+            },
+        );
+        Ok(PeerId(id))
+    }
+
+    async fn disconnect(&self, peer: PeerId) -> Result<()> {
+        let inner = &self.inner;
+        let Some(p) = lock(&inner.state).out.remove(&peer.0) else {
+            return Err(TransportError::UnknownPeer {
+                peer,
+                transport: NAME,
+            });
+        };
+        let _ = inner.send(&p.name, &Control::Bye);
+        inner.batches.fail_where(
+            |q| q == peer,
+            |_, peer| TransportError::PeerLost {
+                peer,
+                transport: NAME,
+                reason: "disconnected".to_owned(),
+            },
+        );
+        Ok(())
+    }
+
+    async fn post(&self, peer: PeerId, batch: TransferBatch) -> Result<BatchId> {
+        let inner = &self.inner;
+        inner.check_open()?;
+        if batch.direction == Direction::Read {
+            return Err(TransportError::Unsupported {
+                transport: NAME,
+                operation: "read batches",
+                remedy: "post writes from the side that holds the data",
+            });
+        }
+        // Each row is one NIXL descriptor: strided ops expand into the descriptor lists.
+        let batch = batch.expand_rows(NAME, inner.caps.max_ops_per_batch)?;
+        // Bounds before bytes: every descriptor checked before anything is posted.
+        let (name, local, remote) = {
+            let st = lock(&inner.state);
+            let p = st.usable(peer)?;
+            let mut local = Vec::new();
+            let mut remote = Vec::new();
+            for op in &batch.ops {
+                let l =
+                    st.regions
+                        .get(&op.local_region.0)
+                        .ok_or(TransportError::UnknownRegion {
+                            side: Side::Local,
+                            region: op.local_region,
+                            transport: NAME,
+                        })?;
+                let lseg = Segment::of(&l.region);
+                checked_range(op.local_offset, op.len, lseg.len).map_err(|e| {
+                    TransportError::OutOfBounds {
+                        side: Side::Local,
+                        region: op.local_region,
+                        offset: e.offset,
+                        len: e.len,
+                        region_len: e.region_len,
+                    }
+                })?;
+                let r =
+                    p.regions
+                        .get(&op.remote_region.0)
+                        .ok_or(TransportError::UnknownRegion {
+                            side: Side::Remote,
+                            region: op.remote_region,
+                            transport: NAME,
+                        })?;
+                let end = op.remote_offset.checked_add(op.len);
+                if end.is_none_or(|e| e > r.len) {
+                    return Err(TransportError::OutOfBounds {
+                        side: Side::Remote,
+                        region: op.remote_region,
+                        offset: op.remote_offset,
+                        len: op.len,
+                        region_len: r.len,
+                    });
+                }
+                if op.len == 0 {
+                    continue;
+                }
+                local.push((
+                    lseg.addr + op.local_offset as usize,
+                    op.len as usize,
+                    lseg.device,
+                    op.local_region.0,
+                ));
+                remote.push((
+                    (r.addr + op.remote_offset) as usize,
+                    op.len as usize,
+                    r.device,
+                    op.remote_region.0,
+                ));
+            }
+            // One NIXL descriptor list holds one memory type per side.
+            let mixed = |kinds: Vec<bool>| kinds.windows(2).any(|w| w[0] != w[1]);
+            if mixed(local.iter().map(|l| l.2.is_some()).collect())
+                || mixed(remote.iter().map(|r| r.2.is_some()).collect())
+            {
+                return Err(TransportError::InvalidArgument {
+                    transport: NAME,
+                    message: "a batch mixes host and device memory on one side; NIXL moves one \
+                                  memory type per side in a transfer: post them as separate batches"
+                        .to_owned(),
+                });
+            }
+            (p.name.clone(), local, remote)
+        };
+        let now = Instant::now();
+        let id = inner.batches.insert(peer, batch.timeout, now)?;
+        if local.is_empty() {
+            // Nothing to move: the notification alone, then done.
+            if let Some(payload) = &batch.notification {
+                if let Err(e) = inner.send(&name, &Control::User(payload.to_vec())) {
+                    inner.batches.forget(id);
+                    return Err(e);
+                }
+            }
+            inner.batches.finish(id, Outcome::Done, now);
+            return Ok(id);
+        }
+        let req = match make_request(inner, &name, &local, &remote, batch.notification.as_deref()) {
+            Ok(req) => req,
+            Err(e) => {
+                inner.batches.forget(id);
+                return Err(e);
+            }
+        };
+        let ids = |mut v: Vec<u64>| {
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        let remote_regions = ids(remote.iter().map(|r| r.3).collect());
+        let local_regions = ids(local.iter().map(|l| l.3).collect());
+        // Posted under the region lock so a deregistration's deferred ack sees the batch.
+        let mut st = lock(&inner.state);
+        if let Err(e) = inner.agent.post_xfer_req(&req, None) {
+            drop(st);
+            inner.batches.forget(id);
+            // NIXL refuses to post to an agent whose connection broke (the peer died).
+            let reason = format!(
+                "NIXL postXferReq failed with status {e:?}: the peer process died or its UCX \
+                 connection broke"
+            );
+            inner.peer_lost(peer, reason.clone());
+            return Err(TransportError::PeerLost {
+                peer,
+                transport: NAME,
+                reason,
+            });
+        }
+        st.inflight.insert(
+            id,
+            Inflight {
+                req,
+                peer,
+                local_regions,
+                remote_regions,
+            },
+        );
+        drop(st);
+        let weak = Arc::downgrade(inner);
+        let fence = Fence::new(move || {
+            if let Some(inner) = weak.upgrade() {
+                lock(&inner.state).fenced.push(id);
+            }
+        });
+        inner.batches.step(id, now, || Step::Commit(fence));
+        if let Some(poller) = inner.poller.get() {
+            poller.unpark();
+        }
+        Ok(id)
+    }
+
+    fn batch_state(&self, batch: BatchId) -> Result<BatchState> {
+        self.inner.batches.state(batch, Instant::now())
+    }
+
+    async fn wait(&self, batch: BatchId) -> Result<()> {
+        self.inner.batches.wait(batch, sleep_until).await
+    }
+
+    async fn cancel(&self, batch: BatchId) -> Result<BatchState> {
+        // A posted NIXL write cannot be recalled: cancel waits until NIXL reports how it ended
+        // (or its deadline fences it), and reports that.
+        let state = self.inner.batches.cancel(batch, Instant::now())?;
+        if state != BatchState::Pending {
+            return Ok(state);
+        }
+        self.inner.batches.settle(batch, sleep_until).await
+    }
+
+    async fn recv_notification(&self) -> Result<Notification> {
+        self.inner.check_open()?;
+        let mut rx = self.inner.notify_rx.lock().await;
+        rx.recv()
+            .await
+            .ok_or(TransportError::Closed { transport: NAME })
+    }
+
+    async fn probe(&self, peer: PeerId, timeout: Duration) -> Result<()> {
+        let inner = &self.inner;
+        inner.check_open()?;
+        let name = {
+            let st = lock(&inner.state);
+            let p = st.usable(peer)?;
+            p.name.clone()
+        };
+        if inner
+            .request(&name, |seq| Control::Probe { seq }, timeout)
+            .await
+        {
+            Ok(())
+        } else {
+            Err(TransportError::PeerLost {
+                peer,
+                transport: NAME,
+                reason: format!("no answer to a probe within {timeout:?}"),
+            })
+        }
+    }
+
+    async fn shutdown(&self) -> Result<()> {
+        let inner = &self.inner;
+        if inner.closed.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        // Senders forget every region (and fence their batches into them) before the regions
+        // are deregistered; then every peer hears that this agent is gone.
+        let regions = std::mem::take(&mut lock(&inner.state).regions);
+        inner.publish(None).await;
+        {
+            let mut st = lock(&inner.state);
+            for (id, local) in regions {
+                st.retire(id, local);
+            }
+        }
+        let names: Vec<String> = {
+            let st = lock(&inner.state);
+            // Peers already gone are not told (NIXL could only fail to reach them).
+            st.out
+                .values()
+                .filter(|p| p.lost.is_none())
+                .map(|p| p.name.clone())
+                .chain(
+                    st.inbound
+                        .iter()
+                        .filter(|(_, p)| !p.silent)
+                        .map(|(n, _)| n.clone()),
+                )
+                .collect::<HashSet<_>>()
+                .into_iter()
+                .collect()
+        };
+        for name in names {
+            let _ = inner.send(&name, &Control::Bye);
+        }
+        inner.batches.fail_where(
+            |_| true,
+            |_, peer| TransportError::PeerLost {
+                peer,
+                transport: NAME,
+                reason: "the transport was shut down".to_owned(),
+            },
+        );
+        lock(&inner.notify_tx).take();
+        inner.finished.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// NIXL's metadata of one newly registered region, for the peers that already loaded the rest.
+fn partial_metadata(inner: &Inner, seg: Segment) -> Result<Option<Vec<u8>>> {
+    let mut descs = RegDescList::new(Segment::mem_type(seg.device)).map_err(|e| {
+        call_err(
+            "createRegDlist",
+            e,
+            "the agent is unusable; create a new transport",
+        )
+    })?;
+    descs.add_desc(seg.addr, seg.len, u64::from(seg.device.unwrap_or(0)));
+    Ok(inner.agent.get_local_partial_md(&descs, None).ok())
+}
+
+type LocalDesc = (usize, usize, Option<u32>, u64);
+type RemoteDesc = (usize, usize, Option<u32>, u64);
+
+fn make_request(
+    inner: &Inner,
+    to: &str,
+    local: &[LocalDesc],
+    remote: &[RemoteDesc],
+    notification: Option<&[u8]>,
+) -> Result<XferRequest> {
+    let unusable = |e| {
+        call_err(
+            "createXferDlist",
+            e,
+            "the agent is unusable; create a new transport",
+        )
+    };
+    let mem = |d: Option<u32>| Segment::mem_type(d);
+    let mut l = XferDescList::new(mem(local[0].2)).map_err(unusable)?;
+    for &(addr, len, dev, _) in local {
+        l.add_desc(addr, len, u64::from(dev.unwrap_or(0)));
+    }
+    let mut r = XferDescList::new(mem(remote[0].2)).map_err(unusable)?;
+    for &(addr, len, dev, _) in remote {
+        r.add_desc(addr, len, u64::from(dev.unwrap_or(0)));
+    }
+    let mut args = OptArgs::new().map_err(unusable)?;
+    args.add_backend(&inner.backend).map_err(unusable)?;
+    if let Some(payload) = notification {
+        let msg = Control::User(payload.to_vec()).encode();
+        args.set_has_notification(true).map_err(unusable)?;
+        args.set_notification_message(&msg).map_err(unusable)?;
+    }
+    inner
+        .agent
+        .create_xfer_req(XferOp::Write, &l, &r, to, Some(&args))
+        .map_err(|e| {
+            call_err(
+                "createXferReq",
+                e,
+                "NIXL does not know these regions of the peer (mixed host and device memory in \
+                 one batch, or metadata out of date): reconnect with the peer's current descriptor",
+            )
+        })
+}

@@ -1,0 +1,86 @@
+//! The whole conformance suite against two NIXL agents (UCX backend, the lanes UCX picks by
+//! default), directly and through `Arc<dyn KvTransport>`. `lanes.rs` runs it again with
+//! `UCX_TLS=tcp`; `peer_process.rs` has the cases whose peer is another process.
+//!
+//! Every case is skipped, with the reason printed, when the NIXL runtime is not set up
+//! (`cargo xtask nixl-setup`); `.ci/run` sets it up, so CI runs them all.
+#![cfg(feature = "nixl")]
+
+mod common;
+
+use std::sync::Arc;
+
+use kvbridge_nixl::{NixlOptions, NixlTransport};
+use kvbridge_transport::testing::TransportPair;
+
+async fn nixl_pair() -> Option<TransportPair> {
+    if !common::runtime_ready() {
+        return None;
+    }
+    // The suite has no way to allocate device memory here, so device memory stays off even on
+    // a host with a GPU (the suite then checks that it is refused).
+    let options = || NixlOptions::default().device_memory(false);
+    Some(TransportPair::new(
+        Arc::new(NixlTransport::with_options(options()).expect("sender transport")),
+        Arc::new(NixlTransport::with_options(options()).expect("receiver transport")),
+    ))
+}
+
+macro_rules! emit_direct {
+    ($($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let Some(pair) = nixl_pair().await else { return };
+                kvbridge_transport::testing::$case(pair).await
+            }
+        )*
+    };
+}
+
+macro_rules! emit_boxed {
+    ($($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let Some(pair) = super::nixl_pair().await else { return };
+                kvbridge_transport::testing::$case(pair.boxed()).await
+            }
+        )*
+    };
+}
+
+mod conformance {
+    use super::nixl_pair;
+    kvbridge_transport::__conformance_cases!(emit_direct);
+
+    mod dyn_transport {
+        kvbridge_transport::__conformance_cases!(emit_boxed);
+    }
+}
+
+/// Runs the whole suite again in a child test process with `UCX_TLS=tcp`, so every case also
+/// passes over UCX's TCP lane.
+#[test]
+fn whole_suite_over_ucx_tcp() {
+    const LANES_ENV: &str = "KVBRIDGE_NIXL_LANES";
+    if std::env::var_os(LANES_ENV).is_some() {
+        return;
+    }
+    if !common::runtime_ready() {
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--test-threads=2", "conformance::"])
+        .env("UCX_TLS", "tcp")
+        .env(LANES_ENV, "tcp")
+        .output()
+        .expect("re-run the suite");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let want = format!("{} passed", 2 * kvbridge_transport::testing::CASES.len());
+    assert!(
+        out.status.success() && text.contains(&want),
+        "the conformance suite failed with UCX_TLS=tcp (wanted {want}):\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

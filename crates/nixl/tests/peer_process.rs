@@ -1,0 +1,320 @@
+//! Tests in which the peer is a separate OS process, over the UCX lanes UCX picks by default
+//! and again with `UCX_TLS=tcp` (the test binary re-runs itself with that variable set).
+//!
+//! The child runs a receiving `NixlTransport`, reports on stdout (lines starting with an
+//! upper-case tag) and obeys commands that arrive as notifications, so every command also proves
+//! that notifications cross the process boundary after their data. Skipped, with the reason
+//! printed, when the NIXL runtime is not set up (`cargo xtask nixl-setup`).
+#![cfg(feature = "nixl")]
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::runtime_ready;
+use kvbridge_nixl::NixlTransport;
+use kvbridge_transport::{
+    KvTransport, KvTransportExt, PeerId, RegionId, TransferBatch, TransferOp, TransportError,
+};
+
+const CHILD_ENV: &str = "KVBRIDGE_NIXL_CHILD";
+const LEN_ENV: &str = "KVBRIDGE_NIXL_CHILD_LEN";
+/// Set in the re-run with other UCX lanes, so it does not re-run itself again.
+const LANES_ENV: &str = "KVBRIDGE_NIXL_LANES";
+const LINE_LIMIT: Duration = Duration::from_secs(30);
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| (seed.wrapping_mul(0x9E37_79B9) ^ (i * 7) ^ (i >> 9)) as u8)
+        .collect()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// Not a test of its own: the entry point of the peer processes the tests below start. Without
+/// `KVBRIDGE_NIXL_CHILD` in the environment it returns at once.
+#[test]
+fn child_process_entry() {
+    if std::env::var_os(CHILD_ENV).is_none() {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(child_main());
+}
+
+async fn child_main() {
+    let len: usize = std::env::var(LEN_ENV).unwrap().parse().unwrap();
+    let t = NixlTransport::new().unwrap();
+    let (id, region) = t.allocate_registered(len).await.unwrap();
+    // The leading newline ends libtest's "test child_process_entry ... " line.
+    println!("\nREADY {} {}", id.0, hex(&t.local_descriptor()));
+    loop {
+        let Ok(n) = t.recv_notification().await else {
+            return;
+        };
+        let text = String::from_utf8_lossy(&n.payload).into_owned();
+        let words: Vec<&str> = text.split(':').collect();
+        match words.as_slice() {
+            ["fill", seed, len] => {
+                let (seed, len): (u64, usize) = (seed.parse().unwrap(), len.parse().unwrap());
+                // The bytes are checked the moment the notification arrives.
+                let got = region.to_vec(0, len as u64).unwrap();
+                match got
+                    .iter()
+                    .zip(&pattern(seed, len))
+                    .position(|(a, b)| a != b)
+                {
+                    None => println!("VERIFIED ok"),
+                    Some(i) => println!("VERIFIED bad at {i}"),
+                }
+            }
+            ["exit"] => {
+                t.shutdown().await.unwrap();
+                println!("BYE");
+                return;
+            }
+            other => println!("UNKNOWN {other:?}"),
+        }
+    }
+}
+
+struct Child {
+    process: std::process::Child,
+    lines: Arc<Mutex<mpsc::Receiver<String>>>,
+}
+
+impl Child {
+    fn spawn(len: usize) -> Self {
+        let mut process = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "child_process_entry",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_ENV, "receiver")
+            .env(LEN_ENV, len.to_string())
+            .stdout(Stdio::piped())
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn the peer process");
+        let stdout = process.stdout.take().unwrap();
+        let (tx, rx) = mpsc::sync_channel(64);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let tagged = line.chars().next().is_some_and(|c| c.is_ascii_uppercase());
+                if tagged && tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        Self {
+            process,
+            lines: Arc::new(Mutex::new(rx)),
+        }
+    }
+
+    async fn line(&self, tag: &str) -> String {
+        let lines = Arc::clone(&self.lines);
+        let line =
+            tokio::task::spawn_blocking(move || lines.lock().unwrap().recv_timeout(LINE_LIMIT))
+                .await
+                .unwrap()
+                .unwrap_or_else(|e| panic!("the peer process printed no {tag} line: {e}"));
+        assert!(
+            line.starts_with(tag),
+            "expected {tag}, the peer said {line:?}"
+        );
+        line
+    }
+
+    async fn ready(&self) -> (RegionId, Vec<u8>) {
+        let line = self.line("READY").await;
+        let mut words = line.split(' ').skip(1);
+        let id = RegionId(words.next().unwrap().parse().unwrap());
+        (id, unhex(words.next().unwrap()))
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
+/// 64 KiB blocks covering `[0, len)` of both regions, in a scattered order.
+fn scattered(local: RegionId, remote: RegionId, len: u64) -> Vec<TransferOp> {
+    let block = 64 * 1024;
+    let n = len / block;
+    (0..n)
+        .map(|i| (i * 7919 + 13) % n)
+        .map(|j| TransferOp::new(local, j * block, remote, j * block, block))
+        .collect()
+}
+
+async fn command(t: &NixlTransport, peer: PeerId, text: String) {
+    t.transfer(
+        peer,
+        TransferBatch::write(vec![]).with_notification(Bytes::from(text)),
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cross_process_writes_arrive_before_their_notifications() {
+    if !runtime_ready() {
+        return;
+    }
+    const LEN: usize = 8 << 20;
+    let child = Child::spawn(LEN);
+    let (remote, descriptor) = child.ready().await;
+    let t = NixlTransport::new().unwrap();
+    let (local, mem) = t.allocate_registered(LEN).await.unwrap();
+    let peer = t.connect(&descriptor).await.unwrap();
+    t.probe(peer, Duration::from_secs(5)).await.unwrap();
+    for seed in 1..=3u64 {
+        mem.write_at(0, &pattern(seed, LEN)).unwrap();
+        let note = format!("fill:{seed}:{LEN}");
+        t.transfer(
+            peer,
+            TransferBatch::write(scattered(local, remote, LEN as u64))
+                .with_notification(Bytes::from(note))
+                .with_timeout(Duration::from_secs(30)),
+        )
+        .await
+        .unwrap();
+        assert_eq!(child.line("VERIFIED").await, "VERIFIED ok", "seed {seed}");
+    }
+    command(&t, peer, "exit".into()).await;
+    child.line("BYE").await;
+    // The peer said goodbye: its loss is reported, not waited for.
+    let start = Instant::now();
+    loop {
+        if t.probe(peer, Duration::from_secs(1)).await.is_err() {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "a shut-down peer kept answering probes"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    t.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_killed_mid_transfer_fails_the_batches_in_flight() {
+    if !runtime_ready() {
+        return;
+    }
+    const LEN: usize = 32 << 20;
+    let mut child = Child::spawn(LEN);
+    let (remote, descriptor) = child.ready().await;
+    let t = Arc::new(NixlTransport::new().unwrap());
+    let (local, _mem) = t.allocate_registered(LEN).await.unwrap();
+    let peer = t.connect(&descriptor).await.unwrap();
+    let deadline = Duration::from_secs(10);
+    // Batches keep flowing until one fails; the peer is killed while they do.
+    let sender = {
+        let t = Arc::clone(&t);
+        tokio::spawn(async move {
+            let ops = scattered(local, remote, LEN as u64);
+            for _ in 0..10_000 {
+                let posted = Instant::now();
+                let r = match t
+                    .post(
+                        peer,
+                        TransferBatch::write(ops.clone()).with_timeout(deadline),
+                    )
+                    .await
+                {
+                    Ok(id) => t.wait(id).await,
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = r {
+                    return (e, posted.elapsed());
+                }
+            }
+            panic!("10000 batches completed although the peer was killed");
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    child.process.kill().unwrap();
+    child.process.wait().unwrap();
+    let (err, took) = tokio::time::timeout(Duration::from_secs(60), sender)
+        .await
+        .expect("the batch in flight to a killed peer never ended")
+        .unwrap();
+    assert!(
+        matches!(
+            err,
+            TransportError::PeerLost { .. }
+                | TransportError::BatchFailed { .. }
+                | TransportError::TimedOut { .. }
+        ),
+        "unexpected error after the peer died: {err}"
+    );
+    // Ended by its deadline plus the commit grace (and scheduling slack), not later.
+    assert!(
+        took < deadline + Duration::from_secs(20),
+        "the failed batch took {took:?}"
+    );
+    // Later batches and probes fail too.
+    let later = t
+        .post(
+            peer,
+            TransferBatch::write(scattered(local, remote, 1 << 20)).with_timeout(deadline),
+        )
+        .await;
+    if let Ok(id) = later {
+        assert!(
+            t.wait(id).await.is_err(),
+            "a batch to a dead peer completed"
+        );
+    }
+    assert!(t.probe(peer, Duration::from_secs(1)).await.is_err());
+    t.shutdown().await.unwrap();
+}
+
+/// Runs this binary's cross-process tests again with `UCX_TLS=tcp` (in the parent and, by
+/// inheritance, the child), so the same checks cover UCX's TCP lane.
+#[test]
+fn cross_process_tests_over_ucx_tcp() {
+    if std::env::var_os(LANES_ENV).is_some() || std::env::var_os(CHILD_ENV).is_some() {
+        return;
+    }
+    if !runtime_ready() {
+        return;
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--test-threads=1", "cross_process_writes", "a_peer_killed"])
+        .env("UCX_TLS", "tcp")
+        .env(LANES_ENV, "tcp")
+        .output()
+        .expect("re-run the tests");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("2 passed"),
+        "the cross-process tests failed with UCX_TLS=tcp:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
