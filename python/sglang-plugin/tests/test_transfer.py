@@ -54,6 +54,17 @@ def _one_request(env, p_mgr, d_mgr, room, src_pages, dst_pages, p_aux, d_aux):
 
 
 def test_tp1_to_tp1_every_byte(sglang_env):
+    p_mgr, _ = _tp1(sglang_env)
+    assert p_mgr.engine.engine.transport == "tcp"
+
+
+def test_tp1_to_tp1_over_loopback(sglang_env, monkeypatch):
+    monkeypatch.setenv("KVBRIDGE_SGLANG_TRANSPORT", "loopback")
+    p_mgr, d_mgr = _tp1(sglang_env)
+    assert p_mgr.engine.engine.transport == d_mgr.engine.engine.transport == "loopback"
+
+
+def _tp1(sglang_env):
     prefill = harness.Pool(layers=3, pages=16, page_bytes=4 * 576).fill(1)
     decode = harness.Pool(layers=3, pages=16, page_bytes=4 * 576)
     p_mgr, d_mgr = _managers(sglang_env, prefill, decode, page_size=4)
@@ -68,6 +79,7 @@ def test_tp1_to_tp1_every_byte(sglang_env):
     aux = np.zeros_like(decode.aux)
     aux[5] = prefill.aux[2]
     assert np.array_equal(decode.aux, aux)
+    return p_mgr, d_mgr
 
 
 def _owner_rule_expected(prefill, decode_pages, src_pages, d_pages, n_tokens, page_size, dcp, rank, token_bytes):
@@ -225,5 +237,5 @@ def test_the_page_and_dcp_paths_plan_with_kvbridges_planner(sglang_env, monkeypa
     test_mla_prefill_dcp1_to_decode_dcp4_owner_rule(sglang_env)
     assert "build_dcp_token_transfer_plan" in calls
     calls.clear()
-    test_tp1_to_tp1_every_byte(sglang_env)
+    _tp1(sglang_env)
     assert "group_concurrent_contiguous" in calls
