@@ -208,7 +208,8 @@ def test_dead_decode_engine_fails_the_room_with_kvbridges_cause(sglang_env):
     assert harness.poll_until(sender, {KVPoll.Failed}, "sender") == KVPoll.Failed
     assert "kvbridge:" in _failure_text(sender)
     assert harness.poll_until(receiver, {KVPoll.Failed}, "receiver") == KVPoll.Failed
-    _failure_text(receiver)
+    # The decode learns the cause from the prefill's status message.
+    assert "kvbridge: IoError" in _failure_text(receiver)
     assert not any(d.any() for d in decode.kv)
 
 

@@ -64,6 +64,11 @@ def _with_planner(fn: types.FunctionType) -> types.FunctionType:
 
 class KvbridgeKVManager(MooncakeKVManager):
     sender_trace_module = "kvbridge"
+    # The prefill's status message carries its failure reason (kvbridge's cause included), so
+    # the decode's KVTransferError says why, not only that the prefill failed. Tagged, so a
+    # peer of another backend cannot mistake it for its own layout.
+    kv_status_msg_tag = b"KVBRIDGE_STATUS"
+    kv_status_msg_carries_reason = True
 
     # The page path and the DCP path plan with kvbridge's planner.
     _send_kvcache_generic = _with_planner(MooncakeKVManager._send_kvcache_generic)
