@@ -74,6 +74,20 @@ impl fmt::Display for RangeError {
 
 impl std::error::Error for RangeError {}
 
+impl RangeError {
+    /// The contract's refusal of a descriptor outside `region` on `side`
+    /// ([`TransportError::OutOfBounds`]), carrying these values.
+    pub fn out_of_bounds(self, side: crate::Side, region: crate::RegionId) -> TransportError {
+        TransportError::OutOfBounds {
+            side,
+            region,
+            offset: self.offset,
+            len: self.len,
+            region_len: self.region_len,
+        }
+    }
+}
+
 /// Checks that `[offset, offset + len)` lies inside a region of `region_len` bytes, without
 /// overflow, and returns it as a `usize` range.
 pub fn checked_range(offset: u64, len: u64, region_len: usize) -> Result<Range<usize>, RangeError> {
