@@ -792,10 +792,15 @@ impl Receiver<'_> {
                 from: self.session.peer,
                 payload,
             };
-            // The charge stays with the notification until the application takes it.
-            tokio::select! {
-                r = self.shared.notify_tx.send((n, b.charge)) => r.map_err(|_| LinkError::Eof)?,
-                () = self.shared.wait_closed() => return Err(LinkError::Eof),
+            // The charge stays with the notification until the application takes it. A full
+            // queue pauses this connection (the common case, room, needs no waiting).
+            match self.shared.notify_tx.try_send((n, b.charge)) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Closed(_)) => return Err(LinkError::Eof),
+                Err(mpsc::error::TrySendError::Full(item)) => tokio::select! {
+                    r = self.shared.notify_tx.send(item) => r.map_err(|_| LinkError::Eof)?,
+                    () = self.shared.wait_closed() => return Err(LinkError::Eof),
+                },
             }
         }
         self.send_now(Frame::Done { batch }).await
@@ -873,6 +878,9 @@ impl Receiver<'_> {
             self.shared.config.receive_in_place && targets.iter().all(MemoryRegion::can_borrow);
         // Position: descriptor index and bytes of it already read.
         let (mut at, mut pos) = (0usize, 0u64);
+        // The batch was found live just now (`apply`): the first read needs no second look
+        // unless it has to wait (a clock read is not free on every machine).
+        let mut fresh = true;
         while at < ops.len() {
             if ops[at].len == pos {
                 at += 1;
@@ -881,13 +889,14 @@ impl Receiver<'_> {
             }
             let ahead = r.buffer().len();
             if ahead == 0 {
+                fresh = false;
                 match tokio::time::timeout(idle, r.get_ref().readable()).await {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => return Err(LinkError::Io(e)),
                     Err(_) => return Err(LinkError::Silent(idle)),
                 }
             }
-            if !self.session.batch_live(batch) {
+            if !std::mem::take(&mut fresh) && !self.session.batch_live(batch) {
                 dropping = true;
                 break;
             }

@@ -835,23 +835,39 @@ pub(crate) async fn post(
             ),
         });
     }
-    let id = shared
-        .table
-        .insert(peer.id, batch.timeout, crate::batch::now())?;
+    // One clock read for both (a clock read is not free on every machine).
+    let now = crate::batch::now();
+    let id = shared.table.insert(peer.id, batch.timeout, now)?;
     // Committing from the start: once any byte of the `Begin` may have left, only the
     // receiver's fence decides how the batch ends (`fence`). The receiver applies nothing past
     // its own deadline (at most the anchor), so the table's backstop needs no fence of its own.
-    shared
-        .table
-        .step(id, crate::batch::now(), || Step::Commit(Fence::none()));
+    shared.table.step(id, now, || Step::Commit(Fence::none()));
     let deadline = shared
         .table
         .deadline(id)
         .map_or_else(Instant::now, Instant::from_std);
     let mut b = TxBatch::new(id, peer.id, deadline);
-    // A small batch goes out whole with its Begin, copied now (its sources are free at once).
+    // The deadline counts from an epoch the receiver stamped no later than this side read it,
+    // so the receiver's deadline for the batch is never later than `b.deadline`.
+    let (epoch, epoch_at) = *lock(&peer.epoch);
+    let remaining = b.deadline.saturating_duration_since(epoch_at);
+    let remaining_ms = u64::try_from(remaining.as_millis()).unwrap_or(u64::MAX);
+    let begin = |ack| Frame::Begin {
+        batch: id.0,
+        epoch,
+        remaining_ms,
+        total_bytes: total,
+        regions: needs
+            .iter()
+            .map(|(&region, &end)| RegionNeed { region, end })
+            .collect(),
+        notification: batch.notification.clone(),
+        ack,
+    };
+    // A small batch goes out whole with its Begin, copied now (its sources are free at once)
+    // into the one buffer that is written.
     let inline = if total <= INLINE_BYTES && ops.len() <= MAX_OPS_PER_FRAME {
-        inline_payload(&ops)
+        inline_frame(begin(false), id.0, &ops, total)
     } else {
         None
     };
@@ -869,31 +885,8 @@ pub(crate) async fn post(
         lock(&shared.batches).remove(&id.0);
         lock(&peer.waiters).begin.remove(&id.0);
     };
-    // The deadline counts from an epoch the receiver stamped no later than this side read it,
-    // so the receiver's deadline for the batch is never later than `b.deadline`.
-    let (epoch, epoch_at) = *lock(&peer.epoch);
-    let remaining = b.deadline.saturating_duration_since(epoch_at);
-    let remaining_ms = u64::try_from(remaining.as_millis()).unwrap_or(u64::MAX);
     b.set_anchor(b.deadline + Duration::from_millis(1));
-    let begin = Frame::Begin {
-        batch: id.0,
-        epoch,
-        remaining_ms,
-        total_bytes: total,
-        regions: needs
-            .iter()
-            .map(|(&region, &end)| RegionNeed { region, end })
-            .collect(),
-        notification: batch.notification.clone(),
-        ack: inline.is_none(),
-    };
-    if let Some(payload) = inline {
-        let wire_ops: Vec<WireOp> = ops.iter().map(LocalOp::wire).collect();
-        let mut frame = begin.encode();
-        if total > 0 {
-            frame.extend(wire::encode_data_header(id.0, &wire_ops));
-            frame.extend(payload);
-        }
+    if let Some(frame) = inline {
         // Written from here when connection 0 is idle: one task hop less per small batch.
         let ctrl = &peer.ctrl[0];
         let idle = ctrl.capacity() == ctrl.max_capacity();
@@ -922,8 +915,9 @@ pub(crate) async fn post(
     }
     let (tx, rx) = oneshot::channel();
     lock(&peer.waiters).begin.insert(id.0, tx);
+    let begin = begin(true).encode();
     let answer = tokio::time::timeout_at(b.deadline, async {
-        peer.ctrl[0].send(begin.encode()).await.ok()?;
+        peer.ctrl[0].send(begin).await.ok()?;
         rx.await.ok()
     })
     .await;
@@ -973,20 +967,28 @@ pub(crate) async fn post(
     Ok(id)
 }
 
-/// The payload of a small batch, copied from its sources; `None` when a source range is
-/// momentarily borrowed (the batch then takes the path with pieces, which waits for it).
-fn inline_payload(ops: &[LocalOp]) -> Option<Vec<u8>> {
-    let total: u64 = ops.iter().map(|op| op.len).sum();
-    let mut out = vec![0u8; total as usize];
-    let mut at = 0usize;
+/// A small batch as one buffer: its `Begin`, then (when it has bytes) its one `Data` frame
+/// with the payload copied from the sources. `None` when a source range is momentarily
+/// borrowed (the batch then takes the path with pieces, which waits for it).
+fn inline_frame(begin: Frame, batch: u64, ops: &[LocalOp], total: u64) -> Option<Vec<u8>> {
+    let mut frame = begin.encode();
+    if total == 0 {
+        return Some(frame);
+    }
+    let wire_ops: Vec<WireOp> = ops.iter().map(LocalOp::wire).collect();
+    let header = wire::encode_data_header(batch, &wire_ops);
+    let mut at = frame.len() + header.len();
+    frame.reserve_exact(header.len() + total as usize);
+    frame.extend_from_slice(&header);
+    frame.resize(at + total as usize, 0);
     for op in ops {
         let n = op.len as usize;
         op.region
-            .read_at(op.local_offset, &mut out[at..at + n])
+            .read_at(op.local_offset, &mut frame[at..at + n])
             .ok()?;
         at += n;
     }
-    Some(out)
+    Some(frame)
 }
 
 /// Posted batches by deadline, watched by one task per transport ([`deadline_task`]) rather

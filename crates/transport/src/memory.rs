@@ -183,6 +183,9 @@ impl Claim {
 #[derive(Debug, Default)]
 struct ClaimTable {
     claims: Vec<Claim>,
+    /// Accesses waiting on `released` for a conflicting claim to end: a release signals the
+    /// condition variable only when there are some (a wake-up is a system call).
+    waiting: usize,
 }
 
 impl ClaimTable {
@@ -259,18 +262,25 @@ impl Inner {
             if left.is_zero() {
                 return Err(refused);
             }
+            table.waiting += 1;
             table = self
                 .released
                 .wait_timeout(table, left)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
+            table.waiting -= 1;
         }
     }
 
     fn release(&self, claim: &Claim) {
         if !claim.range.is_empty() {
-            self.table().remove(claim);
-            self.released.notify_all();
+            let mut table = self.table();
+            table.remove(claim);
+            let waiting = table.waiting > 0;
+            drop(table);
+            if waiting {
+                self.released.notify_all();
+            }
         }
     }
 

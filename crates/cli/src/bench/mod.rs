@@ -283,7 +283,12 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
         match args.role {
             Some(Role::Receiver) => receiver(make, args.pool_bytes).await,
             Some(Role::RawTcpSink | Role::RawWakePeer) => ExitCode::from(2),
-            None => sender(make, args).await,
+            // On a worker, as an application's transfers run: a task that `block_on` drives is
+            // woken from a worker by a cross-thread wake-up (a futex call and a thread switch)
+            // each time its batch completes, which a task on a worker is not.
+            None => tokio::spawn(sender(make, args))
+                .await
+                .unwrap_or(ExitCode::from(1)),
         }
     };
     // A signal (a Ctrl-C reaches the receiver too) drops the run instead of killing the
