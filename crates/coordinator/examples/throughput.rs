@@ -137,13 +137,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .kv
             .iter()
             .zip(&dst.memory.kv)
-            .map(|(s, d)| TransferOp {
-                local_region: s.region,
-                local_offset: 0,
-                remote_region: d.region,
-                remote_offset: 0,
-                len: tokens * TOK,
-            })
+            .map(|(s, d)| TransferOp::new(s.region, 0, d.region, 0, tokens * TOK))
             .collect();
         let id = pt.post(peer, TransferBatch::write(ops)).await?;
         pt.wait(id).await?;
@@ -167,13 +161,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut ops = Vec::new();
             for (s, dst) in pmem.memory.kv.iter().zip(&mem.memory.kv) {
                 for p in (r as u64..tokens).step_by(d as usize) {
-                    ops.push(TransferOp {
-                        local_region: s.region,
-                        local_offset: p * TOK,
-                        remote_region: dst.region,
-                        remote_offset: (p / d) * TOK,
-                        len: TOK,
-                    });
+                    ops.push(TransferOp::new(
+                        s.region,
+                        p * TOK,
+                        dst.region,
+                        (p / d) * TOK,
+                        TOK,
+                    ));
                 }
             }
             ids.push(pt.post(*peer, TransferBatch::write(ops)).await?);

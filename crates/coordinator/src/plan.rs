@@ -338,13 +338,13 @@ impl PeerPlan {
                     r.dst_entry
                 ))
             })?;
-            ops.push(TransferOp {
-                local_region: sr,
-                local_offset: place(so, sl, r.src_offset, r.len, "prefill", r.src_entry)?,
-                remote_region: dr,
-                remote_offset: place(doff, dl, r.dst_offset, r.len, "decode", r.dst_entry)?,
-                len: r.len,
-            });
+            ops.push(TransferOp::new(
+                sr,
+                place(so, sl, r.src_offset, r.len, "prefill", r.src_entry)?,
+                dr,
+                place(doff, dl, r.dst_offset, r.len, "decode", r.dst_entry)?,
+                r.len,
+            ));
         }
         Ok(ops)
     }
@@ -372,13 +372,13 @@ impl PeerPlan {
             let dst_off = d_item
                 .checked_mul(dst_index)
                 .ok_or_else(|| PlanError(format!("aux buffer {j}: row {dst_index} overflows")))?;
-            ops.push(TransferOp {
-                local_region: sr,
-                local_offset: place(so, sl, src_off, s_item, "prefill aux", j)?,
-                remote_region: dr,
-                remote_offset: place(doff, dl, dst_off, s_item, "decode aux", j)?,
-                len: s_item,
-            });
+            ops.push(TransferOp::new(
+                sr,
+                place(so, sl, src_off, s_item, "prefill aux", j)?,
+                dr,
+                place(doff, dl, dst_off, s_item, "decode aux", j)?,
+                s_item,
+            ));
         }
         Ok(ops)
     }

@@ -316,16 +316,31 @@ impl<T: KvTransport> FaultInjector<T> {
     }
 }
 
-/// The first `bytes` bytes of `ops`, in order (the last descriptor shortened).
+/// The first `bytes` bytes of `ops`, in order (the last op cut after its last whole row, plus
+/// the start of the next row).
 fn prefix(ops: &[TransferOp], mut bytes: u64) -> Vec<TransferOp> {
     let mut out = Vec::new();
     for op in ops {
         if bytes == 0 {
             break;
         }
-        let len = op.len.min(bytes);
-        out.push(TransferOp { len, ..*op });
-        bytes -= len;
+        if op.total_bytes() <= bytes {
+            out.push(*op);
+            bytes -= op.total_bytes();
+            continue;
+        }
+        // `len > 0` here: a zero-byte op fits any budget.
+        let whole = bytes / op.len;
+        if whole > 0 {
+            out.push(op.with_rows(whole, op.local_stride, op.remote_stride));
+        }
+        if let Some(mut part) = op.rows().nth(whole as usize) {
+            part.len = bytes % op.len;
+            if part.len > 0 {
+                out.push(part);
+            }
+        }
+        break;
     }
     out
 }
@@ -547,11 +562,8 @@ async fn forward<T: KvTransport + ?Sized>(
             Err(e) => Stage::Final(BatchState::Failed(e.to_string()), Some(e)),
         };
     };
-    let head = TransferBatch {
-        ops: prefix(&batch.ops, bytes),
-        notification: None,
-        ..batch
-    };
+    let head =
+        TransferBatch::new(batch.direction, prefix(&batch.ops, bytes)).with_timeout(batch.timeout);
     let sent = match inner.post(peer, head).await {
         Ok(inner_id) => inner.wait(inner_id).await,
         Err(e) => Err(e),

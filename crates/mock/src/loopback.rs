@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{Batches, Outcome, Step, deadline_after};
+use kvbridge_transport::memory::checked_rows;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
@@ -109,7 +110,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// src.write_at(0, b"kv bytes").unwrap();
 ///
 /// let peer = prefill.connect(&decode.local_descriptor()).await?;
-/// let op = TransferOp { local_region: src_id, local_offset: 0, remote_region: dst_id, remote_offset: 100, len: 8 };
+/// let op = TransferOp::new(src_id, 0, dst_id, 100, 8);
 /// prefill.transfer(peer, TransferBatch::write(vec![op])).await?;
 /// assert_eq!(dst.to_vec(100, 8).unwrap(), b"kv bytes");
 /// # Ok(()) }
@@ -176,7 +177,12 @@ struct ResolvedOp {
     remote_id: RegionId,
     remote: MemoryRegion,
     remote_offset: usize,
+    /// Bytes per row.
     len: usize,
+    /// Rows; row `k` starts `k * stride` after the offsets (bounds checked at post).
+    count: u64,
+    local_stride: u64,
+    remote_stride: u64,
 }
 
 struct Job {
@@ -230,8 +236,10 @@ async fn run(job: Job) {
         notification,
         chunk_bytes,
     } = job;
+    // Position: op `i`, row `row` of it, `done_in_row` bytes of that row copied.
     let mut i = 0;
-    let mut done_in_op = 0;
+    let mut row = 0u64;
+    let mut done_in_row = 0;
     while i < ops.len() {
         let more = batches.step(id, now(), || {
             if !link.alive.load(Ordering::Acquire) {
@@ -262,10 +270,16 @@ async fn run(job: Job) {
                         transport: NAME,
                     });
                 }
-                let n = (op.len - done_in_op).min(budget);
+                if row == op.count || op.len == 0 {
+                    i += 1;
+                    row = 0;
+                    continue;
+                }
+                let n = (op.len - done_in_row).min(budget);
+                // In bounds and without overflow: post checked every row with `checked_rows`.
                 let (lo, ro) = (
-                    (op.local_offset + done_in_op) as u64,
-                    (op.remote_offset + done_in_op) as u64,
+                    op.local_offset as u64 + row * op.local_stride + done_in_row as u64,
+                    op.remote_offset as u64 + row * op.remote_stride + done_in_row as u64,
                 );
                 let copied = match direction {
                     Direction::Write => op.local.copy_to(lo, &op.remote, ro, n as u64),
@@ -279,12 +293,12 @@ async fn run(job: Job) {
                         reason: format!("copy refused: {e}; release borrowed region slices"),
                     });
                 }
-                done_in_op += n;
+                done_in_row += n;
                 budget -= n;
                 steps += 1;
-                if done_in_op == op.len {
-                    i += 1;
-                    done_in_op = 0;
+                if done_in_row == op.len {
+                    row += 1;
+                    done_in_row = 0;
                 }
             }
             Step::Continue
@@ -429,6 +443,7 @@ impl KvTransport for LoopbackTransport {
     fn capabilities(&self) -> Capabilities {
         Capabilities::minimal()
             .with_reads(self.ep.config.reads)
+            .with_strided_ops(true)
             .with_max_ops_per_batch(self.ep.config.max_ops_per_batch)
     }
 
@@ -541,7 +556,20 @@ impl KvTransport for LoopbackTransport {
         }
         let (link, target) = self.linked(peer)?;
 
-        // Resolve and bounds-check every descriptor before anything is queued.
+        // Resolve and bounds-check every descriptor (every row of it) before anything is
+        // queued.
+        if let Some((i, op)) = (batch.ops.iter().enumerate())
+            .find(|(_, op)| op.rows_overlap_on_destination(batch.direction))
+        {
+            return Err(TransportError::InvalidArgument {
+                transport: NAME,
+                message: format!(
+                    "op {i} has {} rows of {} bytes that overlap on the destination (stride \
+                     smaller than a row); use a destination stride of at least the row length",
+                    op.count, op.len
+                ),
+            });
+        }
         let mut ops = Vec::with_capacity(batch.ops.len());
         {
             let state = lock(&self.ep.state);
@@ -555,14 +583,19 @@ impl KvTransport for LoopbackTransport {
                             region: op.local_region,
                             transport: NAME,
                         })?;
-                let range = region.range(op.local_offset, op.len).map_err(|e| {
-                    TransportError::OutOfBounds {
-                        side: Side::Local,
-                        region: op.local_region,
-                        offset: e.offset,
-                        len: e.len,
-                        region_len: e.region_len,
-                    }
+                let range = checked_rows(
+                    region.len(),
+                    op.local_offset,
+                    op.local_stride,
+                    op.len,
+                    op.count,
+                )
+                .map_err(|e| TransportError::OutOfBounds {
+                    side: Side::Local,
+                    region: op.local_region,
+                    offset: e.offset,
+                    len: e.len,
+                    region_len: e.region_len,
                 })?;
                 ops.push(ResolvedOp {
                     local: region.clone(),
@@ -570,7 +603,11 @@ impl KvTransport for LoopbackTransport {
                     remote_id: op.remote_region,
                     remote: region.clone(),
                     remote_offset: 0,
-                    len: range.len(),
+                    // Fits: one row lies inside the region.
+                    len: op.len as usize,
+                    count: op.count,
+                    local_stride: op.local_stride,
+                    remote_stride: op.remote_stride,
                 });
             }
         }
@@ -589,14 +626,19 @@ impl KvTransport for LoopbackTransport {
                             region: op.remote_region,
                             transport: NAME,
                         })?;
-                let range = region.range(op.remote_offset, op.len).map_err(|e| {
-                    TransportError::OutOfBounds {
-                        side: Side::Remote,
-                        region: op.remote_region,
-                        offset: e.offset,
-                        len: e.len,
-                        region_len: e.region_len,
-                    }
+                let range = checked_rows(
+                    region.len(),
+                    op.remote_offset,
+                    op.remote_stride,
+                    op.len,
+                    op.count,
+                )
+                .map_err(|e| TransportError::OutOfBounds {
+                    side: Side::Remote,
+                    region: op.remote_region,
+                    offset: e.offset,
+                    len: e.len,
+                    region_len: e.region_len,
                 })?;
                 resolved.remote = region.clone();
                 resolved.remote_offset = range.start;

@@ -61,13 +61,7 @@ async fn counts_posted_bytes_and_forwards_everything_else() {
     let (dst, dst_mem) = receiver.allocate_registered(8192).await.unwrap();
     src_mem.fill(0, 8192, 3).unwrap();
     let peer = sender.connect(&receiver.local_descriptor()).await.unwrap();
-    let op = |offset, len| TransferOp {
-        local_region: src,
-        local_offset: offset,
-        remote_region: dst,
-        remote_offset: offset,
-        len,
-    };
+    let op = |offset, len| TransferOp::new(src, offset, dst, offset, len);
     sender
         .transfer(peer, TransferBatch::write(vec![op(0, 100), op(4096, 28)]))
         .await

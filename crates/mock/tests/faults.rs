@@ -47,13 +47,9 @@ async fn setup(sender_script: FaultScript, receiver_script: FaultScript) -> Setu
 impl Setup {
     /// A batch copying `src[offset..offset+len]` to the same place in `dst`.
     fn batch(&self, offset: u64, len: u64, timeout: Duration) -> TransferBatch {
-        TransferBatch::write(vec![TransferOp {
-            local_region: self.src.0,
-            local_offset: offset,
-            remote_region: self.dst.0,
-            remote_offset: offset,
-            len,
-        }])
+        TransferBatch::write(vec![TransferOp::new(
+            self.src.0, offset, self.dst.0, offset, len,
+        )])
         .with_timeout(timeout)
     }
 
@@ -276,20 +272,8 @@ async fn disconnect_after_bytes_lands_exactly_the_prefix_then_loses_the_peer() {
     // 40 more bytes are allowed: the next batch (30 + 50 bytes) is cut 10 bytes into its
     // second descriptor.
     let batch = TransferBatch::write(vec![
-        TransferOp {
-            local_region: s.src.0,
-            local_offset: 1000,
-            remote_region: s.dst.0,
-            remote_offset: 1000,
-            len: 30,
-        },
-        TransferOp {
-            local_region: s.src.0,
-            local_offset: 2000,
-            remote_region: s.dst.0,
-            remote_offset: 2000,
-            len: 50,
-        },
+        TransferOp::new(s.src.0, 1000, s.dst.0, 1000, 30),
+        TransferOp::new(s.src.0, 2000, s.dst.0, 2000, 50),
     ])
     .with_notification(Bytes::from_static(b"never"))
     .with_timeout(Duration::from_secs(1));

@@ -37,13 +37,13 @@ async fn push_with_one_retry(
 }
 
 fn batch_to(local_region: RegionId, remote_region: RegionId) -> TransferBatch {
-    TransferBatch::write(vec![TransferOp {
+    TransferBatch::write(vec![TransferOp::new(
         local_region,
-        local_offset: 0,
+        0,
         remote_region,
-        remote_offset: 4096,
-        len: 4096,
-    }])
+        4096,
+        4096,
+    )])
     .with_notification(Bytes::from_static(b"room 7"))
     .with_timeout(Duration::from_millis(500))
 }

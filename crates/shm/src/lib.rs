@@ -53,13 +53,7 @@
 //! let (src_id, src) = prefill.allocate_registered(1 << 20).await?;
 //! src.fill(0, 4096, 7).unwrap();
 //! let peer = prefill.connect(&decode.local_descriptor()).await?;
-//! let op = TransferOp {
-//!     local_region: src_id,
-//!     local_offset: 0,
-//!     remote_region: dst_id,
-//!     remote_offset: 8192,
-//!     len: 4096,
-//! };
+//! let op = TransferOp::new(src_id, 0, dst_id, 8192, 4096);
 //! prefill
 //!     .transfer(peer, TransferBatch::write(vec![op]).with_notification("chunk 0".into()))
 //!     .await?;

@@ -669,10 +669,7 @@ impl Inner {
             let sent = match frame {
                 Frame::GetRegion { req, region } => self.answer_region(conn, req, region).await,
                 Frame::Notify { payload } => {
-                    let n = Notification {
-                        from: conn.id,
-                        payload,
-                    };
+                    let n = Notification::new(conn.id, payload);
                     if self.notif_tx.send(n).await.is_err() {
                         return "the transport was shut down".to_owned();
                     }
@@ -1220,6 +1217,8 @@ impl KvTransport for ShmTransport {
 
     async fn post(&self, peer: PeerId, batch: TransferBatch) -> Result<BatchId> {
         self.inner.check_open()?;
+        // Rows of strided ops are moved one descriptor each (no native strided support).
+        let batch = batch.expand_rows(self.name(), self.capabilities().max_ops_per_batch)?;
         let conn = self.inner.conn(peer)?;
         if !conn.outbound {
             return Err(TransportError::Unsupported {
@@ -1393,13 +1392,7 @@ mod tests {
         for i in 0..POSTS {
             let sender = Arc::clone(&sender);
             posts.spawn(async move {
-                let op = TransferOp {
-                    local_region: src,
-                    local_offset: i * 4096,
-                    remote_region: dst,
-                    remote_offset: i * 4096,
-                    len: 4096,
-                };
+                let op = TransferOp::new(src, i * 4096, dst, i * 4096, 4096);
                 sender.transfer(peer, TransferBatch::write(vec![op])).await
             });
         }

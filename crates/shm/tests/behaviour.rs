@@ -140,13 +140,7 @@ async fn heap_memory_is_a_fine_source_but_not_a_target() {
     source.fill(0, 8192, 0x5a).unwrap();
     let source_id = sender.register(source).await.unwrap();
     let peer = sender.connect(&receiver.local_descriptor()).await.unwrap();
-    let op = |remote_region| TransferOp {
-        local_region: source_id,
-        local_offset: 0,
-        remote_region,
-        remote_offset: 0,
-        len: 8192,
-    };
+    let op = |remote_region| TransferOp::new(source_id, 0, remote_region, 0, 8192);
     sender
         .transfer(peer, TransferBatch::write(vec![op(shm_target)]))
         .await
@@ -213,13 +207,7 @@ async fn cancelling_a_large_batch_stops_it_and_nothing_lands_afterwards() {
     src_mem.fill(0, LEN as u64, 0xee).unwrap();
     let peer = sender.connect(&receiver.local_descriptor()).await.unwrap();
     // One 64 MiB descriptor: cancel must not wait for all of it.
-    let op = TransferOp {
-        local_region: src,
-        local_offset: 0,
-        remote_region: dst,
-        remote_offset: 0,
-        len: LEN as u64,
-    };
+    let op = TransferOp::new(src, 0, dst, 0, LEN as u64);
     let id = sender
         .post(
             peer,

@@ -186,13 +186,7 @@ fn scattered(local: RegionId, remote: RegionId, len: u64) -> Vec<TransferOp> {
     let n = len / block;
     (0..n)
         .map(|i| (i * 7919 + 13) % n)
-        .map(|j| TransferOp {
-            local_region: local,
-            local_offset: j * block,
-            remote_region: remote,
-            remote_offset: j * block,
-            len: block,
-        })
+        .map(|j| TransferOp::new(local, j * block, remote, j * block, block))
         .collect()
 }
 
@@ -234,13 +228,7 @@ async fn cross_process_writes_reads_fetches_and_fences() {
 
     // Reads pull the peer's bytes.
     let (scratch, scratch_mem) = t.allocate_registered(1 << 20).await.unwrap();
-    let read = TransferOp {
-        local_region: scratch,
-        local_offset: 0,
-        remote_region: remote,
-        remote_offset: 4096,
-        len: 1 << 20,
-    };
+    let read = TransferOp::new(scratch, 0, remote, 4096, 1 << 20);
     t.transfer(peer, TransferBatch::read(vec![read]))
         .await
         .unwrap();
@@ -250,13 +238,7 @@ async fn cross_process_writes_reads_fetches_and_fences() {
     send_command(&t, peer, "register:65536".into()).await;
     let late = RegionId(child.line("REGISTERED").await[11..].parse().unwrap());
     mem.write_at(0, &pattern(9, 65536)).unwrap();
-    let op = TransferOp {
-        local_region: local,
-        local_offset: 0,
-        remote_region: late,
-        remote_offset: 0,
-        len: 65536,
-    };
+    let op = TransferOp::new(local, 0, late, 0, 65536);
     let note = format!("fill:{}:9:0:65536", late.0);
     t.transfer(
         peer,

@@ -788,10 +788,7 @@ impl Receiver<'_> {
         };
         let Some(b) = done else { return Ok(()) };
         if let Some(payload) = b.notification {
-            let n = Notification {
-                from: self.session.peer,
-                payload,
-            };
+            let n = Notification::new(self.session.peer, payload);
             // The charge stays with the notification until the application takes it. A full
             // queue pauses this connection (the common case, room, needs no waiting).
             match self.shared.notify_tx.try_send((n, b.charge)) {

@@ -52,7 +52,7 @@
 //! src_mem.write_at(0, b"kv bytes")?;
 //!
 //! let peer = prefill.connect(&decode.local_descriptor()).await?;
-//! let op = TransferOp { local_region: src, local_offset: 0, remote_region: dst, remote_offset: 100, len: 8 };
+//! let op = TransferOp::new(src, 0, dst, 100, 8);
 //! prefill
 //!     .transfer(peer, TransferBatch::write(vec![op]).with_notification("chunk 0".into()))
 //!     .await?;
@@ -664,6 +664,8 @@ impl KvTransport for TcpTransport {
 
     async fn post(&self, peer: PeerId, batch: TransferBatch) -> Result<BatchId> {
         self.check_open()?;
+        // Rows of strided ops are moved one descriptor each (no native strided support).
+        let batch = batch.expand_rows(self.name(), self.capabilities().max_ops_per_batch)?;
         if batch.direction == Direction::Read {
             return Err(TransportError::Unsupported {
                 transport: NAME,

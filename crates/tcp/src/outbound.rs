@@ -1205,13 +1205,7 @@ mod tests {
                 }
             }
         });
-        let op = TransferOp {
-            local_region: src,
-            local_offset: 0,
-            remote_region: dst,
-            remote_offset: 0,
-            len: len as u64,
-        };
+        let op = TransferOp::new(src, 0, dst, 0, len as u64);
         prefill
             .transfer(peer, TransferBatch::write(vec![op]))
             .await

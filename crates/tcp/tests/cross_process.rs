@@ -165,12 +165,14 @@ async fn cross_process_writes_are_checked_by_the_peer_at_notification_time() {
         // (256 KiB, over two connections) do not line up.
         let ops: Vec<TransferOp> = (0..(BLOCK / 4096) as u64)
             .rev()
-            .map(|k| TransferOp {
-                local_region: local,
-                local_offset: i * BLOCK as u64 + k * 4096,
-                remote_region: remote,
-                remote_offset: i * BLOCK as u64 + k * 4096,
-                len: 4096,
+            .map(|k| {
+                TransferOp::new(
+                    local,
+                    i * BLOCK as u64 + k * 4096,
+                    remote,
+                    i * BLOCK as u64 + k * 4096,
+                    4096,
+                )
             })
             .collect();
         let note = format!("check:{seed}:{}:{BLOCK}", i * BLOCK as u64);
@@ -183,13 +185,7 @@ async fn cross_process_writes_are_checked_by_the_peer_at_notification_time() {
         assert_eq!(child.line(), format!("OK {}", i * BLOCK as u64));
     }
     // Remote bounds come from the other process.
-    let oob = TransferOp {
-        local_region: local,
-        local_offset: 0,
-        remote_region: remote,
-        remote_offset: LEN as u64 - 10,
-        len: 11,
-    };
+    let oob = TransferOp::new(local, 0, remote, LEN as u64 - 10, 11);
     match t.post(peer, TransferBatch::write(vec![oob])).await {
         Err(TransportError::OutOfBounds {
             side: Side::Remote,
@@ -206,13 +202,7 @@ async fn killing_the_peer_process_fails_its_batches_by_their_deadline() {
     const LEN: usize = 64 << 20;
     let (mut child, t, peer, remote) = connect(LEN).await;
     let (local, _src) = t.allocate_registered(LEN).await.unwrap();
-    let op = TransferOp {
-        local_region: local,
-        local_offset: 0,
-        remote_region: remote,
-        remote_offset: 0,
-        len: LEN as u64,
-    };
+    let op = TransferOp::new(local, 0, remote, 0, LEN as u64);
     let deadline = Duration::from_secs(5);
     let id = t
         .post(peer, TransferBatch::write(vec![op]).with_timeout(deadline))

@@ -495,13 +495,7 @@ async fn a_live_listener_survives_mutated_corpus_streams() {
     let (src, src_mem) = good.allocate_registered(8).await.unwrap();
     src_mem.write_at(0, b"survived").unwrap();
     let peer = good.connect(&t.local_descriptor()).await.unwrap();
-    let op = TransferOp {
-        local_region: src,
-        local_offset: 0,
-        remote_region: first,
-        remote_offset: 0,
-        len: 8,
-    };
+    let op = TransferOp::new(src, 0, first, 0, 8);
     tokio::time::timeout(
         Duration::from_secs(10),
         good.transfer(peer, TransferBatch::write(vec![op])),

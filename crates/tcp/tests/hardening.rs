@@ -214,13 +214,7 @@ async fn still_serves(t: &TcpTransport, region: RegionId, mem: &MemoryRegion) {
     let (src, src_mem) = good.allocate_registered(16).await.unwrap();
     src_mem.write_at(0, b"still serving ok").unwrap();
     let peer = good.connect(&t.local_descriptor()).await.unwrap();
-    let op = TransferOp {
-        local_region: src,
-        local_offset: 0,
-        remote_region: region,
-        remote_offset: 100,
-        len: 16,
-    };
+    let op = TransferOp::new(src, 0, region, 100, 16);
     tokio::time::timeout(LIMIT, good.transfer(peer, TransferBatch::write(vec![op])))
         .await
         .unwrap()
@@ -677,13 +671,7 @@ async fn silent_peer_is_detected_by_keepalive() {
         .await
         .unwrap();
     // Above the size that goes out without waiting, so `post` waits for the listener's answer.
-    let op = TransferOp {
-        local_region: src,
-        local_offset: 0,
-        remote_region: RegionId(1),
-        remote_offset: 0,
-        len: 1 << 17,
-    };
+    let op = TransferOp::new(src, 0, RegionId(1), 0, 1 << 17);
     // The Begin is never answered; the keep-alive gives up long before this 60 s deadline.
     let posted = tokio::time::timeout(
         Duration::from_secs(10),
@@ -717,13 +705,7 @@ async fn pending_batch_fails_by_its_deadline_when_the_peer_goes_silent() {
         .connect(format!("kvbridge-tcp/2@{addr}").as_bytes())
         .await
         .unwrap();
-    let op = TransferOp {
-        local_region: src,
-        local_offset: 0,
-        remote_region: RegionId(1),
-        remote_offset: 0,
-        len: 1 << 20,
-    };
+    let op = TransferOp::new(src, 0, RegionId(1), 0, 1 << 20);
     let deadline = Duration::from_secs(1);
     let id = t
         .post(peer, TransferBatch::write(vec![op]).with_timeout(deadline))
@@ -930,13 +912,7 @@ async fn a_lost_peer_error_names_the_listeners_reason() {
     let (src, _) = sender.allocate_registered(16).await.unwrap();
     let peer = sender.connect(&t.local_descriptor()).await.unwrap();
     let batch = || {
-        let op = TransferOp {
-            local_region: src,
-            local_offset: 0,
-            remote_region: region,
-            remote_offset: 0,
-            len: 16,
-        };
+        let op = TransferOp::new(src, 0, region, 0, 16);
         TransferBatch::write(vec![op]).with_notification(vec![b'x'; 3000].into())
     };
     tokio::time::timeout(LIMIT, sender.transfer(peer, batch()))
@@ -1308,12 +1284,8 @@ async fn posts_check_remote_bounds_against_the_announced_table() {
     let (src, src_mem) = sender.allocate_registered(4096).await.unwrap();
     src_mem.fill(0, 4096, 0x55).unwrap();
     let peer = sender.connect(&t.local_descriptor()).await.unwrap();
-    let op = |remote_region, remote_offset, len| TransferOp {
-        local_region: src,
-        local_offset: 0,
-        remote_region,
-        remote_offset,
-        len,
+    let op = |remote_region, remote_offset, len| {
+        TransferOp::new(src, 0, remote_region, remote_offset, len)
     };
     // Out of bounds of a region in the table: refused by `post` itself.
     let e = sender

@@ -260,13 +260,7 @@ mod tests {
         assert_eq!(t.name(), "renamed");
         assert!(t.capabilities().reads);
         assert_eq!(t.local_descriptor(), "inner");
-        let op = TransferOp {
-            local_region: RegionId(0),
-            local_offset: 0,
-            remote_region: RegionId(0),
-            remote_offset: 0,
-            len: 8,
-        };
+        let op = TransferOp::new(RegionId(0), 0, RegionId(0), 0, 8);
         t.transfer(PeerId(2), TransferBatch::write(vec![op]))
             .await
             .unwrap();

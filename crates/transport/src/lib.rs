@@ -20,13 +20,7 @@
 //! use kvbridge_transport::{TransferBatch, TransferOp, RegionId};
 //! use std::time::Duration;
 //!
-//! let batch = TransferBatch::write(vec![TransferOp {
-//!     local_region: RegionId(1),
-//!     local_offset: 0,
-//!     remote_region: RegionId(7),
-//!     remote_offset: 4096,
-//!     len: 73_728,
-//! }])
+//! let batch = TransferBatch::write(vec![TransferOp::new(RegionId(1), 0, RegionId(7), 4096, 73_728)])
 //! .with_notification(bytes::Bytes::from_static(b"room 42 chunk 0"))
 //! .with_timeout(Duration::from_secs(5));
 //! assert_eq!(batch.total_bytes(), 73_728);
@@ -93,24 +87,38 @@ pub enum Direction {
     Read,
 }
 
-/// One contiguous copy between a local and a remote region.
+/// One copy between a local and a remote region: `count` rows of `len` bytes, row `i` from
+/// `local_offset + i * local_stride` to `remote_offset + i * remote_stride` (for a write; a read
+/// copies the other way). A plain [`TransferOp::new`] is one row. Rows let one descriptor carry
+/// a strided relayout (every 4th token row of a page into a contiguous page) instead of one
+/// descriptor per row; see [`with_rows`](Self::with_rows).
+///
+/// Build it with [`TransferOp::new`]: the struct is `#[non_exhaustive]` so later fields
+/// (priorities, memory hints) are not breaking changes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct TransferOp {
     /// Region registered with the transport that posts the batch.
     pub local_region: RegionId,
-    /// Byte offset in the local region.
+    /// Byte offset of the first row in the local region.
     pub local_offset: u64,
     /// Region registered with the peer.
     pub remote_region: RegionId,
-    /// Byte offset in the remote region.
+    /// Byte offset of the first row in the remote region.
     pub remote_offset: u64,
-    /// Bytes to copy (zero is allowed and moves nothing).
+    /// Bytes per row (zero is allowed and moves nothing).
     pub len: u64,
+    /// Number of rows (1 for a contiguous copy; zero is allowed and moves nothing).
+    pub count: u64,
+    /// Distance in bytes between the starts of consecutive rows in the local region.
+    pub local_stride: u64,
+    /// Distance in bytes between the starts of consecutive rows in the remote region.
+    pub remote_stride: u64,
 }
 
 impl TransferOp {
     /// A copy of `len` bytes between `local_region[local_offset..]` and
-    /// `remote_region[remote_offset..]`.
+    /// `remote_region[remote_offset..]` (one row).
     pub const fn new(
         local_region: RegionId,
         local_offset: u64,
@@ -124,7 +132,67 @@ impl TransferOp {
             remote_region,
             remote_offset,
             len,
+            count: 1,
+            local_stride: len,
+            remote_stride: len,
         }
+    }
+
+    /// The same copy repeated `count` times, each row `local_stride` bytes after the previous
+    /// one locally and `remote_stride` bytes after it remotely.
+    ///
+    /// ```
+    /// use kvbridge_transport::{RegionId, TransferOp};
+    /// // 16 rows of 1152 bytes, every 4th row of the source, packed on the destination.
+    /// let op = TransferOp::new(RegionId(1), 0, RegionId(2), 0, 1152).with_rows(16, 4 * 1152, 1152);
+    /// assert_eq!(op.total_bytes(), 16 * 1152);
+    /// assert_eq!(op.rows().nth(1).unwrap().local_offset, 4 * 1152);
+    /// ```
+    #[must_use]
+    pub const fn with_rows(mut self, count: u64, local_stride: u64, remote_stride: u64) -> Self {
+        self.count = count;
+        self.local_stride = local_stride;
+        self.remote_stride = remote_stride;
+        self
+    }
+
+    /// Whether the op is one contiguous copy (at most one row).
+    pub const fn is_contiguous(&self) -> bool {
+        self.count <= 1
+    }
+
+    /// Bytes the op moves: `len * count`, saturating.
+    pub const fn total_bytes(&self) -> u64 {
+        self.len.saturating_mul(self.count)
+    }
+
+    /// The rows as one-row ops, in order. Offsets wrap rather than panic on overflow; bounds
+    /// ([`memory::checked_rows`]) are checked before any row is used.
+    pub fn rows(&self) -> impl ExactSizeIterator<Item = TransferOp> + '_ {
+        let count = usize::try_from(self.count).unwrap_or(usize::MAX);
+        (0..count).map(move |i| {
+            let i = i as u64;
+            TransferOp::new(
+                self.local_region,
+                self.local_offset
+                    .wrapping_add(i.wrapping_mul(self.local_stride)),
+                self.remote_region,
+                self.remote_offset
+                    .wrapping_add(i.wrapping_mul(self.remote_stride)),
+                self.len,
+            )
+        })
+    }
+
+    /// Whether rows of this op overlap each other on the destination side of a batch in
+    /// `direction` (the remote region for a write, the local one for a read). Such an op is
+    /// refused with [`TransportError::InvalidArgument`]: its result would depend on row order.
+    pub const fn rows_overlap_on_destination(&self, direction: Direction) -> bool {
+        let stride = match direction {
+            Direction::Write => self.remote_stride,
+            Direction::Read => self.local_stride,
+        };
+        self.count > 1 && self.len > 0 && stride < self.len
     }
 }
 
@@ -132,7 +200,11 @@ impl TransferOp {
 pub const DEFAULT_BATCH_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A batch of one-sided copies to one peer, with an optional notification and a deadline.
+///
+/// Build it with [`TransferBatch::write`], [`read`](Self::read) or [`new`](Self::new) (the
+/// struct is `#[non_exhaustive]`); the fields stay public to read and to change.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TransferBatch {
     /// Write (push) or read (pull).
     pub direction: Direction,
@@ -177,13 +249,82 @@ impl TransferBatch {
         }
     }
 
-    /// Sum of all descriptor lengths (saturating).
+    /// Sum of the bytes of every op (rows included; saturating).
     pub fn total_bytes(&self) -> u64 {
         self.ops
             .iter()
-            .fold(0u64, |acc, op| acc.saturating_add(op.len))
+            .fold(0u64, |acc, op| acc.saturating_add(op.total_bytes()))
+    }
+
+    /// Number of rows the ops cover (a contiguous op is one row; saturating).
+    pub fn row_count(&self) -> u64 {
+        self.ops
+            .iter()
+            .fold(0u64, |acc, op| acc.saturating_add(op.count))
+    }
+
+    /// The same batch with every op split into one-row ops: the one expansion helper, for a
+    /// transport without native strided support ([`Capabilities::strided_ops`] off), which calls
+    /// it at the top of [`KvTransport::post`]. Bytes moved and destinations are unchanged.
+    ///
+    /// Refused with [`TransportError::InvalidArgument`], before anything is allocated: an op
+    /// whose rows overlap on the destination ([`TransferOp::rows_overlap_on_destination`]), an
+    /// op whose last row's end overflows `u64` ([`memory::checked_rows`] bounds the rest), and
+    /// a batch of more than `max_rows` rows (pass the transport's
+    /// [`Capabilities::max_ops_per_batch`]; never more than [`MAX_EXPANDED_ROWS`]).
+    pub fn expand_rows(self, transport: &'static str, max_rows: Option<usize>) -> Result<Self> {
+        if self.ops.iter().all(TransferOp::is_contiguous) {
+            return Ok(self);
+        }
+        let invalid = |message: String| TransportError::InvalidArgument { transport, message };
+        for (i, op) in self.ops.iter().enumerate() {
+            if op.rows_overlap_on_destination(self.direction) {
+                return Err(invalid(format!(
+                    "op {i} has {} rows of {} bytes whose destination stride is smaller than a \
+                     row, so its rows overlap on the destination; use a destination stride of at \
+                     least the row length",
+                    op.count, op.len
+                )));
+            }
+            let overflows = |offset: u64, stride: u64| {
+                memory::rows_end(offset, stride, op.len, op.count).is_none()
+            };
+            if overflows(op.local_offset, op.local_stride)
+                || overflows(op.remote_offset, op.remote_stride)
+            {
+                return Err(invalid(format!(
+                    "op {i} ({} rows of {} bytes, strides {}/{}, offsets {}/{}) ends past the \
+                     64-bit address space; fix the offsets, strides or row count",
+                    op.count,
+                    op.len,
+                    op.local_stride,
+                    op.remote_stride,
+                    op.local_offset,
+                    op.remote_offset
+                )));
+            }
+        }
+        let limit = max_rows.unwrap_or(MAX_EXPANDED_ROWS).min(MAX_EXPANDED_ROWS) as u64;
+        let rows = self.row_count();
+        if rows > limit {
+            return Err(invalid(format!(
+                "a batch of {} ops covers {rows} rows, more than the {limit} rows this transport \
+                 moves in one batch without native strided support; post fewer rows per batch, \
+                 or use a transport whose capabilities() declare strided_ops",
+                self.ops.len()
+            )));
+        }
+        let mut ops = Vec::with_capacity(rows as usize);
+        for op in &self.ops {
+            ops.extend(op.rows());
+        }
+        Ok(Self { ops, ..self })
     }
 }
+
+/// Most rows [`TransferBatch::expand_rows`] expands one batch into (16 Mi rows, 512 MiB of
+/// descriptors): a bound on what a caller's strided batch can make a transport allocate.
+pub const MAX_EXPANDED_ROWS: usize = 1 << 24;
 
 /// What a transport can do. Callers and the conformance suite branch on these, never on names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -198,6 +339,10 @@ pub struct Capabilities {
     pub max_ops_per_batch: Option<usize>,
     /// Regions of [`MemoryKind::Device`] memory may be registered (host memory always may).
     pub device_memory: bool,
+    /// Ops with several rows ([`TransferOp::with_rows`]) are moved natively, as one descriptor
+    /// each. Without it the transport expands them ([`TransferBatch::expand_rows`]) and still
+    /// accepts them.
+    pub strided_ops: bool,
 }
 
 impl Capabilities {
@@ -208,6 +353,7 @@ impl Capabilities {
             cross_process: false,
             max_ops_per_batch: None,
             device_memory: false,
+            strided_ops: false,
         }
     }
 
@@ -232,6 +378,12 @@ impl Capabilities {
     /// Sets [`device_memory`](Self::device_memory).
     pub const fn with_device_memory(mut self, device_memory: bool) -> Self {
         self.device_memory = device_memory;
+        self
+    }
+
+    /// Sets [`strided_ops`](Self::strided_ops).
+    pub const fn with_strided_ops(mut self, strided_ops: bool) -> Self {
+        self.strided_ops = strided_ops;
         self
     }
 
@@ -261,6 +413,7 @@ impl Capabilities {
 
 /// Where a batch is in its life.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum BatchState {
     /// Posted, not finished.
     Pending,
@@ -283,6 +436,7 @@ impl BatchState {
 
 /// A notification received from a peer, after the data of its batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Notification {
     /// The peer (inbound connection) that sent it.
     pub from: PeerId,
@@ -311,7 +465,8 @@ impl Notification {
 /// 1. **Bounds before bytes.** A batch in which any descriptor addresses bytes outside its
 ///    registered region (local or remote), or names an unknown or deregistered region, is
 ///    refused as a whole before any byte of it moves — its valid descriptors included. Bounds
-///    are those of [`memory::checked_range`]: `offset + len <= region length` without overflow,
+///    are those of [`memory::checked_range`] ([`memory::checked_rows`] for every row of an op):
+///    `offset + len <= region length` without overflow,
 ///    so a zero-length descriptor may sit at the very end of a region but not past it. Local
 ///    problems are refused by [`post`](Self::post) with [`TransportError::OutOfBounds`] /
 ///    [`TransportError::UnknownRegion`] (side [`Side::Local`]; an `offset + len` overflow may be
@@ -515,6 +670,60 @@ impl<T: KvTransport + ?Sized> KvTransportExt for T {}
 mod tests {
     use super::*;
 
+    fn strided(count: u64, ls: u64, rs: u64, len: u64) -> TransferOp {
+        TransferOp::new(RegionId(1), 8, RegionId(2), 16, len).with_rows(count, ls, rs)
+    }
+
+    #[test]
+    fn expanding_rows_gives_one_op_per_row_with_the_same_bytes() {
+        let batch = TransferBatch::write(vec![
+            strided(3, 40, 10, 10),
+            TransferOp::new(RegionId(1), 0, RegionId(2), 500, 7),
+            strided(0, 1, 1, 5),
+        ]);
+        assert_eq!(batch.row_count(), 4);
+        assert_eq!(batch.total_bytes(), 37);
+        let expanded = batch.clone().expand_rows("t", None).unwrap();
+        let want: Vec<(u64, u64, u64)> = vec![(8, 16, 10), (48, 26, 10), (88, 36, 10), (0, 500, 7)];
+        let got: Vec<_> = expanded
+            .ops
+            .iter()
+            .map(|o| (o.local_offset, o.remote_offset, o.len))
+            .collect();
+        assert_eq!(got, want);
+        assert!(expanded.ops.iter().all(TransferOp::is_contiguous));
+        assert_eq!(expanded.total_bytes(), batch.total_bytes());
+        // A batch without rows comes back unchanged.
+        let plain = TransferBatch::write(vec![TransferOp::new(RegionId(1), 0, RegionId(2), 0, 3)]);
+        assert_eq!(plain.clone().expand_rows("t", Some(1)).unwrap(), plain);
+    }
+
+    #[test]
+    fn expansion_refuses_overlap_overflow_and_too_many_rows() {
+        let e = TransferBatch::write(vec![strided(2, 64, 32, 64)])
+            .expand_rows("t", None)
+            .unwrap_err();
+        assert!(e.to_string().contains("overlap on the destination"), "{e}");
+        // The same op is fine as a read: the destination is the local side, stride 64.
+        assert!(
+            TransferBatch::read(vec![strided(2, 64, 32, 64)])
+                .expand_rows("t", None)
+                .is_ok()
+        );
+        let e = TransferBatch::write(vec![strided(3, u64::MAX / 2, 8, 8)])
+            .expand_rows("t", None)
+            .unwrap_err();
+        assert!(e.to_string().contains("64-bit address space"), "{e}");
+        let e = TransferBatch::write(vec![strided(1 << 40, 0, 0, 0)])
+            .expand_rows("t", None)
+            .unwrap_err();
+        assert!(e.to_string().contains("rows"), "{e}");
+        let e = TransferBatch::write(vec![strided(5, 8, 8, 8)])
+            .expand_rows("t", Some(4))
+            .unwrap_err();
+        assert!(matches!(e, TransportError::InvalidArgument { .. }), "{e}");
+    }
+
     #[tokio::test]
     async fn mock_is_usable_as_dyn_transport() {
         let mut mock = MockKvTransport::new();
@@ -526,13 +735,7 @@ mod tests {
             .withf(|b| *b == BatchId(9))
             .returning(|_| Ok(()));
         let transport: Arc<DynKvTransport> = Arc::new(mock);
-        let op = TransferOp {
-            local_region: RegionId(0),
-            local_offset: 0,
-            remote_region: RegionId(0),
-            remote_offset: 0,
-            len: 8,
-        };
+        let op = TransferOp::new(RegionId(0), 0, RegionId(0), 0, 8);
         transport
             .transfer(PeerId(3), TransferBatch::write(vec![op]))
             .await
@@ -542,13 +745,7 @@ mod tests {
 
     #[test]
     fn batch_total_saturates() {
-        let op = TransferOp {
-            local_region: RegionId(0),
-            local_offset: 0,
-            remote_region: RegionId(0),
-            remote_offset: 0,
-            len: u64::MAX,
-        };
+        let op = TransferOp::new(RegionId(0), 0, RegionId(0), 0, u64::MAX);
         assert_eq!(TransferBatch::write(vec![op, op]).total_bytes(), u64::MAX);
     }
 

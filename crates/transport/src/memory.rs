@@ -90,6 +90,42 @@ pub fn checked_range(offset: u64, len: u64, region_len: usize) -> Result<Range<u
     Ok(offset as usize..end as usize)
 }
 
+/// End of the last of `count` rows of `len` bytes starting at `offset`, `stride` apart
+/// (`offset` itself for no rows), or `None` on `u64` overflow.
+pub const fn rows_end(offset: u64, stride: u64, len: u64, count: u64) -> Option<u64> {
+    if count == 0 {
+        return Some(offset);
+    }
+    match (count - 1).checked_mul(stride) {
+        Some(x) => match offset.checked_add(x) {
+            Some(last) => last.checked_add(len),
+            None => None,
+        },
+        None => None,
+    }
+}
+
+/// Checks that every one of `count` rows of `len` bytes, the first at `offset` and each
+/// `stride` bytes after the previous one, lies inside a region of `region_len` bytes, without
+/// overflow, and returns the span from the first row's start to the last row's end. No rows
+/// (or zero-length rows) still need `offset <= region_len`, as [`checked_range`] does.
+pub fn checked_rows(
+    region_len: usize,
+    offset: u64,
+    stride: u64,
+    len: u64,
+    count: u64,
+) -> Result<Range<usize>, RangeError> {
+    let Some(end) = rows_end(offset, stride, len, count) else {
+        return Err(RangeError {
+            offset,
+            len: u64::MAX,
+            region_len: region_len as u64,
+        });
+    };
+    checked_range(offset, end - offset, region_len)
+}
+
 /// What a region's bytes are: CPU-addressable host memory, or memory of a device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -851,6 +887,19 @@ mod tests {
         // SAFETY: the Vec is never resized or referenced again; moving it into the region as
         // its owner keeps the heap bytes alive and in place.
         unsafe { MemoryRegion::from_raw_parts(ForeignMemory::host(ptr, len, buf)) }
+    }
+
+    #[test]
+    fn checked_rows_bounds_every_row_and_overflow() {
+        // 4 rows of 8 bytes every 16: the last ends at 3 * 16 + 8 = 56.
+        assert_eq!(checked_rows(56, 0, 16, 8, 4), Ok(0..56));
+        assert!(checked_rows(55, 0, 16, 8, 4).is_err());
+        assert_eq!(checked_rows(10, 10, 5, 0, 1), Ok(10..10));
+        assert_eq!(checked_rows(10, 3, 100, 7, 0), Ok(3..3));
+        assert!(checked_rows(10, 11, 0, 0, 0).is_err());
+        assert!(checked_rows(usize::MAX, 0, u64::MAX, 1, 2).is_err());
+        assert!(checked_rows(usize::MAX, 1, 1 << 63, 0, 3).is_err());
+        assert_eq!(rows_end(5, 0, 3, u64::MAX), Some(8));
     }
 
     #[test]

@@ -450,13 +450,7 @@ impl Rig {
     }
 
     fn op(&self, l: usize, lo: u64, r: usize, ro: u64, len: u64) -> TransferOp {
-        TransferOp {
-            local_region: self.local[l].id,
-            local_offset: lo,
-            remote_region: self.remote[r].id,
-            remote_offset: ro,
-            len,
-        }
+        TransferOp::new(self.local[l].id, lo, self.remote[r].id, ro, len)
     }
 }
 

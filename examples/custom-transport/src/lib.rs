@@ -383,6 +383,8 @@ impl KvTransport for NicTransport {
 
     async fn post(&self, peer: PeerId, batch: TransferBatch) -> Result<BatchId> {
         self.closed()?;
+        // Rows of strided ops are moved one descriptor each (no native strided support).
+        let batch = batch.expand_rows(self.name(), self.capabilities().max_ops_per_batch)?;
         let link = self.link(peer)?;
         let target = link
             .target

@@ -292,13 +292,7 @@ fn raw_plan(
                         {
                             o.len += TOKEN_BYTES;
                         }
-                        _ => ops.push(TransferOp {
-                            local_region: src.region,
-                            local_offset: s,
-                            remote_region: dst.region,
-                            remote_offset: t,
-                            len: TOKEN_BYTES,
-                        }),
+                        _ => ops.push(TransferOp::new(src.region, s, dst.region, t, TOKEN_BYTES)),
                     }
                 }
             }

@@ -727,13 +727,7 @@ async fn measure_with(
     let peer = t.connect(&descriptor).await.map_err(e)?;
     let transfer_ops: Vec<TransferOp> = ops
         .iter()
-        .map(|&(s, d, len)| TransferOp {
-            local_region: local,
-            local_offset: s,
-            remote_region: remote,
-            remote_offset: d,
-            len,
-        })
+        .map(|&(s, d, len)| TransferOp::new(local, s, remote, d, len))
         .collect();
     // The baseline's destination: pre-faulted heap memory in this process.
     let baseline_dst = MemoryRegion::allocate(pool as usize).map_err(|e| e.to_string())?;
