@@ -8,8 +8,8 @@
 //! write outside the decode's advertised entry).
 
 use kvbridge_geometry::{
-    ByteRanges, DcpPlanInput, EntryPair, HeadSharding, HeadSource, PoolFormat, PoolGeometry,
-    ReshardInput, SendPages, identity_pairs, page_path_ranges,
+    ByteRange, ByteRanges, DcpPlanInput, EntryPair, HeadSharding, HeadSource, PoolFormat,
+    PoolGeometry, ReshardInput, SendPages, identity_pairs, page_path_ranges,
 };
 use kvbridge_handshake::{PeerDescriptor, TransferPath};
 use kvbridge_transport::{RegionId, TransferOp};
@@ -324,8 +324,9 @@ impl PeerPlan {
                 }
             }
         };
-        let mut ops = Vec::with_capacity(ranges.len());
-        for r in ranges.iter() {
+        let mut ops = Vec::with_capacity(usize::try_from(ranges.row_count()).unwrap_or(0));
+        // One transport op per row until the ops carry rows themselves.
+        for r in ranges.iter().flat_map(ByteRange::rows) {
             let (sr, so, sl) = *self.src_kv.get(r.src_entry).ok_or_else(|| {
                 PlanError(format!(
                     "planner addressed prefill entry {} which does not exist",

@@ -1,11 +1,13 @@
 //! Planner benchmarks (divan): page size 64, DCP 8, one 131072-token chunk (2048 source pages,
 //! 256 destination virtual pages), every destination rank per iteration.
 //!
-//! Run with `cargo xtask bench planner`. `scripts/sglang_planner_bench.py` times SGLang
-//! 0.5.23's numpy planner on the same inputs.
+//! Run with `cargo xtask bench planner`. `python -m kvbridge.bench planner` (the Python package,
+//! `crates/python`) times SGLang 0.5.23's numpy planner on the same inputs.
 
 use divan::{Bencher, black_box};
-use kvbridge_geometry::{DcpPlanInput, Run, SendPages, group_concurrent_contiguous};
+use kvbridge_geometry::{
+    DcpPlanInput, PoolGeometry, Run, SendPages, group_concurrent_contiguous, identity_pairs,
+};
 
 const PAGE_SIZE: u64 = 64;
 const DCP: u64 = 8;
@@ -168,4 +170,40 @@ fn c_reshard_2_to_8_runs_all_pairs(bencher: Bencher<'_, '_>) {
             }
         }
     });
+}
+
+/// Plan plus strided byte ranges of `layers` MLA layers (1152-byte rows) for all 8 ranks
+/// (source page ids below 4096, destination virtual page ids below 1024).
+fn strided_byte_ranges(bencher: Bencher<'_, '_>, layers: usize) {
+    let (src, dst) = pages();
+    let pool = |pages| {
+        PoolGeometry::builder(PAGE_SIZE)
+            .num_pages(pages)
+            .target_entries(&vec![PAGE_SIZE * 1152; layers])
+            .build()
+            .unwrap()
+    };
+    let (src_pool, dst_pool) = (pool(4096), pool(1024));
+    let pairs = identity_pairs(layers);
+    bencher.bench(|| {
+        for rank in 0..DCP {
+            let plan = input(black_box(&src), black_box(&dst), rank)
+                .plan()
+                .unwrap();
+            black_box(plan.byte_ranges(&src_pool, &dst_pool, &pairs).unwrap());
+        }
+    });
+}
+
+/// (d) Strided byte ranges of one MLA layer: what a transport posts, comparable to SGLang's
+/// plan plus grouping.
+#[divan::bench]
+fn d_strided_byte_ranges_all_ranks(bencher: Bencher<'_, '_>) {
+    strided_byte_ranges(bencher, 1);
+}
+
+/// (d') The same for 61 MLA layers (the demo's model).
+#[divan::bench]
+fn d_strided_byte_ranges_61_layers_all_ranks(bencher: Bencher<'_, '_>) {
+    strided_byte_ranges(bencher, 61);
 }

@@ -393,11 +393,8 @@ impl DcpPlan<'_> {
                 });
             }
             let copy = RowCopy::whole(pair, src_w);
-            if draft {
-                copy.push_runs(&mut out, self.draft_runs());
-            } else {
-                copy.push_runs(&mut out, self.target_runs());
-            }
+            let rows = if draft { &self.draft } else { &self.target };
+            copy.push_segments(&mut out, rows.segments());
         }
         Ok(out)
     }

@@ -18,6 +18,10 @@
 //! * [`group_concurrent_contiguous`], [`coalesce_pairs`], [`coalesce_runs`] — run coalescing.
 //! * [`page_path_ranges`], [`head_slice_ranges`], [`HeadSharding`] — non-DCP byte ranges,
 //!   MHA head slicing.
+//! * [`ByteRange`], [`ByteRanges`] — what every byte-range builder returns: strided copies
+//!   (`count` rows of `len` bytes with a source and a destination stride), rows folded into
+//!   progressions as they are pushed; [`ByteRanges::len`] counts ranges,
+//!   [`ByteRanges::row_count`] the rows they cover.
 //! * [`pair_entries_by_layer_ids`], [`pair_entries_flat_pp`], [`pair_entries_mha_pp`] —
 //!   entry pairing and PP slicing.
 //! * [`prepare_dcp_token_item_lens`], [`dcp_pack_buffer_bytes`] — DCP geometry check and

@@ -413,7 +413,7 @@ impl<'a> ReshardPlan<'a> {
         src.check_pages(Side::Prefill, &i.src_pages[first_s..used_s])?;
         dst.check_pages(Side::Decode, &i.dst_pages.as_slice()[first_d..used_d])?;
         for c in &copies {
-            c.push_runs(&mut out, self.runs());
+            c.push_segments(&mut out, self.prog.segments());
         }
         Ok(out)
     }

@@ -89,6 +89,19 @@ pub(crate) struct Segment {
     pub(crate) len: u64,
 }
 
+impl From<Run> for Segment {
+    /// A run: consecutive rows on both sides.
+    fn from(run: Run) -> Self {
+        Segment {
+            src: run.src_start,
+            src_step: 1,
+            dst: run.dst_start,
+            dst_step: 1,
+            len: run.len,
+        }
+    }
+}
+
 impl Segment {
     #[inline]
     fn extend(&self, src: &mut Vec<u64>, dst: &mut Vec<u64>) {

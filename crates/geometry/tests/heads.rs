@@ -1,7 +1,7 @@
 //! Head slicing for any pair of attention TP sizes, including replicated KV heads.
 
 use kvbridge_geometry::{
-    HeadSharding, HeadSlice, PoolGeometry, compute_head_slice_params, identity_pairs,
+    ByteRange, HeadSharding, HeadSlice, PoolGeometry, compute_head_slice_params, identity_pairs,
 };
 use proptest::prelude::*;
 
@@ -97,7 +97,7 @@ proptest! {
             for source in s.sources_for(dst_rank).unwrap() {
                 let from = prefill_mem(source.src_rank);
                 let ranges = s.page_ranges(source, &src, &dst, &identity_pairs(1), &[1, 2], &[3, 0]).unwrap();
-                for r in &ranges {
+                for r in ranges.iter().flat_map(ByteRange::rows) {
                     let d = &mut mem[r.dst_offset as usize..(r.dst_offset + r.len) as usize];
                     prop_assert!(d.iter().all(|&x| x == 0));
                     d.copy_from_slice(&from[r.src_offset as usize..(r.src_offset + r.len) as usize]);

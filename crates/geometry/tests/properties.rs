@@ -3,8 +3,8 @@
 use std::collections::HashSet;
 
 use kvbridge_geometry::{
-    DcpPlanInput, PoolGeometry, Run, SendPages, coalesce_pairs, group_concurrent_contiguous,
-    identity_pairs,
+    ByteRange, DcpPlanInput, PoolGeometry, Run, SendPages, coalesce_pairs,
+    group_concurrent_contiguous, identity_pairs,
 };
 use proptest::prelude::*;
 
@@ -154,7 +154,7 @@ proptest! {
             .unwrap();
         let ranges = plan.byte_ranges(&src, &dst, &identity_pairs(items.len() + 1)).unwrap();
         let mut bytes = 0;
-        for br in &ranges {
+        for br in ranges.iter().flat_map(ByteRange::rows) {
             prop_assert!(br.len > 0);
             prop_assert!(br.src_offset + br.len <= src.entry_bytes(br.src_entry).unwrap());
             prop_assert!(br.dst_offset + br.len <= dst.entry_bytes(br.dst_entry).unwrap());

@@ -1,115 +1,20 @@
 //! Any-to-any DCP resharding: exactness over all rank pairs, SGLang equivalence where SGLang
 //! defines the result, byte-level delivery and descriptor counts.
 
+mod common;
+
 use std::collections::HashMap;
 
+use common::world;
+
 use kvbridge_geometry::{
-    ByteRanges, DcpPlanInput, EntryPair, GeometryError, HeadSharding, PoolGeometry, ReshardInput,
-    SendPages, identity_pairs, page_path_ranges, reshard_sources, reshard_targets,
+    ByteRange, ByteRanges, DcpPlanInput, EntryPair, GeometryError, HeadSharding, PoolGeometry,
+    ReshardInput, SendPages, identity_pairs, page_path_ranges, reshard_sources, reshard_targets,
 };
 use proptest::prelude::*;
 
 fn config() -> ProptestConfig {
     ProptestConfig::with_cases(if cfg!(miri) { 4 } else { 128 })
-}
-
-/// A whole request on both sides: DCP sizes, page sizes, prefix, tokens to send, chunk cuts,
-/// one page table per prefill rank (covering rank-local rows from 0) and the decode's
-/// virtual page list of the send range.
-#[derive(Debug, Clone)]
-struct World {
-    a: u64,
-    b: u64,
-    p1: u64,
-    p2: u64,
-    prefix: u64,
-    total: u64,
-    cuts: Vec<u64>,
-    prefill_tables: Vec<Vec<u64>>,
-    dst: Vec<u64>,
-}
-
-fn world() -> impl Strategy<Value = World> {
-    (
-        1u64..=6,
-        1u64..=6,
-        1u64..=8,
-        1u64..=8,
-        0u64..=2,
-        1u64..=120,
-        1u64..=4,
-        any::<u64>(),
-    )
-        .prop_map(|(a, b, p1, p2, prefix_pages, total, chunks, seed)| {
-            let prefix = prefix_pages * p2 * b;
-            let end = prefix + total;
-            // Deterministic shuffles from the seed (distinct ids per table).
-            let mut state = seed | 1;
-            let mut shuffled = |n: u64| {
-                let mut v: Vec<u64> = (0..2 * n + 1).collect();
-                for i in (1..v.len()).rev() {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    v.swap(i, (state % (i as u64 + 1)) as usize);
-                }
-                v.truncate(n as usize);
-                v
-            };
-            let local_rows = end.div_ceil(a);
-            let prefill_tables = (0..a).map(|_| shuffled(local_rows.div_ceil(p1))).collect();
-            let dst = shuffled(total.div_ceil(p2 * b));
-            let mut cuts: Vec<u64> = (1..chunks).map(|k| k * total / chunks).collect();
-            cuts.dedup();
-            cuts.retain(|&c| c > 0 && c < total);
-            World {
-                a,
-                b,
-                p1,
-                p2,
-                prefix,
-                total,
-                cuts,
-                prefill_tables,
-                dst,
-            }
-        })
-}
-
-impl World {
-    fn chunks(&self) -> Vec<(u64, u64)> {
-        let mut bounds = vec![0];
-        bounds.extend(&self.cuts);
-        bounds.push(self.total);
-        bounds.windows(2).map(|w| (w[0], w[1] - w[0])).collect()
-    }
-
-    fn src_row(&self, ar: u64, p: u64) -> u64 {
-        let y = p / self.a;
-        self.prefill_tables[ar as usize][(y / self.p1) as usize] * self.p1 + y % self.p1
-    }
-
-    fn dst_row(&self, p: u64) -> u64 {
-        let x = (p - self.prefix) / self.b;
-        self.dst[(x / self.p2) as usize] * self.p2 + x % self.p2
-    }
-
-    fn input(&self, ar: u64, br: u64, c0: u64, n: u64) -> ReshardInput<'_> {
-        let first_page = ((self.prefix + c0) / self.a / self.p1) as usize;
-        ReshardInput {
-            src_pages: &self.prefill_tables[ar as usize][first_page..],
-            dst_pages: SendPages::after_prefix(&self.dst),
-            src_page_size: self.p1,
-            dst_page_size: self.p2,
-            src_dcp_size: self.a,
-            src_dcp_rank: ar,
-            dst_dcp_size: self.b,
-            dst_dcp_rank: br,
-            decode_prefix_len: self.prefix,
-            chunk_start: c0,
-            num_tokens: n,
-        }
-    }
 }
 
 proptest! {
@@ -181,8 +86,9 @@ proptest! {
                 for br in 0..w.b {
                     let plan = w.input(ar, br, c0, n).plan().unwrap();
                     let ranges = plan.byte_ranges(&src, &dst, &identity_pairs(2)).unwrap();
-                    prop_assert!(ranges.len() as u64 <= 2 * plan.len());
-                    for r in &ranges {
+                    prop_assert!(ranges.row_count() <= 2 * plan.len());
+                    prop_assert!(ranges.len() as u64 <= ranges.row_count());
+                    for r in ranges.iter().flat_map(ByteRange::rows) {
                         let s = &prefill[ar as usize][r.src_entry][r.src_offset as usize..(r.src_offset + r.len) as usize];
                         let d = &mut decode[br as usize][r.dst_entry][r.dst_offset as usize..(r.dst_offset + r.len) as usize];
                         prop_assert!(d.iter().all(|&x| x == 0), "byte written twice");
@@ -279,7 +185,7 @@ proptest! {
                 prop_assert_eq!(plan.len(), owned);
                 let ranges = plan.byte_ranges(&pool, &pool, &identity_pairs(1)).unwrap();
                 // Every reshard byte range lies inside one page-path range at the same shift.
-                for br in &ranges {
+                for br in ranges.iter().flat_map(ByteRange::rows) {
                     prop_assert!(page_path.iter().any(|pp| br.src_offset >= pp.src_offset
                         && br.src_offset + br.len <= pp.src_offset + pp.len
                         && br.dst_offset - pp.dst_offset == br.src_offset - pp.src_offset
@@ -370,73 +276,6 @@ fn reshard_errors_name_the_problem() {
     assert!(matches!(e, GeometryError::ZeroPageSize { .. }));
 }
 
-/// Descriptor counts quoted in docs/benchmarks.md: MLA, 4 layers of 1152-byte tokens, a
-/// 4096-token request in one chunk, scattered page ids (so pages never merge across runs).
-#[test]
-fn descriptor_counts_for_documented_geometries() {
-    fn count_for(total: u64, layers: usize, a: u64, b: u64, p1: u64, p2: u64) -> (u64, usize) {
-        let tables: Vec<Vec<u64>> = (0..a)
-            .map(|r| {
-                (0..total.div_ceil(a).div_ceil(p1))
-                    .map(|i| 2 * i + r % 2)
-                    .collect()
-            })
-            .collect();
-        let dst: Vec<u64> = (0..total.div_ceil(p2 * b)).map(|i| 2 * i + 1).collect();
-        let src_pool = PoolGeometry::builder(p1)
-            .num_pages(1024)
-            .target_entries(&vec![p1 * 1152; layers])
-            .build()
-            .unwrap();
-        let dst_pool = PoolGeometry::builder(p2)
-            .num_pages(1024)
-            .target_entries(&vec![p2 * 1152; layers])
-            .build()
-            .unwrap();
-        let (mut rows, mut ranges) = (0, 0);
-        for ar in 0..a {
-            for br in 0..b {
-                let plan = ReshardInput {
-                    src_pages: &tables[ar as usize],
-                    dst_pages: SendPages::after_prefix(&dst),
-                    src_page_size: p1,
-                    dst_page_size: p2,
-                    src_dcp_size: a,
-                    src_dcp_rank: ar,
-                    dst_dcp_size: b,
-                    dst_dcp_rank: br,
-                    num_tokens: total,
-                    ..ReshardInput::default()
-                }
-                .plan()
-                .unwrap();
-                rows += plan.len();
-                ranges += plan
-                    .byte_ranges(&src_pool, &dst_pool, &identity_pairs(layers))
-                    .unwrap()
-                    .len();
-            }
-        }
-        (rows, ranges)
-    }
-    let count = |a, b, p1, p2| count_for(4096, 4, a, b, p1, p2);
-    // (rows moved, byte ranges posted) summed over all rank pairs.
-    assert_eq!(count(1, 1, 64, 64), (4096, 4 * 64));
-    assert_eq!(count(1, 4, 64, 64), (4096, 4 * 4096));
-    assert_eq!(count(2, 2, 64, 64), (4096, 4 * 64));
-    assert_eq!(count(2, 4, 64, 64), (4096, 4 * 4096));
-    assert_eq!(count(4, 2, 64, 64), (4096, 4 * 4096));
-    assert_eq!(count(4, 1, 64, 64), (4096, 4 * 4096));
-    assert_eq!(count(1, 1, 16, 64), (4096, 4 * 256));
-    assert_eq!(count(2, 4, 16, 64), (4096, 4 * 4096));
-    // The demo's geometry: one 8192-token request, 61 MLA layers.
-    let demo = |a, b, p1, p2| count_for(8192, 61, a, b, p1, p2);
-    assert_eq!(demo(1, 1, 64, 64), (8192, 61 * 128));
-    assert_eq!(demo(1, 4, 64, 64), (8192, 61 * 8192));
-    assert_eq!(demo(2, 4, 16, 64), (8192, 61 * 8192));
-    assert_eq!(demo(4, 4, 64, 64), (8192, 61 * 128));
-}
-
 #[test]
 fn head_slices_over_resharded_rows() {
     // MHA, 8 KV heads of 64 bytes per token row; prefill TP 2 (4 heads) -> decode TP 4
@@ -471,6 +310,7 @@ fn head_slices_over_resharded_rows() {
         .unwrap();
     let got: Vec<(u64, u64, u64)> = ranges
         .iter()
+        .flat_map(ByteRange::rows)
         .map(|r| (r.src_offset, r.dst_offset, r.len))
         .collect();
     // Rows 6,7,10,11 (heads 2..4 of the prefill rank, bytes 128..256) -> rows 24..28.

@@ -17,10 +17,12 @@ fn pool(page_size: u64, num_pages: u64, target: &[u64], draft: &[u64]) -> PoolGe
         .unwrap()
 }
 
-/// `(src_addr, dst_addr, len)` with per-entry base addresses, as Mooncake would post them.
+/// `(src_addr, dst_addr, len)` of every row with per-entry base addresses, as Mooncake would
+/// post them (one descriptor per row).
 fn addressed(ranges: &[ByteRange], src_ptrs: &[u64], dst_ptrs: &[u64]) -> Vec<(u64, u64, u64)> {
     ranges
         .iter()
+        .flat_map(ByteRange::rows)
         .map(|r| {
             (
                 src_ptrs[r.src_entry] + r.src_offset,
@@ -83,7 +85,12 @@ fn page_path_mla_example() {
             (0x202_8800, 0xB05_E800, 18_432),
         ]
     );
-    assert_eq!(ranges.len(), 6);
+    // Pages 6 and 9 (one page each) land on consecutive pages 20 and 21: one progression.
+    assert_eq!((ranges.len(), ranges.row_count()), (4, 6));
+    assert_eq!(
+        ranges.as_slice()[1],
+        ByteRange::new(0, 6 * 18_432, 0, 20 * 18_432, 18_432).with_rows(2, 3 * 18_432, 18_432)
+    );
 }
 
 #[test]
@@ -114,16 +121,7 @@ fn page_path_truncates_source_and_refuses_mismatched_entries() {
     let src = pool(16, 16, &[1024], &[]);
     let dst = pool(16, 16, &[1024], &[]);
     let r = page_path_ranges(&src, &dst, &identity_pairs(1), &[1, 2, 3], &[4, 5]).unwrap();
-    assert_eq!(
-        r.as_slice(),
-        [ByteRange {
-            src_entry: 0,
-            src_offset: 1024,
-            dst_entry: 0,
-            dst_offset: 4096,
-            len: 2048
-        }]
-    );
+    assert_eq!(r.as_slice(), [ByteRange::new(0, 1024, 0, 4096, 2048)]);
     let other = pool(16, 16, &[2048], &[]);
     let err = page_path_ranges(&src, &other, &identity_pairs(1), &[1], &[4]).unwrap_err();
     assert!(matches!(err, GeometryError::WidthMismatch { .. }), "{err}");
@@ -256,6 +254,8 @@ fn head_slice_byte_example() {
         got,
         [(0x10_1A00, 0xA0_2800, 512), (0x10_1E00, 0xA0_2A00, 512)]
     );
+    // The two token rows of the page: one strided range of 2 rows.
+    assert_eq!((ranges.len(), ranges.row_count()), (1, 2));
     // The exact plan picks the same slice from the same rank.
     let sharding = HeadSharding::new(8, 2, 4).unwrap();
     let sources = sharding.sources_for(3).unwrap();
@@ -322,6 +322,13 @@ fn dcp_byte_ranges_example() {
             (0x36300, 0xD0E00, 2304),
             (0x32400, 0xD1700, 2304),
         ]
+    );
+    // Target rows 1 and 5 (source page stride 4 rows, destination consecutive) are one
+    // range per entry; the draft rows' pages are not in progression.
+    assert_eq!((ranges.len(), ranges.row_count()), (5, 8));
+    assert_eq!(
+        ranges.as_slice()[0],
+        ByteRange::new(0, 11 * 1152, 0, 14 * 1152, 1152).with_rows(2, 12 * 1152, 1152)
     );
 }
 

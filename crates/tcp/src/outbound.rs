@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use kvbridge_transport::memory::checked_range;
 use kvbridge_transport::{
-    BatchId, MemoryRegion, PeerId, RegionId, RegionSliceMut, Result, Side, TransferBatch,
+    BatchId, MemoryRegion, PeerId, RegionId, RegionSlice, Result, Side, TransferBatch,
     TransportError,
 };
 use tokio::io::AsyncWriteExt;
@@ -630,16 +630,16 @@ const CAUSE_WAIT: Duration = Duration::from_millis(500);
 /// Bytes offered to one non-blocking vectored write (about a loopback socket buffer).
 const ATTEMPT_BYTES: u64 = 2 << 20;
 
-/// Source bytes of part of one descriptor: borrowed in place (zero-copy), or copied when the
-/// range is momentarily borrowed by another in-flight send.
+/// Source bytes of part of one descriptor: borrowed in place (zero-copy; shared, so ops of a
+/// batch may read the same bytes), or copied from memory that cannot be borrowed.
 enum Source {
-    Borrowed(RegionSliceMut),
+    Borrowed(RegionSlice),
     Copied(Vec<u8>),
 }
 
 impl Source {
     fn acquire(region: &MemoryRegion, offset: u64, len: u64) -> Option<Self> {
-        if let Ok(s) = region.borrow_mut(offset, len) {
+        if let Ok(s) = region.borrow(offset, len) {
             return Some(Source::Borrowed(s));
         }
         let mut v = vec![0u8; len as usize];

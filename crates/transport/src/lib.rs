@@ -46,7 +46,7 @@ pub use delegate::Delegate;
 pub use error::{Operand, Result, Side, TransportError};
 pub use memory::{
     Access, AllocError, CLAIM_WAIT, ForeignMemory, MemoryKind, MemoryRegion, RangeError,
-    RegionSliceMut,
+    RegionSlice, RegionSliceMut,
 };
 
 macro_rules! id_type {

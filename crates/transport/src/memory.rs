@@ -794,6 +794,25 @@ impl MemoryRegion {
         })
     }
 
+    /// Borrows `[offset, offset + len)` of owned memory as a shared slice, e.g. to hand it to a
+    /// vectored socket write. Shared borrows of the same bytes coexist (a batch may read the
+    /// same source bytes twice); writes to the range are refused while the slice lives.
+    /// Refused for foreign and device memory, and while a write overlaps the range.
+    pub fn borrow(&self, offset: u64, len: u64) -> Result<RegionSlice> {
+        self.host_only(Operand::Region)?;
+        if !self.can_borrow() {
+            return Err(TransportError::ForeignBorrow { offset, len });
+        }
+        let claimed = self.claim(offset, len, Access::Read, Operand::Region)?;
+        let range = claimed.claim.range.clone();
+        // The slice takes the claim over and releases it when it drops.
+        std::mem::forget(claimed);
+        Ok(RegionSlice {
+            region: self.clone(),
+            range,
+        })
+    }
+
     /// Runs `f(ptr, len)` with `[offset, offset + len)` claimed for `access`, where `ptr` is
     /// the address of the range's first byte: the hook for transport code that moves bytes
     /// with its own instructions (streaming stores, a DMA it waits for) without bypassing the
@@ -866,6 +885,45 @@ impl Drop for RegionSliceMut {
     }
 }
 
+/// A shared view of part of an owned host region ([`MemoryRegion::borrow`]); writes to its
+/// bytes are refused until it drops.
+pub struct RegionSlice {
+    region: MemoryRegion,
+    range: Range<usize>,
+}
+
+impl fmt::Debug for RegionSlice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegionSlice")
+            .field("range", &self.range)
+            .finish()
+    }
+}
+
+impl std::ops::Deref for RegionSlice {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the range is inside an owned host region (only those are borrowed) and
+        // claimed for reading until this view drops, so no access from this process writes
+        // the bytes meanwhile and nothing outside it may (owned memory is private).
+        unsafe {
+            std::slice::from_raw_parts(
+                self.region.inner.ptr.add(self.range.start),
+                self.range.len(),
+            )
+        }
+    }
+}
+
+impl Drop for RegionSlice {
+    fn drop(&mut self) {
+        self.region.inner.release(&Claim {
+            range: self.range.clone(),
+            access: Access::Read,
+        });
+    }
+}
+
 /// A device region whose address is a placeholder, for the conformance suite's check that
 /// transports without device support refuse device memory at `register`.
 #[cfg(any(test, feature = "testing"))]
@@ -887,6 +945,28 @@ mod tests {
         // SAFETY: the Vec is never resized or referenced again; moving it into the region as
         // its owner keeps the heap bytes alive and in place.
         unsafe { MemoryRegion::from_raw_parts(ForeignMemory::host(ptr, len, buf)) }
+    }
+
+    #[test]
+    fn shared_borrows_coexist_and_keep_writers_out() {
+        let r = MemoryRegion::allocate(64).unwrap();
+        r.write_at(0, &[5; 64]).unwrap();
+        let a = r.borrow(0, 32).unwrap();
+        let b = r.borrow(16, 32).unwrap();
+        assert_eq!(&a[..], &[5; 32][..]);
+        assert_eq!(b.len(), 32);
+        assert!(r.to_vec(0, 64).is_ok(), "reads share with shared borrows");
+        assert!(
+            r.borrow_mut(40, 8).is_err(),
+            "an exclusive borrow over a shared one"
+        );
+        assert!(
+            r.write_at(60, &[1; 4]).is_ok(),
+            "bytes outside every borrow"
+        );
+        drop((a, b));
+        assert!(r.borrow_mut(0, 64).is_ok());
+        assert!(foreign(8).borrow(0, 8).is_err());
     }
 
     #[test]

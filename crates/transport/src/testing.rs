@@ -502,9 +502,11 @@ fn apply(model: &mut [Vec<u8>], rig: &Rig, ops: &[TransferOp]) {
             .iter()
             .position(|r| r.id == op.remote_region)
             .expect("op names a suite region");
-        let src = l.mem.to_vec(op.local_offset, op.len).expect("in bounds");
-        let start = op.remote_offset as usize;
-        model[r][start..start + src.len()].copy_from_slice(&src);
+        for row in op.rows() {
+            let src = l.mem.to_vec(row.local_offset, row.len).expect("in bounds");
+            let start = row.remote_offset as usize;
+            model[r][start..start + src.len()].copy_from_slice(&src);
+        }
     }
 }
 
@@ -1908,6 +1910,213 @@ pub async fn device_memory_refused_unless_declared(pair: TransportPair) {
     }
 }
 
+/// Strided ops (several rows each, [`TransferOp::with_rows`]) move every row: a DCP relayout
+/// (every 4th row of the source into contiguous rows), its inverse, random strides and row
+/// counts, zero rows and zero-length rows (at the very end of a region too). The same batch
+/// expanded into one op per row ([`TransferBatch::expand_rows`]) leaves the same bytes. Runs on
+/// transports with and without native strided support ([`Capabilities::strided_ops`]).
+pub async fn strided_ops_move_every_row(pair: TransportPair) {
+    const SIZE: usize = 256 * 1024;
+    let rig = Rig::new(pair, &[SIZE], &[SIZE, 4096]).await;
+    let mut rng = Rng::new(0x5712_1DE5);
+    let row = 1152u64;
+    let mut rounds: Vec<(&str, Vec<TransferOp>)> = vec![
+        (
+            "a DCP 1 -> 4 relayout (16 rows of 1152 B every 4 rows, packed)",
+            (0..4)
+                .map(|k| {
+                    rig.op(0, k * row, 0, k * 16 * row, row)
+                        .with_rows(16, 4 * row, row)
+                })
+                .collect(),
+        ),
+        (
+            "a DCP 4 -> 1 relayout (packed rows spread every 4 rows)",
+            (0..4)
+                .map(|k| {
+                    rig.op(0, k * 16 * row, 0, k * row, row)
+                        .with_rows(16, row, 4 * row)
+                })
+                .collect(),
+        ),
+        (
+            "zero rows and zero-length rows, at the end of a region too",
+            vec![
+                rig.op(0, SIZE as u64, 1, 4096, 100).with_rows(0, 1, 1),
+                rig.op(0, 0, 1, 4096, 0).with_rows(7, 3, 0),
+                rig.op(0, 100, 1, 0, 8).with_rows(3, 0, 8),
+                rig.op(0, 7, 0, 200_000, 1).with_rows(1, 0, 0),
+            ],
+        ),
+    ];
+    // Random rows in disjoint destination slots of 16 KiB each.
+    let mut random = Vec::new();
+    for slot in 0..12u64 {
+        let len = 1 + rng.below(300);
+        let remote_stride = len + rng.below(64);
+        let count = 1 + rng.below(16_384 / remote_stride);
+        let local_stride = rng.below(2 * len + 1);
+        let local_span = (count - 1) * local_stride + len;
+        let lo = rng.below(SIZE as u64 - local_span + 1);
+        random.push(rig.op(0, lo, 0, slot * 16_384, len).with_rows(
+            count,
+            local_stride,
+            remote_stride,
+        ));
+    }
+    rounds.push(("random strides and row counts", random));
+    for (round, (what, ops)) in rounds.into_iter().enumerate() {
+        for expanded in [false, true] {
+            rig.local[0].mem.write_at(0, &rng.bytes(SIZE)).unwrap();
+            let mut model = rig.snapshot_remote();
+            apply(&mut model, &rig, &ops);
+            let mut batch =
+                TransferBatch::write(ops.clone()).with_timeout(rig.limits.batch_timeout);
+            let what = if expanded {
+                batch = batch.expand_rows(rig.name, None).unwrap_or_else(|e| {
+                    panic!("[{}] {DATA}: expand_rows of {what}: {e}", rig.name)
+                });
+                format!("round {round}: {what}, expanded into one op per row")
+            } else {
+                format!("round {round}: {what}")
+            };
+            rig.transfer_ok(batch, &what).await;
+            rig.assert_remote(&model, DATA, &what);
+        }
+    }
+}
+
+/// Every row of a strided op is bounds-checked before any byte moves: a last row past the end
+/// (local: refused at `post`; remote: at `post` or by `wait`), rows whose offsets overflow
+/// `u64`, and rows that overlap each other on the destination are refused, and nothing of the
+/// batch lands — its valid ops included.
+pub async fn strided_bounds_refused(pair: TransportPair) {
+    let rig = Rig::new(pair, &[8192], &[8192]).await;
+    let valid = rig.op(0, 0, 0, 0, 100);
+    // 8 rows of 64 every 1024: the last ends at 7 * 1024 + 64 = 7232; from 1000 it is 8232.
+    let local_past = rig.op(0, 1000, 0, 4000, 64).with_rows(8, 1024, 64);
+    expect_local_refusal(
+        &rig,
+        TransferBatch::write(vec![valid, local_past]),
+        "a strided op whose last local row ends at 8232 of an 8192-byte region",
+        |e| {
+            matches!(
+                e,
+                TransportError::OutOfBounds {
+                    side: Side::Local,
+                    ..
+                }
+            ) || matches!(e, TransportError::InvalidArgument { .. })
+        },
+    )
+    .await;
+    let remote_past = rig.op(0, 4000, 0, 1000, 64).with_rows(8, 64, 1024);
+    expect_remote_refusal(
+        &rig,
+        TransferBatch::write(vec![valid, remote_past]).with_timeout(rig.limits.batch_timeout),
+        "a strided op whose last remote row ends at 8232 of an 8192-byte region",
+        |e| {
+            matches!(
+                e,
+                TransportError::OutOfBounds {
+                    side: Side::Remote,
+                    ..
+                }
+            ) || matches!(e, TransportError::InvalidArgument { .. })
+        },
+    )
+    .await;
+    let overflow = |e: &TransportError| {
+        matches!(
+            e,
+            TransportError::OutOfBounds { .. } | TransportError::InvalidArgument { .. }
+        )
+    };
+    for (count, stride) in [(3u64, u64::MAX / 2), (u64::MAX, 8), (2, u64::MAX)] {
+        let local = rig.op(0, 0, 0, 0, 8).with_rows(count, stride, 8);
+        expect_local_refusal(
+            &rig,
+            TransferBatch::write(vec![valid, local]),
+            &format!("{count} local rows every {stride} bytes (overflowing u64)"),
+            overflow,
+        )
+        .await;
+        let remote = rig.op(0, 0, 0, 0, 8).with_rows(count, 8, stride);
+        expect_remote_refusal(
+            &rig,
+            TransferBatch::write(vec![valid, remote]).with_timeout(rig.limits.batch_timeout),
+            &format!("{count} remote rows every {stride} bytes (overflowing u64)"),
+            overflow,
+        )
+        .await;
+    }
+    let overlapping = rig.op(0, 0, 0, 1000, 64).with_rows(4, 64, 32);
+    expect_local_refusal(
+        &rig,
+        TransferBatch::write(vec![valid, overlapping]),
+        "a strided op whose 64-byte destination rows are 32 bytes apart (overlapping)",
+        |e| matches!(e, TransportError::InvalidArgument { .. }),
+    )
+    .await;
+}
+
+/// A cancelled batch of a few large strided ops is fenced mid-op: no row of it lands after
+/// `cancel` reported it cancelled (or timed out).
+pub async fn cancel_fences_mid_strided_op(pair: TransportPair) {
+    const SIZE: usize = 2 << 20;
+    let rig = Rig::new(pair, &[SIZE], &[SIZE]).await;
+    let deadline = rig.limits.interrupted_batch_timeout;
+    let row = 1152u64;
+    let rows = SIZE as u64 / (4 * row);
+    for round in 0..2u64 {
+        rig.local[0]
+            .mem
+            .write_at(0, &Rng::new(round + 190).bytes(SIZE))
+            .unwrap();
+        let old = rig.snapshot_remote();
+        // Four ops of `rows` rows each: every 4th source row, packed on the destination.
+        let ops: Vec<_> = (0..4)
+            .map(|k| {
+                rig.op(0, k * row, 0, k * rows * row, row)
+                    .with_rows(rows, 4 * row, row)
+            })
+            .collect();
+        let mut new = old.clone();
+        apply(&mut new, &rig, &ops);
+        let posted = Instant::now();
+        let id = rig
+            .post(TransferBatch::write(ops).with_timeout(deadline))
+            .await
+            .unwrap_or_else(|e| panic!("[{}] {FENCING}: post failed: {e}", rig.name));
+        if round == 1 {
+            sleep(POLL).await;
+        }
+        let state = bounded(
+            rig.name,
+            FENCING,
+            "cancel",
+            rig.limits.call,
+            rig.sender.cancel(id),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("[{}] {FENCING}: cancel of batch {id} failed: {e}", rig.name));
+        let what = format!("strided batch {id} was cancelled (cancel returned {state:?})");
+        match state {
+            BatchState::Done => rig.assert_remote(&new, DATA, &what),
+            BatchState::Cancelled | BatchState::TimedOut => {
+                assert_old_or_new(&rig, &old, &new, FENCING, &what);
+                rig.assert_fenced(posted, deadline, &what).await;
+            }
+            other => panic!(
+                "[{}] {FENCING}: cancel of a healthy strided batch must return Done, Cancelled \
+                 or TimedOut, got {other:?}",
+                rig.name
+            ),
+        }
+        let _ = rig.wait(id, deadline).await;
+    }
+}
+
 /// Expands, in the caller's module, to one
 /// `#[tokio::test(flavor = "multi_thread", worker_threads = 2)]` per conformance case, named
 /// after the case, each calling `kvbridge_transport::testing::<case>($make_pair().await)`; and
@@ -1968,6 +2177,9 @@ macro_rules! __conformance_cases {
             device_memory_refused_unless_declared,
             regions_registered_after_connect,
             stale_or_unknown_remote_regions_refused,
+            strided_ops_move_every_row,
+            strided_bounds_refused,
+            cancel_fences_mid_strided_op,
         }
     };
 }
@@ -2021,4 +2233,7 @@ pub const CASES: &[&str] = &[
     "device_memory_refused_unless_declared",
     "regions_registered_after_connect",
     "stale_or_unknown_remote_regions_refused",
+    "strided_ops_move_every_row",
+    "strided_bounds_refused",
+    "cancel_fences_mid_strided_op",
 ];
