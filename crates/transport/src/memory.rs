@@ -1377,6 +1377,9 @@ mod tests {
                         if target.read_at(0, &mut buf).is_ok() {
                             assert!(uniform(&buf), "{buf:?}");
                         }
+                        if let Ok(slice) = target.borrow(16, 16) {
+                            assert!(uniform(&slice), "{:?}", &slice[..]);
+                        }
                         let _ = target.copy_to(0, s, 0, 64);
                         let _ = target.with_raw_range(0, 16, Access::Read, |ptr, len| {
                             // SAFETY: the hook's contract: `len` readable bytes at `ptr`,

@@ -105,14 +105,20 @@ pub(crate) enum Pattern {
     /// Latency of one 4 KiB write plus its notification (p50, p99).
     #[value(name = "latency-4k")]
     Latency4k,
+    /// 3640 strided ops of 64 rows of 1152 bytes, each row every 4th of the source and the
+    /// rows packed on the destination (one page-layer of a DCP 1 -> 4 relayout per op),
+    /// measured against the same transport moving the same bytes as one large block.
+    #[value(name = "strided-1152")]
+    Strided1152,
 }
 
 impl Pattern {
-    const ALL: [Pattern; 5] = [
+    const ALL: [Pattern; 6] = [
         Pattern::Large,
         Pattern::Scatter64k,
         Pattern::Scatter72k,
         Pattern::Scatter16k,
+        Pattern::Strided1152,
         Pattern::Latency4k,
     ];
 
@@ -123,12 +129,14 @@ impl Pattern {
             Pattern::Scatter72k => "scatter-72k",
             Pattern::Scatter16k => "scatter-16k",
             Pattern::Latency4k => "latency-4k",
+            Pattern::Strided1152 => "strided-1152",
         }
     }
 
-    /// (block size, block count) at full scale.
+    /// (block size, block count) at full scale; for `strided-1152`, (row size, row count).
     fn shape(self) -> (u64, u64) {
         match self {
+            Pattern::Strided1152 => (1152, 3640 * STRIDED_ROWS),
             Pattern::Large => (256 << 20, 1),
             Pattern::Scatter64k => (64 << 10, 4096),
             Pattern::Scatter72k => (73_728, 3640),
@@ -140,7 +148,20 @@ impl Pattern {
     fn from_name(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|p| p.name() == name)
     }
+
+    /// Rows of the plan each descriptor covers (consecutive in the plan).
+    fn rows_per_op(self) -> usize {
+        match self {
+            Pattern::Strided1152 => STRIDED_ROWS as usize,
+            _ => 1,
+        }
+    }
 }
+
+/// Rows per op of `strided-1152` (one page of 64 tokens), and how many ranks share a source
+/// page (every 4th row is one rank's).
+const STRIDED_ROWS: u64 = 64;
+const STRIDED_RANKS: u64 = 4;
 
 /// Arguments of `kvbridge bench`.
 #[derive(Debug, clap::Args)]
@@ -305,8 +326,12 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
     })
 }
 
-/// The descriptors of a pattern: (source offset, destination offset, length), and the pool size.
+/// The blocks of a pattern: (source offset, destination offset, length), and the pool size.
+/// For `strided-1152` the blocks are rows, op after op (see [`Pattern::rows_per_op`]).
 fn plan(pattern: Pattern, scale: f64, seed: u64) -> (u64, Vec<(u64, u64, u64)>) {
+    if pattern == Pattern::Strided1152 {
+        return strided_plan(scale, seed);
+    }
     let (block, count) = pattern.shape();
     let (block, count) = if pattern == Pattern::Large {
         let b = ((block as f64 * scale) as u64 / 4096).max(1) * 4096;
@@ -336,6 +361,45 @@ impl SplitMix {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         mix(self.0)
     }
+}
+
+/// `strided-1152`: source pages of `STRIDED_RANKS * STRIDED_ROWS` rows; op `k` of a page takes
+/// its rows `k, k + 4, ...` and packs them into a destination slot of `STRIDED_ROWS` rows at a
+/// random place. Every row of both pools is covered once.
+fn strided_plan(scale: f64, seed: u64) -> (u64, Vec<(u64, u64, u64)>) {
+    let (row, rows) = Pattern::Strided1152.shape();
+    let page = STRIDED_RANKS * STRIDED_ROWS;
+    let pages = ((rows as f64 * scale) as u64 / page).max(1);
+    let mut rng = SplitMix(seed ^ row);
+    let mut slots: Vec<u64> = (0..pages * STRIDED_RANKS).collect();
+    shuffle(&mut slots, &mut rng);
+    let mut out = Vec::with_capacity((pages * page) as usize);
+    for (op, slot) in slots.iter().enumerate() {
+        let (p, k) = (op as u64 / STRIDED_RANKS, op as u64 % STRIDED_RANKS);
+        for i in 0..STRIDED_ROWS {
+            let src = (p * page + k + i * STRIDED_RANKS) * row;
+            let dst = (slot * STRIDED_ROWS + i) * row;
+            out.push((src, dst, row));
+        }
+    }
+    (pages * page * row, out)
+}
+
+/// The transfer ops of a plan: one per block, or, for a strided pattern, one strided op per
+/// `rows_per_op` consecutive rows (rows packed on the destination).
+fn plan_ops(
+    pattern: Pattern,
+    ops: &[(u64, u64, u64)],
+    local: RegionId,
+    remote: RegionId,
+) -> Vec<TransferOp> {
+    ops.chunks(pattern.rows_per_op())
+        .map(|rows| {
+            let (s, d, len) = rows[0];
+            let stride = rows.get(1).map_or(len, |r| r.0 - s);
+            TransferOp::new(local, s, remote, d, len).with_rows(rows.len() as u64, stride, len)
+        })
+        .collect()
 }
 
 fn mix(mut z: u64) -> u64 {
@@ -725,15 +789,19 @@ async fn measure_with(
     let (local, src) = t.allocate_registered(pool as usize).await.map_err(e)?;
     fill_source(&src)?;
     let peer = t.connect(&descriptor).await.map_err(e)?;
-    let transfer_ops: Vec<TransferOp> = ops
-        .iter()
-        .map(|&(s, d, len)| TransferOp::new(local, s, remote, d, len))
-        .collect();
+    let transfer_ops = plan_ops(pattern, &ops, local, remote);
+    // `strided-1152` is measured against the same transport moving the same bytes as one
+    // large block (its own best case), alternating.
+    let large = (pattern == Pattern::Strided1152).then(|| {
+        TransferBatch::write(vec![TransferOp::new(local, 0, remote, 0, pool)])
+            .with_timeout(Duration::from_secs(60))
+    });
     // The baseline's destination: pre-faulted heap memory in this process.
     let baseline_dst = MemoryRegion::allocate(pool as usize).map_err(|e| e.to_string())?;
     // TCP is measured against a raw TCP stream between two processes (`bench/tcp.rs`), shm's
     // `latency-4k` against a raw cross-process wake-up round trip (`bench/shm.rs`).
     let raw = match (args.transport, pattern) {
+        (_, Pattern::Strided1152) => None,
         (TransportKind::Tcp, _) => Some(RawBaseline::Tcp(tcp::RawTcpBaseline::start(pool)?)),
         (TransportKind::Shm, Pattern::Latency4k) => {
             Some(RawBaseline::Wake(shm::RawWakeBaseline::start()?))
@@ -758,8 +826,17 @@ async fn measure_with(
             .with_notification(note)
             .with_timeout(Duration::from_secs(60))
     };
+    // The baseline of one run: the raw one, or the transport's own large block.
+    let base_run = || async {
+        let Some(large) = &large else {
+            return baseline_run();
+        };
+        let start = Instant::now();
+        t.transfer(peer, large.clone()).await.map_err(e)?;
+        Ok(start.elapsed().as_secs_f64())
+    };
     // Warm-up (maps the peer's pool, warms caches), untimed.
-    baseline_run()?;
+    base_run().await?;
     t.transfer(peer, batch(Bytes::from_static(b"warm-up")))
         .await
         .map_err(e)?;
@@ -768,9 +845,13 @@ async fn measure_with(
         transport: args.transport.name(),
         pattern: name,
         bytes: pool,
-        blocks: ops.len() as u64,
+        blocks: transfer_ops.len() as u64,
         gbps: 0.0,
-        baseline: raw.as_ref().map_or(BASELINE, RawBaseline::description),
+        baseline: match (&raw, &large) {
+            (Some(raw), _) => raw.description(),
+            (None, Some(_)) => LARGE_BASELINE,
+            (None, None) => BASELINE,
+        },
         baseline_gbps: 0.0,
         ratio: 0.0,
         receiver_peak_rss_bytes: 0,
@@ -800,8 +881,9 @@ async fn measure_with(
         let mut times = Vec::new();
         for run in 0..args.runs {
             progress.show(&format!("{name}: run {}/{}", run + 1, args.runs));
-            // Side by side: the baseline and the transport alternate.
-            base_times.push(baseline_run()?);
+            // Side by side: the baseline and the transport alternate (the transport last, so
+            // the receiver verifies its layout).
+            base_times.push(base_run().await?);
             let start = Instant::now();
             t.transfer(peer, batch(Bytes::from_static(b"run")))
                 .await
@@ -909,6 +991,9 @@ impl RawBaseline {
         }
     }
 }
+
+/// The baseline of `strided-1152`.
+const LARGE_BASELINE: &str = "the same transport moving one large block";
 
 /// The short name of a baseline in the `latency-4k` notes.
 fn baseline_label(description: &str) -> &'static str {

@@ -5,11 +5,12 @@
 use std::process::Command;
 
 /// The patterns every bench run measures, in order.
-pub const PATTERNS: [&str; 5] = [
+pub const PATTERNS: [&str; 6] = [
     "large",
     "scatter-64k",
     "scatter-72k",
     "scatter-16k",
+    "strided-1152",
     "latency-4k",
 ];
 
