@@ -966,22 +966,16 @@ impl Receiver<'_> {
         let mut slices = Vec::new();
         let mut budget = READ_BYTES;
         let mut c = at;
-        while c.op < ops.len() && budget > 0 && slices.len() < READ_SLICES {
-            let op = &ops[c.op];
-            if c.done == op.total() {
-                c = Cursor {
-                    op: c.op + 1,
-                    done: 0,
-                };
-                continue;
-            }
-            let (offset, rest) = segment(op, c.done);
+        while budget > 0 && slices.len() < READ_SLICES {
+            let Some((offset, rest)) = c.segment(ops) else {
+                break;
+            };
             let len = rest.min(budget);
             match targets[c.op].borrow_mut(offset, len) {
                 Ok(s) => slices.push(s),
                 // Overlapping descriptors in one frame: read up to the overlap.
                 Err(_) if !slices.is_empty() => break,
-                Err(e) => return Err(busy(batch, op.region, e)),
+                Err(e) => return Err(busy(batch, ops[c.op].region, e)),
             }
             budget -= len;
             c.done += len;
@@ -1087,6 +1081,16 @@ struct Cursor {
 }
 
 impl Cursor {
+    /// Where the payload goes on from here, as [`segment`] (past descriptors with no bytes
+    /// left); `None` at the end of the frame's payload.
+    fn segment(&mut self, ops: &[WireRows]) -> Option<(u64, u64)> {
+        while self.op < ops.len() && self.done == ops[self.op].total() {
+            self.op += 1;
+            self.done = 0;
+        }
+        ops.get(self.op).map(|op| segment(op, self.done))
+    }
+
     /// Moves `n` payload bytes on (over descriptors without bytes too).
     fn advance(&mut self, ops: &[WireRows], mut n: u64) {
         while n > 0 && self.op < ops.len() {
@@ -1130,19 +1134,14 @@ fn scatter(
 ) -> Result<(), LinkError> {
     let (mut c, mut done) = (at, 0usize);
     while done < bytes.len() {
-        let op = &ops[c.op];
-        if c.done == op.total() {
-            c = Cursor {
-                op: c.op + 1,
-                done: 0,
-            };
-            continue;
-        }
-        let (offset, rest) = segment(op, c.done);
+        // `bytes` never runs past the frame's payload (the caller counts what is left).
+        let Some((offset, rest)) = c.segment(ops) else {
+            break;
+        };
         let step = (rest as usize).min(bytes.len() - done);
         targets[c.op]
             .write_at(offset, &bytes[done..done + step])
-            .map_err(|e| busy(batch, op.region, e))?;
+            .map_err(|e| busy(batch, ops[c.op].region, e))?;
         done += step;
         c.done += step as u64;
     }

@@ -672,6 +672,27 @@ fn check_counted(kind: &'static str, body: usize, fixed: u64, count: u32, each: 
     Ok(())
 }
 
+/// The batch and descriptor count of a `Data` or `Rows` body, the count checked against the
+/// body length (descriptors of `each` bytes) and at least 1.
+fn descriptor_table(
+    f: &mut Fields<'_>,
+    kind: &'static str,
+    body: usize,
+    each: usize,
+) -> Result<(u64, u32)> {
+    let batch = f.u64()?;
+    let count = f.u32()?;
+    check_counted(kind, body, 12, count, each as u64)?;
+    if count == 0 {
+        return Err(TcpError::BadLength {
+            kind,
+            need: 12 + each as u64,
+            got: body as u64,
+        });
+    }
+    Ok((batch, count))
+}
+
 /// `count` (region, len) pairs, the count already checked against the body length.
 fn region_lens(f: &mut Fields<'_>, count: u32) -> Result<Vec<RegionLen>> {
     let mut regions = Vec::with_capacity(count as usize);
@@ -852,16 +873,7 @@ pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
             }
         }
         FrameType::Data => {
-            let batch = f.u64()?;
-            let count = f.u32()?;
-            check_counted(kind, body.len(), 12, count, OP_LEN as u64)?;
-            if count == 0 {
-                return Err(TcpError::BadLength {
-                    kind,
-                    need: 12 + OP_LEN as u64,
-                    got: body.len() as u64,
-                });
-            }
+            let (batch, count) = descriptor_table(&mut f, kind, body.len(), OP_LEN)?;
             let mut ops = Vec::with_capacity(count as usize);
             let mut total = 0u64;
             for _ in 0..count {
@@ -887,16 +899,7 @@ pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
             Frame::Data { batch, ops }
         }
         FrameType::Rows => {
-            let batch = f.u64()?;
-            let count = f.u32()?;
-            check_counted(kind, body.len(), 12, count, ROWS_OP_LEN as u64)?;
-            if count == 0 {
-                return Err(TcpError::BadLength {
-                    kind,
-                    need: 12 + ROWS_OP_LEN as u64,
-                    got: body.len() as u64,
-                });
-            }
+            let (batch, count) = descriptor_table(&mut f, kind, body.len(), ROWS_OP_LEN)?;
             // Only the descriptors are allocated (bounded by the body); rows are never
             // materialised, whatever count a descriptor claims.
             let mut ops = Vec::with_capacity(count as usize);
