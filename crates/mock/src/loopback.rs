@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{Batches, Outcome, Step, deadline_after};
-use kvbridge_transport::memory::checked_rows;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
@@ -276,7 +275,7 @@ async fn run(job: Job) {
                     continue;
                 }
                 let n = (op.len - done_in_row).min(budget);
-                // In bounds and without overflow: post checked every row with `checked_rows`.
+                // In bounds and without overflow: post checked every row (`TransferOp::local_rows_in`).
                 let (lo, ro) = (
                     op.local_offset as u64 + row * op.local_stride + done_in_row as u64,
                     op.remote_offset as u64 + row * op.remote_stride + done_in_row as u64,
@@ -558,18 +557,7 @@ impl KvTransport for LoopbackTransport {
 
         // Resolve and bounds-check every descriptor (every row of it) before anything is
         // queued.
-        if let Some((i, op)) = (batch.ops.iter().enumerate())
-            .find(|(_, op)| op.rows_overlap_on_destination(batch.direction))
-        {
-            return Err(TransportError::InvalidArgument {
-                transport: NAME,
-                message: format!(
-                    "op {i} has {} rows of {} bytes that overlap on the destination (stride \
-                     smaller than a row); use a destination stride of at least the row length",
-                    op.count, op.len
-                ),
-            });
-        }
+        batch.check_destination_rows(NAME)?;
         let mut ops = Vec::with_capacity(batch.ops.len());
         {
             let state = lock(&self.ep.state);
@@ -583,20 +571,7 @@ impl KvTransport for LoopbackTransport {
                             region: op.local_region,
                             transport: NAME,
                         })?;
-                let range = checked_rows(
-                    region.len(),
-                    op.local_offset,
-                    op.local_stride,
-                    op.len,
-                    op.count,
-                )
-                .map_err(|e| TransportError::OutOfBounds {
-                    side: Side::Local,
-                    region: op.local_region,
-                    offset: e.offset,
-                    len: e.len,
-                    region_len: e.region_len,
-                })?;
+                let range = op.local_rows_in(region.len())?;
                 ops.push(ResolvedOp {
                     local: region.clone(),
                     local_offset: range.start,
@@ -626,20 +601,7 @@ impl KvTransport for LoopbackTransport {
                             region: op.remote_region,
                             transport: NAME,
                         })?;
-                let range = checked_rows(
-                    region.len(),
-                    op.remote_offset,
-                    op.remote_stride,
-                    op.len,
-                    op.count,
-                )
-                .map_err(|e| TransportError::OutOfBounds {
-                    side: Side::Remote,
-                    region: op.remote_region,
-                    offset: e.offset,
-                    len: e.len,
-                    region_len: e.region_len,
-                })?;
+                let range = op.remote_rows_in(region.len())?;
                 resolved.remote = region.clone();
                 resolved.remote_offset = range.start;
             }

@@ -19,7 +19,6 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{BatchTable, Batches, Fence, Outcome, Step};
-use kvbridge_transport::memory::checked_range;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
@@ -911,15 +910,8 @@ impl KvTransport for NixlTransport {
                             transport: NAME,
                         })?;
                 let lseg = Segment::of(&l.region);
-                checked_range(op.local_offset, op.len, lseg.len).map_err(|e| {
-                    TransportError::OutOfBounds {
-                        side: Side::Local,
-                        region: op.local_region,
-                        offset: e.offset,
-                        len: e.len,
-                        region_len: e.region_len,
-                    }
-                })?;
+                // One row each: `post` expanded strided ops first.
+                op.local_rows_in(lseg.len)?;
                 let r =
                     p.regions
                         .get(&op.remote_region.0)
@@ -928,16 +920,7 @@ impl KvTransport for NixlTransport {
                             region: op.remote_region,
                             transport: NAME,
                         })?;
-                let end = op.remote_offset.checked_add(op.len);
-                if end.is_none_or(|e| e > r.len) {
-                    return Err(TransportError::OutOfBounds {
-                        side: Side::Remote,
-                        region: op.remote_region,
-                        offset: op.remote_offset,
-                        len: op.len,
-                        region_len: r.len,
-                    });
-                }
+                op.remote_rows_in(usize::try_from(r.len).unwrap_or(usize::MAX))?;
                 if op.len == 0 {
                     continue;
                 }

@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{BatchTable, Batches, Fence, Outcome, Step, deadline_after};
-use kvbridge_transport::memory::checked_rows;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
@@ -222,7 +221,7 @@ fn lost(peer: PeerId, reason: String) -> Outcome {
 }
 
 /// One descriptor (a strided op stays one), resolved to indices into the job's region tables.
-/// Every row of it was checked against both regions at `post` (`checked_rows`), so row offsets
+/// Every row of it was checked against both regions at `post` (`TransferOp::local_rows_in` / `remote_rows_in`), so row offsets
 /// computed from it do not overflow.
 #[derive(Debug, Clone, Copy)]
 struct PlannedOp {
@@ -1102,20 +1101,7 @@ impl ShmTransport {
                         idx
                     }
                 };
-                checked_rows(
-                    locals[idx as usize].len(),
-                    op.local_offset,
-                    op.local_stride,
-                    op.len,
-                    op.count,
-                )
-                .map_err(|e| TransportError::OutOfBounds {
-                    side: Side::Local,
-                    region: op.local_region,
-                    offset: e.offset,
-                    len: e.len,
-                    region_len: e.region_len,
-                })?;
+                op.local_rows_in(locals[idx as usize].len())?;
                 planned.push(PlannedOp {
                     local: idx,
                     remote: 0,
@@ -1149,20 +1135,7 @@ impl ShmTransport {
                     idx
                 }
             };
-            checked_rows(
-                remotes[idx as usize].region.len(),
-                op.remote_offset,
-                op.remote_stride,
-                op.len,
-                op.count,
-            )
-            .map_err(|e| TransportError::OutOfBounds {
-                side: Side::Remote,
-                region: op.remote_region,
-                offset: e.offset,
-                len: e.len,
-                region_len: e.region_len,
-            })?;
+            op.remote_rows_in(remotes[idx as usize].region.len())?;
             plan.remote = idx;
         }
         Ok((locals, remotes, planned))
@@ -1367,19 +1340,7 @@ impl KvTransport for ShmTransport {
         self.inner.check_open()?;
         // Strided ops stay one descriptor each (native support); rows that overlap on the
         // destination are refused before anything else, as the expansion helper would.
-        if let Some((i, op)) = (batch.ops.iter().enumerate())
-            .find(|(_, op)| op.rows_overlap_on_destination(batch.direction))
-        {
-            return Err(TransportError::InvalidArgument {
-                transport: NAME,
-                message: format!(
-                    "op {i} has {} rows of {} bytes whose destination stride is smaller than a \
-                     row, so its rows overlap on the destination; use a destination stride of at \
-                     least the row length",
-                    op.count, op.len
-                ),
-            });
-        }
+        batch.check_destination_rows(NAME)?;
         let conn = self.inner.conn(peer)?;
         if !conn.outbound {
             return Err(TransportError::Unsupported {

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use kvbridge_transport::batch::Outcome;
-use kvbridge_transport::{BatchId, BatchState, PeerId, RegionId, Side, TransportError};
+use kvbridge_transport::{BatchId, BatchState, PeerId, RegionId, Side, TransferOp, TransportError};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -84,9 +84,9 @@ pub(crate) struct TxBatch {
     /// Pieces of this batch a writer is sending right now (their source ranges are borrowed).
     sending: AtomicUsize,
     sending_idle: Notify,
-    /// Remote (region, offset, len) of each descriptor of a batch sent without waiting for
-    /// the receiver's answer, to name what it refused.
-    pub(crate) remote_ops: Vec<(RegionId, u64, u64)>,
+    /// The descriptors of a batch sent without waiting for the receiver's answer, to name
+    /// what it refused.
+    pub(crate) remote_ops: Vec<TransferOp>,
 }
 
 impl TxBatch {

@@ -96,12 +96,27 @@ fn io_err(e: std::io::Error) -> LinkError {
 }
 
 /// Reads exactly `buf.len()` bytes, failing if the peer is silent for `idle`.
+///
+/// Bytes already at hand (in a read-ahead, or in the socket) are taken without a timer: a
+/// timer costs a clock read, which is a good part of a small batch's time on some VMs, and a
+/// small batch's frames arrive in one read.
 pub(crate) async fn read_exact_timed<R: AsyncRead + Unpin>(
     r: &mut R,
     buf: &mut [u8],
     idle: Duration,
 ) -> Result<(), LinkError> {
-    match tokio::time::timeout(idle, r.read_exact(buf)).await {
+    let mut read = std::pin::pin!(r.read_exact(buf));
+    let first = std::future::poll_fn(|cx| match read.as_mut().poll(cx) {
+        std::task::Poll::Ready(r) => std::task::Poll::Ready(Some(r)),
+        std::task::Poll::Pending => std::task::Poll::Ready(None),
+    })
+    .await;
+    let done = match first {
+        Some(r) => Ok(r),
+        // The same read goes on (what it has read so far is kept), now under the timer.
+        None => tokio::time::timeout(idle, read).await,
+    };
+    match done {
         Ok(Ok(_)) => Ok(()),
         Ok(Err(e)) => Err(io_err(e)),
         Err(_) => Err(LinkError::Silent(idle)),

@@ -172,8 +172,8 @@ pub enum TcpError {
         /// What is allowed.
         reason: &'static str,
     },
-    /// A descriptor is not `kvbridge-tcp/2@<ip>:<port>`.
-    #[error("descriptor {got:?} is not of the form \"kvbridge-tcp/2@<ip>:<port>\": {reason}")]
+    /// A descriptor is not `kvbridge-tcp/3@<ip>:<port>`.
+    #[error("descriptor {got:?} is not of the form \"kvbridge-tcp/3@<ip>:<port>\": {reason}")]
     BadDescriptor {
         /// The descriptor (lossy UTF-8, truncated to 128 bytes).
         got: String,

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use kvbridge_transport::memory::checked_rows;
 use kvbridge_transport::{MemoryRegion, Notification, PeerId, Result, TransportError};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedReadHalf;
@@ -17,7 +18,7 @@ use tokio::time::Instant;
 use crate::conn::{self, LinkError};
 use crate::error::TcpError;
 use crate::wire::{
-    self, BeginStatus, CancelStatus, Frame, FrameType, RegionLen, RegionNeed, WireOp,
+    self, BeginStatus, CancelStatus, Frame, FrameType, RegionLen, RegionNeed, WireRows,
 };
 use crate::{BATCH_STATE_BYTES, NAME, Shared, lock};
 
@@ -684,7 +685,11 @@ impl Receiver<'_> {
                     };
                     self.begin(batch, regions, begin).await?
                 }
-                Frame::Data { batch, ops } => self.data(r, batch, ops).await?,
+                Frame::Data { batch, ops } => {
+                    let ops = ops.into_iter().map(WireRows::from).collect();
+                    self.data(r, batch, ops).await?
+                }
+                Frame::Rows { batch, ops } => self.data(r, batch, ops).await?,
                 Frame::Cancel { batch } => self.cancel(batch).await?,
                 Frame::Error { code, message } => {
                     return Err(TcpError::Rejected { code, message }.into());
@@ -789,46 +794,64 @@ impl Receiver<'_> {
         let Some(b) = done else { return Ok(()) };
         if let Some(payload) = b.notification {
             let n = Notification::new(self.session.peer, payload);
-            // The charge stays with the notification until the application takes it.
-            tokio::select! {
-                r = self.shared.notify_tx.send((n, b.charge)) => r.map_err(|_| LinkError::Eof)?,
-                () = self.shared.wait_closed() => return Err(LinkError::Eof),
+            // The charge stays with the notification until the application takes it. A full
+            // queue pauses this connection (the common case, room, needs no waiting).
+            match self.shared.notify_tx.try_send((n, b.charge)) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Closed(_)) => return Err(LinkError::Eof),
+                Err(mpsc::error::TrySendError::Full(item)) => tokio::select! {
+                    r = self.shared.notify_tx.send(item) => r.map_err(|_| LinkError::Eof)?,
+                    () = self.shared.wait_closed() => return Err(LinkError::Eof),
+                },
             }
         }
         self.send_now(Frame::Done { batch }).await
     }
 
-    /// A `Data` frame: every descriptor is checked before any payload byte is read.
+    /// A `Data` or `Rows` frame: every descriptor, each row of a strided one included, is
+    /// checked before any payload byte is read.
     async fn data(
         &mut self,
         r: &mut Reader,
         batch: u64,
-        ops: Vec<WireOp>,
+        ops: Vec<WireRows>,
     ) -> Result<(), LinkError> {
         // The decoder checked that the sum does not overflow.
-        let sum = ops.iter().fold(0u64, |a, op| a.saturating_add(op.len));
+        let sum = ops.iter().fold(0u64, |a, op| a.saturating_add(op.total()));
         if let Some(refused) = self.take_refused(batch, sum)? {
             return self.drain(r, refused).await;
         }
         let mut targets: Vec<MemoryRegion> = Vec::with_capacity(ops.len());
-        let mut total = 0u64;
         for op in &ops {
             let Some(region) = self.shared.region(op.region) else {
                 return Err(protocol(format!(
-                    "Data frame for batch {batch} writes region #{} which is not registered here",
+                    "{} frame for batch {batch} writes region #{} which is not registered here",
+                    frame_name(op),
                     op.region
                 )));
             };
-            if let Err(e) = region.range(op.offset, op.len) {
+            // All rows, whatever the count, and the last row's end without overflow.
+            if let Err(e) = checked_rows(region.len(), op.offset, op.stride, op.len, op.rows) {
                 return Err(protocol(format!(
-                    "Data frame for batch {batch} writes region #{}: {e}",
-                    op.region
+                    "{} frame for batch {batch} writes region #{} ({} rows of {} bytes, stride \
+                     {}): {e}",
+                    frame_name(op),
+                    op.region,
+                    op.rows,
+                    op.len,
+                    op.stride
                 )));
             }
-            // The decoder checked that the sum does not overflow.
-            total = total.saturating_add(op.len);
+            if op.rows > 1 && op.len > 0 && op.stride < op.len {
+                return Err(protocol(format!(
+                    "Rows frame for batch {batch} writes {} rows of {} bytes to region #{} with \
+                     a stride of {}: the rows overlap",
+                    op.rows, op.len, op.region, op.stride
+                )));
+            }
             targets.push(region);
         }
+        let total = sum;
         let apply = {
             let mut batches = self.session.lock_batches();
             let Some(b) = batches.get_mut(&batch) else {
@@ -868,51 +891,38 @@ impl Receiver<'_> {
         // Foreign memory (a mapping others may write) is never borrowed as a slice.
         let in_place =
             self.shared.config.receive_in_place && targets.iter().all(MemoryRegion::can_borrow);
-        // Position: descriptor index and bytes of it already read.
-        let (mut at, mut pos) = (0usize, 0u64);
-        while at < ops.len() {
-            if ops[at].len == pos {
-                at += 1;
-                pos = 0;
-                continue;
-            }
+        // Position: descriptor index and payload bytes of it already read.
+        let mut at = Cursor { op: 0, done: 0 };
+        // The batch was found live just now (`apply`): the first read needs no second look
+        // unless it has to wait (a clock read is not free on every machine).
+        let mut fresh = true;
+        while left > 0 {
             let ahead = r.buffer().len();
             if ahead == 0 {
+                fresh = false;
                 match tokio::time::timeout(idle, r.get_ref().readable()).await {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => return Err(LinkError::Io(e)),
                     Err(_) => return Err(LinkError::Silent(idle)),
                 }
             }
-            if !self.session.batch_live(batch) {
+            if !std::mem::take(&mut fresh) && !self.session.batch_live(batch) {
                 dropping = true;
                 break;
             }
             let n = if ahead > 0 {
                 // Read ahead with an earlier frame; its descriptors are checked now.
-                let left: u64 = ops[at..].iter().map(|op| op.len).sum::<u64>() - pos;
                 let n = (ahead as u64).min(left) as usize;
-                scatter(batch, &ops, &targets, at, pos, &r.buffer()[..n])?;
+                scatter(batch, &ops, &targets, at, &r.buffer()[..n])?;
                 r.consume(n);
                 n as u64
             } else if in_place {
-                self.read_in_place(r.get_ref(), batch, &ops, &targets, at, pos)?
+                self.read_in_place(r.get_ref(), batch, &ops, &targets, at)?
             } else {
-                self.read_through_bounce(r.get_ref(), batch, &ops, &targets, at, pos)?
+                self.read_through_bounce(r.get_ref(), batch, &ops, &targets, at, left)?
             };
             left -= n;
-            let mut n = n;
-            while n > 0 {
-                let rest = ops[at].len - pos;
-                if rest == 0 {
-                    at += 1;
-                    pos = 0;
-                    continue;
-                }
-                let step = rest.min(n);
-                pos += step;
-                n -= step;
-            }
+            at.advance(&ops, n);
         }
         if dropping {
             drop(guard);
@@ -942,34 +952,33 @@ impl Receiver<'_> {
         }
     }
 
-    /// One non-blocking vectored read straight into the next descriptors' ranges, borrowed
-    /// for the duration of the call only.
+    /// One non-blocking vectored read straight into the next destination ranges (a strided
+    /// op's rows one by one, adjacent rows as one range), each borrowed for the duration of
+    /// the call only.
     fn read_in_place(
         &self,
         r: &OwnedReadHalf,
         batch: u64,
-        ops: &[WireOp],
+        ops: &[WireRows],
         targets: &[MemoryRegion],
-        at: usize,
-        pos: u64,
+        at: Cursor,
     ) -> Result<u64, LinkError> {
         let mut slices = Vec::new();
         let mut budget = READ_BYTES;
-        let (mut k, mut from) = (at, pos);
-        while k < ops.len() && budget > 0 && slices.len() < READ_SLICES {
-            let op = &ops[k];
-            let len = (op.len - from).min(budget);
-            if len > 0 {
-                match targets[k].borrow_mut(op.offset + from, len) {
-                    Ok(s) => slices.push(s),
-                    // Overlapping descriptors in one frame: read up to the overlap.
-                    Err(_) if !slices.is_empty() => break,
-                    Err(e) => return Err(busy(batch, op.region, e)),
-                }
-                budget -= len;
+        let mut c = at;
+        while budget > 0 && slices.len() < READ_SLICES {
+            let Some((offset, rest)) = c.segment(ops) else {
+                break;
+            };
+            let len = rest.min(budget);
+            match targets[c.op].borrow_mut(offset, len) {
+                Ok(s) => slices.push(s),
+                // Overlapping descriptors in one frame: read up to the overlap.
+                Err(_) if !slices.is_empty() => break,
+                Err(e) => return Err(busy(batch, ops[c.op].region, e)),
             }
-            k += 1;
-            from = 0;
+            budget -= len;
+            c.done += len;
         }
         let mut bufs: Vec<std::io::IoSliceMut<'_>> = slices
             .iter_mut()
@@ -984,20 +993,19 @@ impl Receiver<'_> {
     }
 
     /// One non-blocking read into the connection's fixed bounce buffer, then copied into the
-    /// descriptors' ranges with `write_at` (`TcpConfig::receive_in_place = false`).
+    /// destination ranges with `write_at` (`TcpConfig::receive_in_place = false`).
     fn read_through_bounce(
         &mut self,
         r: &OwnedReadHalf,
         batch: u64,
-        ops: &[WireOp],
+        ops: &[WireRows],
         targets: &[MemoryRegion],
-        at: usize,
-        pos: u64,
+        at: Cursor,
+        left: u64,
     ) -> Result<u64, LinkError> {
         if self.bounce.is_empty() {
             self.bounce = vec![0; READ_BYTES as usize];
         }
-        let left: u64 = ops[at..].iter().map(|op| op.len).sum::<u64>() - pos;
         let want = left.min(READ_BYTES) as usize;
         let n = match r.try_read(&mut self.bounce[..want]) {
             Ok(0) => return Err(LinkError::Eof),
@@ -1005,7 +1013,7 @@ impl Receiver<'_> {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(0),
             Err(e) => return Err(LinkError::Io(e)),
         };
-        scatter(batch, ops, targets, at, pos, &self.bounce[..n])?;
+        scatter(batch, ops, targets, at, &self.bounce[..n])?;
         Ok(n as u64)
     }
 
@@ -1065,28 +1073,77 @@ impl Receiver<'_> {
     }
 }
 
-/// Copies `bytes`, the payload from descriptor `at` (`pos` bytes into it) on, into the
-/// descriptors' ranges with `write_at`.
+/// How far the payload of a frame has been read: descriptor `op`, `done` bytes of it.
+#[derive(Debug, Clone, Copy)]
+struct Cursor {
+    op: usize,
+    done: u64,
+}
+
+impl Cursor {
+    /// Where the payload goes on from here, as [`segment`] (past descriptors with no bytes
+    /// left); `None` at the end of the frame's payload.
+    fn segment(&mut self, ops: &[WireRows]) -> Option<(u64, u64)> {
+        while self.op < ops.len() && self.done == ops[self.op].total() {
+            self.op += 1;
+            self.done = 0;
+        }
+        ops.get(self.op).map(|op| segment(op, self.done))
+    }
+
+    /// Moves `n` payload bytes on (over descriptors without bytes too).
+    fn advance(&mut self, ops: &[WireRows], mut n: u64) {
+        while n > 0 && self.op < ops.len() {
+            let step = (ops[self.op].total() - self.done).min(n);
+            self.done += step;
+            n -= step;
+            if self.done == ops[self.op].total() {
+                self.op += 1;
+                self.done = 0;
+            }
+        }
+    }
+}
+
+/// The destination of `op`'s payload from byte `done` on: `(offset, bytes)` up to the end of
+/// the row, or of the op when its rows are adjacent. In bounds: `checked_rows` passed.
+fn segment(op: &WireRows, done: u64) -> (u64, u64) {
+    if op.is_contiguous() {
+        return (op.offset + done, op.total() - done);
+    }
+    let (row, pos) = (done / op.len, done % op.len);
+    (op.offset + row * op.stride + pos, op.len - pos)
+}
+
+/// The frame type a descriptor came in, for errors.
+fn frame_name(op: &WireRows) -> &'static str {
+    if op.rows == 1 && op.stride == op.len {
+        "Data"
+    } else {
+        "Rows"
+    }
+}
+
+/// Copies `bytes`, the payload from `at` on, into the destination ranges with `write_at`.
 fn scatter(
     batch: u64,
-    ops: &[WireOp],
+    ops: &[WireRows],
     targets: &[MemoryRegion],
-    at: usize,
-    pos: u64,
+    at: Cursor,
     bytes: &[u8],
 ) -> Result<(), LinkError> {
-    let (mut k, mut from, mut done) = (at, pos, 0usize);
+    let (mut c, mut done) = (at, 0usize);
     while done < bytes.len() {
-        let op = &ops[k];
-        let step = ((op.len - from) as usize).min(bytes.len() - done);
-        if step > 0 {
-            targets[k]
-                .write_at(op.offset + from, &bytes[done..done + step])
-                .map_err(|e| busy(batch, op.region, e))?;
-        }
+        // `bytes` never runs past the frame's payload (the caller counts what is left).
+        let Some((offset, rest)) = c.segment(ops) else {
+            break;
+        };
+        let step = (rest as usize).min(bytes.len() - done);
+        targets[c.op]
+            .write_at(offset, &bytes[done..done + step])
+            .map_err(|e| busy(batch, ops[c.op].region, e))?;
         done += step;
-        k += 1;
-        from = 0;
+        c.done += step as u64;
     }
     Ok(())
 }

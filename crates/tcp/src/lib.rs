@@ -7,7 +7,7 @@
 //! The wire format is specified in `docs/tcp-protocol.md`; its codec ([`wire`]) is sans-IO.
 //!
 //! - **Connections**: [`TcpTransport::bind`] listens (127.0.0.1 and an OS-assigned port by
-//!   default); `local_descriptor()` is the UTF-8 text `kvbridge-tcp/2@<ip>:<port>`, which can
+//!   default); `local_descriptor()` is the UTF-8 text `kvbridge-tcp/3@<ip>:<port>`, which can
 //!   travel inside a JSON handshake. `connect` opens [`TcpConfig::connections_per_peer`]
 //!   connections; large batches are cut into pieces of [`TcpConfig::piece_bytes`] that are
 //!   spread over them.
@@ -15,6 +15,10 @@
 //!   and announces every `register` / `deregister`; `post` refuses a write outside a region it
 //!   knows, and sends a batch of at most 64 KiB whole with its `Begin`, without waiting for an
 //!   answer (one round trip). The listener still checks every write.
+//! - **Strided ops** ([`Capabilities::strided_ops`]): an op of `count` rows at a stride travels
+//!   as one `Rows` descriptor (or one per piece of it), its source rows gathered by vectored
+//!   writes in place and scattered on receipt, every row's bounds checked on both sides
+//!   before a byte of it moves.
 //! - **Authentication**: with a [`TcpConfig::secret`], both sides prove it with an HMAC-SHA256
 //!   challenge-response over both connection prefaces ([`auth`]).
 //! - **Keep-alive**: the connecting side pings every [`TcpConfig::keepalive_interval`]; a side
@@ -324,7 +328,7 @@ fn format_descriptor(addr: SocketAddr) -> String {
     format!("kvbridge-tcp/{}@{addr}", wire::VERSION)
 }
 
-/// Parses `kvbridge-tcp/2@<ip>:<port>`.
+/// Parses `kvbridge-tcp/3@<ip>:<port>`.
 pub fn parse_descriptor(descriptor: &[u8]) -> Result<SocketAddr, TcpError> {
     let shown = || {
         let cut = &descriptor[..descriptor.len().min(128)];
@@ -347,7 +351,7 @@ pub fn parse_descriptor(descriptor: &[u8]) -> Result<SocketAddr, TcpError> {
     if version != wire::VERSION.to_string() {
         return Err(TcpError::BadDescriptor {
             got: shown(),
-            reason: "only protocol version 2 is supported; run the same kvbridge release on both sides",
+            reason: "only protocol version 3 is supported; run the same kvbridge release on both sides",
         });
     }
     addr.parse().map_err(|_| TcpError::BadDescriptor {
@@ -593,7 +597,9 @@ impl KvTransport for TcpTransport {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::minimal().with_cross_process(true)
+        Capabilities::minimal()
+            .with_cross_process(true)
+            .with_strided_ops(true)
     }
 
     async fn register(&self, region: MemoryRegion) -> Result<RegionId> {
@@ -664,8 +670,6 @@ impl KvTransport for TcpTransport {
 
     async fn post(&self, peer: PeerId, batch: TransferBatch) -> Result<BatchId> {
         self.check_open()?;
-        // Rows of strided ops are moved one descriptor each (no native strided support).
-        let batch = batch.expand_rows(self.name(), self.capabilities().max_ops_per_batch)?;
         if batch.direction == Direction::Read {
             return Err(TransportError::Unsupported {
                 transport: NAME,

@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvbridge_transport::memory::checked_range;
+use kvbridge_transport::memory::{checked_rows, rows_end};
 use kvbridge_transport::{
-    BatchId, MemoryRegion, PeerId, RegionId, RegionSlice, Result, Side, TransferBatch,
+    BatchId, MemoryRegion, PeerId, RegionId, RegionSlice, Result, Side, TransferBatch, TransferOp,
     TransportError,
 };
 use tokio::io::AsyncWriteExt;
@@ -23,7 +23,9 @@ use crate::auth::{self, HelloFields};
 use crate::batch::{Refusal, TxBatch};
 use crate::conn::{self, LinkError};
 use crate::error::TcpError;
-use crate::wire::{self, BeginStatus, CancelStatus, Frame, RegionLen, RegionNeed, WireOp};
+use crate::wire::{
+    self, BeginStatus, CancelStatus, Frame, RegionLen, RegionNeed, WireOp, WireRows,
+};
 use crate::{NAME, Shared, lock};
 use kvbridge_transport::batch::{Fence, Outcome, Step};
 
@@ -42,35 +44,175 @@ const READ_AHEAD: usize = 4 << 10;
 /// cannot make this side hold more by announcing regions without end.
 const MAX_REMOTE_REGIONS: usize = 1 << 18;
 
-/// One descriptor with its local region resolved.
+/// Iovecs offered to one vectored write at most (the kernel's limit is 1024).
+const MAX_IOVECS: usize = 1024;
+
+/// One descriptor with its local region resolved: `count` rows of `len` bytes (1 for a
+/// contiguous op), `local_stride` / `remote_stride` apart. `post` checked every row's bounds
+/// on this side (and, where known, on the peer's), so no offset computed here overflows.
 struct LocalOp {
     region: MemoryRegion,
     local_offset: u64,
     remote_region: u64,
     remote_offset: u64,
     len: u64,
+    count: u64,
+    local_stride: u64,
+    remote_stride: u64,
 }
 
 impl LocalOp {
-    /// The descriptor as the receiver sees it.
-    fn wire(&self) -> WireOp {
-        WireOp {
+    /// Payload bytes of all rows (`post` checked that this does not overflow).
+    fn total(&self) -> u64 {
+        self.len * self.count
+    }
+
+    /// The descriptor as the receiver sees it, in a `Rows` frame.
+    fn wire(&self) -> WireRows {
+        WireRows {
             region: self.remote_region,
             offset: self.remote_offset,
             len: self.len,
+            rows: self.count,
+            stride: self.remote_stride,
         }
+    }
+
+    /// The descriptor of a one-row op, in a `Data` frame.
+    fn wire_op(&self) -> WireOp {
+        WireOp {
+            region: self.remote_region,
+            offset: self.remote_offset,
+            len: self.total(),
+        }
+    }
+
+    /// Rows `first..first + n` of this op.
+    fn rows(&self, first: u64, n: u64) -> LocalOp {
+        LocalOp {
+            region: self.region.clone(),
+            local_offset: self.local_offset + first * self.local_stride,
+            remote_region: self.remote_region,
+            remote_offset: self.remote_offset + first * self.remote_stride,
+            len: self.len,
+            count: n,
+            local_stride: self.local_stride,
+            remote_stride: self.remote_stride,
+        }
+    }
+
+    /// Bytes `from..from + n` of row `row`, as a one-row op.
+    fn part_of_row(&self, row: u64, from: u64, n: u64) -> LocalOp {
+        LocalOp {
+            region: self.region.clone(),
+            local_offset: self.local_offset + row * self.local_stride + from,
+            remote_region: self.remote_region,
+            remote_offset: self.remote_offset + row * self.remote_stride + from,
+            len: n,
+            count: 1,
+            local_stride: n,
+            remote_stride: n,
+        }
+    }
+
+    /// Whether the rows are adjacent in the local region (one range), or there is one.
+    fn locally_contiguous(&self) -> bool {
+        self.count <= 1 || self.local_stride == self.len
+    }
+
+    /// The local ranges `(offset, len)` holding bytes `from..to` of the op's payload (its
+    /// rows in order): one range when the rows are adjacent, otherwise one per row touched.
+    fn local_parts(&self, from: u64, to: u64) -> LocalParts {
+        LocalParts {
+            offset: self.local_offset,
+            len: self.len,
+            stride: if self.locally_contiguous() {
+                None
+            } else {
+                Some(self.local_stride)
+            },
+            from,
+            to,
+        }
+    }
+
+    /// Where an attempt that starts at payload byte `from` of this op ends: at most `budget`
+    /// bytes and (rows being one iovec each) `iovecs` rows on.
+    fn attempt_end(&self, from: u64, budget: u64, iovecs: usize) -> u64 {
+        let mut to = self.total().min(from + budget);
+        if !self.locally_contiguous() {
+            let first_row = from / self.len;
+            to = to.min((first_row + iovecs as u64).saturating_mul(self.len));
+        }
+        to
     }
 }
 
-/// A posted batch's descriptors and how far the writers got.
+/// Iterator of [`LocalOp::local_parts`].
+struct LocalParts {
+    offset: u64,
+    len: u64,
+    /// `None`: the rows are adjacent.
+    stride: Option<u64>,
+    from: u64,
+    to: u64,
+}
+
+impl Iterator for LocalParts {
+    type Item = (u64, u64);
+
+    fn next(&mut self) -> Option<(u64, u64)> {
+        if self.from >= self.to {
+            return None;
+        }
+        let Some(stride) = self.stride else {
+            let part = (self.offset + self.from, self.to - self.from);
+            self.from = self.to;
+            return Some(part);
+        };
+        let (row, pos) = (self.from / self.len, self.from % self.len);
+        let n = (self.len - pos).min(self.to - self.from);
+        self.from += n;
+        Some((self.offset + row * stride + pos, n))
+    }
+}
+
+/// The frame header of `ops` for batch `batch`: `Data` when every op is one row, `Rows`
+/// otherwise.
+fn encode_ops_header(batch: u64, ops: &[LocalOp]) -> Vec<u8> {
+    if ops.iter().all(|op| op.count <= 1) {
+        let wire: Vec<WireOp> = ops.iter().map(LocalOp::wire_op).collect();
+        wire::encode_data_header(batch, &wire)
+    } else {
+        let wire: Vec<WireRows> = ops.iter().map(LocalOp::wire).collect();
+        wire::encode_rows_header(batch, &wire)
+    }
+}
+
+/// A posted batch's descriptors and how far the writers got: op `next`, its row `row`, and
+/// `in_row` bytes into that row (a row longer than a piece is cut).
 struct Job {
     batch: Arc<TxBatch>,
     ops: Vec<LocalOp>,
     next: usize,
-    offset: u64,
+    row: u64,
+    in_row: u64,
 }
 
-/// A slice of a job, written by one connection as one `Data` frame.
+impl Job {
+    /// Payload bytes of the job not yet handed to a writer.
+    #[cfg(test)]
+    fn left(&self) -> u64 {
+        let rest: u64 = self.ops[self.next..].iter().map(LocalOp::total).sum();
+        let done = self
+            .ops
+            .get(self.next)
+            .map_or(0, |op| self.row * op.len + self.in_row);
+        rest - done
+    }
+}
+
+/// A slice of a job, written by one connection as one `Data` or `Rows` frame.
 struct Piece {
     batch: Sending,
     ops: Vec<LocalOp>,
@@ -257,7 +399,9 @@ impl OutPeer {
     }
 
     /// Takes the next piece to send: at most `piece_bytes` of payload and
-    /// [`MAX_OPS_PER_FRAME`] descriptors of the oldest unfinished batch.
+    /// [`MAX_OPS_PER_FRAME`] descriptors of the oldest unfinished batch. A strided op is cut
+    /// between rows (each part one descriptor); a row longer than what is left of a piece goes
+    /// whole into the next one, and one longer than a whole piece is cut like a contiguous op.
     fn take_piece(&self, piece_bytes: u64) -> Option<Piece> {
         let mut q = lock(&self.queue);
         loop {
@@ -270,21 +414,31 @@ impl OutPeer {
             let mut bytes = 0u64;
             while job.next < job.ops.len() && ops.len() < MAX_OPS_PER_FRAME && bytes < piece_bytes {
                 let op = &job.ops[job.next];
-                let take = (op.len - job.offset).min(piece_bytes - bytes);
-                if take > 0 {
-                    ops.push(LocalOp {
-                        region: op.region.clone(),
-                        local_offset: op.local_offset + job.offset,
-                        remote_region: op.remote_region,
-                        remote_offset: op.remote_offset + job.offset,
-                        len: take,
-                    });
-                }
-                bytes += take;
-                job.offset += take;
-                if job.offset == op.len {
+                let budget = piece_bytes - bytes;
+                if op.total() == 0 {
                     job.next += 1;
-                    job.offset = 0;
+                    continue;
+                }
+                if job.in_row == 0 && op.len <= budget {
+                    let n = (op.count - job.row).min(budget / op.len);
+                    ops.push(op.rows(job.row, n));
+                    bytes += n * op.len;
+                    job.row += n;
+                } else if job.in_row == 0 && op.count > 1 && op.len <= piece_bytes {
+                    break;
+                } else {
+                    let n = (op.len - job.in_row).min(budget);
+                    ops.push(op.part_of_row(job.row, job.in_row, n));
+                    bytes += n;
+                    job.in_row += n;
+                    if job.in_row == op.len {
+                        job.row += 1;
+                        job.in_row = 0;
+                    }
+                }
+                if job.row == op.count {
+                    job.next += 1;
+                    job.row = 0;
                 }
             }
             let batch = job.batch.clone();
@@ -630,77 +784,122 @@ const CAUSE_WAIT: Duration = Duration::from_millis(500);
 /// Bytes offered to one non-blocking vectored write (about a loopback socket buffer).
 const ATTEMPT_BYTES: u64 = 2 << 20;
 
-/// Source bytes of part of one descriptor: borrowed in place (zero-copy; shared, so ops of a
-/// batch may read the same bytes), or copied from memory that cannot be borrowed.
-enum Source {
-    Borrowed(RegionSlice),
+/// Source bytes of one op in one attempt: the span of its rows borrowed in place (zero-copy,
+/// shared, so other readers of the same rows are not held up), or the rows copied out, packed,
+/// when the span cannot be borrowed (foreign memory, or a write in progress on it).
+enum Source<'a> {
+    Borrowed {
+        span: RegionSlice,
+        /// Local offset of the span's first byte.
+        base: u64,
+        op: &'a LocalOp,
+        from: u64,
+        to: u64,
+    },
     Copied(Vec<u8>),
 }
 
-impl Source {
-    fn acquire(region: &MemoryRegion, offset: u64, len: u64) -> Option<Self> {
-        if let Ok(s) = region.borrow(offset, len) {
-            return Some(Source::Borrowed(s));
+impl<'a> Source<'a> {
+    /// Bytes `from..to` of `op`'s payload; `None` while they can be neither borrowed nor read.
+    fn acquire(op: &'a LocalOp, from: u64, to: u64) -> Option<Self> {
+        let (mut start, mut end) = (u64::MAX, 0);
+        for (offset, len) in op.local_parts(from, to) {
+            start = start.min(offset);
+            end = end.max(offset + len);
         }
-        let mut v = vec![0u8; len as usize];
-        region
-            .read_at(offset, &mut v)
-            .ok()
-            .map(|()| Source::Copied(v))
+        if let Ok(span) = op.region.borrow(start, end - start) {
+            return Some(Source::Borrowed {
+                span,
+                base: start,
+                op,
+                from,
+                to,
+            });
+        }
+        let mut v = vec![0u8; (to - from) as usize];
+        let mut at = 0usize;
+        for (offset, len) in op.local_parts(from, to) {
+            let n = len as usize;
+            op.region.read_at(offset, &mut v[at..at + n]).ok()?;
+            at += n;
+        }
+        Some(Source::Copied(v))
     }
 
-    fn bytes(&self) -> &[u8] {
+    /// The iovecs of these bytes, in payload order.
+    fn push_slices<'s>(&'s self, out: &mut Vec<IoSlice<'s>>) {
         match self {
-            Source::Borrowed(s) => s,
-            Source::Copied(v) => v,
+            Source::Borrowed {
+                span,
+                base,
+                op,
+                from,
+                to,
+            } => {
+                for (offset, len) in op.local_parts(*from, *to) {
+                    let at = (offset - base) as usize;
+                    out.push(IoSlice::new(&span[at..at + len as usize]));
+                }
+            }
+            Source::Copied(v) => out.push(IoSlice::new(v)),
         }
     }
 }
 
-/// Writes a piece as one `Data` frame: header, descriptors and payloads in vectored writes.
+/// Writes a piece as one `Data` or `Rows` frame: header, descriptors and payloads in vectored
+/// writes, each row of a strided op its own iovec (gathered in place, nothing copied).
 ///
 /// Source ranges are borrowed only for the duration of each non-blocking `writev`, never
-/// while waiting for the socket, so the application can read its own memory meanwhile.
+/// while waiting for the socket, so the application can write its own memory meanwhile.
 async fn send_piece(w: &OwnedWriteHalf, piece: Piece) -> std::io::Result<()> {
-    let ops: Vec<WireOp> = piece.ops.iter().map(LocalOp::wire).collect();
-    let header = wire::encode_data_header(piece.batch.0.id.0, &ops);
+    let header = encode_ops_header(piece.batch.0.id.0, &piece.ops);
     let head = header.len() as u64;
-    let total = head + piece.ops.iter().map(|op| op.len).sum::<u64>();
+    let total = head + piece.ops.iter().map(LocalOp::total).sum::<u64>();
     let mut done = 0u64;
     while done < total {
         w.writable().await?;
         let mut sources = Vec::new();
         let mut budget = ATTEMPT_BYTES;
+        // One iovec is the header's.
+        let mut iovecs = MAX_IOVECS - 1;
         let mut at = head;
         for op in &piece.ops {
-            let end = at + op.len;
+            let end = at + op.total();
             if end <= done {
                 at = end;
                 continue;
             }
-            let skip = done.saturating_sub(at);
-            let len = (op.len - skip).min(budget);
-            match Source::acquire(&op.region, op.local_offset + skip, len) {
+            let from = done.saturating_sub(at);
+            let to = op.attempt_end(from, budget, iovecs);
+            match Source::acquire(op, from, to) {
                 Some(s) => sources.push(s),
                 None => break,
             }
-            budget -= len;
+            budget -= to - from;
+            iovecs = iovecs.saturating_sub(if op.locally_contiguous() {
+                1
+            } else {
+                ((to - 1) / op.len - from / op.len + 1) as usize
+            });
             at = end;
-            if budget == 0 {
+            // What follows in the frame comes after the rest of this op.
+            if budget == 0 || iovecs == 0 || to < op.total() {
                 break;
             }
         }
         let header_left = &header[(done.min(head)) as usize..];
         if header_left.is_empty() && sources.is_empty() {
-            // Another send holds the range for the length of one write; try again shortly.
+            // Another access holds the range for the length of one write; try again shortly.
             tokio::time::sleep(Duration::from_micros(100)).await;
             continue;
         }
-        let mut slices = Vec::with_capacity(1 + sources.len());
+        let mut slices = Vec::with_capacity(MAX_IOVECS.min(1 + sources.len() * 4));
         if !header_left.is_empty() {
             slices.push(IoSlice::new(header_left));
         }
-        slices.extend(sources.iter().map(|s| IoSlice::new(s.bytes())));
+        for s in &sources {
+            s.push_slices(&mut slices);
+        }
         match w.try_write_vectored(&slices) {
             Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
             Ok(n) => done += n as u64,
@@ -713,22 +912,17 @@ async fn send_piece(w: &OwnedWriteHalf, piece: Piece) -> std::io::Result<()> {
 
 /// Why the receiver refused a batch, named from its answer (`lens`: the lengths of the regions
 /// the batch writes, as the receiver has them).
-fn refusal(status: BeginStatus, ops: &[(RegionId, u64, u64)], lens: &[RegionLen]) -> Refusal {
+fn refusal(status: BeginStatus, ops: &[TransferOp], lens: &[RegionLen]) -> Refusal {
     if status == BeginStatus::Busy {
         return Refusal::Busy;
     }
     let lens: HashMap<u64, Option<u64>> = lens.iter().map(|r| (r.region, r.len)).collect();
-    for &(region, offset, len) in ops {
-        match lens.get(&region.0).copied().flatten() {
-            None => return Refusal::Unknown(region),
+    for op in ops {
+        match lens.get(&op.remote_region.0).copied().flatten() {
+            None => return Refusal::Unknown(op.remote_region),
             Some(region_len) => {
-                if out_of_bounds(offset, len, region_len) {
-                    return Refusal::OutOfBounds {
-                        region,
-                        offset,
-                        len,
-                        region_len,
-                    };
+                if let Some(refused) = remote_out_of_bounds(op, region_len) {
+                    return refused;
                 }
             }
         }
@@ -736,8 +930,18 @@ fn refusal(status: BeginStatus, ops: &[(RegionId, u64, u64)], lens: &[RegionLen]
     Refusal::Unknown(lens.keys().next().map_or(RegionId(0), |&r| RegionId(r)))
 }
 
-fn out_of_bounds(offset: u64, len: u64, region_len: u64) -> bool {
-    checked_range(offset, len, usize::MAX).is_err() || offset.saturating_add(len) > region_len
+/// Whether some row of `op` falls outside a remote region of `region_len` bytes (or its end
+/// overflows), named as the bounds check names it.
+fn remote_out_of_bounds(op: &TransferOp, region_len: u64) -> Option<Refusal> {
+    // A length beyond this side's address space is as long as any region can be here.
+    let len = usize::try_from(region_len).unwrap_or(usize::MAX);
+    let e = checked_rows(len, op.remote_offset, op.remote_stride, op.len, op.count).err()?;
+    Some(Refusal::OutOfBounds {
+        region: op.remote_region,
+        offset: e.offset,
+        len: e.len,
+        region_len,
+    })
 }
 
 /// Descriptors `post` checks between two yields to the runtime.
@@ -755,6 +959,7 @@ pub(crate) async fn post(
         return Err(peer.lost_error());
     }
     let cfg = &shared.config;
+    batch.check_destination_rows(NAME)?;
     // Bounds before bytes, local side.
     let mut ops = Vec::with_capacity(batch.ops.len());
     let mut needs: BTreeMap<u64, u64> = BTreeMap::new();
@@ -776,20 +981,16 @@ pub(crate) async fn post(
                     region: op.local_region,
                     transport: NAME,
                 })?;
-            region
-                .range(op.local_offset, op.len)
-                .map_err(|e| TransportError::OutOfBounds {
-                    side: Side::Local,
-                    region: op.local_region,
-                    offset: op.local_offset,
-                    len: op.len,
-                    region_len: e.region_len,
-                })?;
-            let end = op.remote_offset.saturating_add(op.len);
+            // Every row of a strided op, overflow included, before anything is sent.
+            op.local_rows_in(region.len())?;
+            let end =
+                rows_end(op.remote_offset, op.remote_stride, op.len, op.count).unwrap_or(u64::MAX);
             let need = needs.entry(op.remote_region.0).or_insert(0);
             *need = (*need).max(end);
-            total = total
-                .checked_add(op.len)
+            total = op
+                .len
+                .checked_mul(op.count)
+                .and_then(|bytes| total.checked_add(bytes))
                 .ok_or_else(|| TransportError::InvalidArgument {
                     transport: NAME,
                     message: "the batch's lengths add up to more than 2^64 bytes; split it".into(),
@@ -800,6 +1001,9 @@ pub(crate) async fn post(
                 remote_region: op.remote_region.0,
                 remote_offset: op.remote_offset,
                 len: op.len,
+                count: op.count,
+                local_stride: op.local_stride,
+                remote_stride: op.remote_stride,
             });
         }
     }
@@ -810,14 +1014,8 @@ pub(crate) async fn post(
         let remote = lock(&peer.remote);
         for op in &batch.ops {
             if let Some(&region_len) = remote.get(&op.remote_region.0) {
-                if out_of_bounds(op.remote_offset, op.len, region_len) {
-                    return Err(TransportError::OutOfBounds {
-                        side: Side::Remote,
-                        region: op.remote_region,
-                        offset: op.remote_offset,
-                        len: op.len,
-                        region_len,
-                    });
+                if let Some(refused) = remote_out_of_bounds(op, region_len) {
+                    return Err(refused.into_error(BatchId(0), peer.id));
                 }
             }
         }
@@ -835,47 +1033,24 @@ pub(crate) async fn post(
             ),
         });
     }
-    let id = shared
-        .table
-        .insert(peer.id, batch.timeout, crate::batch::now())?;
+    // One clock read for both (a clock read is not free on every machine).
+    let now = crate::batch::now();
+    let id = shared.table.insert(peer.id, batch.timeout, now)?;
     // Committing from the start: once any byte of the `Begin` may have left, only the
     // receiver's fence decides how the batch ends (`fence`). The receiver applies nothing past
     // its own deadline (at most the anchor), so the table's backstop needs no fence of its own.
-    shared
-        .table
-        .step(id, crate::batch::now(), || Step::Commit(Fence::none()));
+    shared.table.step(id, now, || Step::Commit(Fence::none()));
     let deadline = shared
         .table
         .deadline(id)
         .map_or_else(Instant::now, Instant::from_std);
     let mut b = TxBatch::new(id, peer.id, deadline);
-    // A small batch goes out whole with its Begin, copied now (its sources are free at once).
-    let inline = if total <= INLINE_BYTES && ops.len() <= MAX_OPS_PER_FRAME {
-        inline_payload(&ops)
-    } else {
-        None
-    };
-    if inline.is_some() {
-        b.remote_ops = batch
-            .ops
-            .iter()
-            .map(|op| (op.remote_region, op.remote_offset, op.len))
-            .collect();
-    }
-    let b = Arc::new(b);
-    lock(&shared.batches).insert(id.0, b.clone());
-    let forget = || {
-        shared.table.forget(id);
-        lock(&shared.batches).remove(&id.0);
-        lock(&peer.waiters).begin.remove(&id.0);
-    };
     // The deadline counts from an epoch the receiver stamped no later than this side read it,
     // so the receiver's deadline for the batch is never later than `b.deadline`.
     let (epoch, epoch_at) = *lock(&peer.epoch);
     let remaining = b.deadline.saturating_duration_since(epoch_at);
     let remaining_ms = u64::try_from(remaining.as_millis()).unwrap_or(u64::MAX);
-    b.set_anchor(b.deadline + Duration::from_millis(1));
-    let begin = Frame::Begin {
+    let begin = |ack| Frame::Begin {
         batch: id.0,
         epoch,
         remaining_ms,
@@ -885,15 +1060,27 @@ pub(crate) async fn post(
             .map(|(&region, &end)| RegionNeed { region, end })
             .collect(),
         notification: batch.notification.clone(),
-        ack: inline.is_none(),
+        ack,
     };
-    if let Some(payload) = inline {
-        let wire_ops: Vec<WireOp> = ops.iter().map(LocalOp::wire).collect();
-        let mut frame = begin.encode();
-        if total > 0 {
-            frame.extend(wire::encode_data_header(id.0, &wire_ops));
-            frame.extend(payload);
-        }
+    // A small batch goes out whole with its Begin, copied now (its sources are free at once)
+    // into the one buffer that is written.
+    let inline = if total <= INLINE_BYTES && ops.len() <= MAX_OPS_PER_FRAME {
+        inline_frame(begin(false), id.0, &ops, total)
+    } else {
+        None
+    };
+    if inline.is_some() {
+        b.remote_ops = batch.ops.clone();
+    }
+    let b = Arc::new(b);
+    lock(&shared.batches).insert(id.0, b.clone());
+    let forget = || {
+        shared.table.forget(id);
+        lock(&shared.batches).remove(&id.0);
+        lock(&peer.waiters).begin.remove(&id.0);
+    };
+    b.set_anchor(b.deadline + Duration::from_millis(1));
+    if let Some(frame) = inline {
         // Written from here when connection 0 is idle: one task hop less per small batch.
         let ctrl = &peer.ctrl[0];
         let idle = ctrl.capacity() == ctrl.max_capacity();
@@ -922,8 +1109,9 @@ pub(crate) async fn post(
     }
     let (tx, rx) = oneshot::channel();
     lock(&peer.waiters).begin.insert(id.0, tx);
+    let begin = begin(true).encode();
     let answer = tokio::time::timeout_at(b.deadline, async {
-        peer.ctrl[0].send(begin.encode()).await.ok()?;
+        peer.ctrl[0].send(begin).await.ok()?;
         rx.await.ok()
     })
     .await;
@@ -953,19 +1141,15 @@ pub(crate) async fn post(
     };
     if status != BeginStatus::Accepted {
         forget();
-        let remote: Vec<_> = batch
-            .ops
-            .iter()
-            .map(|op| (op.remote_region, op.remote_offset, op.len))
-            .collect();
-        return Err(refusal(status, &remote, &regions).into_error(id, peer.id));
+        return Err(refusal(status, &batch.ops, &regions).into_error(id, peer.id));
     }
     if total > 0 {
         lock(&peer.queue).push_back(Job {
             batch: b.clone(),
             ops,
             next: 0,
-            offset: 0,
+            row: 0,
+            in_row: 0,
         });
         peer.work.notify_waiters();
     }
@@ -973,20 +1157,33 @@ pub(crate) async fn post(
     Ok(id)
 }
 
-/// The payload of a small batch, copied from its sources; `None` when a source range is
-/// momentarily borrowed (the batch then takes the path with pieces, which waits for it).
-fn inline_payload(ops: &[LocalOp]) -> Option<Vec<u8>> {
-    let total: u64 = ops.iter().map(|op| op.len).sum();
-    let mut out = vec![0u8; total as usize];
-    let mut at = 0usize;
-    for op in ops {
-        let n = op.len as usize;
-        op.region
-            .read_at(op.local_offset, &mut out[at..at + n])
-            .ok()?;
-        at += n;
+/// A small batch as one buffer: its `Begin`, then (when it has bytes) its one `Data` (or
+/// `Rows`) frame with the payload copied from the sources. `None` when a source range is
+/// momentarily written (the batch then takes the path with pieces, which waits for it).
+fn inline_frame(begin: Frame, batch: u64, ops: &[LocalOp], total: u64) -> Option<Vec<u8>> {
+    let mut frame = begin.encode();
+    if total == 0 {
+        return Some(frame);
     }
-    Some(out)
+    // Ops without bytes are left out: the receiver needs no descriptor for them.
+    let ops: Vec<LocalOp> = ops
+        .iter()
+        .filter(|op| op.total() > 0)
+        .map(|op| op.rows(0, op.count))
+        .collect();
+    let header = encode_ops_header(batch, &ops);
+    let mut at = frame.len() + header.len();
+    frame.reserve_exact(header.len() + total as usize);
+    frame.extend_from_slice(&header);
+    frame.resize(at + total as usize, 0);
+    for op in &ops {
+        for (offset, len) in op.local_parts(0, op.total()) {
+            let n = len as usize;
+            op.region.read_at(offset, &mut frame[at..at + n]).ok()?;
+            at += n;
+        }
+    }
+    Some(frame)
 }
 
 /// Posted batches by deadline, watched by one task per transport ([`deadline_task`]) rather
@@ -1166,10 +1363,7 @@ mod tests {
 
     /// Payload bytes of the queued jobs not yet taken by a writer.
     fn queued_bytes(p: &OutPeer) -> u64 {
-        lock(&p.queue)
-            .iter()
-            .map(|j| j.ops[j.next..].iter().map(|o| o.len).sum::<u64>() - j.offset)
-            .sum()
+        lock(&p.queue).iter().map(Job::left).sum()
     }
 
     /// On one thread, with the socket keeping up (the whole batch fits the loopback buffers),

@@ -10,9 +10,9 @@
 //! preface (48 bytes, each direction): magic "KVBTCP\r\n" | version u16 | flags u16 | reserved u32 | nonce [32]
 //! frame header (8 bytes):             type u8 | flags u8 = 0 | reserved u16 = 0 | body_len u32
 //! ```
-//! All integers are big-endian. A `Data` frame's body holds only its descriptors; the payload
-//! (the sum of the descriptor lengths, in descriptor order) follows the frame on the stream and
-//! is not counted in `body_len`.
+//! All integers are big-endian. A `Data` (or `Rows`) frame's body holds only its descriptors;
+//! the payload (the sum of the descriptor lengths, in descriptor order, row by row) follows the
+//! frame on the stream and is not counted in `body_len`.
 
 use bytes::Bytes;
 
@@ -21,13 +21,15 @@ use crate::error::{Result, TcpError};
 /// The 8 bytes every connection starts with, in both directions.
 pub const MAGIC: [u8; 8] = *b"KVBTCP\r\n";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// Length of a connection preface.
 pub const PREFACE_LEN: usize = 48;
 /// Length of a frame header.
 pub const HEADER_LEN: usize = 8;
 /// Length of one write descriptor in a `Data` frame.
 pub const OP_LEN: usize = 24;
+/// Length of one row descriptor in a `Rows` frame.
+pub const ROWS_OP_LEN: usize = 40;
 /// Length of a `Begin` body without its region table and notification.
 pub const BEGIN_FIXED: u64 = 38;
 /// Entries of one `Regions` frame at most (so it fits the smallest frame limit, 4 KiB).
@@ -136,6 +138,9 @@ pub enum FrameType {
     CancelAck = 11,
     /// Listener → client: entries of its region table (at connect, and when regions change).
     Regions = 12,
+    /// Client → listener: strided write descriptors (rows at a stride); their payload, row
+    /// after row, follows the frame.
+    Rows = 13,
 }
 
 impl FrameType {
@@ -154,6 +159,7 @@ impl FrameType {
             10 => Self::Cancel,
             11 => Self::CancelAck,
             12 => Self::Regions,
+            13 => Self::Rows,
             _ => return None,
         })
     }
@@ -173,6 +179,7 @@ impl FrameType {
             Self::Cancel => "Cancel",
             Self::CancelAck => "CancelAck",
             Self::Regions => "Regions",
+            Self::Rows => "Rows",
         }
     }
 }
@@ -186,6 +193,46 @@ pub struct WireOp {
     pub offset: u64,
     /// Payload bytes for this descriptor.
     pub len: u64,
+}
+
+/// One strided write descriptor: `rows` rows of `len` payload bytes, row `i` going to
+/// `region[offset + i * stride..][..len]`. A [`WireOp`] is one row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WireRows {
+    /// The receiver's region id.
+    pub region: u64,
+    /// Offset of the first row in that region.
+    pub offset: u64,
+    /// Payload bytes per row.
+    pub len: u64,
+    /// Number of rows (zero moves nothing).
+    pub rows: u64,
+    /// Distance between the starts of consecutive rows in the region.
+    pub stride: u64,
+}
+
+impl WireRows {
+    /// Payload bytes of all rows ([`decode_body`] checked that this does not overflow).
+    pub fn total(&self) -> u64 {
+        self.len.saturating_mul(self.rows)
+    }
+
+    /// Whether the rows are adjacent in the region (one range), or there is only one.
+    pub fn is_contiguous(&self) -> bool {
+        self.rows <= 1 || self.stride == self.len
+    }
+}
+
+impl From<WireOp> for WireRows {
+    fn from(op: WireOp) -> Self {
+        Self {
+            region: op.region,
+            offset: op.offset,
+            len: op.len,
+            rows: 1,
+            stride: op.len,
+        }
+    }
 }
 
 /// A region a batch will write, and the end of the furthest byte it writes there.
@@ -299,6 +346,13 @@ pub enum Frame {
         /// Descriptors, in payload order.
         ops: Vec<WireOp>,
     },
+    /// See [`FrameType::Rows`].
+    Rows {
+        /// Batch id.
+        batch: u64,
+        /// Descriptors, in payload order.
+        ops: Vec<WireRows>,
+    },
     /// See [`FrameType::Done`].
     Done {
         /// Batch id.
@@ -341,14 +395,16 @@ impl Frame {
             Frame::Cancel { .. } => FrameType::Cancel,
             Frame::CancelAck { .. } => FrameType::CancelAck,
             Frame::Regions { .. } => FrameType::Regions,
+            Frame::Rows { .. } => FrameType::Rows,
         }
     }
 
-    /// Payload bytes that follow this frame on the stream (non-zero only for `Data`).
-    /// Decoded frames never overflow here: [`decode_body`] checked the sum.
+    /// Payload bytes that follow this frame on the stream (non-zero only for `Data` and
+    /// `Rows`). Decoded frames never overflow here: [`decode_body`] checked the sum.
     pub fn payload_len(&self) -> u64 {
         match self {
             Frame::Data { ops, .. } => ops.iter().fold(0u64, |a, op| a.saturating_add(op.len)),
+            Frame::Rows { ops, .. } => ops.iter().fold(0u64, |a, op| a.saturating_add(op.total())),
             _ => 0,
         }
     }
@@ -412,6 +468,7 @@ impl Frame {
                 put_region_lens(&mut body, regions);
             }
             Frame::Data { batch, ops } => return encode_data_header(*batch, ops),
+            Frame::Rows { batch, ops } => return encode_rows_header(*batch, ops),
             Frame::Done { batch } | Frame::Cancel { batch } => {
                 body.extend_from_slice(&batch.to_be_bytes())
             }
@@ -480,6 +537,22 @@ pub fn encode_data_header(batch: u64, ops: &[WireOp]) -> Vec<u8> {
         out.extend_from_slice(&op.region.to_be_bytes());
         out.extend_from_slice(&op.offset.to_be_bytes());
         out.extend_from_slice(&op.len.to_be_bytes());
+    }
+    out
+}
+
+/// Encodes a `Rows` frame's header and descriptors; the payload (row after row) follows on
+/// the stream.
+pub fn encode_rows_header(batch: u64, ops: &[WireRows]) -> Vec<u8> {
+    let body_len = 12 + ops.len() * ROWS_OP_LEN;
+    let mut out = Vec::with_capacity(HEADER_LEN + body_len);
+    out.extend_from_slice(&encode_header(FrameType::Rows, body_len as u32));
+    out.extend_from_slice(&batch.to_be_bytes());
+    out.extend_from_slice(&(ops.len() as u32).to_be_bytes());
+    for op in ops {
+        for v in [op.region, op.offset, op.len, op.rows, op.stride] {
+            out.extend_from_slice(&v.to_be_bytes());
+        }
     }
     out
 }
@@ -597,6 +670,27 @@ fn check_counted(kind: &'static str, body: usize, fixed: u64, count: u32, each: 
         });
     }
     Ok(())
+}
+
+/// The batch and descriptor count of a `Data` or `Rows` body, the count checked against the
+/// body length (descriptors of `each` bytes) and at least 1.
+fn descriptor_table(
+    f: &mut Fields<'_>,
+    kind: &'static str,
+    body: usize,
+    each: usize,
+) -> Result<(u64, u32)> {
+    let batch = f.u64()?;
+    let count = f.u32()?;
+    check_counted(kind, body, 12, count, each as u64)?;
+    if count == 0 {
+        return Err(TcpError::BadLength {
+            kind,
+            need: 12 + each as u64,
+            got: body as u64,
+        });
+    }
+    Ok((batch, count))
 }
 
 /// `count` (region, len) pairs, the count already checked against the body length.
@@ -779,16 +873,7 @@ pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
             }
         }
         FrameType::Data => {
-            let batch = f.u64()?;
-            let count = f.u32()?;
-            check_counted(kind, body.len(), 12, count, OP_LEN as u64)?;
-            if count == 0 {
-                return Err(TcpError::BadLength {
-                    kind,
-                    need: 12 + OP_LEN as u64,
-                    got: body.len() as u64,
-                });
-            }
+            let (batch, count) = descriptor_table(&mut f, kind, body.len(), OP_LEN)?;
             let mut ops = Vec::with_capacity(count as usize);
             let mut total = 0u64;
             for _ in 0..count {
@@ -812,6 +897,44 @@ pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
                 ops.push(op);
             }
             Frame::Data { batch, ops }
+        }
+        FrameType::Rows => {
+            let (batch, count) = descriptor_table(&mut f, kind, body.len(), ROWS_OP_LEN)?;
+            // Only the descriptors are allocated (bounded by the body); rows are never
+            // materialised, whatever count a descriptor claims.
+            let mut ops = Vec::with_capacity(count as usize);
+            let mut total = 0u64;
+            for _ in 0..count {
+                let op = WireRows {
+                    region: f.u64()?,
+                    offset: f.u64()?,
+                    len: f.u64()?,
+                    rows: f.u64()?,
+                    stride: f.u64()?,
+                };
+                kvbridge_transport::memory::rows_end(op.offset, op.stride, op.len, op.rows).ok_or(
+                    TcpError::LengthOverflow {
+                        what: "Rows descriptor offset + (rows - 1) * stride + len",
+                        a: op.offset,
+                        b: op.rows,
+                    },
+                )?;
+                let bytes = op
+                    .len
+                    .checked_mul(op.rows)
+                    .ok_or(TcpError::LengthOverflow {
+                        what: "Rows descriptor len * rows",
+                        a: op.len,
+                        b: op.rows,
+                    })?;
+                total = total.checked_add(bytes).ok_or(TcpError::LengthOverflow {
+                    what: "Rows frame payload length",
+                    a: total,
+                    b: bytes,
+                })?;
+                ops.push(op);
+            }
+            Frame::Rows { batch, ops }
         }
     };
     Ok(frame)
@@ -952,12 +1075,62 @@ mod tests {
                 },
             ],
         });
+        round_trip(Frame::Rows {
+            batch: 2,
+            ops: vec![
+                WireRows {
+                    region: 1,
+                    offset: 64,
+                    len: 1152,
+                    rows: 64,
+                    stride: 4608,
+                },
+                WireRows {
+                    region: 2,
+                    offset: 0,
+                    len: 0,
+                    rows: 0,
+                    stride: 0,
+                },
+            ],
+        });
         round_trip(Frame::Done { batch: 2 });
         round_trip(Frame::Cancel { batch: 2 });
         round_trip(Frame::CancelAck {
             batch: 2,
             status: CancelStatus::NotPending,
         });
+    }
+
+    #[test]
+    fn rows_descriptors_that_overflow_are_refused() {
+        let rows = |offset, len, rows, stride| Frame::Rows {
+            batch: 1,
+            ops: vec![WireRows {
+                region: 1,
+                offset,
+                len,
+                rows,
+                stride,
+            }],
+        };
+        for bad in [
+            // The last row starts past 2^64.
+            rows(8, 4, 2, u64::MAX),
+            // Its end does.
+            rows(u64::MAX - 8, 16, 1, 16),
+            // Its byte count does (at stride 0 the rows' span does not; overlap is the
+            // receiver's check).
+            rows(0, 1 << 40, 1 << 30, 0),
+        ] {
+            assert!(
+                matches!(
+                    decode_frame(&bad.encode(), 1 << 20),
+                    Err(TcpError::LengthOverflow { .. })
+                ),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]
@@ -976,11 +1149,12 @@ mod tests {
             Err(TcpError::BadMagic { .. })
         ));
         let mut bad = bytes;
-        bad[9] = 3;
+        // Version 2 had no `Rows` frame: a peer of that version is refused at the preface.
+        bad[9] = 2;
         assert_eq!(
             Preface::decode(&bad),
             Err(TcpError::UnsupportedVersion {
-                got: 3,
+                got: 2,
                 supported: VERSION
             })
         );

@@ -16,7 +16,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvbridge_tcp::wire::{
     self, BeginStatus, CancelStatus, Decoded, Frame, HEADER_LEN, Preface, RegionLen, RegionNeed,
-    WireOp,
+    WireOp, WireRows,
 };
 use kvbridge_tcp::{TcpConfig, TcpTransport};
 use kvbridge_transport::{KvTransport, KvTransportExt, TransferBatch, TransferOp};
@@ -139,6 +139,28 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             },
         ),
         ("data.bin", data),
+        (
+            "rows.bin",
+            Frame::Rows {
+                batch: 7,
+                ops: vec![
+                    WireRows {
+                        region: 2,
+                        offset: 0,
+                        len: 4,
+                        rows: 3,
+                        stride: 16,
+                    },
+                    WireRows {
+                        region: 1,
+                        offset: 8,
+                        len: 8,
+                        rows: 1,
+                        stride: 8,
+                    },
+                ],
+            },
+        ),
         ("done.bin", Frame::Done { batch: 7 }),
         ("cancel.bin", Frame::Cancel { batch: 7 }),
         (
@@ -288,7 +310,7 @@ fn mutate(corpus: &[Vec<u8>], mut bytes: Vec<u8>, muts: &[Mutation]) -> Vec<u8> 
                 let at = match bytes.first().copied().and_then(wire::FrameType::from_u8) {
                     Some(wire::FrameType::Begin) => HEADER_LEN + 24,
                     Some(wire::FrameType::BeginAck) => HEADER_LEN + 9,
-                    Some(wire::FrameType::Data) => HEADER_LEN + 8,
+                    Some(wire::FrameType::Data | wire::FrameType::Rows) => HEADER_LEN + 8,
                     _ => continue,
                 };
                 if n >= at + 4 {
@@ -320,6 +342,7 @@ fn kept_bytes(f: &Frame) -> usize {
             regions.capacity() * size_of::<RegionLen>()
         }
         Frame::Data { ops, .. } => ops.capacity() * size_of::<WireOp>(),
+        Frame::Rows { ops, .. } => ops.capacity() * size_of::<WireRows>(),
         Frame::Error { message, .. } => message.capacity(),
         _ => 0,
     }

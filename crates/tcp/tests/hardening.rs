@@ -6,7 +6,9 @@
 use std::time::Duration;
 
 use hmac::{Hmac, Mac};
-use kvbridge_tcp::wire::{self, FLAG_SECRET, Frame, Preface, RegionLen, RegionNeed, WireOp};
+use kvbridge_tcp::wire::{
+    self, FLAG_SECRET, Frame, Preface, RegionLen, RegionNeed, WireOp, WireRows,
+};
 use kvbridge_tcp::{TcpConfig, TcpTransport};
 use kvbridge_transport::{
     KvTransport, KvTransportExt, MemoryRegion, RegionId, TransferBatch, TransferOp, TransportError,
@@ -472,6 +474,91 @@ async fn out_of_bounds_write_is_refused_before_its_payload() {
     still_serves(&t, region, &mem).await;
 }
 
+/// A `Rows` frame of one strided descriptor into the 4096-byte region.
+fn rows_frame(region: RegionId, offset: u64, len: u64, rows: u64, stride: u64) -> Frame {
+    Frame::Rows {
+        batch: 1,
+        ops: vec![WireRows {
+            region: region.0,
+            offset,
+            len,
+            rows,
+            stride,
+        }],
+    }
+}
+
+#[tokio::test]
+async fn strided_rows_past_the_region_are_refused_before_their_payload() {
+    // 4 rows of 100 bytes every 1000 from 1000: the last one, at 4000, runs past the end.
+    // Nothing of the frame may land, and the refusal comes before any payload byte is sent.
+    let (t, region, mem) = target(TcpConfig::default()).await;
+    let mut raw = Raw::handshake(&t, false).await;
+    raw.begin(1, region, 400).await;
+    raw.send(&rows_frame(region, 1000, 100, 4, 1000)).await;
+    let msg = raw.expect_error(14).await;
+    assert!(msg.contains("4 rows of 100 bytes"), "{msg}");
+    assert!(msg.contains("4096 bytes"), "{msg}");
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn a_huge_row_count_is_refused_without_allocating_for_it() {
+    // 2^40 rows of 1 byte: far beyond the region (and any buffer); refused from the
+    // descriptor alone, and nothing of the (never sent) payload is waited for.
+    let (t, region, mem) = target(TcpConfig::default()).await;
+    let mut raw = Raw::handshake(&t, false).await;
+    raw.begin(1, region, 4096).await;
+    raw.send(&rows_frame(region, 0, 1, 1 << 40, 1)).await;
+    let msg = raw.expect_error(14).await;
+    assert!(msg.contains("1099511627776 rows"), "{msg}");
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn an_overflowing_row_stride_is_refused() {
+    let (t, region, mem) = target(TcpConfig::default()).await;
+    let mut raw = Raw::handshake(&t, false).await;
+    raw.begin(1, region, 8).await;
+    // The second row starts past 2^64.
+    raw.send(&rows_frame(region, 8, 4, 2, u64::MAX)).await;
+    raw.bytes(&[1; 8]).await;
+    let msg = raw.expect_error(7).await;
+    assert!(msg.contains("overflows"), "{msg}");
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn overlapping_rows_are_refused() {
+    let (t, region, mem) = target(TcpConfig::default()).await;
+    let mut raw = Raw::handshake(&t, false).await;
+    raw.begin(1, region, 16).await;
+    raw.send(&rows_frame(region, 0, 8, 2, 4)).await;
+    raw.bytes(&[1; 16]).await;
+    let msg = raw.expect_error(14).await;
+    assert!(msg.contains("overlap"), "{msg}");
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn strided_rows_land_at_their_stride() {
+    // The positive control: 3 rows of 4 bytes every 16, after a batch begun for them.
+    let (t, region, mem) = target(TcpConfig::default()).await;
+    let mut raw = Raw::handshake(&t, false).await;
+    raw.begin(1, region, 12).await;
+    raw.send(&rows_frame(region, 100, 4, 3, 16)).await;
+    raw.bytes(b"aaaabbbbcccc").await;
+    match raw.frame().await {
+        Some(Frame::Done { batch: 1 }) => {}
+        other => panic!("expected Done, got {other:?}"),
+    }
+    let got = mem.to_vec(100, 40).unwrap();
+    assert_eq!(&got[..4], b"aaaa");
+    assert_eq!(&got[16..20], b"bbbb");
+    assert_eq!(&got[32..36], b"cccc");
+    assert!(got[4..16].iter().chain(&got[20..32]).all(|&b| b == 0xAA));
+}
+
 #[tokio::test]
 async fn payload_read_ahead_with_its_frame_lands_only_after_the_checks() {
     let (t, region, mem) = target(TcpConfig::default()).await;
@@ -667,7 +754,7 @@ async fn silent_peer_is_detected_by_keepalive() {
     let t = TcpTransport::bind(keepalive_config()).await.unwrap();
     let (src, _) = t.allocate_registered(1 << 17).await.unwrap();
     let peer = t
-        .connect(format!("kvbridge-tcp/2@{addr}").as_bytes())
+        .connect(format!("kvbridge-tcp/3@{addr}").as_bytes())
         .await
         .unwrap();
     // Above the size that goes out without waiting, so `post` waits for the listener's answer.
@@ -702,7 +789,7 @@ async fn pending_batch_fails_by_its_deadline_when_the_peer_goes_silent() {
     let t = TcpTransport::bind(keepalive_config()).await.unwrap();
     let (src, _) = t.allocate_registered(1 << 20).await.unwrap();
     let peer = t
-        .connect(format!("kvbridge-tcp/2@{addr}").as_bytes())
+        .connect(format!("kvbridge-tcp/3@{addr}").as_bytes())
         .await
         .unwrap();
     let op = TransferOp::new(src, 0, RegionId(1), 0, 1 << 20);
@@ -738,7 +825,7 @@ async fn garbage_from_a_listener_fails_connect_clearly() {
     });
     let t = TcpTransport::new().await.unwrap();
     let e = t
-        .connect(format!("kvbridge-tcp/2@{addr}").as_bytes())
+        .connect(format!("kvbridge-tcp/3@{addr}").as_bytes())
         .await
         .unwrap_err();
     assert!(e.to_string().contains("magic"), "{e}");
@@ -750,8 +837,9 @@ async fn bad_descriptors_and_configs_are_refused() {
     let t = TcpTransport::new().await.unwrap();
     for bad in [
         &b"tcp://127.0.0.1:1"[..],
-        b"kvbridge-tcp/3@127.0.0.1:1",
-        b"kvbridge-tcp/2@nowhere",
+        b"kvbridge-tcp/2@127.0.0.1:1",
+        b"kvbridge-tcp/4@127.0.0.1:1",
+        b"kvbridge-tcp/3@nowhere",
         b"\xff\xfe",
     ] {
         let e = t.connect(bad).await.unwrap_err();
@@ -761,7 +849,7 @@ async fn bad_descriptors_and_configs_are_refused() {
         );
     }
     let text = String::from_utf8(t.local_descriptor().to_vec()).unwrap();
-    assert!(text.starts_with("kvbridge-tcp/2@127.0.0.1:"), "{text}");
+    assert!(text.starts_with("kvbridge-tcp/3@127.0.0.1:"), "{text}");
     for config in [
         TcpConfig::default().with_connections_per_peer(0),
         TcpConfig::default().with_secret(Vec::new()),
@@ -1015,7 +1103,7 @@ async fn a_sender_giving_up_on_a_silent_listener_tells_it_why() {
     let (addr, task) = silent_listener(false).await;
     let t = TcpTransport::bind(keepalive_config()).await.unwrap();
     let peer = t
-        .connect(format!("kvbridge-tcp/2@{addr}").as_bytes())
+        .connect(format!("kvbridge-tcp/3@{addr}").as_bytes())
         .await
         .unwrap();
     let errors = tokio::time::timeout(LIMIT, task)

@@ -184,6 +184,32 @@ impl TransferOp {
         })
     }
 
+    /// The span of every local row of the op (first row's start to last row's end) in a region
+    /// of `region_len` bytes, or [`TransportError::OutOfBounds`] on [`Side::Local`] naming the
+    /// op's local region when a row lies outside it (or its end overflows).
+    pub fn local_rows_in(&self, region_len: usize) -> Result<std::ops::Range<usize>> {
+        memory::checked_rows(
+            region_len,
+            self.local_offset,
+            self.local_stride,
+            self.len,
+            self.count,
+        )
+        .map_err(|e| e.out_of_bounds(Side::Local, self.local_region))
+    }
+
+    /// [`local_rows_in`](Self::local_rows_in) for the remote rows ([`Side::Remote`]).
+    pub fn remote_rows_in(&self, region_len: usize) -> Result<std::ops::Range<usize>> {
+        memory::checked_rows(
+            region_len,
+            self.remote_offset,
+            self.remote_stride,
+            self.len,
+            self.count,
+        )
+        .map_err(|e| e.out_of_bounds(Side::Remote, self.remote_region))
+    }
+
     /// Whether rows of this op overlap each other on the destination side of a batch in
     /// `direction` (the remote region for a write, the local one for a read). Such an op is
     /// refused with [`TransportError::InvalidArgument`]: its result would depend on row order.
@@ -256,6 +282,26 @@ impl TransferBatch {
             .fold(0u64, |acc, op| acc.saturating_add(op.total_bytes()))
     }
 
+    /// Refuses, with [`TransportError::InvalidArgument`], a batch with an op whose rows overlap
+    /// each other on the destination ([`TransferOp::rows_overlap_on_destination`]): the result
+    /// would depend on the order rows are copied in.
+    pub fn check_destination_rows(&self, transport: &'static str) -> Result<()> {
+        match (self.ops.iter().enumerate())
+            .find(|(_, op)| op.rows_overlap_on_destination(self.direction))
+        {
+            None => Ok(()),
+            Some((i, op)) => Err(TransportError::InvalidArgument {
+                transport,
+                message: format!(
+                    "op {i} has {} rows of {} bytes whose destination stride is smaller than a \
+                     row, so its rows overlap on the destination; use a destination stride of at \
+                     least the row length",
+                    op.count, op.len
+                ),
+            }),
+        }
+    }
+
     /// Number of rows the ops cover (a contiguous op is one row; saturating).
     pub fn row_count(&self) -> u64 {
         self.ops
@@ -276,16 +322,9 @@ impl TransferBatch {
         if self.ops.iter().all(TransferOp::is_contiguous) {
             return Ok(self);
         }
+        self.check_destination_rows(transport)?;
         let invalid = |message: String| TransportError::InvalidArgument { transport, message };
         for (i, op) in self.ops.iter().enumerate() {
-            if op.rows_overlap_on_destination(self.direction) {
-                return Err(invalid(format!(
-                    "op {i} has {} rows of {} bytes whose destination stride is smaller than a \
-                     row, so its rows overlap on the destination; use a destination stride of at \
-                     least the row length",
-                    op.count, op.len
-                )));
-            }
             let overflows = |offset: u64, stride: u64| {
                 memory::rows_end(offset, stride, op.len, op.count).is_none()
             };

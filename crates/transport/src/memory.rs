@@ -74,6 +74,20 @@ impl fmt::Display for RangeError {
 
 impl std::error::Error for RangeError {}
 
+impl RangeError {
+    /// The contract's refusal of a descriptor outside `region` on `side`
+    /// ([`TransportError::OutOfBounds`]), carrying these values.
+    pub fn out_of_bounds(self, side: crate::Side, region: crate::RegionId) -> TransportError {
+        TransportError::OutOfBounds {
+            side,
+            region,
+            offset: self.offset,
+            len: self.len,
+            region_len: self.region_len,
+        }
+    }
+}
+
 /// Checks that `[offset, offset + len)` lies inside a region of `region_len` bytes, without
 /// overflow, and returns it as a `usize` range.
 pub fn checked_range(offset: u64, len: u64, region_len: usize) -> Result<Range<usize>, RangeError> {
@@ -219,6 +233,9 @@ impl Claim {
 #[derive(Debug, Default)]
 struct ClaimTable {
     claims: Vec<Claim>,
+    /// Accesses waiting on `released` for a conflicting claim to end: a release signals the
+    /// condition variable only when there are some (a wake-up is a system call).
+    waiting: usize,
 }
 
 impl ClaimTable {
@@ -295,18 +312,25 @@ impl Inner {
             if left.is_zero() {
                 return Err(refused);
             }
+            table.waiting += 1;
             table = self
                 .released
                 .wait_timeout(table, left)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
+            table.waiting -= 1;
         }
     }
 
     fn release(&self, claim: &Claim) {
         if !claim.range.is_empty() {
-            self.table().remove(claim);
-            self.released.notify_all();
+            let mut table = self.table();
+            table.remove(claim);
+            let waiting = table.waiting > 0;
+            drop(table);
+            if waiting {
+                self.released.notify_all();
+            }
         }
     }
 
@@ -1366,6 +1390,9 @@ mod tests {
                         let mut buf = [0u8; 16];
                         if target.read_at(0, &mut buf).is_ok() {
                             assert!(uniform(&buf), "{buf:?}");
+                        }
+                        if let Ok(slice) = target.borrow(16, 16) {
+                            assert!(uniform(&slice), "{:?}", &slice[..]);
                         }
                         let _ = target.copy_to(0, s, 0, 64);
                         let _ = target.with_raw_range(0, 16, Access::Read, |ptr, len| {

@@ -583,7 +583,9 @@ fn print(args: &BenchArgs, r: &Report) {
     );
     let (ratio, against) = match args.transport {
         TransportKind::Shm => (r.memcpy_ratio, "memcpy"),
-        TransportKind::Tcp => (r.transport_ratio, "the transport's large blocks"),
+        TransportKind::Tcp | TransportKind::Nixl => {
+            (r.transport_ratio, "the transport's large blocks")
+        }
     };
     println!(
         "  ratio        {ratio:.2}x of {against} (target >= {TARGET:.2}x){}; {:.2}x of memcpy, \

@@ -111,8 +111,9 @@ pub(crate) enum Pattern {
     /// Latency of one 4 KiB write plus its notification (p50, p99).
     #[value(name = "latency-4k")]
     Latency4k,
-    /// A DCP 1 -> 4 relayout: 3640 strided ops (one per page and layer), each 64 rows of
-    /// 1152 bytes taken every 4th row of the source and packed on the destination.
+    /// 3640 strided ops of 64 rows of 1152 bytes, each row every 4th of the source and the
+    /// rows packed on the destination (one page-layer of a DCP 1 -> 4 relayout per op),
+    /// measured against the same transport moving the same bytes as one large block.
     #[value(name = "strided-1152")]
     Strided1152,
 }
@@ -138,7 +139,7 @@ impl Pattern {
         }
     }
 
-    /// (block size, block count) at full scale.
+    /// (block size, block count) at full scale; for `strided-1152`, (row size, row count).
     fn shape(self) -> (u64, u64) {
         match self {
             Pattern::Large => (256 << 20, 1),
@@ -154,7 +155,20 @@ impl Pattern {
     fn from_name(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|p| p.name() == name)
     }
+
+    /// Rows of the plan each descriptor covers (consecutive in the plan).
+    fn rows_per_op(self) -> usize {
+        match self {
+            Pattern::Strided1152 => STRIDED_ROWS as usize,
+            _ => 1,
+        }
+    }
 }
+
+/// Rows per op of `strided-1152` (one page of 64 tokens), and how many ranks share a source
+/// page (every 4th row is one rank's).
+const STRIDED_ROWS: u64 = 64;
+const STRIDED_RANKS: u64 = 4;
 
 /// Arguments of `kvbridge bench`.
 #[derive(Debug, clap::Args)]
@@ -313,7 +327,12 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
         match args.role {
             Some(Role::Receiver) => receiver(make, args.pool_bytes).await,
             Some(Role::RawTcpSink | Role::RawWakePeer) => ExitCode::from(2),
-            None => sender(make, args).await,
+            // On a worker, as an application's transfers run: a task that `block_on` drives is
+            // woken from a worker by a cross-thread wake-up (a futex call and a thread switch)
+            // each time its batch completes, which a task on a worker is not.
+            None => tokio::spawn(sender(make, args))
+                .await
+                .unwrap_or(ExitCode::from(1)),
         }
     };
     // A signal (a Ctrl-C reaches the receiver too) drops the run instead of killing the
@@ -330,46 +349,11 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
     })
 }
 
-/// Rows per op of `strided-1152` (one page of 64 tokens), and how many source rows apart.
-const STRIDED_ROWS: u64 = 64;
-const STRIDED_EVERY: u64 = 4;
-
-/// `strided-1152`'s rows: source page `p` holds `STRIDED_EVERY * STRIDED_ROWS` rows, and op
-/// `(p, r)` takes its rows `r, r + 4, ...` into a destination page at a random place.
-fn plan_strided(scale: f64, seed: u64) -> (u64, Vec<(u64, u64, u64)>) {
-    let (row, count) = Pattern::Strided1152.shape();
-    let pages = ((count / STRIDED_ROWS / STRIDED_EVERY) as f64 * scale)
-        .round()
-        .max(1.0) as u64;
-    let mut rng = SplitMix(seed ^ row);
-    let mut dst: Vec<u64> = (0..pages * STRIDED_EVERY).collect();
-    shuffle(&mut dst, &mut rng);
-    let page = STRIDED_EVERY * STRIDED_ROWS * row;
-    let rows = (0..pages * STRIDED_EVERY)
-        .flat_map(|op| {
-            let (p, r, slot) = (op / STRIDED_EVERY, op % STRIDED_EVERY, dst[op as usize]);
-            (0..STRIDED_ROWS).map(move |k| {
-                let src = p * page + (STRIDED_EVERY * k + r) * row;
-                (src, (slot * STRIDED_ROWS + k) * row, row)
-            })
-        })
-        .collect();
-    (pages * page, rows)
-}
-
-/// `strided-1152`'s rows (from [`plan_strided`]) as one strided op per destination page: its
-/// first row, repeated `STRIDED_ROWS` times.
-fn strided_ops(rows: &[TransferOp]) -> Vec<TransferOp> {
-    (rows.iter().step_by(STRIDED_ROWS as usize))
-        .map(|op| op.with_rows(STRIDED_ROWS, STRIDED_EVERY * op.len, op.len))
-        .collect()
-}
-
-/// The descriptors of a pattern: (source offset, destination offset, length), and the pool size.
-/// For `strided-1152`, the rows (the transfer groups them into strided ops).
+/// The blocks of a pattern: (source offset, destination offset, length), and the pool size.
+/// For `strided-1152` the blocks are rows, op after op (see [`Pattern::rows_per_op`]).
 fn plan(pattern: Pattern, scale: f64, seed: u64) -> (u64, Vec<(u64, u64, u64)>) {
     if pattern == Pattern::Strided1152 {
-        return plan_strided(scale, seed);
+        return strided_plan(scale, seed);
     }
     let (block, count) = pattern.shape();
     let (block, count) = if pattern == Pattern::Large {
@@ -400,6 +384,45 @@ impl SplitMix {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         mix(self.0)
     }
+}
+
+/// `strided-1152`: source pages of `STRIDED_RANKS * STRIDED_ROWS` rows; op `k` of a page takes
+/// its rows `k, k + 4, ...` and packs them into a destination slot of `STRIDED_ROWS` rows at a
+/// random place. Every row of both pools is covered once.
+fn strided_plan(scale: f64, seed: u64) -> (u64, Vec<(u64, u64, u64)>) {
+    let (row, rows) = Pattern::Strided1152.shape();
+    let page = STRIDED_RANKS * STRIDED_ROWS;
+    let pages = ((rows as f64 * scale) as u64 / page).max(1);
+    let mut rng = SplitMix(seed ^ row);
+    let mut slots: Vec<u64> = (0..pages * STRIDED_RANKS).collect();
+    shuffle(&mut slots, &mut rng);
+    let mut out = Vec::with_capacity((pages * page) as usize);
+    for (op, slot) in slots.iter().enumerate() {
+        let (p, k) = (op as u64 / STRIDED_RANKS, op as u64 % STRIDED_RANKS);
+        for i in 0..STRIDED_ROWS {
+            let src = (p * page + k + i * STRIDED_RANKS) * row;
+            let dst = (slot * STRIDED_ROWS + i) * row;
+            out.push((src, dst, row));
+        }
+    }
+    (pages * page * row, out)
+}
+
+/// The transfer ops of a plan: one per block, or, for a strided pattern, one strided op per
+/// `rows_per_op` consecutive rows (rows packed on the destination).
+fn plan_ops(
+    pattern: Pattern,
+    ops: &[(u64, u64, u64)],
+    local: RegionId,
+    remote: RegionId,
+) -> Vec<TransferOp> {
+    ops.chunks(pattern.rows_per_op())
+        .map(|rows| {
+            let (s, d, len) = rows[0];
+            let stride = rows.get(1).map_or(len, |r| r.0 - s);
+            TransferOp::new(local, s, remote, d, len).with_rows(rows.len() as u64, stride, len)
+        })
+        .collect()
 }
 
 fn mix(mut z: u64) -> u64 {
@@ -789,25 +812,26 @@ async fn measure_with(
     let (local, src) = t.allocate_registered(pool as usize).await.map_err(e)?;
     fill_source(&src)?;
     let peer = t.connect(&descriptor).await.map_err(e)?;
-    let transfer_ops: Vec<TransferOp> = ops
-        .iter()
-        .map(|&(s, d, len)| TransferOp::new(local, s, remote, d, len))
-        .collect();
-    let transfer_ops = if pattern == Pattern::Strided1152 {
-        strided_ops(&transfer_ops)
-    } else {
-        transfer_ops
-    };
+    let transfer_ops = plan_ops(pattern, &ops, local, remote);
+    // `strided-1152` is measured against the same transport moving the same bytes as one
+    // large block (its own best case), alternating.
+    // On shm it is held to memcpy of one large block (`RawBaseline::LargeBlock`) instead.
+    let large =
+        (pattern == Pattern::Strided1152 && args.transport != TransportKind::Shm).then(|| {
+            TransferBatch::write(vec![TransferOp::new(local, 0, remote, 0, pool)])
+                .with_timeout(Duration::from_secs(60))
+        });
     // The baseline's destination: pre-faulted heap memory in this process.
     let baseline_dst = MemoryRegion::allocate(pool as usize).map_err(|e| e.to_string())?;
     // TCP is measured against a raw TCP stream between two processes (`bench/tcp.rs`), shm's
     // `latency-4k` against a raw cross-process wake-up round trip (`bench/shm.rs`).
     let raw = match (args.transport, pattern) {
+        (TransportKind::Shm, Pattern::Strided1152) => Some(RawBaseline::LargeBlock),
+        (_, Pattern::Strided1152) => None,
         (TransportKind::Tcp, _) => Some(RawBaseline::Tcp(tcp::RawTcpBaseline::start(pool)?)),
         (TransportKind::Shm, Pattern::Latency4k) => {
             Some(RawBaseline::Wake(shm::RawWakeBaseline::start()?))
         }
-        (TransportKind::Shm, Pattern::Strided1152) => Some(RawBaseline::LargeBlock),
         (TransportKind::Shm, _) => None,
         // NIXL against the same descriptors posted through nixl-sys directly (`bench/nixl.rs`).
         (TransportKind::Nixl, _) => Some(RawBaseline::Nixl(nixl::DirectBaseline::start(
@@ -841,8 +865,17 @@ async fn measure_with(
             .with_notification(note)
             .with_timeout(Duration::from_secs(60))
     };
+    // The baseline of one run: the raw one, or the transport's own large block.
+    let base_run = || async {
+        let Some(large) = &large else {
+            return baseline_run();
+        };
+        let start = Instant::now();
+        t.transfer(peer, large.clone()).await.map_err(e)?;
+        Ok(start.elapsed().as_secs_f64())
+    };
     // Warm-up (maps the peer's pool, warms caches), untimed.
-    baseline_run()?;
+    base_run().await?;
     t.transfer(peer, batch(Bytes::from_static(b"warm-up")))
         .await
         .map_err(e)?;
@@ -853,7 +886,11 @@ async fn measure_with(
         bytes: pool,
         blocks: transfer_ops.len() as u64,
         gbps: 0.0,
-        baseline: raw.as_ref().map_or(BASELINE, RawBaseline::description),
+        baseline: match (&raw, &large) {
+            (Some(raw), _) => raw.description(),
+            (None, Some(_)) => LARGE_BASELINE,
+            (None, None) => BASELINE,
+        },
         baseline_gbps: 0.0,
         ratio: 0.0,
         receiver_peak_rss_bytes: 0,
@@ -883,8 +920,9 @@ async fn measure_with(
         let mut times = Vec::new();
         for run in 0..args.runs {
             progress.show(&format!("{name}: run {}/{}", run + 1, args.runs));
-            // Side by side: the baseline and the transport alternate.
-            base_times.push(baseline_run()?);
+            // Side by side: the baseline and the transport alternate (the transport last, so
+            // the receiver verifies its layout).
+            base_times.push(base_run().await?);
             let start = Instant::now();
             t.transfer(peer, batch(Bytes::from_static(b"run")))
                 .await
@@ -1002,12 +1040,16 @@ impl RawBaseline {
 /// The baseline of `strided-1152` on shm.
 const LARGE_BLOCK_BASELINE: &str = "memcpy of the same bytes as one large block";
 
+/// The baseline of `strided-1152` on the other transports.
+const LARGE_BASELINE: &str = "the same transport moving one large block";
+
 /// The short name of a baseline in the `latency-4k` notes.
 fn baseline_label(description: &str) -> &'static str {
     match description {
         tcp::BASELINE => "raw TCP ping-pong",
         shm::WAKE_BASELINE => "memcpy + raw wake-up round trip",
         LARGE_BLOCK_BASELINE => "memcpy (one large block)",
+        LARGE_BASELINE => "the transport's own large block",
         nixl::BASELINE => "direct nixl-sys",
         _ => "memcpy",
     }
@@ -1101,7 +1143,7 @@ mod tests {
             .iter()
             .map(|&(s, d, len)| TransferOp::new(RegionId(1), s, RegionId(2), d, len))
             .collect();
-        let strided = strided_ops(&ops);
+        let strided = plan_ops(Pattern::Strided1152, &rows, RegionId(1), RegionId(2));
         assert_eq!(strided.len() as u64 * STRIDED_ROWS, ops.len() as u64);
         assert_eq!(
             TransferBatch::write(strided)

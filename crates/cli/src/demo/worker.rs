@@ -306,11 +306,23 @@ fn decode_config(setup: &Setup) -> DecodeConfig {
     }
 }
 
-/// The page table of a request in pool slot `slot`: the slot's `n` pages in reverse order, so
+/// The page table of a request in pool slot `slot`: the slot's `n` pages, in order on the
+/// prefill (as an engine's allocator hands out a fresh request's pages; the planner then folds
+/// a page-layer's rows across pages into one strided op) and in reverse order on the decode, so
 /// a row that lands on the wrong page does not verify.
-fn slot_table(slot: u32, n: u64) -> Vec<u64> {
+fn slot_table(slot: u32, n: u64, order: PageOrder) -> Vec<u64> {
     let base = u64::from(slot) * n;
-    (0..n).map(|i| base + n - 1 - i).collect()
+    match order {
+        PageOrder::Ascending => (0..n).map(|i| base + i).collect(),
+        PageOrder::Reversed => (0..n).map(|i| base + n - 1 - i).collect(),
+    }
+}
+
+/// How [`slot_table`] orders a slot's pages.
+#[derive(Debug, Clone, Copy)]
+enum PageOrder {
+    Ascending,
+    Reversed,
 }
 
 /// A bounded pool of slots: at most `concurrency` requests hold one at a time.
@@ -708,7 +720,7 @@ async fn prefill_request(
         tokio::task::spawn_blocking(move || -> Result<Vec<TokenLayout>, String> {
             let mut out = Vec::new();
             for r in ranks.iter() {
-                let table = slot_table(slot, setup.prefill_pages);
+                let table = slot_table(slot, setup.prefill_pages, PageOrder::Ascending);
                 let layout = TokenLayout::for_rank(&r.desc, table)?;
                 fill_rows(&r.mem.kv_views(), &layout, room, 0..setup.tokens)?;
                 fill_aux(&r.mem.aux_views(), &AUX_ITEM_LENS, u64::from(slot), room)?;
@@ -946,7 +958,7 @@ async fn decode_request(
     addr: String,
 ) -> Result<u64, Failure> {
     let room = room_of(i);
-    let table = slot_table(slot, setup.decode_pages);
+    let table = slot_table(slot, setup.decode_pages, PageOrder::Reversed);
     let layout = TokenLayout::for_rank(desc, table.clone())?;
     if setup.prefix_tokens > 0 {
         // The cached prefix: this rank already holds these rows (from an earlier request
@@ -1046,8 +1058,9 @@ mod tests {
     }
 
     #[test]
-    fn slot_tables_are_disjoint_and_reversed() {
-        assert_eq!(slot_table(0, 3), vec![2, 1, 0]);
-        assert_eq!(slot_table(2, 3), vec![8, 7, 6]);
+    fn slot_tables_are_disjoint_and_ordered() {
+        assert_eq!(slot_table(0, 3, PageOrder::Reversed), vec![2, 1, 0]);
+        assert_eq!(slot_table(2, 3, PageOrder::Reversed), vec![8, 7, 6]);
+        assert_eq!(slot_table(2, 3, PageOrder::Ascending), vec![6, 7, 8]);
     }
 }
