@@ -1036,6 +1036,17 @@ pub fn send_vectored(
     }
 }
 
+/// Foreign host memory over a zeroed heap buffer (its owner), for tests of the paths transports
+/// take for memory they cannot borrow.
+#[cfg(any(test, feature = "testing"))]
+pub fn foreign_host_region(len: usize) -> MemoryRegion {
+    let mut buf = vec![0u8; len];
+    let ptr = NonNull::new(buf.as_mut_ptr()).unwrap_or(NonNull::dangling());
+    // SAFETY: the Vec is never resized or referenced again; moving it into the region as its
+    // owner keeps the heap bytes alive and in place, and nothing else reaches them.
+    unsafe { MemoryRegion::from_raw_parts(ForeignMemory::host(ptr, len, buf)) }
+}
+
 /// A device region whose address is a placeholder, for the conformance suite's check that
 /// transports without device support refuse device memory at `register`.
 #[cfg(any(test, feature = "testing"))]
