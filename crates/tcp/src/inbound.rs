@@ -918,6 +918,8 @@ impl Receiver<'_> {
                 n as u64
             } else if in_place {
                 self.read_in_place(r.get_ref(), batch, &ops, &targets, at)?
+            } else if self.shared.config.receive_in_place {
+                read_raw(r.get_ref(), batch, &ops, &targets, at)?
             } else {
                 self.read_through_bounce(r.get_ref(), batch, &ops, &targets, at, left)?
             };
@@ -1121,6 +1123,43 @@ fn frame_name(op: &WireRows) -> &'static str {
         "Data"
     } else {
         "Rows"
+    }
+}
+
+/// One non-blocking vectored read straight into the next destination ranges of regions that
+/// cannot be borrowed (foreign memory): the kernel writes the claimed raw memory, nothing is
+/// copied and no slice of it is made.
+fn read_raw(
+    r: &OwnedReadHalf,
+    batch: u64,
+    ops: &[WireRows],
+    targets: &[MemoryRegion],
+    at: Cursor,
+) -> Result<u64, LinkError> {
+    use std::os::fd::AsFd;
+    let mut ranges = Vec::new();
+    let mut budget = READ_BYTES;
+    let mut c = at;
+    while budget > 0 && ranges.len() < READ_SLICES {
+        let Some((offset, rest)) = c.segment(ops) else {
+            break;
+        };
+        let len = rest.min(budget);
+        ranges.push((&targets[c.op], offset, len));
+        budget -= len;
+        c.done += len;
+    }
+    let stream: &tokio::net::TcpStream = r.as_ref();
+    match stream.try_io(tokio::io::Interest::READABLE, || {
+        kvbridge_transport::memory::recv_vectored(stream.as_fd(), &ranges)
+    }) {
+        Ok(0) => Err(LinkError::Eof),
+        Ok(n) => Ok(n as u64),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(0),
+        Err(e) => match e.downcast::<TransportError>() {
+            Ok(t) => Err(busy(batch, ops.get(at.op).map_or(0, |op| op.region), t)),
+            Err(e) => Err(LinkError::Io(e)),
+        },
     }
 }
 

@@ -143,8 +143,9 @@ pub struct TcpConfig {
     /// borrowed exclusively (`MemoryRegion::borrow_mut`) for the length of one `readv`, during
     /// which `MemoryRegion` accessors touching those bytes are refused. With `false`, payloads
     /// go through a fixed 1 MiB buffer per connection and `write_at` (one more copy), so the
-    /// accessors are refused only for the bytes of a `write_at` in progress. Frames
-    /// into foreign memory (which is never borrowed as a slice) always take the buffer.
+    /// accessors are refused only for the bytes of a `write_at` in progress. Frames into
+    /// foreign memory (never borrowed as a slice) are read in place too, by
+    /// `kvbridge_transport::memory::recv_vectored` on the claimed raw ranges.
     pub receive_in_place: bool,
 }
 

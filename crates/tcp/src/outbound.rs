@@ -852,13 +852,14 @@ impl<'a> Source<'a> {
 /// Source ranges are borrowed only for the duration of each non-blocking `writev`, never
 /// while waiting for the socket, so the application can write its own memory meanwhile.
 async fn send_piece(w: &OwnedWriteHalf, piece: Piece) -> std::io::Result<()> {
+    use std::os::fd::AsFd;
     let header = encode_ops_header(piece.batch.0.id.0, &piece.ops);
     let head = header.len() as u64;
     let total = head + piece.ops.iter().map(LocalOp::total).sum::<u64>();
     let mut done = 0u64;
     while done < total {
         w.writable().await?;
-        let mut sources = Vec::new();
+        let mut parts = Vec::new();
         let mut budget = ATTEMPT_BYTES;
         // One iovec is the header's.
         let mut iovecs = MAX_IOVECS - 1;
@@ -871,10 +872,7 @@ async fn send_piece(w: &OwnedWriteHalf, piece: Piece) -> std::io::Result<()> {
             }
             let from = done.saturating_sub(at);
             let to = op.attempt_end(from, budget, iovecs);
-            match Source::acquire(op, from, to) {
-                Some(s) => sources.push(s),
-                None => break,
-            }
+            parts.push((op, from, to));
             budget -= to - from;
             iovecs = iovecs.saturating_sub(if op.locally_contiguous() {
                 1
@@ -888,6 +886,38 @@ async fn send_piece(w: &OwnedWriteHalf, piece: Piece) -> std::io::Result<()> {
             }
         }
         let header_left = &header[(done.min(head)) as usize..];
+        if parts.iter().any(|(op, _, _)| !op.region.can_borrow()) {
+            // Memory that cannot be borrowed (foreign) is written by the kernel straight from
+            // its claimed raw ranges.
+            let ranges: Vec<(&MemoryRegion, u64, u64)> = parts
+                .iter()
+                .flat_map(|(op, from, to)| {
+                    op.local_parts(*from, *to)
+                        .map(|(offset, len)| (&op.region, offset, len))
+                })
+                .collect();
+            let stream: &tokio::net::TcpStream = w.as_ref();
+            match stream.try_io(tokio::io::Interest::WRITABLE, || {
+                kvbridge_transport::memory::send_vectored(stream.as_fd(), header_left, &ranges)
+            }) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => done += n as u64,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                // Another access holds the range for the length of one write; try again shortly.
+                Err(e) if e.get_ref().is_some_and(|i| i.is::<TransportError>()) => {
+                    tokio::time::sleep(Duration::from_micros(100)).await;
+                }
+                Err(e) => return Err(e),
+            }
+            continue;
+        }
+        let mut sources = Vec::with_capacity(parts.len());
+        for (op, from, to) in parts {
+            match Source::acquire(op, from, to) {
+                Some(s) => sources.push(s),
+                None => break,
+            }
+        }
         if header_left.is_empty() && sources.is_empty() {
             // Another access holds the range for the length of one write; try again shortly.
             tokio::time::sleep(Duration::from_micros(100)).await;

@@ -938,6 +938,115 @@ impl Drop for RegionSlice {
     }
 }
 
+/// Iovecs one [`recv_vectored`] / [`send_vectored`] call passes at most (the kernel's limit).
+pub const MAX_IOVECS: usize = 1024;
+
+/// Claims `ranges` (`(region, offset, len)`) for `access`, in order, stopping before the first
+/// one that overlaps an earlier range of the same call where one writes (it would wait on
+/// itself) or, when some are claimed already, that another access holds. Refusals of the
+/// first range are errors.
+fn claim_ranges<'a>(
+    ranges: &[(&'a MemoryRegion, u64, u64)],
+    access: Access,
+) -> std::io::Result<Vec<Claimed<'a>>> {
+    let mut claimed: Vec<Claimed<'a>> = Vec::with_capacity(ranges.len().min(MAX_IOVECS));
+    for &(region, offset, len) in ranges.iter().take(MAX_IOVECS) {
+        if let Ok(range) = region.range(offset, len) {
+            let want = Claim { range, access };
+            if claimed
+                .iter()
+                .any(|c| std::ptr::eq(c.inner, &*region.inner) && c.claim.conflicts(&want))
+            {
+                break;
+            }
+        }
+        match region.claim(offset, len, access, Operand::Region) {
+            Ok(c) => claimed.push(c),
+            Err(_) if !claimed.is_empty() => break,
+            Err(e) => return Err(std::io::Error::other(e)),
+        }
+    }
+    Ok(claimed)
+}
+
+/// One `readv` from `fd` straight into `ranges` of host regions, owned or foreign, without
+/// making a Rust slice of their bytes (the kernel writes the raw memory). Every range is
+/// checked and claimed for writing for the length of the call; at most [`MAX_IOVECS`] ranges,
+/// and only the leading ones that can be claimed together are read into. Refusals of the first
+/// range come back as an [`std::io::Error`] wrapping the [`TransportError`]; a non-blocking
+/// `fd` with nothing to read gives [`std::io::ErrorKind::WouldBlock`].
+pub fn recv_vectored(
+    fd: std::os::fd::BorrowedFd<'_>,
+    ranges: &[(&MemoryRegion, u64, u64)],
+) -> std::io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    let claimed = claim_ranges(ranges, Access::Write)?;
+    let iov: Vec<libc::iovec> = claimed
+        .iter()
+        .map(|c| libc::iovec {
+            iov_base: c.ptr().cast(),
+            iov_len: c.len(),
+        })
+        .collect();
+    // SAFETY: each iovec covers a claimed range inside a host region (checked by `claim`),
+    // valid for writes by the `allocate` / `from_raw_parts` contract, and claimed exclusively,
+    // so no other access from this process touches it during the call; the kernel writes raw
+    // memory, so no Rust reference to the bytes exists. `iov` outlives the call.
+    let n = unsafe { libc::readv(fd.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int) };
+    drop(claimed);
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+/// One `writev` to `fd` of `head` (a frame header, may be empty) then `ranges` of host regions,
+/// owned or foreign, without making a Rust slice of their bytes. Every range is checked and
+/// claimed for reading for the length of the call; at most [`MAX_IOVECS`] iovecs in all.
+/// Errors as for [`recv_vectored`].
+pub fn send_vectored(
+    fd: std::os::fd::BorrowedFd<'_>,
+    head: &[u8],
+    ranges: &[(&MemoryRegion, u64, u64)],
+) -> std::io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    let room = MAX_IOVECS - usize::from(!head.is_empty());
+    let claimed = claim_ranges(&ranges[..ranges.len().min(room)], Access::Read)?;
+    let mut iov = Vec::with_capacity(claimed.len() + 1);
+    if !head.is_empty() {
+        iov.push(libc::iovec {
+            iov_base: head.as_ptr().cast_mut().cast(),
+            iov_len: head.len(),
+        });
+    }
+    iov.extend(claimed.iter().map(|c| libc::iovec {
+        iov_base: c.ptr().cast(),
+        iov_len: c.len(),
+    }));
+    // SAFETY: `head` is a live slice the kernel only reads; each other iovec covers a claimed
+    // range inside a host region, valid for reads, claimed shared so no write from this process
+    // touches it during the call; the kernel reads raw memory. `iov` outlives the call.
+    let n = unsafe { libc::writev(fd.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int) };
+    drop(claimed);
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+/// Foreign host memory over a zeroed heap buffer (its owner), for tests of the paths transports
+/// take for memory they cannot borrow.
+#[cfg(any(test, feature = "testing"))]
+pub fn foreign_host_region(len: usize) -> MemoryRegion {
+    let mut buf = vec![0u8; len];
+    let ptr = NonNull::new(buf.as_mut_ptr()).unwrap_or(NonNull::dangling());
+    // SAFETY: the Vec is never resized or referenced again; moving it into the region as its
+    // owner keeps the heap bytes alive and in place, and nothing else reaches them.
+    unsafe { MemoryRegion::from_raw_parts(ForeignMemory::host(ptr, len, buf)) }
+}
+
 /// A device region whose address is a placeholder, for the conformance suite's check that
 /// transports without device support refuse device memory at `register`.
 #[cfg(any(test, feature = "testing"))]
@@ -959,6 +1068,56 @@ mod tests {
         // SAFETY: the Vec is never resized or referenced again; moving it into the region as
         // its owner keeps the heap bytes alive and in place.
         unsafe { MemoryRegion::from_raw_parts(ForeignMemory::host(ptr, len, buf)) }
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn vectored_socket_io_moves_bytes_into_and_out_of_foreign_and_owned_regions() {
+        use std::io::{Read, Write};
+        use std::os::fd::AsFd;
+        use std::os::unix::net::UnixStream;
+        let (mut a, b) = UnixStream::pair().unwrap();
+        let f = foreign(16);
+        let o = MemoryRegion::allocate(16).unwrap();
+        a.write_all(&(0u8..12).collect::<Vec<_>>()).unwrap();
+        let n = recv_vectored(b.as_fd(), &[(&f, 2, 6), (&o, 10, 6)]).unwrap();
+        assert_eq!(n, 12);
+        assert_eq!(f.to_vec(2, 6).unwrap(), vec![0, 1, 2, 3, 4, 5]);
+        assert_eq!(o.to_vec(10, 6).unwrap(), vec![6, 7, 8, 9, 10, 11]);
+        let n = send_vectored(b.as_fd(), b"hd", &[(&o, 10, 6), (&f, 2, 6)]).unwrap();
+        assert_eq!(n, 14);
+        let mut got = [0u8; 14];
+        a.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"hd\x06\x07\x08\x09\x0a\x0b\x00\x01\x02\x03\x04\x05");
+        // Claims are released: an exclusive borrow of the whole region succeeds.
+        assert!(o.borrow_mut(0, 16).is_ok());
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn vectored_socket_io_refuses_bad_ranges_device_memory_and_held_claims() {
+        use std::os::fd::AsFd;
+        use std::os::unix::net::UnixStream;
+        let (_a, b) = UnixStream::pair().unwrap();
+        b.set_nonblocking(true).unwrap();
+        let inner = |e: std::io::Error| {
+            *e.into_inner()
+                .unwrap()
+                .downcast::<TransportError>()
+                .unwrap()
+        };
+        let o = MemoryRegion::allocate(16).unwrap();
+        let e = recv_vectored(b.as_fd(), &[(&o, 10, 7)]).unwrap_err();
+        assert!(matches!(inner(e), TransportError::AccessOutOfRange { .. }));
+        let d = placeholder_device_region(0, 16);
+        let e = send_vectored(b.as_fd(), b"", &[(&d, 0, 4)]).unwrap_err();
+        assert!(matches!(inner(e), TransportError::NotHostMemory { .. }));
+        let held = o.borrow_mut(4, 4).unwrap();
+        let e = recv_vectored(b.as_fd(), &[(&o, 0, 8)]).unwrap_err();
+        assert!(matches!(inner(e), TransportError::AccessConflict { .. }));
+        drop(held);
+        let e = recv_vectored(b.as_fd(), &[(&o, 0, 8)]).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock);
     }
 
     #[test]
