@@ -561,7 +561,8 @@ impl Engine {
     /// A transfer engine for one rank over `transport`: "tcp" (any hosts; `bind` is the
     /// listening `ip:port`, default 127.0.0.1:0; `secret` enables HMAC authentication),
     /// "shm" (processes on one host; `runtime_dir` holds its control socket), "loopback"
-    /// (engines of this process, for tests) or "nixl".
+    /// (engines of this process, for tests) or "nixl" (a package built with the `nixl`
+    /// feature; its runtime from `cargo xtask nixl-setup` or `KVBRIDGE_NIXL_LIB_DIR`).
     #[new]
     #[pyo3(signature = (transport="tcp", *, bind=None, secret=None, runtime_dir=None))]
     fn new(
@@ -619,10 +620,21 @@ impl Engine {
                     let t: Arc<dyn KvTransport> = Arc::new(kvbridge_mock::LoopbackTransport::new());
                     ("loopback", Ok(t))
                 }
+                #[cfg(feature = "nixl")]
+                "nixl" => {
+                    let _rt = runtime()?.enter();
+                    let made = kvbridge_nixl::NixlTransport::new()
+                        .map(|t| Arc::new(t) as Arc<dyn KvTransport>);
+                    ("nixl", made)
+                }
+                #[cfg(not(feature = "nixl"))]
                 "nixl" => {
                     return Err(Kind::Unsupported.err(
                         "this kvbridge was not built with NIXL, so transport=\"nixl\" is not \
-                         available; use transport=\"tcp\" (any hosts) or \"shm\" (one host)",
+                         available; run `cargo xtask nixl-setup` and build the package with the \
+                         `nixl` feature (pip install ./crates/python \
+                         --config-settings=build-args=\"--features nixl\"), or use \
+                         transport=\"tcp\" (any hosts) or \"shm\" (one host)",
                     ));
                 }
                 other => {
@@ -642,7 +654,7 @@ impl Engine {
         })
     }
 
-    /// The transport's name ("tcp", "shm", "loopback").
+    /// The transport's name ("tcp", "shm", "loopback", "nixl").
     #[getter]
     fn transport(&self) -> &'static str {
         self.core.kind
@@ -670,9 +682,10 @@ impl Engine {
             .ok()
             .filter(|&n| n <= isize::MAX as usize)
             .ok_or_else(|| invalid(format!("nbytes {n} does not fit in memory")))?;
-        // shm's allocate makes shared memory (foreign, safe to hand to numpy); the other
-        // transports would make owned memory, which must not be, so the engine makes its own.
-        let region = if self.core.kind == "shm" {
+        // shm's allocate makes shared memory and nixl's a page-aligned anonymous mapping (both
+        // foreign, never borrowed, so safe to hand to numpy); the others would make owned
+        // memory, which must not be, so the engine makes its own.
+        let region = if matches!(self.core.kind, "shm" | "nixl") {
             self.core.transport.allocate(n).map_err(errors::transport)?
         } else {
             memory::alloc(n)?
