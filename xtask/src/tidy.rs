@@ -38,39 +38,31 @@ fn crates() -> Vec<(PathBuf, String)> {
 
 /// Names of the normal (not dev, not build) dependencies of a manifest.
 fn normal_dependencies(manifest: &str) -> BTreeSet<String> {
-    let mut in_deps = false;
-    let mut deps = BTreeSet::new();
+    section_keys(manifest, "[dependencies]")
+}
+
+/// The keys of one `[section]` of a manifest (`name = ...` or `name.workspace = ...` lines).
+fn section_keys(manifest: &str, section: &str) -> BTreeSet<String> {
+    let mut inside = false;
+    let mut keys = BTreeSet::new();
     for line in manifest.lines() {
         let line = line.trim();
         if line.starts_with('[') {
-            in_deps = line == "[dependencies]";
+            inside = line == section;
             continue;
         }
-        if in_deps && !line.is_empty() && !line.starts_with('#') {
-            let name = line.split(['=', '.', ' ']).next().unwrap().trim();
-            deps.insert(name.to_owned());
+        if inside && !line.is_empty() && !line.starts_with('#') {
+            let key = line.split(['=', '.', ' ']).next().unwrap().trim();
+            keys.insert(key.to_owned());
         }
     }
-    deps
+    keys
 }
 
 /// The `[features]` of a manifest, but `default`.
 fn features(manifest: &str) -> BTreeSet<String> {
-    let mut in_features = false;
-    let mut names = BTreeSet::new();
-    for line in manifest.lines() {
-        let line = line.trim();
-        if line.starts_with('[') {
-            in_features = line == "[features]";
-            continue;
-        }
-        if in_features && !line.is_empty() && !line.starts_with('#') {
-            let name = line.split(['=', ' ']).next().unwrap().trim();
-            if name != "default" && !name.is_empty() {
-                names.insert(name.to_owned());
-            }
-        }
-    }
+    let mut names = section_keys(manifest, "[features]");
+    names.remove("default");
     names
 }
 

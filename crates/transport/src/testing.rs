@@ -1235,6 +1235,80 @@ pub async fn deadline_expiry(pair: TransportPair) {
     }
 }
 
+/// One round of [`cancel_fences`]: new source bytes from `seed`, `ops` posted as one batch with
+/// `deadline`, cancelled at once (or after a short pause when `late`), then the state `cancel`
+/// returned checked against the receiver's memory (fenced unless done) and against `wait`,
+/// which reports it once.
+async fn cancel_round(rig: &Rig, ops: Vec<TransferOp>, deadline: Duration, seed: u64, late: bool) {
+    rig.local[0]
+        .mem
+        .write_at(0, &Rng::new(seed).bytes(rig.local[0].mem.len()))
+        .unwrap();
+    let old = rig.snapshot_remote();
+    let mut new = old.clone();
+    apply(&mut new, rig, &ops);
+    let posted = Instant::now();
+    let id = rig
+        .post(TransferBatch::write(ops).with_timeout(deadline))
+        .await
+        .unwrap_or_else(|e| panic!("[{}] {FENCING}: post failed: {e}", rig.name));
+    if late {
+        sleep(POLL).await;
+    }
+    let state = bounded(
+        rig.name,
+        FENCING,
+        "cancel",
+        rig.limits.call,
+        rig.sender.cancel(id),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("[{}] {FENCING}: cancel of batch {id} failed: {e}", rig.name));
+    let what = format!("batch {id} was cancelled (cancel returned {state:?})");
+    match state {
+        BatchState::Done => {
+            rig.assert_remote(&new, DATA, &what);
+            let r = rig.wait(id, deadline).await;
+            assert!(
+                r.is_ok(),
+                "[{}] {IDS}: cancel reported batch {id} done, but wait returned {r:?}",
+                rig.name
+            );
+        }
+        // Timed out: the machine was slow enough that the deadline passed before cancel.
+        BatchState::Cancelled | BatchState::TimedOut => {
+            assert_old_or_new(rig, &old, &new, FENCING, &what);
+            rig.assert_fenced(posted, deadline, &what).await;
+            let r = rig.wait(id, deadline).await;
+            assert!(
+                match (&state, &r) {
+                    (BatchState::Cancelled, Err(TransportError::Cancelled { batch })) =>
+                        *batch == id,
+                    (BatchState::TimedOut, Err(TransportError::TimedOut { batch, .. })) =>
+                        *batch == id,
+                    _ => false,
+                },
+                "[{}] {IDS}: cancel reported batch {id} {state:?}, but wait returned {r:?}",
+                rig.name
+            );
+        }
+        other => panic!(
+            "[{}] {FENCING}: cancel of a healthy batch must return Done, Cancelled or \
+             (past its deadline) TimedOut, got {other:?}",
+            rig.name
+        ),
+    }
+    let again = bounded(
+        rig.name,
+        IDS,
+        "cancel",
+        rig.limits.call,
+        rig.sender.cancel(id),
+    )
+    .await;
+    assert_unknown_batch(rig.name, &again, id, "cancel after wait returned");
+}
+
 /// After `cancel` returns, no byte of the batch lands; `cancel` returns the final state, which
 /// `wait` then reports once. A cancelled batch's destination is watched until its deadline
 /// ([`Limits::interrupted_batch_timeout`]) plus the [fence grace](Limits::fence_grace), so a
@@ -1244,74 +1318,8 @@ pub async fn cancel_fences(pair: TransportPair) {
     let rig = Rig::new(pair, &[SIZE], &[SIZE]).await;
     let deadline = rig.limits.interrupted_batch_timeout;
     for round in 0..3u64 {
-        rig.local[0]
-            .mem
-            .write_at(0, &Rng::new(round + 90).bytes(SIZE))
-            .unwrap();
-        let old = rig.snapshot_remote();
         let ops = scattered_ops(&rig, SIZE, 4096);
-        let mut new = old.clone();
-        apply(&mut new, &rig, &ops);
-        let posted = Instant::now();
-        let id = rig
-            .post(TransferBatch::write(ops).with_timeout(deadline))
-            .await
-            .unwrap_or_else(|e| panic!("[{}] {FENCING}: post failed: {e}", rig.name));
-        if round == 1 {
-            sleep(POLL).await;
-        }
-        let state = bounded(
-            rig.name,
-            FENCING,
-            "cancel",
-            rig.limits.call,
-            rig.sender.cancel(id),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("[{}] {FENCING}: cancel of batch {id} failed: {e}", rig.name));
-        let what = format!("batch {id} was cancelled (cancel returned {state:?})");
-        match state {
-            BatchState::Done => {
-                rig.assert_remote(&new, DATA, &what);
-                let r = rig.wait(id, deadline).await;
-                assert!(
-                    r.is_ok(),
-                    "[{}] {IDS}: cancel reported batch {id} done, but wait returned {r:?}",
-                    rig.name
-                );
-            }
-            // Timed out: the machine was slow enough that the deadline passed before cancel.
-            BatchState::Cancelled | BatchState::TimedOut => {
-                assert_old_or_new(&rig, &old, &new, FENCING, &what);
-                rig.assert_fenced(posted, deadline, &what).await;
-                let r = rig.wait(id, deadline).await;
-                assert!(
-                    match (&state, &r) {
-                        (BatchState::Cancelled, Err(TransportError::Cancelled { batch })) =>
-                            *batch == id,
-                        (BatchState::TimedOut, Err(TransportError::TimedOut { batch, .. })) =>
-                            *batch == id,
-                        _ => false,
-                    },
-                    "[{}] {IDS}: cancel reported batch {id} {state:?}, but wait returned {r:?}",
-                    rig.name
-                );
-            }
-            other => panic!(
-                "[{}] {FENCING}: cancel of a healthy batch must return Done, Cancelled or \
-                 (past its deadline) TimedOut, got {other:?}",
-                rig.name
-            ),
-        }
-        let again = bounded(
-            rig.name,
-            IDS,
-            "cancel",
-            rig.limits.call,
-            rig.sender.cancel(id),
-        )
-        .await;
-        assert_unknown_batch(rig.name, &again, id, "cancel after wait returned");
+        cancel_round(&rig, ops, deadline, round + 90, round == 1).await;
     }
     // Cancelling a batch that already finished keeps its final state.
     let mut model = rig.snapshot_remote();
@@ -2069,11 +2077,6 @@ pub async fn cancel_fences_mid_strided_op(pair: TransportPair) {
     let row = 1152u64;
     let rows = SIZE as u64 / (4 * row);
     for round in 0..2u64 {
-        rig.local[0]
-            .mem
-            .write_at(0, &Rng::new(round + 190).bytes(SIZE))
-            .unwrap();
-        let old = rig.snapshot_remote();
         // Four ops of `rows` rows each: every 4th source row, packed on the destination.
         let ops: Vec<_> = (0..4)
             .map(|k| {
@@ -2081,39 +2084,7 @@ pub async fn cancel_fences_mid_strided_op(pair: TransportPair) {
                     .with_rows(rows, 4 * row, row)
             })
             .collect();
-        let mut new = old.clone();
-        apply(&mut new, &rig, &ops);
-        let posted = Instant::now();
-        let id = rig
-            .post(TransferBatch::write(ops).with_timeout(deadline))
-            .await
-            .unwrap_or_else(|e| panic!("[{}] {FENCING}: post failed: {e}", rig.name));
-        if round == 1 {
-            sleep(POLL).await;
-        }
-        let state = bounded(
-            rig.name,
-            FENCING,
-            "cancel",
-            rig.limits.call,
-            rig.sender.cancel(id),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("[{}] {FENCING}: cancel of batch {id} failed: {e}", rig.name));
-        let what = format!("strided batch {id} was cancelled (cancel returned {state:?})");
-        match state {
-            BatchState::Done => rig.assert_remote(&new, DATA, &what),
-            BatchState::Cancelled | BatchState::TimedOut => {
-                assert_old_or_new(&rig, &old, &new, FENCING, &what);
-                rig.assert_fenced(posted, deadline, &what).await;
-            }
-            other => panic!(
-                "[{}] {FENCING}: cancel of a healthy strided batch must return Done, Cancelled \
-                 or TimedOut, got {other:?}",
-                rig.name
-            ),
-        }
-        let _ = rig.wait(id, deadline).await;
+        cancel_round(&rig, ops, deadline, round + 190, round == 1).await;
     }
 }
 
