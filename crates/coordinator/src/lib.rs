@@ -98,6 +98,7 @@ mod directory;
 mod error;
 #[cfg(test)]
 mod fuzz;
+pub mod ids;
 mod memory;
 mod messages;
 mod metrics;
@@ -119,6 +120,7 @@ pub use config::{DecodeConfig, PackBuffers, PrefillConfig};
 pub use decode::{DecodeAgent, DecodeAgentBuilder, FenceReport, ReceiveRequest};
 pub use directory::{PrefillDirectory, PrefillRankInfo, StaticDirectory};
 pub use error::{CoordinatorError, Result};
+pub use ids::{Generation, Incarnation, RoomId, SessionId};
 pub use memory::{AllocatedMemory, EntryRegion, KvMemory};
 pub use messages::{
     AbortAck, AbortRequest, CONTROL_PROTOCOL_VERSION, ControlMessage, Heartbeat, Registration,

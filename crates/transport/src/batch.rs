@@ -450,7 +450,7 @@ impl Batches {
     }
 
     fn lock(&self) -> MutexGuard<'_, BatchTable> {
-        self.table.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.table)
     }
 
     /// See [`BatchTable::insert`].

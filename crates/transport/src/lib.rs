@@ -38,6 +38,7 @@ pub mod batch;
 pub mod delegate;
 mod error;
 pub mod memory;
+pub mod sync;
 #[cfg(any(test, feature = "testing"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
