@@ -91,16 +91,13 @@
 
 mod agreement;
 pub mod bootstrap;
-mod channel;
 mod config;
 mod decode;
 mod directory;
 mod error;
 #[cfg(test)]
 mod fuzz;
-pub mod ids;
 mod memory;
-mod messages;
 mod metrics;
 pub mod net_channel;
 mod outbox;
@@ -111,22 +108,27 @@ mod state;
 pub mod testing;
 mod timer;
 
+// The control channel, its messages and ids are kvbridge-control's; these keep the paths
+// `crate::channel`, `crate::messages` and `kvbridge_coordinator::ids` of earlier releases.
+pub use kvbridge_control::ids;
+use kvbridge_control::{channel, messages};
+
 pub use agreement::{LocalOnly, RankAgreement, SharedMin};
-pub use channel::{
-    ControlChannel, DEFAULT_HUB_QUEUE, DynControlChannel, Endpoint, Envelope, InProcessChannel,
-    InProcessControlHub,
-};
 pub use config::{DecodeConfig, PackBuffers, PrefillConfig};
 pub use decode::{DecodeAgent, DecodeAgentBuilder, FenceReport, ReceiveRequest};
 pub use directory::{PrefillDirectory, PrefillRankInfo, StaticDirectory};
 pub use error::{CoordinatorError, Result};
-pub use ids::{Generation, Incarnation, RoomId, SessionId};
-pub use memory::{AllocatedMemory, EntryRegion, KvMemory};
-pub use messages::{
+pub use kvbridge_control::{
     AbortAck, AbortRequest, CONTROL_PROTOCOL_VERSION, ControlMessage, Heartbeat, Registration,
     RegistrationOutcome, RegistrationReply, StatusUpdate, TransferInfo, TransportInfo, WireProblem,
     WireRegion, render_problems,
 };
+pub use kvbridge_control::{
+    ControlChannel, ControlError, DEFAULT_HUB_QUEUE, DynControlChannel, Endpoint, Envelope,
+    InProcessChannel, InProcessControlHub, ProtocolVersion,
+};
+pub use kvbridge_control::{Generation, Incarnation, RoomId, SessionId};
+pub use memory::{AllocatedMemory, EntryRegion, KvMemory};
 pub use metrics::{LATENCY_BUCKETS_MS, LatencyHistogram, MetricsSnapshot};
 pub use plan::Chunk;
 pub use prefill::{PrefillAgent, PrefillAgentBuilder};

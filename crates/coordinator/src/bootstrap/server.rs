@@ -12,7 +12,6 @@ use tokio::time::Instant;
 use super::Registry;
 use super::http::{Limits, Response, head_end, parse_request_head};
 use crate::error::{CoordinatorError, Result};
-use crate::net_channel::closed;
 
 /// Settings of a [`BootstrapServer`].
 #[derive(Debug, Clone)]
@@ -192,6 +191,11 @@ impl BootstrapServer {
     pub fn shutdown(&self) {
         self.shutdown.send_replace(true);
     }
+}
+
+/// Resolves once the shutdown flag is set (at once if it already is).
+async fn closed(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|&c| c).await;
 }
 
 async fn purge_loop(registry: Registry, ttl: Duration, mut shutdown: watch::Receiver<bool>) {
