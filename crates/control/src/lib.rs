@@ -11,6 +11,8 @@
 //!   kvbridge-auth shared-secret handshake.
 //! * [`ids`] — typed room, incarnation, generation and session ids; [`RoomState`] and
 //!   [`FailureCause`], the state and cause a status carries.
+//! * `fuzz` (feature `testing`) — the mutation-fuzzing kit the tests of peer-facing decoders
+//!   share (this crate's, the bootstrap registry's).
 //! * [`ControlError`] — the one error type; a third-party channel depends on this crate
 //!   alone and reports its own failures as [`ControlError::Custom`].
 //!
@@ -30,8 +32,9 @@
 pub mod channel;
 mod endpoint;
 mod error;
-#[cfg(test)]
-mod fuzz;
+#[cfg(any(test, feature = "testing"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod fuzz;
 pub mod ids;
 pub mod messages;
 mod state;
