@@ -12,7 +12,8 @@ use common::{Spec, mla, rig};
 use kvbridge_coordinator::net_channel::{NetChannel, NetChannelConfig};
 use kvbridge_coordinator::{
     CONTROL_PROTOCOL_VERSION, ControlChannel, ControlMessage, Endpoint, FailureCause, Heartbeat,
-    KvMemory, PrefillAgent, Registration, RegistrationOutcome, TransportInfo, WireRegion,
+    KvMemory, PrefillAgent, ProtocolVersion, Registration, RegistrationOutcome, TransportInfo,
+    WireRegion,
 };
 use kvbridge_mock::LoopbackTransport;
 use kvbridge_transport::KvTransport;
@@ -150,5 +151,76 @@ fn the_same_register_message_on_two_connections_is_answered_twice() {
             .expect("a pong within 30 s")
             .unwrap();
         assert_eq!(pong.message, ControlMessage::Pong(Heartbeat { nonce: 3 }));
+    });
+}
+
+/// A prefill serves a decode of the same control-protocol major whatever its minor (older or
+/// newer), and refuses another major with `KVB-PROTOCOL` naming both versions.
+#[test]
+fn registrations_of_the_same_major_pass_the_version_check_and_another_major_is_refused() {
+    within(Duration::from_secs(120), false, async || {
+        let hub = kvbridge_coordinator::InProcessControlHub::new();
+        let pd = mla("prefill", 16, 2, 64, 1, 0, 1);
+        let pt: Arc<dyn KvTransport> = Arc::new(LoopbackTransport::new());
+        let pmem = KvMemory::allocate(&*pt, &pd, 8, 2).await.unwrap();
+        let prefill = PrefillAgent::builder(
+            pd,
+            pmem.memory.clone(),
+            pt,
+            Arc::new(hub.channel("prefill-0").unwrap()),
+        )
+        .start()
+        .unwrap();
+        let decode = hub.channel("decode-0").unwrap();
+        let dd = mla("decode", 16, 2, 64, 1, 0, 1);
+        let dmem = KvMemory::allocate(&LoopbackTransport::new(), &dd, 8, 2)
+            .await
+            .unwrap();
+        let ours = CONTROL_PROTOCOL_VERSION;
+        let cases = [
+            (ProtocolVersion::new(ours.major, 0), false),
+            (ours, false),
+            (ProtocolVersion::new(ours.major, ours.minor + 5), false),
+            (ProtocolVersion::new(ours.major + 1, 0), true),
+        ];
+        for (session, (version, refused)) in (1u64..).zip(cases) {
+            let ControlMessage::Register(mut reg) =
+                refused_registration(dd.clone(), &dmem.memory, &decode.local_endpoint())
+            else {
+                unreachable!()
+            };
+            reg.protocol = version;
+            reg.session = session.into();
+            decode
+                .send(&prefill.endpoint(), ControlMessage::Register(reg))
+                .await
+                .unwrap();
+            let reply = common::bounded(decode.recv()).await.unwrap();
+            let ControlMessage::RegisterReply(reply) = reply.message else {
+                panic!("expected a registration reply, got {reply:?}")
+            };
+            let RegistrationOutcome::Rejected { problems } = reply.result else {
+                panic!("the unknown transport is refused after the version check")
+            };
+            let version_problem = problems.iter().find(|p| p.code == "KVB-PROTOCOL");
+            assert_eq!(
+                version_problem.is_some(),
+                refused,
+                "{version}: {problems:?}"
+            );
+            if let Some(p) = version_problem {
+                assert!(
+                    p.message.contains(&format!("decode speaks {version}"))
+                        && p.message.contains(&format!("this prefill speaks {ours}")),
+                    "{p}"
+                );
+                assert!(p.remedy.contains("same major version"), "{p}");
+            } else {
+                assert!(
+                    problems.iter().any(|p| p.code == "KVB-TRANSPORT"),
+                    "{problems:?}"
+                );
+            }
+        }
     });
 }
