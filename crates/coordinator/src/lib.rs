@@ -4,9 +4,9 @@
 //! * [`PrefillAgent`] / [`DecodeAgent`] — one per rank, each built from its
 //!   [`PeerDescriptor`](kvbridge_handshake::PeerDescriptor), its registered [`KvMemory`] and an
 //!   `Arc<dyn KvTransport>`, talking over a [`ControlChannel`].
-//! * [`ControlChannel`] — the small async trait the agents talk over; [`InProcessControlHub`]
-//!   implements it in one process, a network implementation frames the same
-//!   [`ControlMessage`]s as JSON.
+//! * [`ControlChannel`] — the small async trait the agents talk over (kvbridge-control,
+//!   re-exported here); [`InProcessControlHub`] implements it in one process,
+//!   [`net_channel::NetChannel`] over TCP, both framing the same [`ControlMessage`]s as JSON.
 //! * [`PrefillDirectory`] — how a decode finds the prefill ranks behind a bootstrap address
 //!   ([`StaticDirectory`] in one process).
 //! * [`RoomState`] / [`RoomStatus`] — SGLang's `KVPoll` state machine with its update rule;
