@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use kvbridge_geometry::{GeometryError, PoolKind, prepare_dcp_token_item_lens};
 use serde::Serialize;
 
-use crate::descriptor::{PeerDescriptor, ProtocolVersion, Role};
+use crate::descriptor::{PeerDescriptor, Role, dtype_bytes};
 use crate::error::{HandshakeError, Result};
 use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::limits;
@@ -17,6 +17,7 @@ use crate::mapping::{
     sglang_head_slice, sglang_is_dummy, sglang_targets,
 };
 use crate::problem::{Problem, ProblemCode, Severity};
+use crate::version::ProtocolVersion;
 
 /// Which envelope of supported setups `check` applies.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize)]
@@ -380,18 +381,6 @@ fn build_mapping(
     })
 }
 
-/// Bytes per element for dtype strings whose size is known (`auto` and unknown names: `None`).
-pub fn dtype_bytes(dtype: &str) -> Option<u64> {
-    match dtype.to_ascii_lowercase().as_str() {
-        "fp8" | "fp8_e4m3" | "fp8_e5m2" | "float8_e4m3fn" | "float8_e5m2" | "int8" | "uint8" => {
-            Some(1)
-        }
-        "bf16" | "bfloat16" | "fp16" | "float16" | "half" => Some(2),
-        "fp32" | "float32" | "float" => Some(4),
-        _ => None,
-    }
-}
-
 fn python_set(values: &[u64]) -> String {
     let set: BTreeSet<u64> = values.iter().copied().collect();
     let items: Vec<String> = set.iter().map(u64::to_string).collect();
@@ -480,6 +469,27 @@ impl Checker<'_> {
                         ),
                     )
                     .with(format!("{side}.protocol_version"), d.protocol_version),
+                );
+            } else if !d.unknown_fields().is_empty() {
+                let fields = d.unknown_fields().join(", ");
+                self.push(
+                    Problem::new(
+                        ProblemCode::NewerMinorFields,
+                        format!(
+                            "{side} descriptor uses protocol_version {}, newer than this kvbridge's {}; \
+                             its fields {fields} are unknown here and ignored",
+                            d.protocol_version,
+                            ProtocolVersion::CURRENT
+                        ),
+                        format!(
+                            "nothing is required (a newer minor version only adds fields whose defaults \
+                             keep the old meaning); to use them, upgrade this side to a release that \
+                             speaks protocol {}",
+                            d.protocol_version
+                        ),
+                    )
+                    .with(format!("{side}.protocol_version"), d.protocol_version)
+                    .with(format!("{side}.unknown_fields"), fields),
                 );
             }
         }

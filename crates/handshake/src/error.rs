@@ -1,7 +1,7 @@
 //! The error type of this crate's API (not the problems `check` finds: those are data).
 
-use crate::descriptor::ProtocolVersion;
 use crate::problem::Problem;
+use crate::version::ProtocolVersion;
 
 /// A failure of the handshake API: a descriptor that cannot be parsed, a protocol version this
 /// build refuses, or a rank mapping asked for where its preconditions do not hold.

@@ -35,6 +35,7 @@
 
 #![forbid(unsafe_code)]
 
+mod builder;
 mod catalog;
 mod check;
 mod descriptor;
@@ -43,12 +44,14 @@ mod fingerprint;
 mod limits;
 mod mapping;
 mod problem;
+mod version;
 
+pub use builder::PeerDescriptorBuilder;
+pub use catalog::{catalog, catalog_markdown, explain};
 pub use check::{
-    CheckOptions, Compat, RankReport, Report, check, check_all_ranks, check_with, dtype_bytes,
-    rank_mapping,
+    CheckOptions, Compat, RankReport, Report, check, check_all_ranks, check_with, rank_mapping,
 };
-pub use descriptor::{PeerDescriptor, PeerDescriptorBuilder, ProtocolVersion, Role};
+pub use descriptor::{PeerDescriptor, Role, dtype_bytes};
 pub use error::{HandshakeError, Result};
 pub use fingerprint::{
     FieldDiff, Fingerprint, canonical_encoding, compat_fields, fingerprint, fingerprint_diff,
@@ -63,6 +66,5 @@ pub use mapping::{
     HeadRange, MappingInput, PeerTarget, RankMapping, TargetRanks, TransferPath, bootstrap_order,
     prefill_unique_rank, sglang_is_dummy, sglang_rank_mapping,
 };
-pub use problem::{
-    DetectedBy, Problem, ProblemCode, ProblemInfo, Severity, catalog, catalog_markdown, explain,
-};
+pub use problem::{DetectedBy, Problem, ProblemCode, ProblemInfo, Severity};
+pub use version::ProtocolVersion;

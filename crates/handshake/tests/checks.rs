@@ -454,6 +454,34 @@ fn w002_extra_trailing_aux_buffer_is_a_warning() {
 }
 
 #[test]
+fn w003_fields_of_a_newer_minor_version_are_a_warning() {
+    let p = with(
+        &mla("prefill", 4, 1, 0),
+        json!({"protocol_version": "1.3", "kv_zones": 4, "zone_names": ["a"]}),
+    );
+    assert_eq!(p.unknown_fields(), ["kv_zones", "zone_names"]);
+    for r in both(&p, &mla("decode", 4, 1, 1)) {
+        assert!(r.is_compatible(), "{:?}", r.problems);
+        assert!(r.mapping.is_some());
+        assert_eq!(r.warnings.len(), 1, "{:?}", r.warnings);
+        let w = &r.warnings[0];
+        assert_eq!(
+            (w.code, w.severity),
+            (C::NewerMinorFields, Severity::Warning)
+        );
+        assert_eq!(w.code.as_str(), "KVB-W003");
+        assert_eq!(
+            w.message,
+            "prefill descriptor uses protocol_version 1.3, newer than this kvbridge's 1.0; its \
+             fields kv_zones, zone_names are unknown here and ignored"
+        );
+    }
+    // A newer minor version without new fields is nothing to warn about.
+    let p = with(&mla("prefill", 4, 1, 0), json!({"protocol_version": "1.3"}));
+    assert!(check(&p, &mla("decode", 4, 1, 1)).warnings.is_empty());
+}
+
+#[test]
 fn e018_head_slicing_needs_one_item_length() {
     // Draft entries with another geometry on an MHA pool, TP 2 -> TP 4.
     let p = with(

@@ -135,15 +135,78 @@ fn newer_major_is_refused_for_its_version_not_its_new_fields() {
 }
 
 #[test]
-fn newer_minor_with_new_field_says_so() {
+fn newer_minor_fields_are_read_around_and_listed() {
     let text = MINIMAL.replace(
         "\"role\"",
-        "\"protocol_version\": \"1.4\", \"kv_zones\": 4, \"role\"",
+        "\"protocol_version\": \"1.4\", \"kv_zones\": 4, \"zone_names\": [\"a\"], \"role\"",
     );
-    let e = PeerDescriptor::from_json(&text).expect_err("unknown field");
-    let t = e.to_string();
-    assert!(t.contains("unknown field `kv_zones`"), "{t}");
-    assert!(t.contains("newer than this build's 1.0"), "{t}");
+    let d = PeerDescriptor::from_json(&text).expect("a newer minor version is readable");
+    assert_eq!(d.unknown_fields(), ["kv_zones", "zone_names"]);
+    assert_eq!(d.protocol_version, ProtocolVersion { major: 1, minor: 4 });
+    // Every known field is read as if the new ones were absent.
+    let without = PeerDescriptor::from_json(
+        &MINIMAL.replace("\"role\"", "\"protocol_version\": \"1.4\", \"role\""),
+    )
+    .expect("parse");
+    assert!(without.unknown_fields().is_empty());
+    assert_eq!(
+        d.to_json_pretty(),
+        without.to_json_pretty(),
+        "unknown fields are not written back"
+    );
+    // The same rules hold where a descriptor arrives inside another message.
+    let inside = format!("{{\"descriptor\": {text}}}");
+    let v: std::collections::BTreeMap<String, PeerDescriptor> =
+        serde_json::from_str(&inside).expect("embedded newer minor");
+    assert_eq!(v["descriptor"], d);
+}
+
+#[test]
+fn unknown_fields_at_this_or_an_older_minor_are_still_typos() {
+    for version in [
+        "",
+        "\"protocol_version\": \"1.0\", ",
+        "\"protocol_version\": 1, ",
+    ] {
+        let text = MINIMAL.replace("\"role\"", &format!("{version}\"kv_zones\": 4, \"role\""));
+        let e = PeerDescriptor::from_json(&text).expect_err("unknown field");
+        assert!(
+            matches!(&e, HandshakeError::Json { message, .. } if message.contains("unknown field `kv_zones`")),
+            "{e:?}"
+        );
+        let inside = format!("{{\"descriptor\": {text}}}");
+        let e = serde_json::from_str::<std::collections::BTreeMap<String, PeerDescriptor>>(&inside)
+            .expect_err("embedded typo");
+        assert!(e.to_string().contains("unknown field `kv_zones`"), "{e}");
+    }
+}
+
+#[test]
+fn newer_major_is_refused_with_the_upgrade_to_make() {
+    let text = MINIMAL.replace(
+        "\"role\"",
+        "\"protocol_version\": \"2.0\", \"kv_zones\": 4, \"role\"",
+    );
+    let e = PeerDescriptor::from_json(&text).expect_err("newer major");
+    assert!(
+        matches!(
+            e,
+            HandshakeError::UnsupportedProtocolVersion {
+                seen: ProtocolVersion { major: 2, minor: 0 },
+                supported: ProtocolVersion::CURRENT,
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string()
+            .contains("upgrade kvbridge on this side to a release that speaks protocol 2.x"),
+        "{e}"
+    );
+    let inside = format!("{{\"descriptor\": {text}}}");
+    let e = serde_json::from_str::<std::collections::BTreeMap<String, PeerDescriptor>>(&inside)
+        .expect_err("embedded newer major");
+    assert!(e.to_string().contains("protocol_version 2.0"), "{e}");
 }
 
 #[test]
