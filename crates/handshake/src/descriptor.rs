@@ -1,7 +1,9 @@
 //! What one rank advertises: [`PeerDescriptor`] and its JSON form.
 
+use std::collections::BTreeSet;
 use std::fmt;
 use std::str::FromStr;
+use std::sync::OnceLock;
 
 use kvbridge_geometry::PoolKind;
 use serde::{Deserialize, Serialize};
@@ -143,29 +145,24 @@ pub struct PeerDescriptor {
     pub(crate) unknown_fields: Vec<String>,
 }
 
-/// Every JSON field this build knows (kept equal to the struct's by a test).
-const FIELDS: &[&str] = &[
-    "role",
-    "protocol_version",
-    "page_size",
-    "kv_cache_dtype",
-    "kv_layout",
-    "kv_pool",
-    "attn_tp_size",
-    "attn_tp_rank",
-    "attn_cp_size",
-    "attn_cp_rank",
-    "pp_size",
-    "pp_rank",
-    "dcp_size",
-    "dcp_rank",
-    "kv_cache_sharding",
-    "total_kv_heads",
-    "head_dim",
-    "kv_item_lens",
-    "num_draft_entries",
-    "aux_item_lens",
-];
+/// Every JSON field this build knows: the names serde writes, which are the names it reads
+/// (one derive, no renames), taken from the smallest descriptor with every optional field that
+/// may be left out of the output set.
+fn known_fields() -> &'static BTreeSet<String> {
+    static KNOWN: OnceLock<BTreeSet<String>> = OnceLock::new();
+    KNOWN.get_or_init(|| {
+        let smallest = serde_json::json!({
+            "role": "prefill", "page_size": 1, "kv_cache_dtype": "auto", "kv_pool": "mha",
+            "attn_tp_size": 1, "kv_item_lens": [], "total_kv_heads": 1, "head_dim": 1,
+        });
+        // The derived (strict) reader: the version rules would ask for this set again.
+        let written = PeerDescriptor::deserialize(smallest).and_then(serde_json::to_value);
+        match written {
+            Ok(serde_json::Value::Object(fields)) => fields.keys().cloned().collect(),
+            _ => BTreeSet::new(),
+        }
+    })
+}
 
 /// How a descriptor's JSON object is read, decided by its declared version.
 enum Reading {
@@ -192,7 +189,7 @@ fn reading(value: &serde_json::Value) -> Result<Reading> {
     let unknown: Vec<String> = match value.as_object() {
         Some(fields) if newer_minor => fields
             .keys()
-            .filter(|k| !FIELDS.contains(&k.as_str()))
+            .filter(|k| !known_fields().contains(k.as_str()))
             .cloned()
             .collect(),
         _ => Vec::new(),
@@ -340,31 +337,5 @@ pub fn dtype_bytes(dtype: &str) -> Option<u64> {
         "bf16" | "bfloat16" | "fp16" | "float16" | "half" => Some(2),
         "fp32" | "float32" | "float" => Some(4),
         _ => None,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// `FIELDS` decides which fields of a newer minor version are unknown: it must name
-    /// exactly the fields serde reads.
-    #[test]
-    fn fields_lists_every_json_field() {
-        let mut d = PeerDescriptor::mla(Role::Decode, 16, 1, 8)
-            .build()
-            .expect("complete");
-        d.total_kv_heads = Some(1);
-        d.head_dim = Some(1);
-        let value = serde_json::to_value(&d).expect("serialise");
-        let written: Vec<&str> = value
-            .as_object()
-            .expect("object")
-            .keys()
-            .map(String::as_str)
-            .collect();
-        let mut known = FIELDS.to_vec();
-        known.sort_unstable();
-        assert_eq!(written, known);
     }
 }

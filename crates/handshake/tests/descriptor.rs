@@ -28,7 +28,8 @@ fn defaults_of_omitted_fields() {
 
 #[test]
 fn round_trip_keeps_every_field_name() {
-    let d = PeerDescriptor::from_json(MINIMAL).expect("parse");
+    let mut d = PeerDescriptor::from_json(MINIMAL).expect("parse");
+    (d.total_kv_heads, d.head_dim) = (Some(8), Some(128));
     let text = d.to_json_pretty();
     for field in [
         "role",
@@ -46,6 +47,8 @@ fn round_trip_keeps_every_field_name() {
         "dcp_size",
         "dcp_rank",
         "kv_cache_sharding",
+        "total_kv_heads",
+        "head_dim",
         "kv_item_lens",
         "num_draft_entries",
         "aux_item_lens",
@@ -159,6 +162,30 @@ fn newer_minor_fields_are_read_around_and_listed() {
     let v: std::collections::BTreeMap<String, PeerDescriptor> =
         serde_json::from_str(&inside).expect("embedded newer minor");
     assert_eq!(v["descriptor"], d);
+}
+
+#[test]
+fn a_newer_minor_version_keeps_every_field_this_build_knows() {
+    let mut full = PeerDescriptor::mha(Role::Decode, 32, 2, 8, 128)
+        .kv_cache_dtype("bfloat16")
+        .kv_layout("NHD")
+        .attn_tp(4, 3)
+        .attn_cp(1, 0)
+        .pp(2, 1)
+        .dcp(2)
+        .kv_cache_sharding(true)
+        .num_draft_entries(1)
+        .aux_item_lens(vec![4, 8])
+        .protocol_version(ProtocolVersion { major: 1, minor: 9 })
+        .build()
+        .expect("complete");
+    let mut value: serde_json::Value = serde_json::from_str(&full.to_json_pretty()).expect("json");
+    value["kv_zones"] = serde_json::json!(4);
+    let read = PeerDescriptor::from_json(&value.to_string()).expect("newer minor");
+    assert_eq!(read.unknown_fields(), ["kv_zones"]);
+    assert_eq!(read.to_json_pretty(), full.to_json_pretty());
+    full.kv_layout = None;
+    assert_ne!(read, full);
 }
 
 #[test]
