@@ -1,9 +1,9 @@
-//! Every check of spec 02 that applies to descriptors, one test (or more) per problem code,
-//! in both compatibility modes. Spec texts are asserted verbatim.
+//! Every check that applies to descriptors, one test (or more) per problem code of
+//! docs/errors.md, in both compatibility modes. SGLang's texts are asserted verbatim.
 
 mod common;
 
-use common::{desc, gqa, mla, with};
+use common::{gqa, mla, with};
 use kvbridge_handshake::{
     CheckOptions, Compat, HandshakeError, PoolKind, ProblemCode as C, ProtocolVersion, Report,
     Severity, TransferPath, check, check_with,
@@ -41,7 +41,7 @@ fn matching_mla_pair_is_compatible_with_mapping_and_no_warnings() {
     }
 }
 
-// ---- spec 02 §3, decode-side checks ----
+// ---- SGLang's decode-side checks (KVB-E001..E012) ----
 
 #[test]
 fn e001_page_size_mismatch_sglang_text_and_kvbridge_accepts() {
@@ -237,7 +237,7 @@ fn e012_pp_sizes() {
     assert_eq!(r.mapping.expect("compatible").target_pp_ranks, [0, 1, 2, 3]);
 }
 
-// ---- spec 02 §4.4 DCP topology table (SGLang mode), and kvbridge's answers ----
+// ---- DCP topologies (KVB-E014 in SGLang mode), and kvbridge's answers ----
 
 #[test]
 fn topology_1_to_1_page_path_any_pool() {
@@ -328,7 +328,7 @@ fn topology_4_to_1_and_4_to_2_unsupported_in_sglang() {
     }
 }
 
-// ---- spec 01 §5.7 geometry check ----
+// ---- DCP geometry check (docs/planning.md, "DCP geometry check") ----
 
 #[test]
 fn e015_dcp_entry_count() {
@@ -347,7 +347,7 @@ fn e015_dcp_entry_count() {
 
 #[test]
 fn e016_dcp_geometry_spec_example() {
-    // Spec 01 §5.7: P=64, src [2048,2048,1024], one draft, dst [2048,2048,4096], d=4 -> OK.
+    // P=64, src [2048,2048,1024], one draft, dst [2048,2048,4096], d=4 -> OK.
     let p = with(
         &mla("prefill", 4, 1, 0),
         json!({"kv_pool": "hybrid_mla", "kv_item_lens": [2048, 2048, 1024], "num_draft_entries": 1}),
@@ -408,7 +408,7 @@ fn e016_generalised_for_prefill_dcp_and_page_sizes() {
     );
 }
 
-// ---- spec 02 §4.2 aux buffers, §4.3 head slicing ----
+// ---- aux buffers (KVB-E017, KVB-W002), head slicing (KVB-E018) ----
 
 #[test]
 fn e017_aux_buffers_differ() {
@@ -589,8 +589,9 @@ fn e023_dcp_not_nested_in_tp() {
 
 #[test]
 fn e025_head_geometry_missing_or_different() {
-    let d = desc(
-        json!({"role": "decode", "kv_pool": "mha", "attn_tp_size": 4, "kv_item_lens": [32768, 32768]}),
+    let d = with(
+        &gqa("decode", 4, 8, 0),
+        json!({"total_kv_heads": null, "head_dim": null, "kv_item_lens": [32768, 32768]}),
     );
     let r = check(&gqa("prefill", 4, 8, 0), &d);
     assert!(r.problems.iter().any(|p| p.code == C::HeadGeometry
