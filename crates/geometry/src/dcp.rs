@@ -49,7 +49,8 @@ pub struct DcpPlanInput<'a> {
 }
 
 impl<'a> DcpPlanInput<'a> {
-    /// Validates the inputs (recommended Rust contract of spec §5.3) and returns the plan.
+    /// Validates the inputs (the contract in docs/planning.md, "Prefill DCP 1 → decode DCP d")
+    /// and returns the plan.
     ///
     /// Order: `P = 0`, `d = 0`, `r ≥ d`, `P` and `d` above their maxima up front; then (1)
     /// prefix alignment (0.5.23 text), `chunk_start` a multiple of `P`; (2) `n == 0` → empty
@@ -333,7 +334,7 @@ pub fn build_dcp_token_transfer_plan(input: &DcpPlanInput<'_>) -> Result<DcpToke
 }
 
 impl DcpPlan<'_> {
-    /// Byte ranges of this plan (spec §5.6): for every entry pair whose source is a target
+    /// Byte ranges of this plan (docs/planning.md, "Prefill DCP 1 → decode DCP d"): for every entry pair whose source is a target
     /// entry, the coalesced target runs at `row · token_bytes`; for every pair whose source is
     /// a draft entry, the draft runs. Pairs are walked in the given order (entry-major), and
     /// the empty plan posts nothing.
@@ -344,7 +345,7 @@ impl DcpPlan<'_> {
     /// # Errors
     /// [`GeometryError::InvalidGeometry`] when a pool's page size is not the plan's `P`;
     /// [`GeometryError::EntryOutOfRange`]; [`GeometryError::WidthMismatch`] when paired token
-    /// widths differ (the per-pair form of the §5.7 check); [`GeometryError::PageOutOfRange`].
+    /// widths differ (the per-pair form of the DCP geometry check); [`GeometryError::PageOutOfRange`].
     pub fn byte_ranges(
         &self,
         src: &crate::PoolGeometry,

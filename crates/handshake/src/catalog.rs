@@ -93,7 +93,7 @@ advertise and lists **every** problem at once, each with a stable code. `kvbridg
 prints the entry below for one code (`kvbridge explain KVB-E007`, `explain E7` works too).
 
 Codes `KVB-E001`–`KVB-E018` are checks SGLang 0.5.23 performs itself (E001–E012 numbered after
-the rows of its decode-side check table, spec 02 §3), with SGLang's message word for word;
+the order its decode side runs them), with SGLang's message word for word;
 `KVB-E020`–`KVB-E033` catch setups SGLang lets through but that fail later (a hang, a 404, a
 dead control thread, an allocation of a peer-claimed size) or silently corrupt the KV cache;
 `KVB-E040`–`KVB-E042` are raised by the planner per request; `KVB-Wnnn` are warnings (the
@@ -172,11 +172,11 @@ SGLang's text (`KVB-E001`, `KVB-E013`, `KVB-E014`). Both modes refuse what canno
 These SGLang checks need fields a `PeerDescriptor` does not carry; kvbridge does not invent
 them. Their codes are reserved (`KVB-E003`, `KVB-E005`, `KVB-E006`) and explained below.
 
-- MiniMax sparse PD index state (spec 02 §3 row 3), DeepSeek-V4.1 DSpark layouts (rows 5a/5b),
-  MXFP8 block-scale state types (row 6).
+- MiniMax sparse PD index state (`KVB-E003`), DeepSeek-V4.1 DSpark layouts (`KVB-E005`),
+  MXFP8 block-scale state types (`KVB-E006`).
 - State pools (Mamba, SWA, DSA) and their head-sliced layouts, `kv_layer_ids` pairing,
   DeepSeek-V4 compressed-MLA grouped layouts.
-- Per-request checks of the transfer lifecycle (spec 02 §3 "Per request", §4.1): decode
+- Per-request checks of the transfer lifecycle, on the decode and on the prefill: decode
   allocation policy, `follow_bootstrap_room` DP routing, bootstrap lookups and send failures.
   These are runtime failures of one request, not properties of two descriptors.
 

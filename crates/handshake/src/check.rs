@@ -1,4 +1,5 @@
-//! `check`: every compatibility check of spec 02, all problems at once.
+//! `check`: every compatibility check between two descriptors, all problems at once (each one
+//! is an entry of docs/errors.md).
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt::Write as _;
@@ -118,13 +119,14 @@ pub fn check(prefill: &PeerDescriptor, decode: &PeerDescriptor) -> Report {
     check_with(prefill, decode, &CheckOptions::default())
 }
 
-/// Check a prefill descriptor against a decode rank's descriptor: every check of spec 02 that
-/// applies to what descriptors carry, plus what SGLang lets through but cannot work. Returns
+/// Check a prefill descriptor against a decode rank's descriptor: every check of SGLang 0.5.23
+/// that applies to what descriptors carry, plus what SGLang lets through but cannot work. Returns
 /// **all** problems; computes the rank mapping when there are none.
 ///
-/// Order: descriptor sanity (per side), then SGLang's decode-side checks (spec 02 §3, in
-/// order), the rank-mapping preconditions, the prefill-side registration checks (DCP topology,
-/// per-entry geometry, aux buffers, spec 02 §4), and the warnings.
+/// Order: descriptor sanity (per side), then SGLang's decode-side checks (`KVB-E001`..`E012`,
+/// in SGLang's order), the rank-mapping preconditions, the prefill-side registration checks
+/// SGLang runs when a decode registers (DCP topology, per-entry geometry, aux buffers), and the
+/// warnings. Each problem is an entry of docs/errors.md.
 pub fn check_with(
     prefill: &PeerDescriptor,
     decode: &PeerDescriptor,
@@ -877,7 +879,8 @@ impl Checker<'_> {
         }
     }
 
-    /// Spec 02 §3 rows 1, 2, 4, 7, 8, 9 (rows 3, 5, 6 need fields descriptors do not carry).
+    /// SGLang's decode-side checks `KVB-E001`, `E002`, `E004`, `E007`, `E008`, `E009` (`E003`,
+    /// `E005`, `E006` need fields descriptors do not carry).
     fn spec_decode_checks(&mut self) {
         let (p, d) = (self.p, self.d);
         if p.page_size != d.page_size && self.sglang() {
@@ -1108,7 +1111,8 @@ impl Checker<'_> {
         }
     }
 
-    /// Spec 02 §4.4, run for each prefill rank this decode rank registers with.
+    /// SGLang's DCP topology check (`KVB-E013`, `KVB-E014`), run for each prefill rank this
+    /// decode rank registers with.
     fn dcp_topology(&mut self) {
         let (p, d) = (self.p, self.d);
         let (a, b) = (p.dcp_size, d.dcp_size);
@@ -1186,7 +1190,7 @@ impl Checker<'_> {
         let n = p.kv_item_lens.len();
         let nd = p.num_draft_entries;
         if relayout {
-            // Spec 01 §5.7.
+            // docs/planning.md, "DCP geometry check".
             let dst = &d.kv_item_lens;
             let b = u64::from(d.dcp_size);
             let mut count_ok = dst.len() == n;
@@ -1332,7 +1336,7 @@ impl Checker<'_> {
         }
     }
 
-    /// Spec 02 §4.3: head slicing assumes one item length for every KV entry.
+    /// `KVB-E018`: head slicing assumes one item length for every KV entry.
     fn head_slice_item_lens(&mut self) {
         let (p, d) = (self.p, self.d);
         if p.kv_pool != PoolKind::Mha || p.attn_tp_size == d.attn_tp_size {

@@ -8,7 +8,8 @@
 //!   values seen and a remedy; plus the [`RankMapping`] when compatible.
 //! * [`Compat`] — `Kvbridge` (default: what kvbridge's planner supports, a superset of SGLang)
 //!   or `Sglang` (exactly SGLang 0.5.23's envelope).
-//! * [`sglang_rank_mapping`] — SGLang's rank mapping, rule for rule (spec 02 §6).
+//! * [`sglang_rank_mapping`] — SGLang's rank mapping, rule for rule
+//!   (docs/planning.md, "Rank mapping").
 //! * [`fingerprint`] / [`fingerprint_diff`] — a stable hash for a cheap equality fast path, and
 //!   the field-by-field explanation of a mismatch.
 //! * [`MAX_PAGE_SIZE`], [`MAX_GROUP_SIZE`], [`MAX_DEPLOYMENT_RANKS`] and the other maxima —

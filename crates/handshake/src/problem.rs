@@ -8,8 +8,8 @@ use serde::{Serialize, Serializer};
 /// A stable problem code. The string form (`KVB-E007`) never changes meaning; new problems get
 /// new codes.
 ///
-/// `KVB-E001`–`KVB-E018` follow SGLang 0.5.23's own checks (E001–E012 in the order of spec 02
-/// §3, whose rows they are numbered after); `KVB-E020`–`KVB-E033` are what SGLang lets through
+/// `KVB-E001`–`KVB-E018` follow SGLang 0.5.23's own checks (E001–E012 in the order SGLang's
+/// decode side runs them; docs/errors.md lists each); `KVB-E020`–`KVB-E033` are what SGLang lets through
 /// but cannot work; `KVB-E040`–`KVB-E042` are raised by the planner per request; `KVB-Wnnn` are warnings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[non_exhaustive]

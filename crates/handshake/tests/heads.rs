@@ -1,4 +1,4 @@
-//! GQA/MHA head mapping: SGLang's head slices per peer (spec 01 §4 verified values), and
+//! GQA/MHA head mapping: SGLang's head slices per peer (SGLang 0.5.23's values; docs/planning.md, "MHA/GQA head slicing"), and
 //! kvbridge's exact plan where every decode rank receives each of its KV heads exactly once,
 //! replicated KV heads included.
 
