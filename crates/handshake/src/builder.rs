@@ -237,12 +237,47 @@ impl PeerDescriptorBuilder {
     /// `dcp_size` does not divide `attn_tp_size`. Whether two descriptors work together is
     /// [`crate::check`]'s question, not the builder's.
     pub fn build(self) -> Result<PeerDescriptor> {
-        let fail = |message: String, remedy: &str| {
-            Err(HandshakeError::DescriptorBuild {
-                message,
-                remedy: remedy.to_owned(),
-            })
-        };
+        let (page_size, kv_pool) = self.check_shape()?;
+        let kv_item_lens = self.item_lens(page_size)?;
+        if self.num_draft_entries > kv_item_lens.len() {
+            return fail(
+                format!(
+                    "num_draft_entries {} exceeds the {} KV entries",
+                    self.num_draft_entries,
+                    kv_item_lens.len()
+                ),
+                "count only the draft entries at the end of kv_item_lens",
+            );
+        }
+        let (tp, tp_rank) = self.attn_tp;
+        let (total_kv_heads, head_dim) = self.heads.unzip();
+        Ok(PeerDescriptor {
+            role: self.role,
+            protocol_version: self.protocol_version,
+            page_size,
+            kv_cache_dtype: self.kv_cache_dtype,
+            kv_layout: self.kv_layout,
+            kv_pool,
+            attn_tp_size: tp,
+            attn_tp_rank: tp_rank,
+            attn_cp_size: self.attn_cp.0,
+            attn_cp_rank: self.attn_cp.1,
+            pp_size: self.pp.0,
+            pp_rank: self.pp.1,
+            dcp_size: self.dcp_size,
+            dcp_rank: tp_rank % self.dcp_size,
+            kv_cache_sharding: self.kv_cache_sharding,
+            total_kv_heads,
+            head_dim,
+            kv_item_lens,
+            num_draft_entries: self.num_draft_entries,
+            aux_item_lens: self.aux_item_lens,
+            unknown_fields: Vec::new(),
+        })
+    }
+
+    /// The page size and pool kind, once the shape and parallelism are complete and consistent.
+    fn check_shape(&self) -> Result<(u64, PoolKind)> {
         let Some(page_size) = self.page_size.filter(|&p| p > 0) else {
             return fail(
                 format!(
@@ -273,7 +308,7 @@ impl PeerDescriptorBuilder {
                 );
             }
         }
-        let (tp, tp_rank) = self.attn_tp;
+        let (tp, _) = self.attn_tp;
         if self.dcp_size == 0 || tp % self.dcp_size != 0 {
             return fail(
                 format!(
@@ -289,7 +324,12 @@ impl PeerDescriptorBuilder {
                 "start from PeerDescriptor::mha(..) or call .heads(total_kv_heads, head_dim)",
             );
         }
-        let kv_item_lens = match self.entries {
+        Ok((page_size, kv_pool))
+    }
+
+    /// `kv_item_lens` as given, or derived from the MLA or MHA shape.
+    fn item_lens(&self, page_size: u64) -> Result<Vec<u64>> {
+        let lens = match &self.entries {
             Entries::Unset => {
                 return fail(
                     "kv_item_lens is not set".to_owned(),
@@ -297,12 +337,12 @@ impl PeerDescriptorBuilder {
                      or start from PeerDescriptor::mla(..) or PeerDescriptor::mha(..)",
                 );
             }
-            Entries::Given(lens) => lens,
-            Entries::Mla {
+            Entries::Given(lens) => lens.clone(),
+            &Entries::Mla {
                 layers,
                 token_bytes,
             } => vec![page_size.saturating_mul(token_bytes); layers],
-            Entries::Mha { layers } => {
+            &Entries::Mha { layers } => {
                 let (heads, head_dim) = self.heads.unwrap_or_default();
                 let Some(element) = self
                     .element_bytes
@@ -317,7 +357,7 @@ impl PeerDescriptorBuilder {
                          with .kv_cache_dtype(\"bfloat16\")",
                     );
                 };
-                let per_rank = u64::from((heads / tp).max(1));
+                let per_rank = u64::from((heads / self.attn_tp.0).max(1));
                 let item = page_size
                     .saturating_mul(per_rank)
                     .saturating_mul(u64::from(head_dim))
@@ -325,39 +365,14 @@ impl PeerDescriptorBuilder {
                 vec![item; layers.saturating_mul(2)]
             }
         };
-        if self.num_draft_entries > kv_item_lens.len() {
-            return fail(
-                format!(
-                    "num_draft_entries {} exceeds the {} KV entries",
-                    self.num_draft_entries,
-                    kv_item_lens.len()
-                ),
-                "count only the draft entries at the end of kv_item_lens",
-            );
-        }
-        let (total_kv_heads, head_dim) = self.heads.unzip();
-        Ok(PeerDescriptor {
-            role: self.role,
-            protocol_version: self.protocol_version,
-            page_size,
-            kv_cache_dtype: self.kv_cache_dtype,
-            kv_layout: self.kv_layout,
-            kv_pool,
-            attn_tp_size: tp,
-            attn_tp_rank: tp_rank,
-            attn_cp_size: self.attn_cp.0,
-            attn_cp_rank: self.attn_cp.1,
-            pp_size: self.pp.0,
-            pp_rank: self.pp.1,
-            dcp_size: self.dcp_size,
-            dcp_rank: tp_rank % self.dcp_size,
-            kv_cache_sharding: self.kv_cache_sharding,
-            total_kv_heads,
-            head_dim,
-            kv_item_lens,
-            num_draft_entries: self.num_draft_entries,
-            aux_item_lens: self.aux_item_lens,
-            unknown_fields: Vec::new(),
-        })
+        Ok(lens)
     }
+}
+
+/// [`HandshakeError::DescriptorBuild`]: what is wrong and the call that fixes it.
+fn fail<T>(message: String, remedy: &str) -> Result<T> {
+    Err(HandshakeError::DescriptorBuild {
+        message,
+        remedy: remedy.to_owned(),
+    })
 }
