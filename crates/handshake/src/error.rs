@@ -11,8 +11,8 @@ use crate::version::ProtocolVersion;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum HandshakeError {
-    /// The descriptor text is not valid JSON, or not a valid `PeerDescriptor` (unknown field,
-    /// missing field, wrong type).
+    /// The descriptor text is not valid JSON, or not a valid `PeerDescriptor` (unknown field in
+    /// a descriptor of this build's minor version or an older one, missing field, wrong type).
     #[error(
         "invalid peer descriptor at line {line}, column {column}: {message}; \
          fix the JSON (field names and defaults: docs/errors.md, \"Descriptor format\")"

@@ -23,9 +23,11 @@ class PeerDescriptor:
     ``PeerDescriptor(role="decode", page_size=64, kv_cache_dtype="auto", kv_pool="mla",
     attn_tp_size=4, attn_tp_rank=1, dcp_size=4, dcp_rank=1, kv_item_lens=[18432] * 61)``
 
-    Validated when built (unknown or missing fields, wrong types and a newer protocol version
-    raise ``ValueError`` naming the field); omitted optional fields take their defaults, which
-    the attributes show. Immutable; equal when the fields are.
+    Validated when built (unknown or missing fields, wrong types and a newer protocol major
+    version raise ``ValueError`` naming the field; the fields of a newer minor version that this
+    build does not know are left out, and ``check`` warns with ``KVB-W003``); omitted optional
+    fields take their defaults, which the attributes show. Immutable; equal when the fields are.
+    ``PeerDescriptor.mla(..)`` and ``PeerDescriptor.mha(..)`` build one from the model shape.
     """
 
     __slots__ = ("_fields",)
