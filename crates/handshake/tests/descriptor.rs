@@ -11,6 +11,16 @@ const MINIMAL: &str = r#"{
   "kv_item_lens": [73728, 73728]
 }"#;
 
+/// A descriptor read as a field of another message, as control messages carry it.
+fn inside_a_message(descriptor: &str) -> Result<PeerDescriptor, serde_json::Error> {
+    #[derive(serde::Deserialize)]
+    struct Message {
+        descriptor: PeerDescriptor,
+    }
+    serde_json::from_str::<Message>(&format!("{{\"descriptor\": {descriptor}}}"))
+        .map(|m| m.descriptor)
+}
+
 #[test]
 fn defaults_of_omitted_fields() {
     let d = PeerDescriptor::from_json(MINIMAL).expect("parse");
@@ -158,10 +168,7 @@ fn newer_minor_fields_are_read_around_and_listed() {
         "unknown fields are not written back"
     );
     // The same rules hold where a descriptor arrives inside another message.
-    let inside = format!("{{\"descriptor\": {text}}}");
-    let v: std::collections::BTreeMap<String, PeerDescriptor> =
-        serde_json::from_str(&inside).expect("embedded newer minor");
-    assert_eq!(v["descriptor"], d);
+    assert_eq!(inside_a_message(&text).expect("embedded newer minor"), d);
 }
 
 #[test]
@@ -201,9 +208,7 @@ fn unknown_fields_at_this_or_an_older_minor_are_still_typos() {
             matches!(&e, HandshakeError::Json { message, .. } if message.contains("unknown field `kv_zones`")),
             "{e:?}"
         );
-        let inside = format!("{{\"descriptor\": {text}}}");
-        let e = serde_json::from_str::<std::collections::BTreeMap<String, PeerDescriptor>>(&inside)
-            .expect_err("embedded typo");
+        let e = inside_a_message(&text).expect_err("embedded typo");
         assert!(e.to_string().contains("unknown field `kv_zones`"), "{e}");
     }
 }
@@ -230,9 +235,7 @@ fn newer_major_is_refused_with_the_upgrade_to_make() {
             .contains("upgrade kvbridge on this side to a release that speaks protocol 2.x"),
         "{e}"
     );
-    let inside = format!("{{\"descriptor\": {text}}}");
-    let e = serde_json::from_str::<std::collections::BTreeMap<String, PeerDescriptor>>(&inside)
-        .expect_err("embedded newer major");
+    let e = inside_a_message(&text).expect_err("embedded newer major");
     assert!(e.to_string().contains("protocol_version 2.0"), "{e}");
 }
 
