@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 ///
 /// A newer minor version only adds optional fields whose defaults keep the old meaning; a newer
 /// major version may change meanings and is refused
-/// ([`HandshakeError::UnsupportedProtocolVersion`]). In JSON it is a string such as `"1.0"`
+/// ([`crate::HandshakeError::UnsupportedProtocolVersion`]). In JSON it is a string such as `"1.0"`
 /// (a bare major, `"1"` or `1`, means `.0`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(try_from = "RawVersion", into = "String")]
