@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::Path;
 
-use super::{code_only, crates, is_ident, matching, read, root, rust_files};
+use super::{code_only, is_ident, matching, read, root, rust_files};
 
 /// Cycles that exist today in files another change is reworking: (crate directory, the files
 /// of one cycle). A cycle passes if all its files are inside one entry. Remove an entry when
@@ -266,24 +266,36 @@ fn cycles(files: &[(String, String)]) -> Vec<(BTreeSet<String>, String)> {
     out
 }
 
-/// Every crate of the workspace with its directory relative to the repository root.
+/// Every member of the workspace (the root manifest's `members`), with its directory relative to
+/// the repository root.
 fn workspace_crates() -> Vec<(String, std::path::PathBuf)> {
-    let mut out: Vec<_> = crates()
-        .into_iter()
-        .map(|(dir, _)| dir)
-        .chain([root().join("xtask")])
-        .map(|dir| {
-            let rel = dir.strip_prefix(root()).unwrap().display().to_string();
-            (rel, dir)
-        })
+    let manifest = read(&root().join("Cargo.toml"));
+    let list = manifest
+        .split("members = [")
+        .nth(1)
+        .and_then(|rest| rest.split(']').next())
+        .expect("the root Cargo.toml lists the workspace members");
+    let mut out: Vec<_> = list
+        .split(',')
+        .map(|m| m.trim().trim_matches('"'))
+        .filter(|m| !m.is_empty())
+        .map(|m| (m.to_owned(), root().join(m)))
         .collect();
     out.sort();
+    assert!(
+        out.iter().any(|(m, _)| m == "crates/handshake"),
+        "workspace members not found in the root Cargo.toml: {out:?}"
+    );
     out
 }
 
+/// The files under a crate's `src/` with their sources. A member without `src/` (the `tests`
+/// crate: one `lib.rs`, the tests are their own targets) has no file to import.
 fn sources(dir: &Path) -> Vec<(String, String)> {
     let mut paths = Vec::new();
-    rust_files(&dir.join("src"), &mut paths);
+    if dir.join("src").is_dir() {
+        rust_files(&dir.join("src"), &mut paths);
+    }
     paths.sort();
     paths
         .iter()
