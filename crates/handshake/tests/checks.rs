@@ -346,7 +346,7 @@ fn e015_dcp_entry_count() {
 }
 
 #[test]
-fn e016_dcp_geometry_spec_example() {
+fn e016_dcp_geometry_sglang_example() {
     // P=64, src [2048,2048,1024], one draft, dst [2048,2048,4096], d=4 -> OK.
     let p = with(
         &mla("prefill", 4, 1, 0),

@@ -340,7 +340,7 @@ fn mapping_from_descriptors_lists_peers_with_dummies_and_ids() {
 }
 
 #[test]
-fn spec_dcp_example_prefill_tp4_to_decode_tp4_dcp4() {
+fn sglang_dcp_example_prefill_tp4_to_decode_tp4_dcp4() {
     for r in check_all_ranks(
         &mla("prefill", 4, 1, 0),
         &mla("decode", 4, 4, 0),
@@ -359,7 +359,7 @@ fn spec_dcp_example_prefill_tp4_to_decode_tp4_dcp4() {
 }
 
 #[test]
-fn spec_dcp_example_prefill_tp1_to_decode_tp4_dcp4() {
+fn sglang_dcp_example_prefill_tp1_to_decode_tp4_dcp4() {
     for r in check_all_ranks(
         &mla("prefill", 1, 1, 0),
         &mla("decode", 4, 4, 0),
