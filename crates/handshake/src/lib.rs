@@ -1,8 +1,10 @@
 //! kvbridge-handshake: what prefill and decode ranks advertise, every compatibility check
 //! between them, and the rank mapping. Sans-IO: no sockets, no files, no clocks.
 //!
-//! * [`PeerDescriptor`] — one rank's advertised parameters (JSON, versioned, strict), built
-//!   with [`PeerDescriptor::mla`], [`PeerDescriptor::mha`] or [`PeerDescriptor::builder`].
+//! * [`PeerDescriptor`] — one rank's advertised parameters (JSON, versioned: unknown fields are
+//!   refused, but those of a newer minor version, which are ignored and listed by
+//!   [`PeerDescriptor::unknown_fields`]; a newer major version is refused), built with
+//!   [`PeerDescriptor::mla`], [`PeerDescriptor::mha`] or [`PeerDescriptor::builder`].
 //! * [`check`] / [`check_with`] — every problem at once, each with a stable code
 //!   ([`ProblemCode`], e.g. `KVB-E007`), the message (SGLang's text where it has one), the
 //!   values seen and a remedy; plus the [`RankMapping`] when compatible.
