@@ -473,7 +473,7 @@ impl Checker<'_> {
                     .with(format!("{side}.protocol_version"), d.protocol_version),
                 );
             } else if !d.unknown_fields().is_empty() {
-                let fields = d.unknown_fields().join(", ");
+                let fields = listed(d.unknown_fields());
                 self.push(
                     Problem::new(
                         ProblemCode::NewerMinorFields,
@@ -1493,6 +1493,17 @@ fn mha_item_len_mismatches(s: &PeerDescriptor, targets: &[u64]) -> Vec<String> {
         }
     }
     why
+}
+
+/// Names for a message: all of them, or the first few and how many more (a peer decides how
+/// many there are).
+fn listed(names: &[String]) -> String {
+    const SHOWN: usize = 16;
+    let mut out = names[..names.len().min(SHOWN)].join(", ");
+    if names.len() > SHOWN {
+        let _ = write!(out, " and {} more", names.len() - SHOWN);
+    }
+    out
 }
 
 fn pool_str(k: PoolKind) -> &'static str {

@@ -476,6 +476,21 @@ fn w003_fields_of_a_newer_minor_version_are_a_warning() {
              fields kv_zones, zone_names are unknown here and ignored"
         );
     }
+    // However many fields a peer adds, the warning names a few and counts the rest.
+    let many: serde_json::Map<String, serde_json::Value> = (0..1000)
+        .map(|i| (format!("f{i:04}"), json!(i)))
+        .chain([("protocol_version".to_owned(), json!("1.3"))])
+        .collect();
+    let p = with(&mla("prefill", 4, 1, 0), serde_json::Value::Object(many));
+    assert_eq!(p.unknown_fields().len(), 1000);
+    let r = check(&p, &mla("decode", 4, 1, 1));
+    assert!(
+        r.warnings[0]
+            .message
+            .contains("f0014, f0015 and 984 more are unknown"),
+        "{}",
+        r.warnings[0].message
+    );
     // A newer minor version without new fields is nothing to warn about.
     let p = with(&mla("prefill", 4, 1, 0), json!({"protocol_version": "1.3"}));
     assert!(check(&p, &mla("decode", 4, 1, 1)).warnings.is_empty());
