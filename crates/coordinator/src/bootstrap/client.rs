@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::http::{head_end, parse_response_head};
+use super::http::parse_response_head;
 use super::{
     DpRankEntry, DpRankQuery, PrefillServerInfo, RankEndpoint, RankList, RankRegistration,
     Readiness,
@@ -157,10 +157,9 @@ impl BootstrapClient {
         if got > max {
             return Err(format!("the answer exceeds {max} bytes"));
         }
-        let end = head_end(&buf).ok_or_else(|| {
+        let (head, end) = parse_response_head(&buf, 100)?.ok_or_else(|| {
             "the server closed the connection before a complete answer".to_owned()
         })?;
-        let head = parse_response_head(&buf[..end], 100)?;
         let mut body = buf.split_off(end);
         if let Some(n) = head.content_length {
             if body.len() < n {

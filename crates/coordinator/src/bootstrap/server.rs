@@ -10,7 +10,7 @@ use tokio::sync::{Semaphore, watch};
 use tokio::time::Instant;
 
 use super::Registry;
-use super::http::{Limits, Response, head_end, parse_request_head};
+use super::http::{Limits, Response, parse_request_head};
 use crate::error::{CoordinatorError, Result};
 use crate::net_channel::closed;
 
@@ -291,9 +291,11 @@ async fn read_request<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     };
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
-    let end = loop {
-        if let Some(end) = head_end(&buf) {
-            break end;
+    // Parsed again after every read: the head is at most `max_head` bytes, so this stays
+    // bounded, and a malformed line is refused as soon as it arrives.
+    let (head, end) = loop {
+        if let Some(parsed) = parse_request_head(&buf, &limits)? {
+            break parsed;
         }
         if buf.len() >= limits.max_head {
             return Err(Response::text(
@@ -304,7 +306,7 @@ async fn read_request<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
                 ),
             ));
         }
-        let room = (limits.max_head + 4 - buf.len()).min(chunk.len());
+        let room = (limits.max_head - buf.len()).min(chunk.len());
         let n = stream
             .read(&mut chunk[..room])
             .await
@@ -317,13 +319,6 @@ async fn read_request<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
         }
         buf.extend_from_slice(&chunk[..n]);
     };
-    if end > limits.max_head + 4 {
-        return Err(Response::text(
-            431,
-            format!("the request head exceeds {} bytes", limits.max_head),
-        ));
-    }
-    let head = parse_request_head(&buf[..end], &limits)?;
     let want = head.content_length.unwrap_or(0);
     let mut body = buf.split_off(end);
     if body.len() > want {
