@@ -127,7 +127,7 @@ pub use messages::{
     RegistrationOutcome, RegistrationReply, StatusUpdate, TransferInfo, TransportInfo, WireProblem,
     WireRegion, render_problems,
 };
-pub use metrics::{LATENCY_BUCKETS_MS, LatencyHistogram, MetricsSnapshot};
+pub use metrics::{LATENCY_BUCKETS_MS, LatencyHistogram, MetricsSnapshot, prometheus};
 pub use plan::Chunk;
 pub use prefill::{PrefillAgent, PrefillAgentBuilder};
 pub use state::{
