@@ -251,9 +251,6 @@ pub mod prometheus {
     use super::{LATENCY_BUCKETS_MS, MetricsSnapshot};
     use crate::state::RoomState;
 
-    /// The `Content-Type` of the text this module renders.
-    pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
-
     /// The counters, each `(name, help, value of a snapshot)`.
     type Counter = (&'static str, &'static str, fn(&MetricsSnapshot) -> u64);
 

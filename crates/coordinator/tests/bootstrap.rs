@@ -404,3 +404,54 @@ async fn http_directory_waits_for_registration_then_resolves() {
     );
     assert!(text.contains("cannot connect"), "{text}");
 }
+
+#[tokio::test]
+async fn metrics_route_serves_the_source_rendered_on_each_request() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let scrapes = Arc::new(AtomicU64::new(0));
+    let counted = scrapes.clone();
+    let s = BootstrapServer::builder(BootstrapConfig::default())
+        .metrics(move || {
+            let n = counted.fetch_add(1, Ordering::Relaxed) + 1;
+            format!(
+                "# HELP scrapes_total Scrapes.\n# TYPE scrapes_total counter\nscrapes_total {n}\n"
+            )
+        })
+        .bind()
+        .await
+        .unwrap();
+    let client = BootstrapClient::new(s.bootstrap_addr());
+    for n in 1..=2 {
+        let reply = client.request("GET", "/metrics", None).await.unwrap();
+        assert_eq!(reply.status, 200);
+        assert!(
+            reply.text().ends_with(&format!("scrapes_total {n}\n")),
+            "{}",
+            reply.text()
+        );
+    }
+    let answer = raw(&s.bootstrap_addr(), b"GET /metrics HTTP/1.1\r\n\r\n").await;
+    assert!(
+        answer.contains("Content-Type: text/plain; version=0.0.4"),
+        "{answer}"
+    );
+    let reply = client
+        .request("PUT", "/metrics", Some(b"{}"))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 405);
+
+    // Without a source the route says so.
+    let bare = server().await;
+    let reply = BootstrapClient::new(bare.bootstrap_addr())
+        .request("GET", "/metrics", None)
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 404);
+    assert!(
+        reply.text().contains("without a metrics source"),
+        "{}",
+        reply.text()
+    );
+}

@@ -31,6 +31,9 @@ pub(crate) struct RequestHead {
     pub(crate) authorization: Option<String>,
 }
 
+/// The `Content-Type` of Prometheus text exposition (format 0.0.4).
+pub(crate) const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
 /// A response: status, content type, body.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Response {
@@ -82,6 +85,7 @@ pub(crate) fn reason(status: u16) -> &'static str {
         404 => "Not Found",
         405 => "Method Not Allowed",
         408 => "Request Timeout",
+        401 => "Unauthorized",
         411 => "Length Required",
         413 => "Payload Too Large",
         431 => "Request Header Fields Too Large",

@@ -47,7 +47,7 @@ use crate::channel::Endpoint;
 use crate::directory::PrefillRankInfo;
 
 pub use client::{BootstrapClient, ClientConfig, HttpDirectory, HttpReply};
-pub use server::{BootstrapConfig, BootstrapServer};
+pub use server::{BootstrapConfig, BootstrapServer, BootstrapServerBuilder, MetricsSource};
 
 use http::{RequestHead, Response};
 
@@ -498,7 +498,7 @@ impl Registry {
     }
 
     /// Answers one HTTP request (sans-IO).
-    fn route(&self, head: &RequestHead, body: &[u8], now: Instant) -> Response {
+    pub(crate) fn route(&self, head: &RequestHead, body: &[u8], now: Instant) -> Response {
         let method = head.method.as_str();
         match head.path.as_str() {
             "/health" => match method {
@@ -587,7 +587,7 @@ impl Registry {
             other => Response::text(
                 404,
                 format!(
-                    "no route {other:?}; routes: /route, /ranks, /ready, /health, \
+                    "no route {other:?}; routes: /route, /ranks, /ready, /health, /metrics, \
                      /register_dp_rank, /query_dp_ranks"
                 ),
             ),

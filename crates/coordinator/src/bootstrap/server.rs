@@ -10,7 +10,7 @@ use tokio::sync::{Semaphore, watch};
 use tokio::time::Instant;
 
 use super::Registry;
-use super::http::{Limits, Response, parse_request_head};
+use super::http::{Limits, PROMETHEUS_TEXT, RequestHead, Response, parse_request_head};
 use crate::error::{CoordinatorError, Result};
 use crate::net_channel::closed;
 
@@ -105,6 +105,116 @@ impl BootstrapConfig {
     }
 }
 
+/// What `GET /metrics` answers: Prometheus text, rendered when asked (e.g. from the agents'
+/// `MetricsSnapshot`s). The server knows nothing about what it renders.
+pub type MetricsSource = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// Builds a [`BootstrapServer`]: its config, the registry it serves and an optional metrics
+/// source for `GET /metrics`.
+#[must_use]
+pub struct BootstrapServerBuilder {
+    config: BootstrapConfig,
+    registry: Option<Registry>,
+    metrics: Option<MetricsSource>,
+}
+
+impl std::fmt::Debug for BootstrapServerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BootstrapServerBuilder")
+            .field("config", &self.config)
+            .field("registry", &self.registry)
+            .field("metrics", &self.metrics.is_some())
+            .finish()
+    }
+}
+
+impl BootstrapServerBuilder {
+    /// Serves `registry` (e.g. one the prefill also fills in-process) instead of a new one.
+    pub fn registry(mut self, registry: Registry) -> Self {
+        self.registry = Some(registry);
+        self
+    }
+
+    /// Answers `GET /metrics` with what `source` returns (Prometheus text format 0.0.4);
+    /// without a source the route answers 404.
+    pub fn metrics(mut self, source: impl Fn() -> String + Send + Sync + 'static) -> Self {
+        self.metrics = Some(Arc::new(source));
+        self
+    }
+
+    /// Binds the listener and starts serving. Must be called inside a tokio runtime.
+    ///
+    /// # Errors
+    /// [`CoordinatorError::InvalidSetup`] for an invalid config or an address that cannot be
+    /// bound.
+    pub async fn bind(self) -> Result<BootstrapServer> {
+        let config = self.config;
+        config.validate()?;
+        let registry = self.registry.unwrap_or_else(|| {
+            Registry::with_room_limits(config.room_entry_ttl, config.max_room_entries)
+        });
+        let listener = TcpListener::bind(config.bind_addr).await.map_err(|e| {
+            CoordinatorError::InvalidSetup {
+                message: format!(
+                    "the bootstrap server cannot listen on {}: {e}; choose a free port (or 0)",
+                    config.bind_addr
+                ),
+            }
+        })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| CoordinatorError::InvalidSetup {
+                message: format!("the bootstrap listener has no local address: {e}"),
+            })?;
+        let (shutdown, _) = watch::channel(false);
+        let service = Arc::new(Service {
+            registry: registry.clone(),
+            metrics: self.metrics,
+            config,
+        });
+        tokio::spawn(accept_loop(listener, service.clone(), shutdown.subscribe()));
+        tokio::spawn(purge_loop(
+            registry.clone(),
+            service.config.room_entry_ttl,
+            shutdown.subscribe(),
+        ));
+        tracing::info!(%addr, "bootstrap server listening");
+        Ok(BootstrapServer {
+            registry,
+            addr,
+            shutdown,
+        })
+    }
+}
+
+/// What one connection is served with: the registry and the routes around it.
+struct Service {
+    registry: Registry,
+    metrics: Option<MetricsSource>,
+    config: BootstrapConfig,
+}
+
+impl Service {
+    /// Answers one request (sans-IO): the server's own routes, then the registry's.
+    fn route(&self, head: &RequestHead, body: &[u8], now: Instant) -> Response {
+        match (head.path.as_str(), head.method.as_str()) {
+            ("/metrics", "GET") => match &self.metrics {
+                Some(source) => Response {
+                    status: 200,
+                    content_type: PROMETHEUS_TEXT,
+                    body: source().into_bytes(),
+                },
+                None => Response::text(
+                    404,
+                    "this bootstrap server was started without a metrics source",
+                ),
+            },
+            ("/metrics", _) => Response::text(405, "Method not allowed"),
+            _ => self.registry.route(head, body, now),
+        }
+    }
+}
+
 /// The bootstrap registry served over HTTP/1.1; see the [module docs](super).
 ///
 /// Dropping it (or [`shutdown`](Self::shutdown)) stops the listener.
@@ -129,8 +239,7 @@ impl BootstrapServer {
     /// [`CoordinatorError::InvalidSetup`] for an invalid config or an address that cannot be
     /// bound.
     pub async fn bind(config: BootstrapConfig) -> Result<Self> {
-        let registry = Registry::with_room_limits(config.room_entry_ttl, config.max_room_entries);
-        Self::serve(config, registry).await
+        Self::builder(config).bind().await
     }
 
     /// Like [`bind`](Self::bind), serving an existing registry.
@@ -138,39 +247,16 @@ impl BootstrapServer {
     /// # Errors
     /// As [`bind`](Self::bind).
     pub async fn serve(config: BootstrapConfig, registry: Registry) -> Result<Self> {
-        config.validate()?;
-        let listener = TcpListener::bind(config.bind_addr).await.map_err(|e| {
-            CoordinatorError::InvalidSetup {
-                message: format!(
-                    "the bootstrap server cannot listen on {}: {e}; choose a free port (or 0)",
-                    config.bind_addr
-                ),
-            }
-        })?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| CoordinatorError::InvalidSetup {
-                message: format!("the bootstrap listener has no local address: {e}"),
-            })?;
-        let (shutdown, _) = watch::channel(false);
-        let config = Arc::new(config);
-        tokio::spawn(accept_loop(
-            listener,
-            registry.clone(),
-            config.clone(),
-            shutdown.subscribe(),
-        ));
-        tokio::spawn(purge_loop(
-            registry.clone(),
-            config.room_entry_ttl,
-            shutdown.subscribe(),
-        ));
-        tracing::info!(%addr, "bootstrap server listening");
-        Ok(Self {
-            registry,
-            addr,
-            shutdown,
-        })
+        Self::builder(config).registry(registry).bind().await
+    }
+
+    /// A builder, for a metrics source or an existing registry.
+    pub fn builder(config: BootstrapConfig) -> BootstrapServerBuilder {
+        BootstrapServerBuilder {
+            config,
+            registry: None,
+            metrics: None,
+        }
     }
 
     /// The address the server listens on.
@@ -206,10 +292,10 @@ async fn purge_loop(registry: Registry, ttl: Duration, mut shutdown: watch::Rece
 
 async fn accept_loop(
     listener: TcpListener,
-    registry: Registry,
-    config: Arc<BootstrapConfig>,
+    service: Arc<Service>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let config = &service.config;
     let limit = Arc::new(Semaphore::new(config.max_connections));
     loop {
         let accepted = tokio::select! {
@@ -237,27 +323,18 @@ async fn accept_loop(
             tracing::warn!(%peer, "bootstrap: connection limit reached");
             continue;
         };
-        let registry = registry.clone();
-        let config = config.clone();
+        let service = service.clone();
         tokio::spawn(async move {
             let _permit = permit;
-            serve_conn(stream, peer, &registry, &config).await;
+            serve_conn(stream, peer, &service).await;
         });
     }
 }
 
-async fn serve_conn(
-    mut stream: TcpStream,
-    peer: SocketAddr,
-    registry: &Registry,
-    config: &BootstrapConfig,
-) {
+async fn serve_conn(mut stream: TcpStream, peer: SocketAddr, service: &Service) {
+    let config = &service.config;
     let deadline = Instant::now() + config.request_timeout;
-    let response = match tokio::time::timeout_at(
-        deadline,
-        read_request(&mut stream, registry, config),
-    )
-    .await
+    let response = match tokio::time::timeout_at(deadline, read_request(&mut stream, service)).await
     {
         Ok(Ok(r)) | Ok(Err(r)) => r,
         Err(_) => Response::text(
@@ -281,9 +358,9 @@ async fn serve_conn(
 /// Reads one request and answers it. `Err` carries an error response.
 async fn read_request<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     stream: &mut S,
-    registry: &Registry,
-    config: &BootstrapConfig,
+    service: &Service,
 ) -> std::result::Result<Response, Response> {
+    let config = &service.config;
     let limits = Limits {
         max_head: config.max_head_bytes,
         max_headers: config.max_headers,
@@ -350,7 +427,7 @@ async fn read_request<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
             ));
         }
     }
-    Ok(registry.route(&head, &body, Instant::now()))
+    Ok(service.route(&head, &body, Instant::now()))
 }
 
 #[cfg(test)]
@@ -361,9 +438,9 @@ mod tests {
 
     /// The answer to a connection that sent `input` and closed, checked for shape: a status
     /// in range, an encodable response, and a reason on every refusal.
-    async fn answer(registry: &Registry, config: &BootstrapConfig, input: &[u8]) -> Response {
+    async fn answer(service: &Service, input: &[u8]) -> Response {
         let (_peer, mut conn) = fuzz::peer_sent(input).await;
-        let response = match read_request(&mut conn, registry, config).await {
+        let response = match read_request(&mut conn, service).await {
             Ok(r) => r,
             Err(r) => {
                 assert!((400..600).contains(&r.status), "{}", r.status);
@@ -378,19 +455,23 @@ mod tests {
         response
     }
 
-    fn small_config() -> BootstrapConfig {
-        BootstrapConfig {
-            max_body_bytes: 64 * 1024,
-            ..BootstrapConfig::default()
+    fn service() -> Service {
+        Service {
+            registry: Registry::new(),
+            metrics: Some(Arc::new(|| "# TYPE up gauge\nup 1\n".to_owned())),
+            config: BootstrapConfig {
+                max_body_bytes: 64 * 1024,
+                ..BootstrapConfig::default()
+            },
         }
     }
 
     #[test]
     fn http_corpus_seeds_are_answered() {
         let rt = fuzz::runtime();
-        let registry = Registry::new();
+        let service = service();
         for seed in fuzz::corpus("http") {
-            let r = rt.block_on(answer(&registry, &small_config(), &seed));
+            let r = rt.block_on(answer(&service, &seed));
             assert!(
                 r.status < 500,
                 "{}: {}",
@@ -409,11 +490,11 @@ mod tests {
         #[test]
         fn fuzz_bootstrap_requests(input in fuzz::mutated(fuzz::corpus("http"))) {
             let rt = fuzz::runtime();
-            let registry = Registry::new();
+            let service = service();
             rt.block_on(async {
                 tokio::time::timeout(
                     Duration::from_secs(60),
-                    answer(&registry, &small_config(), &input),
+                    answer(&service, &input),
                 )
                 .await
                 .expect("a finished request is answered without waiting")
