@@ -105,6 +105,7 @@ const LIBRARY_CRATES: &[&str] = &[
     "kvbridge-mock",
     "kvbridge-shm",
     "kvbridge-tcp",
+    "kvbridge-bootstrap",
     "kvbridge-coordinator",
 ];
 
@@ -116,6 +117,7 @@ const PYTHON_CRATES: &[&str] = &[
     "kvbridge-mock",
     "kvbridge-shm",
     "kvbridge-tcp",
+    "kvbridge-bootstrap",
     "kvbridge-coordinator",
     "kvbridge-nixl",
 ];
@@ -132,9 +134,20 @@ fn crates_depend_only_on_what_the_codemap_allows() {
         ("kvbridge-shm", &["kvbridge-transport"], true),
         ("kvbridge-tcp", &["kvbridge-transport"], true),
         ("kvbridge-nixl", &["kvbridge-transport"], true),
+        // The registry never depends on the agents: they depend on it.
+        (
+            "kvbridge-bootstrap",
+            &[
+                "kvbridge-geometry",
+                "kvbridge-handshake",
+                "kvbridge-transport",
+            ],
+            true,
+        ),
         (
             "kvbridge-coordinator",
             &[
+                "kvbridge-bootstrap",
                 "kvbridge-geometry",
                 "kvbridge-handshake",
                 "kvbridge-transport",
@@ -510,6 +523,7 @@ fn reentrant_locking(src: &str) -> Vec<(usize, String)> {
 fn coordinator_state_locks_are_never_taken_twice() {
     let mut files = Vec::new();
     rust_files(&root().join("crates/coordinator/src"), &mut files);
+    rust_files(&root().join("crates/bootstrap/src"), &mut files);
     let mut report = Vec::new();
     for file in files {
         let text = read(&file);

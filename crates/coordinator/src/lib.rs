@@ -90,11 +90,15 @@
 //! ```
 
 mod agreement;
-pub mod bootstrap;
+/// The bootstrap registry, server and client: [`kvbridge_bootstrap`], re-exported.
+pub use kvbridge_bootstrap as bootstrap;
 mod channel;
 mod config;
 mod decode;
-mod directory;
+/// The prefill directories ([`kvbridge_bootstrap`]), under the path the agents use.
+mod directory {
+    pub use kvbridge_bootstrap::{PrefillDirectory, PrefillRankInfo, StaticDirectory};
+}
 mod error;
 #[cfg(test)]
 mod fuzz;

@@ -237,8 +237,7 @@ pub(crate) fn coordinator(e: CoordinatorError) -> PyErr {
         CoordinatorError::ChannelSend { .. }
         | CoordinatorError::UnknownEndpoint { .. }
         | CoordinatorError::SendTimeout { .. }
-        | CoordinatorError::Directory { .. }
-        | CoordinatorError::Bootstrap { .. } => Kind::PeerLost,
+        | CoordinatorError::Bootstrap(_) => Kind::PeerLost,
         CoordinatorError::ChannelClosed { .. } => Kind::Closed,
         CoordinatorError::Protocol { .. } => Kind::Protocol,
         _ => Kind::Base,

@@ -6,13 +6,13 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::http::parse_response_head;
-use super::{
+use crate::directory::{PrefillDirectory, PrefillRankInfo};
+use crate::error::{BootstrapError, Result};
+use crate::http::parse_response_head;
+use crate::registry::{
     DpRankEntry, DpRankQuery, PrefillServerInfo, RankEndpoint, RankList, RankRegistration,
     Readiness,
 };
-use crate::directory::{PrefillDirectory, PrefillRankInfo};
-use crate::error::{CoordinatorError, Result};
 
 /// Settings of a [`BootstrapClient`].
 #[derive(Debug, Clone, Copy)]
@@ -84,8 +84,8 @@ impl BootstrapClient {
         &self.addr
     }
 
-    fn error(&self, reason: String) -> CoordinatorError {
-        CoordinatorError::Bootstrap {
+    fn error(&self, reason: String) -> BootstrapError {
+        BootstrapError::Request {
             addr: self.addr.clone(),
             reason,
         }
@@ -94,7 +94,7 @@ impl BootstrapClient {
     /// Sends one request and reads the answer, whatever its status.
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`] when the server cannot be reached, does not answer in
+    /// [`BootstrapError::Request`] when the server cannot be reached, does not answer in
     /// time, or answers something that is not bounded HTTP/1.x.
     pub async fn request(
         &self,
@@ -200,7 +200,7 @@ impl BootstrapClient {
     /// `GET /health`.
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`] unless the server answers 200.
+    /// [`BootstrapError::Request`] unless the server answers 200.
     pub async fn health(&self) -> Result<()> {
         self.expect_ok("GET", "/health", None).await.map(|_| ())
     }
@@ -208,7 +208,7 @@ impl BootstrapClient {
     /// `GET /ready`: whether every declared rank registered (a 503 answer is not an error).
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`] when unreachable or the answer is not readiness JSON.
+    /// [`BootstrapError::Request`] when unreachable or the answer is not readiness JSON.
     pub async fn readiness(&self) -> Result<Readiness> {
         let reply = self.request("GET", "/ready", None).await?;
         if reply.status != 200 && reply.status != 503 {
@@ -224,7 +224,7 @@ impl BootstrapClient {
     /// `PUT /route`: registers one prefill rank.
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`] with the server's 400 message when it refuses the row.
+    /// [`BootstrapError::Request`] with the server's 400 message when it refuses the row.
     pub async fn register(&self, row: &RankRegistration) -> Result<()> {
         let body = serde_json::to_vec(row)
             .map_err(|e| self.error(format!("the registration does not serialise: {e}")))?;
@@ -236,7 +236,7 @@ impl BootstrapClient {
     /// `GET /route` with all ranks `-1`: the deployment's parameters.
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`]; a 503 while not every rank registered.
+    /// [`BootstrapError::Request`]; a 503 while not every rank registered.
     pub async fn server_info(&self) -> Result<PrefillServerInfo> {
         let target =
             "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1";
@@ -247,7 +247,7 @@ impl BootstrapClient {
     /// `GET /route` with concrete ranks: where one rank listens.
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`]; a 404 when no such rank registered.
+    /// [`BootstrapError::Request`]; a 404 when no such rank registered.
     pub async fn rank_endpoint(&self, dp: u32, cp: u32, tp: u32, pp: u32) -> Result<RankEndpoint> {
         let target = format!(
             "/route?prefill_dp_rank={dp}&prefill_cp_rank={cp}&target_tp_rank={tp}&target_pp_rank={pp}"
@@ -259,7 +259,7 @@ impl BootstrapClient {
     /// `GET /ranks`: every rank of DP group 0, once every rank registered.
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`]; a 503 while not every rank registered.
+    /// [`BootstrapError::Request`]; a 503 while not every rank registered.
     pub async fn ranks(&self) -> Result<Vec<PrefillRankInfo>> {
         let body = self.expect_ok("GET", "/ranks", None).await?;
         Ok(self.parse::<RankList>("GET /ranks", &body)?.ranks)
@@ -268,7 +268,7 @@ impl BootstrapClient {
     /// `POST /register_dp_rank`.
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`].
+    /// [`BootstrapError::Request`].
     pub async fn register_dp_rank(&self, bootstrap_room: u64, dp_rank: u32) -> Result<()> {
         let body = serde_json::to_vec(&DpRankEntry {
             bootstrap_room,
@@ -283,7 +283,7 @@ impl BootstrapClient {
     /// `POST /query_dp_ranks`: the DP rank of each known room.
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`].
+    /// [`BootstrapError::Request`].
     pub async fn query_dp_ranks(&self, rooms: &[u64]) -> Result<BTreeMap<u64, u32>> {
         let body = serde_json::to_vec(&DpRankQuery {
             bootstrap_rooms: rooms.to_vec(),
@@ -353,7 +353,7 @@ impl PrefillDirectory for HttpDirectory {
                 Err(e) => e,
             };
             if attempt >= self.max_attempts {
-                return Err(CoordinatorError::Directory {
+                return Err(BootstrapError::Directory {
                     addr: bootstrap_addr.to_owned(),
                     reason: format!(
                         "Could not fetch prefill parallel info from {bootstrap_addr} after \

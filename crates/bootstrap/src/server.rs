@@ -9,10 +9,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tokio::time::Instant;
 
-use super::Registry;
-use super::http::{Limits, PROMETHEUS_TEXT, RequestHead, Response, parse_request_head};
-use crate::error::{CoordinatorError, Result};
-use crate::net_channel::closed;
+use crate::error::{BootstrapError, Result};
+use crate::http::{Limits, PROMETHEUS_TEXT, RequestHead, Response, parse_request_head};
+use crate::registry::Registry;
 
 /// Settings of a [`BootstrapServer`].
 #[derive(Debug, Clone)]
@@ -82,7 +81,7 @@ impl BootstrapConfig {
     }
 
     fn validate(&self) -> Result<()> {
-        let bad = |message: String| Err(CoordinatorError::InvalidSetup { message });
+        let bad = |message: String| Err(BootstrapError::InvalidSetup { message });
         if self.max_head_bytes < 256 {
             return bad(format!(
                 "BootstrapConfig::max_head_bytes must be at least 256, got {}",
@@ -145,7 +144,7 @@ impl BootstrapServerBuilder {
     /// Binds the listener and starts serving. Must be called inside a tokio runtime.
     ///
     /// # Errors
-    /// [`CoordinatorError::InvalidSetup`] for an invalid config or an address that cannot be
+    /// [`BootstrapError::InvalidSetup`] for an invalid config or an address that cannot be
     /// bound.
     pub async fn bind(self) -> Result<BootstrapServer> {
         let config = self.config;
@@ -154,7 +153,7 @@ impl BootstrapServerBuilder {
             Registry::with_room_limits(config.room_entry_ttl, config.max_room_entries)
         });
         let listener = TcpListener::bind(config.bind_addr).await.map_err(|e| {
-            CoordinatorError::InvalidSetup {
+            BootstrapError::InvalidSetup {
                 message: format!(
                     "the bootstrap server cannot listen on {}: {e}; choose a free port (or 0)",
                     config.bind_addr
@@ -163,7 +162,7 @@ impl BootstrapServerBuilder {
         })?;
         let addr = listener
             .local_addr()
-            .map_err(|e| CoordinatorError::InvalidSetup {
+            .map_err(|e| BootstrapError::InvalidSetup {
                 message: format!("the bootstrap listener has no local address: {e}"),
             })?;
         let (shutdown, _) = watch::channel(false);
@@ -215,7 +214,7 @@ impl Service {
     }
 }
 
-/// The bootstrap registry served over HTTP/1.1; see the [module docs](super).
+/// The bootstrap registry served over HTTP/1.1; see the [crate docs](crate).
 ///
 /// Dropping it (or [`shutdown`](Self::shutdown)) stops the listener.
 #[derive(Debug)]
@@ -236,7 +235,7 @@ impl BootstrapServer {
     /// tokio runtime.
     ///
     /// # Errors
-    /// [`CoordinatorError::InvalidSetup`] for an invalid config or an address that cannot be
+    /// [`BootstrapError::InvalidSetup`] for an invalid config or an address that cannot be
     /// bound.
     pub async fn bind(config: BootstrapConfig) -> Result<Self> {
         Self::builder(config).bind().await
@@ -278,6 +277,11 @@ impl BootstrapServer {
     pub fn shutdown(&self) {
         self.shutdown.send_replace(true);
     }
+}
+
+/// Resolves once `shutdown` is set (or its sender is gone).
+async fn closed(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|&c| c).await;
 }
 
 async fn purge_loop(registry: Registry, ttl: Duration, mut shutdown: watch::Receiver<bool>) {

@@ -1,12 +1,12 @@
-//! The bootstrap registry over HTTP: every route, the spec's texts, and hostile clients.
+//! The bootstrap registry over HTTP: every route, SGLang's texts, and hostile clients.
 
 use std::time::Duration;
 
-use kvbridge_coordinator::bootstrap::{
+use kvbridge_bootstrap::{
     BootstrapClient, BootstrapConfig, BootstrapServer, ClientConfig, HttpDirectory, MISSING_INPUTS,
     RankRegistration,
 };
-use kvbridge_coordinator::{CoordinatorError, PrefillDirectory};
+use kvbridge_bootstrap::{BootstrapError, PrefillDirectory};
 use kvbridge_handshake::{PeerDescriptor, Role};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -44,7 +44,7 @@ fn status(answer: &str) -> u16 {
 }
 
 #[tokio::test]
-async fn routes_follow_the_spec_texts() {
+async fn routes_follow_sglangs_texts() {
     let s = server().await;
     let addr = s.bootstrap_addr();
     let c = BootstrapClient::new(&addr);
@@ -389,14 +389,14 @@ async fn http_directory_waits_for_registration_then_resolves() {
         .prefill_ranks(&dead)
         .await
         .unwrap_err();
-    assert!(matches!(err, CoordinatorError::Directory { .. }));
+    assert!(matches!(err, BootstrapError::Directory { .. }));
     let text = err.to_string();
     assert!(text.contains("after 3 attempts"), "{text}");
     assert!(text.contains("cannot connect"), "{text}");
 
     // A single client call names the bootstrap service, not the directory.
     let err = BootstrapClient::new(&dead).health().await.unwrap_err();
-    assert!(matches!(err, CoordinatorError::Bootstrap { .. }), "{err:?}");
+    assert!(matches!(err, BootstrapError::Request { .. }), "{err:?}");
     let text = err.to_string();
     assert!(
         text.contains(&format!("bootstrap service at {dead}")),
