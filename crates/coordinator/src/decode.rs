@@ -1,7 +1,6 @@
 //! The decode (receiving) agent.
 
 use std::collections::{BTreeSet, HashMap};
-use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -117,12 +116,7 @@ impl DecodeAgentBuilder {
         self.memory.validate(d)?;
         let runtime = current_runtime("DecodeAgent")?;
         let endpoint = self.channel.local_endpoint();
-        let session = {
-            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            endpoint.hash(&mut h);
-            std::time::SystemTime::now().hash(&mut h);
-            h.finish()
-        };
+        let session = kvbridge_auth::random_u64();
         let metrics = Arc::new(Metrics::default());
         let inner = Arc::new_cyclic(|weak: &Weak<DecodeInner>| {
             let outbox = Outbox::new(
