@@ -149,6 +149,7 @@ fn crates_depend_only_on_what_the_codemap_allows() {
         (
             "kvbridge-bootstrap",
             &[
+                "kvbridge-auth",
                 "kvbridge-geometry",
                 "kvbridge-handshake",
                 "kvbridge-transport",

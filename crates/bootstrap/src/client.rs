@@ -7,6 +7,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::directory::{PrefillDirectory, PrefillRankInfo};
+use kvbridge_auth::{NONCE_LEN, Nonce, Secret};
+
+use crate::auth::{Challenge, authorization, needs_proof, unhex};
 use crate::error::{BootstrapError, Result};
 use crate::http::parse_response_head;
 use crate::registry::{
@@ -15,13 +18,17 @@ use crate::registry::{
 };
 
 /// Settings of a [`BootstrapClient`].
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ClientConfig {
-    /// Deadline of one request: connect, send, and read the whole answer (SGLang: 5 s).
+    /// Deadline of one request: connect, send, and read the whole answer (SGLang: 5 s). With
+    /// a secret, the challenge is fetched within the same deadline.
     pub timeout: Duration,
     /// Longest answer accepted (head and body). Default 4 MiB.
     pub max_response_bytes: usize,
+    /// The server's shared secret: every request but `/health`, `/challenge` and `/metrics`
+    /// then carries a proof of it (docs/bootstrap.md, "Authentication"). Default `None`.
+    pub secret: Option<Secret>,
 }
 
 impl Default for ClientConfig {
@@ -29,6 +36,7 @@ impl Default for ClientConfig {
         Self {
             timeout: Duration::from_secs(5),
             max_response_bytes: 4 << 20,
+            secret: None,
         }
     }
 }
@@ -38,6 +46,13 @@ impl ClientConfig {
     #[must_use]
     pub fn with_timeout(mut self, t: Duration) -> Self {
         self.timeout = t;
+        self
+    }
+
+    /// Sets [`secret`](Self::secret).
+    #[must_use]
+    pub fn with_secret(mut self, secret: impl Into<Secret>) -> Self {
+        self.secret = Some(secret.into());
         self
     }
 }
@@ -91,7 +106,8 @@ impl BootstrapClient {
         }
     }
 
-    /// Sends one request and reads the answer, whatever its status.
+    /// Sends one request and reads the answer, whatever its status. With a secret configured
+    /// and a route that needs it, fetches a challenge first and proves the secret.
     ///
     /// # Errors
     /// [`BootstrapError::Request`] when the server cannot be reached, does not answer in
@@ -124,6 +140,68 @@ impl BootstrapClient {
         target: &str,
         body: Option<&[u8]>,
     ) -> std::result::Result<HttpReply, String> {
+        let path = target.split('?').next().unwrap_or(target);
+        let authorization = match &self.config.secret {
+            Some(secret) if needs_proof(path) => {
+                Some(self.prove(secret, method, target, body).await?)
+            }
+            _ => None,
+        };
+        self.send(method, target, body, authorization.as_deref())
+            .await
+    }
+
+    /// Fetches a challenge and returns the `Authorization` value answering it.
+    async fn prove(
+        &self,
+        secret: &Secret,
+        method: &str,
+        target: &str,
+        body: Option<&[u8]>,
+    ) -> std::result::Result<String, String> {
+        let reply = self.send("GET", "/challenge", None, None).await?;
+        match reply.status {
+            200 => {}
+            404 => {
+                return Err(
+                    "this client has a shared secret but the server has none (GET /challenge \
+                     answered 404); configure the same secret on both"
+                        .to_owned(),
+                );
+            }
+            s => {
+                return Err(format!(
+                    "GET /challenge answered HTTP {s}: {}",
+                    reply.text()
+                ));
+            }
+        }
+        let nonce = serde_json::from_slice::<Challenge>(&reply.body)
+            .ok()
+            .and_then(|c| unhex::<NONCE_LEN>(&c.nonce))
+            .ok_or_else(|| {
+                format!(
+                    "GET /challenge answered {:?}, not {{\"nonce\": \"<64 hex digits>\"}}",
+                    reply.text().chars().take(120).collect::<String>()
+                )
+            })?;
+        Ok(authorization(
+            secret,
+            &Nonce::from_bytes(nonce),
+            method,
+            target,
+            body.unwrap_or_default(),
+        ))
+    }
+
+    /// One request on one connection, with an optional `Authorization` header.
+    async fn send(
+        &self,
+        method: &str,
+        target: &str,
+        body: Option<&[u8]>,
+        authorization: Option<&str>,
+    ) -> std::result::Result<HttpReply, String> {
         let mut stream = TcpStream::connect(&self.addr)
             .await
             .map_err(|e| format!("cannot connect: {e}"))?;
@@ -132,6 +210,9 @@ impl BootstrapClient {
             "{method} {target} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n",
             self.addr
         );
+        if let Some(a) = authorization {
+            req.push_str(&format!("Authorization: {a}\r\n"));
+        }
         if let Some(b) = body {
             req.push_str(&format!(
                 "Content-Type: application/json\r\nContent-Length: {}\r\n",
@@ -176,10 +257,21 @@ impl BootstrapClient {
         })
     }
 
+    /// The error for a 401 answer.
+    fn unauthorized(&self, method: &str, target: &str, reply: &HttpReply) -> BootstrapError {
+        BootstrapError::Unauthorized {
+            addr: self.addr.clone(),
+            route: format!("{method} {target}"),
+            reason: reply.text(),
+        }
+    }
+
     async fn expect_ok(&self, method: &str, target: &str, body: Option<&[u8]>) -> Result<Vec<u8>> {
         let reply = self.request(method, target, body).await?;
         if reply.status == 200 {
             Ok(reply.body)
+        } else if reply.status == 401 {
+            Err(self.unauthorized(method, target, &reply))
         } else {
             Err(self.error(format!(
                 "{method} {target} answered HTTP {}: {}",
@@ -211,6 +303,9 @@ impl BootstrapClient {
     /// [`BootstrapError::Request`] when unreachable or the answer is not readiness JSON.
     pub async fn readiness(&self) -> Result<Readiness> {
         let reply = self.request("GET", "/ready", None).await?;
+        if reply.status == 401 {
+            return Err(self.unauthorized("GET", "/ready", &reply));
+        }
         if reply.status != 200 && reply.status != 503 {
             return Err(self.error(format!(
                 "GET /ready answered HTTP {}: {}",
@@ -344,12 +439,14 @@ impl HttpDirectory {
 #[async_trait::async_trait]
 impl PrefillDirectory for HttpDirectory {
     async fn prefill_ranks(&self, bootstrap_addr: &str) -> Result<Vec<PrefillRankInfo>> {
-        let client = BootstrapClient::with_config(bootstrap_addr, self.config);
+        let client = BootstrapClient::with_config(bootstrap_addr, self.config.clone());
         let mut attempt = 0;
         loop {
             attempt += 1;
             let err = match client.ranks().await {
                 Ok(r) => return Ok(r),
+                // A wrong or missing secret does not fix itself: no retry.
+                Err(e @ BootstrapError::Unauthorized { .. }) => return Err(e),
                 Err(e) => e,
             };
             if attempt >= self.max_attempts {

@@ -23,6 +23,9 @@ pub(crate) struct Limits {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RequestHead {
     pub(crate) method: String,
+    /// The request target exactly as sent (path and query, still percent-encoded).
+    pub(crate) target: String,
+    /// The target's path, percent-decoded.
     pub(crate) path: String,
     pub(crate) query: BTreeMap<String, String>,
     pub(crate) content_length: Option<usize>,
@@ -205,6 +208,7 @@ pub(crate) fn parse_request_head(
     }
     let head = RequestHead {
         method: method.to_owned(),
+        target: target.to_owned(),
         path,
         query,
         content_length,

@@ -33,6 +33,7 @@
 //! # Ok(()) }
 //! ```
 
+mod auth;
 mod client;
 mod directory;
 mod endpoint;
@@ -50,6 +51,7 @@ pub use client::{BootstrapClient, ClientConfig, HttpDirectory, HttpReply};
 pub use directory::{PrefillDirectory, PrefillRankInfo, StaticDirectory};
 pub use endpoint::Endpoint;
 pub use error::{BootstrapError, Result};
+pub use kvbridge_auth::Secret;
 pub use registry::{
     DpRankEntry, DpRankQuery, MAX_DEPLOYMENT_RANKS, MISSING_INPUTS, PrefillServerInfo,
     RankEndpoint, RankList, RankRegistration, Readiness, Refusal, Registry,

@@ -11,6 +11,9 @@ use tokio::time::Instant;
 
 use crate::error::{BootstrapError, Result};
 use crate::http::{Limits, PROMETHEUS_TEXT, RequestHead, Response, parse_request_head};
+use kvbridge_auth::Secret;
+
+use crate::auth::{Verifier, needs_proof};
 use crate::registry::Registry;
 
 /// Settings of a [`BootstrapServer`].
@@ -34,6 +37,12 @@ pub struct BootstrapConfig {
     pub room_entry_ttl: Duration,
     /// Most room → DP-rank entries held. Default 65 536.
     pub max_room_entries: usize,
+    /// The shared secret every registration and query must prove (docs/bootstrap.md,
+    /// "Authentication"); `None` (the default) serves everyone who can connect.
+    pub secret: Option<Secret>,
+    /// Most challenges open at once (issued by `GET /challenge`, not yet used); one more
+    /// forgets the oldest. Default 1024.
+    pub max_challenges: usize,
 }
 
 impl Default for BootstrapConfig {
@@ -47,6 +56,8 @@ impl Default for BootstrapConfig {
             max_connections: 256,
             room_entry_ttl: Duration::from_secs(120),
             max_room_entries: 65_536,
+            secret: None,
+            max_challenges: 1024,
         }
     }
 }
@@ -73,6 +84,20 @@ impl BootstrapConfig {
         self
     }
 
+    /// Sets [`secret`](Self::secret): every registration and query must then prove it.
+    #[must_use]
+    pub fn with_secret(mut self, secret: impl Into<Secret>) -> Self {
+        self.secret = Some(secret.into());
+        self
+    }
+
+    /// Sets [`max_challenges`](Self::max_challenges).
+    #[must_use]
+    pub fn with_max_challenges(mut self, n: usize) -> Self {
+        self.max_challenges = n;
+        self
+    }
+
     /// Sets [`max_connections`](Self::max_connections).
     #[must_use]
     pub fn with_max_connections(mut self, n: usize) -> Self {
@@ -92,10 +117,18 @@ impl BootstrapConfig {
             ("max_headers", self.max_headers),
             ("max_connections", self.max_connections),
             ("max_room_entries", self.max_room_entries),
+            ("max_challenges", self.max_challenges),
         ] {
             if v == 0 {
                 return bad(format!("BootstrapConfig::{name} must be at least 1, got 0"));
             }
+        }
+        if self.secret.as_ref().is_some_and(Secret::is_empty) {
+            return bad(
+                "BootstrapConfig::secret must not be empty; pass None to serve \
+                        without authentication"
+                    .to_owned(),
+            );
         }
         if self.request_timeout.is_zero() || self.room_entry_ttl.is_zero() {
             return bad("BootstrapConfig timeouts must be positive".to_owned());
@@ -166,11 +199,7 @@ impl BootstrapServerBuilder {
                 message: format!("the bootstrap listener has no local address: {e}"),
             })?;
         let (shutdown, _) = watch::channel(false);
-        let service = Arc::new(Service {
-            registry: registry.clone(),
-            metrics: self.metrics,
-            config,
-        });
+        let service = Arc::new(Service::new(registry.clone(), self.metrics, config));
         tokio::spawn(accept_loop(listener, service.clone(), shutdown.subscribe()));
         tokio::spawn(purge_loop(
             registry.clone(),
@@ -190,13 +219,44 @@ impl BootstrapServerBuilder {
 struct Service {
     registry: Registry,
     metrics: Option<MetricsSource>,
+    /// Present when a secret is configured.
+    verifier: Option<Verifier>,
     config: BootstrapConfig,
 }
 
 impl Service {
-    /// Answers one request (sans-IO): the server's own routes, then the registry's.
+    fn new(registry: Registry, metrics: Option<MetricsSource>, config: BootstrapConfig) -> Self {
+        let verifier = config
+            .secret
+            .clone()
+            .map(|s| Verifier::new(s, config.max_challenges));
+        Self {
+            registry,
+            metrics,
+            verifier,
+            config,
+        }
+    }
+
+    /// Answers one request (sans-IO): the proof first when a secret is set (nothing is
+    /// stored or answered without it), then the server's own routes, then the registry's.
     fn route(&self, head: &RequestHead, body: &[u8], now: Instant) -> Response {
+        if let Some(v) = &self.verifier {
+            if needs_proof(&head.path) {
+                if let Err(refused) = v.check(head, body) {
+                    return refused;
+                }
+            }
+        }
         match (head.path.as_str(), head.method.as_str()) {
+            ("/challenge", "GET") => match &self.verifier {
+                Some(v) => v.challenge(),
+                None => Response::text(
+                    404,
+                    "this bootstrap server has no secret configured; requests need no proof",
+                ),
+            },
+            ("/challenge", _) => Response::text(405, "Method not allowed"),
             ("/metrics", "GET") => match &self.metrics {
                 Some(source) => Response {
                     status: 200,
@@ -460,29 +520,214 @@ mod tests {
     }
 
     fn service() -> Service {
-        Service {
-            registry: Registry::new(),
-            metrics: Some(Arc::new(|| "# TYPE up gauge\nup 1\n".to_owned())),
-            config: BootstrapConfig {
-                max_body_bytes: 64 * 1024,
-                ..BootstrapConfig::default()
-            },
-        }
+        Service::new(
+            Registry::new(),
+            Some(Arc::new(|| "# TYPE up gauge\nup 1\n".to_owned())),
+            BootstrapConfig::default().with_max_body_bytes(64 * 1024),
+        )
     }
 
     #[test]
     fn http_corpus_seeds_are_answered() {
         let rt = fuzz::runtime();
-        let service = service();
-        for seed in fuzz::corpus("http") {
-            let r = rt.block_on(answer(&service, &seed));
-            assert!(
-                r.status < 500,
-                "{}: {}",
-                r.status,
-                String::from_utf8_lossy(&r.body)
-            );
+        for service in [service(), secured(16)] {
+            for seed in fuzz::corpus("http") {
+                let r = rt.block_on(answer(&service, &seed));
+                assert!(
+                    r.status < 500,
+                    "{}: {}",
+                    r.status,
+                    String::from_utf8_lossy(&r.body)
+                );
+            }
         }
+    }
+
+    const SECRET: &[u8] = b"bootstrap test secret";
+
+    fn secured(max_challenges: usize) -> Service {
+        let config = BootstrapConfig::default()
+            .with_secret(SECRET)
+            .with_max_challenges(max_challenges);
+        Service::new(Registry::new(), None, config)
+    }
+
+    /// Parses `method target` with `body` (and an `Authorization` value) as the server would.
+    fn head(method: &str, target: &str, body: &[u8], auth: Option<&str>) -> RequestHead {
+        let mut raw = format!("{method} {target} HTTP/1.1\r\nHost: x\r\n");
+        if let Some(a) = auth {
+            raw.push_str(&format!("Authorization: {a}\r\n"));
+        }
+        raw.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
+        let limits = Limits {
+            max_head: 8192,
+            max_headers: 16,
+            max_body: 1 << 20,
+        };
+        parse_request_head(raw.as_bytes(), &limits)
+            .unwrap()
+            .unwrap()
+            .0
+    }
+
+    fn nonce(service: &Service) -> kvbridge_auth::Nonce {
+        let r = service.route(&head("GET", "/challenge", b"", None), b"", Instant::now());
+        assert_eq!(r.status, 200);
+        let c: crate::auth::Challenge = serde_json::from_slice(&r.body).unwrap();
+        kvbridge_auth::Nonce::from_bytes(crate::auth::unhex(&c.nonce).unwrap())
+    }
+
+    fn registration() -> Vec<u8> {
+        use kvbridge_handshake::{PeerDescriptor, Role};
+        let d = PeerDescriptor::mla(Role::Prefill, 64, 1, 1152)
+            .build()
+            .unwrap();
+        serde_json::to_vec(&crate::RankRegistration::new("127.0.0.1:17000", d)).unwrap()
+    }
+
+    /// Sends `PUT /route` with `body` and the proof `prove` makes for (nonce, body).
+    fn put(service: &Service, body: &[u8], auth: Option<String>) -> Response {
+        let h = head("PUT", "/route", body, auth.as_deref());
+        service.route(&h, body, Instant::now())
+    }
+
+    fn proof(
+        secret: &[u8],
+        n: &kvbridge_auth::Nonce,
+        method: &str,
+        target: &str,
+        body: &[u8],
+    ) -> String {
+        crate::auth::authorization(&Secret::new(secret.to_vec()), n, method, target, body)
+    }
+
+    #[test]
+    fn a_right_proof_registers_and_queries() {
+        let s = secured(16);
+        let body = registration();
+        let n = nonce(&s);
+        let r = put(&s, &body, Some(proof(SECRET, &n, "PUT", "/route", &body)));
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        assert_eq!(s.registry.readiness().registered, 1);
+        let n = nonce(&s);
+        let auth = proof(SECRET, &n, "GET", "/ranks?prefill_dp_rank=0", b"");
+        let h = head("GET", "/ranks?prefill_dp_rank=0", b"", Some(&auth));
+        assert_eq!(s.route(&h, b"", Instant::now()).status, 200);
+        // Liveness and the challenge stay open.
+        let h = head("GET", "/health", b"", None);
+        assert_eq!(s.route(&h, b"", Instant::now()).status, 200);
+    }
+
+    #[test]
+    fn requests_without_the_right_proof_get_401_and_store_nothing() {
+        let s = secured(16);
+        let body = registration();
+        let text = |r: &Response| String::from_utf8_lossy(&r.body).into_owned();
+        // No proof at all: a readable reason naming the way to authenticate.
+        let r = put(&s, &body, None);
+        assert_eq!(r.status, 401);
+        assert!(text(&r).contains("no Authorization header"), "{}", text(&r));
+        assert!(text(&r).contains("GET /challenge"), "{}", text(&r));
+        // A malformed header.
+        let r = put(&s, &body, Some("Basic dXNlcjpwYXNz".to_owned()));
+        assert_eq!(r.status, 401);
+        // The wrong secret.
+        let n = nonce(&s);
+        let r = put(
+            &s,
+            &body,
+            Some(proof(b"another secret", &n, "PUT", "/route", &body)),
+        );
+        assert_eq!(r.status, 401);
+        assert!(text(&r).contains("does not match"), "{}", text(&r));
+        // A body changed after the proof was made.
+        let n = nonce(&s);
+        let auth = proof(SECRET, &n, "PUT", "/route", &body);
+        let mut tampered = body.clone();
+        let at = tampered.len() - 2;
+        tampered[at] = b' ';
+        assert_eq!(put(&s, &tampered, Some(auth)).status, 401);
+        // A proof for another route or method.
+        let n = nonce(&s);
+        let auth = proof(SECRET, &n, "PUT", "/route?x=1", &body);
+        assert_eq!(put(&s, &body, Some(auth)).status, 401);
+        let n = nonce(&s);
+        let auth = proof(SECRET, &n, "POST", "/route", &body);
+        assert_eq!(put(&s, &body, Some(auth)).status, 401);
+        // A nonce this server never issued.
+        let auth = proof(
+            SECRET,
+            &kvbridge_auth::Nonce::random(),
+            "PUT",
+            "/route",
+            &body,
+        );
+        assert_eq!(put(&s, &body, Some(auth)).status, 401);
+        // Queries are refused the same way.
+        for (m, t) in [
+            ("GET", "/ranks"),
+            ("GET", "/ready"),
+            ("POST", "/query_dp_ranks"),
+        ] {
+            let h = head(m, t, b"{}", None);
+            assert_eq!(s.route(&h, b"{}", Instant::now()).status, 401, "{m} {t}");
+        }
+        assert_eq!(s.registry.readiness().registered, 0, "nothing was stored");
+    }
+
+    #[test]
+    fn a_replayed_request_is_refused() {
+        let s = secured(16);
+        let body = registration();
+        let n = nonce(&s);
+        let auth = proof(SECRET, &n, "PUT", "/route", &body);
+        assert_eq!(put(&s, &body, Some(auth.clone())).status, 200);
+        s.registry.clear();
+        let r = put(&s, &body, Some(auth));
+        assert_eq!(r.status, 401);
+        assert!(String::from_utf8_lossy(&r.body).contains("already used"));
+        assert_eq!(s.registry.readiness().registered, 0);
+        // A wrong proof spends its nonce too: no second guess on the same challenge.
+        let n = nonce(&s);
+        let _ = put(&s, &body, Some(proof(b"guess", &n, "PUT", "/route", &body)));
+        assert_eq!(
+            put(&s, &body, Some(proof(SECRET, &n, "PUT", "/route", &body))).status,
+            401
+        );
+    }
+
+    #[test]
+    fn the_challenge_table_is_bounded() {
+        let s = secured(8);
+        let first = nonce(&s);
+        for _ in 0..10_000 {
+            nonce(&s);
+        }
+        assert_eq!(
+            s.verifier.as_ref().unwrap().open(),
+            8,
+            "an attacker cannot grow it"
+        );
+        let body = registration();
+        // The oldest challenges were forgotten; the newest still work.
+        assert_eq!(
+            put(
+                &s,
+                &body,
+                Some(proof(SECRET, &first, "PUT", "/route", &body))
+            )
+            .status,
+            401
+        );
+        let n = nonce(&s);
+        assert_eq!(
+            put(&s, &body, Some(proof(SECRET, &n, "PUT", "/route", &body))).status,
+            200
+        );
+        // Without a secret there is no challenge to ask for.
+        let open = service();
+        let h = head("GET", "/challenge", b"", None);
+        assert_eq!(open.route(&h, b"", Instant::now()).status, 404);
     }
 
     proptest! {
@@ -494,7 +739,8 @@ mod tests {
         #[test]
         fn fuzz_bootstrap_requests(input in fuzz::mutated(fuzz::corpus("http"))) {
             let rt = fuzz::runtime();
-            let service = service();
+            // Half the cases against a server with a secret (the Authorization parser).
+            let service = if input.len() % 2 == 0 { service() } else { secured(16) };
             rt.block_on(async {
                 tokio::time::timeout(
                     Duration::from_secs(60),

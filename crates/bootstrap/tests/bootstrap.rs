@@ -455,3 +455,72 @@ async fn metrics_route_serves_the_source_rendered_on_each_request() {
         reply.text()
     );
 }
+
+#[tokio::test]
+async fn a_secret_guards_registrations_and_queries_over_http() {
+    let secret = b"one secret for the deployment".to_vec();
+    let s = BootstrapServer::bind(BootstrapConfig::default().with_secret(secret.clone()))
+        .await
+        .unwrap();
+    let a = s.bootstrap_addr();
+    let with = |k: &[u8]| {
+        BootstrapClient::with_config(&a, ClientConfig::default().with_secret(k.to_vec()))
+    };
+    let row = RankRegistration::new("127.0.0.1:17000", prefill(1, 0, 64));
+
+    // Without the secret, or with another one: refused, nothing stored.
+    let err = BootstrapClient::new(&a).register(&row).await.unwrap_err();
+    assert!(
+        matches!(err, BootstrapError::Unauthorized { .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("no Authorization header"), "{err}");
+    let err = with(b"wrong").register(&row).await.unwrap_err();
+    assert!(
+        matches!(err, BootstrapError::Unauthorized { .. }),
+        "{err:?}"
+    );
+    let err = BootstrapClient::new(&a).ranks().await.unwrap_err();
+    assert!(
+        matches!(err, BootstrapError::Unauthorized { .. }),
+        "{err:?}"
+    );
+    assert_eq!(s.registry().readiness().registered, 0);
+    // The directory does not retry a refusal (its retry budget here would take 15 minutes).
+    let dir = HttpDirectory::new().with_retry(Duration::from_secs(60), 15);
+    let err = dir.prefill_ranks(&a).await.unwrap_err();
+    assert!(
+        matches!(err, BootstrapError::Unauthorized { .. }),
+        "{err:?}"
+    );
+    // Liveness needs no proof.
+    BootstrapClient::new(&a).health().await.unwrap();
+
+    // With the secret every route works.
+    let ok = with(&secret);
+    ok.register(&row).await.unwrap();
+    assert!(ok.readiness().await.unwrap().ready);
+    assert_eq!(ok.ranks().await.unwrap().len(), 1);
+    ok.register_dp_rank(7, 0).await.unwrap();
+    assert_eq!(ok.query_dp_ranks(&[7]).await.unwrap()[&7], 0);
+    let dir = HttpDirectory::new().with_client_config(ClientConfig::default().with_secret(secret));
+    assert_eq!(dir.prefill_ranks(&a).await.unwrap().len(), 1);
+
+    // A client with a secret refuses a server without one.
+    let open = server().await;
+    let err = BootstrapClient::with_config(
+        open.bootstrap_addr(),
+        ClientConfig::default().with_secret(b"x".to_vec()),
+    )
+    .health()
+    .await;
+    assert!(err.is_ok(), "open routes need no challenge");
+    let err = BootstrapClient::with_config(
+        open.bootstrap_addr(),
+        ClientConfig::default().with_secret(b"x".to_vec()),
+    )
+    .ranks()
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("the server has none"), "{err}");
+}
