@@ -100,6 +100,7 @@ fn every_crate_has_a_codemap_section() {
 /// Every library crate: what the facade re-exports and the Python package builds on.
 const LIBRARY_CRATES: &[&str] = &[
     "kvbridge-auth",
+    "kvbridge-control",
     "kvbridge-geometry",
     "kvbridge-handshake",
     "kvbridge-transport",
@@ -113,6 +114,7 @@ const LIBRARY_CRATES: &[&str] = &[
 /// What the Python package builds on: every library crate, and NIXL behind its `nixl` feature.
 const PYTHON_CRATES: &[&str] = &[
     "kvbridge-auth",
+    "kvbridge-control",
     "kvbridge-geometry",
     "kvbridge-handshake",
     "kvbridge-transport",
@@ -150,6 +152,7 @@ fn crates_depend_only_on_what_the_codemap_allows() {
             "kvbridge-bootstrap",
             &[
                 "kvbridge-auth",
+                "kvbridge-control",
                 "kvbridge-geometry",
                 "kvbridge-handshake",
                 "kvbridge-transport",
@@ -157,10 +160,16 @@ fn crates_depend_only_on_what_the_codemap_allows() {
             true,
         ),
         (
+            "kvbridge-control",
+            &["kvbridge-auth", "kvbridge-handshake", "kvbridge-transport"],
+            true,
+        ),
+        (
             "kvbridge-coordinator",
             &[
                 "kvbridge-auth",
                 "kvbridge-bootstrap",
+                "kvbridge-control",
                 "kvbridge-geometry",
                 "kvbridge-handshake",
                 "kvbridge-transport",

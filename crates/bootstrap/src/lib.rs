@@ -36,12 +36,11 @@
 mod auth;
 mod client;
 mod directory;
-mod endpoint;
 mod error;
-// The mutation harness of the coordinator's decoders, shared as one file; its corpus path is
-// relative to the crate that compiles it (`tests/corpus/http` here).
+// kvbridge-control's mutation harness, shared as one file rather than copied; its corpus
+// path is relative to the crate that compiles it (`tests/corpus/http` here).
 #[cfg(test)]
-#[path = "../../coordinator/src/fuzz.rs"]
+#[path = "../../control/src/fuzz.rs"]
 mod fuzz;
 mod http;
 mod registry;
@@ -49,9 +48,10 @@ mod server;
 
 pub use client::{BootstrapClient, ClientConfig, HttpDirectory, HttpReply};
 pub use directory::{PrefillDirectory, PrefillRankInfo, StaticDirectory};
-pub use endpoint::Endpoint;
 pub use error::{BootstrapError, Result};
 pub use kvbridge_auth::Secret;
+/// The control endpoint a rank publishes (kvbridge-control's).
+pub use kvbridge_control::Endpoint;
 pub use registry::{
     DpRankEntry, DpRankQuery, MAX_DEPLOYMENT_RANKS, MISSING_INPUTS, PrefillServerInfo,
     RankEndpoint, RankList, RankRegistration, Readiness, Refusal, Registry,

@@ -92,7 +92,6 @@
 mod agreement;
 /// The bootstrap registry, server and client: [`kvbridge_bootstrap`], re-exported.
 pub use kvbridge_bootstrap as bootstrap;
-mod channel;
 mod config;
 mod decode;
 /// The prefill directories ([`kvbridge_bootstrap`]), under the path the agents use.
@@ -100,11 +99,7 @@ mod directory {
     pub use kvbridge_bootstrap::{PrefillDirectory, PrefillRankInfo, StaticDirectory};
 }
 mod error;
-#[cfg(test)]
-mod fuzz;
-pub mod ids;
 mod memory;
-mod messages;
 mod metrics;
 pub mod net_channel;
 mod outbox;
@@ -115,22 +110,27 @@ mod state;
 pub mod testing;
 mod timer;
 
+// The control channel, its messages and ids are kvbridge-control's; these keep the paths
+// `crate::channel`, `crate::messages` and `kvbridge_coordinator::ids` of earlier releases.
+pub use kvbridge_control::ids;
+use kvbridge_control::{channel, messages};
+
 pub use agreement::{LocalOnly, RankAgreement, SharedMin};
-pub use channel::{
-    ControlChannel, DEFAULT_HUB_QUEUE, DynControlChannel, Endpoint, Envelope, InProcessChannel,
-    InProcessControlHub,
-};
 pub use config::{DecodeConfig, PackBuffers, PrefillConfig};
 pub use decode::{DecodeAgent, DecodeAgentBuilder, FenceReport, ReceiveRequest};
 pub use directory::{PrefillDirectory, PrefillRankInfo, StaticDirectory};
 pub use error::{CoordinatorError, Result};
-pub use ids::{Generation, Incarnation, RoomId, SessionId};
-pub use memory::{AllocatedMemory, EntryRegion, KvMemory};
-pub use messages::{
+pub use kvbridge_control::{
     AbortAck, AbortRequest, CONTROL_PROTOCOL_VERSION, ControlMessage, Heartbeat, Registration,
     RegistrationOutcome, RegistrationReply, StatusUpdate, TransferInfo, TransportInfo, WireProblem,
     WireRegion, render_problems,
 };
+pub use kvbridge_control::{
+    ControlChannel, ControlError, DEFAULT_HUB_QUEUE, DynControlChannel, Endpoint, Envelope,
+    InProcessChannel, InProcessControlHub, ProtocolVersion,
+};
+pub use kvbridge_control::{Generation, Incarnation, RoomId, SessionId};
+pub use memory::{AllocatedMemory, EntryRegion, KvMemory};
 pub use metrics::{LATENCY_BUCKETS_MS, LatencyHistogram, MetricsSnapshot, prometheus};
 pub use plan::Chunk;
 pub use prefill::{PrefillAgent, PrefillAgentBuilder};

@@ -223,7 +223,7 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
             Arc::new(
                 NetChannel::bind(NetChannelConfig::default())
                     .await
-                    .map_err(e)?,
+                    .map_err(|c| c.to_string())?,
             ),
         )
         .config(config)
@@ -255,7 +255,7 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
             Arc::new(
                 NetChannel::bind(NetChannelConfig::default())
                     .await
-                    .map_err(e)?,
+                    .map_err(|c| c.to_string())?,
             ),
             Arc::new(HttpDirectory::new()),
         )

@@ -1,4 +1,4 @@
-//! The control endpoint a prefill rank publishes.
+//! [`Endpoint`]: the address of an agent's control endpoint.
 
 use std::fmt;
 
