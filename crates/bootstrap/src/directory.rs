@@ -7,8 +7,8 @@ use kvbridge_handshake::PeerDescriptor;
 use kvbridge_transport::sync::lock;
 use serde::{Deserialize, Serialize};
 
-use crate::Endpoint;
 use crate::error::{BootstrapError, Result};
+use kvbridge_control::Endpoint;
 
 /// One prefill rank as published to a bootstrap registry: its descriptor and control endpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

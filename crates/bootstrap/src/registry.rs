@@ -12,9 +12,9 @@ use tokio::time::Instant;
 
 use kvbridge_transport::sync::lock;
 
-use crate::Endpoint;
 use crate::directory::PrefillRankInfo;
 use crate::http::{RequestHead, Response};
+use kvbridge_control::Endpoint;
 
 /// Most prefill ranks one deployment may declare (`dp · cp · tp · pp`).
 pub const MAX_DEPLOYMENT_RANKS: u64 = 65_536;

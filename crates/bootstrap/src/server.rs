@@ -582,7 +582,11 @@ mod tests {
         let d = PeerDescriptor::mla(Role::Prefill, 64, 1, 1152)
             .build()
             .unwrap();
-        serde_json::to_vec(&crate::RankRegistration::new("127.0.0.1:17000", d)).unwrap()
+        serde_json::to_vec(&crate::registry::RankRegistration::new(
+            "127.0.0.1:17000",
+            d,
+        ))
+        .unwrap()
     }
 
     /// Sends `PUT /route` with `body` and the proof `prove` makes for (nonce, body).
