@@ -709,4 +709,48 @@ mod tests {
         assert!(odd.contains("_1_rank=\"0\""), "{odd}");
         parse_exposition(&odd);
     }
+
+    proptest::proptest! {
+        /// Any snapshot and any label value render as valid exposition that carries the
+        /// snapshot's values back.
+        #[test]
+        fn any_snapshot_round_trips_through_the_exposition(
+            latencies_us in proptest::collection::vec(0u64..60_000_000, 0..40),
+            bytes in proptest::prelude::any::<u64>(),
+            failures in proptest::collection::vec(0usize..3, 0..10),
+            label in "[ -~\\n\\\\\"]{0,12}",
+        ) {
+            let m = Metrics::default();
+            add(&m.bytes_transferred, bytes);
+            let causes = [FailureCause::PeerLost, FailureCause::Aborted, FailureCause::Planning];
+            for &c in &failures {
+                m.failed(causes[c]);
+            }
+            for &us in &latencies_us {
+                m.succeeded(Duration::from_micros(us));
+            }
+            let snap = m.snapshot(BTreeMap::new());
+            let text = snap.to_prometheus(&[("rank", label.as_str())]);
+            let (_, samples) = parse_exposition(&text);
+            let l = [("rank", label.as_str())];
+            proptest::prop_assert_eq!(
+                value(&samples, "kvbridge_bytes_transferred_total", &l),
+                bytes as f64
+            );
+            proptest::prop_assert_eq!(
+                value(&samples, "kvbridge_rooms_failed_total", &l) as usize,
+                failures.len()
+            );
+            let count = value(&samples, "kvbridge_transfer_latency_seconds_count", &l);
+            proptest::prop_assert_eq!(count as usize, latencies_us.len());
+            let inf = samples
+                .iter()
+                .find(|(n, ls, _)| n.ends_with("_bucket") && ls["le"] == "+Inf")
+                .unwrap();
+            proptest::prop_assert_eq!(inf.2, count);
+            for (n, ls, _) in &samples {
+                proptest::prop_assert_eq!(&ls["rank"], &label, "{}", n);
+            }
+        }
+    }
 }
