@@ -88,9 +88,14 @@ impl Verifier {
         }
     }
 
+    /// Runs `f` on the open challenges under their lock (the only place that takes it).
+    fn with_challenges<R>(&self, f: impl FnOnce(&mut Challenges) -> R) -> R {
+        f(&mut lock(&self.challenges))
+    }
+
     /// Answers `GET /challenge`.
     pub(crate) fn challenge(&self) -> Response {
-        let nonce = lock(&self.challenges).issue();
+        let nonce = self.with_challenges(Challenges::issue);
         Response::json(
             200,
             &Challenge {
@@ -102,7 +107,7 @@ impl Verifier {
     /// Challenges issued and not yet redeemed.
     #[cfg(test)]
     pub(crate) fn open(&self) -> usize {
-        lock(&self.challenges).open()
+        self.with_challenges(|c| c.open())
     }
 
     /// Checks the request's proof; `Err` is the 401 to answer.
@@ -122,8 +127,7 @@ impl Verifier {
             return Err(refuse("no Authorization header".to_owned()));
         };
         let (nonce, tag) = parse_authorization(value).map_err(&refuse)?;
-        lock(&self.challenges)
-            .redeem(&nonce)
+        self.with_challenges(|c| c.redeem(&nonce))
             .map_err(|e| refuse(e.to_string()))?;
         verify(
             &self.secret,
