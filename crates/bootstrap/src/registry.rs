@@ -553,8 +553,8 @@ impl Registry {
             other => Response::text(
                 404,
                 format!(
-                    "no route {other:?}; routes: /route, /ranks, /ready, /health, /metrics, /challenge, \
-                     /register_dp_rank, /query_dp_ranks"
+                    "no route {other:?}; routes: /route, /ranks, /ready, /health, /metrics, \
+                     /challenge, /register_dp_rank, /query_dp_ranks"
                 ),
             ),
         }
