@@ -101,23 +101,29 @@ fn every_crate_has_a_codemap_section() {
 
 /// Every library crate: what the facade re-exports and the Python package builds on.
 const LIBRARY_CRATES: &[&str] = &[
+    "kvbridge-auth",
+    "kvbridge-control",
     "kvbridge-geometry",
     "kvbridge-handshake",
     "kvbridge-transport",
     "kvbridge-mock",
     "kvbridge-shm",
     "kvbridge-tcp",
+    "kvbridge-bootstrap",
     "kvbridge-coordinator",
 ];
 
 /// What the Python package builds on: every library crate, and NIXL behind its `nixl` feature.
 const PYTHON_CRATES: &[&str] = &[
+    "kvbridge-auth",
+    "kvbridge-control",
     "kvbridge-geometry",
     "kvbridge-handshake",
     "kvbridge-transport",
     "kvbridge-mock",
     "kvbridge-shm",
     "kvbridge-tcp",
+    "kvbridge-bootstrap",
     "kvbridge-coordinator",
     "kvbridge-nixl",
 ];
@@ -127,16 +133,45 @@ fn crates_depend_only_on_what_the_codemap_allows() {
     // (package, kvbridge crates it may use, whether tokio is allowed) — the table in
     // docs/ARCHITECTURE.md.
     let rules: &[(&str, &[&str], bool)] = &[
+        ("kvbridge-auth", &[], false),
         ("kvbridge-geometry", &[], false),
         ("kvbridge-handshake", &["kvbridge-geometry"], false),
         ("kvbridge-transport", &[], false),
         ("kvbridge-mock", &["kvbridge-transport"], true),
-        ("kvbridge-shm", &["kvbridge-transport"], true),
-        ("kvbridge-tcp", &["kvbridge-transport"], true),
+        (
+            "kvbridge-shm",
+            &["kvbridge-transport", "kvbridge-auth"],
+            true,
+        ),
+        (
+            "kvbridge-tcp",
+            &["kvbridge-transport", "kvbridge-auth"],
+            true,
+        ),
         ("kvbridge-nixl", &["kvbridge-transport"], true),
+        // The registry never depends on the agents: they depend on it.
+        (
+            "kvbridge-bootstrap",
+            &[
+                "kvbridge-auth",
+                "kvbridge-control",
+                "kvbridge-geometry",
+                "kvbridge-handshake",
+                "kvbridge-transport",
+            ],
+            true,
+        ),
+        (
+            "kvbridge-control",
+            &["kvbridge-auth", "kvbridge-handshake", "kvbridge-transport"],
+            true,
+        ),
         (
             "kvbridge-coordinator",
             &[
+                "kvbridge-auth",
+                "kvbridge-bootstrap",
+                "kvbridge-control",
                 "kvbridge-geometry",
                 "kvbridge-handshake",
                 "kvbridge-transport",
@@ -512,6 +547,7 @@ fn reentrant_locking(src: &str) -> Vec<(usize, String)> {
 fn coordinator_state_locks_are_never_taken_twice() {
     let mut files = Vec::new();
     rust_files(&root().join("crates/coordinator/src"), &mut files);
+    rust_files(&root().join("crates/bootstrap/src"), &mut files);
     let mut report = Vec::new();
     for file in files {
         let text = read(&file);

@@ -1,7 +1,6 @@
 //! The decode (receiving) agent.
 
 use std::collections::{BTreeSet, HashMap};
-use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -117,12 +116,7 @@ impl DecodeAgentBuilder {
         self.memory.validate(d)?;
         let runtime = current_runtime("DecodeAgent")?;
         let endpoint = self.channel.local_endpoint();
-        let session = {
-            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            endpoint.hash(&mut h);
-            std::time::SystemTime::now().hash(&mut h);
-            h.finish()
-        };
+        let session = kvbridge_auth::random_u64();
         let metrics = Arc::new(Metrics::default());
         let inner = Arc::new_cyclic(|weak: &Weak<DecodeInner>| {
             let outbox = Outbox::new(
@@ -897,7 +891,7 @@ impl DecodeInner {
         let reg = Registration {
             protocol: CONTROL_PROTOCOL_VERSION,
             decode_endpoint: self.endpoint.clone(),
-            session: self.session,
+            session: self.session.into(),
             descriptor: self.descriptor.clone(),
             transport: TransportInfo {
                 name: self.transport.name().to_owned(),
@@ -974,7 +968,7 @@ impl DecodeInner {
     }
 
     fn on_register_reply(&self, r: RegistrationReply) {
-        if r.session != self.session {
+        if r.session.get() != self.session {
             tracing::debug!(prefill = %r.prefill_endpoint, "registration reply for an old session ignored");
             return;
         }
@@ -1057,10 +1051,10 @@ impl DecodeInner {
         r.required_responses = resolved.mapping.required_prefill_response_num;
         for ((t, endpoint), _) in resolved.targets.iter().zip(ranks) {
             let info = TransferInfo {
-                room,
-                generation: r.generation,
+                room: room.into(),
+                generation: r.generation.into(),
                 decode_endpoint: self.endpoint.clone(),
-                session: self.session,
+                session: self.session.into(),
                 dst_pages: if t.is_dummy {
                     Vec::new()
                 } else {
@@ -1112,13 +1106,13 @@ impl DecodeInner {
     }
 
     fn on_status(&self, from: &Endpoint, s: StatusUpdate) {
-        let room = s.room;
+        let room = s.room.get();
         let failed = self.with_state(|st| {
         let Some(r) = st.rooms.get_mut(&room) else {
             tracing::debug!(room, from = %from, "status for a room this decode does not hold: dropped");
             return None;
         };
-        if s.generation != r.generation {
+        if s.generation.get() != r.generation {
             tracing::debug!(room, from = %from, "status for an earlier use of the room: dropped");
             return None;
         }
@@ -1236,11 +1230,11 @@ impl DecodeInner {
 
     fn on_abort_ack(&self, a: AbortAck) {
         self.with_state(|st| {
-        let Some(r) = st.rooms.get_mut(&a.room) else {
+        let Some(r) = st.rooms.get_mut(&a.room.get()) else {
             return;
         };
-        if r.abort_generation != Some(a.generation) {
-            tracing::debug!(parent: &r.span, generation = a.generation, "abort-ack for another generation ignored");
+        if r.abort_generation != Some(a.generation.get()) {
+            tracing::debug!(parent: &r.span, generation = a.generation.get(), "abort-ack for another generation ignored");
             return;
         }
         if r.unacked.remove(&a.prefill_endpoint) {
@@ -1318,8 +1312,8 @@ impl DecodeInner {
             self.outbox.send(
                 e,
                 ControlMessage::Abort(AbortRequest {
-                    room,
-                    generation,
+                    room: room.into(),
+                    generation: generation.into(),
                     decode_endpoint: self.endpoint.clone(),
                     reason: reason.to_owned(),
                 }),

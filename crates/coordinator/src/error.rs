@@ -2,14 +2,15 @@
 
 use std::time::Duration;
 
-use crate::channel::Endpoint;
+use kvbridge_control::ControlError;
+
 use crate::state::{KvTransferError, RoomState};
 
 /// Everything a coordinator operation (agents, control channels, directories) can fail with.
 ///
 /// A failed *transfer* is reported as [`CoordinatorError::Transfer`], whose text is SGLang's
-/// `KVTransferError(bootstrap_room={room}): {reason}`. Control-channel implementations (the
-/// in-process hub here, the network one elsewhere) report through the `Channel*` variants.
+/// `KVTransferError(bootstrap_room={room}): {reason}`. Control channels report through
+/// [`CoordinatorError::Control`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CoordinatorError {
@@ -108,64 +109,9 @@ pub enum CoordinatorError {
         side: &'static str,
     },
 
-    /// A control message could not be sent or received.
-    #[error("control channel {channel}: sending to {endpoint} failed: {reason}")]
-    ChannelSend {
-        /// The channel implementation's name, e.g. `"in-process"`.
-        channel: &'static str,
-        /// The destination.
-        endpoint: Endpoint,
-        /// What happened and what to check.
-        reason: String,
-    },
-
-    /// No endpoint of that name is reachable on this channel.
-    #[error(
-        "control channel {channel}: no endpoint {endpoint} is reachable; check the peer is \
-         running and the endpoint string it advertised"
-    )]
-    UnknownEndpoint {
-        /// The channel implementation's name.
-        channel: &'static str,
-        /// The endpoint asked for.
-        endpoint: Endpoint,
-    },
-
-    /// A send did not complete within its deadline (the peer is not draining its queue).
-    #[error(
-        "control channel {channel}: sending {message} to {endpoint} did not complete within \
-         {timeout:?}; the peer is not reading its control messages (overloaded or hung)"
-    )]
-    SendTimeout {
-        /// The channel implementation's name.
-        channel: &'static str,
-        /// The destination.
-        endpoint: Endpoint,
-        /// The message kind.
-        message: &'static str,
-        /// The deadline.
-        timeout: Duration,
-    },
-
-    /// The channel is closed (shut down locally, or the endpoint name is taken).
-    #[error("control channel {channel} is closed: {reason}")]
-    ChannelClosed {
-        /// The channel implementation's name.
-        channel: &'static str,
-        /// Why.
-        reason: String,
-    },
-
-    /// A peer sent something that breaks the control protocol.
-    #[error("control channel {channel}: peer {endpoint} broke the protocol: {message}")]
-    Protocol {
-        /// The channel implementation's name.
-        channel: &'static str,
-        /// The peer.
-        endpoint: Endpoint,
-        /// What was wrong.
-        message: String,
-    },
+    /// The control channel failed (send, timeout, closed, version, ...).
+    #[error(transparent)]
+    Control(#[from] ControlError),
 
     /// A failure specific to a third-party control channel or directory.
     #[error("{component}: {source}")]
@@ -177,30 +123,9 @@ pub enum CoordinatorError {
         source: Box<dyn std::error::Error + Send + Sync + 'static>,
     },
 
-    /// The prefill directory could not resolve a bootstrap address.
-    #[error(
-        "could not fetch prefill parallel info from bootstrap_addr: {addr}: {reason}; check \
-         the prefill is running and has registered all its ranks"
-    )]
-    Directory {
-        /// The bootstrap address.
-        addr: String,
-        /// What happened.
-        reason: String,
-    },
-
-    /// A request to a bootstrap service failed (unreachable, timed out, refused, or answered
-    /// something that is not the bootstrap protocol).
-    #[error(
-        "bootstrap service at {addr}: {reason}; check the prefill process is running, serves its \
-         bootstrap port at {addr}, and runs the same kvbridge version"
-    )]
-    Bootstrap {
-        /// The bootstrap address.
-        addr: String,
-        /// What happened, with the route and the HTTP status when there was one.
-        reason: String,
-    },
+    /// The bootstrap registry, its client or a prefill directory failed.
+    #[error(transparent)]
+    Bootstrap(#[from] kvbridge_bootstrap::BootstrapError),
 
     /// The transport failed outside any room (connect, register, ...).
     #[error("transport {transport}: {context}: {source}")]

@@ -90,17 +90,16 @@
 //! ```
 
 mod agreement;
-pub mod bootstrap;
-mod channel;
+/// The bootstrap registry, server and client: [`kvbridge_bootstrap`], re-exported.
+pub use kvbridge_bootstrap as bootstrap;
 mod config;
 mod decode;
-mod directory;
+/// The prefill directories ([`kvbridge_bootstrap`]), under the path the agents use.
+mod directory {
+    pub use kvbridge_bootstrap::{PrefillDirectory, PrefillRankInfo, StaticDirectory};
+}
 mod error;
-#[cfg(test)]
-mod fuzz;
-pub mod ids;
 mod memory;
-mod messages;
 mod metrics;
 pub mod net_channel;
 mod outbox;
@@ -111,23 +110,28 @@ mod state;
 pub mod testing;
 mod timer;
 
+// The control channel, its messages and ids are kvbridge-control's; these keep the paths
+// `crate::channel`, `crate::messages` and `kvbridge_coordinator::ids` of earlier releases.
+pub use kvbridge_control::ids;
+use kvbridge_control::{channel, messages};
+
 pub use agreement::{LocalOnly, RankAgreement, SharedMin};
-pub use channel::{
-    ControlChannel, DEFAULT_HUB_QUEUE, DynControlChannel, Endpoint, Envelope, InProcessChannel,
-    InProcessControlHub,
-};
 pub use config::{DecodeConfig, PackBuffers, PrefillConfig};
 pub use decode::{DecodeAgent, DecodeAgentBuilder, FenceReport, ReceiveRequest};
 pub use directory::{PrefillDirectory, PrefillRankInfo, StaticDirectory};
 pub use error::{CoordinatorError, Result};
-pub use ids::{Generation, Incarnation, RoomId, SessionId};
-pub use memory::{AllocatedMemory, EntryRegion, KvMemory};
-pub use messages::{
+pub use kvbridge_control::{
     AbortAck, AbortRequest, CONTROL_PROTOCOL_VERSION, ControlMessage, Heartbeat, Registration,
     RegistrationOutcome, RegistrationReply, StatusUpdate, TransferInfo, TransportInfo, WireProblem,
     WireRegion, render_problems,
 };
-pub use metrics::{LATENCY_BUCKETS_MS, LatencyHistogram, MetricsSnapshot};
+pub use kvbridge_control::{
+    ControlChannel, ControlError, DEFAULT_HUB_QUEUE, DynControlChannel, Endpoint, Envelope,
+    InProcessChannel, InProcessControlHub, ProtocolVersion,
+};
+pub use kvbridge_control::{Generation, Incarnation, RoomId, SessionId};
+pub use memory::{AllocatedMemory, EntryRegion, KvMemory};
+pub use metrics::{LATENCY_BUCKETS_MS, LatencyHistogram, MetricsSnapshot, prometheus};
 pub use plan::Chunk;
 pub use prefill::{PrefillAgent, PrefillAgentBuilder};
 pub use state::{

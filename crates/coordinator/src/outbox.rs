@@ -13,6 +13,8 @@ use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 
 use crate::channel::{ControlChannel, Endpoint};
+use kvbridge_control::{ControlError, RoomId};
+
 use crate::error::CoordinatorError;
 use crate::messages::ControlMessage;
 use crate::metrics::{Metrics, inc};
@@ -81,7 +83,7 @@ impl Outbox {
     /// callback (the peer is not reading).
     pub(crate) fn send(&self, to: &Endpoint, message: ControlMessage) {
         let kind = message.kind();
-        let room = message.room();
+        let room = message.room().map(RoomId::get);
         let sent = self.with_queues(|queues| {
             let mut message = message;
             // A queue that just ended for idleness is replaced once.
@@ -121,7 +123,7 @@ impl Outbox {
                 to,
                 kind,
                 room,
-                CoordinatorError::ChannelSend {
+                ControlError::Send {
                     channel: self.channel.name(),
                     endpoint: to.clone(),
                     reason: format!(
@@ -129,16 +131,18 @@ impl Outbox {
                          its control messages (overloaded, hung or gone)",
                         self.capacity
                     ),
-                },
+                }
+                .into(),
             ),
             Err(false) => (self.on_fail)(
                 to,
                 kind,
                 room,
-                CoordinatorError::ChannelClosed {
+                ControlError::Closed {
                     channel: self.channel.name(),
                     reason: "the agent is shutting down".to_owned(),
-                },
+                }
+                .into(),
             ),
         }
     }
@@ -186,20 +190,21 @@ async fn drain(
             }
         };
         let kind = message.kind();
-        let room = message.room();
+        let room = message.room().map(RoomId::get);
         match tokio::time::timeout(timeout, channel.send(&to, message)).await {
             Ok(Ok(())) => inc(&metrics.control_sent),
-            Ok(Err(e)) => on_fail(&to, kind, room, e),
+            Ok(Err(e)) => on_fail(&to, kind, room, e.into()),
             Err(_) => on_fail(
                 &to,
                 kind,
                 room,
-                CoordinatorError::SendTimeout {
+                ControlError::SendTimeout {
                     channel: channel.name(),
                     endpoint: to.clone(),
                     message: kind,
                     timeout,
-                },
+                }
+                .into(),
             ),
         }
     }

@@ -541,7 +541,7 @@ fn status_failed(
     reason: &FailureReason,
 ) -> ControlMessage {
     ControlMessage::Status(StatusUpdate {
-        room,
+        room: room.into(),
         generation: info.generation,
         state: RoomState::Failed,
         prefill_rank: rank,
@@ -613,7 +613,7 @@ impl PrefillInner {
             st.peers.insert(
                 reg.decode_endpoint.clone(),
                 DecodePeer::Rejected {
-                    session: reg.session,
+                    session: reg.session.get(),
                     problems: problems.clone(),
                 },
             )
@@ -636,22 +636,22 @@ impl PrefillInner {
             message,
             remedy: remedy.to_owned(),
         };
-        if reg.protocol != CONTROL_PROTOCOL_VERSION {
+        if CONTROL_PROTOCOL_VERSION.negotiate(reg.protocol).is_none() {
             let p = problem(
                 "KVB-PROTOCOL",
                 format!(
                     "control protocol version mismatch: decode speaks {}, this prefill speaks {}",
                     reg.protocol, CONTROL_PROTOCOL_VERSION
                 ),
-                "run the same kvbridge release on both sides",
+                "run kvbridge releases of the same major version on both sides",
             );
             return self.reply_rejected(&reg, vec![p]);
         }
         // Same session again (the decode retried, or registers again after a refusal):
         // answer as before.
         let known = self.with_state(|st| match st.peers.get(&reg.decode_endpoint) {
-            Some(DecodePeer::Accepted(p)) if p.session == reg.session => Known::Accepted,
-            Some(DecodePeer::Rejected { session, problems }) if *session == reg.session => {
+            Some(DecodePeer::Accepted(p)) if p.session == reg.session.get() => Known::Accepted,
+            Some(DecodePeer::Rejected { session, problems }) if *session == reg.session.get() => {
                 Known::Rejected(problems.clone())
             }
             _ => Known::New,
@@ -732,13 +732,13 @@ impl PrefillInner {
         };
         let accepted = Arc::new(AcceptedPeer {
             endpoint: reg.decode_endpoint.clone(),
-            session: reg.session,
+            session: reg.session.get(),
             peer,
             plan,
         });
         let old = self.with_state(|st| match st.peers.get(&reg.decode_endpoint) {
             // The same registration, handled concurrently, won: keep its connection.
-            Some(DecodePeer::Accepted(p)) if p.session == reg.session => Err(()),
+            Some(DecodePeer::Accepted(p)) if p.session == reg.session.get() => Err(()),
             _ => Ok(st
                 .peers
                 .insert(reg.decode_endpoint.clone(), DecodePeer::Accepted(accepted))),
@@ -793,7 +793,7 @@ impl PrefillInner {
                 .filter(|(_, r)| {
                     r.infos.iter().any(|p| {
                         &p.info.decode_endpoint == endpoint
-                            && session.is_none_or(|s| p.info.session == s)
+                            && session.is_none_or(|s| p.info.session.get() == s)
                     })
                 })
                 .map(|(&k, _)| k)
@@ -805,7 +805,7 @@ impl PrefillInner {
     }
 
     fn on_transfer_info(self: &Arc<Self>, info: TransferInfo) {
-        let room = info.room;
+        let room = info.room.get();
         let reply_failed = |reason: FailureReason| {
             self.outbox.send(
                 &info.decode_endpoint,
@@ -827,7 +827,7 @@ impl PrefillInner {
                 &self.endpoint,
                 render_problems(problems),
             )),
-            Some(DecodePeer::Accepted(p)) if p.session != info.session => {
+            Some(DecodePeer::Accepted(p)) if p.session != info.session.get() => {
                 Err(FailureReason::with_peer(
                     FailureCause::RemoteFailure,
                     &info.decode_endpoint,
@@ -1133,9 +1133,9 @@ impl PrefillInner {
     }
 
     fn on_abort(self: &Arc<Self>, a: AbortRequest) {
-        let room = a.room;
+        let room = a.room.get();
         let ack = ControlMessage::AbortAck(AbortAck {
-            room,
+            room: room.into(),
             generation: a.generation,
             prefill_rank: self.unique_rank,
             prefill_endpoint: self.endpoint.clone(),
@@ -1185,7 +1185,7 @@ impl PrefillInner {
                 return true;
             };
             if r.driver_alive {
-                r.pending_acks.push((a.decode_endpoint.clone(), a.generation));
+                r.pending_acks.push((a.decode_endpoint.clone(), a.generation.get()));
                 false
             } else if r.poisoned {
                 tracing::error!(parent: &r.span, decode = %a.decode_endpoint, "room is poisoned (a batch could not be fenced): no ABORT_ACK");
@@ -1459,7 +1459,7 @@ fn conclude(
             (
                 p.info.decode_endpoint.clone(),
                 ControlMessage::Status(StatusUpdate {
-                    room,
+                    room: room.into(),
                     generation: p.info.generation,
                     state: RoomState::Success,
                     prefill_rank: rank,
@@ -1496,8 +1496,8 @@ fn driver_ended(
             sends.push((
                 to,
                 ControlMessage::AbortAck(AbortAck {
-                    room,
-                    generation,
+                    room: room.into(),
+                    generation: generation.into(),
                     prefill_rank: rank,
                     prefill_endpoint: endpoint.clone(),
                 }),
@@ -1614,7 +1614,7 @@ fn failure_notices_inner(r: &mut PrefillRoom, rank: u32) -> Vec<(Endpoint, Contr
         if r.notified.insert(p.info.decode_endpoint.clone()) {
             out.push((
                 p.info.decode_endpoint.clone(),
-                status_failed(p.info.room, &p.info, rank, &reason),
+                status_failed(p.info.room.get(), &p.info, rank, &reason),
             ));
         }
     }

@@ -450,7 +450,7 @@ fn registration(
     ControlMessage::Register(Registration {
         protocol: CONTROL_PROTOCOL_VERSION,
         decode_endpoint: from.clone(),
-        session: 1,
+        session: 1.into(),
         descriptor: desc,
         transport: TransportInfo {
             name: transport.name().into(),
@@ -517,10 +517,10 @@ async fn incompatible_decode_is_refused_with_every_problem_and_the_prefill_keeps
         .send(
             &prefill_ep(),
             ControlMessage::TransferInfo(TransferInfo {
-                room: 90,
-                generation: 1,
+                room: 90.into(),
+                generation: 1.into(),
                 decode_endpoint: me.clone(),
-                session: 1,
+                session: 1.into(),
                 dst_pages: vec![0],
                 dst_aux_index: Some(0),
                 is_dummy: false,

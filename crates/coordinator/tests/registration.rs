@@ -88,7 +88,7 @@ fn refused_registration(
     ControlMessage::Register(Registration {
         protocol: CONTROL_PROTOCOL_VERSION,
         decode_endpoint: decode.clone(),
-        session: 42,
+        session: 42.into(),
         descriptor: desc,
         transport: TransportInfo {
             name: "no-such-transport".into(),

@@ -7,7 +7,7 @@
 //! `TimedOutError` a `TimeoutError`, `IoError` an `OSError`); `create_exception!` allows one
 //! base only.
 
-use kvbridge_coordinator::CoordinatorError;
+use kvbridge_coordinator::{ControlError, CoordinatorError};
 use kvbridge_transport::TransportError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -234,13 +234,17 @@ pub(crate) fn coordinator(e: CoordinatorError) -> PyErr {
         }
         CoordinatorError::FenceTimeout { .. } => Kind::TimedOut,
         CoordinatorError::Shutdown { .. } => Kind::Closed,
-        CoordinatorError::ChannelSend { .. }
-        | CoordinatorError::UnknownEndpoint { .. }
-        | CoordinatorError::SendTimeout { .. }
-        | CoordinatorError::Directory { .. }
-        | CoordinatorError::Bootstrap { .. } => Kind::PeerLost,
-        CoordinatorError::ChannelClosed { .. } => Kind::Closed,
-        CoordinatorError::Protocol { .. } => Kind::Protocol,
+        CoordinatorError::Control(
+            ControlError::Send { .. }
+            | ControlError::UnknownEndpoint { .. }
+            | ControlError::SendTimeout { .. },
+        )
+        | CoordinatorError::Bootstrap(_) => Kind::PeerLost,
+        CoordinatorError::Control(ControlError::Closed { .. }) => Kind::Closed,
+        CoordinatorError::Control(
+            ControlError::Protocol { .. } | ControlError::VersionMismatch { .. },
+        ) => Kind::Protocol,
+        CoordinatorError::Control(ControlError::InvalidConfig { .. }) => Kind::InvalidArgument,
         _ => Kind::Base,
     };
     kind.err(error_chain(&e))

@@ -1,20 +1,26 @@
-//! Control messages (spec 03 §4), as plain serde data.
+//! Control messages, as plain serde data (docs/control-protocol.md, "Messages").
 //!
 //! Every message carries everything a process boundary needs: endpoints to reply to, region
 //! ids *as the peer's transport knows them*, the transport descriptor bytes, the room and its
 //! generation. Nothing refers to memory of the sending process. The JSON form is
-//! `{"type": "<kind>", ...fields}` (e.g. `{"type":"ping","nonce":7}`), stable within a
-//! [`CONTROL_PROTOCOL_VERSION`].
+//! `{"type": "<kind>", ...fields}` (e.g. `{"type":"ping","nonce":7}`); within one major
+//! [`CONTROL_PROTOCOL_VERSION`] a newer minor only adds optional fields and message types, so a
+//! receiver ignores fields it does not know and [`ControlMessage::from_json`] skips types it
+//! does not know.
 
 use serde::{Deserialize, Serialize};
 
 use kvbridge_handshake::PeerDescriptor;
 
-use crate::channel::Endpoint;
+use crate::endpoint::Endpoint;
+use crate::ids::{Generation, RoomId, SessionId};
 use crate::state::{FailureCause, RoomState};
+use crate::version::ProtocolVersion;
 
-/// Version of the control protocol. A registration with another major version is refused.
-pub const CONTROL_PROTOCOL_VERSION: u32 = 1;
+/// Version of the control messages. Agents whose majors differ refuse each other's
+/// registration; otherwise they speak the lower minor. Minor 1 added `protocol_minor` and the
+/// rule that unknown message types are skipped.
+pub const CONTROL_PROTOCOL_VERSION: ProtocolVersion = ProtocolVersion::new(1, 1);
 
 /// One control message. See each payload for its fields and when it is sent.
 ///
@@ -22,7 +28,7 @@ pub const CONTROL_PROTOCOL_VERSION: u32 = 1;
 /// ids *as the peer's transport knows them*, the transport descriptor bytes, the room and its
 /// generation; nothing refers to memory of the sending process. The JSON form is
 /// `{"type": "<kind>", ...fields}` (e.g. `{"type":"ping","nonce":7}`), stable within a
-/// [`CONTROL_PROTOCOL_VERSION`].
+/// major [`CONTROL_PROTOCOL_VERSION`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ControlMessage {
@@ -46,6 +52,39 @@ pub enum ControlMessage {
 }
 
 impl ControlMessage {
+    /// Every message kind of this version, as in the JSON `type` field.
+    pub const KINDS: [&'static str; 8] = [
+        "register",
+        "register_reply",
+        "transfer_info",
+        "status",
+        "abort",
+        "abort_ack",
+        "ping",
+        "pong",
+    ];
+
+    /// Parses one message from its JSON form. `Ok(None)` is a message whose `type` this
+    /// version does not know (a newer minor's addition), which a receiver skips.
+    ///
+    /// # Errors
+    /// The JSON error when the bytes are not a message: not JSON, no string `type`, or a known
+    /// type with missing or mistyped fields.
+    pub fn from_json(bytes: &[u8]) -> Result<Option<ControlMessage>, serde_json::Error> {
+        #[derive(Deserialize)]
+        struct Kind<'a> {
+            #[serde(rename = "type", borrow)]
+            kind: std::borrow::Cow<'a, str>,
+        }
+        match serde_json::from_slice(bytes) {
+            Ok(m) => Ok(Some(m)),
+            Err(e) => match serde_json::from_slice::<Kind<'_>>(bytes) {
+                Ok(k) if !Self::KINDS.contains(&&*k.kind) => Ok(None),
+                _ => Err(e),
+            },
+        }
+    }
+
     /// The message kind, as in the JSON `type` field.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -61,7 +100,7 @@ impl ControlMessage {
     }
 
     /// The room the message is about, if any.
-    pub fn room(&self) -> Option<u64> {
+    pub fn room(&self) -> Option<RoomId> {
         match self {
             ControlMessage::TransferInfo(m) => Some(m.room),
             ControlMessage::Status(m) => Some(m.room),
@@ -84,7 +123,7 @@ pub struct WireRegion {
     pub len: u64,
 }
 
-/// How to reach a side's [`KvTransport`](kvbridge_transport::KvTransport).
+/// How to reach a side's `KvTransport`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TransportInfo {
     /// The transport's `name()`; both sides must use the same kind of transport.
@@ -94,17 +133,19 @@ pub struct TransportInfo {
     pub descriptor: Vec<u8>,
 }
 
-/// Decode rank → prefill rank, once per peer pair (spec 02 §2.4): who the decode is and where
-/// its memory is.
+/// Decode rank → prefill rank, once per peer pair: who the decode is and where its memory is
+/// (docs/control-protocol.md, "register").
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Registration {
-    /// [`CONTROL_PROTOCOL_VERSION`] of the sender.
-    pub protocol: u32,
+    /// [`CONTROL_PROTOCOL_VERSION`] of the sender (the JSON fields `protocol` and
+    /// `protocol_minor`).
+    #[serde(flatten)]
+    pub protocol: ProtocolVersion,
     /// The decode rank's control endpoint (status, acks and pongs go here).
     pub decode_endpoint: Endpoint,
     /// A value unique to this incarnation of the decode agent; a new value from the same
     /// endpoint means the decode restarted, and its old rooms are failed.
-    pub session: u64,
+    pub session: SessionId,
     /// The decode rank's descriptor (checked against the prefill's with `kvbridge_handshake`).
     pub descriptor: PeerDescriptor,
     /// How to reach the decode's transport.
@@ -176,14 +217,17 @@ pub enum RegistrationOutcome {
 /// Prefill rank → decode rank: the answer to a [`Registration`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RegistrationReply {
-    /// [`CONTROL_PROTOCOL_VERSION`] of the sender.
-    pub protocol: u32,
+    /// [`CONTROL_PROTOCOL_VERSION`] of the sender (the JSON fields `protocol` and
+    /// `protocol_minor`).
+    #[serde(flatten)]
+    pub protocol: ProtocolVersion,
     /// The prefill rank's control endpoint.
     pub prefill_endpoint: Endpoint,
-    /// The prefill rank's id in status messages (spec 03 §1).
+    /// The prefill rank's unique rank, which its status messages carry
+    /// (docs/control-protocol.md, "Ranks").
     pub prefill_rank: u32,
     /// The decode session this answers.
-    pub session: u64,
+    pub session: SessionId,
     /// Accepted or rejected.
     pub result: RegistrationOutcome,
 }
@@ -192,13 +236,13 @@ pub struct RegistrationReply {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TransferInfo {
     /// The room.
-    pub room: u64,
+    pub room: RoomId,
     /// The room's generation on the decode (echoed in statuses).
-    pub generation: u64,
+    pub generation: Generation,
     /// The decode rank's control endpoint.
     pub decode_endpoint: Endpoint,
     /// The decode session (must match the registration).
-    pub session: u64,
+    pub session: SessionId,
     /// Destination page ids for the whole send range (virtual pages under DCP); empty for a
     /// dummy peer.
     pub dst_pages: Vec<u64>,
@@ -216,9 +260,9 @@ pub struct TransferInfo {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StatusUpdate {
     /// The room.
-    pub room: u64,
+    pub room: RoomId,
     /// The generation from the room's [`TransferInfo`].
-    pub generation: u64,
+    pub generation: Generation,
     /// The state (Success or Failed; others are ignored by the decode).
     pub state: RoomState,
     /// The sender's prefill unique rank.
@@ -233,9 +277,9 @@ pub struct StatusUpdate {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AbortRequest {
     /// The room.
-    pub room: u64,
+    pub room: RoomId,
     /// A fresh generation armed for this abort; only acks carrying it count.
-    pub generation: u64,
+    pub generation: Generation,
     /// Where to send the ack.
     pub decode_endpoint: Endpoint,
     /// Why (for the prefill's log and its room's failure reason).
@@ -247,9 +291,9 @@ pub struct AbortRequest {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AbortAck {
     /// The room.
-    pub room: u64,
+    pub room: RoomId,
     /// The generation of the abort being acknowledged.
-    pub generation: u64,
+    pub generation: Generation,
     /// The acknowledging prefill unique rank.
     pub prefill_rank: u32,
     /// The acknowledging prefill endpoint.
@@ -324,8 +368,8 @@ mod tests {
             serde_json::from_str::<TransportInfo>(r#"{"name":"x","descriptor":"0g"}"#).is_err()
         );
         let s = ControlMessage::Status(StatusUpdate {
-            room: 9,
-            generation: 2,
+            room: RoomId(9),
+            generation: Generation(2),
             state: RoomState::Failed,
             prefill_rank: 1,
             reason: Some("boom".into()),
@@ -334,7 +378,99 @@ mod tests {
         let j = serde_json::to_string(&s).unwrap();
         assert!(j.starts_with(r#"{"type":"status","room":9"#), "{j}");
         assert_eq!(serde_json::from_str::<ControlMessage>(&j).unwrap(), s);
-        assert_eq!(s.room(), Some(9));
+        assert_eq!(s.room(), Some(RoomId(9)));
         assert_eq!(s.kind(), "status");
+    }
+
+    fn registration() -> Registration {
+        Registration {
+            protocol: CONTROL_PROTOCOL_VERSION,
+            decode_endpoint: Endpoint::new("d:1"),
+            session: SessionId(3),
+            descriptor: PeerDescriptor::mla(kvbridge_handshake::Role::Decode, 16, 2, 64)
+                .build()
+                .unwrap(),
+            transport: TransportInfo {
+                name: "tcp".into(),
+                descriptor: vec![1],
+            },
+            kv_regions: vec![WireRegion {
+                region: 1,
+                offset: 0,
+                len: 8,
+            }],
+            aux_regions: vec![],
+        }
+    }
+
+    #[test]
+    fn every_kind_is_listed() {
+        let m = ControlMessage::Register(registration());
+        let kinds = [
+            m.kind(),
+            ControlMessage::Ping(Heartbeat { nonce: 0 }).kind(),
+            ControlMessage::Pong(Heartbeat { nonce: 0 }).kind(),
+        ];
+        for k in kinds {
+            assert!(ControlMessage::KINDS.contains(&k), "{k}");
+        }
+    }
+
+    #[test]
+    fn the_version_travels_as_protocol_and_protocol_minor() {
+        let j = serde_json::to_value(ControlMessage::Register(registration())).unwrap();
+        assert_eq!(j["protocol"], 1);
+        assert_eq!(j["protocol_minor"], CONTROL_PROTOCOL_VERSION.minor);
+        assert_eq!(j["session"], 3, "typed ids stay bare numbers");
+    }
+
+    /// A registration of an older release (no `protocol_minor`) reads as minor 0, and one of a
+    /// newer minor with fields this version does not know still parses.
+    #[test]
+    fn older_and_newer_minor_registrations_parse() {
+        let mut j = serde_json::to_value(ControlMessage::Register(registration())).unwrap();
+        j.as_object_mut().unwrap().remove("protocol_minor");
+        let old = ControlMessage::from_json(&serde_json::to_vec(&j).unwrap()).unwrap();
+        let Some(ControlMessage::Register(old)) = old else {
+            panic!("{old:?}")
+        };
+        assert_eq!(old.protocol, ProtocolVersion::new(1, 0));
+        assert_eq!(
+            CONTROL_PROTOCOL_VERSION.negotiate(old.protocol),
+            Some(ProtocolVersion::new(1, 0))
+        );
+
+        j["protocol_minor"] = 7.into();
+        j["a_field_of_minor_7"] = serde_json::json!({"x": [1, 2]});
+        let new = ControlMessage::from_json(&serde_json::to_vec(&j).unwrap()).unwrap();
+        let Some(ControlMessage::Register(new)) = new else {
+            panic!("{new:?}")
+        };
+        assert_eq!(new.protocol, ProtocolVersion::new(1, 7));
+        assert_eq!(
+            CONTROL_PROTOCOL_VERSION.negotiate(new.protocol),
+            Some(CONTROL_PROTOCOL_VERSION)
+        );
+        let want = Registration {
+            protocol: ProtocolVersion::new(1, 7),
+            ..registration()
+        };
+        assert_eq!(new, want);
+    }
+
+    #[test]
+    fn unknown_types_are_skipped_and_broken_known_ones_refused() {
+        assert_eq!(
+            ControlMessage::from_json(br#"{"type":"added_in_minor_9","x":1}"#).unwrap(),
+            None
+        );
+        assert!(ControlMessage::from_json(br#"{"type":"ping"}"#).is_err());
+        assert!(ControlMessage::from_json(br#"{"nonce":1}"#).is_err());
+        assert!(ControlMessage::from_json(b"[1]").is_err());
+        assert!(ControlMessage::from_json(b"\xff").is_err());
+        assert_eq!(
+            ControlMessage::from_json(br#"{"type":"ping","nonce":2,"new":true}"#).unwrap(),
+            Some(ControlMessage::Ping(Heartbeat { nonce: 2 }))
+        );
     }
 }

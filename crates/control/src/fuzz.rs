@@ -1,8 +1,8 @@
 //! Mutation fuzzing for the decoders a peer reaches (test-only): seeds from the corpus kept in
 //! `tests/corpus/<name>/`, mutated by bit flips, byte overwrites, truncations, splices of two
-//! seeds, inserted random bytes, or replaced by random bytes; harnesses in `net_channel` and
-//! `bootstrap::server` feed the results to the real decoding code. docs/TESTING.md describes
-//! them.
+//! seeds, inserted random bytes, or replaced by random bytes; the harnesses in `tcp` (here)
+//! and in kvbridge-bootstrap's `server` (which compiles this same file) feed the results to
+//! the real decoders. docs/TESTING.md describes them.
 
 use std::path::Path;
 

@@ -9,50 +9,15 @@
 //! See [`ControlChannel`] for the contract every implementation honours.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::sync::{Arc, Mutex};
 
+use kvbridge_transport::sync::lock;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
-use crate::error::{CoordinatorError, Result};
+pub use crate::endpoint::Endpoint;
+use crate::error::{ControlError, Result};
 use crate::messages::ControlMessage;
-
-/// The address of an agent's control endpoint: an opaque string (`"prefill-0"` in process,
-/// `"10.0.0.5:17000"` over TCP).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct Endpoint(pub String);
-
-impl Endpoint {
-    /// An endpoint from any string.
-    pub fn new(s: impl Into<String>) -> Self {
-        Endpoint(s.into())
-    }
-
-    /// The string.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for Endpoint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl From<&str> for Endpoint {
-    fn from(s: &str) -> Self {
-        Endpoint(s.to_owned())
-    }
-}
-
-impl From<String> for Endpoint {
-    fn from(s: String) -> Self {
-        Endpoint(s)
-    }
-}
 
 /// A received control message and who sent it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -88,7 +53,7 @@ pub struct Envelope {
 ///
 /// [`local_endpoint`]: ControlChannel::local_endpoint
 ///
-/// [`SendTimeout`]: crate::CoordinatorError::SendTimeout
+/// [`SendTimeout`]: ControlError::SendTimeout
 #[async_trait::async_trait]
 pub trait ControlChannel: Send + Sync + 'static {
     /// A short static name for logs and errors, e.g. `"in-process"` or `"tcp"`.
@@ -101,7 +66,7 @@ pub trait ControlChannel: Send + Sync + 'static {
     async fn send(&self, to: &Endpoint, message: ControlMessage) -> Result<()>;
 
     /// Waits for the next message from any peer. Returns
-    /// [`CoordinatorError::ChannelClosed`] once the channel is closed.
+    /// [`ControlError::Closed`] once the channel is closed.
     async fn recv(&self) -> Result<Envelope>;
 }
 
@@ -159,7 +124,7 @@ struct HubInner {
 /// (sends to it never complete, like a peer that stopped reading its socket).
 ///
 /// ```
-/// use kvbridge_coordinator::{ControlChannel, ControlMessage, Heartbeat, InProcessControlHub};
+/// use kvbridge_control::{ControlChannel, ControlMessage, Heartbeat, InProcessControlHub};
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {
 /// let hub = InProcessControlHub::new();
@@ -201,13 +166,13 @@ impl InProcessControlHub {
     /// Creates the channel of endpoint `name`. Fails if the name is taken by a live channel.
     ///
     /// # Errors
-    /// [`CoordinatorError::ChannelClosed`] when the endpoint name is in use.
+    /// [`ControlError::Closed`] when the endpoint name is in use.
     pub fn channel(&self, name: impl Into<String>) -> Result<InProcessChannel> {
         let endpoint = Endpoint(name.into());
         let (tx, rx) = mpsc::channel(self.inner.queue);
         let id = self.inner.with_state(|st| {
             if st.slots.contains_key(&endpoint) {
-                return Err(CoordinatorError::ChannelClosed {
+                return Err(ControlError::Closed {
                     channel: IN_PROCESS,
                     reason: format!(
                         "endpoint {endpoint} is already taken on this hub; give every agent its own endpoint name"
@@ -268,13 +233,12 @@ impl InProcessControlHub {
 impl HubInner {
     /// Runs `f` on the hub's state under its lock (the only place that takes it).
     fn with_state<R>(&self, f: impl FnOnce(&mut HubState) -> R) -> R {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        f(&mut st)
+        f(&mut lock(&self.state))
     }
 }
 
 /// One endpoint of an [`InProcessControlHub`]. Dropping it removes the endpoint from the hub
-/// (later sends to it fail with [`CoordinatorError::UnknownEndpoint`]).
+/// (later sends to it fail with [`ControlError::UnknownEndpoint`]).
 #[derive(Debug)]
 pub struct InProcessChannel {
     hub: Arc<HubInner>,
@@ -308,12 +272,12 @@ impl ControlChannel for InProcessChannel {
 
     async fn send(&self, to: &Endpoint, message: ControlMessage) -> Result<()> {
         let message = if self.hub.json_roundtrip {
-            let text = serde_json::to_string(&message).map_err(|e| CoordinatorError::Protocol {
+            let text = serde_json::to_string(&message).map_err(|e| ControlError::Protocol {
                 channel: IN_PROCESS,
                 endpoint: self.endpoint.clone(),
                 message: format!("message does not serialise to JSON: {e}"),
             })?;
-            serde_json::from_str(&text).map_err(|e| CoordinatorError::Protocol {
+            serde_json::from_str(&text).map_err(|e| ControlError::Protocol {
                 channel: IN_PROCESS,
                 endpoint: self.endpoint.clone(),
                 message: format!("message does not parse back from its JSON {text}: {e}"),
@@ -324,7 +288,7 @@ impl ControlChannel for InProcessChannel {
         let (tx, drop_it, stalled) = self.hub.with_state(|st| {
             let me_partitioned = st.slots.get(&self.endpoint).is_some_and(|s| s.partitioned);
             match st.slots.get(to) {
-                None => Err(CoordinatorError::UnknownEndpoint {
+                None => Err(ControlError::UnknownEndpoint {
                     channel: IN_PROCESS,
                     endpoint: to.clone(),
                 }),
@@ -347,7 +311,7 @@ impl ControlChannel for InProcessChannel {
             message,
         })
         .await
-        .map_err(|_| CoordinatorError::UnknownEndpoint {
+        .map_err(|_| ControlError::UnknownEndpoint {
             channel: IN_PROCESS,
             endpoint: to.clone(),
         })
@@ -355,11 +319,9 @@ impl ControlChannel for InProcessChannel {
 
     async fn recv(&self) -> Result<Envelope> {
         let mut rx = self.rx.lock().await;
-        rx.recv()
-            .await
-            .ok_or_else(|| CoordinatorError::ChannelClosed {
-                channel: IN_PROCESS,
-                reason: format!("endpoint {} was removed from its hub", self.endpoint),
-            })
+        rx.recv().await.ok_or_else(|| ControlError::Closed {
+            channel: IN_PROCESS,
+            reason: format!("endpoint {} was removed from its hub", self.endpoint),
+        })
     }
 }
