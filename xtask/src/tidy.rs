@@ -4,6 +4,8 @@ use std::collections::BTreeSet;
 use std::fs;
 use std::path::{Path, PathBuf};
 
+mod import_cycles;
+
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -107,6 +109,7 @@ const LIBRARY_CRATES: &[&str] = &[
     "kvbridge-mock",
     "kvbridge-shm",
     "kvbridge-tcp",
+    "kvbridge-bootstrap",
     "kvbridge-coordinator",
 ];
 
@@ -120,6 +123,7 @@ const PYTHON_CRATES: &[&str] = &[
     "kvbridge-mock",
     "kvbridge-shm",
     "kvbridge-tcp",
+    "kvbridge-bootstrap",
     "kvbridge-coordinator",
     "kvbridge-nixl",
 ];
@@ -145,6 +149,18 @@ fn crates_depend_only_on_what_the_codemap_allows() {
             true,
         ),
         ("kvbridge-nixl", &["kvbridge-transport"], true),
+        // The registry never depends on the agents: they depend on it.
+        (
+            "kvbridge-bootstrap",
+            &[
+                "kvbridge-auth",
+                "kvbridge-control",
+                "kvbridge-geometry",
+                "kvbridge-handshake",
+                "kvbridge-transport",
+            ],
+            true,
+        ),
         (
             "kvbridge-control",
             &["kvbridge-auth", "kvbridge-handshake", "kvbridge-transport"],
@@ -154,6 +170,7 @@ fn crates_depend_only_on_what_the_codemap_allows() {
             "kvbridge-coordinator",
             &[
                 "kvbridge-auth",
+                "kvbridge-bootstrap",
                 "kvbridge-control",
                 "kvbridge-geometry",
                 "kvbridge-handshake",
@@ -530,6 +547,7 @@ fn reentrant_locking(src: &str) -> Vec<(usize, String)> {
 fn coordinator_state_locks_are_never_taken_twice() {
     let mut files = Vec::new();
     rust_files(&root().join("crates/coordinator/src"), &mut files);
+    rust_files(&root().join("crates/bootstrap/src"), &mut files);
     let mut report = Vec::new();
     for file in files {
         let text = read(&file);

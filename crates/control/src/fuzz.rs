@@ -1,15 +1,15 @@
-//! Mutation fuzzing for the decoders a peer reaches (a test kit, feature `testing`): seeds
-//! from a corpus kept in the repository (`<crate>/tests/corpus/<name>/`), mutated by bit flips, byte overwrites, truncations, splices of two
-//! seeds, inserted random bytes, or replaced by random bytes; the harness in `tcp` feeds the
-//! results to the real handshake and frame decoders, the bootstrap registry's harness to its
-//! HTTP parser. docs/TESTING.md describes them.
+//! Mutation fuzzing for the decoders a peer reaches (test-only): seeds from the corpus kept in
+//! `tests/corpus/<name>/`, mutated by bit flips, byte overwrites, truncations, splices of two
+//! seeds, inserted random bytes, or replaced by random bytes; the harnesses in `tcp` (here)
+//! and in kvbridge-bootstrap's `server` (which compiles this same file) feed the results to
+//! the real decoders. docs/TESTING.md describes them.
 
 use std::path::Path;
 
 use proptest::prelude::*;
 
 /// Cases per harness: `PROPTEST_CASES` if set, else 1024 (about a second in a debug build).
-pub fn config() -> ProptestConfig {
+pub(crate) fn config() -> ProptestConfig {
     let cases = std::env::var("PROPTEST_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -21,19 +21,11 @@ pub fn config() -> ProptestConfig {
     }
 }
 
-/// Every seed file of this crate's corpus `name`, sorted by file name.
-#[cfg(test)]
+/// Every seed file of corpus `name`, sorted by file name.
 pub(crate) fn corpus(name: &str) -> Vec<Vec<u8>> {
-    corpus_in(Path::new(env!("CARGO_MANIFEST_DIR")), name)
-}
-
-/// Every seed file of corpus `name` of the crate at `manifest_dir` (its
-/// `tests/corpus/<name>/`), sorted by file name.
-///
-/// # Panics
-/// When the corpus is missing or empty (a test setup error).
-pub fn corpus_in(manifest_dir: &Path, name: &str) -> Vec<Vec<u8>> {
-    let dir = manifest_dir.join("tests/corpus").join(name);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/corpus")
+        .join(name);
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("corpus {} is missing: {e}", dir.display()))
         .map(|e| e.unwrap().path())
@@ -67,7 +59,7 @@ fn edit() -> impl Strategy<Value = Edit> {
 }
 
 /// Inputs derived from `seeds`: a seed under 1..=6 edits, or (one case in eight) random bytes.
-pub fn mutated(seeds: Vec<Vec<u8>>) -> impl Strategy<Value = Vec<u8>> {
+pub(crate) fn mutated(seeds: Vec<Vec<u8>>) -> impl Strategy<Value = Vec<u8>> {
     let n = seeds.len();
     let edited = (0..n, prop::collection::vec(edit(), 1..=6)).prop_map(move |(i, edits)| {
         let mut v = seeds[i].clone();
@@ -104,10 +96,7 @@ pub fn mutated(seeds: Vec<Vec<u8>>) -> impl Strategy<Value = Vec<u8>> {
 }
 
 /// A current-thread runtime for a harness (one per test, not per case).
-///
-/// # Panics
-/// When tokio cannot build a runtime.
-pub fn runtime() -> tokio::runtime::Runtime {
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -117,10 +106,7 @@ pub fn runtime() -> tokio::runtime::Runtime {
 /// An in-memory connection whose peer sent `input` and then closed its sending side: `(peer,
 /// ours)`. Keep `peer` alive while using `ours` (it holds what `ours` writes, without
 /// blocking).
-///
-/// # Panics
-/// When the in-memory pipe fails (it does not).
-pub async fn peer_sent(input: &[u8]) -> (tokio::io::DuplexStream, tokio::io::DuplexStream) {
+pub(crate) async fn peer_sent(input: &[u8]) -> (tokio::io::DuplexStream, tokio::io::DuplexStream) {
     use tokio::io::AsyncWriteExt;
     let (mut peer, ours) = tokio::io::duplex(input.len() + 64 * 1024);
     peer.write_all(input).await.unwrap();

@@ -11,8 +11,6 @@
 //!   kvbridge-auth shared-secret handshake.
 //! * [`ids`] — typed room, incarnation, generation and session ids; [`RoomState`] and
 //!   [`FailureCause`], the state and cause a status carries.
-//! * `fuzz` (feature `testing`) — the mutation-fuzzing kit the tests of peer-facing decoders
-//!   share (this crate's, the bootstrap registry's).
 //! * [`ControlError`] — the one error type; a third-party channel depends on this crate
 //!   alone and reports its own failures as [`ControlError::Custom`].
 //!
@@ -32,9 +30,8 @@
 pub mod channel;
 mod endpoint;
 mod error;
-#[cfg(any(test, feature = "testing"))]
-#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
-pub mod fuzz;
+#[cfg(test)]
+mod fuzz;
 pub mod ids;
 pub mod messages;
 mod state;

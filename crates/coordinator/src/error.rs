@@ -123,30 +123,9 @@ pub enum CoordinatorError {
         source: Box<dyn std::error::Error + Send + Sync + 'static>,
     },
 
-    /// The prefill directory could not resolve a bootstrap address.
-    #[error(
-        "could not fetch prefill parallel info from bootstrap_addr: {addr}: {reason}; check \
-         the prefill is running and has registered all its ranks"
-    )]
-    Directory {
-        /// The bootstrap address.
-        addr: String,
-        /// What happened.
-        reason: String,
-    },
-
-    /// A request to a bootstrap service failed (unreachable, timed out, refused, or answered
-    /// something that is not the bootstrap protocol).
-    #[error(
-        "bootstrap service at {addr}: {reason}; check the prefill process is running, serves its \
-         bootstrap port at {addr}, and runs the same kvbridge version"
-    )]
-    Bootstrap {
-        /// The bootstrap address.
-        addr: String,
-        /// What happened, with the route and the HTTP status when there was one.
-        reason: String,
-    },
+    /// The bootstrap registry, its client or a prefill directory failed.
+    #[error(transparent)]
+    Bootstrap(#[from] kvbridge_bootstrap::BootstrapError),
 
     /// The transport failed outside any room (connect, register, ...).
     #[error("transport {transport}: {context}: {source}")]

@@ -90,13 +90,15 @@
 //! ```
 
 mod agreement;
-pub mod bootstrap;
+/// The bootstrap registry, server and client: [`kvbridge_bootstrap`], re-exported.
+pub use kvbridge_bootstrap as bootstrap;
 mod config;
 mod decode;
-mod directory;
+/// The prefill directories ([`kvbridge_bootstrap`]), under the path the agents use.
+mod directory {
+    pub use kvbridge_bootstrap::{PrefillDirectory, PrefillRankInfo, StaticDirectory};
+}
 mod error;
-#[cfg(test)]
-mod fuzz;
 mod memory;
 mod metrics;
 pub mod net_channel;
@@ -129,7 +131,7 @@ pub use kvbridge_control::{
 };
 pub use kvbridge_control::{Generation, Incarnation, RoomId, SessionId};
 pub use memory::{AllocatedMemory, EntryRegion, KvMemory};
-pub use metrics::{LATENCY_BUCKETS_MS, LatencyHistogram, MetricsSnapshot};
+pub use metrics::{LATENCY_BUCKETS_MS, LatencyHistogram, MetricsSnapshot, prometheus};
 pub use plan::Chunk;
 pub use prefill::{PrefillAgent, PrefillAgentBuilder};
 pub use state::{

@@ -528,7 +528,7 @@ pub(crate) fn pair_item_lens(
     ))
 }
 
-/// Non-DCP page path (spec §3): coalesce `(src_pages, dst_pages)` into page runs and emit,
+/// Non-DCP page path (docs/planning.md, "The page path"): coalesce `(src_pages, dst_pages)` into page runs and emit,
 /// for every entry pair and every run, `(s0·item_len, d0·item_len, len·item_len)`.
 ///
 /// `dst_pages` is the chunk's slice of the decode page list (`dst_all[index_slice]`). As in

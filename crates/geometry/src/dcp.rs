@@ -49,7 +49,8 @@ pub struct DcpPlanInput<'a> {
 }
 
 impl<'a> DcpPlanInput<'a> {
-    /// Validates the inputs (recommended Rust contract of spec §5.3) and returns the plan.
+    /// Validates the inputs (the contract in docs/planning.md, "Prefill DCP 1 → decode DCP d")
+    /// and returns the plan.
     ///
     /// Order: `P = 0`, `d = 0`, `r ≥ d`, `P` and `d` above their maxima up front; then (1)
     /// prefix alignment (0.5.23 text), `chunk_start` a multiple of `P`; (2) `n == 0` → empty
@@ -65,6 +66,40 @@ impl<'a> DcpPlanInput<'a> {
     /// [`GeometryError::SrcCapacity`], [`GeometryError::DstInsufficient`],
     /// [`GeometryError::Overflow`], [`GeometryError::TooLarge`].
     pub fn plan(&self) -> Result<DcpPlan<'a>> {
+        let v = self.virtual_page_and_alignment()?;
+        let capacity = (self.src_pages.len() as u64)
+            .checked_mul(self.page_size)
+            .ok_or(GeometryError::Overflow {
+                what: "|src_pages| x page_size",
+            })?;
+        let n = self.num_kv_tokens.unwrap_or(capacity);
+        let empty = DcpPlan {
+            input: *self,
+            num_tokens: 0,
+            target: Progression::empty(),
+            draft: Progression::empty(),
+        };
+        if n == 0 {
+            return Ok(empty);
+        }
+        self.check_chunk(n, capacity, v)?;
+        let (target, draft) = self.progressions(n, v);
+        for prog in [&target, &draft] {
+            // Unreachable after the checks above; kept as errors, never panics.
+            prog.check()
+                .map_err(|fault| self.fault_error(fault, n, capacity))?;
+        }
+        Ok(DcpPlan {
+            num_tokens: n,
+            target,
+            draft,
+            ..empty
+        })
+    }
+
+    /// The checks made up front and step (1): sizes, the rank, the maxima, prefix and chunk
+    /// start alignment. Returns the virtual page size `V = P·d`.
+    fn virtual_page_and_alignment(&self) -> Result<u64> {
         let (p, d, r) = (self.page_size, self.dcp_size, self.dcp_rank);
         if p == 0 {
             return Err(GeometryError::ZeroPageSize { page_size: p });
@@ -80,8 +115,9 @@ impl<'a> DcpPlanInput<'a> {
         }
         limits::page_size("page_size", p)?;
         limits::group_size("dcp_size", d)?;
-        let overflow = |what| GeometryError::Overflow { what };
-        let v = p.checked_mul(d).ok_or(overflow("page_size x dcp_size"))?;
+        let v = p.checked_mul(d).ok_or(GeometryError::Overflow {
+            what: "page_size x dcp_size",
+        })?;
         let l = self.decode_prefix_len;
         if l % v != 0 {
             return Err(GeometryError::PrefixMisaligned {
@@ -89,28 +125,18 @@ impl<'a> DcpPlanInput<'a> {
                 decode_prefix_len: l,
             });
         }
-        let sent = self.chunk_start;
-        if sent % p != 0 {
+        if self.chunk_start % p != 0 {
             return Err(GeometryError::ChunkStartMisaligned {
-                chunk_start: sent,
+                chunk_start: self.chunk_start,
                 page_size: p,
             });
         }
-        let o = sent / p;
-        let dst_pages = self.dst_pages.as_slice();
-        let capacity = (self.src_pages.len() as u64)
-            .checked_mul(p)
-            .ok_or(overflow("|src_pages| x page_size"))?;
-        let n = self.num_kv_tokens.unwrap_or(capacity);
-        let empty = DcpPlan {
-            input: *self,
-            num_tokens: 0,
-            target: Progression::empty(),
-            draft: Progression::empty(),
-        };
-        if n == 0 {
-            return Ok(empty);
-        }
+        Ok(v)
+    }
+
+    /// Steps (3) and (4) for a chunk of `n > 0` tokens: the source pages hold it, the decode
+    /// has the virtual pages it ends in.
+    fn check_chunk(&self, n: u64, capacity: u64, v: u64) -> Result<()> {
         if n > capacity {
             return Err(GeometryError::SrcCapacity {
                 tokens: n,
@@ -118,16 +144,34 @@ impl<'a> DcpPlanInput<'a> {
             });
         }
         limits::chunk_tokens("num_kv_tokens", n)?;
-        let rel_end = sent.checked_add(n).ok_or(overflow("send range end"))?;
+        let rel_end = self
+            .chunk_start
+            .checked_add(n)
+            .ok_or(GeometryError::Overflow {
+                what: "send range end",
+            })?;
         let required = rel_end.div_ceil(v);
-        if (dst_pages.len() as u64) < required {
-            return Err(GeometryError::DstInsufficient {
-                required,
-                provided: dst_pages.len() as u64,
-                src_page_offset: o,
-                dcp_rank: r,
-            });
+        if (self.dst_pages.as_slice().len() as u64) < required {
+            return Err(self.dst_insufficient(required));
         }
+        Ok(())
+    }
+
+    fn dst_insufficient(&self, required: u64) -> GeometryError {
+        GeometryError::DstInsufficient {
+            required,
+            provided: self.dst_pages.as_slice().len() as u64,
+            src_page_offset: self.chunk_start / self.page_size,
+            dcp_rank: self.dcp_rank,
+        }
+    }
+
+    /// The rows of a validated chunk of `n > 0` tokens: this rank's target rows (every `d`-th
+    /// chunk token it owns, to consecutive local rows) and every draft row.
+    fn progressions(&self, n: u64, v: u64) -> (Progression<'a>, Progression<'a>) {
+        let (p, d, r) = (self.page_size, self.dcp_size, self.dcp_rank);
+        let (l, sent) = (self.decode_prefix_len, self.chunk_start);
+        let dst_pages = self.dst_pages.as_slice();
         let chunk_start = (l % d + sent % d) % d;
         let first = (r + d - chunk_start) % d;
         let target_count = if first < n {
@@ -157,33 +201,20 @@ impl<'a> DcpPlanInput<'a> {
             dst_step: 1,
             count: n,
         };
-        for prog in [&target, &draft] {
-            match prog.check() {
-                Ok(()) => {}
-                // Unreachable after the checks above; kept as errors, never panics.
-                Err(Fault::SrcPages(_)) => {
-                    return Err(GeometryError::SrcCapacity {
-                        tokens: n,
-                        capacity,
-                    });
-                }
-                Err(Fault::DstPages(required)) => {
-                    return Err(GeometryError::DstInsufficient {
-                        required,
-                        provided: dst_pages.len() as u64,
-                        src_page_offset: o,
-                        dcp_rank: r,
-                    });
-                }
-                Err(Fault::Overflow) => return Err(overflow("page id x page size")),
-            }
+        (target, draft)
+    }
+
+    fn fault_error(&self, fault: Fault, n: u64, capacity: u64) -> GeometryError {
+        match fault {
+            Fault::SrcPages(_) => GeometryError::SrcCapacity {
+                tokens: n,
+                capacity,
+            },
+            Fault::DstPages(required) => self.dst_insufficient(required),
+            Fault::Overflow => GeometryError::Overflow {
+                what: "page id x page size",
+            },
         }
-        Ok(DcpPlan {
-            num_tokens: n,
-            target,
-            draft,
-            ..empty
-        })
     }
 }
 
@@ -333,7 +364,7 @@ pub fn build_dcp_token_transfer_plan(input: &DcpPlanInput<'_>) -> Result<DcpToke
 }
 
 impl DcpPlan<'_> {
-    /// Byte ranges of this plan (spec §5.6): for every entry pair whose source is a target
+    /// Byte ranges of this plan (docs/planning.md, "Prefill DCP 1 → decode DCP d"): for every entry pair whose source is a target
     /// entry, the coalesced target runs at `row · token_bytes`; for every pair whose source is
     /// a draft entry, the draft runs. Pairs are walked in the given order (entry-major), and
     /// the empty plan posts nothing.
@@ -344,7 +375,7 @@ impl DcpPlan<'_> {
     /// # Errors
     /// [`GeometryError::InvalidGeometry`] when a pool's page size is not the plan's `P`;
     /// [`GeometryError::EntryOutOfRange`]; [`GeometryError::WidthMismatch`] when paired token
-    /// widths differ (the per-pair form of the §5.7 check); [`GeometryError::PageOutOfRange`].
+    /// widths differ (the per-pair form of the DCP geometry check); [`GeometryError::PageOutOfRange`].
     pub fn byte_ranges(
         &self,
         src: &crate::PoolGeometry,

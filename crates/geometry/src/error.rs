@@ -20,8 +20,8 @@ impl std::fmt::Display for Side {
 
 /// Everything the planner can refuse.
 ///
-/// Messages say what was wrong, the values seen and how to fix it. Texts quoted from the
-/// behavioural spec (`PD DCP transfer requires decode_prefix_len to align …`,
+/// Messages say what was wrong, the values seen and how to fix it. Texts SGLang 0.5.23 defines
+/// (`PD DCP transfer requires decode_prefix_len to align …`,
 /// `Insufficient destination DCP pages: …`, …) appear word for word at the start of the
 /// message; a remedy may follow after `; `.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -54,7 +54,7 @@ pub enum GeometryError {
         /// The group size seen.
         dcp_size: u64,
     },
-    /// `decode_prefix_len` is not a multiple of the virtual page (spec text, verbatim).
+    /// `decode_prefix_len` is not a multiple of the virtual page (SGLang's text, verbatim).
     #[error(
         "PD DCP transfer requires decode_prefix_len to align to the virtual DCP page size \
          ({virtual_page_size}), got {decode_prefix_len}; round the decode prefix down with \
@@ -93,7 +93,7 @@ pub enum GeometryError {
         /// Destination DCP rank.
         dcp_rank: u64,
     },
-    /// Run coalescing got arrays of different lengths (spec text, verbatim).
+    /// Run coalescing got arrays of different lengths (SGLang's text, verbatim).
     #[error(
         "group_concurrent_contiguous requires equal-length src/dst index arrays, got {len_src} \
          and {len_dst}; pair every source index with one destination index (KVB-E042)"
@@ -175,13 +175,13 @@ pub enum GeometryError {
         /// The quantity that overflowed.
         what: &'static str,
     },
-    /// Layer ids published by only one peer (spec text, verbatim).
+    /// Layer ids published by only one peer (SGLang's text, verbatim).
     #[error(
         "Layer metadata must be provided by both PD peers or neither; publish kv_layer_ids on \
          both sides or on none (KVB-E042)"
     )]
     LayerMetadataOneSided,
-    /// Layer id list lengths that do not match the entry counts (spec text, verbatim).
+    /// Layer id list lengths that do not match the entry counts (SGLang's text, verbatim).
     #[error(
         "Layer metadata length must match transfer entries: src metadata={src_ids} \
          entries={n_src}, dst metadata={dst_ids} entries={n_dst} (KVB-E042)"
@@ -196,7 +196,7 @@ pub enum GeometryError {
         /// Destination entries.
         n_dst: usize,
     },
-    /// A source layer with no matching destination entry (spec text, verbatim).
+    /// A source layer with no matching destination entry (SGLang's text, verbatim).
     #[error(
         "Decode peer is missing a transfer entry for model layer {layer_id}; the decode must \
          register every layer the prefill sends (KVB-E042)"
@@ -205,7 +205,7 @@ pub enum GeometryError {
         /// The layer id.
         layer_id: u64,
     },
-    /// Different entry counts without layer ids (spec text, verbatim).
+    /// Different entry counts without layer ids (SGLang's text, verbatim).
     #[error(
         "PP-heterogeneous transfer requires layer ids on both peers; got src={n_src} \
          dst={n_dst} entries (KVB-E030)"
@@ -216,7 +216,7 @@ pub enum GeometryError {
         /// Destination entries.
         n_dst: usize,
     },
-    /// A head slice wider than the destination token slot (spec log text).
+    /// A head slice wider than the destination token slot (SGLang's log text).
     #[error(
         "slice size ({slice_bytes}) exceeds target token slot size ({slot_bytes}); check \
          total_kv_heads and both attention TP sizes (KVB-E026)"
@@ -250,7 +250,7 @@ pub enum GeometryError {
         /// Group size.
         size: u64,
     },
-    /// Decode registered a different number of entries (spec text, verbatim).
+    /// Decode registered a different number of entries (SGLang's text, verbatim).
     #[error(
         "PD DCP requires the decode to register one KV entry per prefill entry: src={n_src} \
          (draft={n_draft}), dst={n_dst} (KVB-E015)"
@@ -263,7 +263,7 @@ pub enum GeometryError {
         /// Decode entries.
         n_dst: usize,
     },
-    /// Per-entry token widths differ between peers (spec text, verbatim).
+    /// Per-entry token widths differ between peers (SGLang's text, verbatim).
     #[error(
         "PD DCP source/destination KV geometry differs at entry {entry}: src token \
          bytes={src_token_bytes}, dst token bytes={dst_token_bytes} (dst item_len={dst_item_len}, \
@@ -281,7 +281,7 @@ pub enum GeometryError {
         /// `P` for target entries, `P · d` for draft entries.
         page_scale: u64,
     },
-    /// Pack sizing with an item length below one page (spec text, verbatim).
+    /// Pack sizing with an item length below one page (SGLang's text, verbatim).
     #[error(
         "PD DCP pack requires each kv_item_len to span at least one page, got {item_lens:?} \
          with page_size={page_size} (KVB-E027)"
@@ -292,7 +292,7 @@ pub enum GeometryError {
         /// Page size.
         page_size: u64,
     },
-    /// Pack sizing with an item length that is not page aligned (spec text, verbatim).
+    /// Pack sizing with an item length that is not page aligned (SGLang's text, verbatim).
     #[error(
         "PD DCP pack requires page-aligned kv_item_lens, got {item_lens:?} with page_size={page_size} (KVB-E027)"
     )]

@@ -1,4 +1,4 @@
-//! MHA/GQA head slicing when prefill and decode attention TP sizes differ (spec §4), and an
+//! MHA/GQA head slicing when prefill and decode attention TP sizes differ (docs/planning.md, "MHA/GQA head slicing"), and an
 //! exact head plan in which every decode rank receives each of its heads exactly once.
 
 use std::ops::Range;
@@ -20,7 +20,7 @@ pub struct HeadSlice {
     pub dst_head_start: u64,
 }
 
-/// SGLang's `compute_head_slice_params` (spec §4), for one (prefill rank, decode rank) pair.
+/// SGLang's `compute_head_slice_params`, for one (prefill rank, decode rank) pair.
 ///
 /// With `h_src = max(1, H div tp_src)` and `h_dst = max(1, H div tp_dst)`:
 /// * `tp_src > tp_dst`: `(0, h_src, (uniq·h_src) mod h_dst)` with
@@ -67,7 +67,7 @@ pub fn compute_head_slice_params(
     })
 }
 
-/// Mooncake's head-sliced page path (spec §4): for every entry pair, page pair `(ps, pd)`
+/// Mooncake's head-sliced page path (docs/planning.md, "MHA/GQA head slicing"): for every entry pair, page pair `(ps, pd)`
 /// and token slot `t`, copy `slice.num_heads · hb` bytes from
 /// `ps·src_item_len + t·src_tok + src_head_start·hb` to
 /// `pd·dst_item_len + t·dst_tok + dst_head_start·hb`, with `hb = dst_item_len / P / h_dst`.
@@ -75,7 +75,7 @@ pub fn compute_head_slice_params(
 ///
 /// # Errors
 /// [`GeometryError::InvalidGeometry`] (different page sizes, `heads_per_dst_rank = 0`),
-/// [`GeometryError::HeadSliceTooWide`] (spec text), [`GeometryError::EntryOutOfRange`],
+/// [`GeometryError::HeadSliceTooWide`] (SGLang's text), [`GeometryError::EntryOutOfRange`],
 /// [`GeometryError::UnequalIndexArrays`], [`GeometryError::PageOutOfRange`].
 pub fn head_slice_ranges(
     src: &PoolGeometry,

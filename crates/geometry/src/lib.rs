@@ -32,7 +32,7 @@
 //!
 //! ```
 //! use kvbridge_geometry::{DcpPlanInput, Run, SendPages};
-//! // Spec 01 §5.4 example A, rank 2: tokens 2 and 6 of the chunk.
+//! // Example A of docs/planning.md, rank 2: tokens 2 and 6 of the chunk.
 //! let plan = DcpPlanInput {
 //!     src_pages: &[5, 2, 11, 4],
 //!     dst_pages: SendPages::after_prefix(&[7]),

@@ -1,4 +1,5 @@
-//! DCP geometry check (spec §5.7) and pack-buffer sizing (spec §5.8).
+//! DCP geometry check and pack-buffer sizing (docs/planning.md, "DCP geometry check" and
+//! "Pack buffers").
 
 use crate::error::{GeometryError, Result};
 
@@ -11,7 +12,7 @@ use crate::error::{GeometryError, Result};
 ///
 /// # Errors
 /// [`GeometryError::ZeroPageSize`], [`GeometryError::ZeroDcpSize`],
-/// [`GeometryError::DcpEntryCount`] and [`GeometryError::DcpGeometryDiffers`] (spec texts).
+/// [`GeometryError::DcpEntryCount`] and [`GeometryError::DcpGeometryDiffers`] (SGLang's texts).
 pub fn prepare_dcp_token_item_lens(
     src_item_lens: &[u64],
     num_draft: usize,
@@ -82,7 +83,7 @@ pub fn dcp_token_item_lens(
 /// ```
 ///
 /// # Errors
-/// Spec texts: `page_size must be positive, got {P}`, `dcp_size must be positive, got {d}`,
+/// SGLang's texts: `page_size must be positive, got {P}`, `dcp_size must be positive, got {d}`,
 /// `PD DCP pack requires each kv_item_len to span at least one page, …`,
 /// `PD DCP pack requires page-aligned kv_item_lens, …`; [`GeometryError::Overflow`].
 pub fn dcp_pack_buffer_bytes(

@@ -1,4 +1,5 @@
-//! Entry pairing between peers, including pipeline-parallel (PP) entry slicing (spec §3.3).
+//! Entry pairing between peers, including pipeline-parallel (PP) entry slicing (docs/planning.md, "Entry
+//! pairing").
 
 use std::collections::{HashMap, VecDeque};
 
@@ -19,7 +20,7 @@ use crate::limits;
 ///
 /// # Errors
 /// [`GeometryError::LayerMetadataOneSided`], [`GeometryError::LayerMetadataLength`],
-/// [`GeometryError::MissingLayer`], [`GeometryError::PpNeedsLayerIds`] (spec texts);
+/// [`GeometryError::MissingLayer`], [`GeometryError::PpNeedsLayerIds`] (SGLang's texts);
 /// [`GeometryError::TooLarge`] for an entry count above [`crate::MAX_ENTRIES`].
 pub fn pair_entries_by_layer_ids(
     src_layer_ids: &[u64],

@@ -129,40 +129,8 @@ impl<'a> ReshardInput<'a> {
     /// send range up to the chunk's end), [`GeometryError::Overflow`],
     /// [`GeometryError::TooLarge`] (page sizes, DCP sizes or `num_tokens` above their maxima).
     pub fn plan(&self) -> Result<ReshardPlan<'a>> {
-        let (p1, p2) = (self.src_page_size, self.dst_page_size);
-        for (field, p) in [("src_page_size", p1), ("dst_page_size", p2)] {
-            if p == 0 {
-                return Err(GeometryError::ZeroPageSize { page_size: p });
-            }
-            limits::page_size(field, p)?;
-        }
-        let (a, ar, b, br) = (
-            self.src_dcp_size,
-            self.src_dcp_rank,
-            self.dst_dcp_size,
-            self.dst_dcp_rank,
-        );
-        check_group(a, ar)?;
-        check_group(b, br)?;
-        limits::chunk_tokens("num_tokens", self.num_tokens)?;
-        let overflow = |what| GeometryError::Overflow { what };
-        let v2 = p2.checked_mul(b).ok_or(overflow("page_size x dcp_size"))?;
-        let l = self.decode_prefix_len;
-        if l % v2 != 0 {
-            return Err(GeometryError::PrefixMisaligned {
-                virtual_page_size: v2,
-                decode_prefix_len: l,
-            });
-        }
-        let start = l
-            .checked_add(self.chunk_start)
-            .ok_or(overflow("chunk start"))?;
-        let end = start
-            .checked_add(self.num_tokens)
-            .ok_or(overflow("chunk end"))?;
-        let g = gcd(a, b);
-        let lcm = (a / g).checked_mul(b).ok_or(overflow("lcm of DCP sizes"))?;
-        let src_base = (start / a) / p1 * p1;
+        let v2 = self.check_sizes()?;
+        let (start, end, lcm) = self.chunk_bounds()?;
         let mut plan = ReshardPlan {
             input: *self,
             prog: Progression::empty(),
@@ -170,68 +138,134 @@ impl<'a> ReshardInput<'a> {
         if self.num_tokens == 0 {
             return Ok(plan);
         }
-        // The prefill rank's pages must cover every row it owns in the chunk.
+        let first_a = self.check_coverage(start, end, v2)?;
+        let Some(p0) = self.first_position(first_a, end) else {
+            return Ok(plan);
+        };
+        let (a, b) = (self.src_dcp_size, self.dst_dcp_size);
+        plan.prog = Progression {
+            src_pages: self.src_pages,
+            src_page_size: self.src_page_size,
+            src_row0: p0 / a - self.src_base(start),
+            src_step: lcm / a,
+            dst_pages: self.dst_pages.as_slice(),
+            dst_page_size: self.dst_page_size,
+            dst_row0: p0 / b - self.decode_prefix_len / b,
+            dst_step: lcm / b,
+            count: (end - 1 - p0) / lcm + 1,
+        };
+        match plan.prog.check() {
+            Ok(()) => Ok(plan),
+            Err(Fault::SrcPages(required)) => Err(self.pages_insufficient(Side::Prefill, required)),
+            Err(Fault::DstPages(required)) => Err(self.pages_insufficient(Side::Decode, required)),
+            Err(Fault::Overflow) => Err(GeometryError::Overflow {
+                what: "page id x page size",
+            }),
+        }
+    }
+
+    /// Page sizes, DCP groups and `num_tokens` against zero and their maxima, and the prefix
+    /// alignment. Returns the decode's virtual page size `V2 = P2·b`.
+    fn check_sizes(&self) -> Result<u64> {
+        let (p1, p2) = (self.src_page_size, self.dst_page_size);
+        for (field, p) in [("src_page_size", p1), ("dst_page_size", p2)] {
+            if p == 0 {
+                return Err(GeometryError::ZeroPageSize { page_size: p });
+            }
+            limits::page_size(field, p)?;
+        }
+        check_group(self.src_dcp_size, self.src_dcp_rank)?;
+        check_group(self.dst_dcp_size, self.dst_dcp_rank)?;
+        limits::chunk_tokens("num_tokens", self.num_tokens)?;
+        let v2 = p2
+            .checked_mul(self.dst_dcp_size)
+            .ok_or(GeometryError::Overflow {
+                what: "page_size x dcp_size",
+            })?;
+        let l = self.decode_prefix_len;
+        if l % v2 != 0 {
+            return Err(GeometryError::PrefixMisaligned {
+                virtual_page_size: v2,
+                decode_prefix_len: l,
+            });
+        }
+        Ok(v2)
+    }
+
+    /// The chunk's absolute positions `[start, end)` and `lcm(a, b)`, the step between the
+    /// positions one pair moves.
+    fn chunk_bounds(&self) -> Result<(u64, u64, u64)> {
+        let overflow = |what| GeometryError::Overflow { what };
+        let start = self
+            .decode_prefix_len
+            .checked_add(self.chunk_start)
+            .ok_or(overflow("chunk start"))?;
+        let end = start
+            .checked_add(self.num_tokens)
+            .ok_or(overflow("chunk end"))?;
+        let (a, b) = (self.src_dcp_size, self.dst_dcp_size);
+        let lcm = (a / gcd(a, b))
+            .checked_mul(b)
+            .ok_or(overflow("lcm of DCP sizes"))?;
+        Ok((start, end, lcm))
+    }
+
+    /// The prefill rank's local row at the first page of its `src_pages`.
+    fn src_base(&self, start: u64) -> u64 {
+        let p1 = self.src_page_size;
+        (start / self.src_dcp_size) / p1 * p1
+    }
+
+    /// The prefill rank's pages cover every row it owns in the chunk, and the decode's pages the
+    /// send range up to the end of the chunk. Returns the first position the prefill rank owns.
+    fn check_coverage(&self, start: u64, end: u64, v2: u64) -> Result<u64> {
+        let (a, ar) = (self.src_dcp_size, self.src_dcp_rank);
         let first_a = start + (ar + a - start % a) % a;
         if first_a < end {
             let last_a = end - 1 - (end - 1 - first_a) % a;
-            let required = (last_a / a - src_base) / p1 + 1;
+            let required = (last_a / a - self.src_base(start)) / self.src_page_size + 1;
             if (self.src_pages.len() as u64) < required {
-                return Err(GeometryError::ReshardPagesInsufficient {
-                    side: Side::Prefill,
-                    rank: ar,
-                    required,
-                    provided: self.src_pages.len() as u64,
-                });
+                return Err(self.pages_insufficient(Side::Prefill, required));
             }
         }
-        // The decode's pages must cover the send range up to the end of the chunk.
-        let required = (end - l).div_ceil(v2);
+        let required = (end - self.decode_prefix_len).div_ceil(v2);
         if (self.dst_pages.len() as u64) < required {
-            return Err(GeometryError::ReshardPagesInsufficient {
-                side: Side::Decode,
-                rank: br,
-                required,
-                provided: self.dst_pages.len() as u64,
-            });
+            return Err(self.pages_insufficient(Side::Decode, required));
         }
+        Ok(first_a)
+    }
+
+    /// The first position before `end` that the prefill rank holds and the decode rank needs:
+    /// the smallest `p ≥ first_a` with `p ≡ a_r (mod a)` and `p ≡ b_r (mod b)`, found in at most
+    /// `lcm/a ≤ b` steps. `None` when the pair moves nothing in this chunk.
+    fn first_position(&self, first_a: u64, end: u64) -> Option<u64> {
+        let (a, ar, b, br) = (
+            self.src_dcp_size,
+            self.src_dcp_rank,
+            self.dst_dcp_size,
+            self.dst_dcp_rank,
+        );
+        let g = gcd(a, b);
         if ar % g != br % g || first_a >= end {
-            return Ok(plan);
+            return None;
         }
-        // Smallest p ≥ start with p ≡ a_r (mod a) and p ≡ b_r (mod b): at most lcm/a ≤ b steps.
         let mut p0 = first_a;
         while p0 % b != br {
             p0 += a;
         }
-        if p0 >= end {
-            return Ok(plan);
-        }
-        let count = (end - 1 - p0) / lcm + 1;
-        plan.prog = Progression {
-            src_pages: self.src_pages,
-            src_page_size: p1,
-            src_row0: p0 / a - src_base,
-            src_step: lcm / a,
-            dst_pages: self.dst_pages.as_slice(),
-            dst_page_size: p2,
-            dst_row0: p0 / b - l / b,
-            dst_step: lcm / b,
-            count,
+        (p0 < end).then_some(p0)
+    }
+
+    fn pages_insufficient(&self, side: Side, required: u64) -> GeometryError {
+        let (rank, provided) = match side {
+            Side::Prefill => (self.src_dcp_rank, self.src_pages.len()),
+            Side::Decode => (self.dst_dcp_rank, self.dst_pages.len()),
         };
-        match plan.prog.check() {
-            Ok(()) => Ok(plan),
-            Err(Fault::SrcPages(required)) => Err(GeometryError::ReshardPagesInsufficient {
-                side: Side::Prefill,
-                rank: ar,
-                required,
-                provided: self.src_pages.len() as u64,
-            }),
-            Err(Fault::DstPages(required)) => Err(GeometryError::ReshardPagesInsufficient {
-                side: Side::Decode,
-                rank: br,
-                required,
-                provided: self.dst_pages.len() as u64,
-            }),
-            Err(Fault::Overflow) => Err(overflow("page id x page size")),
+        GeometryError::ReshardPagesInsufficient {
+            side,
+            rank,
+            required,
+            provided: provided as u64,
         }
     }
 }

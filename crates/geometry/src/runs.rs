@@ -41,7 +41,7 @@ impl Run {
 /// SGLang's `group_concurrent_contiguous`, returning runs instead of lists of lists.
 ///
 /// * either side empty → no runs (no error, even if the other side is not empty);
-/// * different lengths → [`GeometryError::UnequalIndexArrays`] (spec text);
+/// * different lengths → [`GeometryError::UnequalIndexArrays`] (SGLang's text);
 /// * otherwise a run is cut before every position `k ≥ 1` where `src[k] − src[k−1] ≠ 1` **or**
 ///   `dst[k] − dst[k−1] ≠ 1` (duplicates and descending steps always cut).
 ///

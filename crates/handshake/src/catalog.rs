@@ -1,9 +1,86 @@
-//! The problem catalog: one table behind `kvbridge explain` and `docs/errors.md`.
+//! The problem catalog: one table behind `kvbridge explain` and `docs/errors.md`, and the
+//! lookups into it.
 
 use crate::problem::DetectedBy::{Check, CheckSglangOnly, NotChecked, Planner};
-use crate::problem::ProblemCode as C;
-use crate::problem::ProblemInfo;
 use crate::problem::Severity::{Error, Warning};
+use crate::problem::{ProblemCode, ProblemCode as C, ProblemInfo, Severity};
+
+// The lookups live beside the table, so the problem types need nothing from this file.
+impl ProblemCode {
+    /// The catalog entry of this code.
+    pub fn info(self) -> &'static ProblemInfo {
+        // Every variant has exactly one entry (tested), so the fallback is unreachable in
+        // practice; it keeps this function total without a panic.
+        CATALOG
+            .iter()
+            .find(|i| i.code == self)
+            .unwrap_or(&CATALOG[0])
+    }
+
+    /// Look a code up by its string form (case-insensitive; `E007` and `7` are accepted too).
+    pub fn parse(text: &str) -> Option<ProblemCode> {
+        let t = text.trim().to_ascii_uppercase();
+        let t = t.strip_prefix("KVB-").unwrap_or(&t);
+        let (letter, digits) = match t.chars().next()? {
+            c @ ('E' | 'W') => (c, &t[1..]),
+            _ => ('E', t),
+        };
+        if digits.is_empty() || !digits.chars().all(|c| c.is_ascii_digit()) {
+            return None;
+        }
+        let id = format!("KVB-{letter}{:03}", digits.parse::<u32>().ok()?);
+        CATALOG.iter().find(|i| i.id == id).map(|i| i.code)
+    }
+}
+
+/// Every catalog entry, in code order.
+pub fn catalog() -> &'static [ProblemInfo] {
+    CATALOG
+}
+
+/// Look up one entry by its string form (see [`ProblemCode::parse`]).
+pub fn explain(code: &str) -> Option<&'static ProblemInfo> {
+    ProblemCode::parse(code).map(ProblemCode::info)
+}
+
+/// The whole catalog as Markdown: exactly the content of `docs/errors.md`.
+pub fn catalog_markdown() -> String {
+    let mut out = String::from(DOC_HEADER);
+    out.push_str("\n## Index\n\n| code | severity | title |\n|---|---|---|\n");
+    for i in CATALOG {
+        out.push_str(&format!(
+            "| [{}](#{}) | {} | {} |\n",
+            i.id,
+            anchor(i),
+            match i.severity {
+                Severity::Error => "error",
+                Severity::Warning => "warning",
+            },
+            i.title
+        ));
+    }
+    for i in CATALOG {
+        out.push('\n');
+        out.push_str(&i.to_markdown());
+    }
+    out
+}
+
+/// GitHub-style anchor of an entry's heading.
+fn anchor(i: &ProblemInfo) -> String {
+    let heading = format!("{} — {}", i.id, i.title);
+    let mut out = String::new();
+    for c in heading.chars() {
+        if c.is_alphanumeric() {
+            out.extend(c.to_lowercase());
+        } else if c == ' ' || c == '-' {
+            out.push('-');
+        } else if c == '_' {
+            out.push('_');
+        }
+    }
+    out
+}
 
 /// The part of `docs/errors.md` before the entries.
 pub(crate) const DOC_HEADER: &str = r#"# kvbridge problem catalog
@@ -16,7 +93,7 @@ advertise and lists **every** problem at once, each with a stable code. `kvbridg
 prints the entry below for one code (`kvbridge explain KVB-E007`, `explain E7` works too).
 
 Codes `KVB-E001`–`KVB-E018` are checks SGLang 0.5.23 performs itself (E001–E012 numbered after
-the rows of its decode-side check table, spec 02 §3), with SGLang's message word for word;
+the order its decode side runs them), with SGLang's message word for word;
 `KVB-E020`–`KVB-E033` catch setups SGLang lets through but that fail later (a hang, a 404, a
 dead control thread, an allocation of a peer-claimed size) or silently corrupt the KV cache;
 `KVB-E040`–`KVB-E042` are raised by the planner per request; `KVB-Wnnn` are warnings (the
@@ -26,13 +103,25 @@ pair is still accepted). Every planner error ends with its code in parentheses, 
 
 ## Descriptor format
 
-Each file holds one `PeerDescriptor` (JSON). Unknown fields are rejected, so a typo is never
-silently ignored; omitted optional fields take the defaults below.
+Each file holds one `PeerDescriptor` (JSON); omitted optional fields take the defaults below.
+
+Versions (`protocol_version`, `MAJOR.MINOR`): a newer minor version only adds optional fields
+whose defaults keep the old meaning; a newer major version may change what fields mean.
+So a descriptor is read by these rules, wherever it arrives (a file, a control message, a
+bootstrap registration):
+
+- same or older minor version: unknown fields are refused (`invalid peer descriptor ...
+  unknown field`), so a typo is never silently ignored;
+- newer minor version of the same major: the fields this build knows are read, the others are
+  ignored and reported as the warning `KVB-W003` (the pair is still accepted);
+- newer major version: refused before any field is read (`peer descriptor uses
+  protocol_version 2.0, but this kvbridge speaks protocol 1.0 ... upgrade kvbridge`), and a
+  pair whose majors differ is `KVB-E032`.
 
 | field | type | default | meaning |
 |---|---|---|---|
 | `role` | `"prefill"` \| `"decode"` | required | which side this rank is |
-| `protocol_version` | `"MAJOR.MINOR"` | `"1.0"` | a newer major version is refused |
+| `protocol_version` | `"MAJOR.MINOR"` | `"1.0"` | see the version rules above |
 | `page_size` | integer | required | physical KV page size in tokens (`--page-size`) |
 | `kv_cache_dtype` | string | required | `--kv-cache-dtype`, compared as a string |
 | `kv_layout` | string or null | `null` | KV layout name |
@@ -83,11 +172,11 @@ SGLang's text (`KVB-E001`, `KVB-E013`, `KVB-E014`). Both modes refuse what canno
 These SGLang checks need fields a `PeerDescriptor` does not carry; kvbridge does not invent
 them. Their codes are reserved (`KVB-E003`, `KVB-E005`, `KVB-E006`) and explained below.
 
-- MiniMax sparse PD index state (spec 02 §3 row 3), DeepSeek-V4.1 DSpark layouts (rows 5a/5b),
-  MXFP8 block-scale state types (row 6).
+- MiniMax sparse PD index state (`KVB-E003`), DeepSeek-V4.1 DSpark layouts (`KVB-E005`),
+  MXFP8 block-scale state types (`KVB-E006`).
 - State pools (Mamba, SWA, DSA) and their head-sliced layouts, `kv_layer_ids` pairing,
   DeepSeek-V4 compressed-MLA grouped layouts.
-- Per-request checks of the transfer lifecycle (spec 02 §3 "Per request", §4.1): decode
+- Per-request checks of the transfer lifecycle, on the decode and on the prefill: decode
   allocation policy, `follow_bootstrap_room` DP routing, bootstrap lookups and send failures.
   These are runtime failures of one request, not properties of two descriptors.
 
@@ -606,4 +695,76 @@ pub(crate) static CATALOG: &[ProblemInfo] = &[
         fix: "Enable the same optional metadata buffers on both servers.",
         example: "# before\nprefill: \"aux_item_lens\": [4, 16384]   decode: \"aux_item_lens\": [4, 16384, 8]\n# after\nprefill: \"aux_item_lens\": [4, 16384, 8]   decode: \"aux_item_lens\": [4, 16384, 8]",
     },
+    ProblemInfo {
+        code: C::NewerMinorFields,
+        id: "KVB-W003",
+        title: "Fields of a newer minor version ignored",
+        severity: Warning,
+        detected_by: Check,
+        sglang: "has no descriptor protocol",
+        message: "{side} descriptor uses protocol_version {v}, newer than this kvbridge's {current}; its fields {fields} are unknown here and ignored",
+        meaning: "A newer minor protocol version only adds optional fields whose defaults keep the old meaning, so a descriptor from a newer minor release is read without them and the pair still works as it would have under this build's version. Unknown fields in a descriptor of this build's minor version or an older one are a typo and refused (`invalid peer descriptor`); a newer major version is refused (`peer descriptor uses protocol_version 2.0, but this kvbridge speaks protocol 1.0 ...` when parsing, `KVB-E032` for a pair built in code).",
+        when: "The two sides run kvbridge releases of the same protocol major version but different minor versions, and the newer side advertises a field it added.",
+        fix: "Nothing is required: the pair is accepted.\nTo use what the new fields add, upgrade this side to a release that speaks the newer minor version.",
+        example: "# before (this build speaks 1.0)\nprefill: \"protocol_version\": \"1.1\", \"kv_zones\": 4   -> warning, kv_zones ignored\n# after\nboth sides on a release that speaks 1.1",
+    },
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Adding a variant without listing it in `ALL` (and the catalog) fails to compile here or
+    /// fails this test.
+    #[test]
+    fn all_lists_every_variant_once_and_each_has_its_entry() {
+        let position = |c: C| ProblemCode::ALL.iter().position(|x| *x == c);
+        for &c in ProblemCode::ALL {
+            let listed = match c {
+                C::PageSizeMismatch
+                | C::DtypeMismatch
+                | C::MiniMaxTp
+                | C::LayoutMismatch
+                | C::Dspark
+                | C::Mxfp8Tp
+                | C::DcpNeedsMlaPool
+                | C::DcpPrefillCp
+                | C::DcpPrefillSharding
+                | C::MlaShardingTp
+                | C::DecodeCp
+                | C::PpMismatch
+                | C::DcpRankMismatch
+                | C::DcpTopology
+                | C::DcpEntryCount
+                | C::DcpEntryGeometry
+                | C::AuxLayout
+                | C::HeadSliceItemLens
+                | C::RoleMistake
+                | C::ZeroSize
+                | C::RankOutOfRange
+                | C::DcpNotNested
+                | C::TpNotMultiple
+                | C::HeadGeometry
+                | C::HeadsDoNotSplit
+                | C::ItemLensMalformed
+                | C::ItemLensVsHeads
+                | C::PoolKindMismatch
+                | C::EntryCount
+                | C::EntryGeometry
+                | C::ProtocolVersion
+                | C::TooLarge
+                | C::PrefixMisaligned
+                | C::PagesInsufficient
+                | C::PlanInputInvalid
+                | C::TpDiffersMha
+                | C::AuxCount
+                | C::NewerMinorFields => position(c),
+            };
+            assert!(listed.is_some());
+            assert_eq!(CATALOG.iter().filter(|i| i.code == c).count(), 1, "{c:?}");
+        }
+        assert_eq!(ProblemCode::ALL.len(), CATALOG.len());
+        let order: Vec<ProblemCode> = CATALOG.iter().map(|i| i.code).collect();
+        assert_eq!(order, ProblemCode::ALL);
+    }
+}

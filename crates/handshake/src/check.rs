@@ -1,4 +1,5 @@
-//! `check`: every compatibility check of spec 02, all problems at once.
+//! `check`: every compatibility check between two descriptors, all problems at once (each one
+//! is an entry of docs/errors.md).
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt::Write as _;
@@ -6,7 +7,7 @@ use std::fmt::Write as _;
 use kvbridge_geometry::{GeometryError, PoolKind, prepare_dcp_token_item_lens};
 use serde::Serialize;
 
-use crate::descriptor::{PeerDescriptor, ProtocolVersion, Role};
+use crate::descriptor::{PeerDescriptor, Role, dtype_bytes};
 use crate::error::{HandshakeError, Result};
 use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::limits;
@@ -17,6 +18,7 @@ use crate::mapping::{
     sglang_head_slice, sglang_is_dummy, sglang_targets,
 };
 use crate::problem::{Problem, ProblemCode, Severity};
+use crate::version::ProtocolVersion;
 
 /// Which envelope of supported setups `check` applies.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize)]
@@ -117,13 +119,14 @@ pub fn check(prefill: &PeerDescriptor, decode: &PeerDescriptor) -> Report {
     check_with(prefill, decode, &CheckOptions::default())
 }
 
-/// Check a prefill descriptor against a decode rank's descriptor: every check of spec 02 that
-/// applies to what descriptors carry, plus what SGLang lets through but cannot work. Returns
+/// Check a prefill descriptor against a decode rank's descriptor: every check of SGLang 0.5.23
+/// that applies to what descriptors carry, plus what SGLang lets through but cannot work. Returns
 /// **all** problems; computes the rank mapping when there are none.
 ///
-/// Order: descriptor sanity (per side), then SGLang's decode-side checks (spec 02 §3, in
-/// order), the rank-mapping preconditions, the prefill-side registration checks (DCP topology,
-/// per-entry geometry, aux buffers, spec 02 §4), and the warnings.
+/// Order: descriptor sanity (per side), then SGLang's decode-side checks (`KVB-E001`..`E012`,
+/// in SGLang's order), the rank-mapping preconditions, the prefill-side registration checks
+/// SGLang runs when a decode registers (DCP topology, per-entry geometry, aux buffers), and the
+/// warnings. Each problem is an entry of docs/errors.md.
 pub fn check_with(
     prefill: &PeerDescriptor,
     decode: &PeerDescriptor,
@@ -380,18 +383,6 @@ fn build_mapping(
     })
 }
 
-/// Bytes per element for dtype strings whose size is known (`auto` and unknown names: `None`).
-pub fn dtype_bytes(dtype: &str) -> Option<u64> {
-    match dtype.to_ascii_lowercase().as_str() {
-        "fp8" | "fp8_e4m3" | "fp8_e5m2" | "float8_e4m3fn" | "float8_e5m2" | "int8" | "uint8" => {
-            Some(1)
-        }
-        "bf16" | "bfloat16" | "fp16" | "float16" | "half" => Some(2),
-        "fp32" | "float32" | "float" => Some(4),
-        _ => None,
-    }
-}
-
 fn python_set(values: &[u64]) -> String {
     let set: BTreeSet<u64> = values.iter().copied().collect();
     let items: Vec<String> = set.iter().map(u64::to_string).collect();
@@ -432,7 +423,7 @@ impl Checker<'_> {
         let p_ok = p_small && self.side(self.p, "prefill");
         let d_ok = d_small && self.side(self.d, "decode");
         self.pool_kinds();
-        self.spec_decode_checks();
+        self.decode_side_checks();
         self.head_geometry_cross();
         if p_ok && d_ok {
             self.tp_multiple();
@@ -480,6 +471,27 @@ impl Checker<'_> {
                         ),
                     )
                     .with(format!("{side}.protocol_version"), d.protocol_version),
+                );
+            } else if !d.unknown_fields().is_empty() {
+                let fields = listed(d.unknown_fields());
+                self.push(
+                    Problem::new(
+                        ProblemCode::NewerMinorFields,
+                        format!(
+                            "{side} descriptor uses protocol_version {}, newer than this kvbridge's {}; \
+                             its fields {fields} are unknown here and ignored",
+                            d.protocol_version,
+                            ProtocolVersion::CURRENT
+                        ),
+                        format!(
+                            "nothing is required (a newer minor version only adds fields whose defaults \
+                             keep the old meaning); to use them, upgrade this side to a release that \
+                             speaks protocol {}",
+                            d.protocol_version
+                        ),
+                    )
+                    .with(format!("{side}.protocol_version"), d.protocol_version)
+                    .with(format!("{side}.unknown_fields"), fields),
                 );
             }
         }
@@ -552,6 +564,18 @@ impl Checker<'_> {
 
     /// Per-side sanity. Returns whether sizes are all ≥ 1 (so cross checks can divide).
     fn side(&mut self, s: &PeerDescriptor, side: &str) -> bool {
+        if !self.sizes_nonzero(s, side) {
+            return false;
+        }
+        self.ranks_in_range(s, side);
+        self.dcp_nested(s, side);
+        let heads_ok = self.heads_split(s, side);
+        self.item_lens(s, side, heads_ok);
+        true
+    }
+
+    /// `KVB-E021`: every size at least 1. Returns whether they are.
+    fn sizes_nonzero(&mut self, s: &PeerDescriptor, side: &str) -> bool {
         let sizes = [
             ("page_size", s.page_size),
             ("attn_tp_size", u64::from(s.attn_tp_size)),
@@ -584,7 +608,11 @@ impl Checker<'_> {
             self.push(p);
             return false;
         }
+        true
+    }
 
+    /// `KVB-E022`: every rank below its size.
+    fn ranks_in_range(&mut self, s: &PeerDescriptor, side: &str) {
         for (rank_name, rank, size_name, size) in [
             (
                 "attn_tp_rank",
@@ -620,7 +648,10 @@ impl Checker<'_> {
                 );
             }
         }
+    }
 
+    /// `KVB-E023`: DCP groups nest inside attention TP.
+    fn dcp_nested(&mut self, s: &PeerDescriptor, side: &str) {
         if s.attn_tp_size % s.dcp_size != 0 {
             self.push(
                 Problem::new(
@@ -658,103 +689,69 @@ impl Checker<'_> {
                 .with(format!("{side}.attn_tp_rank"), s.attn_tp_rank),
             );
         }
+    }
 
-        let mut heads_ok = false;
-        if s.kv_pool == PoolKind::Mha {
-            let missing: Vec<&str> = [
-                ("total_kv_heads", s.total_kv_heads),
-                ("head_dim", s.head_dim),
-            ]
-            .iter()
-            .filter(|(_, v)| v.unwrap_or(0) == 0)
-            .map(|(n, _)| *n)
-            .collect();
-            if !missing.is_empty() {
-                self.push(
-                    Problem::new(
-                        ProblemCode::HeadGeometry,
-                        format!(
-                            "{side} kv_pool=mha needs total_kv_heads and head_dim (missing or 0: {})",
-                            missing.join(", ")
-                        ),
-                        format!(
-                            "add the model's num_key_value_heads as total_kv_heads and its head_dim to the \
-                             {side} descriptor"
-                        ),
-                    )
-                    .with(format!("{side}.kv_pool"), "mha"),
-                );
-            } else {
-                let h = s.total_kv_heads.unwrap_or(1);
-                let tp = s.attn_tp_size;
-                let splits = if tp <= h { h % tp == 0 } else { tp % h == 0 };
-                if splits {
-                    heads_ok = true;
-                } else {
-                    let how = if tp <= h {
-                        format!("{h} heads do not divide evenly over {tp} ranks")
-                    } else {
-                        format!(
-                            "{tp} ranks cannot replicate {h} heads evenly ({tp} is not a multiple of {h})"
-                        )
-                    };
-                    self.push(
-                        Problem::new(
-                            ProblemCode::HeadsDoNotSplit,
-                            format!(
-                                "{side} total_kv_heads={h} cannot be split across attn_tp_size={tp}: {how}"
-                            ),
-                            format!(
-                                "use a {side} attention TP size that divides {h} or is a multiple of it \
-                                 (e.g. {})",
-                                nearest_split(h, tp)
-                            ),
-                        )
-                        .with(format!("{side}.total_kv_heads"), h)
-                        .with(format!("{side}.attn_tp_size"), tp),
-                    );
-                }
-            }
+    /// `KVB-E025`, `KVB-E026` for an MHA pool: head geometry given, heads split over TP.
+    /// Returns whether the heads split (so item lengths can be checked against them).
+    fn heads_split(&mut self, s: &PeerDescriptor, side: &str) -> bool {
+        if s.kv_pool != PoolKind::Mha {
+            return false;
         }
-
-        self.item_lens(s, side, heads_ok);
-        true
+        let missing: Vec<&str> = [
+            ("total_kv_heads", s.total_kv_heads),
+            ("head_dim", s.head_dim),
+        ]
+        .iter()
+        .filter(|(_, v)| v.unwrap_or(0) == 0)
+        .map(|(n, _)| *n)
+        .collect();
+        if !missing.is_empty() {
+            self.push(
+                Problem::new(
+                    ProblemCode::HeadGeometry,
+                    format!(
+                        "{side} kv_pool=mha needs total_kv_heads and head_dim (missing or 0: {})",
+                        missing.join(", ")
+                    ),
+                    format!(
+                        "add the model's num_key_value_heads as total_kv_heads and its head_dim to the \
+                         {side} descriptor"
+                    ),
+                )
+                .with(format!("{side}.kv_pool"), "mha"),
+            );
+            return false;
+        }
+        let h = s.total_kv_heads.unwrap_or(1);
+        let tp = s.attn_tp_size;
+        let splits = if tp <= h { h % tp == 0 } else { tp % h == 0 };
+        if splits {
+            return true;
+        }
+        let how = if tp <= h {
+            format!("{h} heads do not divide evenly over {tp} ranks")
+        } else {
+            format!("{tp} ranks cannot replicate {h} heads evenly ({tp} is not a multiple of {h})")
+        };
+        self.push(
+            Problem::new(
+                ProblemCode::HeadsDoNotSplit,
+                format!("{side} total_kv_heads={h} cannot be split across attn_tp_size={tp}: {how}"),
+                format!(
+                    "use a {side} attention TP size that divides {h} or is a multiple of it (e.g. {})",
+                    nearest_split(h, tp)
+                ),
+            )
+            .with(format!("{side}.total_kv_heads"), h)
+            .with(format!("{side}.attn_tp_size"), tp),
+        );
+        false
     }
 
     fn item_lens(&mut self, s: &PeerDescriptor, side: &str, heads_ok: bool) {
         let lens = &s.kv_item_lens;
-        let n = lens.len();
-        let nd = s.num_draft_entries;
-        let draft_scale = s.page_size * u64::from(s.dcp_size);
-        let mut bad = Vec::new();
-        if n == 0 {
-            bad.push("kv_item_lens is empty (no KV entries registered)".to_owned());
-        }
-        if nd > n {
-            bad.push(format!(
-                "num_draft_entries={nd} exceeds the {n} entries of kv_item_lens"
-            ));
-        } else if n > 0 && nd == n {
-            bad.push(format!(
-                "all {n} entries are draft entries (num_draft_entries={nd}); no target KV"
-            ));
-        }
-        for (i, &len) in lens.iter().enumerate() {
-            let draft = i >= n.saturating_sub(nd);
-            let scale = if draft { draft_scale } else { s.page_size };
-            if len == 0 {
-                bad.push(format!("entry {i} has item_len 0"));
-            } else if len % scale != 0 {
-                bad.push(if draft {
-                    format!(
-                        "draft entry {i} item_len={len} is not a multiple of page_size·dcp_size={scale} \
-                         (draft KV uses the virtual page)"
-                    )
-                } else {
-                    format!("entry {i} item_len={len} is not a multiple of page_size={scale}")
-                });
-            }
-        }
+        let (n, nd) = (lens.len(), s.num_draft_entries);
+        let bad = malformed_item_lens(s);
         if !bad.is_empty() {
             self.push(
                 Problem::new(
@@ -773,60 +770,7 @@ impl Checker<'_> {
 
         let targets = &lens[..n - nd];
         match s.kv_pool {
-            PoolKind::Mha if heads_ok => {
-                let h = s.total_kv_heads.unwrap_or(1);
-                let hd = u64::from(s.head_dim.unwrap_or(1));
-                let hpr = u64::from(s.heads_per_rank().unwrap_or(1));
-                let per_elem = s.page_size * hpr * hd;
-                let mut why = Vec::new();
-                if targets.len() % 2 != 0 {
-                    why.push(format!(
-                        "an MHA pool registers K and V per layer, so the {} target entries must be even",
-                        targets.len()
-                    ));
-                }
-                if targets.iter().any(|&l| l != targets[0]) {
-                    why.push(format!("target entries differ ({})", python_set(targets)));
-                }
-                let expect_elem = dtype_bytes(&s.kv_cache_dtype);
-                for &l in targets.iter().collect::<BTreeSet<_>>() {
-                    if l % per_elem != 0 {
-                        why.push(format!(
-                            "item_len {l} is not page_size({}) x heads_per_rank({hpr}) x head_dim({hd}) x \
-                             bytes per element",
-                            s.page_size
-                        ));
-                    } else if let Some(e) = expect_elem.filter(|e| l / per_elem != *e) {
-                        why.push(format!(
-                            "item_len {l} implies {} bytes per element, but kv_cache_dtype={} has {e} \
-                             (expected {} = {} x {hpr} x {hd} x {e})",
-                            l / per_elem,
-                            s.kv_cache_dtype,
-                            per_elem * e,
-                            s.page_size
-                        ));
-                    }
-                }
-                if !why.is_empty() {
-                    self.push(
-                        Problem::new(
-                            ProblemCode::ItemLensVsHeads,
-                            format!(
-                                "{side} kv_item_lens do not match the head geometry (total_kv_heads={h}, \
-                                 attn_tp_size={}, heads_per_rank={hpr}, head_dim={hd}, page_size={}): {}",
-                                s.attn_tp_size,
-                                s.page_size,
-                                why.join("; ")
-                            ),
-                            format!(
-                                "export kv_item_lens, total_kv_heads and head_dim from the same {side} \
-                                 server; each target entry is page_size x heads_per_rank x head_dim x dtype bytes"
-                            ),
-                        )
-                        .with(format!("{side}.kv_item_lens"), format!("{lens:?}")),
-                    );
-                }
-            }
+            PoolKind::Mha if heads_ok => self.mha_item_lens(s, side, targets),
             PoolKind::Mla if targets.iter().any(|&l| l != targets[0]) => {
                 self.push(
                     Problem::new(
@@ -845,6 +789,35 @@ impl Checker<'_> {
                 );
             }
             _ => {}
+        }
+    }
+
+    /// `KVB-E028` for an MHA pool whose heads split: every target entry is one K or V half of a
+    /// layer, `page_size x heads_per_rank x head_dim x dtype bytes`.
+    fn mha_item_lens(&mut self, s: &PeerDescriptor, side: &str, targets: &[u64]) {
+        let lens = &s.kv_item_lens;
+        let h = s.total_kv_heads.unwrap_or(1);
+        let hd = u64::from(s.head_dim.unwrap_or(1));
+        let hpr = u64::from(s.heads_per_rank().unwrap_or(1));
+        let why = mha_item_len_mismatches(s, targets);
+        if !why.is_empty() {
+            self.push(
+                Problem::new(
+                    ProblemCode::ItemLensVsHeads,
+                    format!(
+                        "{side} kv_item_lens do not match the head geometry (total_kv_heads={h}, \
+                         attn_tp_size={}, heads_per_rank={hpr}, head_dim={hd}, page_size={}): {}",
+                        s.attn_tp_size,
+                        s.page_size,
+                        why.join("; ")
+                    ),
+                    format!(
+                        "export kv_item_lens, total_kv_heads and head_dim from the same {side} \
+                         server; each target entry is page_size x heads_per_rank x head_dim x dtype bytes"
+                    ),
+                )
+                .with(format!("{side}.kv_item_lens"), format!("{lens:?}")),
+            );
         }
     }
 
@@ -867,8 +840,15 @@ impl Checker<'_> {
         }
     }
 
-    /// Spec 02 §3 rows 1, 2, 4, 7, 8, 9 (rows 3, 5, 6 need fields descriptors do not carry).
-    fn spec_decode_checks(&mut self) {
+    /// SGLang's decode-side checks, in its order: the settings both servers must share, then
+    /// what DCP requires (`KVB-E003`, `E005`, `E006` need fields descriptors do not carry).
+    fn decode_side_checks(&mut self) {
+        self.same_settings();
+        self.dcp_requirements();
+    }
+
+    /// `KVB-E001` page size (SGLang mode), `KVB-E002` KV cache dtype, `KVB-E004` KV layout.
+    fn same_settings(&mut self) {
         let (p, d) = (self.p, self.d);
         if p.page_size != d.page_size && self.sglang() {
             self.push(
@@ -926,7 +906,12 @@ impl Checker<'_> {
                 );
             }
         }
-        // Row 7.
+    }
+
+    /// `KVB-E007` DCP needs an MLA pool, `KVB-E008` prefill attention CP 1, `KVB-E009` no
+    /// prefill KV-cache sharding (for a prefill with DCP too, in kvbridge mode).
+    fn dcp_requirements(&mut self) {
+        let (p, d) = (self.p, self.d);
         if d.dcp_size > 1 && d.kv_pool == PoolKind::Mha {
             self.push(
                 Problem::new(
@@ -957,7 +942,6 @@ impl Checker<'_> {
                 .with("prefill.kv_pool", "mha"),
             );
         }
-        // Row 8.
         if d.dcp_size > 1 && p.attn_cp_size != 1 {
             self.push(
                 Problem::new(
@@ -985,7 +969,6 @@ impl Checker<'_> {
                 .with("prefill.dcp_size", p.dcp_size),
             );
         }
-        // Row 9.
         if p.kv_cache_sharding && (d.dcp_size > 1 || !self.sglang() && p.dcp_size > 1) {
             self.push(
                 Problem::new(
@@ -1098,7 +1081,8 @@ impl Checker<'_> {
         }
     }
 
-    /// Spec 02 §4.4, run for each prefill rank this decode rank registers with.
+    /// SGLang's DCP topology check (`KVB-E013`, `KVB-E014`), run for each prefill rank this
+    /// decode rank registers with.
     fn dcp_topology(&mut self) {
         let (p, d) = (self.p, self.d);
         let (a, b) = (p.dcp_size, d.dcp_size);
@@ -1158,8 +1142,8 @@ impl Checker<'_> {
         }
     }
 
-    // Entries of both sides are indexed in lockstep.
-    #[allow(clippy::needless_range_loop)]
+    /// Per-entry geometry: the DCP relayout's (`KVB-E015`, `KVB-E016`) or, on the page, head
+    /// slice and row paths, entries paired by position (`KVB-E030`, `KVB-E031`).
     fn entry_geometry(&mut self) {
         let (p, d) = (self.p, self.d);
         if p.kv_pool != d.kv_pool || p.kv_item_lens.is_empty() || d.kv_item_lens.is_empty() {
@@ -1173,99 +1157,23 @@ impl Checker<'_> {
         let dcp = p.dcp_size > 1 || d.dcp_size > 1;
         let relayout = matches!(path, TransferPath::DcpTokenPlan)
             || matches!(path, TransferPath::Rows { .. }) && dcp;
-        let n = p.kv_item_lens.len();
-        let nd = p.num_draft_entries;
         if relayout {
-            // Spec 01 §5.7.
-            let dst = &d.kv_item_lens;
-            let b = u64::from(d.dcp_size);
-            let mut count_ok = dst.len() == n;
-            let mut mismatches: Vec<(usize, u64, u64, u64)> = Vec::new();
-            if p.dcp_size == 1 && p.page_size == d.page_size {
-                // SGLang-defined relayout: kvbridge-geometry's check, entry by entry so that
-                // every differing entry is reported (it stops at the first).
-                let all: Vec<Option<u64>> = dst.iter().map(|&l| Some(l)).collect();
-                if let Err(GeometryError::DcpEntryCount { .. }) =
-                    prepare_dcp_token_item_lens(&p.kv_item_lens, nd, p.page_size, &all, b)
-                {
-                    count_ok = false;
-                }
-                if count_ok {
-                    for i in 0..n {
-                        let draft = usize::from(i >= n - nd);
-                        if let Err(GeometryError::DcpGeometryDiffers {
-                            src_token_bytes,
-                            dst_token_bytes,
-                            page_scale,
-                            ..
-                        }) = prepare_dcp_token_item_lens(
-                            &p.kv_item_lens[i..=i],
-                            draft,
-                            p.page_size,
-                            &[Some(dst[i])],
-                            b,
-                        ) {
-                            mismatches.push((i, src_token_bytes, dst_token_bytes, page_scale));
-                        }
-                    }
-                }
-            } else if count_ok {
-                // kvbridge's owner-rule rows: the same check with a prefill DCP size `a` (prefill
-                // draft entries use page_size·a) and possibly different page sizes.
-                for i in 0..n {
-                    let (src_scale, scale) = if i >= n - nd {
-                        (p.page_size * u64::from(p.dcp_size), d.page_size * b)
-                    } else {
-                        (p.page_size, d.page_size)
-                    };
-                    let (src_tok, dst_tok) = (p.kv_item_lens[i] / src_scale, dst[i] / scale);
-                    if src_tok != dst_tok {
-                        mismatches.push((i, src_tok, dst_tok, scale));
-                    }
-                }
-            }
-            if !count_ok {
-                self.push(
-                    Problem::new(
-                        ProblemCode::DcpEntryCount,
-                        format!(
-                            "PD DCP requires the decode to register one KV entry per prefill entry: src={n} \
-                             (draft={nd}), dst={}",
-                            dst.len()
-                        ),
-                        "register the same layers (and the same speculative-decoding draft layers) on both \
-                         sides; with DCP neither side may be pipelined differently"
-                            .to_owned(),
-                    )
-                    .with("prefill.kv_item_lens.len", n)
-                    .with("decode.kv_item_lens.len", dst.len()),
-                );
-            }
-            for (i, src_tok, dst_tok, scale) in mismatches {
-                self.push(
-                    Problem::new(
-                        ProblemCode::DcpEntryGeometry,
-                        format!(
-                            "PD DCP source/destination KV geometry differs at entry {i}: src token \
-                             bytes={src_tok}, dst token bytes={dst_tok} (dst item_len={}, page scale={scale})",
-                            dst[i]
-                        ),
-                        format!(
-                            "register per-entry lengths from the same model on both sides: target entries \
-                             hold page_size x token bytes, draft entries page_size x dcp_size x token bytes \
-                             (entry {i}: expected decode item_len {})",
-                            src_tok.saturating_mul(scale)
-                        ),
-                    )
-                    .with(format!("prefill.kv_item_lens[{i}]"), p.kv_item_lens[i])
-                    .with(format!("decode.kv_item_lens[{i}]"), dst[i]),
-                );
-            }
+            self.relayout_geometry();
             return;
         }
         if p.pp_size != d.pp_size {
             return; // decode PP 1 against pipelined prefill: entries are sliced per stage.
         }
+        self.paired_geometry(path);
+    }
+
+    /// `KVB-E030`, `KVB-E031`: entries paired by position hold the same bytes per page, per token
+    /// or per head and token, as the path moves them.
+    // Entries of both sides are indexed in lockstep.
+    #[allow(clippy::needless_range_loop)]
+    fn paired_geometry(&mut self, path: TransferPath) {
+        let (p, d) = (self.p, self.d);
+        let (n, nd) = (p.kv_item_lens.len(), p.num_draft_entries);
         let dst = &d.kv_item_lens;
         if dst.len() != n || d.num_draft_entries != nd {
             self.push(
@@ -1322,7 +1230,54 @@ impl Checker<'_> {
         }
     }
 
-    /// Spec 02 §4.3: head slicing assumes one item length for every KV entry.
+    /// `KVB-E015`, `KVB-E016` on a DCP relayout (docs/planning.md, "DCP geometry check"): one
+    /// decode entry per prefill entry with the same bytes per token; every differing entry is
+    /// reported.
+    fn relayout_geometry(&mut self) {
+        let (p, d) = (self.p, self.d);
+        let (n, nd) = (p.kv_item_lens.len(), p.num_draft_entries);
+        let dst = &d.kv_item_lens;
+        let (count_ok, mismatches) = relayout_mismatches(p, d);
+        if !count_ok {
+            self.push(
+                Problem::new(
+                    ProblemCode::DcpEntryCount,
+                    format!(
+                        "PD DCP requires the decode to register one KV entry per prefill entry: src={n} \
+                         (draft={nd}), dst={}",
+                        dst.len()
+                    ),
+                    "register the same layers (and the same speculative-decoding draft layers) on both \
+                     sides; with DCP neither side may be pipelined differently"
+                        .to_owned(),
+                )
+                .with("prefill.kv_item_lens.len", n)
+                .with("decode.kv_item_lens.len", dst.len()),
+            );
+        }
+        for (i, src_tok, dst_tok, scale) in mismatches {
+            self.push(
+                Problem::new(
+                    ProblemCode::DcpEntryGeometry,
+                    format!(
+                        "PD DCP source/destination KV geometry differs at entry {i}: src token \
+                         bytes={src_tok}, dst token bytes={dst_tok} (dst item_len={}, page scale={scale})",
+                        dst[i]
+                    ),
+                    format!(
+                        "register per-entry lengths from the same model on both sides: target entries \
+                         hold page_size x token bytes, draft entries page_size x dcp_size x token bytes \
+                         (entry {i}: expected decode item_len {})",
+                        src_tok.saturating_mul(scale)
+                    ),
+                )
+                .with(format!("prefill.kv_item_lens[{i}]"), p.kv_item_lens[i])
+                .with(format!("decode.kv_item_lens[{i}]"), dst[i]),
+            );
+        }
+    }
+
+    /// `KVB-E018`: head slicing assumes one item length for every KV entry.
     fn head_slice_item_lens(&mut self) {
         let (p, d) = (self.p, self.d);
         if p.kv_pool != PoolKind::Mha || p.attn_tp_size == d.attn_tp_size {
@@ -1403,6 +1358,152 @@ impl Checker<'_> {
             );
         }
     }
+}
+
+/// The DCP relayout's entry count check and every entry whose bytes per token differ, as
+/// `(entry, src token bytes, dst token bytes, page scale)`.
+// Entries of both sides are indexed in lockstep.
+#[allow(clippy::needless_range_loop)]
+fn relayout_mismatches(
+    p: &PeerDescriptor,
+    d: &PeerDescriptor,
+) -> (bool, Vec<(usize, u64, u64, u64)>) {
+    let (n, nd) = (p.kv_item_lens.len(), p.num_draft_entries);
+    let dst = &d.kv_item_lens;
+    let b = u64::from(d.dcp_size);
+    let mut count_ok = dst.len() == n;
+    let mut mismatches: Vec<(usize, u64, u64, u64)> = Vec::new();
+    if p.dcp_size == 1 && p.page_size == d.page_size {
+        // SGLang-defined relayout: kvbridge-geometry's check, entry by entry so that
+        // every differing entry is reported (it stops at the first).
+        let all: Vec<Option<u64>> = dst.iter().map(|&l| Some(l)).collect();
+        if let Err(GeometryError::DcpEntryCount { .. }) =
+            prepare_dcp_token_item_lens(&p.kv_item_lens, nd, p.page_size, &all, b)
+        {
+            count_ok = false;
+        }
+        if count_ok {
+            for i in 0..n {
+                let draft = usize::from(i >= n - nd);
+                if let Err(GeometryError::DcpGeometryDiffers {
+                    src_token_bytes,
+                    dst_token_bytes,
+                    page_scale,
+                    ..
+                }) = prepare_dcp_token_item_lens(
+                    &p.kv_item_lens[i..=i],
+                    draft,
+                    p.page_size,
+                    &[Some(dst[i])],
+                    b,
+                ) {
+                    mismatches.push((i, src_token_bytes, dst_token_bytes, page_scale));
+                }
+            }
+        }
+    } else if count_ok {
+        // kvbridge's owner-rule rows: the same check with a prefill DCP size `a` (prefill
+        // draft entries use page_size·a) and possibly different page sizes.
+        for i in 0..n {
+            let (src_scale, scale) = if i >= n - nd {
+                (p.page_size * u64::from(p.dcp_size), d.page_size * b)
+            } else {
+                (p.page_size, d.page_size)
+            };
+            let (src_tok, dst_tok) = (p.kv_item_lens[i] / src_scale, dst[i] / scale);
+            if src_tok != dst_tok {
+                mismatches.push((i, src_tok, dst_tok, scale));
+            }
+        }
+    }
+    (count_ok, mismatches)
+}
+
+/// What is wrong with one side's `kv_item_lens` in themselves (`KVB-E027`): empty, more draft
+/// entries than entries, zero or not a whole number of pages.
+fn malformed_item_lens(s: &PeerDescriptor) -> Vec<String> {
+    let lens = &s.kv_item_lens;
+    let n = lens.len();
+    let nd = s.num_draft_entries;
+    let draft_scale = s.page_size * u64::from(s.dcp_size);
+    let mut bad = Vec::new();
+    if n == 0 {
+        bad.push("kv_item_lens is empty (no KV entries registered)".to_owned());
+    }
+    if nd > n {
+        bad.push(format!(
+            "num_draft_entries={nd} exceeds the {n} entries of kv_item_lens"
+        ));
+    } else if n > 0 && nd == n {
+        bad.push(format!(
+            "all {n} entries are draft entries (num_draft_entries={nd}); no target KV"
+        ));
+    }
+    for (i, &len) in lens.iter().enumerate() {
+        let draft = i >= n.saturating_sub(nd);
+        let scale = if draft { draft_scale } else { s.page_size };
+        if len == 0 {
+            bad.push(format!("entry {i} has item_len 0"));
+        } else if len % scale != 0 {
+            bad.push(if draft {
+                format!(
+                    "draft entry {i} item_len={len} is not a multiple of page_size·dcp_size={scale} \
+                     (draft KV uses the virtual page)"
+                )
+            } else {
+                format!("entry {i} item_len={len} is not a multiple of page_size={scale}")
+            });
+        }
+    }
+    bad
+}
+
+/// Why MHA target entries do not match the head geometry (empty when they do).
+fn mha_item_len_mismatches(s: &PeerDescriptor, targets: &[u64]) -> Vec<String> {
+    let hd = u64::from(s.head_dim.unwrap_or(1));
+    let hpr = u64::from(s.heads_per_rank().unwrap_or(1));
+    let per_elem = s.page_size * hpr * hd;
+    let mut why = Vec::new();
+    if targets.len() % 2 != 0 {
+        why.push(format!(
+            "an MHA pool registers K and V per layer, so the {} target entries must be even",
+            targets.len()
+        ));
+    }
+    if targets.iter().any(|&l| l != targets[0]) {
+        why.push(format!("target entries differ ({})", python_set(targets)));
+    }
+    let expect_elem = dtype_bytes(&s.kv_cache_dtype);
+    for &l in targets.iter().collect::<BTreeSet<_>>() {
+        if l % per_elem != 0 {
+            why.push(format!(
+                "item_len {l} is not page_size({}) x heads_per_rank({hpr}) x head_dim({hd}) x \
+                 bytes per element",
+                s.page_size
+            ));
+        } else if let Some(e) = expect_elem.filter(|e| l / per_elem != *e) {
+            why.push(format!(
+                "item_len {l} implies {} bytes per element, but kv_cache_dtype={} has {e} \
+                 (expected {} = {} x {hpr} x {hd} x {e})",
+                l / per_elem,
+                s.kv_cache_dtype,
+                per_elem * e,
+                s.page_size
+            ));
+        }
+    }
+    why
+}
+
+/// Names for a message: all of them, or the first few and how many more (a peer decides how
+/// many there are).
+fn listed(names: &[String]) -> String {
+    const SHOWN: usize = 16;
+    let mut out = names[..names.len().min(SHOWN)].join(", ");
+    if names.len() > SHOWN {
+        let _ = write!(out, " and {} more", names.len() - SHOWN);
+    }
+    out
 }
 
 fn pool_str(k: PoolKind) -> &'static str {

@@ -1,7 +1,7 @@
 //! The error type of this crate's API (not the problems `check` finds: those are data).
 
-use crate::descriptor::ProtocolVersion;
 use crate::problem::Problem;
+use crate::version::ProtocolVersion;
 
 /// A failure of the handshake API: a descriptor that cannot be parsed, a protocol version this
 /// build refuses, or a rank mapping asked for where its preconditions do not hold.
@@ -11,8 +11,8 @@ use crate::problem::Problem;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum HandshakeError {
-    /// The descriptor text is not valid JSON, or not a valid `PeerDescriptor` (unknown field,
-    /// missing field, wrong type).
+    /// The descriptor text is not valid JSON, or not a valid `PeerDescriptor` (unknown field in
+    /// a descriptor of this build's minor version or an older one, missing field, wrong type).
     #[error(
         "invalid peer descriptor at line {line}, column {column}: {message}; \
          fix the JSON (field names and defaults: docs/errors.md, \"Descriptor format\")"

@@ -1,14 +1,17 @@
 //! kvbridge-handshake: what prefill and decode ranks advertise, every compatibility check
 //! between them, and the rank mapping. Sans-IO: no sockets, no files, no clocks.
 //!
-//! * [`PeerDescriptor`] — one rank's advertised parameters (JSON, versioned, strict), built
-//!   with [`PeerDescriptor::mla`], [`PeerDescriptor::mha`] or [`PeerDescriptor::builder`].
+//! * [`PeerDescriptor`] — one rank's advertised parameters (JSON, versioned: unknown fields are
+//!   refused, but those of a newer minor version, which are ignored and listed by
+//!   [`PeerDescriptor::unknown_fields`]; a newer major version is refused), built with
+//!   [`PeerDescriptor::mla`], [`PeerDescriptor::mha`] or [`PeerDescriptor::builder`].
 //! * [`check`] / [`check_with`] — every problem at once, each with a stable code
 //!   ([`ProblemCode`], e.g. `KVB-E007`), the message (SGLang's text where it has one), the
 //!   values seen and a remedy; plus the [`RankMapping`] when compatible.
 //! * [`Compat`] — `Kvbridge` (default: what kvbridge's planner supports, a superset of SGLang)
 //!   or `Sglang` (exactly SGLang 0.5.23's envelope).
-//! * [`sglang_rank_mapping`] — SGLang's rank mapping, rule for rule (spec 02 §6).
+//! * [`sglang_rank_mapping`] — SGLang's rank mapping, rule for rule
+//!   (docs/planning.md, "Rank mapping").
 //! * [`fingerprint`] / [`fingerprint_diff`] — a stable hash for a cheap equality fast path, and
 //!   the field-by-field explanation of a mismatch.
 //! * [`MAX_PAGE_SIZE`], [`MAX_GROUP_SIZE`], [`MAX_DEPLOYMENT_RANKS`] and the other maxima —
@@ -35,6 +38,7 @@
 
 #![forbid(unsafe_code)]
 
+mod builder;
 mod catalog;
 mod check;
 mod descriptor;
@@ -43,12 +47,14 @@ mod fingerprint;
 mod limits;
 mod mapping;
 mod problem;
+mod version;
 
+pub use builder::PeerDescriptorBuilder;
+pub use catalog::{catalog, catalog_markdown, explain};
 pub use check::{
-    CheckOptions, Compat, RankReport, Report, check, check_all_ranks, check_with, dtype_bytes,
-    rank_mapping,
+    CheckOptions, Compat, RankReport, Report, check, check_all_ranks, check_with, rank_mapping,
 };
-pub use descriptor::{PeerDescriptor, PeerDescriptorBuilder, ProtocolVersion, Role};
+pub use descriptor::{PeerDescriptor, Role, dtype_bytes};
 pub use error::{HandshakeError, Result};
 pub use fingerprint::{
     FieldDiff, Fingerprint, canonical_encoding, compat_fields, fingerprint, fingerprint_diff,
@@ -63,6 +69,5 @@ pub use mapping::{
     HeadRange, MappingInput, PeerTarget, RankMapping, TargetRanks, TransferPath, bootstrap_order,
     prefill_unique_rank, sglang_is_dummy, sglang_rank_mapping,
 };
-pub use problem::{
-    DetectedBy, Problem, ProblemCode, ProblemInfo, Severity, catalog, catalog_markdown, explain,
-};
+pub use problem::{DetectedBy, Problem, ProblemCode, ProblemInfo, Severity};
+pub use version::ProtocolVersion;

@@ -1,4 +1,4 @@
-//! Rank mapping (spec 02 §6): which prefill ranks a decode rank talks to, and how many
+//! Rank mapping (docs/planning.md, "Rank mapping"): which prefill ranks a decode rank talks to, and how many
 //! registrations and responses each side waits for.
 //!
 //! Two layers:
@@ -45,7 +45,7 @@ use crate::error::{HandshakeError, Result};
 use crate::limits::{MAX_DEPLOYMENT_RANKS, MAX_GROUP_SIZE};
 use crate::problem::ProblemCode;
 
-/// Inputs of SGLang's rank mapping (spec 02 §6), decode side.
+/// Inputs of SGLang's rank mapping (docs/planning.md, "Rank mapping"), decode side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MappingInput {
     /// Decode attention TP size (`tp_d`).
@@ -84,7 +84,7 @@ impl MappingInput {
             || self.decode_kv_cache_sharding
     }
 
-    /// Decode engine rank reduced modulo the decode TP size (`e` in spec 02 §6).
+    /// Decode engine rank reduced modulo the decode TP size (`e` in docs/planning.md, "Rank mapping").
     pub fn engine_rank(&self) -> u32 {
         self.decode_engine_rank % self.decode_tp_size.max(1)
     }
@@ -173,7 +173,7 @@ fn too_large(name: &str, value: u64, max: u64) -> std::result::Result<(), Mappin
     })
 }
 
-/// SGLang 0.5.23's rank mapping (spec 02 §6), exactly — including its silent reduction of the
+/// SGLang 0.5.23's rank mapping (docs/planning.md, "Rank mapping"), exactly — including its silent reduction of the
 /// engine rank modulo `tp_d` and the absence of a TP divisibility check.
 ///
 /// # Errors
@@ -314,16 +314,16 @@ pub fn sglang_is_dummy(pool: PoolKind, target_tp_rank: Option<u32>, tp: u32) -> 
 #[non_exhaustive]
 pub enum TransferPath {
     /// Whole pages: same page size, same per-entry item lengths, no DCP or equal DCP sizes with
-    /// matching ranks (spec 01 §3).
+    /// matching ranks (docs/planning.md, "The page path").
     Pages,
     /// MHA/GQA with different attention TP sizes and the same page size: per-token head slices
-    /// (spec 01 §4).
+    /// (docs/planning.md, "MHA/GQA head slicing").
     HeadSlices,
     /// SGLang's relayout: prefill DCP 1 → decode DCP N, MLA/hybrid-MLA, same page size; the
-    /// DCP token plan (spec 01 §5.3).
+    /// DCP token plan (docs/planning.md, "Prefill DCP 1 → decode DCP d").
     DcpTokenPlan,
     /// kvbridge only: row-level moves by the owner rule — any prefill DCP `a` → decode DCP `b`
-    /// and/or different page sizes (issue 9). `head_slices`: MHA with different TP too.
+    /// and/or different page sizes (docs/planning.md, "The general case"). `head_slices`: MHA with different TP too.
     Rows {
         /// Each row also carries a head slice (MHA, different attention TP sizes).
         head_slices: bool,
@@ -498,7 +498,8 @@ pub(crate) fn head_readers(t: u32, tp_d: u32, tp_p: u32, heads: u32) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-/// SGLang's head slice for one (prefill rank, decode rank) pair (spec 01 §4).
+/// SGLang's head slice for one (prefill rank, decode rank) pair (docs/planning.md, "MHA/GQA
+/// head slicing").
 pub(crate) fn sglang_head_slice(
     tp_p: u32,
     tp_d: u32,

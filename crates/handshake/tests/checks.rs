@@ -1,9 +1,9 @@
-//! Every check of spec 02 that applies to descriptors, one test (or more) per problem code,
-//! in both compatibility modes. Spec texts are asserted verbatim.
+//! Every check that applies to descriptors, one test (or more) per problem code of
+//! docs/errors.md, in both compatibility modes. SGLang's texts are asserted verbatim.
 
 mod common;
 
-use common::{desc, gqa, mla, with};
+use common::{gqa, mla, with};
 use kvbridge_handshake::{
     CheckOptions, Compat, HandshakeError, PoolKind, ProblemCode as C, ProtocolVersion, Report,
     Severity, TransferPath, check, check_with,
@@ -41,7 +41,7 @@ fn matching_mla_pair_is_compatible_with_mapping_and_no_warnings() {
     }
 }
 
-// ---- spec 02 §3, decode-side checks ----
+// ---- SGLang's decode-side checks (KVB-E001..E012) ----
 
 #[test]
 fn e001_page_size_mismatch_sglang_text_and_kvbridge_accepts() {
@@ -237,7 +237,7 @@ fn e012_pp_sizes() {
     assert_eq!(r.mapping.expect("compatible").target_pp_ranks, [0, 1, 2, 3]);
 }
 
-// ---- spec 02 §4.4 DCP topology table (SGLang mode), and kvbridge's answers ----
+// ---- DCP topologies (KVB-E014 in SGLang mode), and kvbridge's answers ----
 
 #[test]
 fn topology_1_to_1_page_path_any_pool() {
@@ -328,7 +328,7 @@ fn topology_4_to_1_and_4_to_2_unsupported_in_sglang() {
     }
 }
 
-// ---- spec 01 §5.7 geometry check ----
+// ---- DCP geometry check (docs/planning.md, "DCP geometry check") ----
 
 #[test]
 fn e015_dcp_entry_count() {
@@ -346,8 +346,8 @@ fn e015_dcp_entry_count() {
 }
 
 #[test]
-fn e016_dcp_geometry_spec_example() {
-    // Spec 01 §5.7: P=64, src [2048,2048,1024], one draft, dst [2048,2048,4096], d=4 -> OK.
+fn e016_dcp_geometry_sglang_example() {
+    // P=64, src [2048,2048,1024], one draft, dst [2048,2048,4096], d=4 -> OK.
     let p = with(
         &mla("prefill", 4, 1, 0),
         json!({"kv_pool": "hybrid_mla", "kv_item_lens": [2048, 2048, 1024], "num_draft_entries": 1}),
@@ -408,7 +408,7 @@ fn e016_generalised_for_prefill_dcp_and_page_sizes() {
     );
 }
 
-// ---- spec 02 §4.2 aux buffers, §4.3 head slicing ----
+// ---- aux buffers (KVB-E017, KVB-W002), head slicing (KVB-E018) ----
 
 #[test]
 fn e017_aux_buffers_differ() {
@@ -451,6 +451,49 @@ fn w002_extra_trailing_aux_buffer_is_a_warning() {
              are transferred, and misaligned if the extra buffer is not the last."
         ));
     }
+}
+
+#[test]
+fn w003_fields_of_a_newer_minor_version_are_a_warning() {
+    let p = with(
+        &mla("prefill", 4, 1, 0),
+        json!({"protocol_version": "1.3", "kv_zones": 4, "zone_names": ["a"]}),
+    );
+    assert_eq!(p.unknown_fields(), ["kv_zones", "zone_names"]);
+    for r in both(&p, &mla("decode", 4, 1, 1)) {
+        assert!(r.is_compatible(), "{:?}", r.problems);
+        assert!(r.mapping.is_some());
+        assert_eq!(r.warnings.len(), 1, "{:?}", r.warnings);
+        let w = &r.warnings[0];
+        assert_eq!(
+            (w.code, w.severity),
+            (C::NewerMinorFields, Severity::Warning)
+        );
+        assert_eq!(w.code.as_str(), "KVB-W003");
+        assert_eq!(
+            w.message,
+            "prefill descriptor uses protocol_version 1.3, newer than this kvbridge's 1.0; its \
+             fields kv_zones, zone_names are unknown here and ignored"
+        );
+    }
+    // However many fields a peer adds, the warning names a few and counts the rest.
+    let many: serde_json::Map<String, serde_json::Value> = (0..1000)
+        .map(|i| (format!("f{i:04}"), json!(i)))
+        .chain([("protocol_version".to_owned(), json!("1.3"))])
+        .collect();
+    let p = with(&mla("prefill", 4, 1, 0), serde_json::Value::Object(many));
+    assert_eq!(p.unknown_fields().len(), 1000);
+    let r = check(&p, &mla("decode", 4, 1, 1));
+    assert!(
+        r.warnings[0]
+            .message
+            .contains("f0014, f0015 and 984 more are unknown"),
+        "{}",
+        r.warnings[0].message
+    );
+    // A newer minor version without new fields is nothing to warn about.
+    let p = with(&mla("prefill", 4, 1, 0), json!({"protocol_version": "1.3"}));
+    assert!(check(&p, &mla("decode", 4, 1, 1)).warnings.is_empty());
 }
 
 #[test]
@@ -561,8 +604,9 @@ fn e023_dcp_not_nested_in_tp() {
 
 #[test]
 fn e025_head_geometry_missing_or_different() {
-    let d = desc(
-        json!({"role": "decode", "kv_pool": "mha", "attn_tp_size": 4, "kv_item_lens": [32768, 32768]}),
+    let d = with(
+        &gqa("decode", 4, 8, 0),
+        json!({"total_kv_heads": null, "head_dim": null, "kv_item_lens": [32768, 32768]}),
     );
     let r = check(&gqa("prefill", 4, 8, 0), &d);
     assert!(r.problems.iter().any(|p| p.code == C::HeadGeometry

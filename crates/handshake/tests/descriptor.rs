@@ -11,6 +11,16 @@ const MINIMAL: &str = r#"{
   "kv_item_lens": [73728, 73728]
 }"#;
 
+/// A descriptor read as a field of another message, as control messages carry it.
+fn inside_a_message(descriptor: &str) -> Result<PeerDescriptor, serde_json::Error> {
+    #[derive(serde::Deserialize)]
+    struct Message {
+        descriptor: PeerDescriptor,
+    }
+    serde_json::from_str::<Message>(&format!("{{\"descriptor\": {descriptor}}}"))
+        .map(|m| m.descriptor)
+}
+
 #[test]
 fn defaults_of_omitted_fields() {
     let d = PeerDescriptor::from_json(MINIMAL).expect("parse");
@@ -28,7 +38,8 @@ fn defaults_of_omitted_fields() {
 
 #[test]
 fn round_trip_keeps_every_field_name() {
-    let d = PeerDescriptor::from_json(MINIMAL).expect("parse");
+    let mut d = PeerDescriptor::from_json(MINIMAL).expect("parse");
+    (d.total_kv_heads, d.head_dim) = (Some(8), Some(128));
     let text = d.to_json_pretty();
     for field in [
         "role",
@@ -46,6 +57,8 @@ fn round_trip_keeps_every_field_name() {
         "dcp_size",
         "dcp_rank",
         "kv_cache_sharding",
+        "total_kv_heads",
+        "head_dim",
         "kv_item_lens",
         "num_draft_entries",
         "aux_item_lens",
@@ -135,15 +148,95 @@ fn newer_major_is_refused_for_its_version_not_its_new_fields() {
 }
 
 #[test]
-fn newer_minor_with_new_field_says_so() {
+fn newer_minor_fields_are_read_around_and_listed() {
     let text = MINIMAL.replace(
         "\"role\"",
-        "\"protocol_version\": \"1.4\", \"kv_zones\": 4, \"role\"",
+        "\"protocol_version\": \"1.4\", \"kv_zones\": 4, \"zone_names\": [\"a\"], \"role\"",
     );
-    let e = PeerDescriptor::from_json(&text).expect_err("unknown field");
-    let t = e.to_string();
-    assert!(t.contains("unknown field `kv_zones`"), "{t}");
-    assert!(t.contains("newer than this build's 1.0"), "{t}");
+    let d = PeerDescriptor::from_json(&text).expect("a newer minor version is readable");
+    assert_eq!(d.unknown_fields(), ["kv_zones", "zone_names"]);
+    assert_eq!(d.protocol_version, ProtocolVersion { major: 1, minor: 4 });
+    // Every known field is read as if the new ones were absent.
+    let without = PeerDescriptor::from_json(
+        &MINIMAL.replace("\"role\"", "\"protocol_version\": \"1.4\", \"role\""),
+    )
+    .expect("parse");
+    assert!(without.unknown_fields().is_empty());
+    assert_eq!(
+        d.to_json_pretty(),
+        without.to_json_pretty(),
+        "unknown fields are not written back"
+    );
+    // The same rules hold where a descriptor arrives inside another message.
+    assert_eq!(inside_a_message(&text).expect("embedded newer minor"), d);
+}
+
+#[test]
+fn a_newer_minor_version_keeps_every_field_this_build_knows() {
+    let mut full = PeerDescriptor::mha(Role::Decode, 32, 2, 8, 128)
+        .kv_cache_dtype("bfloat16")
+        .kv_layout("NHD")
+        .attn_tp(4, 3)
+        .attn_cp(1, 0)
+        .pp(2, 1)
+        .dcp(2)
+        .kv_cache_sharding(true)
+        .num_draft_entries(1)
+        .aux_item_lens(vec![4, 8])
+        .protocol_version(ProtocolVersion { major: 1, minor: 9 })
+        .build()
+        .expect("complete");
+    let mut value: serde_json::Value = serde_json::from_str(&full.to_json_pretty()).expect("json");
+    value["kv_zones"] = serde_json::json!(4);
+    let read = PeerDescriptor::from_json(&value.to_string()).expect("newer minor");
+    assert_eq!(read.unknown_fields(), ["kv_zones"]);
+    assert_eq!(read.to_json_pretty(), full.to_json_pretty());
+    full.kv_layout = None;
+    assert_ne!(read, full);
+}
+
+#[test]
+fn unknown_fields_at_this_or_an_older_minor_are_still_typos() {
+    for version in [
+        "",
+        "\"protocol_version\": \"1.0\", ",
+        "\"protocol_version\": 1, ",
+    ] {
+        let text = MINIMAL.replace("\"role\"", &format!("{version}\"kv_zones\": 4, \"role\""));
+        let e = PeerDescriptor::from_json(&text).expect_err("unknown field");
+        assert!(
+            matches!(&e, HandshakeError::Json { message, .. } if message.contains("unknown field `kv_zones`")),
+            "{e:?}"
+        );
+        let e = inside_a_message(&text).expect_err("embedded typo");
+        assert!(e.to_string().contains("unknown field `kv_zones`"), "{e}");
+    }
+}
+
+#[test]
+fn newer_major_is_refused_with_the_upgrade_to_make() {
+    let text = MINIMAL.replace(
+        "\"role\"",
+        "\"protocol_version\": \"2.0\", \"kv_zones\": 4, \"role\"",
+    );
+    let e = PeerDescriptor::from_json(&text).expect_err("newer major");
+    assert!(
+        matches!(
+            e,
+            HandshakeError::UnsupportedProtocolVersion {
+                seen: ProtocolVersion { major: 2, minor: 0 },
+                supported: ProtocolVersion::CURRENT,
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string()
+            .contains("upgrade kvbridge on this side to a release that speaks protocol 2.x"),
+        "{e}"
+    );
+    let e = inside_a_message(&text).expect_err("embedded newer major");
+    assert!(e.to_string().contains("protocol_version 2.0"), "{e}");
 }
 
 #[test]

@@ -219,6 +219,10 @@ fn messages_check_emits_fit_their_catalog_templates() {
             with(&p, json!({"protocol_version": "0.9"})),
             mla("decode", 4, 1, 0),
         ),
+        (
+            with(&p, json!({"protocol_version": "1.2", "kv_zones": 4})),
+            mla("decode", 4, 1, 0),
+        ),
         (gqa("prefill", 2, 8, 0), gqa("decode", 4, 8, 0)),
         (mla("prefill", 4, 4, 0), mla("decode", 4, 2, 0)),
         (

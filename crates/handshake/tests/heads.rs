@@ -1,4 +1,4 @@
-//! GQA/MHA head mapping: SGLang's head slices per peer (spec 01 §4 verified values), and
+//! GQA/MHA head mapping: SGLang's head slices per peer (SGLang 0.5.23's values; docs/planning.md, "MHA/GQA head slicing"), and
 //! kvbridge's exact plan where every decode rank receives each of its KV heads exactly once,
 //! replicated KV heads included.
 
@@ -31,7 +31,7 @@ fn hr(src: u64, n: u64, dst: u64) -> HeadRange {
 }
 
 #[test]
-fn spec_verified_head_slices_appear_in_the_mapping() {
+fn sglang_head_slices_appear_in_the_mapping() {
     for compat in [Compat::Sglang, Compat::Kvbridge] {
         // (tp_src=2, tp_dst=4, src=1, dst=3, H=8) -> (2, 2, 0)
         let m = mapping(&gqa("prefill", 2, 8, 0), &gqa("decode", 4, 8, 3), compat);

@@ -1,4 +1,5 @@
-//! Rank mapping: every row of spec 02 §6's verified table, SGLang's bootstrap order / dummy /
+//! Rank mapping: every row of a table of SGLang 0.5.23's results (docs/planning.md,
+//! "Rank mapping"), SGLang's bootstrap order / dummy /
 //! unique-rank rules, an independent re-statement checked on random inputs, and the owner-rule
 //! mapping kvbridge uses for any prefill DCP a -> decode DCP b.
 
@@ -61,7 +62,7 @@ fn precondition(i: &MappingInput) -> String {
     }
 }
 
-// ---- spec 02 §6 verified table, row by row ----
+// ---- SGLang 0.5.23's results, row by row ----
 
 #[test]
 fn row_01_equal_tp_any_pool() {
@@ -339,7 +340,7 @@ fn mapping_from_descriptors_lists_peers_with_dummies_and_ids() {
 }
 
 #[test]
-fn spec_dcp_example_prefill_tp4_to_decode_tp4_dcp4() {
+fn sglang_dcp_example_prefill_tp4_to_decode_tp4_dcp4() {
     for r in check_all_ranks(
         &mla("prefill", 4, 1, 0),
         &mla("decode", 4, 4, 0),
@@ -358,7 +359,7 @@ fn spec_dcp_example_prefill_tp4_to_decode_tp4_dcp4() {
 }
 
 #[test]
-fn spec_dcp_example_prefill_tp1_to_decode_tp4_dcp4() {
+fn sglang_dcp_example_prefill_tp1_to_decode_tp4_dcp4() {
     for r in check_all_ranks(
         &mla("prefill", 1, 1, 0),
         &mla("decode", 4, 4, 0),
@@ -371,7 +372,7 @@ fn spec_dcp_example_prefill_tp1_to_decode_tp4_dcp4() {
     }
 }
 
-// ---- kvbridge owner-rule mapping (issue 9) ----
+// ---- kvbridge owner-rule mapping (docs/planning.md, "The general case") ----
 
 fn owner_rule(
     prefill_tp: u32,
@@ -490,7 +491,8 @@ fn kvbridge_mapping_equals_sglang_where_sglang_defines_it() {
     }
 }
 
-/// An independent re-statement of spec 02 §6, written case by case.
+/// An independent re-statement of the rules in docs/planning.md, "Rank mapping", written case
+/// by case.
 fn restated(i: &MappingInput) -> Result<TargetRanks, String> {
     let (td, tp) = (i.decode_tp_size, i.prefill_tp_size);
     let e = i.decode_engine_rank % td;

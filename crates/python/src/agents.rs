@@ -279,7 +279,7 @@ impl BootstrapServer {
         })?;
         let config = BootstrapConfig::default().with_bind_addr(SocketAddr::new(ip, port));
         let server = block_on(py, async move { RustBootstrapServer::bind(config).await })?
-            .map_err(errors::coordinator)?;
+            .map_err(|e| errors::coordinator(e.into()))?;
         Ok(Self { server })
     }
 
@@ -359,7 +359,7 @@ agent_methods! { PrefillAgent,
                 .await;
             if let Err(e) = registered {
                 agent.shutdown();
-                return Err(e);
+                return Err(e.into());
             }
             Ok(agent)
         })?

@@ -5,7 +5,8 @@
 //! of `PeerDescriptor`); the Python layer (`kvbridge/checks.py`) turns them into objects.
 
 use kvbridge_handshake::{
-    CheckOptions, Compat, HandshakeError, PeerDescriptor, catalog, check_with, explain,
+    CheckOptions, Compat, HandshakeError, PeerDescriptor, PeerDescriptorBuilder, Role, catalog,
+    check_with, explain,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -13,6 +14,8 @@ use serde_json::{Value, json};
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(descriptor_json, m)?)?;
+    m.add_function(wrap_pyfunction!(descriptor_mla, m)?)?;
+    m.add_function(wrap_pyfunction!(descriptor_mha, m)?)?;
     m.add_function(wrap_pyfunction!(check_json, m)?)?;
     m.add_function(wrap_pyfunction!(explain_json, m)?)?;
     m.add_function(wrap_pyfunction!(problem_codes, m)?)?;
@@ -35,6 +38,74 @@ fn describe(e: &HandshakeError, which: &str) -> PyErr {
 #[pyfunction]
 fn descriptor_json(text: &str, which: &str) -> PyResult<String> {
     Ok(parse(text, which)?.to_json_pretty())
+}
+
+fn role(text: &str) -> PyResult<Role> {
+    text.parse().map_err(PyValueError::new_err)
+}
+
+/// The parallelism and aux buffers both shapes take, then the descriptor as canonical JSON.
+fn finish(
+    b: PeerDescriptorBuilder,
+    attn_tp: (u32, u32),
+    dcp_size: u32,
+    aux_item_lens: Vec<u64>,
+) -> PyResult<String> {
+    b.attn_tp(attn_tp.0, attn_tp.1)
+        .dcp(dcp_size)
+        .aux_item_lens(aux_item_lens)
+        .build()
+        .map(|d| d.to_json_pretty())
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// `PeerDescriptor::mla` (`layers` entries of `page_size · token_bytes`), as canonical JSON.
+#[pyfunction]
+#[pyo3(signature = (role, page_size, layers, token_bytes, attn_tp_size=1, attn_tp_rank=0, dcp_size=1, aux_item_lens=Vec::new()))]
+#[allow(clippy::too_many_arguments)]
+fn descriptor_mla(
+    role: &str,
+    page_size: u64,
+    layers: usize,
+    token_bytes: u64,
+    attn_tp_size: u32,
+    attn_tp_rank: u32,
+    dcp_size: u32,
+    aux_item_lens: Vec<u64>,
+) -> PyResult<String> {
+    let b = PeerDescriptor::mla(self::role(role)?, page_size, layers, token_bytes);
+    finish(b, (attn_tp_size, attn_tp_rank), dcp_size, aux_item_lens)
+}
+
+/// `PeerDescriptor::mha` (K and V entries per layer, heads sharded over attention TP), as
+/// canonical JSON.
+#[pyfunction]
+#[pyo3(signature = (role, page_size, layers, total_kv_heads, head_dim, kv_cache_dtype="auto", element_bytes=None, attn_tp_size=1, attn_tp_rank=0, aux_item_lens=Vec::new()))]
+#[allow(clippy::too_many_arguments)]
+fn descriptor_mha(
+    role: &str,
+    page_size: u64,
+    layers: usize,
+    total_kv_heads: u32,
+    head_dim: u32,
+    kv_cache_dtype: &str,
+    element_bytes: Option<u64>,
+    attn_tp_size: u32,
+    attn_tp_rank: u32,
+    aux_item_lens: Vec<u64>,
+) -> PyResult<String> {
+    let mut b = PeerDescriptor::mha(
+        self::role(role)?,
+        page_size,
+        layers,
+        total_kv_heads,
+        head_dim,
+    )
+    .kv_cache_dtype(kv_cache_dtype);
+    if let Some(n) = element_bytes {
+        b = b.element_bytes(n);
+    }
+    finish(b, (attn_tp_size, attn_tp_rank), 1, aux_item_lens)
 }
 
 /// Every problem between two descriptors at once, with the decode rank's mapping when there

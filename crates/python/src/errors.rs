@@ -239,8 +239,7 @@ pub(crate) fn coordinator(e: CoordinatorError) -> PyErr {
             | ControlError::UnknownEndpoint { .. }
             | ControlError::SendTimeout { .. },
         )
-        | CoordinatorError::Directory { .. }
-        | CoordinatorError::Bootstrap { .. } => Kind::PeerLost,
+        | CoordinatorError::Bootstrap(_) => Kind::PeerLost,
         CoordinatorError::Control(ControlError::Closed { .. }) => Kind::Closed,
         CoordinatorError::Control(
             ControlError::Protocol { .. } | ControlError::VersionMismatch { .. },

@@ -12,17 +12,8 @@ PAGE, ROW, LAYERS, PAGES = 16, 576, 2, 8
 ITEM = PAGE * ROW
 
 
-def descriptor(role, **extra):
-    d = {
-        "role": role,
-        "page_size": PAGE,
-        "kv_cache_dtype": "auto",
-        "kv_pool": "mla",
-        "attn_tp_size": 1,
-        "kv_item_lens": [ITEM] * LAYERS,
-    }
-    d.update(extra)
-    return d
+def descriptor(role):
+    return kvbridge.PeerDescriptor.mla(role, PAGE, LAYERS, ROW)
 
 
 def test_kvpoll_has_sglangs_names_and_values():

@@ -27,15 +27,7 @@ SEED = 99
 
 
 def descriptor(role):
-    return {
-        "role": role,
-        "page_size": PAGE,
-        "kv_cache_dtype": "auto",
-        "kv_pool": "mla",
-        "attn_tp_size": 1,
-        "kv_item_lens": [ITEM] * LAYERS,
-        "aux_item_lens": [AUX_ROW],
-    }
+    return kvbridge.PeerDescriptor.mla(role, PAGE, LAYERS, ROW, aux_item_lens=[AUX_ROW])
 
 
 def prefill_data():

@@ -73,6 +73,27 @@ def test_descriptor_keywords_fill_defaults_and_refuse_typos():
         kvbridge.check({"role": "teacher"}, d)
 
 
+def test_the_builders_make_the_descriptor_the_keywords_spell_out():
+    spelled = PeerDescriptor(
+        role="decode", page_size=64, kv_cache_dtype="auto", kv_pool="mla",
+        attn_tp_size=4, attn_tp_rank=1, dcp_size=4, dcp_rank=1, kv_item_lens=[18432, 18432],
+    )
+    assert PeerDescriptor.mla("decode", 64, 2, 288, attn_tp_size=4, attn_tp_rank=1, dcp_size=4) == spelled
+    gqa = PeerDescriptor.mha("prefill", 64, 2, 8, 128, kv_cache_dtype="bfloat16", attn_tp_size=4)
+    assert gqa.kv_item_lens == [64 * 2 * 128 * 2] * 4
+    assert (gqa.total_kv_heads, gqa.head_dim) == (8, 128)
+    with pytest.raises(ValueError, match="dcp_size 3 does not divide attn_tp_size 4"):
+        PeerDescriptor.mla("decode", 64, 2, 288, attn_tp_size=4, dcp_size=3)
+
+
+def test_fields_of_a_newer_minor_version_are_a_warning():
+    pre = load("deepseek-mla-dcp4", "prefill")
+    pre.update(protocol_version="1.3", kv_zones=4)
+    report = kvbridge.check(pre, load("deepseek-mla-dcp4", "decode"))
+    assert report.compatible
+    assert [w.code for w in report.warnings] == ["KVB-W003"]
+
+
 def test_a_newer_protocol_major_is_refused():
     pre = load("three-problems", "prefill")
     pre["protocol_version"] = "2.0"

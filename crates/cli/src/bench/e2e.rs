@@ -194,7 +194,7 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
 
     let boot = BootstrapServer::bind(BootstrapConfig::default())
         .await
-        .map_err(e)?;
+        .map_err(|e| e.to_string())?;
     let addr = boot.bootstrap_addr();
     // Prefill pages in allocation order; decode pages reversed, so a row that lands on the
     // wrong page does not verify.
@@ -233,7 +233,7 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
         BootstrapClient::new(&addr)
             .register(&RankRegistration::from(agent.rank_info()))
             .await
-            .map_err(e)?;
+            .map_err(|e| e.to_string())?;
         prefills.push(Prefill {
             agent,
             desc: pd,

@@ -128,7 +128,8 @@ pub(crate) struct DemoArgs {
     /// the prefill lost after missing heartbeats for about a fifth of it (see "Deadlines").
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
-    /// Shared secret for the control channels (and the TCP transport); default: none.
+    /// Shared secret of the run: the TCP transport, the control channels and the bootstrap
+    /// registry all require it; default: a random one per run.
     #[arg(long)]
     secret: Option<String>,
     /// Port of the bootstrap server on 127.0.0.1 (default: any free port).
@@ -277,6 +278,25 @@ pub(crate) const GRACE: Duration = Duration::from_secs(10);
 pub(crate) const AUX_ITEM_LENS: [u64; 1] = [64];
 
 /// The room id of request `i` (room 0 is reserved).
+/// Where a worker process finds the run's secret (set by the parent when it starts it).
+pub(crate) const SECRET_ENV: &str = "KVBRIDGE_DEMO_SECRET";
+
+/// The one secret of a run: `--secret`, else the one the parent handed this worker, else (the
+/// parent) 32 fresh random bytes in hex.
+fn run_secret(a: &DemoArgs) -> String {
+    if let Some(s) = &a.secret {
+        return s.clone();
+    }
+    if a.role.is_some() {
+        if let Ok(s) = std::env::var(SECRET_ENV) {
+            return s;
+        }
+    }
+    let mut b = [0u8; 32];
+    kvbridge_auth::random_bytes(&mut b);
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
 pub(crate) fn room_of(i: u32) -> u64 {
     u64::from(i) + 1
 }
@@ -421,7 +441,7 @@ impl Setup {
             chunk_tokens: a.chunk_tokens,
             prefix_tokens: a.prefix_tokens,
             timeout: Duration::from_secs_f64(a.timeout),
-            secret: a.secret.clone(),
+            secret: Some(run_secret(a)),
             chunk_delay: Duration::from_millis(a.chunk_delay_ms),
             pack,
         })

@@ -115,10 +115,16 @@ fn spawn(
     extra: &[String],
     idx: usize,
     tx: &mpsc::Sender<Msg>,
+    secret: Option<&str>,
 ) -> Result<Proc, String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
     let forwarded: Vec<String> = std::env::args().skip(1).collect();
-    let mut child = Command::new(exe)
+    let mut command = Command::new(exe);
+    // The run's one secret reaches the workers in their environment, not on a command line.
+    if let Some(s) = secret {
+        command.env(super::SECRET_ENV, s);
+    }
+    let mut child = command
         .args(&forwarded)
         .args(extra)
         .stdin(Stdio::piped())
@@ -315,6 +321,7 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
         &["--role".into(), "prefill".into()],
         0,
         &tx,
+        setup.secret.as_deref(),
     ) {
         Ok(p) => procs.push(p),
         Err(e) => failures.push(e),
@@ -424,7 +431,8 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
                         addr.clone(),
                     ];
                     let i = procs.len();
-                    match spawn(format!("decode {r}"), "decode", r, &extra, i, &tx) {
+                    let secret = setup.secret.as_deref();
+                    match spawn(format!("decode {r}"), "decode", r, &extra, i, &tx, secret) {
                         Ok(p) => procs.push(p),
                         Err(e) => failures.push(e),
                     }

@@ -11,7 +11,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use kvbridge_coordinator::bootstrap::{
@@ -24,7 +24,7 @@ use kvbridge_coordinator::testing::{
 };
 use kvbridge_coordinator::{
     AllocatedMemory, Chunk, CoordinatorError, DecodeAgent, DecodeConfig, FailureCause, KvMemory,
-    PackBuffers, PrefillAgent, PrefillConfig, ReceiveRequest,
+    MetricsSnapshot, PackBuffers, PrefillAgent, PrefillConfig, ReceiveRequest, prometheus,
 };
 use kvbridge_handshake::PeerDescriptor;
 use kvbridge_shm::ShmTransport;
@@ -255,6 +255,29 @@ async fn transport(
         }
         Transport::Nixl => Ok((crate::nixl_transport()?, None)),
     }
+}
+
+/// The bootstrap client settings of this run (its secret).
+fn client_config(setup: &Setup) -> ClientConfig {
+    let c = ClientConfig::default();
+    match &setup.secret {
+        Some(s) => c.with_secret(s.as_bytes()),
+        None => c,
+    }
+}
+
+/// Prometheus text for the prefill agents of this process, one `rank` label each.
+fn prefill_metrics(agents: &[PrefillAgent]) -> String {
+    let snapshots: Vec<(String, MetricsSnapshot)> = agents
+        .iter()
+        .enumerate()
+        .map(|(i, a)| (i.to_string(), a.metrics()))
+        .collect();
+    prometheus::render(
+        snapshots
+            .iter()
+            .map(|(rank, m)| ([("role", "prefill"), ("rank", rank.as_str())], m)),
+    )
 }
 
 fn net_config(setup: &Setup) -> NetChannelConfig {
@@ -557,13 +580,22 @@ async fn prefill_main(
     commands: Arc<Commands>,
     created: Dirs,
 ) -> Result<ExitCode, String> {
-    let boot = BootstrapServer::bind(BootstrapConfig::default().with_bind_addr(SocketAddr::new(
+    let mut config = BootstrapConfig::default().with_bind_addr(SocketAddr::new(
         Ipv4Addr::LOCALHOST.into(),
         args.bootstrap_port,
-    )))
-    .await
-    .map_err(|e| e.to_string())?;
-    let client = BootstrapClient::new(boot.bootstrap_addr());
+    ));
+    if let Some(s) = &setup.secret {
+        config = config.with_secret(s.as_bytes());
+    }
+    // `GET /metrics` on the bootstrap port: this process's prefill agents, once started.
+    let scraped: Arc<OnceLock<Vec<PrefillAgent>>> = Arc::default();
+    let agents = scraped.clone();
+    let boot = BootstrapServer::builder(config)
+        .metrics(move || prefill_metrics(agents.get().map_or(&[], Vec::as_slice)))
+        .bind()
+        .await
+        .map_err(|e| e.to_string())?;
+    let client = BootstrapClient::with_config(boot.bootstrap_addr(), client_config(&setup));
     let conc = u64::from(setup.concurrency);
     let mut ranks = Vec::new();
     let mut dirs = Vec::new();
@@ -593,6 +625,7 @@ async fn prefill_main(
             transport: t,
         });
     }
+    let _ = scraped.set(ranks.iter().map(|r| r.agent.clone()).collect());
     emit(&Event::Ready {
         pid: std::process::id(),
         bootstrap: Some(boot.bootstrap_addr()),
@@ -868,7 +901,7 @@ async fn decode_main(
         .map_err(|e| e.to_string())?;
     let hb = heartbeat(&setup);
     let directory = HttpDirectory::new().with_retry(hb, 15).with_client_config(
-        ClientConfig::default().with_timeout(setup.timeout.min(Duration::from_secs(5))),
+        client_config(&setup).with_timeout(setup.timeout.min(Duration::from_secs(5))),
     );
     let agent = DecodeAgent::builder(
         desc.clone(),

@@ -2,16 +2,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 use kvbridge_handshake::PeerDescriptor;
-use serde_json::{Value, json};
-
-/// A descriptor from a JSON object, on top of `page_size 64` and `kv_cache_dtype "auto"`.
-pub fn desc(v: Value) -> PeerDescriptor {
-    let mut base = json!({"page_size": 64, "kv_cache_dtype": "auto"});
-    for (k, val) in v.as_object().expect("object") {
-        base[k] = val.clone();
-    }
-    serde_json::from_value(base).expect("valid descriptor")
-}
+use serde_json::Value;
 
 /// An MLA rank (2 layers of 576·2 B per token, page 64) with TP `tp`, DCP `dcp`, TP rank `rank`.
 pub fn mla(role: &str, tp: u32, dcp: u32, rank: u32) -> PeerDescriptor {

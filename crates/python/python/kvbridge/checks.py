@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from kvbridge import _native
 
@@ -23,9 +23,11 @@ class PeerDescriptor:
     ``PeerDescriptor(role="decode", page_size=64, kv_cache_dtype="auto", kv_pool="mla",
     attn_tp_size=4, attn_tp_rank=1, dcp_size=4, dcp_rank=1, kv_item_lens=[18432] * 61)``
 
-    Validated when built (unknown or missing fields, wrong types and a newer protocol version
-    raise ``ValueError`` naming the field); omitted optional fields take their defaults, which
-    the attributes show. Immutable; equal when the fields are.
+    Validated when built (unknown or missing fields, wrong types and a newer protocol major
+    version raise ``ValueError`` naming the field; the fields of a newer minor version that this
+    build does not know are left out, and ``check`` warns with ``KVB-W003``); omitted optional
+    fields take their defaults, which the attributes show. Immutable; equal when the fields are.
+    ``PeerDescriptor.mla(..)`` and ``PeerDescriptor.mha(..)`` build one from the model shape.
     """
 
     __slots__ = ("_fields",)
@@ -44,6 +46,54 @@ class PeerDescriptor:
         out = cls.__new__(cls)
         out._set(_canonical(text, "peer"))
         return out
+
+    @classmethod
+    def mla(
+        cls,
+        role: str,
+        page_size: int,
+        layers: int,
+        token_bytes: int,
+        *,
+        attn_tp_size: int = 1,
+        attn_tp_rank: int = 0,
+        dcp_size: int = 1,
+        aux_item_lens: Sequence[int] = (),
+    ) -> "PeerDescriptor":
+        """An MLA rank, as the Rust ``PeerDescriptor::mla`` builds it: ``layers`` KV entries of
+        ``page_size * token_bytes`` bytes (``token_bytes``: one token's latent row in one layer,
+        576 * 2 for DeepSeek-V3 in bf16), the DCP rank following from the TP rank."""
+        return cls.from_json(
+            _native.descriptor_mla(
+                role, page_size, layers, token_bytes,
+                attn_tp_size, attn_tp_rank, dcp_size, list(aux_item_lens),
+            )
+        )
+
+    @classmethod
+    def mha(
+        cls,
+        role: str,
+        page_size: int,
+        layers: int,
+        total_kv_heads: int,
+        head_dim: int,
+        *,
+        kv_cache_dtype: str = "auto",
+        element_bytes: Optional[int] = None,
+        attn_tp_size: int = 1,
+        attn_tp_rank: int = 0,
+        aux_item_lens: Sequence[int] = (),
+    ) -> "PeerDescriptor":
+        """An MHA/GQA rank, as the Rust ``PeerDescriptor::mha`` builds it: K and V entries per
+        layer of ``page_size * heads_per_rank * head_dim * element_bytes`` (the element size
+        from ``kv_cache_dtype`` when it names one, else ``element_bytes``)."""
+        return cls.from_json(
+            _native.descriptor_mha(
+                role, page_size, layers, total_kv_heads, head_dim, kv_cache_dtype,
+                element_bytes, attn_tp_size, attn_tp_rank, list(aux_item_lens),
+            )
+        )
 
     @classmethod
     def from_dict(cls, fields: Mapping[str, Any]) -> "PeerDescriptor":

@@ -4,10 +4,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use kvbridge_handshake::PeerDescriptor;
+use kvbridge_transport::sync::lock;
 use serde::{Deserialize, Serialize};
 
-use crate::channel::Endpoint;
-use crate::error::{CoordinatorError, Result};
+use crate::error::{BootstrapError, Result};
+use kvbridge_control::Endpoint;
 
 /// One prefill rank as published to a bootstrap registry: its descriptor and control endpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -22,7 +23,7 @@ pub struct PrefillRankInfo {
 ///
 /// In one process use [`StaticDirectory`]; across processes an HTTP client of the prefill's
 /// bootstrap service implements it. Implementations return every rank of the deployment, or
-/// an error ([`CoordinatorError::Directory`]) while the deployment is not fully registered.
+/// an error ([`BootstrapError::Directory`]) while the deployment is not fully registered.
 #[async_trait::async_trait]
 pub trait PrefillDirectory: Send + Sync + 'static {
     /// Every prefill rank behind `bootstrap_addr`.
@@ -58,8 +59,7 @@ impl StaticDirectory {
 
     /// Runs `f` on the map under its lock (the only place that takes it).
     fn with_map<R>(&self, f: impl FnOnce(&mut HashMap<String, Vec<PrefillRankInfo>>) -> R) -> R {
-        let mut m = self.map.lock().unwrap_or_else(|e| e.into_inner());
-        f(&mut m)
+        f(&mut lock(&self.map))
     }
 }
 
@@ -67,7 +67,7 @@ impl StaticDirectory {
 impl PrefillDirectory for StaticDirectory {
     async fn prefill_ranks(&self, bootstrap_addr: &str) -> Result<Vec<PrefillRankInfo>> {
         self.with_map(|m| m.get(bootstrap_addr).cloned())
-            .ok_or_else(|| CoordinatorError::Directory {
+            .ok_or_else(|| BootstrapError::Directory {
                 addr: bootstrap_addr.to_owned(),
                 reason: "no prefill ranks are registered under this address".to_owned(),
             })

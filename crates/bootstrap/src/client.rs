@@ -6,22 +6,29 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::http::{head_end, parse_response_head};
-use super::{
+use crate::directory::{PrefillDirectory, PrefillRankInfo};
+use kvbridge_auth::{NONCE_LEN, Nonce, Secret};
+
+use crate::auth::{Challenge, authorization, needs_proof, unhex};
+use crate::error::{BootstrapError, Result};
+use crate::http::parse_response_head;
+use crate::registry::{
     DpRankEntry, DpRankQuery, PrefillServerInfo, RankEndpoint, RankList, RankRegistration,
     Readiness,
 };
-use crate::directory::{PrefillDirectory, PrefillRankInfo};
-use crate::error::{CoordinatorError, Result};
 
 /// Settings of a [`BootstrapClient`].
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ClientConfig {
-    /// Deadline of one request: connect, send, and read the whole answer (SGLang: 5 s).
+    /// Deadline of one request: connect, send, and read the whole answer (SGLang: 5 s). With
+    /// a secret, the challenge is fetched within the same deadline.
     pub timeout: Duration,
     /// Longest answer accepted (head and body). Default 4 MiB.
     pub max_response_bytes: usize,
+    /// The server's shared secret: every request but `/health`, `/challenge` and `/metrics`
+    /// then carries a proof of it (docs/bootstrap.md, "Authentication"). Default `None`.
+    pub secret: Option<Secret>,
 }
 
 impl Default for ClientConfig {
@@ -29,6 +36,7 @@ impl Default for ClientConfig {
         Self {
             timeout: Duration::from_secs(5),
             max_response_bytes: 4 << 20,
+            secret: None,
         }
     }
 }
@@ -38,6 +46,13 @@ impl ClientConfig {
     #[must_use]
     pub fn with_timeout(mut self, t: Duration) -> Self {
         self.timeout = t;
+        self
+    }
+
+    /// Sets [`secret`](Self::secret).
+    #[must_use]
+    pub fn with_secret(mut self, secret: impl Into<Secret>) -> Self {
+        self.secret = Some(secret.into());
         self
     }
 }
@@ -84,17 +99,18 @@ impl BootstrapClient {
         &self.addr
     }
 
-    fn error(&self, reason: String) -> CoordinatorError {
-        CoordinatorError::Bootstrap {
+    fn error(&self, reason: String) -> BootstrapError {
+        BootstrapError::Request {
             addr: self.addr.clone(),
             reason,
         }
     }
 
-    /// Sends one request and reads the answer, whatever its status.
+    /// Sends one request and reads the answer, whatever its status. With a secret configured
+    /// and a route that needs it, fetches a challenge first and proves the secret.
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`] when the server cannot be reached, does not answer in
+    /// [`BootstrapError::Request`] when the server cannot be reached, does not answer in
     /// time, or answers something that is not bounded HTTP/1.x.
     pub async fn request(
         &self,
@@ -124,6 +140,68 @@ impl BootstrapClient {
         target: &str,
         body: Option<&[u8]>,
     ) -> std::result::Result<HttpReply, String> {
+        let path = target.split('?').next().unwrap_or(target);
+        let authorization = match &self.config.secret {
+            Some(secret) if needs_proof(path) => {
+                Some(self.prove(secret, method, target, body).await?)
+            }
+            _ => None,
+        };
+        self.send(method, target, body, authorization.as_deref())
+            .await
+    }
+
+    /// Fetches a challenge and returns the `Authorization` value answering it.
+    async fn prove(
+        &self,
+        secret: &Secret,
+        method: &str,
+        target: &str,
+        body: Option<&[u8]>,
+    ) -> std::result::Result<String, String> {
+        let reply = self.send("GET", "/challenge", None, None).await?;
+        match reply.status {
+            200 => {}
+            404 => {
+                return Err(
+                    "this client has a shared secret but the server has none (GET /challenge \
+                     answered 404); configure the same secret on both"
+                        .to_owned(),
+                );
+            }
+            s => {
+                return Err(format!(
+                    "GET /challenge answered HTTP {s}: {}",
+                    reply.text()
+                ));
+            }
+        }
+        let nonce = serde_json::from_slice::<Challenge>(&reply.body)
+            .ok()
+            .and_then(|c| unhex::<NONCE_LEN>(&c.nonce))
+            .ok_or_else(|| {
+                format!(
+                    "GET /challenge answered {:?}, not {{\"nonce\": \"<64 hex digits>\"}}",
+                    reply.text().chars().take(120).collect::<String>()
+                )
+            })?;
+        Ok(authorization(
+            secret,
+            &Nonce::from_bytes(nonce),
+            method,
+            target,
+            body.unwrap_or_default(),
+        ))
+    }
+
+    /// One request on one connection, with an optional `Authorization` header.
+    async fn send(
+        &self,
+        method: &str,
+        target: &str,
+        body: Option<&[u8]>,
+        authorization: Option<&str>,
+    ) -> std::result::Result<HttpReply, String> {
         let mut stream = TcpStream::connect(&self.addr)
             .await
             .map_err(|e| format!("cannot connect: {e}"))?;
@@ -132,6 +210,9 @@ impl BootstrapClient {
             "{method} {target} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n",
             self.addr
         );
+        if let Some(a) = authorization {
+            req.push_str(&format!("Authorization: {a}\r\n"));
+        }
         if let Some(b) = body {
             req.push_str(&format!(
                 "Content-Type: application/json\r\nContent-Length: {}\r\n",
@@ -157,10 +238,9 @@ impl BootstrapClient {
         if got > max {
             return Err(format!("the answer exceeds {max} bytes"));
         }
-        let end = head_end(&buf).ok_or_else(|| {
+        let (head, end) = parse_response_head(&buf, 100)?.ok_or_else(|| {
             "the server closed the connection before a complete answer".to_owned()
         })?;
-        let head = parse_response_head(&buf[..end], 100)?;
         let mut body = buf.split_off(end);
         if let Some(n) = head.content_length {
             if body.len() < n {
@@ -177,10 +257,21 @@ impl BootstrapClient {
         })
     }
 
+    /// The error for a 401 answer.
+    fn unauthorized(&self, method: &str, target: &str, reply: &HttpReply) -> BootstrapError {
+        BootstrapError::Unauthorized {
+            addr: self.addr.clone(),
+            route: format!("{method} {target}"),
+            reason: reply.text(),
+        }
+    }
+
     async fn expect_ok(&self, method: &str, target: &str, body: Option<&[u8]>) -> Result<Vec<u8>> {
         let reply = self.request(method, target, body).await?;
         if reply.status == 200 {
             Ok(reply.body)
+        } else if reply.status == 401 {
+            Err(self.unauthorized(method, target, &reply))
         } else {
             Err(self.error(format!(
                 "{method} {target} answered HTTP {}: {}",
@@ -201,7 +292,7 @@ impl BootstrapClient {
     /// `GET /health`.
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`] unless the server answers 200.
+    /// [`BootstrapError::Request`] unless the server answers 200.
     pub async fn health(&self) -> Result<()> {
         self.expect_ok("GET", "/health", None).await.map(|_| ())
     }
@@ -209,9 +300,12 @@ impl BootstrapClient {
     /// `GET /ready`: whether every declared rank registered (a 503 answer is not an error).
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`] when unreachable or the answer is not readiness JSON.
+    /// [`BootstrapError::Request`] when unreachable or the answer is not readiness JSON.
     pub async fn readiness(&self) -> Result<Readiness> {
         let reply = self.request("GET", "/ready", None).await?;
+        if reply.status == 401 {
+            return Err(self.unauthorized("GET", "/ready", &reply));
+        }
         if reply.status != 200 && reply.status != 503 {
             return Err(self.error(format!(
                 "GET /ready answered HTTP {}: {}",
@@ -225,7 +319,7 @@ impl BootstrapClient {
     /// `PUT /route`: registers one prefill rank.
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`] with the server's 400 message when it refuses the row.
+    /// [`BootstrapError::Request`] with the server's 400 message when it refuses the row.
     pub async fn register(&self, row: &RankRegistration) -> Result<()> {
         let body = serde_json::to_vec(row)
             .map_err(|e| self.error(format!("the registration does not serialise: {e}")))?;
@@ -237,7 +331,7 @@ impl BootstrapClient {
     /// `GET /route` with all ranks `-1`: the deployment's parameters.
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`]; a 503 while not every rank registered.
+    /// [`BootstrapError::Request`]; a 503 while not every rank registered.
     pub async fn server_info(&self) -> Result<PrefillServerInfo> {
         let target =
             "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1";
@@ -248,7 +342,7 @@ impl BootstrapClient {
     /// `GET /route` with concrete ranks: where one rank listens.
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`]; a 404 when no such rank registered.
+    /// [`BootstrapError::Request`]; a 404 when no such rank registered.
     pub async fn rank_endpoint(&self, dp: u32, cp: u32, tp: u32, pp: u32) -> Result<RankEndpoint> {
         let target = format!(
             "/route?prefill_dp_rank={dp}&prefill_cp_rank={cp}&target_tp_rank={tp}&target_pp_rank={pp}"
@@ -260,7 +354,7 @@ impl BootstrapClient {
     /// `GET /ranks`: every rank of DP group 0, once every rank registered.
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`]; a 503 while not every rank registered.
+    /// [`BootstrapError::Request`]; a 503 while not every rank registered.
     pub async fn ranks(&self) -> Result<Vec<PrefillRankInfo>> {
         let body = self.expect_ok("GET", "/ranks", None).await?;
         Ok(self.parse::<RankList>("GET /ranks", &body)?.ranks)
@@ -269,7 +363,7 @@ impl BootstrapClient {
     /// `POST /register_dp_rank`.
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`].
+    /// [`BootstrapError::Request`].
     pub async fn register_dp_rank(&self, bootstrap_room: u64, dp_rank: u32) -> Result<()> {
         let body = serde_json::to_vec(&DpRankEntry {
             bootstrap_room,
@@ -284,7 +378,7 @@ impl BootstrapClient {
     /// `POST /query_dp_ranks`: the DP rank of each known room.
     ///
     /// # Errors
-    /// [`CoordinatorError::Bootstrap`].
+    /// [`BootstrapError::Request`].
     pub async fn query_dp_ranks(&self, rooms: &[u64]) -> Result<BTreeMap<u64, u32>> {
         let body = serde_json::to_vec(&DpRankQuery {
             bootstrap_rooms: rooms.to_vec(),
@@ -345,16 +439,18 @@ impl HttpDirectory {
 #[async_trait::async_trait]
 impl PrefillDirectory for HttpDirectory {
     async fn prefill_ranks(&self, bootstrap_addr: &str) -> Result<Vec<PrefillRankInfo>> {
-        let client = BootstrapClient::with_config(bootstrap_addr, self.config);
+        let client = BootstrapClient::with_config(bootstrap_addr, self.config.clone());
         let mut attempt = 0;
         loop {
             attempt += 1;
             let err = match client.ranks().await {
                 Ok(r) => return Ok(r),
+                // A wrong or missing secret does not fix itself: no retry.
+                Err(e @ BootstrapError::Unauthorized { .. }) => return Err(e),
                 Err(e) => e,
             };
             if attempt >= self.max_attempts {
-                return Err(CoordinatorError::Directory {
+                return Err(BootstrapError::Directory {
                     addr: bootstrap_addr.to_owned(),
                     reason: format!(
                         "Could not fetch prefill parallel info from {bootstrap_addr} after \

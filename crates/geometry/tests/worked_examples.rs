@@ -1,4 +1,5 @@
-//! The verified worked examples of spec 01, one test each.
+//! Worked examples of the planner with SGLang 0.5.23's results, one test each (the rules:
+//! docs/planning.md).
 
 use kvbridge_geometry::{
     ByteRange, DcpPlanInput, EntryPair, GeometryError, HeadSharding, HeadSlice, PoolFormat,

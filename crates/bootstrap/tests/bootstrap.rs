@@ -1,12 +1,12 @@
-//! The bootstrap registry over HTTP: every route, the spec's texts, and hostile clients.
+//! The bootstrap registry over HTTP: every route, SGLang's texts, and hostile clients.
 
 use std::time::Duration;
 
-use kvbridge_coordinator::bootstrap::{
+use kvbridge_bootstrap::{
     BootstrapClient, BootstrapConfig, BootstrapServer, ClientConfig, HttpDirectory, MISSING_INPUTS,
     RankRegistration,
 };
-use kvbridge_coordinator::{CoordinatorError, PrefillDirectory};
+use kvbridge_bootstrap::{BootstrapError, PrefillDirectory};
 use kvbridge_handshake::{PeerDescriptor, Role};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -44,7 +44,7 @@ fn status(answer: &str) -> u16 {
 }
 
 #[tokio::test]
-async fn routes_follow_the_spec_texts() {
+async fn routes_follow_sglangs_texts() {
     let s = server().await;
     let addr = s.bootstrap_addr();
     let c = BootstrapClient::new(&addr);
@@ -389,18 +389,138 @@ async fn http_directory_waits_for_registration_then_resolves() {
         .prefill_ranks(&dead)
         .await
         .unwrap_err();
-    assert!(matches!(err, CoordinatorError::Directory { .. }));
+    assert!(matches!(err, BootstrapError::Directory { .. }));
     let text = err.to_string();
     assert!(text.contains("after 3 attempts"), "{text}");
     assert!(text.contains("cannot connect"), "{text}");
 
     // A single client call names the bootstrap service, not the directory.
     let err = BootstrapClient::new(&dead).health().await.unwrap_err();
-    assert!(matches!(err, CoordinatorError::Bootstrap { .. }), "{err:?}");
+    assert!(matches!(err, BootstrapError::Request { .. }), "{err:?}");
     let text = err.to_string();
     assert!(
         text.contains(&format!("bootstrap service at {dead}")),
         "{text}"
     );
     assert!(text.contains("cannot connect"), "{text}");
+}
+
+#[tokio::test]
+async fn metrics_route_serves_the_source_rendered_on_each_request() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let scrapes = Arc::new(AtomicU64::new(0));
+    let counted = scrapes.clone();
+    let s = BootstrapServer::builder(BootstrapConfig::default())
+        .metrics(move || {
+            let n = counted.fetch_add(1, Ordering::Relaxed) + 1;
+            format!(
+                "# HELP scrapes_total Scrapes.\n# TYPE scrapes_total counter\nscrapes_total {n}\n"
+            )
+        })
+        .bind()
+        .await
+        .unwrap();
+    let client = BootstrapClient::new(s.bootstrap_addr());
+    for n in 1..=2 {
+        let reply = client.request("GET", "/metrics", None).await.unwrap();
+        assert_eq!(reply.status, 200);
+        assert!(
+            reply.text().ends_with(&format!("scrapes_total {n}\n")),
+            "{}",
+            reply.text()
+        );
+    }
+    let answer = raw(&s.bootstrap_addr(), b"GET /metrics HTTP/1.1\r\n\r\n").await;
+    assert!(
+        answer.contains("Content-Type: text/plain; version=0.0.4"),
+        "{answer}"
+    );
+    let reply = client
+        .request("PUT", "/metrics", Some(b"{}"))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 405);
+
+    // Without a source the route says so.
+    let bare = server().await;
+    let reply = BootstrapClient::new(bare.bootstrap_addr())
+        .request("GET", "/metrics", None)
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 404);
+    assert!(
+        reply.text().contains("without a metrics source"),
+        "{}",
+        reply.text()
+    );
+}
+
+#[tokio::test]
+async fn a_secret_guards_registrations_and_queries_over_http() {
+    let secret = b"one secret for the deployment".to_vec();
+    let s = BootstrapServer::bind(BootstrapConfig::default().with_secret(secret.clone()))
+        .await
+        .unwrap();
+    let a = s.bootstrap_addr();
+    let with = |k: &[u8]| {
+        BootstrapClient::with_config(&a, ClientConfig::default().with_secret(k.to_vec()))
+    };
+    let row = RankRegistration::new("127.0.0.1:17000", prefill(1, 0, 64));
+
+    // Without the secret, or with another one: refused, nothing stored.
+    let err = BootstrapClient::new(&a).register(&row).await.unwrap_err();
+    assert!(
+        matches!(err, BootstrapError::Unauthorized { .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("no Authorization header"), "{err}");
+    let err = with(b"wrong").register(&row).await.unwrap_err();
+    assert!(
+        matches!(err, BootstrapError::Unauthorized { .. }),
+        "{err:?}"
+    );
+    let err = BootstrapClient::new(&a).ranks().await.unwrap_err();
+    assert!(
+        matches!(err, BootstrapError::Unauthorized { .. }),
+        "{err:?}"
+    );
+    assert_eq!(s.registry().readiness().registered, 0);
+    // The directory does not retry a refusal (its retry budget here would take 15 minutes).
+    let dir = HttpDirectory::new().with_retry(Duration::from_secs(60), 15);
+    let err = dir.prefill_ranks(&a).await.unwrap_err();
+    assert!(
+        matches!(err, BootstrapError::Unauthorized { .. }),
+        "{err:?}"
+    );
+    // Liveness needs no proof.
+    BootstrapClient::new(&a).health().await.unwrap();
+
+    // With the secret every route works.
+    let ok = with(&secret);
+    ok.register(&row).await.unwrap();
+    assert!(ok.readiness().await.unwrap().ready);
+    assert_eq!(ok.ranks().await.unwrap().len(), 1);
+    ok.register_dp_rank(7, 0).await.unwrap();
+    assert_eq!(ok.query_dp_ranks(&[7]).await.unwrap()[&7], 0);
+    let dir = HttpDirectory::new().with_client_config(ClientConfig::default().with_secret(secret));
+    assert_eq!(dir.prefill_ranks(&a).await.unwrap().len(), 1);
+
+    // A client with a secret refuses a server without one.
+    let open = server().await;
+    let err = BootstrapClient::with_config(
+        open.bootstrap_addr(),
+        ClientConfig::default().with_secret(b"x".to_vec()),
+    )
+    .health()
+    .await;
+    assert!(err.is_ok(), "open routes need no challenge");
+    let err = BootstrapClient::with_config(
+        open.bootstrap_addr(),
+        ClientConfig::default().with_secret(b"x".to_vec()),
+    )
+    .ranks()
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("the server has none"), "{err}");
 }

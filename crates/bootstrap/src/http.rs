@@ -1,5 +1,7 @@
-//! A minimal, bounded HTTP/1.1 codec: just what the bootstrap registry needs. Parsing is
-//! sans-IO (bytes in, values or a 4xx out); the server and client do the socket work.
+//! A minimal, bounded HTTP/1.1 codec: just what the bootstrap registry needs. Heads are parsed
+//! by `httparse` (docs/ARCHITECTURE.md says why not an HTTP framework); this module adds the
+//! bounds and the meaning. Parsing is sans-IO (bytes in, values or a 4xx out); the server and
+//! client do the socket work.
 //!
 //! Supported: one request per connection (`Connection: close`), `Content-Length` bodies,
 //! `Expect: 100-continue`. Refused with a status and a message: heads above the limit (431),
@@ -21,11 +23,19 @@ pub(crate) struct Limits {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RequestHead {
     pub(crate) method: String,
+    /// The request target exactly as sent (path and query, still percent-encoded).
+    pub(crate) target: String,
+    /// The target's path, percent-decoded.
     pub(crate) path: String,
     pub(crate) query: BTreeMap<String, String>,
     pub(crate) content_length: Option<usize>,
     pub(crate) expect_continue: bool,
+    /// The `Authorization` header, when sent.
+    pub(crate) authorization: Option<String>,
 }
+
+/// The `Content-Type` of Prometheus text exposition (format 0.0.4).
+pub(crate) const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// A response: status, content type, body.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,6 +88,7 @@ pub(crate) fn reason(status: u16) -> &'static str {
         404 => "Not Found",
         405 => "Method Not Allowed",
         408 => "Request Timeout",
+        401 => "Unauthorized",
         411 => "Length Required",
         413 => "Payload Too Large",
         431 => "Request Header Fields Too Large",
@@ -89,48 +100,49 @@ pub(crate) fn reason(status: u16) -> &'static str {
     }
 }
 
-/// Where the head ends (index just past `\r\n\r\n`), if it is complete.
-pub(crate) fn head_end(buf: &[u8]) -> Option<usize> {
-    buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4)
-}
-
-fn token_ok(s: &str) -> bool {
-    !s.is_empty()
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
-}
-
-/// Parses a complete request head (up to and including the blank line).
-pub(crate) fn parse_request_head(
-    head: &[u8],
-    limits: &Limits,
-) -> std::result::Result<RequestHead, Response> {
-    let bad = |m: String| Response::text(400, m);
-    let text = std::str::from_utf8(head)
-        .map_err(|_| bad("the request head is not UTF-8 text".to_owned()))?;
-    let mut lines = text.split("\r\n");
-    let line = lines.next().unwrap_or_default();
-    let mut parts = line.split(' ');
-    let (Some(method), Some(target), Some(version), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Err(bad(format!(
-            "malformed request line {:?}; expected `METHOD /path HTTP/1.1`",
-            truncate(line)
-        )));
+/// Maps a parse error of `httparse` to the status and message a client gets.
+fn refusal(e: httparse::Error, limits: &Limits) -> Response {
+    use httparse::Error as E;
+    let what = match e {
+        E::TooManyHeaders => {
+            return Response::text(
+                431,
+                format!("more than {} header lines", limits.max_headers),
+            );
+        }
+        E::Version => {
+            return Response::text(505, "this HTTP version is not supported; use HTTP/1.1");
+        }
+        E::Token => "malformed request line; expected `METHOD /path HTTP/1.1`",
+        E::HeaderName => "malformed header name; expected `Name: value` lines",
+        E::HeaderValue => "malformed header value",
+        E::NewLine => "malformed line ending; lines end with CRLF",
+        E::Status => "malformed status",
     };
-    if !token_ok(method) {
-        return Err(bad(format!("malformed method {:?}", truncate(method))));
-    }
-    if version != "HTTP/1.1" && version != "HTTP/1.0" {
-        return Err(Response::text(
-            505,
-            format!(
-                "HTTP version {:?} is not supported; use HTTP/1.1",
-                truncate(version)
-            ),
-        ));
-    }
+    Response::text(400, what)
+}
+
+/// Parses a request head from the start of `buf` with `httparse`.
+///
+/// `Ok(None)`: the head is not complete yet (read more, up to `limits.max_head`).
+/// `Ok(Some((head, n)))`: the head is the first `n` bytes; the body follows.
+/// `Err`: the response refusing the request (4xx/5xx with a message).
+pub(crate) fn parse_request_head(
+    buf: &[u8],
+    limits: &Limits,
+) -> std::result::Result<Option<(RequestHead, usize)>, Response> {
+    let bad = |m: String| Response::text(400, m);
+    // Bounded by the configured header count, not by anything the peer sends.
+    let mut headers = vec![httparse::EMPTY_HEADER; limits.max_headers];
+    let mut req = httparse::Request::new(&mut headers);
+    let end = match req.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(refusal(e, limits)),
+    };
+    let (Some(method), Some(target)) = (req.method, req.path) else {
+        return Err(bad("the request line is incomplete".to_owned()));
+    };
     if !target.starts_with('/') {
         return Err(bad(format!(
             "request target {:?} must be an absolute path starting with '/'",
@@ -154,39 +166,18 @@ pub(crate) fn parse_request_head(
     }
     let mut content_length: Option<usize> = None;
     let mut expect_continue = false;
-    let mut count = 0usize;
-    for line in lines {
-        if line.is_empty() {
-            continue;
-        }
-        count += 1;
-        if count > limits.max_headers {
-            return Err(Response::text(
-                431,
-                format!("more than {} header lines", limits.max_headers),
-            ));
-        }
-        let Some((name, value)) = line.split_once(':') else {
-            return Err(bad(format!(
-                "malformed header line {:?}; expected `Name: value`",
-                truncate(line)
-            )));
-        };
-        if !token_ok(name) {
-            return Err(bad(format!("malformed header name {:?}", truncate(name))));
-        }
-        let value = value.trim();
-        match name.to_ascii_lowercase().as_str() {
+    let mut authorization = None;
+    for h in req.headers.iter() {
+        let value = std::str::from_utf8(h.value)
+            .map_err(|_| bad(format!("header {:?} is not UTF-8 text", truncate(h.name))))?
+            .trim();
+        match h.name.to_ascii_lowercase().as_str() {
             "content-length" => {
-                let n: usize = value.parse().map_err(|_| {
-                    bad(format!(
-                        "Content-Length {:?} is not a non-negative integer",
-                        truncate(value)
-                    ))
-                })?;
+                let n = parse_content_length(value).map_err(bad)?;
                 if content_length.is_some_and(|c| c != n) {
                     return Err(bad("conflicting Content-Length headers".to_owned()));
                 }
+                // Checked here, before the server allocates anything for the body.
                 if n > limits.max_body {
                     return Err(Response::text(
                         413,
@@ -205,6 +196,7 @@ pub(crate) fn parse_request_head(
                 ));
             }
             "expect" => expect_continue = value.eq_ignore_ascii_case("100-continue"),
+            "authorization" => authorization = Some(value.to_owned()),
             _ => {}
         }
     }
@@ -214,13 +206,29 @@ pub(crate) fn parse_request_head(
             format!("{method} needs a Content-Length header"),
         ));
     }
-    Ok(RequestHead {
+    let head = RequestHead {
         method: method.to_owned(),
+        target: target.to_owned(),
         path,
         query,
         content_length,
         expect_continue,
-    })
+        authorization,
+    };
+    Ok(Some((head, end)))
+}
+
+/// A `Content-Length` value: decimal digits only (no sign, no spaces inside).
+fn parse_content_length(value: &str) -> std::result::Result<usize, String> {
+    if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!(
+            "Content-Length {:?} is not a non-negative integer",
+            truncate(value)
+        ));
+    }
+    value
+        .parse()
+        .map_err(|_| format!("Content-Length {:?} is too large", truncate(value)))
 }
 
 fn truncate(s: &str) -> String {
@@ -262,51 +270,49 @@ pub(crate) struct ResponseHead {
     pub(crate) content_length: Option<usize>,
 }
 
-/// Parses a complete response head.
+/// Parses a response head from the start of `buf` with `httparse`.
+///
+/// `Ok(None)`: not complete. `Ok(Some((head, n)))`: the head is the first `n` bytes.
 pub(crate) fn parse_response_head(
-    head: &[u8],
+    buf: &[u8],
     max_headers: usize,
-) -> std::result::Result<ResponseHead, String> {
-    let text =
-        std::str::from_utf8(head).map_err(|_| "the response head is not UTF-8".to_owned())?;
-    let mut lines = text.split("\r\n");
-    let status_line = lines.next().unwrap_or_default();
-    let mut parts = status_line.splitn(3, ' ');
-    let version = parts.next().unwrap_or_default();
-    if !version.starts_with("HTTP/1.") {
-        return Err(format!(
-            "not an HTTP/1.x response (status line {:?})",
-            truncate(status_line)
-        ));
-    }
-    let status: u16 = parts
-        .next()
-        .and_then(|s| s.parse().ok())
-        .filter(|s| (100..600).contains(s))
-        .ok_or_else(|| format!("bad status line {:?}", truncate(status_line)))?;
-    let mut content_length = None;
-    for (n, line) in lines.filter(|l| !l.is_empty()).enumerate() {
-        if n >= max_headers {
+) -> std::result::Result<Option<(ResponseHead, usize)>, String> {
+    let mut headers = vec![httparse::EMPTY_HEADER; max_headers];
+    let mut resp = httparse::Response::new(&mut headers);
+    let end = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => {
             return Err(format!("more than {max_headers} response headers"));
         }
-        let (name, value) = line
-            .split_once(':')
-            .ok_or_else(|| format!("malformed response header {:?}", truncate(line)))?;
-        if name.eq_ignore_ascii_case("content-length") {
-            content_length = Some(
-                value
-                    .trim()
-                    .parse()
-                    .map_err(|_| format!("bad Content-Length {:?}", truncate(value)))?,
-            );
-        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+        Err(e) => {
+            let line = buf.split(|&b| b == b'\n').next().unwrap_or_default();
+            return Err(format!(
+                "not an HTTP/1.x response ({e}; first line {:?})",
+                truncate(&String::from_utf8_lossy(line))
+            ));
+        }
+    };
+    let status = resp
+        .code
+        .filter(|s| (100..600).contains(s))
+        .ok_or_else(|| format!("bad status {:?}", resp.code))?;
+    let mut content_length = None;
+    for h in resp.headers.iter() {
+        if h.name.eq_ignore_ascii_case("content-length") {
+            let v = std::str::from_utf8(h.value).unwrap_or_default().trim();
+            content_length = Some(parse_content_length(v)?);
+        } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
             return Err("chunked responses are not supported".to_owned());
         }
     }
-    Ok(ResponseHead {
-        status,
-        content_length,
-    })
+    Ok(Some((
+        ResponseHead {
+            status,
+            content_length,
+        },
+        end,
+    )))
 }
 
 #[cfg(test)]
@@ -320,7 +326,9 @@ mod tests {
     };
 
     fn parse(s: &str) -> std::result::Result<RequestHead, Response> {
-        parse_request_head(s.as_bytes(), &L)
+        let (head, n) = parse_request_head(s.as_bytes(), &L)?.expect("a complete head");
+        assert_eq!(n, s.len());
+        Ok(head)
     }
 
     #[test]
@@ -365,14 +373,40 @@ mod tests {
             parse_request_head(&[0xff, 0xfe], &L).unwrap_err().status,
             400
         );
+        assert_eq!(st("GET / HTTP/1.1\r\nContent-Length: +1\r\n\r\n"), 400);
+        let not_utf8 = parse_request_head(b"GET / HTTP/1.1\r\nX: \xff\r\n\r\n", &L);
+        assert_eq!(not_utf8.unwrap_err().status, 400);
+    }
+
+    #[test]
+    fn incomplete_heads_ask_for_more() {
+        for part in [
+            "",
+            "GE",
+            "GET /x HTTP/1.1\r\n",
+            "GET /x HTTP/1.1\r\nHost: x\r\n",
+        ] {
+            assert!(
+                parse_request_head(part.as_bytes(), &L).unwrap().is_none(),
+                "{part:?}"
+            );
+        }
+        // A body after the head is left to the caller.
+        let (h, n) = parse_request_head(b"PUT /r HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", &L)
+            .unwrap()
+            .unwrap();
+        assert_eq!((h.content_length, n), (Some(2), 38));
+        let h = parse("GET / HTTP/1.1\r\nAuthorization: KVB x\r\n\r\n").unwrap();
+        assert_eq!(h.authorization.as_deref(), Some("KVB x"));
     }
 
     #[test]
     fn parses_responses() {
-        let h = parse_response_head(
+        let (h, _) = parse_response_head(
             b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 3\r\n\r\n",
             8,
         )
+        .unwrap()
         .unwrap();
         assert_eq!(h.status, 503);
         assert_eq!(h.content_length, Some(3));
@@ -382,8 +416,10 @@ mod tests {
             parse_response_head(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", 8)
                 .is_err()
         );
-        assert_eq!(head_end(b"a\r\n\r\nb"), Some(5));
-        assert_eq!(head_end(b"a\r\n\r"), None);
+        assert_eq!(parse_response_head(b"HTTP/1.1 200 OK\r\n", 8), Ok(None));
+        let many: String = (0..9).map(|i| format!("H{i}: v\r\n")).collect();
+        let r = format!("HTTP/1.1 200 OK\r\n{many}\r\n");
+        assert!(parse_response_head(r.as_bytes(), 8).is_err());
         let r = Response::text(404, "nope").encode();
         assert!(r.starts_with(b"HTTP/1.1 404 Not Found\r\n"));
         assert!(r.ends_with(b"\r\n\r\nnope"));

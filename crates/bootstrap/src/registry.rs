@@ -1,38 +1,5 @@
-//! The bootstrap registry: how decode ranks find a prefill deployment's ranks (spec 03 §3).
-//!
-//! A prefill deployment runs one [`BootstrapServer`] (embedded in the prefill process, on
-//! 127.0.0.1 by default). Each prefill rank registers its control endpoint and
-//! [`PeerDescriptor`] with `PUT /route`; a decode fetches the deployment's parameters
-//! (`GET /route` with all ranks `-1`), one rank's endpoint (`GET /route` with concrete ranks) or
-//! every rank at once (`GET /ranks`), and polls `GET /health`. [`HttpDirectory`] is the
-//! [`PrefillDirectory`](crate::PrefillDirectory) a [`DecodeAgent`](crate::DecodeAgent) uses
-//! across processes; [`BootstrapClient`] speaks every route. Routes and payloads are
-//! documented in `docs/bootstrap.md`.
-//!
-//! The HTTP/1.1 server and client are small and bounded on purpose (no HTTP framework): one
-//! request per connection, `Content-Length` bodies only, limits on head size, header count,
-//! body size and time, and a 4xx with a message for anything else. Nothing a peer sends can
-//! panic the server or size an allocation beyond the configured limits.
-//!
-//! ```
-//! use kvbridge_coordinator::bootstrap::{BootstrapClient, BootstrapConfig, BootstrapServer, RankRegistration};
-//! use kvbridge_handshake::{PeerDescriptor, Role};
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> kvbridge_coordinator::Result<()> {
-//! let server = BootstrapServer::bind(BootstrapConfig::default()).await?;
-//! let client = BootstrapClient::new(server.bootstrap_addr());
-//! client.health().await?;
-//! let descriptor = PeerDescriptor::mla(Role::Prefill, 64, 1, 1152).build().unwrap();
-//! client.register(&RankRegistration::new("127.0.0.1:17000", descriptor)).await?;
-//! assert!(client.readiness().await?.ready);
-//! let ranks = client.ranks().await?;
-//! assert_eq!(ranks[0].endpoint.as_str(), "127.0.0.1:17000");
-//! # Ok(()) }
-//! ```
-
-mod client;
-mod http;
-mod server;
+//! The registry a bootstrap server serves: the prefill ranks of one deployment and the room →
+//! DP-rank table, with the routes answered over them (docs/bootstrap.md).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -43,25 +10,24 @@ use kvbridge_handshake::{PeerDescriptor, Role};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use crate::channel::Endpoint;
+use kvbridge_transport::sync::lock;
+
 use crate::directory::PrefillRankInfo;
-
-pub use client::{BootstrapClient, ClientConfig, HttpDirectory, HttpReply};
-pub use server::{BootstrapConfig, BootstrapServer};
-
-use http::{RequestHead, Response};
+use crate::http::{RequestHead, Response};
+use kvbridge_control::Endpoint;
 
 /// Most prefill ranks one deployment may declare (`dp · cp · tp · pp`).
 pub const MAX_DEPLOYMENT_RANKS: u64 = 65_536;
 
-/// The spec's text for a `GET /route` without all four parameters.
+/// SGLang's text for a `GET /route` without all four parameters (docs/bootstrap.md, "Bootstrap
+/// routes").
 pub const MISSING_INPUTS: &str = "Missing inputs for bootstrap server.";
 
 fn one() -> u32 {
     1
 }
 
-/// `PUT /route`: one prefill rank registers itself (spec 02 §2.1, kvbridge form).
+/// `PUT /route`: one prefill rank registers itself (docs/bootstrap.md, "Rank registration").
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RankRegistration {
@@ -104,8 +70,9 @@ impl From<PrefillRankInfo> for RankRegistration {
     }
 }
 
-/// `GET /route` with all ranks `-1`: the deployment's parameters (spec 02 §2.2), plus what
-/// SGLang leaves out and a decode needs to fail fast (`kv_pool`, `dcp_size`).
+/// `GET /route` with all ranks `-1`: the deployment's parameters (docs/bootstrap.md,
+/// "`PrefillServerInfo`"): SGLang's fields plus what SGLang leaves out and a decode needs to
+/// fail fast (`kv_pool`, `dcp_size`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PrefillServerInfo {
     /// Attention TP size.
@@ -287,8 +254,7 @@ impl Registry {
 
     /// Runs `f` on the registry under its lock (the only place that takes it).
     fn with_state<R>(&self, f: impl FnOnce(&mut RegistryState) -> R) -> R {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        f(&mut st)
+        f(&mut lock(&self.state))
     }
 
     /// Registers (or re-registers, e.g. after a restart) one prefill rank.
@@ -492,13 +458,13 @@ impl Registry {
     }
 
     /// Drops room entries older than the TTL.
-    fn purge_rooms(&self, now: Instant) {
+    pub(crate) fn purge_rooms(&self, now: Instant) {
         let ttl = self.limits.ttl;
         self.with_state(|st| st.rooms.retain(|_, (_, t)| now.duration_since(*t) < ttl));
     }
 
     /// Answers one HTTP request (sans-IO).
-    fn route(&self, head: &RequestHead, body: &[u8], now: Instant) -> Response {
+    pub(crate) fn route(&self, head: &RequestHead, body: &[u8], now: Instant) -> Response {
         let method = head.method.as_str();
         match head.path.as_str() {
             "/health" => match method {
@@ -587,8 +553,8 @@ impl Registry {
             other => Response::text(
                 404,
                 format!(
-                    "no route {other:?}; routes: /route, /ranks, /ready, /health, \
-                     /register_dp_rank, /query_dp_ranks"
+                    "no route {other:?}; routes: /route, /ranks, /ready, /health, /metrics, \
+                     /challenge, /register_dp_rank, /query_dp_ranks"
                 ),
             ),
         }
