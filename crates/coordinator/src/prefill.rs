@@ -2015,28 +2015,15 @@ async fn drive_room(
     if let Some(reason) = failure {
         inner.fail_room(room, Some(incarnation), reason);
     }
-    // Fence: cancel every batch still in flight; each cancel returns once no byte of it can land.
-    let mut poisoned = false;
-    for (&id, _) in inflight.iter() {
-        match tokio::time::timeout(inner.config.fence_grace, inner.transport.cancel(id)).await {
-            // A final state, or one already handed to `wait`, or a transport that shut down
-            // (every batch failed): no byte of it can land any more.
-            Ok(
-                Ok(_)
-                | Err(TransportError::UnknownBatch { .. })
-                | Err(TransportError::Closed { .. }),
-            ) => {
-                if let Some(l) = hung_leases.remove(&id) {
-                    l.release();
-                }
-            }
-            Ok(Err(e)) => {
-                tracing::error!(room, batch = %id, error = %e, "cancel failed: the batch cannot be proven fenced");
-                poisoned = true;
-            }
-            Err(_) => poisoned = true,
-        }
-    }
+    let ids: Vec<BatchId> = inflight.keys().copied().collect();
+    let mut poisoned = fence(
+        &inner.transport,
+        room,
+        ids,
+        inner.config.fence_grace,
+        &mut hung_leases,
+    )
+    .await;
     // Every batch still waited on ends here and is counted once: done when it finished before
     // the cancel took hold, failed otherwise (cancelled, failed, or hung).
     let metrics = &inner.metrics;
@@ -2080,6 +2067,58 @@ async fn drive_room(
         );
     }
     inner.driver_finished(room, incarnation, poisoned);
+}
+
+/// Cancels every batch in `ids` at once and waits, bounded by one deadline `grace` from now,
+/// until each cancel returned (no byte of the batch can land any more). Releases the pack
+/// buffers of fenced hung batches; returns whether some batch could not be proven fenced.
+async fn fence(
+    transport: &Arc<dyn KvTransport>,
+    room: u64,
+    ids: Vec<BatchId>,
+    grace: Duration,
+    hung_leases: &mut HashMap<BatchId, PackLease>,
+) -> bool {
+    let deadline = Instant::now() + grace;
+    let mut cancels = JoinSet::new();
+    for id in ids {
+        let t = transport.clone();
+        cancels.spawn(async move { (id, t.cancel(id).await) });
+    }
+    let mut poisoned = false;
+    loop {
+        match tokio::time::timeout_at(deadline, cancels.join_next()).await {
+            Ok(None) => return poisoned,
+            // A final state, or one already handed to `wait`, or a transport that shut down
+            // (every batch failed): no byte of it can land any more.
+            Ok(Some(Ok((
+                id,
+                Ok(_) | Err(TransportError::UnknownBatch { .. } | TransportError::Closed { .. }),
+            )))) => {
+                if let Some(l) = hung_leases.remove(&id) {
+                    l.release();
+                }
+            }
+            Ok(Some(Ok((id, Err(e))))) => {
+                tracing::error!(room, batch = %id, error = %e, "cancel failed: the batch cannot be proven fenced");
+                poisoned = true;
+            }
+            Ok(Some(Err(e))) => {
+                tracing::error!(room, error = %e, "a cancel task died: its batch cannot be proven fenced");
+                poisoned = true;
+            }
+            Err(_) => {
+                tracing::error!(
+                    room,
+                    pending = cancels.len(),
+                    ?grace,
+                    "cancels did not return within the fence grace"
+                );
+                cancels.abort_all();
+                return true;
+            }
+        }
+    }
 }
 
 fn batch_failure(room: u64, endpoint: &Endpoint, aux: bool, e: &TransportError) -> FailureReason {
