@@ -17,7 +17,7 @@ use crate::agreement::{LocalOnly, RankAgreement};
 use crate::channel::{ControlChannel, Endpoint, Envelope};
 use crate::config::DecodeConfig;
 use crate::directory::PrefillDirectory;
-use crate::error::{CoordinatorError, Result};
+use crate::error::{CoordinatorError, Result, Side};
 use crate::memory::KvMemory;
 use crate::messages::{
     AbortAck, AbortRequest, CONTROL_PROTOCOL_VERSION, ControlMessage, Heartbeat, Registration,
@@ -32,7 +32,7 @@ use crate::state::{
 };
 use crate::timer::{TimerGuard, spawn_timer_on};
 
-const SIDE: &str = "decode";
+const SIDE: Side = Side::Decode;
 
 /// What the decode scheduler asks for when it starts receiving a room.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -373,7 +373,10 @@ impl DecodeAgent {
             st.rooms
                 .get(&room)
                 .map(|r| r.status.state())
-                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
+                .ok_or(CoordinatorError::UnknownRoom {
+                    room: room.into(),
+                    side: SIDE,
+                })
         })
     }
 
@@ -402,14 +405,17 @@ impl DecodeAgent {
             st.rooms
                 .get(&room)
                 .map(|r| r.status.subscribe())
-                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
+                .ok_or(CoordinatorError::UnknownRoom {
+                    room: room.into(),
+                    side: SIDE,
+                })
         })?;
         let state = wait_terminal(rx).await;
         self.inner.with_state(|st| {
-            let r = st
-                .rooms
-                .get(&room)
-                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })?;
+            let r = st.rooms.get(&room).ok_or(CoordinatorError::UnknownRoom {
+                room: room.into(),
+                side: SIDE,
+            })?;
             match state {
                 Some(RoomState::Success) => Ok(()),
                 _ => Err(r.status.failure_or_unknown(room, SIDE)),
@@ -437,7 +443,10 @@ impl DecodeAgent {
             st.rooms
                 .get(&room)
                 .map(|r| r.status.state() == RoomState::Failed && *r.fenced.borrow())
-                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
+                .ok_or(CoordinatorError::UnknownRoom {
+                    room: room.into(),
+                    side: SIDE,
+                })
         })
     }
 
@@ -649,7 +658,7 @@ impl DecodeInner {
         let span = tracing::info_span!(
             parent: None,
             "kv_room",
-            side = SIDE,
+            side = SIDE.as_str(),
             room,
             peer = %req.bootstrap_addr,
             bytes = field::Empty,
@@ -679,7 +688,7 @@ impl DecodeInner {
         let incarnation = self.with_state(|st| {
             admit_room(
                 SIDE,
-                room,
+                room.into(),
                 st.closed,
                 st.rooms.get(&room).map(|r| r.status.state()),
                 st.rooms.len(),
@@ -1259,14 +1268,20 @@ impl DecodeInner {
             st.rooms
                 .get(&room)
                 .map(|r| (r.status.subscribe(), r.fenced.subscribe()))
-                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
+                .ok_or(CoordinatorError::UnknownRoom {
+                    room: room.into(),
+                    side: SIDE,
+                })
         })?;
         if wait_terminal(state_rx).await != Some(RoomState::Failed) {
             return self.with_state(|st| match st.rooms.get(&room) {
                 Some(r) if r.status.state() == RoomState::Success => {
-                    Err(CoordinatorError::NotFailed { room })
+                    Err(CoordinatorError::NotFailed { room: room.into() })
                 }
-                _ => Err(CoordinatorError::UnknownRoom { room, side: SIDE }),
+                _ => Err(CoordinatorError::UnknownRoom {
+                    room: room.into(),
+                    side: SIDE,
+                }),
             });
         }
         let started = Instant::now();
@@ -1282,7 +1297,10 @@ impl DecodeInner {
             tokio::select! {
                 changed = fenced_rx.changed() => {
                     if changed.is_err() {
-                        return Err(CoordinatorError::UnknownRoom { room, side: SIDE });
+                        return Err(CoordinatorError::UnknownRoom {
+                    room: room.into(),
+                    side: SIDE,
+                });
                     }
                 }
                 _ = tokio::time::sleep(resend) => self.resend_aborts(room),
@@ -1294,7 +1312,7 @@ impl DecodeInner {
                             .unwrap_or_default()
                     });
                     return Err(CoordinatorError::FenceTimeout {
-                        room,
+                        room: room.into(),
                         waited: self.config.fence_timeout,
                         pending,
                     });

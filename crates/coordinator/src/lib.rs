@@ -106,6 +106,7 @@ pub mod net_channel;
 mod outbox;
 mod plan;
 mod prefill;
+mod room;
 mod start;
 mod state;
 pub mod testing;
@@ -119,7 +120,7 @@ pub use channel::{
 pub use config::{DecodeConfig, PackBuffers, PrefillConfig};
 pub use decode::{DecodeAgent, DecodeAgentBuilder, FenceReport, ReceiveRequest};
 pub use directory::{PrefillDirectory, PrefillRankInfo, StaticDirectory};
-pub use error::{CoordinatorError, Result};
+pub use error::{CoordinatorError, Result, Side};
 pub use ids::{Generation, Incarnation, RoomId, SessionId};
 pub use memory::{AllocatedMemory, EntryRegion, KvMemory};
 pub use messages::{
