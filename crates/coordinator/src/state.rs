@@ -222,12 +222,9 @@ impl fmt::Display for FailureReason {
 
 /// A failed room, reported like SGLang — `KVTransferError(bootstrap_room={room}): {reason}` —
 /// followed by the cause and the peer involved: ` [cause: {cause}; peer: {peer}]`. Its
-/// [`source`](std::error::Error::source) is the transport error that failed the room, when a
+/// [`source`](std::error::Error::source) is the [`TransportError`] that failed the room, when a
 /// batch on this rank did.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("KVTransferError(bootstrap_room={room}): {reason} [cause: {cause}{peer}]",
-    cause = reason.cause,
-    peer = reason.peer.as_deref().map(|p| format!("; peer: {p}")).unwrap_or_default())]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvTransferError {
     /// The room.
     pub room: RoomId,
@@ -236,35 +233,41 @@ pub struct KvTransferError {
     /// True when this rank recorded no reason of its own (the failure came from another rank
     /// through cross-rank agreement).
     pub is_from_another_rank: bool,
-    #[source]
-    source: Option<SharedTransportError>,
 }
 
 impl KvTransferError {
     /// The error of `room` failed for `reason` (recorded on this rank).
     pub fn new(room: impl Into<RoomId>, reason: FailureReason) -> Self {
-        let source = reason.source.clone().map(SharedTransportError);
         Self {
             room: room.into(),
             reason,
             is_from_another_rank: false,
-            source,
         }
     }
 }
 
-/// A transport error shared by the clones of one failure (compared by identity).
-#[derive(Debug, Clone, thiserror::Error)]
-#[error(transparent)]
-struct SharedTransportError(Arc<TransportError>);
-
-impl PartialEq for SharedTransportError {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
+impl fmt::Display for KvTransferError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let r = &self.reason;
+        write!(
+            f,
+            "KVTransferError(bootstrap_room={}): {r} [cause: {}",
+            self.room, r.cause
+        )?;
+        if let Some(p) = &r.peer {
+            write!(f, "; peer: {p}")?;
+        }
+        f.write_str("]")
     }
 }
 
-impl Eq for SharedTransportError {}
+impl std::error::Error for KvTransferError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.reason
+            .transport_error()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
 
 /// Default reason when a room failed without one recorded on this rank (docs/lifecycle.md,
 /// "Failure reasons").
@@ -326,11 +329,12 @@ impl Lifecycle {
         Some(match &self.reason {
             Some(r) => KvTransferError::new(room, r.clone()),
             None => KvTransferError {
+                room,
+                reason: FailureReason::new(
+                    FailureCause::OtherRank,
+                    UNKNOWN_REASON_FROM_ANOTHER_RANK,
+                ),
                 is_from_another_rank: true,
-                ..KvTransferError::new(
-                    room,
-                    FailureReason::new(FailureCause::OtherRank, UNKNOWN_REASON_FROM_ANOTHER_RANK),
-                )
             },
         })
     }

@@ -386,6 +386,11 @@ async fn failed_batch_fails_the_room_and_names_the_peer() {
             .to_string()
             .contains("Failed to send kv chunk of 32 to decode-0")
     );
+    // On the prefill, the transport's error is kept as the typed source.
+    let p = r.prefills[0].0.failure(32).unwrap();
+    let source = std::error::Error::source(&p)
+        .and_then(|s| s.downcast_ref::<kvbridge_transport::TransportError>());
+    assert!(source.is_some(), "{p:?}");
     bounded(r.decodes[0].0.release_when_fenced(32))
         .await
         .unwrap();

@@ -310,6 +310,9 @@ fn the_fence_holds_failure_notices_and_abort_acks_until_the_driver_ended() {
         sends(&a).is_empty(),
         "batches may still land: nobody is told yet"
     );
+    // Nor is a decode rank whose metadata comes in meanwhile.
+    let a = r.handle(meta(1, 4, 1, false), t0);
+    assert!(sends(&a).is_empty(), "{a:?}");
     assert_eq!(r.life.reason().unwrap().cause, FailureCause::RemoteFailure);
     // A driver of an older life of the room is ignored.
     assert!(
@@ -333,6 +336,7 @@ fn the_fence_holds_failure_notices_and_abort_acks_until_the_driver_ended() {
         sends(&a),
         [
             ("decode-0".into(), "status", Some(RoomState::Failed)),
+            ("decode-1".into(), "status", Some(RoomState::Failed)),
             ("decode-0".into(), "abort_ack", None)
         ]
     );
