@@ -26,9 +26,10 @@ use crate::messages::{
 };
 use crate::metrics::{Metrics, MetricsSnapshot, inc};
 use crate::outbox::{Outbox, send_failed_to};
+use crate::room::admit_room;
 use crate::start::{check_role, current_runtime};
 use crate::state::{
-    FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, admit_room, wait_terminal,
+    FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, wait_terminal,
 };
 use crate::timer::{TimerGuard, spawn_timer_on};
 
