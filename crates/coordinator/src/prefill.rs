@@ -393,13 +393,8 @@ impl PrefillAgent {
     /// metadata; the prefill sends tokens from here.
     pub fn decode_prefix_len(&self, room: impl Into<RoomId>) -> Option<u64> {
         let room = room.into();
-        self.inner.with_state(|st| {
-            st.visible(room).ok().and_then(|r| {
-                (r.machine.state() != RoomState::Bootstrapping)
-                    .then(|| r.machine.prefix())
-                    .flatten()
-            })
-        })
+        self.inner
+            .with_state(|st| st.visible(room).ok().and_then(|r| r.machine.prefix()))
     }
 
     /// Waits until every decode rank of the room sent its metadata (WaitingForInput) and
@@ -481,7 +476,7 @@ impl PrefillAgent {
             st.rooms
                 .values()
                 .filter(|r| !r.machine.is_cleared())
-                .map(|r| r.status.state())
+                .map(|r| r.machine.state())
                 .collect()
         });
         let by_state = Metrics::count_states(states.into_iter());
@@ -836,19 +831,15 @@ impl PrefillInner {
                 },
             )
         });
-        self.outbox.send(
-            &reg.decode_endpoint,
-            ControlMessage::RegisterReply(RegistrationReply {
-                protocol: CONTROL_PROTOCOL_VERSION,
-                prefill_endpoint: self.endpoint.clone(),
-                prefill_rank: self.unique_rank,
-                session: reg.session,
-                result: RegistrationOutcome::Rejected { problems },
-            }),
-        );
+        self.reply(reg, RegistrationOutcome::Rejected { problems });
     }
 
     fn reply_accepted(&self, reg: &Registration) {
+        let descriptor = self.descriptor.clone();
+        self.reply(reg, RegistrationOutcome::Accepted { descriptor });
+    }
+
+    fn reply(&self, reg: &Registration, result: RegistrationOutcome) {
         self.outbox.send(
             &reg.decode_endpoint,
             ControlMessage::RegisterReply(RegistrationReply {
@@ -856,9 +847,7 @@ impl PrefillInner {
                 prefill_endpoint: self.endpoint.clone(),
                 prefill_rank: self.unique_rank,
                 session: reg.session,
-                result: RegistrationOutcome::Accepted {
-                    descriptor: self.descriptor.clone(),
-                },
+                result,
             }),
         );
     }
@@ -1215,7 +1204,7 @@ impl PrefillInner {
                 SIDE,
                 room,
                 st.closed,
-                st.rooms.get(&room).map(|r| r.status.state()),
+                st.rooms.get(&room).map(|r| r.machine.state()),
                 st.rooms.len(),
                 max_rooms,
                 "clear finished rooms or raise PrefillConfig::max_rooms",
