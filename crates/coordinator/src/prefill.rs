@@ -379,7 +379,7 @@ impl PrefillAgent {
     pub async fn poll_agreed(&self, room: impl Into<RoomId>) -> Result<RoomState> {
         let room = room.into();
         let local = self.poll(room)?;
-        Ok(self.inner.agreement.agree(room.get(), local).await)
+        Ok(self.inner.agreement.agree(room.into(), local).await)
     }
 
     /// The failure of a Failed room (`None` otherwise), with its first recorded reason.
@@ -813,7 +813,7 @@ impl PrefillInner {
         room: Option<u64>,
         err: CoordinatorError,
     ) {
-        tracing::warn!(peer = %to, kind, room, error = %err, "prefill could not deliver a control message");
+        tracing::warn!(peer = %to, kind, ?room, error = %err, "prefill could not deliver a control message");
     }
 
     fn reply_rejected(&self, reg: &Registration, problems: Vec<WireProblem>) {
@@ -1291,7 +1291,7 @@ impl PrefillInner {
             return;
         }
         self.step(room, None, Event::Clear);
-        self.agreement.forget(room.get());
+        self.agreement.forget(room.into());
     }
 
     /// Refuses chunks that break what the agent's memory and pack buffers allow.
