@@ -34,8 +34,8 @@ use crate::outbox::{Outbox, send_failed_to};
 use crate::plan::{Chunk, PeerPlan, is_strided_source, pack_ops};
 use crate::room::admit_room;
 use crate::room::prefill::{
-    Action, BatchAction, BatchEvent, ChunkShape, Event, MetaPeer, PrefillRoom, RoomConfig,
-    SendProgress, status_message,
+    Action, BatchAction, BatchEvent, ChunkShape, EarlyRooms, Event, MetaPeer, PrefillRoom,
+    RoomConfig, SendProgress, status_message,
 };
 use crate::start::{check_role, current_runtime};
 use crate::state::{
@@ -142,14 +142,16 @@ impl PrefillAgentBuilder {
                 metrics.clone(),
                 send_failed_to(weak.clone(), PrefillInner::on_send_failed),
             );
+            let max_rooms = self.config.max_rooms;
+            let room_config = RoomConfig {
+                rank: unique_rank,
+                endpoint: self.channel.local_endpoint(),
+                bootstrap_timeout: self.config.bootstrap_timeout,
+                waiting_timeout: self.config.waiting_timeout,
+            };
             PrefillInner {
                 endpoint: self.channel.local_endpoint(),
-                room_config: RoomConfig {
-                    rank: unique_rank,
-                    endpoint: self.channel.local_endpoint(),
-                    bootstrap_timeout: self.config.bootstrap_timeout,
-                    waiting_timeout: self.config.waiting_timeout,
-                },
+                room_config: room_config.clone(),
                 config: self.config,
                 descriptor: self.descriptor,
                 unique_rank,
@@ -160,7 +162,14 @@ impl PrefillAgentBuilder {
                 outbox,
                 metrics,
                 agreement: self.agreement,
-                state: Mutex::new(PrefillState::default()),
+                state: Mutex::new(PrefillState {
+                    peers: HashMap::new(),
+                    rooms: HashMap::new(),
+                    early: EarlyRooms::new(room_config.clone(), max_rooms),
+                    early_timers: HashMap::new(),
+                    closed: false,
+                    control_task: None,
+                }),
                 incarnations: AtomicU64::new(0),
                 registrations: Arc::new(Semaphore::new(REGISTRATION_CONCURRENCY)),
             }
@@ -231,22 +240,13 @@ struct RoomEntry {
     span: Span,
 }
 
-struct Pending {
-    infos: Vec<RoomPeer>,
-    _expiry: TimerGuard,
-}
-
-struct Tombstone {
-    reason: FailureReason,
-    _expiry: TimerGuard,
-}
-
-#[derive(Default)]
 struct PrefillState {
     peers: HashMap<Endpoint, DecodePeer>,
     rooms: HashMap<RoomId, RoomEntry>,
-    pending: HashMap<RoomId, Pending>,
-    tombstones: HashMap<RoomId, Tombstone>,
+    /// Metadata and failures of rooms not created yet.
+    early: EarlyRooms<Arc<AcceptedPeer>>,
+    /// The timer armed for each room's `early.poll_timeout`.
+    early_timers: HashMap<RoomId, (std::time::Instant, TimerGuard)>,
     closed: bool,
     control_task: Option<AbortHandle>,
 }
@@ -519,28 +519,18 @@ impl PrefillAgent {
 }
 
 impl PrefillState {
-    /// Remembers for a while why a room failed before it was created.
-    fn tombstone(
-        &mut self,
-        max_rooms: usize,
-        room: RoomId,
-        reason: FailureReason,
-        expiry: TimerGuard,
-    ) {
-        if self.tombstones.len() >= max_rooms {
-            tracing::warn!(
-                %room,
-                "too many tombstoned rooms; this one is not remembered"
-            );
-            return;
+    /// The instant a new early timer of `room` must fire at (`None`: the one armed is right,
+    /// or none is needed and the armed one is dropped).
+    fn early_timer_due(&mut self, room: RoomId) -> Option<std::time::Instant> {
+        let want = self.early.poll_timeout(room);
+        match (want, self.early_timers.get(&room)) {
+            (None, _) => {
+                self.early_timers.remove(&room);
+                None
+            }
+            (Some(at), Some((armed, _))) if *armed == at => None,
+            (Some(at), _) => Some(at),
         }
-        self.tombstones.insert(
-            room,
-            Tombstone {
-                reason,
-                _expiry: expiry,
-            },
-        );
     }
 
     fn visible(&self, room: RoomId) -> Result<&RoomEntry> {
@@ -610,14 +600,6 @@ impl PrefillInner {
     fn with_state<R>(&self, f: impl FnOnce(&mut PrefillState) -> R) -> R {
         let mut st = lock(&self.state);
         f(&mut st)
-    }
-
-    fn timer(
-        self: &Arc<Self>,
-        delay: Duration,
-        f: impl FnOnce(&Arc<PrefillInner>) + Send + 'static,
-    ) -> TimerGuard {
-        spawn_timer_at(Arc::downgrade(self), Instant::now() + delay, f)
     }
 
     /// Feeds `event` to the room's machine (only to the life `incarnation`, when given) and
@@ -777,11 +759,12 @@ impl PrefillInner {
 /// What [`PrefillInner::on_transfer_info`] does once the state is unlocked.
 enum MetadataStep {
     /// The room exists: fail it first when the metadata is invalid, then add the metadata.
-    Room,
-    /// Tell the decode rank the room failed.
-    Reply(FailureReason),
-    /// Held until the room is created.
-    Pending,
+    Room(Option<FailureReason>, RoomPeer),
+    /// The room does not exist yet: tell the decode rank when refused; arm the early timer.
+    Early(
+        Option<Box<(FailureReason, RoomPeer)>>,
+        Option<std::time::Instant>,
+    ),
 }
 
 impl PrefillInner {
@@ -1102,55 +1085,21 @@ impl PrefillInner {
             Err(reason) => return self.reply_failed(&info, &reason),
         };
         let invalid = self.check_info(&info, &peer);
-        // Timers are made before the lock is taken; the one not kept is cancelled on drop.
-        let expiry = match &invalid {
-            Some(_) => self.timer(self.config.bootstrap_timeout, move |inner| {
-                inner.forget_tombstone(room)
-            }),
-            None => self.timer(self.config.bootstrap_timeout, move |inner| {
-                inner.expire_pending(room)
-            }),
-        };
         let rp = RoomPeer {
             peer: (!info.is_dummy).then_some(peer),
             info,
         };
-        let max_rooms = self.config.max_rooms;
-        let (step, rp) = self.with_state(|st| {
+        let now = now();
+        let step = self.with_state(|st| {
             if st.rooms.get(&room).is_some_and(|r| !r.machine.is_cleared()) {
-                return (MetadataStep::Room, Some(rp));
+                return MetadataStep::Room(invalid, rp);
             }
-            if let Some(reason) = &invalid {
-                // Fail fast: tell the decode now, and fail the room when it is created.
-                st.tombstone(max_rooms, room, reason.clone(), expiry);
-                return (MetadataStep::Reply(reason.clone()), Some(rp));
-            }
-            if let Some(t) = st.tombstones.get(&room) {
-                return (MetadataStep::Reply(t.reason.clone()), Some(rp));
-            }
-            if st.pending.len() + st.rooms.len() >= max_rooms && !st.pending.contains_key(&room) {
-                let reason = FailureReason::with_peer(
-                    FailureCause::ControlChannel,
-                    &self.endpoint,
-                    format!(
-                        "prefill {} holds {max_rooms} rooms (max_rooms); room {room} is refused",
-                        self.endpoint
-                    ),
-                );
-                return (MetadataStep::Reply(reason), Some(rp));
-            }
-            st.pending
-                .entry(room)
-                .or_insert_with(|| Pending {
-                    infos: Vec::new(),
-                    _expiry: expiry,
-                })
-                .infos
-                .push(rp);
-            (MetadataStep::Pending, None)
+            let rooms = st.rooms.len();
+            let refused = st.early.metadata(room, rp, invalid, rooms, now).err();
+            MetadataStep::Early(refused, st.early_timer_due(room))
         });
-        match (step, rp) {
-            (MetadataStep::Room, Some(rp)) => {
+        match step {
+            MetadataStep::Room(invalid, rp) => {
                 // The room fails first; adding the metadata then tells this peer (and every
                 // other).
                 if let Some(reason) = invalid {
@@ -1158,32 +1107,47 @@ impl PrefillInner {
                 }
                 self.step(room, None, Event::Metadata(rp));
             }
-            (MetadataStep::Reply(reason), Some(rp)) => self.reply_failed(&rp.info, &reason),
-            _ => {}
+            MetadataStep::Early(refused, rearm) => {
+                self.arm_early(room, rearm);
+                if let Some(refused) = refused {
+                    let (reason, rp) = *refused;
+                    self.reply_failed(&rp.info, &reason);
+                }
+            }
         }
     }
 
-    fn forget_tombstone(&self, room: RoomId) {
-        self.with_state(|st| st.tombstones.remove(&room));
+    /// Arms the early timer of `room` for `at` (kept only while still due then).
+    fn arm_early(self: &Arc<Self>, room: RoomId, at: Option<std::time::Instant>) {
+        let Some(at) = at else { return };
+        let guard = spawn_timer_at(Arc::downgrade(self), Instant::from_std(at), move |inner| {
+            inner.on_early_timer(room);
+        });
+        let unused = self.with_state(|st| {
+            if st.early.poll_timeout(room) == Some(at) {
+                st.early_timers.insert(room, (at, guard)).map(|(_, g)| g)
+            } else {
+                Some(guard)
+            }
+        });
+        drop(unused);
     }
 
-    fn expire_pending(&self, room: RoomId) {
-        let Some(p) = self.with_state(|st| st.pending.remove(&room)) else {
-            return;
-        };
-        let reason = FailureReason::with_peer(
-            FailureCause::BootstrapTimeout,
-            &self.endpoint,
-            format!(
-                "prefill {} never created room {room} within the bootstrap timeout of {:.1}s",
-                self.endpoint,
-                self.config.bootstrap_timeout.as_secs_f64()
-            ),
-        );
-        tracing::warn!(%room, reason = %reason, "dropping metadata of a room that was never created");
-        for rp in p.infos.iter().filter(|p| !p.info.is_dummy) {
-            self.reply_failed(&rp.info, &reason);
+    fn on_early_timer(self: &Arc<Self>, room: RoomId) {
+        let now = now();
+        let (actions, rearm) = self.with_state(|st| {
+            let actions = st.early.expire(room, now);
+            (actions, st.early_timer_due(room))
+        });
+        if !actions.is_empty() {
+            tracing::warn!(%room, "dropping metadata of a room that was never created");
         }
+        for action in actions {
+            if let Action::Send { to, message } = action {
+                self.outbox.send(&to, *message);
+            }
+        }
+        self.arm_early(room, rearm);
     }
 
     fn create_room(self: &Arc<Self>, room: RoomId) -> Result<()> {
@@ -1219,12 +1183,8 @@ impl PrefillInner {
                 span,
             };
             st.rooms.insert(room, entry);
-            let tomb = st.tombstones.remove(&room).map(|t| t.reason);
-            let infos = st
-                .pending
-                .remove(&room)
-                .map(|p| p.infos)
-                .unwrap_or_default();
+            let (infos, tomb) = st.early.take(room);
+            st.early_timers.remove(&room);
             Ok::<_, CoordinatorError>((infos, tomb, self.apply_locked(st, room, Vec::new())))
         })?;
         self.finish_step(room, armed);
@@ -1260,21 +1220,14 @@ impl PrefillInner {
             return;
         }
         // Not a room of ours (any more): nothing of it is in flight.
-        let expiry = self.timer(self.config.bootstrap_timeout, move |inner| {
-            inner.forget_tombstone(room)
-        });
-        let max_rooms = self.config.max_rooms;
-        self.with_state(|st| {
-            if st.pending.remove(&room).is_some() {
+        let now = now();
+        let rearm = self.with_state(|st| {
+            if st.early.abort(room, &a.decode_endpoint, now) {
                 tracing::debug!(%room, "abort before the room was created: tombstoned");
-                let reason = FailureReason::with_peer(
-                    FailureCause::DuplicateRoom,
-                    &a.decode_endpoint,
-                    "Duplicate or cancelled bootstrap room",
-                );
-                st.tombstone(max_rooms, room, reason, expiry);
             }
+            st.early_timer_due(room)
         });
+        self.arm_early(room, rearm);
         self.outbox.send(
             &a.decode_endpoint,
             ControlMessage::AbortAck(AbortAck {

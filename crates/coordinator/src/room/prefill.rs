@@ -588,6 +588,138 @@ impl<P: Clone> PrefillRoom<P> {
     }
 }
 
+/// Metadata and failures that arrive before their room is created (docs/lifecycle.md,
+/// "Deadlines"): metadata is held, a failure is remembered (a *tombstone*), each for the
+/// bootstrap timeout; [`PrefillRoom`] takes both when the room is created.
+#[derive(Debug)]
+pub(crate) struct EarlyRooms<P> {
+    cfg: RoomConfig,
+    max_rooms: usize,
+    held: HashMap<RoomId, (Instant, Vec<MetaPeer<P>>)>,
+    tombstones: HashMap<RoomId, (Instant, FailureReason)>,
+}
+
+impl<P> EarlyRooms<P> {
+    pub(crate) fn new(cfg: RoomConfig, max_rooms: usize) -> Self {
+        Self {
+            cfg,
+            max_rooms,
+            held: HashMap::new(),
+            tombstones: HashMap::new(),
+        }
+    }
+
+    /// Metadata for a room not created yet (`invalid`: why it cannot be served), with
+    /// `rooms` rooms held by the agent. Refused: the failure to tell its decode rank (and the
+    /// metadata back).
+    pub(crate) fn metadata(
+        &mut self,
+        room: RoomId,
+        mp: MetaPeer<P>,
+        invalid: Option<FailureReason>,
+        rooms: usize,
+        now: Instant,
+    ) -> Result<(), Box<(FailureReason, MetaPeer<P>)>> {
+        if let Some(reason) = invalid {
+            // Fail fast: the decode is told now, the room fails when it is created.
+            self.tombstone(room, reason.clone(), now);
+            return Err(Box::new((reason, mp)));
+        }
+        if let Some((_, reason)) = self.tombstones.get(&room) {
+            return Err(Box::new((reason.clone(), mp)));
+        }
+        if self.held.len() + rooms >= self.max_rooms && !self.held.contains_key(&room) {
+            let (endpoint, max) = (&self.cfg.endpoint, self.max_rooms);
+            let reason = FailureReason::with_peer(
+                FailureCause::ControlChannel,
+                endpoint,
+                format!("prefill {endpoint} holds {max} rooms (max_rooms); room {room} is refused"),
+            );
+            return Err(Box::new((reason, mp)));
+        }
+        let until = now + self.cfg.bootstrap_timeout;
+        self.held
+            .entry(room)
+            .or_insert_with(|| (until, Vec::new()))
+            .1
+            .push(mp);
+        Ok(())
+    }
+
+    /// A decode rank aborts a room not created yet: its held metadata is dropped and the room
+    /// remembered as cancelled. Returns whether metadata was held.
+    pub(crate) fn abort(&mut self, room: RoomId, from: &Endpoint, now: Instant) -> bool {
+        if self.held.remove(&room).is_none() {
+            return false;
+        }
+        let reason = FailureReason::with_peer(
+            FailureCause::DuplicateRoom,
+            from,
+            "Duplicate or cancelled bootstrap room",
+        );
+        self.tombstone(room, reason, now);
+        true
+    }
+
+    fn tombstone(&mut self, room: RoomId, reason: FailureReason, now: Instant) {
+        // Bounded like the rooms: past the bound a failure is told but not remembered.
+        if self.tombstones.len() < self.max_rooms {
+            let until = now + self.cfg.bootstrap_timeout;
+            self.tombstones.insert(room, (until, reason));
+        }
+    }
+
+    /// What the room being created inherits: the metadata held and the failure remembered.
+    pub(crate) fn take(&mut self, room: RoomId) -> (Vec<MetaPeer<P>>, Option<FailureReason>) {
+        let held = self.held.remove(&room).map(|(_, m)| m).unwrap_or_default();
+        (held, self.tombstones.remove(&room).map(|(_, r)| r))
+    }
+
+    /// When the driver must call [`Self::expire`] for `room`.
+    pub(crate) fn poll_timeout(&self, room: RoomId) -> Option<Instant> {
+        let held = self.held.get(&room).map(|(t, _)| *t);
+        let tomb = self.tombstones.get(&room).map(|(t, _)| *t);
+        held.into_iter().chain(tomb).min()
+    }
+
+    /// Drops what is due for `room` at `now`; held metadata is answered with a bootstrap
+    /// timeout (to each non-dummy decode rank).
+    pub(crate) fn expire(&mut self, room: RoomId, now: Instant) -> Vec<Action> {
+        if self.tombstones.get(&room).is_some_and(|(t, _)| *t <= now) {
+            self.tombstones.remove(&room);
+        }
+        let mut out = Vec::new();
+        if self.held.get(&room).is_none_or(|(t, _)| *t > now) {
+            return out;
+        }
+        let Some((_, infos)) = self.held.remove(&room) else {
+            return out;
+        };
+        let (endpoint, secs) = (&self.cfg.endpoint, self.cfg.bootstrap_timeout.as_secs_f64());
+        let reason = FailureReason::with_peer(
+            FailureCause::BootstrapTimeout,
+            endpoint,
+            format!(
+                "prefill {endpoint} never created room {room} within the bootstrap timeout of \
+                 {secs:.1}s"
+            ),
+        );
+        for mp in infos.iter().filter(|m| !m.info.is_dummy) {
+            out.push(Action::Send {
+                to: mp.info.decode_endpoint.clone(),
+                message: Box::new(status_message(
+                    room,
+                    &mp.info,
+                    self.cfg.rank,
+                    RoomState::Failed,
+                    Some(&reason),
+                )),
+            });
+        }
+        out
+    }
+}
+
 /// The status of `room` for the decode rank of `info` (Success, or Failed with `reason`).
 pub(crate) fn status_message(
     room: RoomId,

@@ -498,6 +498,90 @@ fn send_progress_posts_aux_after_the_kv_and_counts_every_rank() {
     );
 }
 
+fn early_meta(decode: usize) -> MetaPeer<()> {
+    MetaPeer {
+        info: info(decode, 1, 1),
+        peer: Some(()),
+    }
+}
+
+#[test]
+fn early_metadata_is_held_for_the_bootstrap_timeout_then_answered() {
+    let t0 = Instant::now();
+    let mut e = EarlyRooms::new(cfg(), 4);
+    assert!(e.metadata(RoomId(7), early_meta(0), None, 0, t0).is_ok());
+    assert!(
+        e.metadata(RoomId(7), early_meta(1), None, 0, t0 + SECOND)
+            .is_ok()
+    );
+    assert_eq!(
+        e.poll_timeout(RoomId(7)),
+        Some(t0 + 30 * SECOND),
+        "from the first"
+    );
+    assert!(
+        e.expire(RoomId(7), t0 + 29 * SECOND).is_empty(),
+        "not due yet"
+    );
+    let a = e.expire(RoomId(7), t0 + 30 * SECOND);
+    assert_eq!(
+        sends(&a),
+        [
+            ("decode-0".into(), "status", Some(RoomState::Failed)),
+            ("decode-1".into(), "status", Some(RoomState::Failed))
+        ]
+    );
+    assert_eq!(e.poll_timeout(RoomId(7)), None);
+    assert!(e.take(RoomId(7)).0.is_empty(), "dropped");
+}
+
+#[test]
+fn a_room_created_in_time_inherits_its_early_metadata_and_failure() {
+    let t0 = Instant::now();
+    let mut e = EarlyRooms::new(cfg(), 4);
+    e.metadata(RoomId(7), early_meta(0), None, 0, t0).unwrap();
+    let (held, tomb) = e.take(RoomId(7));
+    assert_eq!(held.len(), 1);
+    assert!(tomb.is_none());
+    // Invalid metadata: told now, and remembered for the room's creation.
+    let bad = FailureReason::new(FailureCause::Planning, "misaligned prefix");
+    let refused = e.metadata(RoomId(8), early_meta(0), Some(bad.clone()), 0, t0);
+    assert_eq!(refused.unwrap_err().0, bad);
+    // Further metadata of that room is refused with the same reason.
+    let refused = e.metadata(RoomId(8), early_meta(1), None, 0, t0);
+    assert_eq!(refused.unwrap_err().0, bad);
+    assert_eq!(e.take(RoomId(8)).1, Some(bad));
+}
+
+#[test]
+fn an_abort_before_creation_cancels_the_room_and_the_table_is_bounded() {
+    let t0 = Instant::now();
+    let mut e = EarlyRooms::new(cfg(), 2);
+    let from = Endpoint::new("decode-0");
+    assert!(!e.abort(RoomId(7), &from, t0), "nothing held");
+    e.metadata(RoomId(7), early_meta(0), None, 0, t0).unwrap();
+    assert!(e.abort(RoomId(7), &from, t0));
+    let (held, tomb) = e.take(RoomId(7));
+    assert!(held.is_empty());
+    assert_eq!(tomb.map(|r| r.cause), Some(FailureCause::DuplicateRoom));
+    // One room held by the agent plus one held here: the next room is refused.
+    e.metadata(RoomId(1), early_meta(0), None, 1, t0).unwrap();
+    let refused = e
+        .metadata(RoomId(2), early_meta(0), None, 1, t0)
+        .unwrap_err();
+    assert_eq!(refused.0.cause, FailureCause::ControlChannel);
+    assert!(
+        refused.0.message.contains("max_rooms"),
+        "{}",
+        refused.0.message
+    );
+    // A tombstone is forgotten after the bootstrap timeout.
+    e.metadata(RoomId(3), early_meta(0), Some(refused.0.clone()), 0, t0)
+        .unwrap_err();
+    e.expire(RoomId(3), t0 + 30 * SECOND);
+    assert!(e.take(RoomId(3)).1.is_none());
+}
+
 /// One step of a random history of a room.
 #[derive(Debug, Clone)]
 enum Step {
