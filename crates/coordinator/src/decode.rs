@@ -16,7 +16,7 @@ use crate::agreement::{LocalOnly, RankAgreement};
 use crate::channel::{ControlChannel, Endpoint, Envelope};
 use crate::config::DecodeConfig;
 use crate::directory::PrefillDirectory;
-use crate::error::{CoordinatorError, Result};
+use crate::error::{CoordinatorError, Result, Side};
 use crate::memory::KvMemory;
 use crate::messages::{
     AbortAck, AbortRequest, CONTROL_PROTOCOL_VERSION, ControlMessage, Heartbeat, Registration,
@@ -25,13 +25,14 @@ use crate::messages::{
 };
 use crate::metrics::{Metrics, MetricsSnapshot, inc};
 use crate::outbox::{Outbox, send_failed_to};
+use crate::room::admit_room;
 use crate::start::{check_role, current_runtime};
 use crate::state::{
-    FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, admit_room, wait_terminal,
+    FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, wait_terminal,
 };
 use crate::timer::{TimerGuard, spawn_timer_on};
 
-const SIDE: &str = "decode";
+const SIDE: Side = Side::Decode;
 
 /// What the decode scheduler asks for when it starts receiving a room.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -367,7 +368,10 @@ impl DecodeAgent {
             st.rooms
                 .get(&room)
                 .map(|r| r.status.state())
-                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
+                .ok_or(CoordinatorError::UnknownRoom {
+                    room: room.into(),
+                    side: SIDE,
+                })
         })
     }
 
@@ -396,14 +400,17 @@ impl DecodeAgent {
             st.rooms
                 .get(&room)
                 .map(|r| r.status.subscribe())
-                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
+                .ok_or(CoordinatorError::UnknownRoom {
+                    room: room.into(),
+                    side: SIDE,
+                })
         })?;
         let state = wait_terminal(rx).await;
         self.inner.with_state(|st| {
-            let r = st
-                .rooms
-                .get(&room)
-                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })?;
+            let r = st.rooms.get(&room).ok_or(CoordinatorError::UnknownRoom {
+                room: room.into(),
+                side: SIDE,
+            })?;
             match state {
                 Some(RoomState::Success) => Ok(()),
                 _ => Err(r.status.failure_or_unknown(room, SIDE)),
@@ -431,7 +438,10 @@ impl DecodeAgent {
             st.rooms
                 .get(&room)
                 .map(|r| r.status.state() == RoomState::Failed && *r.fenced.borrow())
-                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
+                .ok_or(CoordinatorError::UnknownRoom {
+                    room: room.into(),
+                    side: SIDE,
+                })
         })
     }
 
@@ -643,7 +653,7 @@ impl DecodeInner {
         let span = tracing::info_span!(
             parent: None,
             "kv_room",
-            side = SIDE,
+            side = SIDE.as_str(),
             room,
             peer = %req.bootstrap_addr,
             bytes = field::Empty,
@@ -673,7 +683,7 @@ impl DecodeInner {
         let incarnation = self.with_state(|st| {
             admit_room(
                 SIDE,
-                room,
+                room.into(),
                 st.closed,
                 st.rooms.get(&room).map(|r| r.status.state()),
                 st.rooms.len(),
@@ -1253,14 +1263,20 @@ impl DecodeInner {
             st.rooms
                 .get(&room)
                 .map(|r| (r.status.subscribe(), r.fenced.subscribe()))
-                .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
+                .ok_or(CoordinatorError::UnknownRoom {
+                    room: room.into(),
+                    side: SIDE,
+                })
         })?;
         if wait_terminal(state_rx).await != Some(RoomState::Failed) {
             return self.with_state(|st| match st.rooms.get(&room) {
                 Some(r) if r.status.state() == RoomState::Success => {
-                    Err(CoordinatorError::NotFailed { room })
+                    Err(CoordinatorError::NotFailed { room: room.into() })
                 }
-                _ => Err(CoordinatorError::UnknownRoom { room, side: SIDE }),
+                _ => Err(CoordinatorError::UnknownRoom {
+                    room: room.into(),
+                    side: SIDE,
+                }),
             });
         }
         let started = Instant::now();
@@ -1276,7 +1292,10 @@ impl DecodeInner {
             tokio::select! {
                 changed = fenced_rx.changed() => {
                     if changed.is_err() {
-                        return Err(CoordinatorError::UnknownRoom { room, side: SIDE });
+                        return Err(CoordinatorError::UnknownRoom {
+                    room: room.into(),
+                    side: SIDE,
+                });
                     }
                 }
                 _ = tokio::time::sleep(resend) => self.resend_aborts(room),
@@ -1288,7 +1307,7 @@ impl DecodeInner {
                             .unwrap_or_default()
                     });
                     return Err(CoordinatorError::FenceTimeout {
-                        room,
+                        room: room.into(),
                         waited: self.config.fence_timeout,
                         pending,
                     });

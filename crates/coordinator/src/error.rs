@@ -2,9 +2,38 @@
 
 use std::time::Duration;
 
+use std::fmt;
+
 use kvbridge_control::ControlError;
 
+use crate::ids::RoomId;
 use crate::state::{KvTransferError, RoomState};
+
+/// Which agent reports an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Side {
+    /// A [`PrefillAgent`](crate::PrefillAgent).
+    Prefill,
+    /// A [`DecodeAgent`](crate::DecodeAgent).
+    Decode,
+}
+
+impl Side {
+    /// `"prefill"` or `"decode"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Side::Prefill => "prefill",
+            Side::Decode => "decode",
+        }
+    }
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// Everything a coordinator operation (agents, control channels, directories) can fail with.
 ///
@@ -25,9 +54,9 @@ pub enum CoordinatorError {
     )]
     UnknownRoom {
         /// The room asked for.
-        room: u64,
-        /// `"prefill"` or `"decode"`.
-        side: &'static str,
+        room: RoomId,
+        /// The agent.
+        side: Side,
     },
 
     /// The room already exists on this agent and was not cleared.
@@ -37,9 +66,9 @@ pub enum CoordinatorError {
     )]
     DuplicateRoom {
         /// The room asked for.
-        room: u64,
-        /// `"prefill"` or `"decode"`.
-        side: &'static str,
+        room: RoomId,
+        /// The agent.
+        side: Side,
         /// Its current state.
         state: RoomState,
     },
@@ -51,7 +80,7 @@ pub enum CoordinatorError {
     )]
     RoomNotReady {
         /// The room.
-        room: u64,
+        room: RoomId,
         /// Its current state.
         state: RoomState,
         /// What was attempted.
@@ -85,7 +114,7 @@ pub enum CoordinatorError {
     )]
     FenceTimeout {
         /// The room.
-        room: u64,
+        room: RoomId,
         /// How long we waited.
         waited: Duration,
         /// The peers that did not acknowledge, comma separated.
@@ -99,14 +128,14 @@ pub enum CoordinatorError {
     )]
     NotFailed {
         /// The room.
-        room: u64,
+        room: RoomId,
     },
 
     /// The agent was shut down.
     #[error("the {side} agent is shut down; create a new agent")]
     Shutdown {
-        /// `"prefill"` or `"decode"`.
-        side: &'static str,
+        /// The agent.
+        side: Side,
     },
 
     /// The control channel failed (send, timeout, closed, version, ...).

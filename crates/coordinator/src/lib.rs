@@ -105,6 +105,7 @@ pub mod net_channel;
 mod outbox;
 mod plan;
 mod prefill;
+mod room;
 mod start;
 mod state;
 pub mod testing;
@@ -119,7 +120,7 @@ pub use agreement::{LocalOnly, RankAgreement, SharedMin};
 pub use config::{DecodeConfig, PackBuffers, PrefillConfig};
 pub use decode::{DecodeAgent, DecodeAgentBuilder, FenceReport, ReceiveRequest};
 pub use directory::{PrefillDirectory, PrefillRankInfo, StaticDirectory};
-pub use error::{CoordinatorError, Result};
+pub use error::{CoordinatorError, Result, Side};
 pub use kvbridge_control::{
     AbortAck, AbortRequest, CONTROL_PROTOCOL_VERSION, ControlMessage, Heartbeat, Registration,
     RegistrationOutcome, RegistrationReply, StatusUpdate, TransferInfo, TransportInfo, WireProblem,
