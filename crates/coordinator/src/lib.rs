@@ -106,6 +106,7 @@ pub mod net_channel;
 mod outbox;
 mod plan;
 mod prefill;
+mod room;
 mod start;
 mod state;
 pub mod testing;
