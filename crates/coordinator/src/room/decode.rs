@@ -830,7 +830,7 @@ impl DecodeMachine {
             "Failed to get kvcache from prefill instance, it might be dead".to_owned()
         });
         // The prefill's own abort is `aborted` there and a remote failure here, as a decode
-        // abort is on the prefill (docs/errors.md, "Abort causes").
+        // abort is on the prefill (docs/errors.md, "Transfer failure causes").
         let (cause, message) = match s.cause {
             Some(FailureCause::Aborted) => (
                 FailureCause::RemoteFailure,
