@@ -99,6 +99,7 @@ fn every_crate_has_a_codemap_section() {
 
 /// Every library crate: what the facade re-exports and the Python package builds on.
 const LIBRARY_CRATES: &[&str] = &[
+    "kvbridge-auth",
     "kvbridge-geometry",
     "kvbridge-handshake",
     "kvbridge-transport",
@@ -110,6 +111,7 @@ const LIBRARY_CRATES: &[&str] = &[
 
 /// What the Python package builds on: every library crate, and NIXL behind its `nixl` feature.
 const PYTHON_CRATES: &[&str] = &[
+    "kvbridge-auth",
     "kvbridge-geometry",
     "kvbridge-handshake",
     "kvbridge-transport",
@@ -125,16 +127,26 @@ fn crates_depend_only_on_what_the_codemap_allows() {
     // (package, kvbridge crates it may use, whether tokio is allowed) — the table in
     // docs/ARCHITECTURE.md.
     let rules: &[(&str, &[&str], bool)] = &[
+        ("kvbridge-auth", &[], false),
         ("kvbridge-geometry", &[], false),
         ("kvbridge-handshake", &["kvbridge-geometry"], false),
         ("kvbridge-transport", &[], false),
         ("kvbridge-mock", &["kvbridge-transport"], true),
-        ("kvbridge-shm", &["kvbridge-transport"], true),
-        ("kvbridge-tcp", &["kvbridge-transport"], true),
+        (
+            "kvbridge-shm",
+            &["kvbridge-transport", "kvbridge-auth"],
+            true,
+        ),
+        (
+            "kvbridge-tcp",
+            &["kvbridge-transport", "kvbridge-auth"],
+            true,
+        ),
         ("kvbridge-nixl", &["kvbridge-transport"], true),
         (
             "kvbridge-coordinator",
             &[
+                "kvbridge-auth",
                 "kvbridge-geometry",
                 "kvbridge-handshake",
                 "kvbridge-transport",

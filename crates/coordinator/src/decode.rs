@@ -7,7 +7,6 @@
 //! ask the directory, wake the waiters of a room.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -118,12 +117,7 @@ impl DecodeAgentBuilder {
         self.memory.validate(d)?;
         let runtime = current_runtime("DecodeAgent")?;
         let endpoint = self.channel.local_endpoint();
-        let session = SessionId::from({
-            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            endpoint.hash(&mut h);
-            std::time::SystemTime::now().hash(&mut h);
-            h.finish()
-        });
+        let session = SessionId::from(kvbridge_auth::random_u64());
         let registration = Registration {
             protocol: CONTROL_PROTOCOL_VERSION,
             decode_endpoint: endpoint.clone(),

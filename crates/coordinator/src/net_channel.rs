@@ -74,8 +74,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
+use kvbridge_auth::{Label, Secret};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc, watch};
@@ -102,10 +101,8 @@ const NONCE_LEN: usize = 16;
 const TAG_LEN: usize = 32;
 const MAX_REASON_LEN: usize = 1024;
 const FLAG_SECRET: u16 = 1;
-const CLIENT_LABEL: &[u8] = b"kvbridge-control/1 client";
-const SERVER_LABEL: &[u8] = b"kvbridge-control/1 server";
-
-type HmacSha256 = Hmac<Sha256>;
+const CLIENT_LABEL: Label = Label::CONTROL_CLIENT;
+const SERVER_LABEL: Label = Label::CONTROL_SERVER;
 
 /// Settings of a [`NetChannel`]. Both sides should use the same secret and frame limit.
 #[derive(Clone)]
@@ -117,7 +114,7 @@ pub struct NetChannelConfig {
     /// binding `0.0.0.0`). Default: the bound address.
     pub advertise_addr: Option<IpAddr>,
     /// Shared secret both sides must prove (HMAC-SHA256 challenge-response). Default: none.
-    pub secret: Option<Vec<u8>>,
+    pub secret: Option<Secret>,
     /// Largest frame (one JSON message) sent or accepted, in bytes. Default 1 MiB.
     pub max_frame_len: u32,
     /// Messages queued for `recv`, and per outbound peer, before senders wait. Default 1024.
@@ -148,13 +145,7 @@ impl std::fmt::Debug for NetChannelConfig {
         f.debug_struct("NetChannelConfig")
             .field("bind_addr", &self.bind_addr)
             .field("advertise_addr", &self.advertise_addr)
-            .field(
-                "secret",
-                &self
-                    .secret
-                    .as_ref()
-                    .map(|s| format!("<{} bytes redacted>", s.len())),
-            )
+            .field("secret", &self.secret)
             .field("max_frame_len", &self.max_frame_len)
             .field("queue", &self.queue)
             .field("max_connections", &self.max_connections)
@@ -191,7 +182,7 @@ impl NetChannelConfig {
     /// Sets [`secret`](Self::secret).
     #[must_use]
     pub fn with_secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
-        self.secret = Some(secret.into());
+        self.secret = Some(Secret::new(secret));
         self
     }
 
@@ -267,7 +258,7 @@ impl NetChannelConfig {
                 self.max_frame_len
             ));
         }
-        if self.secret.as_ref().is_some_and(Vec::is_empty) {
+        if self.secret.as_ref().is_some_and(Secret::is_empty) {
             return bad(
                 "NetChannelConfig::secret is empty; pass a non-empty secret or none".to_owned(),
             );
@@ -645,67 +636,48 @@ impl ControlChannel for NetChannel {
 // ---------------------------------------------------------------------------------------------
 // Handshake pieces (sans-IO helpers, unit tested below).
 
+/// A fresh nonce for a hello (16 bytes on this wire; kvbridge-auth is the random source).
 fn nonce() -> [u8; NONCE_LEN] {
     let mut out = [0u8; NONCE_LEN];
-    let from_os = std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut out));
-    if from_os.is_err() {
-        use std::hash::{BuildHasher, Hasher};
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        for half in out.chunks_mut(8) {
-            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-            h.write_u128(
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_nanos())
-                    .unwrap_or(0),
-            );
-            half.copy_from_slice(&h.finish().to_le_bytes());
-        }
-    }
+    kvbridge_auth::random_bytes(&mut out);
     out
 }
 
-fn tag(
-    secret: Option<&[u8]>,
-    label: &[u8],
-    client_nonce: &[u8; NONCE_LEN],
-    server_nonce: &[u8; NONCE_LEN],
-    endpoint: &[u8],
-) -> Option<HmacSha256> {
-    let mut m = HmacSha256::new_from_slice(secret?).ok()?;
-    m.update(label);
-    m.update(client_nonce);
-    m.update(server_nonce);
-    m.update(&(endpoint.len() as u16).to_be_bytes());
-    m.update(endpoint);
-    Some(m)
+/// The transcript both tags cover: both nonces and the client's endpoint name (length first).
+fn transcript<'a>(
+    cn: &'a [u8; NONCE_LEN],
+    sn: &'a [u8; NONCE_LEN],
+    len: &'a [u8; 2],
+    endpoint: &'a [u8],
+) -> [&'a [u8]; 4] {
+    [cn, sn, len, endpoint]
 }
 
+/// The tag of `label` over the transcript, or zeros without a secret.
 fn tag_bytes(
-    secret: Option<&[u8]>,
-    label: &[u8],
+    secret: Option<&Secret>,
+    label: Label,
     cn: &[u8; NONCE_LEN],
     sn: &[u8; NONCE_LEN],
     endpoint: &[u8],
 ) -> [u8; TAG_LEN] {
-    let mut out = [0u8; TAG_LEN];
-    if let Some(m) = tag(secret, label, cn, sn, endpoint) {
-        out.copy_from_slice(&m.finalize().into_bytes());
-    }
-    out
+    let len = (endpoint.len() as u16).to_be_bytes();
+    secret.map_or([0; TAG_LEN], |s| {
+        kvbridge_auth::prove(s, label, &transcript(cn, sn, &len, endpoint)).into()
+    })
 }
 
+/// Checks a tag in constant time.
 fn verify_tag(
-    secret: &[u8],
-    label: &[u8],
+    secret: &Secret,
+    label: Label,
     cn: &[u8; NONCE_LEN],
     sn: &[u8; NONCE_LEN],
     endpoint: &[u8],
     got: &[u8],
 ) -> bool {
-    tag(Some(secret), label, cn, sn, endpoint).is_some_and(|m| m.verify_slice(got).is_ok())
+    let len = (endpoint.len() as u16).to_be_bytes();
+    kvbridge_auth::verify(secret, label, &transcript(cn, sn, &len, endpoint), got).is_ok()
 }
 
 /// The fixed part of either hello: magic, version, flags, nonce.
@@ -748,7 +720,7 @@ fn parse_endpoint(bytes: &[u8]) -> std::result::Result<Endpoint, String> {
     Ok(Endpoint(s.to_owned()))
 }
 
-fn flags_of(secret: Option<&[u8]>) -> u16 {
+fn flags_of(secret: Option<&Secret>) -> u16 {
     if secret.is_some() { FLAG_SECRET } else { 0 }
 }
 
@@ -817,7 +789,7 @@ async fn client_handshake(
     shared: &Shared,
     stream: &mut TcpStream,
 ) -> std::result::Result<(), String> {
-    let secret = shared.config.secret.as_deref();
+    let secret = shared.config.secret.as_ref();
     let io = |e: std::io::Error| {
         format!(
             "the connection failed during the control-channel handshake ({e}); the peer may be \
@@ -1071,7 +1043,7 @@ async fn server_handshake<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpi
     stream: &mut S,
 ) -> std::result::Result<Endpoint, String> {
     let io = |e: std::io::Error| format!("connection failed during the handshake: {e}");
-    let secret = shared.config.secret.as_deref();
+    let secret = shared.config.secret.as_ref();
     let mut head = [0u8; HELLO_HEAD];
     stream.read_exact(&mut head).await.map_err(io)?;
     let (version, flags, cn) = decode_head(&head)?;
@@ -1422,13 +1394,23 @@ mod tests {
     #[test]
     fn tags_bind_label_nonces_and_endpoint() {
         let (cn, sn) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
-        let t = tag_bytes(Some(b"k"), CLIENT_LABEL, &cn, &sn, b"a:1");
-        assert!(verify_tag(b"k", CLIENT_LABEL, &cn, &sn, b"a:1", &t));
-        assert!(!verify_tag(b"x", CLIENT_LABEL, &cn, &sn, b"a:1", &t));
-        assert!(!verify_tag(b"k", SERVER_LABEL, &cn, &sn, b"a:1", &t));
-        assert!(!verify_tag(b"k", CLIENT_LABEL, &sn, &cn, b"a:1", &t));
-        assert!(!verify_tag(b"k", CLIENT_LABEL, &cn, &sn, b"a:2", &t));
-        assert!(!verify_tag(b"k", CLIENT_LABEL, &cn, &sn, b"a:1", &t[..31]));
+        let (k, x) = (Secret::new(b"k".to_vec()), Secret::new(b"x".to_vec()));
+        let t = tag_bytes(Some(&k), CLIENT_LABEL, &cn, &sn, b"a:1");
+        assert!(verify_tag(&k, CLIENT_LABEL, &cn, &sn, b"a:1", &t));
+        assert!(!verify_tag(&x, CLIENT_LABEL, &cn, &sn, b"a:1", &t));
+        assert!(!verify_tag(&k, SERVER_LABEL, &cn, &sn, b"a:1", &t));
+        assert!(!verify_tag(&k, CLIENT_LABEL, &sn, &cn, b"a:1", &t));
+        assert!(!verify_tag(&k, CLIENT_LABEL, &cn, &sn, b"a:2", &t));
+        assert!(!verify_tag(&k, CLIENT_LABEL, &cn, &sn, b"a:1", &t[..31]));
+        // The wire format is unchanged: HMAC(secret, label | cn | sn | len | endpoint).
+        use hmac::Mac;
+        let mut m = hmac::Hmac::<sha2::Sha256>::new_from_slice(b"k").unwrap();
+        m.update(b"kvbridge-control/1 client");
+        m.update(&cn);
+        m.update(&sn);
+        m.update(&[0, 3]);
+        m.update(b"a:1");
+        assert_eq!(t[..], m.finalize().into_bytes()[..]);
         assert_eq!(
             tag_bytes(None, CLIENT_LABEL, &cn, &sn, b"a:1"),
             [0; TAG_LEN]

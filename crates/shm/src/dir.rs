@@ -1,18 +1,18 @@
 //! The private directory holding the control socket: mode 0700, socket 0600, removed on drop.
 
 use std::fs;
-use std::io::{self, Read};
+use std::io;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 /// Longest socket path the kernel accepts (`sun_path` is 108 bytes including the NUL).
 const MAX_SOCKET_PATH: usize = 107;
 
-/// Random bytes from the kernel.
-pub(crate) fn random_bytes<const N: usize>() -> io::Result<[u8; N]> {
+/// `N` random bytes (kvbridge-auth, the project's one random source).
+pub(crate) fn random_bytes<const N: usize>() -> [u8; N] {
     let mut out = [0u8; N];
-    fs::File::open("/dev/urandom")?.read_exact(&mut out)?;
-    Ok(out)
+    kvbridge_auth::random_bytes(&mut out);
+    out
 }
 
 /// The directory `$XDG_RUNTIME_DIR` (if set and a directory) or the system temp directory.
@@ -87,7 +87,7 @@ impl PrivateDir {
             std::env::current_dir()?.join(base)
         };
         for _ in 0..8 {
-            let tag: [u8; 6] = random_bytes()?;
+            let tag: [u8; 6] = random_bytes();
             let tag: String = tag.iter().map(|b| format!("{b:02x}")).collect();
             let dir = base.join(format!("kvbridge-shm-{}-{tag}", std::process::id()));
             match fs::DirBuilder::new().mode(0o700).create(&dir) {

@@ -1001,7 +1001,7 @@ impl ShmTransport {
             .map_err(control)?;
         std_listener.set_nonblocking(true).map_err(control)?;
         let listener = UnixListener::from_std(std_listener).map_err(control)?;
-        let token: [u8; 16] = random_bytes().map_err(control)?;
+        let token: [u8; 16] = random_bytes();
         let descriptor = Descriptor {
             token,
             socket: dir.socket().to_path_buf(),

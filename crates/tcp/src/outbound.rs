@@ -19,7 +19,7 @@ use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::auth::{self, HelloFields};
+use crate::auth::HelloFields;
 use crate::batch::{Refusal, TxBatch};
 use crate::conn::{self, LinkError};
 use crate::error::TcpError;
@@ -484,7 +484,7 @@ fn link_to_transport(addr: SocketAddr, e: LinkError) -> TransportError {
 pub(crate) async fn connect(shared: &Arc<Shared>, addr: SocketAddr) -> Result<Arc<OutPeer>> {
     let cfg = &shared.config;
     let count = cfg.connections_per_peer as u16;
-    let session = auth::random_u64();
+    let session = kvbridge_auth::random_u64();
     let keepalive_ms = u32::try_from(cfg.keepalive_interval.as_millis()).unwrap_or(u32::MAX);
     let mut streams = Vec::with_capacity(usize::from(count));
     let mut welcomed = Instant::now();
