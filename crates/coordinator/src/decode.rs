@@ -22,7 +22,7 @@ use crate::agreement::{LocalOnly, RankAgreement};
 use crate::channel::{ControlChannel, Endpoint};
 use crate::config::DecodeConfig;
 use crate::directory::PrefillDirectory;
-use crate::error::{CoordinatorError, Result};
+use crate::error::{CoordinatorError, Result, Side};
 use crate::ids::{Incarnation, RoomId, SessionId};
 use crate::memory::KvMemory;
 use crate::messages::{CONTROL_PROTOCOL_VERSION, Registration, TransportInfo};
@@ -32,7 +32,7 @@ use crate::room::decode::{Action, DecodeMachine, Event, RoomRequest};
 use crate::start::{check_role, current_runtime};
 use crate::state::{KvTransferError, RoomState, wait_terminal};
 
-const SIDE: &str = "decode";
+const SIDE: Side = Side::Decode;
 
 /// What the decode scheduler asks for when it starts receiving a room.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -361,7 +361,7 @@ impl DecodeAgent {
         let span = tracing::info_span!(
             parent: None,
             "kv_room",
-            side = SIDE,
+            side = SIDE.as_str(),
             room = room.get(),
             peer = %request.addr,
             bytes = field::Empty,

@@ -2,8 +2,37 @@
 
 use std::time::Duration;
 
+use std::fmt;
+
 use crate::channel::Endpoint;
+use crate::ids::RoomId;
 use crate::state::{KvTransferError, RoomState};
+
+/// Which agent reports an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Side {
+    /// A [`PrefillAgent`](crate::PrefillAgent).
+    Prefill,
+    /// A [`DecodeAgent`](crate::DecodeAgent).
+    Decode,
+}
+
+impl Side {
+    /// `"prefill"` or `"decode"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Side::Prefill => "prefill",
+            Side::Decode => "decode",
+        }
+    }
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// Everything a coordinator operation (agents, control channels, directories) can fail with.
 ///
@@ -24,9 +53,9 @@ pub enum CoordinatorError {
     )]
     UnknownRoom {
         /// The room asked for.
-        room: u64,
-        /// `"prefill"` or `"decode"`.
-        side: &'static str,
+        room: RoomId,
+        /// The agent.
+        side: Side,
     },
 
     /// The room already exists on this agent and was not cleared.
@@ -36,9 +65,9 @@ pub enum CoordinatorError {
     )]
     DuplicateRoom {
         /// The room asked for.
-        room: u64,
-        /// `"prefill"` or `"decode"`.
-        side: &'static str,
+        room: RoomId,
+        /// The agent.
+        side: Side,
         /// Its current state.
         state: RoomState,
     },
@@ -50,7 +79,7 @@ pub enum CoordinatorError {
     )]
     RoomNotReady {
         /// The room.
-        room: u64,
+        room: RoomId,
         /// Its current state.
         state: RoomState,
         /// What was attempted.
@@ -84,7 +113,7 @@ pub enum CoordinatorError {
     )]
     FenceTimeout {
         /// The room.
-        room: u64,
+        room: RoomId,
         /// How long we waited.
         waited: Duration,
         /// The peers that did not acknowledge, comma separated.
@@ -98,14 +127,14 @@ pub enum CoordinatorError {
     )]
     NotFailed {
         /// The room.
-        room: u64,
+        room: RoomId,
     },
 
     /// The agent was shut down.
     #[error("the {side} agent is shut down; create a new agent")]
     Shutdown {
-        /// `"prefill"` or `"decode"`.
-        side: &'static str,
+        /// The agent.
+        side: Side,
     },
 
     /// A control message could not be sent or received.

@@ -120,7 +120,7 @@ pub use channel::{
 pub use config::{DecodeConfig, PackBuffers, PrefillConfig};
 pub use decode::{DecodeAgent, DecodeAgentBuilder, FenceReport, ReceiveRequest};
 pub use directory::{PrefillDirectory, PrefillRankInfo, StaticDirectory};
-pub use error::{CoordinatorError, Result};
+pub use error::{CoordinatorError, Result, Side};
 pub use ids::{Generation, Incarnation, RoomId, SessionId};
 pub use memory::{AllocatedMemory, EntryRegion, KvMemory};
 pub use messages::{

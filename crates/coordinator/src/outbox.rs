@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use kvbridge_transport::sync::lock;
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 
@@ -159,7 +160,7 @@ impl Outbox {
         &self,
         f: impl FnOnce(&mut HashMap<Endpoint, mpsc::Sender<ControlMessage>>) -> R,
     ) -> R {
-        let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        let mut queues = lock(&self.queues);
         f(&mut queues)
     }
 }

@@ -18,7 +18,7 @@ use kvbridge_transport::{RegionId, TransferOp};
 use crate::memory::KvMemory;
 use crate::messages::WireRegion;
 
-/// One chunk of a room's send range, as the prefill scheduler hands it over (spec 01 §2).
+/// One chunk of a room's send range, as the prefill scheduler hands it over (docs/lifecycle.md, "Chunks").
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Chunk {
     /// Prefill page ids of this chunk (page size of the prefill pool).
@@ -325,7 +325,11 @@ impl PeerPlan {
                 }
             }
         };
-        // One strided transport op per planned range.
+        self.ops_of(&ranges)
+    }
+
+    /// One strided transport op per planned range.
+    fn ops_of(&self, ranges: &ByteRanges) -> Result<Vec<TransferOp>, PlanError> {
         let mut ops = Vec::with_capacity(ranges.len());
         for r in ranges.iter() {
             let (sr, so, sl) = *self.src_kv.get(r.src_entry).ok_or_else(|| {
@@ -372,7 +376,7 @@ impl PeerPlan {
         Ok(ops)
     }
 
-    /// The descriptors of the aux rows (spec 03 §7): buffer `j < min(#src, #dst)`, the
+    /// The descriptors of the aux rows (docs/lifecycle.md, "Aux rows"): buffer `j < min(#src, #dst)`, the
     /// prefill's row length, each side's own row stride.
     pub(crate) fn aux_ops(
         &self,

@@ -1,11 +1,15 @@
-//! The prefill (sending) agent.
+//! The prefill (sending) agent: the async driver of the prefill room machines
+//! ([`crate::room::prefill`]). It feeds each room's machine the events it sees (control
+//! messages, calls, batch outcomes, timers) and executes the actions it answers: sends control
+//! messages, posts and fences batches, arms the room's timer, publishes its state.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use kvbridge_handshake::{PeerDescriptor, check_with, prefill_unique_rank};
+use kvbridge_transport::sync::{get_mut, lock};
 use kvbridge_transport::{
     BatchId, KvTransport, MemoryRegion, PeerId, TransferBatch, TransferOp, TransportError,
 };
@@ -18,24 +22,28 @@ use crate::agreement::{LocalOnly, RankAgreement};
 use crate::channel::{ControlChannel, Endpoint, Envelope};
 use crate::config::PrefillConfig;
 use crate::directory::PrefillRankInfo;
-use crate::error::{CoordinatorError, Result};
+use crate::error::{CoordinatorError, Result, Side};
+use crate::ids::{Generation, Incarnation, RoomId, SessionId};
 use crate::memory::{KvHandles, KvMemory, PackLease, PackPool, pack_buffer_bytes};
 use crate::messages::{
     AbortAck, AbortRequest, CONTROL_PROTOCOL_VERSION, ControlMessage, Registration,
-    RegistrationOutcome, RegistrationReply, StatusUpdate, TransferInfo, WireProblem,
-    render_problems,
+    RegistrationOutcome, RegistrationReply, TransferInfo, WireProblem, render_problems,
 };
 use crate::metrics::{Metrics, MetricsSnapshot, add, inc};
 use crate::outbox::{Outbox, send_failed_to};
 use crate::plan::{Chunk, PeerPlan, is_strided_source, pack_ops};
+use crate::room::prefill::{
+    Action, BatchAction, BatchEvent, ChunkShape, Event, MetaPeer, PrefillRoom, RoomConfig,
+    SendProgress, status_message,
+};
 use crate::start::{check_role, current_runtime};
 use crate::state::{
     FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, admit_room, wait_at_least,
     wait_terminal,
 };
-use crate::timer::{TimerGuard, spawn_timer_on};
+use crate::timer::{TimerGuard, spawn_timer_at};
 
-const SIDE: &str = "prefill";
+const SIDE: Side = Side::Prefill;
 
 /// Registrations handled concurrently (each may connect the transport).
 const REGISTRATION_CONCURRENCY: usize = 16;
@@ -135,6 +143,12 @@ impl PrefillAgentBuilder {
             );
             PrefillInner {
                 endpoint: self.channel.local_endpoint(),
+                room_config: RoomConfig {
+                    rank: unique_rank,
+                    endpoint: self.channel.local_endpoint(),
+                    bootstrap_timeout: self.config.bootstrap_timeout,
+                    waiting_timeout: self.config.waiting_timeout,
+                },
                 config: self.config,
                 descriptor: self.descriptor,
                 unique_rank,
@@ -188,7 +202,7 @@ impl std::fmt::Debug for PrefillAgent {
 
 pub(crate) struct AcceptedPeer {
     endpoint: Endpoint,
-    session: u64,
+    session: SessionId,
     peer: PeerId,
     plan: PeerPlan,
 }
@@ -196,35 +210,23 @@ pub(crate) struct AcceptedPeer {
 enum DecodePeer {
     Accepted(Arc<AcceptedPeer>),
     Rejected {
-        session: u64,
+        session: SessionId,
         problems: Vec<WireProblem>,
     },
 }
 
-#[derive(Clone)]
-struct RoomPeer {
-    info: TransferInfo,
-    /// `None` for a dummy peer.
-    peer: Option<Arc<AcceptedPeer>>,
-}
+type RoomPeer = MetaPeer<Arc<AcceptedPeer>>;
+type RoomEvent = Event<Arc<AcceptedPeer>>;
 
-struct PrefillRoom {
+/// A room of the agent: its machine, and what the driver keeps beside it.
+struct RoomEntry {
+    machine: PrefillRoom<Arc<AcceptedPeer>>,
+    /// The machine's state, published for `poll` / `wait`.
     status: RoomStatus,
-    incarnation: u64,
-    created_at: Instant,
-    cleared: bool,
-    infos: Vec<RoomPeer>,
-    required: u32,
-    prefix: Option<u64>,
-    pages_sent: u64,
-    tokens_sent: u64,
-    last_sent: bool,
+    /// Chunks to the room's driver task, while it takes them.
     driver: Option<mpsc::Sender<Job>>,
-    driver_alive: bool,
-    pending_acks: Vec<(Endpoint, u64)>,
-    poisoned: bool,
-    notified: HashSet<Endpoint>,
-    timer: Option<TimerGuard>,
+    /// The timer armed for the machine's `poll_timeout`.
+    timer: Option<(std::time::Instant, TimerGuard)>,
     span: Span,
 }
 
@@ -241,9 +243,9 @@ struct Tombstone {
 #[derive(Default)]
 struct PrefillState {
     peers: HashMap<Endpoint, DecodePeer>,
-    rooms: HashMap<u64, PrefillRoom>,
-    pending: HashMap<u64, Pending>,
-    tombstones: HashMap<u64, Tombstone>,
+    rooms: HashMap<RoomId, RoomEntry>,
+    pending: HashMap<RoomId, Pending>,
+    tombstones: HashMap<RoomId, Tombstone>,
     closed: bool,
     control_task: Option<AbortHandle>,
 }
@@ -263,6 +265,7 @@ struct Job {
 
 pub(crate) struct PrefillInner {
     config: PrefillConfig,
+    room_config: RoomConfig,
     descriptor: PeerDescriptor,
     unique_rank: u32,
     memory: KvMemory,
@@ -276,15 +279,14 @@ pub(crate) struct PrefillInner {
     agreement: Arc<dyn RankAgreement>,
     /// Only [`PrefillInner::with_state`] locks it.
     state: Mutex<PrefillState>,
-    /// Room incarnations, drawn before the state is locked (a room's timers name theirs).
+    /// Room incarnations, drawn before the state is locked.
     incarnations: AtomicU64,
     registrations: Arc<Semaphore>,
 }
 
 impl Drop for PrefillInner {
     fn drop(&mut self) {
-        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
-        if let Some(t) = st.control_task.take() {
+        if let Some(t) = get_mut(&mut self.state).control_task.take() {
             t.abort();
         }
     }
@@ -335,7 +337,7 @@ impl PrefillAgent {
         &self.inner.descriptor
     }
 
-    /// This rank's id in status messages (spec 03 §1).
+    /// This rank's id in status messages (docs/lifecycle.md, "Ranks").
     pub fn unique_rank(&self) -> u32 {
         self.inner.unique_rank
     }
@@ -348,22 +350,23 @@ impl PrefillAgent {
         }
     }
 
-    /// Creates a room (Bootstrapping) and starts its bootstrap timer. Metadata decode ranks
+    /// Creates a room (Bootstrapping) and starts its bootstrap deadline. Metadata decode ranks
     /// sent before this call is applied now.
     ///
     /// # Errors
     /// [`CoordinatorError::DuplicateRoom`] if the room exists (or is still draining after
     /// `clear`); [`CoordinatorError::Shutdown`]; [`CoordinatorError::InvalidRequest`] when
     /// the agent holds `max_rooms` rooms.
-    pub fn create_room(&self, room: u64) -> Result<()> {
-        self.inner.create_room(room)
+    pub fn create_room(&self, room: impl Into<RoomId>) -> Result<()> {
+        self.inner.create_room(room.into())
     }
 
     /// The room's state on this rank.
     ///
     /// # Errors
     /// [`CoordinatorError::UnknownRoom`].
-    pub fn poll(&self, room: u64) -> Result<RoomState> {
+    pub fn poll(&self, room: impl Into<RoomId>) -> Result<RoomState> {
+        let room = room.into();
         self.inner
             .with_state(|st| st.visible(room).map(|r| r.status.state()))
     }
@@ -372,22 +375,30 @@ impl PrefillAgent {
     ///
     /// # Errors
     /// [`CoordinatorError::UnknownRoom`].
-    pub async fn poll_agreed(&self, room: u64) -> Result<RoomState> {
+    pub async fn poll_agreed(&self, room: impl Into<RoomId>) -> Result<RoomState> {
+        let room = room.into();
         let local = self.poll(room)?;
-        Ok(self.inner.agreement.agree(room, local).await)
+        Ok(self.inner.agreement.agree(room.get(), local).await)
     }
 
     /// The failure of a Failed room (`None` otherwise), with its first recorded reason.
-    pub fn failure(&self, room: u64) -> Option<KvTransferError> {
+    pub fn failure(&self, room: impl Into<RoomId>) -> Option<KvTransferError> {
+        let room = room.into();
         self.inner
             .with_state(|st| st.visible(room).ok().and_then(|r| r.status.error(room)))
     }
 
     /// The decode prefix (tokens the decode already holds) once every decode rank sent its
     /// metadata; the prefill sends tokens from here.
-    pub fn decode_prefix_len(&self, room: u64) -> Option<u64> {
-        self.inner
-            .with_state(|st| st.visible(room).ok().and_then(|r| r.prefix))
+    pub fn decode_prefix_len(&self, room: impl Into<RoomId>) -> Option<u64> {
+        let room = room.into();
+        self.inner.with_state(|st| {
+            st.visible(room).ok().and_then(|r| {
+                (r.machine.state() != RoomState::Bootstrapping)
+                    .then(|| r.machine.prefix())
+                    .flatten()
+            })
+        })
     }
 
     /// Waits until every decode rank of the room sent its metadata (WaitingForInput) and
@@ -395,7 +406,8 @@ impl PrefillAgent {
     ///
     /// # Errors
     /// The room's [`KvTransferError`] if it fails first; [`CoordinatorError::UnknownRoom`].
-    pub async fn wait_ready(&self, room: u64) -> Result<u64> {
+    pub async fn wait_ready(&self, room: impl Into<RoomId>) -> Result<u64> {
+        let room = room.into();
         let rx = self
             .inner
             .with_state(|st| st.visible(room).map(|r| r.status.subscribe()))?;
@@ -404,7 +416,7 @@ impl PrefillAgent {
             let r = st.visible(room)?;
             match state {
                 Some(RoomState::Failed) | None => Err(r.status.failure_or_unknown(room, SIDE)),
-                Some(_) => Ok(r.prefix.unwrap_or(0)),
+                Some(_) => Ok(r.machine.prefix().unwrap_or(0)),
             }
         })
     }
@@ -419,8 +431,8 @@ impl PrefillAgent {
     /// [`KvTransferError`] when it failed (the chunk is dropped);
     /// [`CoordinatorError::InvalidRequest`] for chunks that break the chunking rules;
     /// [`CoordinatorError::UnknownRoom`].
-    pub async fn send_chunk(&self, room: u64, chunk: Chunk) -> Result<()> {
-        self.inner.clone().send_chunk(room, chunk).await
+    pub async fn send_chunk(&self, room: impl Into<RoomId>, chunk: Chunk) -> Result<()> {
+        self.inner.clone().send_chunk(room.into(), chunk).await
     }
 
     /// Waits until the room is terminal: `Ok` on Success, its [`KvTransferError`] on Failed.
@@ -428,7 +440,8 @@ impl PrefillAgent {
     /// # Errors
     /// [`CoordinatorError::Transfer`]; [`CoordinatorError::UnknownRoom`] (also when the room
     /// is cleared while waiting).
-    pub async fn wait(&self, room: u64) -> Result<()> {
+    pub async fn wait(&self, room: impl Into<RoomId>) -> Result<()> {
+        let room = room.into();
         let rx = self
             .inner
             .with_state(|st| st.visible(room).map(|r| r.status.subscribe()))?;
@@ -444,18 +457,21 @@ impl PrefillAgent {
 
     /// Aborts the room (`Aborted by AbortReq.`): no further chunk is posted, batches in flight
     /// are cancelled, and the decode ranks are told.
-    pub fn abort(&self, room: u64) {
-        self.inner.fail_room(
-            room,
+    pub fn abort(&self, room: impl Into<RoomId>) {
+        self.inner.step(
+            room.into(),
             None,
-            FailureReason::new(FailureCause::Aborted, "Aborted by AbortReq."),
+            Event::Fail(FailureReason::new(
+                FailureCause::Aborted,
+                "Aborted by AbortReq.",
+            )),
         );
     }
 
     /// Forgets a room. A room that is not terminal is aborted first; a room whose batches are
     /// still being fenced stays hidden until they are, so its id cannot be reused too early.
-    pub fn clear(&self, room: u64) {
-        self.inner.clear(room);
+    pub fn clear(&self, room: impl Into<RoomId>) {
+        self.inner.clear(room.into());
     }
 
     /// A snapshot of this agent's metrics.
@@ -463,7 +479,7 @@ impl PrefillAgent {
         let states: Vec<RoomState> = self.inner.with_state(|st| {
             st.rooms
                 .values()
-                .filter(|r| !r.cleared)
+                .filter(|r| !r.machine.is_cleared())
                 .map(|r| r.status.state())
                 .collect()
         });
@@ -473,26 +489,31 @@ impl PrefillAgent {
 
     /// Rooms currently held (not cleared).
     pub fn room_count(&self) -> usize {
-        self.inner
-            .with_state(|st| st.rooms.values().filter(|r| !r.cleared).count())
+        self.inner.with_state(|st| {
+            st.rooms
+                .values()
+                .filter(|r| !r.machine.is_cleared())
+                .count()
+        })
     }
 
     /// Stops the agent: every room that is not terminal fails (`the prefill agent shut down`),
     /// the control loop stops. Batches in flight are fenced by their rooms' drivers.
     pub fn shutdown(&self) {
-        let rooms: Vec<u64> = self.inner.with_state(|st| {
+        let rooms: Vec<RoomId> = self.inner.with_state(|st| {
             st.closed = true;
             st.rooms.keys().copied().collect()
         });
+        let endpoint = &self.inner.endpoint;
         for room in rooms {
-            self.inner.fail_room(
+            self.inner.step(
                 room,
                 None,
-                FailureReason::with_peer(
+                Event::Fail(FailureReason::with_peer(
                     FailureCause::Shutdown,
-                    &self.inner.endpoint,
-                    format!("the prefill agent at {} shut down", self.inner.endpoint),
-                ),
+                    endpoint,
+                    format!("the prefill agent at {endpoint} shut down"),
+                )),
             );
         }
         if let Some(t) = self.inner.with_state(|st| st.control_task.take()) {
@@ -506,13 +527,13 @@ impl PrefillState {
     fn tombstone(
         &mut self,
         max_rooms: usize,
-        room: u64,
+        room: RoomId,
         reason: FailureReason,
         expiry: TimerGuard,
     ) {
         if self.tombstones.len() >= max_rooms {
             tracing::warn!(
-                room,
+                %room,
                 "too many tombstoned rooms; this one is not remembered"
             );
             return;
@@ -526,28 +547,63 @@ impl PrefillState {
         );
     }
 
-    fn visible(&self, room: u64) -> Result<&PrefillRoom> {
+    fn visible(&self, room: RoomId) -> Result<&RoomEntry> {
         self.rooms
             .get(&room)
-            .filter(|r| !r.cleared)
+            .filter(|r| !r.machine.is_cleared())
             .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
     }
 }
 
-fn status_failed(
-    room: u64,
-    info: &TransferInfo,
-    rank: u32,
-    reason: &FailureReason,
-) -> ControlMessage {
-    ControlMessage::Status(StatusUpdate {
-        room,
-        generation: info.generation,
-        state: RoomState::Failed,
-        prefill_rank: rank,
-        reason: Some(reason.message.clone()),
-        cause: Some(reason.cause),
-    })
+/// What a machine step leaves to do once the state is unlocked.
+#[derive(Default)]
+struct Stepped {
+    sends: Vec<(Endpoint, ControlMessage)>,
+    /// The machine wants its timer at this instant (incarnation, deadline).
+    rearm: Option<(Incarnation, std::time::Instant)>,
+    /// What became of a chunk handed over.
+    chunk: Option<ChunkStep>,
+}
+
+/// What [`PrefillInner::send_chunk`] does once the state is unlocked.
+enum ChunkStep {
+    Refused(CoordinatorError),
+    Queue {
+        tx: mpsc::Sender<Job>,
+        page_offset: u64,
+        token_offset: u64,
+        start: Option<DriverStart>,
+    },
+}
+
+/// What a new room driver needs, taken under the lock and spawned after it.
+struct DriverStart {
+    incarnation: Incarnation,
+    senders: Vec<RoomPeer>,
+    prefix: u64,
+    rx: mpsc::Receiver<Job>,
+    status_rx: watch::Receiver<RoomState>,
+    span: Span,
+}
+
+/// What the prefill already knows of a registering decode session.
+enum Known {
+    Accepted,
+    Rejected(Vec<WireProblem>),
+    New,
+}
+
+fn problem(code: &str, message: String, remedy: &str) -> WireProblem {
+    WireProblem {
+        code: code.to_owned(),
+        message,
+        remedy: remedy.to_owned(),
+    }
+}
+
+/// The room clock: tokio's (virtual under paused time) as the machines' `std` instant.
+fn now() -> std::time::Instant {
+    Instant::now().into_std()
 }
 
 impl PrefillInner {
@@ -556,22 +612,183 @@ impl PrefillInner {
     /// released before the caller does anything else (a std mutex is not re-entrant: calling
     /// back into the agent under it would park the thread forever).
     fn with_state<R>(&self, f: impl FnOnce(&mut PrefillState) -> R) -> R {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = lock(&self.state);
         f(&mut st)
     }
 
     fn timer(
         self: &Arc<Self>,
         delay: Duration,
-        f: impl FnOnce(&PrefillInner) + Send + 'static,
+        f: impl FnOnce(&Arc<PrefillInner>) + Send + 'static,
     ) -> TimerGuard {
-        spawn_timer_on(self.weak(), delay, f)
+        spawn_timer_at(Arc::downgrade(self), Instant::now() + delay, f)
     }
 
-    fn weak(self: &Arc<Self>) -> Weak<Self> {
-        Arc::downgrade(self)
+    /// Feeds `event` to the room's machine (only to the life `incarnation`, when given) and
+    /// executes the actions it answers. `None` when there is no such room; otherwise what
+    /// became of a chunk handed over, if one was.
+    fn step(
+        self: &Arc<Self>,
+        room: RoomId,
+        incarnation: Option<Incarnation>,
+        event: RoomEvent,
+    ) -> Option<Option<ChunkStep>> {
+        let now = now();
+        let stepped = self.with_state(|st| {
+            let entry = st
+                .rooms
+                .get_mut(&room)
+                .filter(|e| incarnation.is_none_or(|i| i == e.machine.incarnation()))?;
+            let actions = entry.machine.handle(event, now);
+            Some(self.apply_locked(st, room, actions))
+        })?;
+        Some(self.finish_step(room, stepped))
     }
 
+    /// Applies a machine's actions that touch the room's entry (under the lock); the rest is
+    /// returned for [`Self::finish_step`].
+    fn apply_locked(&self, st: &mut PrefillState, room: RoomId, actions: Vec<Action>) -> Stepped {
+        let mut out = Stepped::default();
+        let mut remove = false;
+        let Some(entry) = st.rooms.get_mut(&room) else {
+            return out;
+        };
+        for action in actions {
+            match action {
+                Action::Send { to, message } => out.sends.push((to, *message)),
+                Action::Report { state, reason } => self.report(entry, state, reason),
+                Action::Succeeded { bytes, elapsed } => {
+                    self.metrics.succeeded(elapsed);
+                    let ms = elapsed.as_millis() as u64;
+                    entry.span.record("bytes", bytes);
+                    entry.span.record("duration_ms", ms);
+                    tracing::info!(parent: &entry.span, bytes, duration_ms = ms, "room transferred");
+                }
+                Action::PostChunk {
+                    page_offset,
+                    token_offset,
+                    start_driver,
+                } => {
+                    out.chunk =
+                        Some(self.queue_chunk(entry, page_offset, token_offset, start_driver))
+                }
+                Action::RefuseChunk(e) => out.chunk = Some(ChunkStep::Refused(e)),
+                Action::CancelBatches => entry.driver = None,
+                Action::AckWithheld { to } => {
+                    tracing::error!(parent: &entry.span, decode = %to, "room is poisoned (a batch could not be fenced): no ABORT_ACK");
+                }
+                Action::Remove => remove = true,
+            }
+        }
+        let want = entry.machine.poll_timeout();
+        match want {
+            None => entry.timer = None,
+            Some(at) if entry.timer.as_ref().is_none_or(|(t, _)| *t != at) => {
+                out.rearm = Some((entry.machine.incarnation(), at));
+            }
+            Some(_) => {}
+        }
+        if remove {
+            st.rooms.remove(&room);
+        }
+        out
+    }
+
+    /// Publishes a state change of a room's machine.
+    fn report(&self, entry: &mut RoomEntry, state: RoomState, reason: Option<FailureReason>) {
+        match reason {
+            Some(reason) if state == RoomState::Failed => {
+                self.metrics.failed(reason.cause);
+                tracing::warn!(parent: &entry.span, cause = %reason.cause, peer = reason.peer.as_deref(), reason = %reason.message, "room failed");
+                entry.status.fail(reason);
+            }
+            _ => {
+                if state == RoomState::WaitingForInput {
+                    tracing::debug!(parent: &entry.span, decode_ranks = entry.machine.peers().len(), prefix = entry.machine.prefix(), "room ready");
+                }
+                entry.status.update(state);
+            }
+        }
+    }
+
+    /// A chunk the machine accepted: queued to the room's driver (started first if needed).
+    fn queue_chunk(
+        &self,
+        entry: &mut RoomEntry,
+        page_offset: u64,
+        token_offset: u64,
+        start_driver: bool,
+    ) -> ChunkStep {
+        let mut start = None;
+        if start_driver {
+            let (tx, rx) = mpsc::channel(self.config.max_inflight_batches.max(1));
+            entry.driver = Some(tx);
+            start = Some(DriverStart {
+                incarnation: entry.machine.incarnation(),
+                senders: entry
+                    .machine
+                    .peers()
+                    .iter()
+                    .filter(|p| p.peer.is_some())
+                    .cloned()
+                    .collect(),
+                prefix: entry.machine.prefix().unwrap_or(0),
+                rx,
+                status_rx: entry.status.subscribe(),
+                span: entry.span.clone(),
+            });
+        }
+        match entry.driver.clone() {
+            Some(tx) => ChunkStep::Queue {
+                tx,
+                page_offset,
+                token_offset,
+                start,
+            },
+            None => ChunkStep::Refused(CoordinatorError::InvalidRequest {
+                what: "chunk",
+                message: format!(
+                    "room {} is no longer accepting chunks",
+                    entry.machine.room()
+                ),
+            }),
+        }
+    }
+
+    /// Sends what a step left to send and arms the room's timer.
+    fn finish_step(self: &Arc<Self>, room: RoomId, stepped: Stepped) -> Option<ChunkStep> {
+        for (to, msg) in stepped.sends {
+            self.outbox.send(&to, msg);
+        }
+        if let Some((incarnation, at)) = stepped.rearm {
+            let guard = spawn_timer_at(Arc::downgrade(self), Instant::from_std(at), move |inner| {
+                inner.step(room, Some(incarnation), Event::TimerFired { incarnation });
+            });
+            let unused = self.with_state(|st| {
+                match st.rooms.get_mut(&room).filter(|e| {
+                    e.machine.incarnation() == incarnation && e.machine.poll_timeout() == Some(at)
+                }) {
+                    Some(e) => e.timer.replace((at, guard)).map(|(_, g)| g),
+                    None => Some(guard),
+                }
+            });
+            drop(unused);
+        }
+        stepped.chunk
+    }
+}
+
+/// What [`PrefillInner::on_transfer_info`] does once the state is unlocked.
+enum MetadataStep {
+    /// The room exists: fail it first when the metadata is invalid, then add the metadata.
+    Room,
+    /// Tell the decode rank the room failed.
+    Reply(FailureReason),
+    /// Held until the room is created.
+    Pending,
+}
+
+impl PrefillInner {
     async fn handle(self: &Arc<Self>, env: Envelope) {
         match env.message {
             ControlMessage::Register(reg) => {
@@ -613,7 +830,7 @@ impl PrefillInner {
             st.peers.insert(
                 reg.decode_endpoint.clone(),
                 DecodePeer::Rejected {
-                    session: reg.session,
+                    session: SessionId::from(reg.session),
                     problems: problems.clone(),
                 },
             )
@@ -628,147 +845,6 @@ impl PrefillInner {
                 result: RegistrationOutcome::Rejected { problems },
             }),
         );
-    }
-
-    async fn on_register(self: &Arc<Self>, reg: Registration) {
-        let problem = |code: &str, message: String, remedy: &str| WireProblem {
-            code: code.to_owned(),
-            message,
-            remedy: remedy.to_owned(),
-        };
-        if reg.protocol != CONTROL_PROTOCOL_VERSION {
-            let p = problem(
-                "KVB-PROTOCOL",
-                format!(
-                    "control protocol version mismatch: decode speaks {}, this prefill speaks {}",
-                    reg.protocol, CONTROL_PROTOCOL_VERSION
-                ),
-                "run the same kvbridge release on both sides",
-            );
-            return self.reply_rejected(&reg, vec![p]);
-        }
-        // Same session again (the decode retried, or registers again after a refusal):
-        // answer as before.
-        let known = self.with_state(|st| match st.peers.get(&reg.decode_endpoint) {
-            Some(DecodePeer::Accepted(p)) if p.session == reg.session => Known::Accepted,
-            Some(DecodePeer::Rejected { session, problems }) if *session == reg.session => {
-                Known::Rejected(problems.clone())
-            }
-            _ => Known::New,
-        });
-        match known {
-            Known::Accepted => return self.reply_accepted(&reg),
-            Known::Rejected(problems) => return self.reply_rejected(&reg, problems),
-            Known::New => {}
-        }
-        let report = check_with(&self.descriptor, &reg.descriptor, &self.config.check);
-        let mut problems: Vec<WireProblem> =
-            report.problems.iter().map(WireProblem::from).collect();
-        if reg.transport.name != self.transport.name() {
-            problems.push(problem(
-                "KVB-TRANSPORT",
-                format!(
-                    "transport mismatch: the decode uses \"{}\", this prefill uses \"{}\"",
-                    reg.transport.name,
-                    self.transport.name()
-                ),
-                "start both sides with the same --transport",
-            ));
-        }
-        let plan = match (&report.mapping, problems.is_empty()) {
-            (Some(m), true) => match PeerPlan::new(
-                m.path,
-                &self.descriptor,
-                &self.memory,
-                &reg.descriptor,
-                &reg.kv_regions,
-                &reg.aux_regions,
-            ) {
-                Ok(p) => Some(p),
-                Err(e) => {
-                    problems.push(problem(
-                        "KVB-PLAN",
-                        e.0,
-                        "register the decode's KV memory with the geometry its descriptor states",
-                    ));
-                    None
-                }
-            },
-            _ => None,
-        };
-        let Some(plan) = plan.filter(|_| problems.is_empty()) else {
-            return self.reply_rejected(&reg, problems);
-        };
-        let connect = tokio::time::timeout(
-            self.config.control_send_timeout,
-            self.transport.connect(&reg.transport.descriptor),
-        )
-        .await;
-        let peer = match connect {
-            Ok(Ok(p)) => p,
-            Ok(Err(e)) => {
-                let p = problem(
-                    "KVB-CONNECT",
-                    format!(
-                        "connecting the {} transport to the decode failed: {e}",
-                        self.transport.name()
-                    ),
-                    "check the decode's transport is reachable from the prefill",
-                );
-                return self.reply_rejected(&reg, vec![p]);
-            }
-            Err(_) => {
-                let p = problem(
-                    "KVB-CONNECT",
-                    format!(
-                        "connecting the {} transport to the decode did not finish within {:?}",
-                        self.transport.name(),
-                        self.config.control_send_timeout
-                    ),
-                    "check the decode's transport is reachable from the prefill",
-                );
-                return self.reply_rejected(&reg, vec![p]);
-            }
-        };
-        let accepted = Arc::new(AcceptedPeer {
-            endpoint: reg.decode_endpoint.clone(),
-            session: reg.session,
-            peer,
-            plan,
-        });
-        let old = self.with_state(|st| match st.peers.get(&reg.decode_endpoint) {
-            // The same registration, handled concurrently, won: keep its connection.
-            Some(DecodePeer::Accepted(p)) if p.session == reg.session => Err(()),
-            _ => Ok(st
-                .peers
-                .insert(reg.decode_endpoint.clone(), DecodePeer::Accepted(accepted))),
-        });
-        let Ok(old) = old else {
-            let _ = self.transport.disconnect(peer).await;
-            return self.reply_accepted(&reg);
-        };
-        if let Some(DecodePeer::Accepted(old)) = old {
-            self.fail_rooms_of(
-                &old.endpoint,
-                Some(old.session),
-                FailureReason::with_peer(
-                    FailureCause::RemoteFailure,
-                    &old.endpoint,
-                    format!(
-                        "decode {} registered again with a new session (it restarted); its \
-                         earlier rooms are failed",
-                        old.endpoint
-                    ),
-                ),
-            );
-            let _ = self.transport.disconnect(old.peer).await;
-        }
-        tracing::info!(
-            decode = %reg.decode_endpoint,
-            path = ?report.mapping.as_ref().map(|m| m.path),
-            "decode rank registered"
-        );
-        self.reply_accepted(&reg);
     }
 
     fn reply_accepted(&self, reg: &Registration) {
@@ -786,33 +862,197 @@ impl PrefillInner {
         );
     }
 
-    fn fail_rooms_of(&self, endpoint: &Endpoint, session: Option<u64>, reason: FailureReason) {
-        let rooms: Vec<u64> = self.with_state(|st| {
+    async fn on_register(self: &Arc<Self>, reg: Registration) {
+        if reg.protocol != CONTROL_PROTOCOL_VERSION {
+            let p = problem(
+                "KVB-PROTOCOL",
+                format!(
+                    "control protocol version mismatch: decode speaks {}, this prefill speaks {}",
+                    reg.protocol, CONTROL_PROTOCOL_VERSION
+                ),
+                "run the same kvbridge release on both sides",
+            );
+            return self.reply_rejected(&reg, vec![p]);
+        }
+        // Same session again (the decode retried, or registers again after a refusal):
+        // answer as before.
+        let session = SessionId::from(reg.session);
+        let known = self.with_state(|st| match st.peers.get(&reg.decode_endpoint) {
+            Some(DecodePeer::Accepted(p)) if p.session == session => Known::Accepted,
+            Some(DecodePeer::Rejected {
+                session: s,
+                problems,
+            }) if *s == session => Known::Rejected(problems.clone()),
+            _ => Known::New,
+        });
+        match known {
+            Known::Accepted => return self.reply_accepted(&reg),
+            Known::Rejected(problems) => return self.reply_rejected(&reg, problems),
+            Known::New => {}
+        }
+        let (plan, path) = match self.plan_for(&reg) {
+            Ok(p) => p,
+            Err(problems) => return self.reply_rejected(&reg, problems),
+        };
+        let peer = match self.connect(&reg).await {
+            Ok(p) => p,
+            Err(p) => return self.reply_rejected(&reg, vec![p]),
+        };
+        self.install_peer(&reg, plan, peer).await;
+        tracing::info!(decode = %reg.decode_endpoint, path, "decode rank registered");
+        self.reply_accepted(&reg);
+    }
+
+    /// Checks a registering decode rank against this one and plans the pair (with the path's
+    /// name, for the log), or says every problem found.
+    fn plan_for(
+        &self,
+        reg: &Registration,
+    ) -> std::result::Result<(PeerPlan, String), Vec<WireProblem>> {
+        let report = check_with(&self.descriptor, &reg.descriptor, &self.config.check);
+        let mut problems: Vec<WireProblem> =
+            report.problems.iter().map(WireProblem::from).collect();
+        if reg.transport.name != self.transport.name() {
+            problems.push(problem(
+                "KVB-TRANSPORT",
+                format!(
+                    "transport mismatch: the decode uses \"{}\", this prefill uses \"{}\"",
+                    reg.transport.name,
+                    self.transport.name()
+                ),
+                "start both sides with the same --transport",
+            ));
+        }
+        let Some(m) = report.mapping.as_ref().filter(|_| problems.is_empty()) else {
+            return Err(problems);
+        };
+        PeerPlan::new(
+            m.path,
+            &self.descriptor,
+            &self.memory,
+            &reg.descriptor,
+            &reg.kv_regions,
+            &reg.aux_regions,
+        )
+        .map(|p| (p, format!("{:?}", m.path)))
+        .map_err(|e| {
+            vec![problem(
+                "KVB-PLAN",
+                e.0,
+                "register the decode's KV memory with the geometry its descriptor states",
+            )]
+        })
+    }
+
+    /// Connects the transport to a registering decode rank, bounded by the control send
+    /// timeout.
+    async fn connect(&self, reg: &Registration) -> std::result::Result<PeerId, WireProblem> {
+        let name = self.transport.name();
+        let timeout = self.config.control_send_timeout;
+        let message = match tokio::time::timeout(
+            timeout,
+            self.transport.connect(&reg.transport.descriptor),
+        )
+        .await
+        {
+            Ok(Ok(p)) => return Ok(p),
+            Ok(Err(e)) => format!("connecting the {name} transport to the decode failed: {e}"),
+            Err(_) => format!(
+                "connecting the {name} transport to the decode did not finish within {timeout:?}"
+            ),
+        };
+        Err(problem(
+            "KVB-CONNECT",
+            message,
+            "check the decode's transport is reachable from the prefill",
+        ))
+    }
+
+    /// Records an accepted decode rank. A concurrent twin of the same registration that won
+    /// keeps its connection (ours is closed); an earlier session of the rank (it restarted)
+    /// fails its rooms and is disconnected.
+    async fn install_peer(self: &Arc<Self>, reg: &Registration, plan: PeerPlan, peer: PeerId) {
+        let session = SessionId::from(reg.session);
+        let accepted = Arc::new(AcceptedPeer {
+            endpoint: reg.decode_endpoint.clone(),
+            session,
+            peer,
+            plan,
+        });
+        let old = self.with_state(|st| match st.peers.get(&reg.decode_endpoint) {
+            Some(DecodePeer::Accepted(p)) if p.session == session => Err(()),
+            _ => Ok(st
+                .peers
+                .insert(reg.decode_endpoint.clone(), DecodePeer::Accepted(accepted))),
+        });
+        let Ok(old) = old else {
+            let _ = self.transport.disconnect(peer).await;
+            return;
+        };
+        if let Some(DecodePeer::Accepted(old)) = old {
+            self.fail_rooms_of(
+                &old.endpoint,
+                Some(old.session),
+                FailureReason::with_peer(
+                    FailureCause::RemoteFailure,
+                    &old.endpoint,
+                    format!(
+                        "decode {} registered again with a new session (it restarted); its \
+                         earlier rooms are failed",
+                        old.endpoint
+                    ),
+                ),
+            );
+            let _ = self.transport.disconnect(old.peer).await;
+        }
+    }
+
+    fn fail_rooms_of(
+        self: &Arc<Self>,
+        endpoint: &Endpoint,
+        session: Option<SessionId>,
+        reason: FailureReason,
+    ) {
+        let rooms: Vec<RoomId> = self.with_state(|st| {
             st.rooms
                 .iter()
-                .filter(|(_, r)| {
-                    r.infos.iter().any(|p| {
-                        &p.info.decode_endpoint == endpoint
-                            && session.is_none_or(|s| p.info.session == s)
-                    })
-                })
+                .filter(|(_, r)| r.machine.has_peer(endpoint, session))
                 .map(|(&k, _)| k)
                 .collect()
         });
         for room in rooms {
-            self.fail_room(room, None, reason.clone());
+            self.step(
+                room,
+                None,
+                Event::PeerGone {
+                    endpoint: endpoint.clone(),
+                    session,
+                    reason: reason.clone(),
+                },
+            );
         }
     }
 
-    fn on_transfer_info(self: &Arc<Self>, info: TransferInfo) {
+    fn reply_failed(&self, info: &TransferInfo, reason: &FailureReason) {
+        self.outbox.send(
+            &info.decode_endpoint,
+            status_message(
+                RoomId::from(info.room),
+                info,
+                self.unique_rank,
+                RoomState::Failed,
+                Some(reason),
+            ),
+        );
+    }
+
+    /// The accepted decode rank a room's metadata comes from, or why it cannot be used.
+    fn info_peer(
+        &self,
+        info: &TransferInfo,
+    ) -> std::result::Result<Arc<AcceptedPeer>, FailureReason> {
         let room = info.room;
-        let reply_failed = |reason: FailureReason| {
-            self.outbox.send(
-                &info.decode_endpoint,
-                status_failed(room, &info, self.unique_rank, &reason),
-            );
-        };
-        let peer = self.with_state(|st| match st.peers.get(&info.decode_endpoint) {
+        self.with_state(|st| match st.peers.get(&info.decode_endpoint) {
             None => Err(FailureReason::with_peer(
                 FailureCause::Unregistered,
                 &self.endpoint,
@@ -827,7 +1067,7 @@ impl PrefillInner {
                 &self.endpoint,
                 render_problems(problems),
             )),
-            Some(DecodePeer::Accepted(p)) if p.session != info.session => {
+            Some(DecodePeer::Accepted(p)) if p.session != SessionId::from(info.session) => {
                 Err(FailureReason::with_peer(
                     FailureCause::RemoteFailure,
                     &info.decode_endpoint,
@@ -838,36 +1078,40 @@ impl PrefillInner {
                 ))
             }
             Some(DecodePeer::Accepted(p)) => Ok(p.clone()),
-        });
-        let peer = match peer {
-            Ok(p) => p,
-            Err(reason) => return reply_failed(reason),
-        };
-        let rp = RoomPeer {
-            peer: (!info.is_dummy).then(|| peer.clone()),
-            info: info.clone(),
-        };
-        // Validate what the decode asks for before accepting it.
-        let invalid = if info.is_dummy {
-            None
-        } else if let Err(e) = peer.plan.check_prefix(info.decode_prefix_len) {
-            Some(FailureReason::with_peer(
+        })
+    }
+
+    /// Why what a decode rank asks for cannot be sent (`None`: it can).
+    fn check_info(&self, info: &TransferInfo, peer: &AcceptedPeer) -> Option<FailureReason> {
+        if info.is_dummy {
+            return None;
+        }
+        if let Err(e) = peer.plan.check_prefix(info.decode_prefix_len) {
+            return Some(FailureReason::with_peer(
                 FailureCause::Planning,
                 &info.decode_endpoint,
                 e.0,
-            ))
-        } else if !self.memory.aux.is_empty() && info.dst_aux_index.is_none() {
-            Some(FailureReason::with_peer(
+            ));
+        }
+        (!self.memory.aux.is_empty() && info.dst_aux_index.is_none()).then(|| {
+            FailureReason::with_peer(
                 FailureCause::Planning,
                 &info.decode_endpoint,
                 format!(
-                    "room {room}: decode {} sent no aux index, but both sides register aux buffers",
-                    info.decode_endpoint
+                    "room {}: decode {} sent no aux index, but both sides register aux buffers",
+                    info.room, info.decode_endpoint
                 ),
-            ))
-        } else {
-            None
+            )
+        })
+    }
+
+    fn on_transfer_info(self: &Arc<Self>, info: TransferInfo) {
+        let room = RoomId::from(info.room);
+        let peer = match self.info_peer(&info) {
+            Ok(p) => p,
+            Err(reason) => return self.reply_failed(&info, &reason),
         };
+        let invalid = self.check_info(&info, &peer);
         // Timers are made before the lock is taken; the one not kept is cancelled on drop.
         let expiry = match &invalid {
             Some(_) => self.timer(self.config.bootstrap_timeout, move |inner| {
@@ -877,35 +1121,33 @@ impl PrefillInner {
                 inner.expire_pending(room)
             }),
         };
+        let rp = RoomPeer {
+            peer: (!info.is_dummy).then_some(peer),
+            info,
+        };
         let max_rooms = self.config.max_rooms;
-        let step = self.with_state(|st| {
-            if st.rooms.get(&room).is_some_and(|r| !r.cleared) {
-                return match invalid {
-                    // The room fails; adding the info then tells this peer (and every other).
-                    Some(reason) => MetadataStep::FailThenAdd(reason, rp),
-                    None => MetadataStep::Added(match st.rooms.get_mut(&room) {
-                        Some(r) => add_info(r, rp, self.unique_rank),
-                        None => Added::default(),
-                    }),
-                };
+        let (step, rp) = self.with_state(|st| {
+            if st.rooms.get(&room).is_some_and(|r| !r.machine.is_cleared()) {
+                return (MetadataStep::Room, Some(rp));
             }
-            if let Some(reason) = invalid {
+            if let Some(reason) = &invalid {
                 // Fail fast: tell the decode now, and fail the room when it is created.
                 st.tombstone(max_rooms, room, reason.clone(), expiry);
-                return MetadataStep::Reply(reason);
+                return (MetadataStep::Reply(reason.clone()), Some(rp));
             }
             if let Some(t) = st.tombstones.get(&room) {
-                return MetadataStep::Reply(t.reason.clone());
+                return (MetadataStep::Reply(t.reason.clone()), Some(rp));
             }
             if st.pending.len() + st.rooms.len() >= max_rooms && !st.pending.contains_key(&room) {
-                return MetadataStep::Reply(FailureReason::with_peer(
+                let reason = FailureReason::with_peer(
                     FailureCause::ControlChannel,
                     &self.endpoint,
                     format!(
                         "prefill {} holds {max_rooms} rooms (max_rooms); room {room} is refused",
                         self.endpoint
                     ),
-                ));
+                );
+                return (MetadataStep::Reply(reason), Some(rp));
             }
             st.pending
                 .entry(room)
@@ -915,28 +1157,27 @@ impl PrefillInner {
                 })
                 .infos
                 .push(rp);
-            MetadataStep::Pending
+            (MetadataStep::Pending, None)
         });
-        match step {
-            MetadataStep::Added(added) => self.apply_added(room, added),
-            MetadataStep::FailThenAdd(reason, rp) => {
-                self.fail_room(room, None, reason);
-                let added = self.with_state(|st| match st.rooms.get_mut(&room) {
-                    Some(r) => add_info(r, rp, self.unique_rank),
-                    None => Added::default(),
-                });
-                self.apply_added(room, added);
+        match (step, rp) {
+            (MetadataStep::Room, Some(rp)) => {
+                // The room fails first; adding the metadata then tells this peer (and every
+                // other).
+                if let Some(reason) = invalid {
+                    self.step(room, None, Event::Fail(reason));
+                }
+                self.step(room, None, Event::Metadata(rp));
             }
-            MetadataStep::Reply(reason) => reply_failed(reason),
-            MetadataStep::Pending => {}
+            (MetadataStep::Reply(reason), Some(rp)) => self.reply_failed(&rp.info, &reason),
+            _ => {}
         }
     }
 
-    fn forget_tombstone(&self, room: u64) {
+    fn forget_tombstone(&self, room: RoomId) {
         self.with_state(|st| st.tombstones.remove(&room));
     }
 
-    fn expire_pending(&self, room: u64) {
+    fn expire_pending(&self, room: RoomId) {
         let Some(p) = self.with_state(|st| st.pending.remove(&room)) else {
             return;
         };
@@ -949,31 +1190,26 @@ impl PrefillInner {
                 self.config.bootstrap_timeout.as_secs_f64()
             ),
         );
-        tracing::warn!(room, reason = %reason, "dropping metadata of a room that was never created");
+        tracing::warn!(%room, reason = %reason, "dropping metadata of a room that was never created");
         for rp in p.infos.iter().filter(|p| !p.info.is_dummy) {
-            self.outbox.send(
-                &rp.info.decode_endpoint,
-                status_failed(room, &rp.info, self.unique_rank, &reason),
-            );
+            self.reply_failed(&rp.info, &reason);
         }
     }
 
-    fn create_room(self: &Arc<Self>, room: u64) -> Result<()> {
-        let incarnation = self.incarnations.fetch_add(1, Ordering::Relaxed) + 1;
-        let timer = self.timer(self.config.bootstrap_timeout, move |inner| {
-            inner.on_bootstrap_timeout(room, incarnation)
-        });
+    fn create_room(self: &Arc<Self>, room: RoomId) -> Result<()> {
+        let incarnation = Incarnation::from(self.incarnations.fetch_add(1, Ordering::Relaxed) + 1);
         let span = tracing::info_span!(
             parent: None,
             "kv_room",
-            side = SIDE,
-            room,
+            side = SIDE.as_str(),
+            room = room.get(),
             peer = field::Empty,
             bytes = field::Empty,
             duration_ms = field::Empty
         );
         let max_rooms = self.config.max_rooms;
-        let (added, tomb) = self.with_state(|st| {
+        let now = now();
+        let (infos, tomb, armed) = self.with_state(|st| {
             admit_room(
                 SIDE,
                 room,
@@ -983,257 +1219,99 @@ impl PrefillInner {
                 max_rooms,
                 "clear finished rooms or raise PrefillConfig::max_rooms",
             )?;
-            let mut r = PrefillRoom {
+            inc(&self.metrics.rooms_created);
+            tracing::debug!(parent: &span, "room created");
+            let entry = RoomEntry {
+                machine: PrefillRoom::new(room, incarnation, self.room_config.clone(), now),
                 status: RoomStatus::new(RoomState::Bootstrapping),
-                incarnation,
-                created_at: Instant::now(),
-                cleared: false,
-                infos: Vec::new(),
-                required: 0,
-                prefix: None,
-                pages_sent: 0,
-                tokens_sent: 0,
-                last_sent: false,
                 driver: None,
-                driver_alive: false,
-                pending_acks: Vec::new(),
-                poisoned: false,
-                notified: HashSet::new(),
-                timer: Some(timer),
+                timer: None,
                 span,
             };
-            inc(&self.metrics.rooms_created);
-            tracing::debug!(parent: &r.span, "room created");
+            st.rooms.insert(room, entry);
             let tomb = st.tombstones.remove(&room).map(|t| t.reason);
-            let mut added = Vec::new();
-            if let Some(p) = st.pending.remove(&room) {
-                for rp in p.infos {
-                    added.push(add_info(&mut r, rp, self.unique_rank));
-                }
-            }
-            st.rooms.insert(room, r);
-            Ok::<_, CoordinatorError>((added, tomb))
+            let infos = st
+                .pending
+                .remove(&room)
+                .map(|p| p.infos)
+                .unwrap_or_default();
+            Ok::<_, CoordinatorError>((infos, tomb, self.apply_locked(st, room, Vec::new())))
         })?;
-        for a in added {
-            self.apply_added(room, a);
+        self.finish_step(room, armed);
+        for rp in infos {
+            self.step(room, Some(incarnation), Event::Metadata(rp));
         }
         if let Some(reason) = tomb {
-            self.fail_room(room, Some(incarnation), reason);
+            self.step(room, Some(incarnation), Event::Fail(reason));
         }
         Ok(())
     }
 
-    fn on_bootstrap_timeout(&self, room: u64, incarnation: u64) {
-        // The decode ranks heard from so far are named (none: no decode ever asked for it).
-        let heard = self.with_state(|st| {
-            st.rooms.get(&room).and_then(|r| {
-                (r.incarnation == incarnation && r.status.state() == RoomState::Bootstrapping).then(
-                    || {
-                        let names: Vec<String> = r
-                            .infos
-                            .iter()
-                            .map(|p| p.info.decode_endpoint.to_string())
-                            .collect();
-                        if names.is_empty() {
-                            "no decode rank".to_owned()
-                        } else {
-                            names.join(", ")
-                        }
+    fn on_abort(self: &Arc<Self>, a: AbortRequest) {
+        let room = RoomId::from(a.room);
+        let known = self.with_state(|st| {
+            st.rooms.get(&room).is_some_and(|r| {
+                r.machine.has_peer(&a.decode_endpoint, None) || !r.machine.is_cleared()
+            })
+        });
+        let handled = known
+            && self
+                .step(
+                    room,
+                    None,
+                    Event::DecodeAbort {
+                        from: a.decode_endpoint.clone(),
+                        generation: Generation::from(a.generation),
+                        reason: a.reason.clone(),
                     },
                 )
-            })
-        });
-        if let Some(heard) = heard {
-            let secs = self.config.bootstrap_timeout.as_secs_f64();
-            self.fail_room(
-                room,
-                Some(incarnation),
-                FailureReason::with_peer(
-                    FailureCause::BootstrapTimeout,
-                    heard,
-                    format!("Request {room} timed out after {secs:.1}s in KVPoll.Bootstrapping"),
-                ),
-            );
-        }
-    }
-
-    fn apply_added(self: &Arc<Self>, room: u64, added: Added) {
-        for (to, msg) in added.sends {
-            self.outbox.send(&to, msg);
-        }
-        if let Some(reason) = added.duplicate {
-            self.fail_room(room, None, reason);
-        }
-        if !added.ready {
+                .is_some();
+        if handled {
             return;
         }
-        let Some(incarnation) = self.with_state(|st| st.rooms.get(&room).map(|r| r.incarnation))
-        else {
-            return;
-        };
-        let timer = self.timer(self.config.waiting_timeout, move |inner| {
-            inner.on_waiting_timeout(room, incarnation)
+        // Not a room of ours (any more): nothing of it is in flight.
+        let expiry = self.timer(self.config.bootstrap_timeout, move |inner| {
+            inner.forget_tombstone(room)
         });
+        let max_rooms = self.config.max_rooms;
         self.with_state(|st| {
-            if let Some(r) = st
-                .rooms
-                .get_mut(&room)
-                .filter(|r| r.incarnation == incarnation && !r.status.state().is_terminal())
-            {
-                r.timer = Some(timer);
-            }
-        });
-    }
-
-    fn on_waiting_timeout(&self, room: u64, incarnation: u64) {
-        let stuck = self.with_state(|st| {
-            st.rooms.get(&room).and_then(|r| {
-                let state = r.status.state();
-                (r.incarnation == incarnation && !state.is_terminal()).then(|| {
-                    let peers: Vec<String> = r
-                        .infos
-                        .iter()
-                        .map(|p| p.info.decode_endpoint.to_string())
-                        .collect();
-                    (state, peers.join(", "))
-                })
-            })
-        });
-        if let Some((state, peers)) = stuck {
-            let secs = self.config.waiting_timeout.as_secs_f64();
-            self.fail_room(
-                room,
-                Some(incarnation),
-                FailureReason::with_peer(
-                    FailureCause::WaitingTimeout,
-                    peers,
-                    format!("Request {room} timed out after {secs:.1}s in KVPoll.{state}"),
-                ),
-            );
-        }
-    }
-
-    /// Fails a room (first reason wins). When no driver runs, the decode peers are told now;
-    /// otherwise the driver fences its batches first and tells them when it ends.
-    fn fail_room(&self, room: u64, incarnation: Option<u64>, reason: FailureReason) {
-        let sends = self.with_state(|st| {
-            let r = st.rooms.get_mut(&room)?;
-            if incarnation.is_some_and(|i| i != r.incarnation) || !r.status.fail(reason.clone())
-            {
-                return None;
-            }
-            self.metrics.failed(reason.cause);
-            r.timer = None;
-            tracing::warn!(parent: &r.span, cause = %reason.cause, peer = reason.peer.as_deref(), reason = %reason.message, "room failed");
-            (!r.driver_alive).then(|| failure_notices(r, self.unique_rank))
-        });
-        for (to, msg) in sends.into_iter().flatten() {
-            self.outbox.send(&to, msg);
-        }
-    }
-
-    fn on_abort(self: &Arc<Self>, a: AbortRequest) {
-        let room = a.room;
-        let ack = ControlMessage::AbortAck(AbortAck {
-            room,
-            generation: a.generation,
-            prefill_rank: self.unique_rank,
-            prefill_endpoint: self.endpoint.clone(),
-        });
-        let known = self.with_state(|st| {
-            st.rooms
-                .get(&room)
-                .filter(|r| {
-                    r.infos
-                        .iter()
-                        .any(|p| p.info.decode_endpoint == a.decode_endpoint)
-                        || !r.cleared
-                })
-                .map(|r| r.status.state())
-        });
-        let Some(state) = known else {
-            let expiry = self.timer(self.config.bootstrap_timeout, move |inner| {
-                inner.forget_tombstone(room)
-            });
-            let max_rooms = self.config.max_rooms;
-            self.with_state(|st| {
-                if st.pending.remove(&room).is_some() {
-                    tracing::debug!(room, "abort before the room was created: tombstoned");
-                    let reason = FailureReason::with_peer(
-                        FailureCause::DuplicateRoom,
-                        &a.decode_endpoint,
-                        "Duplicate or cancelled bootstrap room",
-                    );
-                    st.tombstone(max_rooms, room, reason, expiry);
-                }
-            });
-            return self.outbox.send(&a.decode_endpoint, ack);
-        };
-        if state != RoomState::Success {
-            self.fail_room(
-                room,
-                None,
-                FailureReason::with_peer(
-                    FailureCause::RemoteFailure,
+            if st.pending.remove(&room).is_some() {
+                tracing::debug!(%room, "abort before the room was created: tombstoned");
+                let reason = FailureReason::with_peer(
+                    FailureCause::DuplicateRoom,
                     &a.decode_endpoint,
-                    format!("Aborted by decode {}: {}", a.decode_endpoint, a.reason),
-                ),
-            );
-        }
-        let ack_now = self.with_state(|st| {
-            let Some(r) = st.rooms.get_mut(&room) else {
-                return true;
-            };
-            if r.driver_alive {
-                r.pending_acks.push((a.decode_endpoint.clone(), a.generation));
-                false
-            } else if r.poisoned {
-                tracing::error!(parent: &r.span, decode = %a.decode_endpoint, "room is poisoned (a batch could not be fenced): no ABORT_ACK");
-                false
-            } else {
-                true
+                    "Duplicate or cancelled bootstrap room",
+                );
+                st.tombstone(max_rooms, room, reason, expiry);
             }
         });
-        if ack_now {
-            self.outbox.send(&a.decode_endpoint, ack);
-        }
+        self.outbox.send(
+            &a.decode_endpoint,
+            ControlMessage::AbortAck(AbortAck {
+                room: a.room,
+                generation: a.generation,
+                prefill_rank: self.unique_rank,
+                prefill_endpoint: self.endpoint.clone(),
+            }),
+        );
     }
 
-    fn clear(&self, room: u64) {
-        let state = self.with_state(|st| st.visible(room).ok().map(|r| r.status.state()));
-        let Some(state) = state else { return };
-        if !state.is_terminal() {
-            self.fail_room(
-                room,
-                None,
-                FailureReason::new(FailureCause::Aborted, "Cleared before the transfer ended"),
-            );
+    fn clear(self: &Arc<Self>, room: RoomId) {
+        if self.with_state(|st| st.visible(room).is_err()) {
+            return;
         }
-        self.with_state(|st| {
-            let r = st.rooms.get_mut(&room)?;
-            if r.driver_alive {
-                r.cleared = true;
-                r.driver = None;
-                None
-            } else {
-                st.rooms.remove(&room)
-            }
-        });
-        self.agreement.forget(room);
+        self.step(room, None, Event::Clear);
+        self.agreement.forget(room.get());
     }
 
-    async fn send_chunk(self: Arc<Self>, room: u64, chunk: Chunk) -> Result<()> {
-        // One page id stands for page_size · dcp_size tokens (the prefill's virtual page).
-        let page_tokens = self
-            .descriptor
-            .page_size
-            .saturating_mul(u64::from(self.descriptor.dcp_size.max(1)));
-        fn invalid<T>(message: String) -> Result<T> {
+    /// Refuses chunks that break what the agent's memory and pack buffers allow.
+    fn check_chunk(&self, chunk: &Chunk) -> Result<()> {
+        let invalid = |message: String| {
             Err(CoordinatorError::InvalidRequest {
                 what: "chunk",
                 message,
             })
-        }
+        };
         if let Some(pack) = &self.pack {
             if chunk.num_kv_tokens > pack.max_chunk_tokens {
                 return invalid(format!(
@@ -1251,143 +1329,67 @@ impl PrefillInner {
                     .to_owned(),
             );
         }
-        if let Some(i) = chunk.aux_index {
-            for (j, (e, &item)) in self
-                .memory
-                .aux
-                .iter()
-                .zip(&self.descriptor.aux_item_lens)
-                .enumerate()
+        let Some(i) = chunk.aux_index else {
+            return Ok(());
+        };
+        let aux = self.memory.aux.iter().zip(&self.descriptor.aux_item_lens);
+        for (j, (e, &item)) in aux.enumerate() {
+            if i.checked_add(1)
+                .and_then(|n| n.checked_mul(item))
+                .is_none_or(|end| end > e.len)
             {
-                if i.checked_add(1)
-                    .and_then(|n| n.checked_mul(item))
-                    .is_none_or(|end| end > e.len)
-                {
-                    return invalid(format!(
-                        "aux_index {i} is outside aux buffer {j} ({} rows of {item} bytes)",
-                        e.len / item.max(1)
-                    ));
-                }
+                return invalid(format!(
+                    "aux_index {i} is outside aux buffer {j} ({} rows of {item} bytes)",
+                    e.len / item.max(1)
+                ));
             }
         }
-        let max_inflight = self.config.max_inflight_batches.max(1);
-        let step = self.with_state(|st| {
-            let r = match st.rooms.get_mut(&room).filter(|r| !r.cleared) {
-                Some(r) => r,
-                None => return Err(CoordinatorError::UnknownRoom { room, side: SIDE }),
-            };
-            match r.status.state() {
-                RoomState::Failed => {
-                    return Err(r.status.failure_or_unknown(room, SIDE));
-                }
-                RoomState::Bootstrapping => {
-                    return Err(CoordinatorError::RoomNotReady {
-                        room,
-                        state: RoomState::Bootstrapping,
-                        operation: "send_chunk",
-                        needed: RoomState::WaitingForInput,
-                    });
-                }
-                RoomState::Success => {
-                    return invalid(format!("room {room} already ended in Success"));
-                }
-                _ => {}
-            }
-            if r.last_sent {
-                return invalid(format!("the last chunk of room {room} was already sent"));
-            }
-            // The chunk starts at position prefix + tokens_sent, possibly mid-page.
-            let start = r.prefix.unwrap_or(0).saturating_add(r.tokens_sent) % page_tokens.max(1);
-            let capacity = (chunk.pages.len() as u64)
-                .saturating_mul(page_tokens)
-                .saturating_sub(if chunk.pages.is_empty() { 0 } else { start });
-            if chunk.num_kv_tokens > capacity {
-                return invalid(format!(
-                    "num_kv_tokens must fit in the provided source pages, got tokens={}, \
-                     capacity={capacity} ({} pages of {page_tokens} tokens, starting {start} \
-                     tokens into the first)",
-                    chunk.num_kv_tokens,
-                    chunk.pages.len()
-                ));
-            }
-            if !chunk.is_last && chunk.num_kv_tokens != capacity {
-                return invalid(format!(
-                    "only the last chunk may end mid-page: this chunk has {} pages ({capacity} \
-                     token slots from where the send range stands) but {} tokens; floor \
-                     non-last chunks to whole pages",
-                    chunk.pages.len(),
-                    chunk.num_kv_tokens
-                ));
-            }
-            let page_offset = r.pages_sent;
-            let token_offset = r.tokens_sent;
-            r.tokens_sent += chunk.num_kv_tokens;
-            r.pages_sent += chunk.pages.len() as u64;
-            r.last_sent = chunk.is_last;
-            r.status.update(RoomState::Transferring);
-            let senders: Vec<RoomPeer> = r
-                .infos
-                .iter()
-                .filter(|p| p.peer.is_some())
-                .cloned()
-                .collect();
-            if senders.is_empty() {
-                // Only dummy peers: nothing to send; the last chunk concludes locally.
-                return Ok(ChunkStep::Local {
-                    conclude: chunk.is_last,
-                });
-            }
-            let mut start = None;
-            if r.driver.is_none() && !r.driver_alive {
-                let (tx, rx) = mpsc::channel(max_inflight);
-                r.driver = Some(tx);
-                r.driver_alive = true;
-                start = Some(DriverStart {
-                    incarnation: r.incarnation,
-                    senders,
-                    prefix: r.prefix.unwrap_or(0),
-                    rx,
-                    status_rx: r.status.subscribe(),
-                    span: r.span.clone(),
-                });
-            }
-            let Some(tx) = r.driver.clone() else {
-                return invalid(format!("room {room} is no longer accepting chunks"));
-            };
-            Ok(ChunkStep::Queue {
+        Ok(())
+    }
+
+    async fn send_chunk(self: Arc<Self>, room: RoomId, chunk: Chunk) -> Result<()> {
+        self.check_chunk(&chunk)?;
+        self.with_state(|st| st.visible(room).map(|_| ()))?;
+        // One page id stands for page_size · dcp_size tokens (the prefill's virtual page).
+        let page_tokens = self
+            .descriptor
+            .page_size
+            .saturating_mul(u64::from(self.descriptor.dcp_size.max(1)));
+        let shape = ChunkShape {
+            pages: chunk.pages.len() as u64,
+            tokens: chunk.num_kv_tokens,
+            is_last: chunk.is_last,
+            page_tokens,
+        };
+        let Some(step) = self.step(room, None, Event::Chunk(shape)) else {
+            return Err(CoordinatorError::UnknownRoom { room, side: SIDE });
+        };
+        // Nothing to post: the room has only dummy peers.
+        let Some(step) = step else {
+            return Ok(());
+        };
+        let (tx, page_offset, token_offset) = match step {
+            ChunkStep::Refused(e) => return Err(e),
+            ChunkStep::Queue {
                 tx,
-                job: Job {
-                    chunk,
-                    page_offset,
-                    token_offset,
-                },
+                page_offset,
+                token_offset,
                 start,
-            })
-        })?;
-        let (tx, job) = match step {
-            ChunkStep::Local { conclude } => {
-                if conclude {
-                    self.conclude_success(room, None, 0);
-                }
-                return Ok(());
-            }
-            ChunkStep::Queue { tx, job, start } => {
+            } => {
                 if let Some(d) = start {
+                    let span = d.span.clone();
                     tokio::spawn(tracing::Instrument::instrument(
-                        drive_room(
-                            self.clone(),
-                            room,
-                            d.incarnation,
-                            d.senders,
-                            d.prefix,
-                            d.rx,
-                            d.status_rx,
-                        ),
-                        d.span,
+                        RoomDriver::new(self.clone(), room, &d).run(d.rx, d.status_rx),
+                        span,
                     ));
                 }
-                (tx, job)
+                (tx, page_offset, token_offset)
             }
+        };
+        let job = Job {
+            chunk,
+            page_offset,
+            token_offset,
         };
         if tx.send(job).await.is_err() {
             return self.with_state(|st| {
@@ -1401,240 +1403,6 @@ impl PrefillInner {
             });
         }
         Ok(())
-    }
-
-    fn conclude_success(&self, room: u64, incarnation: Option<u64>, bytes: u64) {
-        let sends = self.with_state(|st| {
-            let r = st.rooms.get_mut(&room)?;
-            if incarnation.is_some_and(|i| i != r.incarnation)
-                || r.status.state() == RoomState::Failed
-            {
-                return None;
-            }
-            Some(conclude(r, room, self.unique_rank, bytes, &self.metrics))
-        });
-        for (to, msg) in sends.into_iter().flatten() {
-            self.outbox.send(&to, msg);
-        }
-    }
-
-    /// The driver of `room` ended: its batches are all final (or the room is poisoned).
-    fn driver_finished(&self, room: u64, incarnation: u64, poisoned: bool) {
-        let sends = self.with_state(|st| {
-            let r = st
-                .rooms
-                .get_mut(&room)
-                .filter(|r| r.incarnation == incarnation)?;
-            let sends = driver_ended(r, room, poisoned, self.unique_rank, &self.endpoint);
-            if r.cleared {
-                st.rooms.remove(&room);
-            }
-            Some(sends)
-        });
-        for (to, msg) in sends.into_iter().flatten() {
-            self.outbox.send(&to, msg);
-        }
-    }
-}
-
-/// Marks a room Success; returns the statuses to send.
-fn conclude(
-    r: &mut PrefillRoom,
-    room: u64,
-    rank: u32,
-    bytes: u64,
-    metrics: &Metrics,
-) -> Vec<(Endpoint, ControlMessage)> {
-    r.status.update(RoomState::Success);
-    r.timer = None;
-    let elapsed = r.created_at.elapsed();
-    metrics.succeeded(elapsed);
-    r.span.record("bytes", bytes);
-    r.span.record("duration_ms", elapsed.as_millis() as u64);
-    tracing::info!(parent: &r.span, bytes, duration_ms = elapsed.as_millis() as u64, "room transferred");
-    r.infos
-        .iter()
-        .filter(|p| p.peer.is_some())
-        .map(|p| {
-            (
-                p.info.decode_endpoint.clone(),
-                ControlMessage::Status(StatusUpdate {
-                    room,
-                    generation: p.info.generation,
-                    state: RoomState::Success,
-                    prefill_rank: rank,
-                    reason: None,
-                    cause: None,
-                }),
-            )
-        })
-        .collect()
-}
-
-/// Records that a room's driver ended; returns the notices and acks now due.
-fn driver_ended(
-    r: &mut PrefillRoom,
-    room: u64,
-    poisoned: bool,
-    rank: u32,
-    endpoint: &Endpoint,
-) -> Vec<(Endpoint, ControlMessage)> {
-    r.driver_alive = false;
-    r.driver = None;
-    r.poisoned |= poisoned;
-    let mut sends = Vec::new();
-    if r.status.state() == RoomState::Failed {
-        sends.extend(failure_notices_inner(r, rank));
-    }
-    let acks = std::mem::take(&mut r.pending_acks);
-    if r.poisoned {
-        if !acks.is_empty() {
-            tracing::error!(parent: &r.span, "room is poisoned (a batch could not be fenced): no ABORT_ACK is sent");
-        }
-    } else {
-        for (to, generation) in acks {
-            sends.push((
-                to,
-                ControlMessage::AbortAck(AbortAck {
-                    room,
-                    generation,
-                    prefill_rank: rank,
-                    prefill_endpoint: endpoint.clone(),
-                }),
-            ));
-        }
-    }
-    sends
-}
-
-/// What [`PrefillInner::on_transfer_info`] does once the state is unlocked.
-enum MetadataStep {
-    Added(Added),
-    FailThenAdd(FailureReason, RoomPeer),
-    Reply(FailureReason),
-    Pending,
-}
-
-/// What [`PrefillInner::send_chunk`] does once the state is unlocked.
-enum ChunkStep {
-    /// Only dummy peers: nothing to send (the last chunk concludes the room).
-    Local { conclude: bool },
-    Queue {
-        tx: mpsc::Sender<Job>,
-        job: Job,
-        start: Option<DriverStart>,
-    },
-}
-
-/// What a new room driver needs, taken under the lock and spawned after it.
-struct DriverStart {
-    incarnation: u64,
-    senders: Vec<RoomPeer>,
-    prefix: u64,
-    rx: mpsc::Receiver<Job>,
-    status_rx: watch::Receiver<RoomState>,
-    span: Span,
-}
-
-/// What the prefill already knows of a registering decode session.
-enum Known {
-    Accepted,
-    Rejected(Vec<WireProblem>),
-    New,
-}
-
-/// What adding a decode rank's metadata to a room asks the caller to do.
-#[derive(Default)]
-struct Added {
-    /// Messages to send (failure notices for a room that already failed).
-    sends: Vec<(Endpoint, ControlMessage)>,
-    /// The room just became ready (WaitingForInput): arm its waiting timer.
-    ready: bool,
-    /// The same decode rank sent metadata of another generation: fail the room with this.
-    duplicate: Option<FailureReason>,
-}
-
-/// Adds a decode rank's metadata to a room.
-fn add_info(r: &mut PrefillRoom, rp: RoomPeer, rank: u32) -> Added {
-    let e = rp.info.decode_endpoint.clone();
-    if let Some(existing) = r.infos.iter().find(|p| p.info.decode_endpoint == e) {
-        let mut out = Added::default();
-        if existing.info.generation != rp.info.generation {
-            out.duplicate = Some(FailureReason::with_peer(
-                FailureCause::DuplicateRoom,
-                &e,
-                "Duplicate decode bootstrap room",
-            ));
-        }
-        return out;
-    }
-    if r.infos.is_empty() {
-        r.span.record("peer", e.as_str());
-    }
-    r.required = r.required.max(rp.info.required_dst_info_num);
-    if r.prefix.is_none() {
-        r.prefix = Some(rp.info.decode_prefix_len);
-    }
-    r.infos.push(rp);
-    match r.status.state() {
-        RoomState::Failed => Added {
-            sends: failure_notices(r, rank),
-            ..Added::default()
-        },
-        RoomState::Bootstrapping if r.infos.len() as u32 >= r.required.max(1) => {
-            r.status.update(RoomState::WaitingForInput);
-            r.timer = None;
-            tracing::debug!(parent: &r.span, decode_ranks = r.infos.len(), prefix = r.prefix, "room ready");
-            Added {
-                ready: true,
-                ..Added::default()
-            }
-        }
-        _ => Added::default(),
-    }
-}
-
-/// Failure statuses for every non-dummy peer not told yet (none while a driver still fences
-/// the room's batches: it tells them when it ends).
-fn failure_notices(r: &mut PrefillRoom, rank: u32) -> Vec<(Endpoint, ControlMessage)> {
-    if r.driver_alive {
-        return Vec::new();
-    }
-    failure_notices_inner(r, rank)
-}
-
-fn failure_notices_inner(r: &mut PrefillRoom, rank: u32) -> Vec<(Endpoint, ControlMessage)> {
-    let reason = r
-        .status
-        .reason()
-        .cloned()
-        .unwrap_or_else(|| FailureReason::new(FailureCause::OtherRank, "KV transfer failed"));
-    let mut out = Vec::new();
-    for p in r.infos.iter().filter(|p| p.peer.is_some()) {
-        if r.notified.insert(p.info.decode_endpoint.clone()) {
-            out.push((
-                p.info.decode_endpoint.clone(),
-                status_failed(p.info.room, &p.info, rank, &reason),
-            ));
-        }
-    }
-    out
-}
-
-/// Per decode peer progress inside a room's driver.
-struct SendPeer {
-    rp: RoomPeer,
-    outstanding: usize,
-    last_posted: bool,
-    aux_posted: bool,
-    done: bool,
-    bytes: u64,
-}
-
-impl SendPeer {
-    /// Every KV batch of the last chunk is done and the aux rows are not posted yet.
-    fn ready_for_aux(&self) -> bool {
-        self.last_posted && self.outstanding == 0 && !self.aux_posted && !self.done
     }
 }
 
@@ -1666,7 +1434,7 @@ async fn pack_batch(
     inner: &Arc<PrefillInner>,
     pack: &Pack,
     ops: Vec<TransferOp>,
-    room: u64,
+    room: RoomId,
     endpoint: &Endpoint,
     wait_limit: Duration,
     mut status_rx: watch::Receiver<RoomState>,
@@ -1690,7 +1458,9 @@ async fn pack_batch(
     .await;
     let lease = match acquired {
         Ok(Some(Ok(lease))) => lease,
-        Ok(Some(Err(e))) => return Err(fail(FailureCause::TransferError, e.to_string())),
+        Ok(Some(Err(e))) => {
+            return Err(fail(FailureCause::TransferError, e.to_string()));
+        }
         // The room failed meanwhile; the driver sees it next.
         Ok(None) => return Ok(None),
         Err(_) => {
@@ -1735,354 +1505,467 @@ async fn pack_batch(
     }
 }
 
-/// Posts a room's chunks and waits for its batches; on failure, fences every batch in flight
-/// before the decode peers are told (and before any abort is acknowledged).
-async fn drive_room(
+/// The task that posts one room's chunks and follows its batches ([`SendProgress`] keeps the
+/// accounting); on failure it fences every batch in flight before the room's machine hears
+/// [`Event::DriverEnded`] (which tells the decode ranks and acknowledges their aborts).
+struct RoomDriver {
     inner: Arc<PrefillInner>,
-    room: u64,
-    incarnation: u64,
-    senders: Vec<RoomPeer>,
+    room: RoomId,
+    incarnation: Incarnation,
+    /// The decode ranks sent to (no dummies), as [`SendProgress`] indexes them.
+    peers: Vec<RoomPeer>,
     prefix: u64,
-    mut rx: mpsc::Receiver<Job>,
-    mut status_rx: watch::Receiver<RoomState>,
-) {
-    let mut peers: Vec<SendPeer> = senders
-        .into_iter()
-        .map(|rp| SendPeer {
-            rp,
-            outstanding: 0,
-            last_posted: false,
-            aux_posted: false,
-            done: false,
-            bytes: 0,
-        })
-        .collect();
-    let mut waits: JoinSet<WaitResult> = JoinSet::new();
-    // Pack buffers of batches whose waiter gave up (hung): released once the fence proves
-    // the batch final, retired otherwise.
-    let mut hung_leases: HashMap<BatchId, PackLease> = HashMap::new();
-    let mut inflight: HashMap<BatchId, usize> = HashMap::new();
-    let mut input_open = true;
-    let mut src_aux: Option<u64> = None;
-    let mut failure: Option<FailureReason> = None;
-    let max_inflight = inner.config.max_inflight_batches.max(1);
-    let wait_limit = inner.config.batch_timeout + inner.config.fence_grace;
+    progress: SendProgress,
+    waits: JoinSet<WaitResult>,
+    /// Pack buffers of batches whose waiter gave up (hung): released once the fence proves
+    /// the batch final, retired otherwise.
+    hung_leases: HashMap<BatchId, PackLease>,
+    /// The prefill's aux row, once the last chunk is posted.
+    src_aux: Option<u64>,
+    /// How long a batch is waited for: its deadline plus the grace.
+    wait_limit: Duration,
+}
 
-    // Posts `ops` to peer `pi` (reading the pack buffer `lease`, if any); records the wait.
-    // Returns a failure reason on error.
-    macro_rules! post {
-        ($pi:expr, $ops:expr, $aux:expr, $lease:expr) => {{
-            let pi: usize = $pi;
-            let ops: Vec<TransferOp> = $ops;
-            let lease: Option<PackLease> = $lease;
-            let n_ops = ops.len() as u64;
-            let rows: u64 = ops.iter().map(|o| o.count).sum();
-            let bytes: u64 = ops.iter().map(TransferOp::total_bytes).sum();
-            let batch = TransferBatch::write(ops).with_timeout(inner.config.batch_timeout);
-            let peer = peers[pi].rp.peer.as_ref().map(|p| p.peer);
-            match peer {
-                None => {
-                    if let Some(l) = lease {
-                        l.release();
+impl RoomDriver {
+    fn new(inner: Arc<PrefillInner>, room: RoomId, d: &DriverStart) -> Self {
+        let wait_limit = inner.config.batch_timeout + inner.config.fence_grace;
+        Self {
+            inner,
+            room,
+            incarnation: d.incarnation,
+            progress: SendProgress::new(d.senders.len()),
+            peers: d.senders.clone(),
+            prefix: d.prefix,
+            waits: JoinSet::new(),
+            hung_leases: HashMap::new(),
+            src_aux: None,
+            wait_limit,
+        }
+    }
+
+    async fn run(mut self, mut rx: mpsc::Receiver<Job>, mut status_rx: watch::Receiver<RoomState>) {
+        let failure = self.send(&mut rx, &mut status_rx).await.err();
+        drop(rx);
+        let (room, incarnation) = (self.room, self.incarnation);
+        if let Some(reason) = failure {
+            self.inner
+                .step(room, Some(incarnation), Event::Fail(reason));
+        }
+        let poisoned = self.fence().await;
+        if poisoned {
+            tracing::error!(%room, "a batch of the room could not be fenced; the room is poisoned");
+        }
+        self.inner.step(
+            room,
+            Some(incarnation),
+            Event::DriverEnded {
+                incarnation,
+                poisoned,
+            },
+        );
+    }
+
+    /// Posts chunks and follows their batches until the room is delivered (`Ok`), fails
+    /// elsewhere (`Ok`: the room's status says so) or fails here (the reason).
+    async fn send(
+        &mut self,
+        rx: &mut mpsc::Receiver<Job>,
+        status_rx: &mut watch::Receiver<RoomState>,
+    ) -> std::result::Result<(), FailureReason> {
+        let max_inflight = self.inner.config.max_inflight_batches.max(1);
+        let mut input_open = true;
+        loop {
+            if *status_rx.borrow() == RoomState::Failed {
+                return Ok(());
+            }
+            let due = tokio::select! {
+                biased;
+                changed = status_rx.changed() => {
+                    if changed.is_err() {
+                        return Ok(());
                     }
-                    None
+                    continue;
                 }
-                Some(peer_id) => match inner.transport.post(peer_id, batch).await {
-                    Ok(id) => {
-                        inc(&inner.metrics.batches_posted);
-                        add(&inner.metrics.descriptors_posted, n_ops);
-                        add(&inner.metrics.rows_posted, rows);
-                        inflight.insert(id, pi);
-                        let t = inner.transport.clone();
-                        waits.spawn(async move {
-                            let w = match tokio::time::timeout(wait_limit, t.wait(id)).await {
-                                Ok(r) => Waited::Final(r),
-                                Err(_) => Waited::Hung,
-                            };
-                            // Final: no byte of the batch is read any more.
-                            let lease = match (&w, lease) {
-                                (Waited::Final(_), Some(l)) => {
-                                    l.release();
-                                    None
-                                }
-                                (_, l) => l,
-                            };
-                            WaitResult {
-                                pi,
-                                aux: $aux,
-                                id,
-                                bytes,
-                                waited: w,
-                                lease,
-                            }
-                        });
-                        None
-                    }
-                    Err(e) => {
-                        // Refused: nothing of the batch moves.
-                        if let Some(l) = lease {
-                            l.release();
-                        }
-                        Some(batch_failure(
-                            room,
-                            &peers[pi].rp.info.decode_endpoint,
-                            $aux,
-                            &e,
-                        ))
+                Some(joined) = self.waits.join_next(), if !self.waits.is_empty() => {
+                    self.on_waited(joined)?
+                }
+                job = rx.recv(), if input_open && self.waits.len() < max_inflight => match job {
+                    Some(job) => self.on_job(job, status_rx).await?,
+                    None => {
+                        input_open = false;
+                        continue;
                     }
                 },
+            };
+            if self.follow(due).await? {
+                return Ok(());
             }
-        }};
+        }
     }
 
-    loop {
-        if failure.is_some() {
-            break;
-        }
-        if peers.iter().all(|p| p.done) {
-            let total: u64 = peers.iter().map(|p| p.bytes).sum();
-            inner.conclude_success(room, Some(incarnation), total);
-            break;
-        }
-        if *status_rx.borrow() == RoomState::Failed {
-            break;
-        }
-        tokio::select! {
-            biased;
-            changed = status_rx.changed() => {
-                if changed.is_err() || *status_rx.borrow() == RoomState::Failed {
-                    break;
+    /// Executes what the batch accounting asks; `true` once the room is delivered.
+    async fn follow(
+        &mut self,
+        mut due: Vec<BatchAction>,
+    ) -> std::result::Result<bool, FailureReason> {
+        while let Some(action) = due.pop() {
+            match action {
+                BatchAction::PostAux { peer } => {
+                    let more = self.post_aux(peer).await?;
+                    due.extend(more);
                 }
-            }
-            Some(joined) = waits.join_next(), if !waits.is_empty() => {
-                let Ok(WaitResult { pi, aux: is_aux, id, bytes, waited, lease }) = joined else {
-                    failure = Some(FailureReason::new(FailureCause::TransferError, format!("Failed to send kv chunk of {room}: a batch waiter task died")));
-                    continue;
-                };
-                match waited {
-                    Waited::Final(Ok(())) => {
-                        inflight.remove(&id);
-                        inc(&inner.metrics.batches_done);
-                        add(&inner.metrics.bytes_transferred, bytes);
-                        let p = &mut peers[pi];
-                        p.bytes += bytes;
-                        if is_aux {
-                            p.done = true;
-                        } else {
-                            p.outstanding -= 1;
-                        }
-                    }
-                    Waited::Final(Err(e)) => {
-                        inflight.remove(&id);
-                        inc(&inner.metrics.batches_failed);
-                        failure = Some(batch_failure(room, &peers[pi].rp.info.decode_endpoint, is_aux, &e));
-                        continue;
-                    }
-                    Waited::Hung => {
-                        if let Some(l) = lease {
-                            hung_leases.insert(id, l);
-                        }
-                        inc(&inner.metrics.batches_failed);
-                        let what = if is_aux { "aux data" } else { "kv chunk" };
-                        failure = Some(FailureReason::with_peer(
-                            FailureCause::BatchTimeout,
-                            &peers[pi].rp.info.decode_endpoint,
-                            format!(
-                                "Failed to send {what} of {room} to {}: the transport did not finish batch {id} within {wait_limit:?} (its deadline plus grace)",
-                                peers[pi].rp.info.decode_endpoint
-                            ),
-                        ));
-                        continue;
-                    }
-                }
-            }
-            job = rx.recv(), if input_open && waits.len() < max_inflight => {
-                let Some(job) = job else {
-                    input_open = false;
-                    continue;
-                };
-                // Planning is linear in the chunk's descriptors (hundreds of thousands when
-                // every token row of a head slice is one): it runs off the runtime's workers,
-                // so heartbeats, keep-alives and the other rooms' transfers go on meanwhile.
-                let targets: Vec<RoomPeer> = peers.iter().map(|p| p.rp.clone()).collect();
-                let planned = tokio::task::spawn_blocking(move || {
-                    let ops: Vec<_> = targets
-                        .iter()
-                        .map(|rp| {
-                            rp.peer.as_ref().map(|ap| {
-                                ap.plan.chunk_ops(
-                                    &job.chunk,
-                                    job.page_offset,
-                                    job.token_offset,
-                                    &rp.info.dst_pages,
-                                    prefix,
-                                )
-                            })
-                        })
-                        .collect();
-                    (job, ops)
-                })
-                .await;
-                let (job, planned) = match planned {
-                    Ok(p) => p,
-                    Err(e) => {
-                        failure = Some(FailureReason::new(
-                            FailureCause::Planning,
-                            format!("Failed to send kv chunk of {room}: the planning task died: {e}"),
-                        ));
-                        continue;
-                    }
-                };
-                for (pi, ops) in planned.into_iter().enumerate() {
-                    let Some(ops) = ops else { continue };
-                    let endpoint = peers[pi].rp.info.decode_endpoint.clone();
-                    match ops {
-                        Ok(ops) if ops.is_empty() => {}
-                        Ok(ops) => {
-                            let (ops, lease) = match &inner.pack {
-                                Some(pack) if has_strided_source(&ops) => {
-                                    match pack_batch(&inner, pack, ops, room, &endpoint, wait_limit, status_rx.clone()).await {
-                                        Ok(Some((ops, lease))) => (ops, Some(lease)),
-                                        // The room failed while waiting for a buffer.
-                                        Ok(None) => break,
-                                        Err(f) => {
-                                            failure = Some(f);
-                                            break;
-                                        }
-                                    }
-                                }
-                                _ => (ops, None),
-                            };
-                            if let Some(f) = post!(pi, ops, false, lease) {
-                                failure = Some(f);
-                                break;
-                            }
-                            peers[pi].outstanding += 1;
-                        }
-                        Err(e) => {
-                            failure = Some(FailureReason::with_peer(
-                                FailureCause::Planning,
-                                &endpoint,
-                                format!("Failed to send kv chunk of {room} to {endpoint}: {}", e.0),
-                            ));
-                            break;
-                        }
-                    }
-                }
-                if job.chunk.is_last {
-                    src_aux = job.chunk.aux_index;
-                    for p in &mut peers {
-                        p.last_posted = true;
-                    }
+                BatchAction::Delivered { bytes } => {
+                    let incarnation = self.incarnation;
+                    self.inner.step(
+                        self.room,
+                        Some(incarnation),
+                        Event::Delivered { incarnation, bytes },
+                    );
+                    return Ok(true);
                 }
             }
         }
-        if failure.is_some() {
-            break;
+        Ok(false)
+    }
+
+    fn on_waited(
+        &mut self,
+        joined: std::result::Result<WaitResult, tokio::task::JoinError>,
+    ) -> std::result::Result<Vec<BatchAction>, FailureReason> {
+        let room = self.room;
+        let metrics = &self.inner.metrics;
+        let Ok(w) = joined else {
+            return Err(FailureReason::new(
+                FailureCause::TransferError,
+                format!("Failed to send kv chunk of {room}: a batch waiter task died"),
+            ));
+        };
+        let endpoint = &self.peers[w.pi].info.decode_endpoint;
+        match w.waited {
+            Waited::Final(Ok(())) => {
+                inc(&metrics.batches_done);
+                add(&metrics.bytes_transferred, w.bytes);
+                Ok(self.progress.handle(BatchEvent::Done {
+                    id: w.id,
+                    bytes: w.bytes,
+                }))
+            }
+            Waited::Final(Err(e)) => {
+                inc(&metrics.batches_failed);
+                self.progress.handle(BatchEvent::Failed { id: w.id });
+                Err(batch_failure(room, endpoint, w.aux, e))
+            }
+            Waited::Hung => {
+                if let Some(l) = w.lease {
+                    self.hung_leases.insert(w.id, l);
+                }
+                inc(&metrics.batches_failed);
+                let what = if w.aux { "aux data" } else { "kv chunk" };
+                Err(FailureReason::with_peer(
+                    FailureCause::BatchTimeout,
+                    endpoint,
+                    format!(
+                        "Failed to send {what} of {room} to {endpoint}: the transport did not \
+                         finish batch {} within {:?} (its deadline plus grace)",
+                        w.id, self.wait_limit
+                    ),
+                ))
+            }
         }
-        // Aux rows follow the KV: post them once every KV batch of the peer is done.
-        for pi in 0..peers.len() {
-            let p = &peers[pi];
-            if !p.ready_for_aux() {
+    }
+
+    /// Plans a chunk for every decode rank and posts its batches (through a pack buffer when
+    /// the source rows are strided and the agent has pack buffers).
+    async fn on_job(
+        &mut self,
+        job: Job,
+        status_rx: &watch::Receiver<RoomState>,
+    ) -> std::result::Result<Vec<BatchAction>, FailureReason> {
+        let room = self.room;
+        let (job, planned) = self.plan(job).await?;
+        let mut due = Vec::new();
+        for (pi, ops) in planned.into_iter().enumerate() {
+            let endpoint = self.peers[pi].info.decode_endpoint.clone();
+            let ops = ops.map_err(|e| {
+                FailureReason::with_peer(
+                    FailureCause::Planning,
+                    &endpoint,
+                    format!("Failed to send kv chunk of {room} to {endpoint}: {}", e.0),
+                )
+            })?;
+            if ops.is_empty() {
                 continue;
             }
-            let ops = match (src_aux, p.rp.info.dst_aux_index, p.rp.peer.as_ref()) {
-                (Some(s), Some(d), Some(ap)) => ap.plan.aux_ops(s, d),
-                _ => Ok(Vec::new()),
-            };
-            peers[pi].aux_posted = true;
-            match ops {
-                Ok(ops) if ops.is_empty() => peers[pi].done = true,
-                Ok(ops) => {
-                    if let Some(f) = post!(pi, ops, true, None) {
-                        failure = Some(f);
-                        break;
-                    }
-                }
-                Err(e) => {
-                    let endpoint = peers[pi].rp.info.decode_endpoint.clone();
-                    failure = Some(FailureReason::with_peer(
-                        FailureCause::Planning,
+            let (ops, lease) = match &self.inner.pack {
+                Some(pack) if has_strided_source(&ops) => {
+                    let packed = pack_batch(
+                        &self.inner,
+                        pack,
+                        ops,
+                        room,
                         &endpoint,
-                        format!("Failed to send aux data of {room} to {endpoint}: {}", e.0),
-                    ));
-                    break;
+                        self.wait_limit,
+                        status_rx.clone(),
+                    )
+                    .await?;
+                    // None: the room failed while waiting for a buffer.
+                    let Some((ops, lease)) = packed else {
+                        return Ok(due);
+                    };
+                    (ops, Some(lease))
                 }
+                _ => (ops, None),
+            };
+            due.extend(self.post(pi, ops, false, lease).await?);
+        }
+        if job.chunk.is_last {
+            self.src_aux = job.chunk.aux_index;
+            due.extend(self.progress.handle(BatchEvent::LastChunkPosted));
+        }
+        Ok(due)
+    }
+
+    /// Plans a chunk for every decode rank. Planning is linear in the chunk's descriptors
+    /// (hundreds of thousands when every token row of a head slice is one): it runs off the
+    /// runtime's workers, so heartbeats, keep-alives and the other rooms' transfers go on.
+    async fn plan(
+        &self,
+        job: Job,
+    ) -> std::result::Result<
+        (
+            Job,
+            Vec<std::result::Result<Vec<TransferOp>, crate::plan::PlanError>>,
+        ),
+        FailureReason,
+    > {
+        let targets = self.peers.clone();
+        let prefix = self.prefix;
+        tokio::task::spawn_blocking(move || {
+            let ops = targets
+                .iter()
+                .map(|rp| match &rp.peer {
+                    Some(ap) => ap.plan.chunk_ops(
+                        &job.chunk,
+                        job.page_offset,
+                        job.token_offset,
+                        &rp.info.dst_pages,
+                        prefix,
+                    ),
+                    None => Ok(Vec::new()),
+                })
+                .collect();
+            (job, ops)
+        })
+        .await
+        .map_err(|e| {
+            FailureReason::new(
+                FailureCause::Planning,
+                format!(
+                    "Failed to send kv chunk of {}: the planning task died: {e}",
+                    self.room
+                ),
+            )
+        })
+    }
+
+    /// Posts decode rank `pi`'s aux rows (or records that it needs none).
+    async fn post_aux(
+        &mut self,
+        pi: usize,
+    ) -> std::result::Result<Vec<BatchAction>, FailureReason> {
+        let p = &self.peers[pi];
+        let ops = match (self.src_aux, p.info.dst_aux_index, p.peer.as_ref()) {
+            (Some(s), Some(d), Some(ap)) => ap.plan.aux_ops(s, d),
+            _ => Ok(Vec::new()),
+        };
+        match ops {
+            Ok(ops) if ops.is_empty() => Ok(self.progress.handle(BatchEvent::NoAux { peer: pi })),
+            Ok(ops) => self.post(pi, ops, true, None).await,
+            Err(e) => {
+                let endpoint = &p.info.decode_endpoint;
+                Err(FailureReason::with_peer(
+                    FailureCause::Planning,
+                    endpoint,
+                    format!(
+                        "Failed to send aux data of {} to {endpoint}: {}",
+                        self.room, e.0
+                    ),
+                ))
             }
         }
     }
-    drop(rx);
-    if let Some(reason) = failure {
-        inner.fail_room(room, Some(incarnation), reason);
+
+    /// Posts `ops` to decode rank `pi` (reading the pack buffer `lease`, if any) and starts
+    /// waiting for the batch.
+    async fn post(
+        &mut self,
+        pi: usize,
+        ops: Vec<TransferOp>,
+        aux: bool,
+        lease: Option<PackLease>,
+    ) -> std::result::Result<Vec<BatchAction>, FailureReason> {
+        let Some(peer_id) = self.peers[pi].peer.as_ref().map(|p| p.peer) else {
+            if let Some(l) = lease {
+                l.release();
+            }
+            return Ok(Vec::new());
+        };
+        let n_ops = ops.len() as u64;
+        let rows: u64 = ops.iter().map(|o| o.count).sum();
+        let bytes: u64 = ops.iter().map(TransferOp::total_bytes).sum();
+        let batch = TransferBatch::write(ops).with_timeout(self.inner.config.batch_timeout);
+        let id = match self.inner.transport.post(peer_id, batch).await {
+            Ok(id) => id,
+            Err(e) => {
+                // Refused: nothing of the batch moves.
+                if let Some(l) = lease {
+                    l.release();
+                }
+                let endpoint = &self.peers[pi].info.decode_endpoint;
+                return Err(batch_failure(self.room, endpoint, aux, e));
+            }
+        };
+        let metrics = &self.inner.metrics;
+        inc(&metrics.batches_posted);
+        add(&metrics.descriptors_posted, n_ops);
+        add(&metrics.rows_posted, rows);
+        let t = self.inner.transport.clone();
+        let wait_limit = self.wait_limit;
+        self.waits.spawn(async move {
+            let waited = match tokio::time::timeout(wait_limit, t.wait(id)).await {
+                Ok(r) => Waited::Final(r),
+                Err(_) => Waited::Hung,
+            };
+            // Final: no byte of the batch is read any more.
+            let lease = match (&waited, lease) {
+                (Waited::Final(_), Some(l)) => {
+                    l.release();
+                    None
+                }
+                (_, l) => l,
+            };
+            WaitResult {
+                pi,
+                aux,
+                id,
+                bytes,
+                waited,
+                lease,
+            }
+        });
+        Ok(self
+            .progress
+            .handle(BatchEvent::Posted { peer: pi, id, aux }))
     }
-    // Fence: cancel every batch still in flight; each cancel returns once no byte of it can land.
+
+    /// Cancels every batch still in flight, then waits for every waiter; returns whether some
+    /// batch could not be proven final (the room is then poisoned).
+    async fn fence(&mut self) -> bool {
+        let ids = self.progress.in_flight();
+        let grace = self.inner.config.fence_grace;
+        let mut poisoned = fence(
+            &self.inner.transport,
+            self.room,
+            ids,
+            grace,
+            &mut self.hung_leases,
+        )
+        .await;
+        // Every batch still waited on ends here and is counted once: done when it finished
+        // before the cancel took hold, failed otherwise (cancelled, failed, or hung).
+        let metrics = &self.inner.metrics;
+        let waits = &mut self.waits;
+        let drain = async {
+            let mut hung = false;
+            while let Some(joined) = waits.join_next().await {
+                match joined {
+                    Ok(WaitResult {
+                        bytes,
+                        waited: Waited::Final(Ok(())),
+                        ..
+                    }) => {
+                        inc(&metrics.batches_done);
+                        add(&metrics.bytes_transferred, bytes);
+                    }
+                    // Its lease (if any) drops unreleased: the buffer is retired.
+                    Ok(WaitResult {
+                        waited: Waited::Hung,
+                        ..
+                    }) => {
+                        inc(&metrics.batches_failed);
+                        hung = true;
+                    }
+                    _ => inc(&metrics.batches_failed),
+                }
+            }
+            hung
+        };
+        match tokio::time::timeout(self.wait_limit, drain).await {
+            Ok(hung) => poisoned |= hung,
+            Err(_) => {
+                add(&metrics.batches_failed, self.waits.len() as u64);
+                self.waits.abort_all();
+                poisoned = true;
+            }
+        }
+        poisoned
+    }
+}
+
+/// Cancels every batch in `ids` at once and waits, bounded by one deadline `grace` from now,
+/// until each cancel returned (no byte of the batch can land any more). Releases the pack
+/// buffers of fenced hung batches; returns whether some batch could not be proven fenced.
+async fn fence(
+    transport: &Arc<dyn KvTransport>,
+    room: RoomId,
+    ids: Vec<BatchId>,
+    grace: Duration,
+    hung_leases: &mut HashMap<BatchId, PackLease>,
+) -> bool {
+    let deadline = Instant::now() + grace;
+    let mut cancels = JoinSet::new();
+    for id in ids {
+        let t = transport.clone();
+        cancels.spawn(async move { (id, t.cancel(id).await) });
+    }
     let mut poisoned = false;
-    for (&id, _) in inflight.iter() {
-        match tokio::time::timeout(inner.config.fence_grace, inner.transport.cancel(id)).await {
+    loop {
+        match tokio::time::timeout_at(deadline, cancels.join_next()).await {
+            Ok(None) => return poisoned,
             // A final state, or one already handed to `wait`, or a transport that shut down
             // (every batch failed): no byte of it can land any more.
-            Ok(
-                Ok(_)
-                | Err(TransportError::UnknownBatch { .. })
-                | Err(TransportError::Closed { .. }),
-            ) => {
+            Ok(Some(Ok((
+                id,
+                Ok(_) | Err(TransportError::UnknownBatch { .. } | TransportError::Closed { .. }),
+            )))) => {
                 if let Some(l) = hung_leases.remove(&id) {
                     l.release();
                 }
             }
-            Ok(Err(e)) => {
-                tracing::error!(room, batch = %id, error = %e, "cancel failed: the batch cannot be proven fenced");
+            Ok(Some(Ok((id, Err(e))))) => {
+                tracing::error!(%room, batch = %id, error = %e, "cancel failed: the batch cannot be proven fenced");
                 poisoned = true;
             }
-            Err(_) => poisoned = true,
-        }
-    }
-    // Every batch still waited on ends here and is counted once: done when it finished before
-    // the cancel took hold, failed otherwise (cancelled, failed, or hung).
-    let metrics = &inner.metrics;
-    let drain = async {
-        let mut hung = false;
-        while let Some(joined) = waits.join_next().await {
-            match joined {
-                Ok(WaitResult {
-                    bytes,
-                    waited: Waited::Final(Ok(())),
-                    ..
-                }) => {
-                    inc(&metrics.batches_done);
-                    add(&metrics.bytes_transferred, bytes);
-                }
-                // Its lease (if any) drops unreleased: the buffer is retired.
-                Ok(WaitResult {
-                    waited: Waited::Hung,
-                    ..
-                }) => {
-                    inc(&metrics.batches_failed);
-                    hung = true;
-                }
-                _ => inc(&metrics.batches_failed),
+            Ok(Some(Err(e))) => {
+                tracing::error!(%room, error = %e, "a cancel task died: its batch cannot be proven fenced");
+                poisoned = true;
+            }
+            Err(_) => {
+                tracing::error!(
+                    %room,
+                    pending = cancels.len(),
+                    ?grace,
+                    "cancels did not return within the fence grace"
+                );
+                cancels.abort_all();
+                return true;
             }
         }
-        hung
-    };
-    match tokio::time::timeout(wait_limit, drain).await {
-        Ok(hung) => poisoned |= hung,
-        Err(_) => {
-            add(&metrics.batches_failed, waits.len() as u64);
-            waits.abort_all();
-            poisoned = true;
-        }
     }
-    if poisoned {
-        tracing::error!(
-            room,
-            "a batch of the room could not be fenced; the room is poisoned"
-        );
-    }
-    inner.driver_finished(room, incarnation, poisoned);
 }
 
-fn batch_failure(room: u64, endpoint: &Endpoint, aux: bool, e: &TransportError) -> FailureReason {
+/// Why a room fails when one of its batches failed with `e` (kept as the typed source).
+fn batch_failure(room: RoomId, endpoint: &Endpoint, aux: bool, e: TransportError) -> FailureReason {
     let cause = match e {
         TransportError::TimedOut { .. } => FailureCause::BatchTimeout,
         _ => FailureCause::TransferError,
@@ -2093,4 +1976,5 @@ fn batch_failure(room: u64, endpoint: &Endpoint, aux: bool, e: &TransportError) 
         endpoint,
         format!("Failed to send {what} of {room} to {endpoint}: {e}"),
     )
+    .caused_by(e)
 }

@@ -1,17 +1,23 @@
-//! The room state machine (spec 03 §2): states, the update rule, failure reasons.
+//! Room states, the update rule and failure reasons (docs/lifecycle.md, "States and the
+//! update rule").
 //!
-//! Both agents keep one [`RoomStatus`] per room and change it only through
-//! [`RoomStatus::update`] / [`RoomStatus::fail`], which apply SGLang's `update_status` rule:
-//! Failed is sticky, everything else is monotonic (`max(current, new)`), and the first failure
-//! reason wins. Rooms absent from an agent's table are never re-created by a late message:
-//! only explicit creation makes a room, so a cleared room is never resurrected.
+//! A room's state and first failure reason live in a [`Lifecycle`] (what the room machines
+//! hold) and change only through [`Lifecycle::update`] / [`Lifecycle::fail`], which apply
+//! SGLang's `update_status` rule: Failed is sticky, everything else is monotonic
+//! (`max(current, new)`), and the first failure reason wins. [`RoomStatus`] is the same with
+//! a `watch` channel, so callers can await it. Rooms absent from an agent's table are never
+//! re-created by a late message: only explicit creation makes a room, so a cleared room is
+//! never resurrected.
 
 use std::fmt;
+use std::sync::Arc;
 
+use kvbridge_transport::TransportError;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::error::CoordinatorError;
+use crate::error::{CoordinatorError, Side};
+use crate::ids::RoomId;
 
 /// Where a room is in its life (SGLang's `KVPoll`). Ordered by value, so the MIN over ranks is
 /// the cross-rank agreement and `max` is the monotonic update.
@@ -59,8 +65,8 @@ impl RoomState {
         }
     }
 
-    /// The result of applying `new` to `current` with the update rule (rules 2–4 of spec 03
-    /// §2; rule 1, creation, is the caller's).
+    /// The result of applying `new` to `current` with the update rule (Failed is sticky,
+    /// otherwise the larger state wins; creation is the caller's, see docs/lifecycle.md).
     pub fn apply(current: RoomState, new: RoomState) -> RoomState {
         if new == RoomState::Failed || current == RoomState::Failed {
             RoomState::Failed
@@ -146,15 +152,28 @@ impl fmt::Display for FailureCause {
 
 /// The first recorded reason of a room's failure: a cause, the peer involved (if any) and the
 /// text, which names both.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// A reason recorded on this rank may keep the typed error behind it ([`Self::caused_by`]);
+/// that stays local (it is not serialized, and equality compares what the wire carries).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FailureReason {
     /// Classification for metrics.
     pub cause: FailureCause,
     /// The peer involved (control endpoint), if any.
     pub peer: Option<String>,
-    /// The human text (SGLang's wording where the spec gives one).
+    /// The human text (SGLang's wording where it has one).
     pub message: String,
+    #[serde(skip)]
+    source: Option<Arc<TransportError>>,
 }
+
+impl PartialEq for FailureReason {
+    fn eq(&self, other: &Self) -> bool {
+        (self.cause, &self.peer, &self.message) == (other.cause, &other.peer, &other.message)
+    }
+}
+
+impl Eq for FailureReason {}
 
 impl FailureReason {
     /// A reason without a peer.
@@ -163,6 +182,7 @@ impl FailureReason {
             cause,
             peer: None,
             message: message.into(),
+            source: None,
         }
     }
 
@@ -176,7 +196,21 @@ impl FailureReason {
             cause,
             peer: Some(peer.to_string()),
             message: message.into(),
+            source: None,
         }
+    }
+
+    /// This reason, keeping the transport error that caused it (reported as the
+    /// [`source`](std::error::Error::source) of the room's [`KvTransferError`]).
+    #[must_use]
+    pub fn caused_by(mut self, error: TransportError) -> Self {
+        self.source = Some(Arc::new(error));
+        self
+    }
+
+    /// The transport error behind this reason, when it was recorded on this rank.
+    pub fn transport_error(&self) -> Option<&TransportError> {
+        self.source.as_deref()
     }
 }
 
@@ -187,14 +221,13 @@ impl fmt::Display for FailureReason {
 }
 
 /// A failed room, reported like SGLang — `KVTransferError(bootstrap_room={room}): {reason}` —
-/// followed by the cause and the peer involved: ` [cause: {cause}; peer: {peer}]`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("KVTransferError(bootstrap_room={room}): {reason} [cause: {cause}{peer}]",
-    cause = reason.cause,
-    peer = reason.peer.as_deref().map(|p| format!("; peer: {p}")).unwrap_or_default())]
+/// followed by the cause and the peer involved: ` [cause: {cause}; peer: {peer}]`. Its
+/// [`source`](std::error::Error::source) is the [`TransportError`] that failed the room, when a
+/// batch on this rank did.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvTransferError {
     /// The room.
-    pub room: u64,
+    pub room: RoomId,
     /// The first recorded reason.
     pub reason: FailureReason,
     /// True when this rank recorded no reason of its own (the failure came from another rank
@@ -202,9 +235,110 @@ pub struct KvTransferError {
     pub is_from_another_rank: bool,
 }
 
-/// Default reason when a room failed without one recorded on this rank (spec 03 §8).
+impl KvTransferError {
+    /// The error of `room` failed for `reason` (recorded on this rank).
+    pub fn new(room: impl Into<RoomId>, reason: FailureReason) -> Self {
+        Self {
+            room: room.into(),
+            reason,
+            is_from_another_rank: false,
+        }
+    }
+}
+
+impl fmt::Display for KvTransferError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let r = &self.reason;
+        write!(
+            f,
+            "KVTransferError(bootstrap_room={}): {r} [cause: {}",
+            self.room, r.cause
+        )?;
+        if let Some(p) = &r.peer {
+            write!(f, "; peer: {p}")?;
+        }
+        f.write_str("]")
+    }
+}
+
+impl std::error::Error for KvTransferError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.reason
+            .transport_error()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// Default reason when a room failed without one recorded on this rank (docs/lifecycle.md,
+/// "Failure reasons").
 pub const UNKNOWN_REASON_FROM_ANOTHER_RANK: &str =
     "Failed due to an unknown reason from another rank";
+
+/// A room's state and first failure reason under the update rule, without any channel: what
+/// the room machines (`crate::room`) hold.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Lifecycle {
+    state: RoomState,
+    reason: Option<FailureReason>,
+}
+
+impl Lifecycle {
+    /// A new room. Only Bootstrapping and WaitingForInput create rooms; anything else is
+    /// clamped to Bootstrapping.
+    pub(crate) fn new(initial: RoomState) -> Self {
+        let state = match initial {
+            RoomState::WaitingForInput => RoomState::WaitingForInput,
+            _ => RoomState::Bootstrapping,
+        };
+        Self {
+            state,
+            reason: None,
+        }
+    }
+
+    pub(crate) fn state(&self) -> RoomState {
+        self.state
+    }
+
+    pub(crate) fn reason(&self) -> Option<&FailureReason> {
+        self.reason.as_ref()
+    }
+
+    /// Applies the update rule; returns whether the state changed.
+    pub(crate) fn update(&mut self, new: RoomState) -> bool {
+        let next = RoomState::apply(self.state, new);
+        let changed = next != self.state;
+        self.state = next;
+        changed
+    }
+
+    /// Records `reason` if none is recorded yet (first wins) and sets Failed; returns whether
+    /// this call moved the room to Failed.
+    pub(crate) fn fail(&mut self, reason: FailureReason) -> bool {
+        if self.reason.is_none() {
+            self.reason = Some(reason);
+        }
+        self.update(RoomState::Failed)
+    }
+
+    /// The error to report for the room (`None` unless Failed).
+    pub(crate) fn error(&self, room: RoomId) -> Option<KvTransferError> {
+        if self.state != RoomState::Failed {
+            return None;
+        }
+        Some(match &self.reason {
+            Some(r) => KvTransferError::new(room, r.clone()),
+            None => KvTransferError {
+                room,
+                reason: FailureReason::new(
+                    FailureCause::OtherRank,
+                    UNKNOWN_REASON_FROM_ANOTHER_RANK,
+                ),
+                is_from_another_rank: true,
+            },
+        })
+    }
+}
 
 /// One room's status: the state (observable through a `watch` channel, so it can be polled and
 /// awaited) and the first failure reason.
@@ -216,53 +350,48 @@ pub const UNKNOWN_REASON_FROM_ANOTHER_RANK: &str =
 #[derive(Debug)]
 pub struct RoomStatus {
     state: watch::Sender<RoomState>,
-    reason: Option<FailureReason>,
+    life: Lifecycle,
 }
 
 impl RoomStatus {
     /// A new room. Only [`RoomState::Bootstrapping`] and [`RoomState::WaitingForInput`] create
-    /// rooms (rule 1); anything else is clamped to Bootstrapping.
+    /// rooms; anything else is clamped to Bootstrapping.
     pub fn new(initial: RoomState) -> Self {
-        let initial = match initial {
-            RoomState::WaitingForInput => RoomState::WaitingForInput,
-            _ => RoomState::Bootstrapping,
-        };
+        let life = Lifecycle::new(initial);
         Self {
-            state: watch::Sender::new(initial),
-            reason: None,
+            state: watch::Sender::new(life.state()),
+            life,
         }
     }
 
     /// The current state.
     pub fn state(&self) -> RoomState {
-        *self.state.borrow()
+        self.life.state()
     }
 
     /// The recorded failure reason, if any.
     pub fn reason(&self) -> Option<&FailureReason> {
-        self.reason.as_ref()
+        self.life.reason()
     }
 
     /// Applies the update rule; returns whether the state changed. A `Failed` update without a
     /// reason is allowed (the reason may come from another rank); prefer [`fail`](Self::fail).
     pub fn update(&mut self, new: RoomState) -> bool {
-        let current = self.state();
-        let next = RoomState::apply(current, new);
-        if next != current {
-            self.state.send_replace(next);
-            true
-        } else {
-            false
+        let changed = self.life.update(new);
+        if changed {
+            self.state.send_replace(self.life.state());
         }
+        changed
     }
 
     /// Records `reason` if none is recorded yet (first wins) and sets Failed. Returns whether
     /// this call moved the room to Failed (false when it already was).
     pub fn fail(&mut self, reason: FailureReason) -> bool {
-        if self.reason.is_none() {
-            self.reason = Some(reason);
+        let changed = self.life.fail(reason);
+        if changed {
+            self.state.send_replace(self.life.state());
         }
-        self.update(RoomState::Failed)
+        changed
     }
 
     /// A receiver that observes every change (for awaiting).
@@ -271,30 +400,18 @@ impl RoomStatus {
     }
 
     /// The error to report for this room (`None` unless Failed).
-    pub fn error(&self, room: u64) -> Option<KvTransferError> {
-        if self.state() != RoomState::Failed {
-            return None;
-        }
-        Some(match &self.reason {
-            Some(r) => KvTransferError {
-                room,
-                reason: r.clone(),
-                is_from_another_rank: false,
-            },
-            None => KvTransferError {
-                room,
-                reason: FailureReason::new(
-                    FailureCause::OtherRank,
-                    UNKNOWN_REASON_FROM_ANOTHER_RANK,
-                ),
-                is_from_another_rank: true,
-            },
-        })
+    pub fn error(&self, room: impl Into<RoomId>) -> Option<KvTransferError> {
+        self.life.error(room.into())
     }
 
     /// What a caller gets once the room ended badly: its [`KvTransferError`] when Failed,
     /// otherwise [`CoordinatorError::UnknownRoom`] (the room was cleared meanwhile).
-    pub(crate) fn failure_or_unknown(&self, room: u64, side: &'static str) -> CoordinatorError {
+    pub(crate) fn failure_or_unknown(
+        &self,
+        room: impl Into<RoomId>,
+        side: Side,
+    ) -> CoordinatorError {
+        let room = room.into();
         self.error(room)
             .map(CoordinatorError::from)
             .unwrap_or(CoordinatorError::UnknownRoom { room, side })
@@ -305,8 +422,8 @@ impl RoomStatus {
 /// held room's state), fewer than `max_rooms` held. `how_to_free` ends the message of a full
 /// agent (what the caller should do).
 pub(crate) fn admit_room(
-    side: &'static str,
-    room: u64,
+    side: Side,
+    room: RoomId,
     closed: bool,
     existing: Option<RoomState>,
     held: usize,

@@ -1,8 +1,9 @@
 //! One-shot timers that are cancelled when their guard drops.
 
-use std::time::Duration;
+use std::sync::{Arc, Weak};
 
 use tokio::task::AbortHandle;
+use tokio::time::Instant;
 
 /// Cancels its timer when dropped.
 #[derive(Debug)]
@@ -16,26 +17,18 @@ impl Drop for TimerGuard {
     }
 }
 
-/// Runs `f` on the agent behind `weak` (if it still exists) after `delay`, unless the guard
-/// is dropped first. Agents make their timers before locking their state, so the callback
-/// (which locks it) is never built under the lock.
-pub(crate) fn spawn_timer_on<T: Send + Sync + 'static>(
-    weak: std::sync::Weak<T>,
-    delay: Duration,
-    f: impl FnOnce(&T) + Send + 'static,
+/// Runs `f` on the agent behind `weak` (if it still exists) at the instant `at` (a room
+/// machine's `poll_timeout`), unless the guard is dropped first.
+pub(crate) fn spawn_timer_at<T: Send + Sync + 'static>(
+    weak: Weak<T>,
+    at: Instant,
+    f: impl FnOnce(&Arc<T>) + Send + 'static,
 ) -> TimerGuard {
-    spawn_timer(delay, move || {
+    let task = tokio::spawn(async move {
+        tokio::time::sleep_until(at).await;
         if let Some(inner) = weak.upgrade() {
             f(&inner);
         }
-    })
-}
-
-/// Runs `f` after `delay` unless the returned guard is dropped first.
-pub(crate) fn spawn_timer(delay: Duration, f: impl FnOnce() + Send + 'static) -> TimerGuard {
-    let task = tokio::spawn(async move {
-        tokio::time::sleep(delay).await;
-        f();
     });
     TimerGuard(Some(task.abort_handle()))
 }

@@ -215,9 +215,9 @@ async fn heartbeat_declares_a_silent_prefill_dead_and_keeps_its_pages_quarantine
     assert!(d.registered_peers().is_empty(), "a dead peer is forgotten");
     // No ack can come: the pages stay quarantined.
     match bounded(d.release_when_fenced(5)).await {
-        Err(CoordinatorError::FenceTimeout {
-            room: 5, pending, ..
-        }) => assert_eq!(pending, "prefill-0"),
+        Err(CoordinatorError::FenceTimeout { room, pending, .. }) if room.get() == 5 => {
+            assert_eq!(pending, "prefill-0")
+        }
         other => panic!("expected a fence timeout, got {other:?}"),
     }
     // The prefill comes back: the re-sent abort is acknowledged, and new rooms work again.
@@ -386,6 +386,11 @@ async fn failed_batch_fails_the_room_and_names_the_peer() {
             .to_string()
             .contains("Failed to send kv chunk of 32 to decode-0")
     );
+    // On the prefill, the transport's error is kept as the typed source.
+    let p = r.prefills[0].0.failure(32).unwrap();
+    let source = std::error::Error::source(&p)
+        .and_then(|s| s.downcast_ref::<kvbridge_transport::TransportError>());
+    assert!(source.is_some(), "{p:?}");
     bounded(r.decodes[0].0.release_when_fenced(32))
         .await
         .unwrap();
@@ -705,10 +710,25 @@ async fn a_prefill_restarted_at_the_same_endpoint_is_registered_again() {
     r.verify_with(&third, false);
 }
 
-/// A transport that breaks the contract: batches never finish, and cancel never returns.
+/// A transport whose batches never finish by themselves; `cancel` takes `cancel_takes` and
+/// then reports the batch cancelled (its `wait` returns), or never returns (`None`: it breaks
+/// the contract).
 struct BrokenTransport {
     inner: LoopbackTransport,
     next: std::sync::atomic::AtomicU64,
+    cancel_takes: Option<Duration>,
+    cancelled: tokio::sync::watch::Sender<std::collections::HashSet<u64>>,
+}
+
+impl BrokenTransport {
+    fn new(cancel_takes: Option<Duration>) -> Self {
+        BrokenTransport {
+            inner: LoopbackTransport::new(),
+            next: std::sync::atomic::AtomicU64::new(1),
+            cancel_takes,
+            cancelled: tokio::sync::watch::Sender::new(Default::default()),
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -758,14 +778,25 @@ impl KvTransport for BrokenTransport {
     ) -> kvbridge_transport::Result<kvbridge_transport::BatchState> {
         Ok(kvbridge_transport::BatchState::Pending)
     }
-    async fn wait(&self, _batch: kvbridge_transport::BatchId) -> kvbridge_transport::Result<()> {
-        std::future::pending().await
+    async fn wait(&self, batch: kvbridge_transport::BatchId) -> kvbridge_transport::Result<()> {
+        let mut rx = self.cancelled.subscribe();
+        let _ = rx.wait_for(|c| c.contains(&batch.0)).await;
+        Err(kvbridge_transport::TransportError::Cancelled { batch })
     }
     async fn cancel(
         &self,
-        _batch: kvbridge_transport::BatchId,
+        batch: kvbridge_transport::BatchId,
     ) -> kvbridge_transport::Result<kvbridge_transport::BatchState> {
-        std::future::pending().await
+        match self.cancel_takes {
+            Some(d) => {
+                sleep(d).await;
+                self.cancelled.send_modify(|c| {
+                    c.insert(batch.0);
+                });
+                Ok(kvbridge_transport::BatchState::Cancelled)
+            }
+            None => std::future::pending().await,
+        }
     }
     async fn recv_notification(
         &self,
@@ -787,12 +818,7 @@ impl KvTransport for BrokenTransport {
 #[tokio::test(start_paused = true)]
 async fn a_batch_that_cannot_be_fenced_poisons_the_room_and_its_pages_stay_quarantined() {
     let mut spec = Spec::mla_one_to_one();
-    spec.prefill_transport = Some(|| {
-        Arc::new(BrokenTransport {
-            inner: LoopbackTransport::new(),
-            next: std::sync::atomic::AtomicU64::new(1),
-        })
-    });
+    spec.prefill_transport = Some(|| Arc::new(BrokenTransport::new(None)));
     spec.prefill_config = PrefillConfig {
         batch_timeout: Duration::from_secs(5),
         fence_grace: Duration::from_secs(1),
@@ -818,6 +844,49 @@ async fn a_batch_that_cannot_be_fenced_poisons_the_room_and_its_pages_stay_quara
         other => panic!("a poisoned room must not be released: {other:?}"),
     }
     assert!(!d.is_fenced(61).unwrap());
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_fence_cancels_every_batch_at_once_under_one_deadline() {
+    // 40 batches in flight, each cancel takes half the grace: cancelled one after the other
+    // they would take 20 grace periods; concurrently, the whole fence ends within one.
+    let grace = Duration::from_secs(2);
+    let mut spec = Spec::mla_one_to_one();
+    spec.prefill_transport = Some(|| Arc::new(BrokenTransport::new(Some(Duration::from_secs(1)))));
+    spec.prefill_config = PrefillConfig {
+        fence_grace: grace,
+        ..PrefillConfig::default()
+    };
+    let r = rig(spec).await;
+    let req = Request {
+        chunk_pages: 1,
+        ..Request::new(81, 40 * 16)
+    };
+    r.start(&req).await;
+    r.send_all(0, &req).await.unwrap();
+    let p = &r.prefills[0].0;
+    bounded(async {
+        while p.metrics().batches_posted < 40 {
+            sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let d = &r.decodes[0].0;
+    let started = tokio::time::Instant::now();
+    p.abort(81);
+    // The decode is told only once the fence ended.
+    bounded(async {
+        while d.failure(81).is_none() {
+            sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let fenced_in = started.elapsed();
+    assert!(
+        fenced_in <= grace,
+        "the fence took {fenced_in:?} of virtual time, more than one fence_grace ({grace:?})"
+    );
+    assert_eq!(p.metrics().batches_failed, 40, "every batch was cancelled");
 }
 
 #[tokio::test(start_paused = true)]
