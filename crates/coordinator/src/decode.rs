@@ -509,10 +509,7 @@ impl DecodeAgent {
 }
 
 fn unknown(room: RoomId) -> CoordinatorError {
-    CoordinatorError::UnknownRoom {
-        room: room.into(),
-        side: SIDE,
-    }
+    CoordinatorError::UnknownRoom { room, side: SIDE }
 }
 
 impl DecodeInner {
@@ -704,7 +701,7 @@ impl DecodeInner {
         let started = Instant::now();
         match wait_terminal(self.subscribe(room)?).await {
             Some(RoomState::Failed) => {}
-            Some(_) => return Err(CoordinatorError::NotFailed { room: room.into() }),
+            Some(_) => return Err(CoordinatorError::NotFailed { room }),
             None => return Err(unknown(room)),
         }
         let (mut rx, seen, incarnation) = self
@@ -723,7 +720,7 @@ impl DecodeInner {
             }
             if f.timeouts > seen {
                 return Err(CoordinatorError::FenceTimeout {
-                    room: room.into(),
+                    room,
                     waited: f.waited,
                     pending: f.pending,
                 });

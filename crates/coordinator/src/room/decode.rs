@@ -364,7 +364,7 @@ impl DecodeMachine {
     pub(crate) fn admit(&self, room: RoomId) -> Result<(), CoordinatorError> {
         admit_room(
             SIDE,
-            room.into(),
+            room,
             self.closed,
             self.state(room),
             self.rooms.len(),
