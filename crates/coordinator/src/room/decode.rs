@@ -896,7 +896,6 @@ impl DecodeMachine {
         let Some(r) = self.rooms.get_mut(&room) else {
             return;
         };
-        tracing::warn!(%room, cause = %reason.cause, peer = reason.peer.as_deref(), reason = %reason.message, "room failed");
         let text = reason.message.clone();
         r.life.fail(reason);
         r.bootstrap_deadline = None;
