@@ -32,13 +32,14 @@ use crate::messages::{
 use crate::metrics::{Metrics, MetricsSnapshot, add, inc};
 use crate::outbox::{Outbox, send_failed_to};
 use crate::plan::{Chunk, PeerPlan, is_strided_source, pack_ops};
+use crate::room::admit_room;
 use crate::room::prefill::{
     Action, BatchAction, BatchEvent, ChunkShape, Event, MetaPeer, PrefillRoom, RoomConfig,
     SendProgress, status_message,
 };
 use crate::start::{check_role, current_runtime};
 use crate::state::{
-    FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, admit_room, wait_at_least,
+    FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, wait_at_least,
     wait_terminal,
 };
 use crate::timer::{TimerGuard, spawn_timer_at};

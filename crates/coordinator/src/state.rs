@@ -16,7 +16,6 @@ use kvbridge_transport::TransportError;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::error::{CoordinatorError, Side};
 use crate::ids::RoomId;
 
 /// Where a room is in its life (SGLang's `KVPoll`). Ordered by value, so the MIN over ranks is
@@ -403,48 +402,6 @@ impl RoomStatus {
     pub fn error(&self, room: impl Into<RoomId>) -> Option<KvTransferError> {
         self.life.error(room.into())
     }
-
-    /// What a caller gets once the room ended badly: its [`KvTransferError`] when Failed,
-    /// otherwise [`CoordinatorError::UnknownRoom`] (the room was cleared meanwhile).
-    pub(crate) fn failure_or_unknown(
-        &self,
-        room: impl Into<RoomId>,
-        side: Side,
-    ) -> CoordinatorError {
-        let room = room.into();
-        self.error(room)
-            .map(CoordinatorError::from)
-            .unwrap_or(CoordinatorError::UnknownRoom { room, side })
-    }
-}
-
-/// Whether an agent may open one more room: not shut down, the id not held (`existing` is the
-/// held room's state), fewer than `max_rooms` held. `how_to_free` ends the message of a full
-/// agent (what the caller should do).
-pub(crate) fn admit_room(
-    side: Side,
-    room: RoomId,
-    closed: bool,
-    existing: Option<RoomState>,
-    held: usize,
-    max_rooms: usize,
-    how_to_free: &str,
-) -> Result<(), CoordinatorError> {
-    if closed {
-        return Err(CoordinatorError::Shutdown { side });
-    }
-    if let Some(state) = existing {
-        return Err(CoordinatorError::DuplicateRoom { room, side, state });
-    }
-    if held >= max_rooms {
-        return Err(CoordinatorError::InvalidRequest {
-            what: "room",
-            message: format!(
-                "this {side} agent already holds {held} rooms (max_rooms); {how_to_free}"
-            ),
-        });
-    }
-    Ok(())
 }
 
 /// Waits on a status receiver until the room is terminal. Returns `None` when the room was

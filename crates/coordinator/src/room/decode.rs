@@ -23,9 +23,8 @@ use crate::messages::{
     AbortAck, AbortRequest, ControlMessage, Heartbeat, Registration, RegistrationOutcome,
     RegistrationReply, StatusUpdate, TransferInfo, WireProblem, render_problems,
 };
-use crate::state::{
-    FailureCause, FailureReason, KvTransferError, Lifecycle, RoomState, admit_room,
-};
+use crate::room::admit_room;
+use crate::state::{FailureCause, FailureReason, KvTransferError, Lifecycle, RoomState};
 
 const SIDE: Side = Side::Decode;
 
