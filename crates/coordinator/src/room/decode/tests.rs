@@ -183,39 +183,35 @@ fn ack(room: u64, generation: Generation, rank: u32) -> Event {
     }
 }
 
-fn infos(actions: &[Action]) -> Vec<(Endpoint, TransferInfo)> {
+/// The messages of one kind sent, with their destinations.
+fn sent<T>(actions: &[Action], pick: impl Fn(&ControlMessage) -> Option<T>) -> Vec<(Endpoint, T)> {
     actions
         .iter()
         .filter_map(|a| match a {
-            Action::Send {
-                to,
-                message: ControlMessage::TransferInfo(t),
-            } => Some((to.clone(), t.clone())),
+            Action::Send { to, message } => pick(message).map(|m| (to.clone(), m)),
             _ => None,
         })
         .collect()
+}
+
+fn infos(actions: &[Action]) -> Vec<(Endpoint, TransferInfo)> {
+    sent(actions, |m| match m {
+        ControlMessage::TransferInfo(t) => Some(t.clone()),
+        _ => None,
+    })
 }
 
 fn aborts(actions: &[Action]) -> Vec<(Endpoint, AbortRequest)> {
-    actions
-        .iter()
-        .filter_map(|a| match a {
-            Action::Send {
-                to,
-                message: ControlMessage::Abort(t),
-            } => Some((to.clone(), t.clone())),
-            _ => None,
-        })
-        .collect()
+    sent(actions, |m| match m {
+        ControlMessage::Abort(t) => Some(t.clone()),
+        _ => None,
+    })
 }
 
 fn sends(actions: &[Action], kind: &str) -> Vec<Endpoint> {
-    actions
-        .iter()
-        .filter_map(|a| match a {
-            Action::Send { to, message } if message.kind() == kind => Some(to.clone()),
-            _ => None,
-        })
+    sent(actions, |m| (m.kind() == kind).then_some(()))
+        .into_iter()
+        .map(|(to, ())| to)
         .collect()
 }
 
