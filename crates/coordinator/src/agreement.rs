@@ -10,6 +10,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use kvbridge_transport::sync::lock;
+
 use crate::state::RoomState;
 
 /// Combines this rank's view of a room with the other ranks' views.
@@ -75,8 +77,7 @@ impl SharedMin {
 
     /// Runs `f` on the board under its lock (the only place that takes it).
     fn with_board<R>(&self, f: impl FnOnce(&mut Board) -> R) -> R {
-        let mut b = self.board.lock().unwrap_or_else(|e| e.into_inner());
-        f(&mut b)
+        f(&mut lock(&self.board))
     }
 }
 

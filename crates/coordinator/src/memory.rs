@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use kvbridge_handshake::PeerDescriptor;
+use kvbridge_transport::sync::lock;
 use kvbridge_transport::{KvTransport, KvTransportExt, MemoryRegion, RegionId, TransferOp};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -323,7 +324,7 @@ impl PackPool {
 
     /// Runs `f` on the free list under its lock (the only place that takes it).
     fn with_free<R>(&self, f: impl FnOnce(&mut Vec<(RegionId, MemoryRegion)>) -> R) -> R {
-        f(&mut self.free.lock().unwrap_or_else(|e| e.into_inner()))
+        f(&mut lock(&self.free))
     }
 
     /// Bytes of each buffer.

@@ -1,7 +1,6 @@
 //! One-shot timers that are cancelled when their guard drops.
 
 use std::sync::{Arc, Weak};
-use std::time::Duration;
 
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
@@ -18,18 +17,8 @@ impl Drop for TimerGuard {
     }
 }
 
-/// Runs `f` on the agent behind `weak` (if it still exists) after `delay`, unless the guard
-/// is dropped first. Agents make their timers before locking their state, so the callback
-/// (which locks it) is never built under the lock.
-pub(crate) fn spawn_timer_on<T: Send + Sync + 'static>(
-    weak: Weak<T>,
-    delay: Duration,
-    f: impl FnOnce(&T) + Send + 'static,
-) -> TimerGuard {
-    spawn_timer_at(weak, Instant::now() + delay, move |inner| f(inner))
-}
-
-/// As [`spawn_timer_on`], firing at the instant `at` (a room machine's `poll_timeout`).
+/// Runs `f` on the agent behind `weak` (if it still exists) at the instant `at` (a room
+/// machine's `poll_timeout`), unless the guard is dropped first.
 pub(crate) fn spawn_timer_at<T: Send + Sync + 'static>(
     weak: Weak<T>,
     at: Instant,

@@ -921,3 +921,26 @@ async fn prefill_waiting_timeout_when_the_last_chunk_never_comes() {
     assert_eq!(e.reason.cause, FailureCause::WaitingTimeout);
     bounded(d.release_when_fenced(71)).await.unwrap();
 }
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_fails_only_the_rooms_in_flight() {
+    let r = rig(Spec::mla_one_to_one()).await;
+    let done = Request::new(1, 40);
+    for out in r.run(&done).await {
+        out.unwrap();
+    }
+    let d = &r.decodes[0].0;
+    d.receive(2, common::request(vec![0, 1])).unwrap();
+    d.shutdown();
+    assert_eq!(
+        d.poll(1).unwrap(),
+        RoomState::Success,
+        "an ended room stays as it ended"
+    );
+    bounded(d.wait(1)).await.unwrap();
+    assert_eq!(d.failure(2).unwrap().reason.cause, FailureCause::Shutdown);
+    assert!(matches!(
+        d.receive(3, common::request(vec![0])),
+        Err(CoordinatorError::Shutdown { .. })
+    ));
+}

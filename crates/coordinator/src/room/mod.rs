@@ -7,6 +7,7 @@
 //! timer event once `poll_timeout()` has passed. So every lifecycle rule can be tested by
 //! driving a machine step by step with explicit instants.
 
+pub(crate) mod decode;
 pub(crate) mod prefill;
 
 use crate::error::{CoordinatorError, Side};
