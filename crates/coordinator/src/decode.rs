@@ -121,7 +121,7 @@ impl DecodeAgentBuilder {
         let registration = Registration {
             protocol: CONTROL_PROTOCOL_VERSION,
             decode_endpoint: endpoint.clone(),
-            session: session.into(),
+            session,
             descriptor: self.descriptor.clone(),
             transport: TransportInfo {
                 name: self.transport.name().to_owned(),

@@ -23,7 +23,7 @@ use crate::channel::{ControlChannel, Endpoint, Envelope};
 use crate::config::PrefillConfig;
 use crate::directory::PrefillRankInfo;
 use crate::error::{CoordinatorError, Result, Side};
-use crate::ids::{Generation, Incarnation, RoomId, SessionId};
+use crate::ids::{Incarnation, RoomId, SessionId};
 use crate::memory::{KvHandles, KvMemory, PackLease, PackPool, pack_buffer_bytes};
 use crate::messages::{
     AbortAck, AbortRequest, CONTROL_PROTOCOL_VERSION, ControlMessage, Registration,
@@ -809,7 +809,7 @@ impl PrefillInner {
             st.peers.insert(
                 reg.decode_endpoint.clone(),
                 DecodePeer::Rejected {
-                    session: SessionId::from(reg.session),
+                    session: reg.session,
                     problems: problems.clone(),
                 },
             )
@@ -849,7 +849,7 @@ impl PrefillInner {
         }
         // Same session again (the decode retried, or registers again after a refusal):
         // answer as before.
-        let session = SessionId::from(reg.session);
+        let session = reg.session;
         let known = self.with_state(|st| match st.peers.get(&reg.decode_endpoint) {
             Some(DecodePeer::Accepted(p)) if p.session == session => Known::Accepted,
             Some(DecodePeer::Rejected {
@@ -945,7 +945,7 @@ impl PrefillInner {
     /// keeps its connection (ours is closed); an earlier session of the rank (it restarted)
     /// fails its rooms and is disconnected.
     async fn install_peer(self: &Arc<Self>, reg: &Registration, plan: PeerPlan, peer: PeerId) {
-        let session = SessionId::from(reg.session);
+        let session = reg.session;
         let accepted = Arc::new(AcceptedPeer {
             endpoint: reg.decode_endpoint.clone(),
             session,
@@ -1010,7 +1010,7 @@ impl PrefillInner {
         self.outbox.send(
             &info.decode_endpoint,
             status_message(
-                RoomId::from(info.room),
+                info.room,
                 info,
                 self.unique_rank,
                 RoomState::Failed,
@@ -1040,7 +1040,7 @@ impl PrefillInner {
                 &self.endpoint,
                 render_problems(problems),
             )),
-            Some(DecodePeer::Accepted(p)) if p.session != SessionId::from(info.session) => {
+            Some(DecodePeer::Accepted(p)) if p.session != info.session => {
                 Err(FailureReason::with_peer(
                     FailureCause::RemoteFailure,
                     &info.decode_endpoint,
@@ -1079,7 +1079,7 @@ impl PrefillInner {
     }
 
     fn on_transfer_info(self: &Arc<Self>, info: TransferInfo) {
-        let room = RoomId::from(info.room);
+        let room = info.room;
         let peer = match self.info_peer(&info) {
             Ok(p) => p,
             Err(reason) => return self.reply_failed(&info, &reason),
@@ -1198,7 +1198,7 @@ impl PrefillInner {
     }
 
     fn on_abort(self: &Arc<Self>, a: AbortRequest) {
-        let room = RoomId::from(a.room);
+        let room = a.room;
         let known = self.with_state(|st| {
             st.rooms.get(&room).is_some_and(|r| {
                 r.machine.has_peer(&a.decode_endpoint, None) || !r.machine.is_cleared()
@@ -1211,7 +1211,7 @@ impl PrefillInner {
                     None,
                     Event::DecodeAbort {
                         from: a.decode_endpoint.clone(),
-                        generation: Generation::from(a.generation),
+                        generation: a.generation,
                         reason: a.reason.clone(),
                     },
                 )

@@ -291,7 +291,7 @@ impl DecodeMachine {
         Self {
             descriptor: registration.descriptor.clone(),
             endpoint: registration.decode_endpoint.clone(),
-            session: SessionId::from(registration.session),
+            session: registration.session,
             registration,
             config,
             has_aux,
@@ -682,10 +682,10 @@ impl DecodeMachine {
         for t in &r.targets {
             let dummy = t.info.dummy;
             let info = TransferInfo {
-                room: room.into(),
-                generation: r.generation.into(),
+                room,
+                generation: r.generation,
                 decode_endpoint: self.endpoint.clone(),
-                session: self.session.into(),
+                session: self.session,
                 dst_pages: if dummy {
                     Vec::new()
                 } else {
@@ -722,7 +722,7 @@ impl DecodeMachine {
     }
 
     fn on_register_reply(&mut self, r: RegistrationReply, now: Instant) {
-        if SessionId::from(r.session) != self.session {
+        if r.session != self.session {
             tracing::debug!(prefill = %r.prefill_endpoint, "registration reply for an old session ignored");
             return;
         }
@@ -763,12 +763,12 @@ impl DecodeMachine {
     /// Counts a Success of a required rank of the current generation; a Failed status fails
     /// the room (unless it already succeeded).
     fn on_status(&mut self, from: &Endpoint, s: StatusUpdate, now: Instant) {
-        let room = RoomId::from(s.room);
+        let room = s.room;
         let Some(r) = self.rooms.get_mut(&room) else {
             tracing::debug!(%room, from = %from, "status for a room this decode does not hold: dropped");
             return;
         };
-        if Generation::from(s.generation) != r.generation {
+        if s.generation != r.generation {
             tracing::debug!(%room, from = %from, "status for an earlier use of the room: dropped");
             return;
         }
@@ -921,8 +921,8 @@ impl DecodeMachine {
         let to: Vec<Endpoint> = r.fence.unacked.iter().cloned().collect();
         for e in to {
             let message = ControlMessage::Abort(AbortRequest {
-                room: room.into(),
-                generation: generation.into(),
+                room,
+                generation,
                 decode_endpoint: self.endpoint.clone(),
                 reason: reason.to_owned(),
             });
@@ -932,11 +932,11 @@ impl DecodeMachine {
 
     /// Only an ack of the current abort generation counts; the last one fences the room.
     fn on_abort_ack(&mut self, a: AbortAck, _now: Instant) {
-        let room = RoomId::from(a.room);
+        let room = a.room;
         let Some(r) = self.rooms.get_mut(&room) else {
             return;
         };
-        if r.fence.generation != Some(Generation::from(a.generation)) {
+        if r.fence.generation != Some(a.generation) {
             tracing::debug!(%room, generation = %a.generation, "abort-ack for another generation ignored");
             return;
         }

@@ -218,8 +218,7 @@ impl<P: Clone> PrefillRoom<P> {
     /// Whether `endpoint` (of `session`, when given) sent metadata for the room.
     pub(crate) fn has_peer(&self, endpoint: &Endpoint, session: Option<SessionId>) -> bool {
         self.peers.iter().any(|p| {
-            &p.info.decode_endpoint == endpoint
-                && session.is_none_or(|s| SessionId::from(p.info.session) == s)
+            &p.info.decode_endpoint == endpoint && session.is_none_or(|s| p.info.session == s)
         })
     }
 
@@ -579,8 +578,8 @@ impl<P: Clone> PrefillRoom<P> {
         Action::Send {
             to,
             message: Box::new(ControlMessage::AbortAck(AbortAck {
-                room: self.room.into(),
-                generation: generation.into(),
+                room: self.room,
+                generation,
                 prefill_rank: self.cfg.rank,
                 prefill_endpoint: self.cfg.endpoint.clone(),
             })),
@@ -729,7 +728,7 @@ pub(crate) fn status_message(
     reason: Option<&FailureReason>,
 ) -> ControlMessage {
     ControlMessage::Status(StatusUpdate {
-        room: room.into(),
+        room,
         generation: info.generation,
         state,
         prefill_rank: rank,

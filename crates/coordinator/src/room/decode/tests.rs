@@ -162,7 +162,7 @@ fn status(room: u64, generation: Generation, rank: u32, state: RoomState) -> Eve
         from: prefill_ep(rank),
         message: ControlMessage::Status(StatusUpdate {
             room: room.into(),
-            generation: generation.into(),
+            generation,
             state,
             prefill_rank: rank,
             reason: (state == RoomState::Failed).then(|| "boom".to_owned()),
@@ -176,7 +176,7 @@ fn ack(room: u64, generation: Generation, rank: u32) -> Event {
         from: prefill_ep(rank),
         message: ControlMessage::AbortAck(AbortAck {
             room: room.into(),
-            generation: generation.into(),
+            generation,
             prefill_rank: rank,
             prefill_endpoint: prefill_ep(rank),
         }),
@@ -226,7 +226,7 @@ fn reports(actions: &[Action]) -> Vec<RoomState> {
 }
 
 fn generation_of(actions: &[Action]) -> Generation {
-    Generation::from(infos(actions)[0].1.generation)
+    infos(actions)[0].1.generation
 }
 
 fn cause(r: &Rig, room: u64) -> FailureCause {
@@ -257,7 +257,7 @@ fn a_room_resolves_registers_sends_its_metadata_and_succeeds() {
     assert_eq!((info.session, info.is_dummy), (SESSION.into(), false));
     assert_eq!(reports(&a), vec![RoomState::WaitingForInput]);
     assert_eq!(r.m.registered_peers(), vec![prefill_ep(0)]);
-    let g = Generation::from(info.generation);
+    let g = info.generation;
     let a = r.at(1.0, status(1, g, 0, RoomState::Success));
     assert_eq!(
         a,
@@ -362,7 +362,7 @@ fn only_acks_of_the_abort_generation_fence_the_room() {
     assert_eq!(cause(&r, 1), FailureCause::Aborted);
     let sent = aborts(&a);
     assert_eq!(sent.len(), 2);
-    let abort_g = Generation::from(sent[0].1.generation);
+    let abort_g = sent[0].1.generation;
     assert_ne!(abort_g, g, "the abort arms a fresh generation");
     assert!(sent.iter().all(|(_, x)| x.reason == "Aborted by AbortReq."));
     assert_eq!(r.m.is_fenced(RoomId(1)), Some(false));
@@ -418,7 +418,7 @@ fn the_fence_resends_aborts_and_is_bounded_by_one_deadline() {
     let mut r = Rig::new(false, 2, config);
     r.make_waiting(1, 0.0);
     let a = r.at(1.0, Event::Abort { room: RoomId(1) });
-    let abort_g = Generation::from(aborts(&a)[0].1.generation);
+    let abort_g = aborts(&a)[0].1.generation;
     r.at(1.0, ack(1, abort_g, 0));
     assert!(r.at(1.0, Event::FenceWanted { room: RoomId(1) }).is_empty());
     assert_eq!(r.m.poll_timeout(), Some(r.t0 + 3 * SEC));
@@ -646,7 +646,7 @@ fn an_unregistered_status_makes_the_next_room_register_again() {
         from: prefill_ep(0),
         message: ControlMessage::Status(StatusUpdate {
             room: 1.into(),
-            generation: g.into(),
+            generation: g,
             state: RoomState::Failed,
             prefill_rank: 0,
             reason: Some("without registering with prefill prefill-0 first".into()),
@@ -784,13 +784,13 @@ fn check(lives: &mut HashMap<RoomId, Life>, m: &DecodeMachine, actions: &[Action
         match a {
             Action::Send { to, message } => match message {
                 ControlMessage::TransferInfo(t) => {
-                    let l = lives.get_mut(&RoomId::from(t.room)).unwrap();
-                    l.generation = Some(Generation::from(t.generation));
+                    let l = lives.get_mut(&t.room).unwrap();
+                    l.generation = Some(t.generation);
                     l.metadata_to.insert(to.clone());
                 }
                 ControlMessage::Abort(x) => {
-                    let l = lives.get_mut(&RoomId::from(x.room)).unwrap();
-                    let g = Generation::from(x.generation);
+                    let l = lives.get_mut(&x.room).unwrap();
+                    let g = x.generation;
                     assert!(!l.metadata_to.is_empty(), "abort of a room never published");
                     assert_ne!(Some(g), l.generation, "an abort generation is fresh");
                     assert!(

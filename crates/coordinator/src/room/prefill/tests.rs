@@ -347,7 +347,10 @@ fn the_fence_holds_failure_notices_and_abort_acks_until_the_driver_ended() {
         },
         _ => None,
     });
-    assert_eq!(ack.map(|a| (a.generation, a.prefill_rank)), Some((4.into(), 3)));
+    assert_eq!(
+        ack.map(|a| (a.generation, a.prefill_rank)),
+        Some((4.into(), 3))
+    );
     // Once the driver ended, an abort is acknowledged at once.
     let a = r.handle(
         Event::DecodeAbort {
