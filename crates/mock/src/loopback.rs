@@ -2,11 +2,12 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{Batches, Outcome, Step, deadline_after};
+use kvbridge_transport::sync::lock;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
@@ -81,10 +82,6 @@ impl LoopbackConfig {
 fn registry() -> &'static Mutex<HashMap<u64, Weak<Endpoint>>> {
     static REGISTRY: OnceLock<Mutex<HashMap<u64, Weak<Endpoint>>>> = OnceLock::new();
     REGISTRY.get_or_init(|| Mutex::new(HashMap::new()))
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// An in-process [`KvTransport`] with the full contract: bounds checked at `post`, copies on a

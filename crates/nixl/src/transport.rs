@@ -14,11 +14,12 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{BatchTable, Batches, Fence, Outcome, Step};
+use kvbridge_transport::sync::lock;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
@@ -41,11 +42,6 @@ use crate::{NAME, NixlError, NixlOptions};
 const POLL_MIN: Duration = Duration::from_micros(10);
 const POLL_BUSY_MAX: Duration = Duration::from_micros(50);
 const POLL_IDLE_MAX: Duration = Duration::from_millis(1);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section leaves its state consistent, so a poisoned lock is usable.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn sleep_until(at: Instant) -> tokio::time::Sleep {
     tokio::time::sleep_until(tokio::time::Instant::from_std(at))

@@ -4,11 +4,12 @@ use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{BatchTable, Batches, Fence, Outcome, Step, deadline_after};
+use kvbridge_transport::sync::{lock, read, write};
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
@@ -42,10 +43,6 @@ const JOB_QUEUE: usize = 256;
 const NOTIFICATION_QUEUE: usize = 4096;
 /// Extra time past a deadline for a notification write to be fenced.
 const FENCE_GRACE: Duration = Duration::from_millis(250);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// Hands `value` to whoever waits for the answer `key`, if anyone still does.
 fn answer<T>(waiters: &Mutex<HashMap<u64, oneshot::Sender<T>>>, key: u64, value: T) {
@@ -290,10 +287,7 @@ fn copy_job(job: Job) -> Option<impl Future<Output = ()> + Send + 'static> {
     // Each chunk is a step under the batch table's lock: cancel, the deadline and peer loss
     // take it to fence the batch, so once they report, no further chunk starts.
     while batches.step(id, now(), || {
-        let fence = conn
-            .copy_lock
-            .read()
-            .unwrap_or_else(PoisonError::into_inner);
+        let fence = read(&conn.copy_lock);
         let copied = if conn.lost.load(Ordering::Acquire) {
             Err(lost(conn.id, conn.lost_reason()))
         } else {
@@ -533,10 +527,7 @@ impl Inner {
         lock(&conn.pings).clear();
         lock(&conn.revokes).clear();
         {
-            let _fence = conn
-                .copy_lock
-                .write()
-                .unwrap_or_else(PoisonError::into_inner);
+            let _fence = write(&conn.copy_lock);
             for (_, r) in lock(&conn.remote).drain() {
                 r.revoked.store(true, Ordering::Release);
             }
@@ -870,10 +861,7 @@ impl Inner {
                     {
                         // Waits for the chunk in flight (if any), after which no copy touches
                         // the region.
-                        let _fence = conn
-                            .copy_lock
-                            .write()
-                            .unwrap_or_else(PoisonError::into_inner);
+                        let _fence = write(&conn.copy_lock);
                         if let Some(r) = lock(&conn.remote).remove(&RegionId(region)) {
                             r.revoked.store(true, Ordering::Release);
                         }

@@ -14,7 +14,9 @@ use kvbridge_transport::{BatchId, BatchState, PeerId, RegionId, Side, TransferOp
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::{NAME, Shared, lock};
+use kvbridge_transport::sync::lock;
+
+use crate::{NAME, Shared};
 
 /// Why the receiver refused a batch.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -20,7 +20,9 @@ use crate::error::TcpError;
 use crate::wire::{
     self, BeginStatus, CancelStatus, Frame, FrameType, RegionLen, RegionNeed, WireRows,
 };
-use crate::{BATCH_STATE_BYTES, NAME, Shared, lock};
+use kvbridge_transport::sync::{lock, read};
+
+use crate::{BATCH_STATE_BYTES, NAME, Shared};
 
 /// Bytes offered to one vectored read (between two checks that the batch is still live).
 const READ_BYTES: u64 = 1 << 20;
@@ -366,7 +368,7 @@ async fn admit(
     // the connection joining its session, so each later change is announced to it.
     let mut table = Vec::new();
     let session = {
-        let regions = shared.regions.read().unwrap_or_else(|e| e.into_inner());
+        let regions = read(&shared.regions);
         if hello.conn_index == 0 {
             table = table_frames(&regions);
         }

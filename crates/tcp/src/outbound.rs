@@ -26,7 +26,9 @@ use crate::error::TcpError;
 use crate::wire::{
     self, BeginStatus, CancelStatus, Frame, RegionLen, RegionNeed, WireOp, WireRows,
 };
-use crate::{NAME, Shared, lock};
+use kvbridge_transport::sync::{lock, read};
+
+use crate::{NAME, Shared};
 use kvbridge_transport::batch::{Fence, Outcome, Step};
 
 /// Descriptors in one `Data` frame (one `writev` carries the header and all their payloads,
@@ -1002,7 +1004,7 @@ pub(crate) async fn post(
             // deadlines, and peers drop the connection.
             tokio::task::yield_now().await;
         }
-        let regions = shared.regions.read().unwrap_or_else(|e| e.into_inner());
+        let regions = read(&shared.regions);
         for op in slice {
             let region = regions
                 .get(&op.local_region.0)

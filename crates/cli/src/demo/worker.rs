@@ -30,6 +30,7 @@ use kvbridge_handshake::PeerDescriptor;
 use kvbridge_shm::ShmTransport;
 use kvbridge_tcp::{TcpConfig, TcpTransport};
 use kvbridge_transport::KvTransport;
+use kvbridge_transport::sync::lock;
 use tokio::sync::{Notify, Semaphore, watch};
 use tokio::task::JoinSet;
 
@@ -342,12 +343,7 @@ impl Slots {
 
     async fn take(self: &Arc<Self>) -> SlotGuard {
         let permit = self.sem.clone().acquire_owned().await.ok();
-        let slot = self
-            .free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop()
-            .unwrap_or(0);
+        let slot = lock(&self.free).pop().unwrap_or(0);
         SlotGuard {
             slots: self.clone(),
             slot,
@@ -364,20 +360,12 @@ struct SlotGuard {
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        self.slots
-            .free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(self.slot);
+        lock(&self.slots.free).push(self.slot);
     }
 }
 
 /// Rooms in flight on this process (aborted when a request fails).
 type InFlight = Arc<Mutex<BTreeSet<u64>>>;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// Positions `[from, to)` that a rank of DCP size `d` and rank `r` holds.
 fn owned(from: u64, to: u64, d: u64, r: u64) -> u64 {
