@@ -13,7 +13,7 @@
 //! large-block throughput) lives in `e2e.rs`.
 
 use std::future::Future;
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::process::ExitCode;
@@ -25,6 +25,8 @@ use kvbridge_transport::{
     KvTransport, KvTransportExt, MemoryRegion, PeerId, RegionId, TransferBatch, TransferOp,
 };
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::progress::Progress;
 
 mod e2e;
 mod nixl;
@@ -691,34 +693,12 @@ impl ReceiverProcess {
     }
 }
 
-/// Live progress on a terminal (stderr), silent otherwise.
-struct Progress {
-    on: bool,
-}
-
-impl Progress {
-    fn show(&self, text: &str) {
-        if self.on {
-            eprint!("\r\x1b[2K{text}");
-            let _ = std::io::stderr().flush();
-        }
-    }
-
-    fn clear(&self) {
-        if self.on {
-            eprint!("\r\x1b[2K");
-        }
-    }
-}
-
 async fn sender(make: Factory, args: BenchArgs) -> ExitCode {
     let patterns: Vec<Pattern> = match args.pattern {
         Some(p) => vec![p],
         None => Pattern::ALL.to_vec(),
     };
-    let progress = Progress {
-        on: std::io::stderr().is_terminal(),
-    };
+    let progress = Progress::on_stderr(true);
     let mut reports = Vec::new();
     for pattern in patterns {
         match measure(make, &args, pattern, &progress).await {

@@ -1,7 +1,6 @@
 //! The demo's parent process: starts the prefill and decode processes, follows their events,
 //! draws the progress bar, and prints the summary.
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::{ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -13,6 +12,7 @@ use tokio::sync::mpsc;
 
 use super::worker::decode_bytes;
 use super::{DemoArgs, Event, GRACE, Setup, Summary, Transport};
+use crate::progress::Progress;
 use crate::remove_control_dir;
 
 /// Which process to kill or freeze, and when (test knobs `--kill`, `--freeze`).
@@ -165,35 +165,18 @@ struct Request {
     failed: bool,
 }
 
-struct Progress {
-    enabled: bool,
-    total: u32,
-    start: Instant,
-}
-
-impl Progress {
-    fn draw(&self, done: u32, bytes: u64) {
-        if !self.enabled {
-            return;
-        }
-        const WIDTH: usize = 30;
-        let filled = (done as usize * WIDTH) / self.total.max(1) as usize;
-        let secs = self.start.elapsed().as_secs_f64().max(1e-9);
-        eprint!(
-            "\r  [{}{}] {done}/{} requests  {:.2} GB  {:.2} GB/s ",
-            "#".repeat(filled),
-            ".".repeat(WIDTH - filled),
-            self.total,
+/// The demo's progress line: requests done, bytes and rate since the decodes were ready.
+fn draw(progress: &Progress, done: u32, total: u32, bytes: u64, since: Instant) {
+    let secs = since.elapsed().as_secs_f64().max(1e-9);
+    progress.bar(
+        u64::from(done),
+        u64::from(total),
+        &format!(
+            "requests  {:.2} GB  {:.2} GB/s ",
             bytes as f64 / 1e9,
             bytes as f64 / 1e9 / secs
-        );
-    }
-
-    fn clear(&self) {
-        if self.enabled {
-            eprint!("\r\x1b[2K");
-        }
-    }
+        ),
+    );
 }
 
 #[derive(Debug, Serialize)]
@@ -299,11 +282,8 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
     let mut frozen: Vec<String> = Vec::new();
     let mut timed_out = false;
     let begun = Instant::now();
-    let mut progress = Progress {
-        enabled: !args.json && std::io::stderr().is_terminal(),
-        total: setup.requests,
-        start: Instant::now(),
-    };
+    let progress = Progress::on_stderr(!args.json);
+    let mut bar_start = Instant::now();
     if !args.json {
         println!("kvbridge demo: {}", setup.describe());
     }
@@ -434,7 +414,7 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
                 ready_decodes += 1;
                 if ready_decodes == n_decode {
                     started_at = Some(Instant::now());
-                    progress.start = Instant::now();
+                    bar_start = Instant::now();
                     if let Some(stdin) = procs[0].stdin.as_mut() {
                         if let Err(e) = stdin.write_all(b"start\n").await {
                             failures.push(format!("cannot tell the prefill to start: {e}"));
@@ -476,7 +456,13 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
                     if r.verified as usize == n_decode {
                         done_requests += 1;
                         done_bytes += bytes;
-                        progress.draw(done_requests, done_bytes);
+                        draw(
+                            &progress,
+                            done_requests,
+                            setup.requests,
+                            done_bytes,
+                            bar_start,
+                        );
                     }
                 }
             }
@@ -486,7 +472,13 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
                     if r.verified as usize == n_decode && r.latency.is_some() {
                         done_requests += 1;
                         done_bytes += r.bytes;
-                        progress.draw(done_requests, done_bytes);
+                        draw(
+                            &progress,
+                            done_requests,
+                            setup.requests,
+                            done_bytes,
+                            bar_start,
+                        );
                     }
                 }
             }
