@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use kvbridge_transport::testing::{SplitMix64, mix64};
 use kvbridge_transport::{
     KvTransport, KvTransportExt, MemoryRegion, PeerId, RegionId, TransferBatch, TransferOp,
 };
@@ -366,26 +367,17 @@ fn plan(pattern: Pattern, scale: f64, seed: u64) -> (u64, Vec<(u64, u64, u64)>) 
     } else {
         (block, ((count as f64 * scale).round() as u64).max(1))
     };
-    let mut rng = SplitMix(seed ^ block);
+    let mut rng = SplitMix64::new(seed ^ block);
     let mut src: Vec<u64> = (0..count).collect();
     let mut dst: Vec<u64> = (0..count).collect();
-    shuffle(&mut src, &mut rng);
-    shuffle(&mut dst, &mut rng);
+    rng.shuffle(&mut src);
+    rng.shuffle(&mut dst);
     let ops = src
         .iter()
         .zip(&dst)
         .map(|(s, d)| (s * block, d * block, block))
         .collect();
     (block * count, ops)
-}
-
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        mix(self.0)
-    }
 }
 
 /// `strided-1152`: source pages of `STRIDED_RANKS * STRIDED_ROWS` rows; op `k` of a page takes
@@ -395,9 +387,9 @@ fn strided_plan(scale: f64, seed: u64) -> (u64, Vec<(u64, u64, u64)>) {
     let (row, rows) = Pattern::Strided1152.shape();
     let page = STRIDED_RANKS * STRIDED_ROWS;
     let pages = ((rows as f64 * scale) as u64 / page).max(1);
-    let mut rng = SplitMix(seed ^ row);
+    let mut rng = SplitMix64::new(seed ^ row);
     let mut slots: Vec<u64> = (0..pages * STRIDED_RANKS).collect();
-    shuffle(&mut slots, &mut rng);
+    rng.shuffle(&mut slots);
     let mut out = Vec::with_capacity((pages * page) as usize);
     for (op, slot) in slots.iter().enumerate() {
         let (p, k) = (op as u64 / STRIDED_RANKS, op as u64 % STRIDED_RANKS);
@@ -427,23 +419,10 @@ fn plan_ops(
         .collect()
 }
 
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-fn shuffle(v: &mut [u64], rng: &mut SplitMix) {
-    for i in (1..v.len()).rev() {
-        let j = (rng.next() % (i as u64 + 1)) as usize;
-        v.swap(i, j);
-    }
-}
-
 /// The source pool's content: 8-byte words derived from their offset, so any misplaced or
 /// stale block is detected.
 fn word_at(offset: u64) -> u64 {
-    mix((offset / 8) ^ SEED)
+    mix64((offset / 8) ^ SEED)
 }
 
 fn fill_source(region: &MemoryRegion) -> Result<(), String> {
