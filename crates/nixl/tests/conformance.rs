@@ -64,18 +64,16 @@ mod conformance {
 #[test]
 fn whole_suite_over_ucx_tcp() {
     const LANES_ENV: &str = "KVBRIDGE_NIXL_LANES";
-    if std::env::var_os(LANES_ENV).is_some() {
+    if kvbridge_transport::testing::child::is_peer(LANES_ENV) {
         return;
     }
     if !common::runtime_ready() {
         return;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--test-threads=2", "conformance::"])
-        .env("UCX_TLS", "tcp")
-        .env(LANES_ENV, "tcp")
-        .output()
-        .expect("re-run the suite");
+    let out = kvbridge_transport::testing::child::rerun_self(
+        &["--test-threads=2", "conformance::"],
+        [("UCX_TLS", "tcp"), (LANES_ENV, "tcp")],
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     let want = format!("{} passed", 2 * kvbridge_transport::testing::CASES.len());
     assert!(

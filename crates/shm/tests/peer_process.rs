@@ -1,18 +1,18 @@
 //! Tests in which the peer is a separate OS process.
 //!
-//! The test binary re-executes itself (`--exact child_process_entry`) with `KVBRIDGE_SHM_CHILD`
-//! set; that child runs a receiving `ShmTransport`, reports on stdout (lines starting with an
+//! The test binary re-executes itself (`--exact child_process_entry`, through
+//! `kvbridge_transport::testing::child`) with `KVBRIDGE_SHM_CHILD` set; that child runs a receiving `ShmTransport`, reports on stdout (lines starting with an
 //! upper-case tag) and obeys commands that arrive as notifications, so every command also proves
 //! that notifications cross the process boundary after their data.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvbridge_shm::{ShmOptions, ShmTransport};
+use kvbridge_transport::testing::SplitMix64;
+use kvbridge_transport::testing::child::{PeerProcess, is_peer};
 use kvbridge_transport::{
     KvTransport, KvTransportExt, PeerId, RegionId, Side, TransferBatch, TransferOp, TransportError,
 };
@@ -20,20 +20,17 @@ use kvbridge_transport::{
 const CHILD_ENV: &str = "KVBRIDGE_SHM_CHILD";
 const DIR_ENV: &str = "KVBRIDGE_SHM_CHILD_DIR";
 const LEN_ENV: &str = "KVBRIDGE_SHM_CHILD_LEN";
-const LINE_LIMIT: Duration = Duration::from_secs(10);
 
 /// Deterministic test bytes.
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    (0..len as u64)
-        .map(|i| (seed.wrapping_mul(0x9E37_79B9) ^ (i * 7) ^ (i >> 9)) as u8)
-        .collect()
+    SplitMix64::new(seed).bytes(len)
 }
 
 /// Not a test of its own: the entry point of the peer processes the tests below start. Without
 /// `KVBRIDGE_SHM_CHILD` in the environment it returns at once.
 #[test]
 fn child_process_entry() {
-    if std::env::var_os(CHILD_ENV).is_none() {
+    if !is_peer(CHILD_ENV) {
         return;
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -103,57 +100,24 @@ async fn child_main() {
     }
 }
 
-/// A running child process and its tagged stdout lines.
-struct Child {
-    process: std::process::Child,
-    lines: Arc<Mutex<mpsc::Receiver<String>>>,
-}
+/// The receiving peer process.
+struct Child(PeerProcess);
 
 impl Child {
     fn spawn(dir: &Path, len: usize) -> Self {
-        let mut process = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "child_process_entry",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD_ENV, "receiver")
-            .env(DIR_ENV, dir)
-            .env(LEN_ENV, len.to_string())
-            .stdout(Stdio::piped())
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn the peer process");
-        let stdout = process.stdout.take().unwrap();
-        let (tx, rx) = mpsc::sync_channel(64);
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let tagged = line.chars().next().is_some_and(|c| c.is_ascii_uppercase());
-                if tagged && tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        Self {
-            process,
-            lines: Arc::new(Mutex::new(rx)),
-        }
+        Self(PeerProcess::spawn(
+            "child_process_entry",
+            [
+                (CHILD_ENV, "receiver".into()),
+                (DIR_ENV, dir.as_os_str().to_owned()),
+                (LEN_ENV, len.to_string().into()),
+            ],
+        ))
     }
 
     /// The next tagged line, which must start with `tag`.
     async fn line(&self, tag: &str) -> String {
-        let lines = Arc::clone(&self.lines);
-        let line =
-            tokio::task::spawn_blocking(move || lines.lock().unwrap().recv_timeout(LINE_LIMIT))
-                .await
-                .unwrap()
-                .unwrap_or_else(|e| panic!("the peer process printed no {tag} line: {e}"));
-        assert!(
-            line.starts_with(tag),
-            "expected {tag}, the peer said {line:?}"
-        );
-        line
+        self.0.line(tag).await
     }
 
     /// Waits for the READY line: (region id, control dir, descriptor).
@@ -164,13 +128,6 @@ impl Child {
         let dir = PathBuf::from(words.next().unwrap());
         let descriptor = words.next().unwrap().to_owned();
         (id, dir, descriptor)
-    }
-}
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.process.kill();
-        let _ = self.process.wait();
     }
 }
 
@@ -268,7 +225,7 @@ async fn cross_process_writes_reads_fetches_and_fences() {
     send_command(&t, peer, "exit".into()).await;
     child.line("BYE").await;
     let mut child = child;
-    let status = child.process.wait().unwrap();
+    let status = child.0.wait();
     assert!(status.success(), "{status}");
     assert!(
         !child_dir.exists(),
@@ -333,8 +290,7 @@ async fn killing_the_peer_mid_transfer_fails_batches_by_their_deadline() {
         outcomes
     });
     tokio::time::sleep(Duration::from_millis(30)).await;
-    child.process.kill().unwrap();
-    child.process.wait().unwrap();
+    child.0.kill();
     let outcomes = tokio::time::timeout(Duration::from_secs(60), poster)
         .await
         .expect("the posting loop ends once the peer is gone")

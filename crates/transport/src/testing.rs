@@ -58,6 +58,7 @@ use crate::{
     RegionId, Side, TransferBatch, TransferOp, TransportError,
 };
 
+pub mod child;
 pub(crate) mod rt;
 mod seeded;
 
