@@ -19,7 +19,7 @@ async fn nixl_pair() -> Option<TransportPair> {
     }
     // The suite has no way to allocate device memory here, so device memory stays off even on
     // a host with a GPU (the suite then checks that it is refused).
-    let options = || NixlOptions::default().device_memory(false);
+    let options = || NixlOptions::default().with_device_memory(false);
     Some(TransportPair::new(
         Arc::new(NixlTransport::with_options(options()).expect("sender transport")),
         Arc::new(NixlTransport::with_options(options()).expect("receiver transport")),

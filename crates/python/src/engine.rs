@@ -605,7 +605,7 @@ impl Engine {
                 "shm" => {
                     let mut options = kvbridge_shm::ShmOptions::default();
                     if let Some(dir) = runtime_dir {
-                        options = options.runtime_dir(dir);
+                        options = options.with_runtime_dir(dir);
                     }
                     let _rt = runtime()?.enter();
                     let made = kvbridge_shm::ShmTransport::with_options(options)

@@ -46,7 +46,7 @@ fn child_process_entry() {
 async fn child_main() {
     let dir = PathBuf::from(std::env::var_os(DIR_ENV).expect("runtime dir"));
     let len: usize = std::env::var(LEN_ENV).unwrap().parse().unwrap();
-    let t = ShmTransport::with_options(ShmOptions::default().runtime_dir(&dir)).unwrap();
+    let t = ShmTransport::with_options(ShmOptions::default().with_runtime_dir(&dir)).unwrap();
     let (id, region) = t.allocate_registered(len).await.unwrap();
     let mut regions = vec![(id, region)];
     // The leading newline ends libtest's "test child_process_entry ... " line.
@@ -164,7 +164,7 @@ async fn cross_process_writes_reads_fetches_and_fences() {
     let (remote, child_dir, descriptor) = child.ready().await;
     assert!(child_dir.starts_with(&base) && child_dir.exists());
 
-    let t = ShmTransport::with_options(ShmOptions::default().runtime_dir(&base)).unwrap();
+    let t = ShmTransport::with_options(ShmOptions::default().with_runtime_dir(&base)).unwrap();
     let (local, mem) = t.allocate_registered(LEN).await.unwrap();
     let peer = t.connect(descriptor.as_bytes()).await.unwrap();
     t.probe(peer, Duration::from_secs(2)).await.unwrap();
@@ -249,7 +249,9 @@ async fn killing_the_peer_mid_transfer_fails_batches_by_their_deadline() {
     let mut child = Child::spawn(&base, LEN);
     let (remote, child_dir, descriptor) = child.ready().await;
 
-    let t = Arc::new(ShmTransport::with_options(ShmOptions::default().runtime_dir(&base)).unwrap());
+    let t = Arc::new(
+        ShmTransport::with_options(ShmOptions::default().with_runtime_dir(&base)).unwrap(),
+    );
     let (local, mem) = t.allocate_registered(LEN).await.unwrap();
     mem.write_at(0, &pattern(5, LEN)).unwrap();
     let peer = t.connect(descriptor.as_bytes()).await.unwrap();
@@ -309,7 +311,7 @@ async fn killing_the_peer_mid_transfer_fails_batches_by_their_deadline() {
     // The killed peer could not clean up; its directory goes when the next transport starts
     // in the same place. Shared memory was never in /dev/shm.
     assert!(child_dir.exists());
-    let next = ShmTransport::with_options(ShmOptions::default().runtime_dir(&base)).unwrap();
+    let next = ShmTransport::with_options(ShmOptions::default().with_runtime_dir(&base)).unwrap();
     assert!(
         !child_dir.exists(),
         "{} was left behind",

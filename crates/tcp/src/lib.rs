@@ -196,11 +196,21 @@ impl TcpConfig {
         self
     }
 
-    /// Sets [`keepalive_interval`](Self::keepalive_interval) and
-    /// [`keepalive_timeout`](Self::keepalive_timeout).
-    pub fn with_keepalive(mut self, interval: Duration, timeout: Duration) -> Self {
+    /// Sets [`keepalive_interval`](Self::keepalive_interval).
+    pub fn with_keepalive_interval(mut self, interval: Duration) -> Self {
         self.keepalive_interval = interval;
+        self
+    }
+
+    /// Sets [`keepalive_timeout`](Self::keepalive_timeout).
+    pub fn with_keepalive_timeout(mut self, timeout: Duration) -> Self {
         self.keepalive_timeout = timeout;
+        self
+    }
+
+    /// Sets [`connect_timeout`](Self::connect_timeout).
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
         self
     }
 
@@ -219,6 +229,12 @@ impl TcpConfig {
     /// Sets [`piece_bytes`](Self::piece_bytes).
     pub fn with_piece_bytes(mut self, bytes: u64) -> Self {
         self.piece_bytes = bytes;
+        self
+    }
+
+    /// Sets [`max_inbound_batches`](Self::max_inbound_batches).
+    pub fn with_max_inbound_batches(mut self, n: usize) -> Self {
+        self.max_inbound_batches = n;
         self
     }
 

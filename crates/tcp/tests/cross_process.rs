@@ -25,7 +25,8 @@ fn config() -> TcpConfig {
         .with_secret(SECRET.to_vec())
         .with_connections_per_peer(2)
         .with_piece_bytes(256 << 10)
-        .with_keepalive(Duration::from_millis(100), Duration::from_secs(2))
+        .with_keepalive_interval(Duration::from_millis(100))
+        .with_keepalive_timeout(Duration::from_secs(2))
 }
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {

@@ -475,7 +475,8 @@ async fn hostile(addr: std::net::SocketAddr, session: u64, stream: Vec<u8>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_listener_survives_mutated_corpus_streams() {
     let config = TcpConfig::default()
-        .with_keepalive(Duration::from_millis(100), Duration::from_millis(500))
+        .with_keepalive_interval(Duration::from_millis(100))
+        .with_keepalive_timeout(Duration::from_millis(500))
         .with_max_frame_len(MAX)
         .with_max_inbound_pending_bytes(256 << 10);
     let t = TcpTransport::bind(config).await.unwrap();

@@ -245,7 +245,8 @@ async fn transport(
             let keep =
                 (setup.timeout / 2).clamp(Duration::from_millis(200), Duration::from_secs(10));
             let mut cfg = TcpConfig::default()
-                .with_keepalive((keep / 5).max(Duration::from_millis(40)), keep);
+                .with_keepalive_interval((keep / 5).max(Duration::from_millis(40)))
+                .with_keepalive_timeout(keep);
             if let Some(s) = &setup.secret {
                 cfg = cfg.with_secret(s.as_bytes().to_vec());
             }
@@ -272,14 +273,12 @@ fn heartbeat(setup: &Setup) -> Duration {
 
 fn prefill_config(setup: &Setup, d: &PeerDescriptor) -> PrefillConfig {
     let t = setup.timeout;
-    let config = PrefillConfig {
-        bootstrap_timeout: t,
-        waiting_timeout: t,
-        batch_timeout: t,
-        fence_grace: (t / 4).min(Duration::from_secs(5)),
-        control_send_timeout: (t / 4).min(Duration::from_secs(30)),
-        ..PrefillConfig::default()
-    };
+    let config = PrefillConfig::default()
+        .with_bootstrap_timeout(t)
+        .with_waiting_timeout(t)
+        .with_batch_timeout(t)
+        .with_fence_grace((t / 4).min(Duration::from_secs(5)))
+        .with_control_send_timeout((t / 4).min(Duration::from_secs(30)));
     match setup.pack {
         None => config,
         Some((count, _)) => {
@@ -294,17 +293,15 @@ fn prefill_config(setup: &Setup, d: &PeerDescriptor) -> PrefillConfig {
 
 fn decode_config(setup: &Setup) -> DecodeConfig {
     let t = setup.timeout;
-    DecodeConfig {
-        bootstrap_timeout: t,
-        waiting_timeout: t,
-        heartbeat_interval: heartbeat(setup),
-        heartbeat_max_failures: 2,
-        control_send_timeout: (t / 4).min(Duration::from_secs(1)),
+    DecodeConfig::default()
+        .with_bootstrap_timeout(t)
+        .with_waiting_timeout(t)
+        .with_heartbeat_interval(heartbeat(setup))
+        .with_heartbeat_max_failures(2)
+        .with_control_send_timeout((t / 4).min(Duration::from_secs(1)))
         // Only bounds when pages of a failed room may be reused; within the run's grace.
-        fence_timeout: t.min(GRACE / 2),
-        abort_resend_interval: heartbeat(setup),
-        ..DecodeConfig::default()
-    }
+        .with_fence_timeout(t.min(GRACE / 2))
+        .with_abort_resend_interval(heartbeat(setup))
 }
 
 /// The page table of a request in pool slot `slot`: the slot's `n` pages, in order on the
