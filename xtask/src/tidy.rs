@@ -614,14 +614,6 @@ const LONG_FUNCTIONS_ALLOWED: &[(&str, &str)] = &[
     ("crates/mock/src/loopback.rs", "run"),
     ("crates/nixl/src/transport.rs", "on_message"),
     ("crates/nixl/src/transport.rs", "post"),
-    ("crates/shm/src/map.rs", "copy_rows"),
-    ("crates/shm/src/transport.rs", "serve_inbound"),
-    ("crates/shm/src/transport.rs", "connect"),
-    ("crates/tcp/src/inbound.rs", "admit"),
-    ("crates/tcp/src/inbound.rs", "data"),
-    ("crates/tcp/src/outbound.rs", "reader_task"),
-    ("crates/tcp/src/outbound.rs", "post"),
-    ("crates/tcp/src/wire.rs", "decode_body"),
     ("crates/transport/src/testing.rs", "notification_after_data"),
 ];
 

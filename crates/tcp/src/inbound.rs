@@ -331,6 +331,27 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     }
 }
 
+impl Session {
+    /// A session as its first connection is admitted.
+    fn new(peer: PeerId, id: u64, conn_count: u16, idle: Duration, welcomed: Instant) -> Self {
+        Session {
+            peer,
+            id,
+            conn_count,
+            ctrl: Mutex::new(vec![None; usize::from(conn_count)]),
+            batches: Mutex::new(HashMap::new()),
+            writers_idle: Notify::new(),
+            tasks: Mutex::new(Vec::new()),
+            pings: Mutex::new(HashMap::new()),
+            ping_seq: AtomicU64::new(1),
+            idle,
+            pending: Arc::new(AtomicU64::new(0)),
+            welcomed: Mutex::new(welcomed),
+            epochs: Mutex::new(VecDeque::new()),
+        }
+    }
+}
+
 /// Handshake, then joins (or starts) the connection's session and starts its tasks, which
 /// hold one of the `connections` slots until the connection ends.
 async fn admit(
@@ -376,21 +397,14 @@ async fn admit(
         let session = sessions
             .entry(hello.session)
             .or_insert_with(|| {
-                Arc::new(Session {
-                    peer: shared.alloc_peer_id(),
-                    id: hello.session,
-                    conn_count: hello.conn_count,
-                    ctrl: Mutex::new(vec![None; usize::from(hello.conn_count)]),
-                    batches: Mutex::new(HashMap::new()),
-                    writers_idle: Notify::new(),
-                    tasks: Mutex::new(Vec::new()),
-                    pings: Mutex::new(HashMap::new()),
-                    ping_seq: AtomicU64::new(1),
+                let peer = shared.alloc_peer_id();
+                Arc::new(Session::new(
+                    peer,
+                    hello.session,
+                    hello.conn_count,
                     idle,
-                    pending: Arc::new(AtomicU64::new(0)),
-                    welcomed: Mutex::new(welcomed),
-                    epochs: Mutex::new(VecDeque::new()),
-                })
+                    welcomed,
+                ))
             })
             .clone();
         {
@@ -810,21 +824,11 @@ impl Receiver<'_> {
         self.send_now(Frame::Done { batch }).await
     }
 
-    /// A `Data` or `Rows` frame: every descriptor, each row of a strided one included, is
-    /// checked before any payload byte is read.
-    async fn data(
-        &mut self,
-        r: &mut Reader,
-        batch: u64,
-        ops: Vec<WireRows>,
-    ) -> Result<(), LinkError> {
-        // The decoder checked that the sum does not overflow.
-        let sum = ops.iter().fold(0u64, |a, op| a.saturating_add(op.total()));
-        if let Some(refused) = self.take_refused(batch, sum)? {
-            return self.drain(r, refused).await;
-        }
+    /// The regions a `Data` or `Rows` frame writes, each descriptor checked against its
+    /// region (every row, the last row's end without overflow, no overlapping rows).
+    fn data_targets(&self, batch: u64, ops: &[WireRows]) -> Result<Vec<MemoryRegion>, LinkError> {
         let mut targets: Vec<MemoryRegion> = Vec::with_capacity(ops.len());
-        for op in &ops {
+        for op in ops {
             let Some(region) = self.shared.region(op.region) else {
                 return Err(protocol(format!(
                     "{} frame for batch {batch} writes region #{} which is not registered here",
@@ -853,6 +857,23 @@ impl Receiver<'_> {
             }
             targets.push(region);
         }
+        Ok(targets)
+    }
+
+    /// A `Data` or `Rows` frame: every descriptor, each row of a strided one included, is
+    /// checked before any payload byte is read.
+    async fn data(
+        &mut self,
+        r: &mut Reader,
+        batch: u64,
+        ops: Vec<WireRows>,
+    ) -> Result<(), LinkError> {
+        // The decoder checked that the sum does not overflow.
+        let sum = ops.iter().fold(0u64, |a, op| a.saturating_add(op.total()));
+        if let Some(refused) = self.take_refused(batch, sum)? {
+            return self.drain(r, refused).await;
+        }
+        let targets = self.data_targets(batch, &ops)?;
         let total = sum;
         let apply = {
             let mut batches = self.session.lock_batches();
