@@ -611,9 +611,6 @@ const LONG_FUNCTIONS_ALLOWED: &[(&str, &str)] = &[
     ("crates/cli/src/demo/parent.rs", "orchestrate"),
     ("crates/cli/src/demo/worker.rs", "prefill_main"),
     ("crates/cli/src/demo/worker.rs", "decode_main"),
-    ("crates/mock/src/loopback.rs", "run"),
-    ("crates/nixl/src/transport.rs", "on_message"),
-    ("crates/nixl/src/transport.rs", "post"),
     ("crates/transport/src/testing.rs", "notification_after_data"),
 ];
 
