@@ -605,13 +605,6 @@ const LONG_FUNCTIONS_ALLOWED: &[(&str, &str)] = &[
     ("crates/handshake/src/check.rs", "spec_decode_checks"),
     ("crates/handshake/src/check.rs", "entry_geometry"),
     ("crates/handshake/src/descriptor.rs", "build"),
-    ("crates/cli/src/bench/e2e.rs", "bench"),
-    ("crates/cli/src/bench/mod.rs", "measure_with"),
-    ("crates/cli/src/demo/mod.rs", "from_args"),
-    ("crates/cli/src/demo/parent.rs", "orchestrate"),
-    ("crates/cli/src/demo/worker.rs", "prefill_main"),
-    ("crates/cli/src/demo/worker.rs", "decode_main"),
-    ("crates/transport/src/testing.rs", "notification_after_data"),
 ];
 
 /// `code` (from [`code_only`]) with every item under `#[cfg(test)]` blanked, and the names of

@@ -473,6 +473,15 @@ impl From<CoordinatorError> for Failure {
 }
 
 impl Summary {
+    /// Adds a prefill agent's transfer counters.
+    fn add_metrics(&mut self, m: &kvbridge_coordinator::MetricsSnapshot) {
+        self.bytes += m.bytes_transferred;
+        self.descriptors += m.descriptors_posted;
+        self.rows += m.rows_posted;
+        self.pack_batches += m.pack_batches;
+        self.pack_bytes += m.pack_bytes;
+    }
+
     /// Records why the process stopped early (parent gone, signal), unless a root cause is
     /// already known.
     fn stopped(&mut self, commands: &Commands) {
@@ -536,34 +545,28 @@ fn report_error(role: &str, rank: u32, e: String) -> ExitCode {
     ExitCode::from(1)
 }
 
-async fn prefill_main(
-    args: &DemoArgs,
-    setup: Setup,
-    commands: Arc<Commands>,
-    created: Dirs,
-) -> Result<ExitCode, String> {
-    let boot = BootstrapServer::bind(BootstrapConfig::default().with_bind_addr(SocketAddr::new(
-        Ipv4Addr::LOCALHOST.into(),
-        args.bootstrap_port,
-    )))
-    .await
-    .map_err(|e| e.to_string())?;
-    let client = BootstrapClient::new(boot.bootstrap_addr());
+/// One prefill agent per prefill rank of the setup, each registered with the bootstrap
+/// server; with the control directories their transports made.
+async fn start_prefill_ranks(
+    setup: &Setup,
+    created: &Dirs,
+    client: &BootstrapClient,
+) -> Result<(Vec<PRank>, Vec<String>), String> {
     let conc = u64::from(setup.concurrency);
     let mut ranks = Vec::new();
     let mut dirs = Vec::new();
     for d in &setup.prefill {
-        let (t, dir) = transport(&setup, &created).await?;
+        let (t, dir) = transport(setup, created).await?;
         dirs.extend(dir);
         let mem = KvMemory::allocate(&*t, d, setup.prefill_pages * conc, conc)
             .await
             .map_err(|e| format!("allocating the prefill pool: {e}"))?;
-        let channel = NetChannel::bind(net_config(&setup))
+        let channel = NetChannel::bind(net_config(setup))
             .await
             .map_err(|e| e.to_string())?;
         let agent =
             PrefillAgent::builder(d.clone(), mem.memory.clone(), t.clone(), Arc::new(channel))
-                .config(prefill_config(&setup, d))
+                .config(prefill_config(setup, d))
                 .kv_regions(mem.kv_regions.clone())
                 .start()
                 .map_err(|e| e.to_string())?;
@@ -578,6 +581,40 @@ async fn prefill_main(
             transport: t,
         });
     }
+    Ok((ranks, dirs))
+}
+
+/// Waits until the parent says `finish`, this process is told to stop, or `wait` passed.
+async fn wait_for_finish(commands: &Commands, wait: Duration) {
+    tokio::select! {
+        _ = commands.finish.notified() => {}
+        _ = commands.stopped() => {}
+        _ = tokio::time::sleep(wait) => {}
+    }
+}
+
+/// Stops every rank's agent and transport.
+async fn shutdown_prefill_ranks(ranks: &[PRank]) {
+    for r in ranks {
+        r.agent.shutdown();
+        let _ = r.transport.shutdown().await;
+    }
+}
+
+async fn prefill_main(
+    args: &DemoArgs,
+    setup: Setup,
+    commands: Arc<Commands>,
+    created: Dirs,
+) -> Result<ExitCode, String> {
+    let boot = BootstrapServer::bind(BootstrapConfig::default().with_bind_addr(SocketAddr::new(
+        Ipv4Addr::LOCALHOST.into(),
+        args.bootstrap_port,
+    )))
+    .await
+    .map_err(|e| e.to_string())?;
+    let client = BootstrapClient::new(boot.bootstrap_addr());
+    let (ranks, dirs) = start_prefill_ranks(&setup, &created, &client).await?;
     emit(&Event::Ready {
         pid: std::process::id(),
         bootstrap: Some(boot.bootstrap_addr()),
@@ -587,10 +624,7 @@ async fn prefill_main(
     tokio::select! {
         _ = commands.start.notified() => {}
         why = commands.stopped() => {
-            for r in &ranks {
-                r.agent.shutdown();
-                let _ = r.transport.shutdown().await;
-            }
+            shutdown_prefill_ranks(&ranks).await;
             boot.shutdown();
             return Err(format!("{why} before the requests started"));
         }
@@ -646,12 +680,7 @@ async fn prefill_main(
 
     summary.stopped(&commands);
     for r in ranks.iter() {
-        let m = r.agent.metrics();
-        summary.bytes += m.bytes_transferred;
-        summary.descriptors += m.descriptors_posted;
-        summary.rows += m.rows_posted;
-        summary.pack_batches += m.pack_batches;
-        summary.pack_bytes += m.pack_bytes;
+        summary.add_metrics(&r.agent.metrics());
     }
     summary.rooms_left = settle(|| ranks.iter().map(|r| r.agent.room_count()).sum()).await;
     summary.control_dirs = dirs;
@@ -659,16 +688,9 @@ async fn prefill_main(
     // After a failure their rooms end by their deadlines, so do not wait for a hung one.
     let ok = summary.failed == 0 && summary.skipped == 0;
     let wait = if ok { setup.timeout + GRACE } else { GRACE / 2 };
-    tokio::select! {
-        _ = commands.finish.notified() => {}
-        _ = commands.stopped() => {}
-        _ = tokio::time::sleep(wait) => {}
-    }
+    wait_for_finish(&commands, wait).await;
     stopper.abort();
-    for r in ranks.iter() {
-        r.agent.shutdown();
-        let _ = r.transport.shutdown().await;
-    }
+    shutdown_prefill_ranks(&ranks).await;
     boot.shutdown();
     emit(&Event::Done(summary));
     Ok(if ok {
@@ -827,6 +849,46 @@ pub(crate) fn run_decode(args: &DemoArgs, setup: Setup) -> ExitCode {
     })
 }
 
+/// The decode agent of one decode rank, with its pool, transport and the control directory
+/// the transport made.
+async fn start_decode_agent(
+    setup: &Setup,
+    desc: &PeerDescriptor,
+    dirs: &Dirs,
+) -> Result<
+    (
+        DecodeAgent,
+        AllocatedMemory,
+        Arc<dyn KvTransport>,
+        Option<String>,
+    ),
+    String,
+> {
+    let conc = u64::from(setup.concurrency);
+    let (t, dir) = transport(setup, dirs).await?;
+    let mem = KvMemory::allocate(&*t, desc, setup.decode_pages * conc, conc)
+        .await
+        .map_err(|e| format!("allocating the decode pool: {e}"))?;
+    let channel = NetChannel::bind(net_config(setup))
+        .await
+        .map_err(|e| e.to_string())?;
+    let hb = heartbeat(setup);
+    let directory = HttpDirectory::new().with_retry(hb, 15).with_client_config(
+        ClientConfig::default().with_timeout(setup.timeout.min(Duration::from_secs(5))),
+    );
+    let agent = DecodeAgent::builder(
+        desc.clone(),
+        mem.memory.clone(),
+        t.clone(),
+        Arc::new(channel),
+        Arc::new(directory),
+    )
+    .config(decode_config(setup))
+    .start()
+    .map_err(|e| e.to_string())?;
+    Ok((agent, mem, t, dir))
+}
+
 async fn decode_main(
     args: &DemoArgs,
     setup: Setup,
@@ -843,28 +905,7 @@ async fn decode_main(
         .get(rank as usize)
         .cloned()
         .ok_or_else(|| format!("internal: no decode rank {rank}"))?;
-    let conc = u64::from(setup.concurrency);
-    let (t, dir) = transport(&setup, &dirs).await?;
-    let mem = KvMemory::allocate(&*t, &desc, setup.decode_pages * conc, conc)
-        .await
-        .map_err(|e| format!("allocating the decode pool: {e}"))?;
-    let channel = NetChannel::bind(net_config(&setup))
-        .await
-        .map_err(|e| e.to_string())?;
-    let hb = heartbeat(&setup);
-    let directory = HttpDirectory::new().with_retry(hb, 15).with_client_config(
-        ClientConfig::default().with_timeout(setup.timeout.min(Duration::from_secs(5))),
-    );
-    let agent = DecodeAgent::builder(
-        desc.clone(),
-        mem.memory.clone(),
-        t.clone(),
-        Arc::new(channel),
-        Arc::new(directory),
-    )
-    .config(decode_config(&setup))
-    .start()
-    .map_err(|e| e.to_string())?;
+    let (agent, mem, t, dir) = start_decode_agent(&setup, &desc, &dirs).await?;
     emit(&Event::Ready {
         pid: std::process::id(),
         bootstrap: None,
