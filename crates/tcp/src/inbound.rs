@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_transport::memory::checked_rows;
+use kvbridge_transport::sync::{lock, read};
 use kvbridge_transport::{MemoryRegion, Notification, PeerId, Result, TransportError};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedReadHalf;
@@ -20,8 +21,6 @@ use crate::error::TcpError;
 use crate::wire::{
     self, BeginStatus, CancelStatus, Frame, FrameType, RegionLen, RegionNeed, WireRows,
 };
-use kvbridge_transport::sync::{lock, read};
-
 use crate::{BATCH_STATE_BYTES, NAME, Shared};
 
 /// Bytes offered to one vectored read (between two checks that the batch is still live).

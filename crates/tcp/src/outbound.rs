@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvbridge_transport::memory::{checked_rows, rows_end};
+use kvbridge_transport::sync::{lock, read};
 use kvbridge_transport::{
     BatchId, MemoryRegion, PeerId, RegionId, RegionSlice, Result, Side, TransferBatch, TransferOp,
     TransportError,
@@ -26,8 +27,6 @@ use crate::error::TcpError;
 use crate::wire::{
     self, BeginStatus, CancelStatus, Frame, RegionLen, RegionNeed, WireOp, WireRows,
 };
-use kvbridge_transport::sync::{lock, read};
-
 use crate::{NAME, Shared};
 use kvbridge_transport::batch::{Fence, Outcome, Step};
 

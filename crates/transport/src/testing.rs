@@ -1076,12 +1076,18 @@ pub async fn notification_after_data(pair: TransportPair) {
             .unwrap_or_else(|e| panic!("[{}] {DATA}: batch {id} failed: {e}", rig.name));
     }
 
+    refused_batch_never_notifies(&rig, (BATCHES * SLOT) as u64).await;
+}
+
+/// A batch refused for writing past the receiver's region (of `region_len` bytes) delivers no
+/// notification; the next good batch does.
+async fn refused_batch_never_notifies(rig: &Rig, region_len: u64) {
     // A refused batch never notifies.
-    let bad = TransferBatch::write(vec![rig.op(0, 0, 0, (BATCHES * SLOT) as u64, 1)])
+    let bad = TransferBatch::write(vec![rig.op(0, 0, 0, region_len, 1)])
         .with_notification(Bytes::from_static(b"refused"))
         .with_timeout(rig.limits.batch_timeout);
     expect_remote_refusal(
-        &rig,
+        rig,
         bad,
         "an out-of-bounds batch with a notification",
         |e| {
