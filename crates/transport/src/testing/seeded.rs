@@ -2,8 +2,8 @@
 //!
 //! Hand-written (SplitMix64) rather than taken from `rand`: the `testing` feature adds no
 //! dependency, and a fixed, documented algorithm keeps every seeded run (suite batches, bench
-//! layouts, fuzz mutations) the same across releases of any third-party crate. Not for secrets:
-//! `kvbridge-auth` is the one randomness source for those.
+//! layouts, fuzz mutations) the same across releases of any third-party crate. Predictable by
+//! design: never for secrets, nonces or session ids.
 
 /// SplitMix64 (Steele, Lea and Flood): a 64-bit state advanced by the golden-ratio increment,
 /// each output passed through [`mix64`]. The same seed gives the same sequence on every run.
