@@ -63,7 +63,7 @@ pub(crate) mod rt;
 mod seeded;
 
 use rt::{join_all, sleep, timeout};
-pub use seeded::{GOLDEN_GAMMA, SplitMix64, mix64};
+pub use seeded::{SplitMix64, mix64};
 
 /// Makes a device-memory region of the given length, for transports that accept device memory.
 pub type DeviceRegions = Arc<dyn Fn(usize) -> MemoryRegion + Send + Sync>;

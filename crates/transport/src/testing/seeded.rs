@@ -11,7 +11,7 @@
 pub struct SplitMix64(u64);
 
 /// The increment of [`SplitMix64`]'s state: 2^64 / φ, odd.
-pub const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// SplitMix64's output function: a bijective mix of the 64 bits of `z`, good as a hash of
 /// small inputs (offsets, ids) into well-spread words.
