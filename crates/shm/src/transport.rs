@@ -1200,7 +1200,7 @@ async fn opening_exchange(
     let mut reader = WireReader::default();
     let handshake = async {
         wire.send(&hello, None).await.map_err(ReadError::Io)?;
-        reader.next(&wire).await
+        reader.next(wire).await
     };
     let ring = match tokio::time::timeout(hs, handshake).await {
         Ok(Ok(Some((Frame::Welcome { ring, .. }, Some(fd))))) => {

@@ -810,9 +810,7 @@ fn raw_baseline(
         (TransportKind::Shm, _) => None,
         // NIXL against the same descriptors posted through nixl-sys directly (`bench/nixl.rs`).
         (TransportKind::Nixl, _) => Some(RawBaseline::Nixl(nixl::DirectBaseline::start(
-            &src,
-            &descriptor,
-            remote,
+            src, descriptor, remote,
         )?)),
     })
 }
