@@ -16,9 +16,11 @@ use bytes::Bytes;
 use common::runtime_ready;
 use kvbridge_nixl::NixlTransport;
 use kvbridge_transport::testing::SplitMix64;
-use kvbridge_transport::testing::child::{PeerProcess, is_peer, rerun_self};
+use kvbridge_transport::testing::child::{
+    PeerProcess, is_peer, rerun_self, scattered_blocks, send_command,
+};
 use kvbridge_transport::{
-    KvTransport, KvTransportExt, PeerId, RegionId, TransferBatch, TransferOp, TransportError,
+    KvTransport, KvTransportExt, RegionId, TransferBatch, TransferOp, TransportError,
 };
 
 const CHILD_ENV: &str = "KVBRIDGE_NIXL_CHILD";
@@ -43,17 +45,12 @@ fn unhex(s: &str) -> Vec<u8> {
 
 /// Not a test of its own: the entry point of the peer processes the tests below start. Without
 /// `KVBRIDGE_NIXL_CHILD` in the environment it returns at once.
-#[test]
-fn child_process_entry() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_process_entry() {
     if !is_peer(CHILD_ENV) {
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(child_main());
+    child_main().await;
 }
 
 async fn child_main() {
@@ -120,21 +117,7 @@ impl Child {
 
 /// 64 KiB blocks covering `[0, len)` of both regions, in a scattered order.
 fn scattered(local: RegionId, remote: RegionId, len: u64) -> Vec<TransferOp> {
-    let block = 64 * 1024;
-    let n = len / block;
-    (0..n)
-        .map(|i| (i * 7919 + 13) % n)
-        .map(|j| TransferOp::new(local, j * block, remote, j * block, block))
-        .collect()
-}
-
-async fn command(t: &NixlTransport, peer: PeerId, text: String) {
-    t.transfer(
-        peer,
-        TransferBatch::write(vec![]).with_notification(Bytes::from(text)),
-    )
-    .await
-    .unwrap();
+    scattered_blocks(local, remote, len, 64 * 1024)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -162,7 +145,7 @@ async fn cross_process_writes_arrive_before_their_notifications() {
         .unwrap();
         assert_eq!(child.line("VERIFIED").await, "VERIFIED ok", "seed {seed}");
     }
-    command(&t, peer, "exit".into()).await;
+    send_command(&t, peer, "exit".into()).await;
     child.line("BYE").await;
     // The peer said goodbye: its loss is reported, not waited for.
     let start = Instant::now();

@@ -1,9 +1,10 @@
 //! Tests in which the peer is a separate OS process.
 //!
 //! The test binary re-executes itself (`--exact child_process_entry`, through
-//! `kvbridge_transport::testing::child`) with `KVBRIDGE_SHM_CHILD` set; that child runs a receiving `ShmTransport`, reports on stdout (lines starting with an
-//! upper-case tag) and obeys commands that arrive as notifications, so every command also proves
-//! that notifications cross the process boundary after their data.
+//! `kvbridge_transport::testing::child`) with `KVBRIDGE_SHM_CHILD` set; that child runs a
+//! receiving `ShmTransport`, reports on stdout (lines starting with an upper-case tag) and obeys
+//! commands that arrive as notifications, so every command also proves that notifications cross
+//! the process boundary after their data.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -12,9 +13,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvbridge_shm::{ShmOptions, ShmTransport};
 use kvbridge_transport::testing::SplitMix64;
-use kvbridge_transport::testing::child::{PeerProcess, is_peer};
+use kvbridge_transport::testing::child::{PeerProcess, is_peer, scattered_blocks, send_command};
 use kvbridge_transport::{
-    KvTransport, KvTransportExt, PeerId, RegionId, Side, TransferBatch, TransferOp, TransportError,
+    KvTransport, KvTransportExt, RegionId, Side, TransferBatch, TransferOp, TransportError,
 };
 
 const CHILD_ENV: &str = "KVBRIDGE_SHM_CHILD";
@@ -28,17 +29,12 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 
 /// Not a test of its own: the entry point of the peer processes the tests below start. Without
 /// `KVBRIDGE_SHM_CHILD` in the environment it returns at once.
-#[test]
-fn child_process_entry() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_process_entry() {
     if !is_peer(CHILD_ENV) {
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(child_main());
+    child_main().await;
     // Leave without running other cleanup: the parent checks what the transport removed itself.
     std::process::exit(0);
 }
@@ -139,21 +135,7 @@ fn base_dir(name: &str) -> PathBuf {
 
 /// 64 KiB blocks covering `[0, len)` of both regions, in a scattered order.
 fn scattered(local: RegionId, remote: RegionId, len: u64) -> Vec<TransferOp> {
-    let block = 64 * 1024;
-    let n = len / block;
-    (0..n)
-        .map(|i| (i * 7919 + 13) % n)
-        .map(|j| TransferOp::new(local, j * block, remote, j * block, block))
-        .collect()
-}
-
-async fn send_command(t: &ShmTransport, peer: PeerId, command: String) {
-    t.transfer(
-        peer,
-        TransferBatch::write(vec![]).with_notification(Bytes::from(command)),
-    )
-    .await
-    .unwrap();
+    scattered_blocks(local, remote, len, 64 * 1024)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,10 +1,11 @@
 //! Tests in which the receiving peer is a separate OS process.
 //!
 //! The test binary re-executes itself (`--exact child_process_entry`, through
-//! `kvbridge_transport::testing::child`) with `KVBRIDGE_TCP_CHILD` set; the child runs a receiving `TcpTransport` (same secret, same settings), prints
-//! `READY <region> <descriptor>` and then checks its memory each time a notification
-//! `check:<seed>:<offset>:<len>` arrives, answering `OK <offset>` or `BAD ...` on stdout — so
-//! every check also proves that a notification crossed the process boundary after its data.
+//! `kvbridge_transport::testing::child`) with `KVBRIDGE_TCP_CHILD` set; the child runs a
+//! receiving `TcpTransport` (same secret, same settings), prints `READY <region> <descriptor>`
+//! and then checks its memory each time a notification `check:<seed>:<offset>:<len>` arrives,
+//! answering `OK <offset>` or `BAD ...` on stdout — so every check also proves that a
+//! notification crossed the process boundary after its data.
 
 use std::time::Duration;
 
@@ -35,17 +36,12 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 
 /// Not a test of its own: the entry point of the peer processes the tests below start.
 /// Without `KVBRIDGE_TCP_CHILD` it returns at once.
-#[test]
-fn child_process_entry() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_process_entry() {
     if !is_peer(CHILD_ENV) {
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(child_main());
+    child_main().await;
     std::process::exit(0);
 }
 

@@ -40,8 +40,11 @@ use std::sync::{Arc, Mutex};
 use std::task::{Poll, Waker};
 use std::time::Duration;
 
+use bytes::Bytes;
+
 use super::rt::timeout;
 use crate::sync::lock;
+use crate::{KvTransport, KvTransportExt, PeerId, RegionId, TransferBatch, TransferOp};
 
 /// How long [`PeerProcess::line`] waits by default: generous, for a loaded machine.
 pub const LINE_LIMIT: Duration = Duration::from_secs(30);
@@ -192,4 +195,34 @@ impl Drop for PeerProcess {
         let _ = self.process.kill();
         let _ = self.process.wait();
     }
+}
+
+/// Ops covering `[0, len)` of `local` and `remote` in blocks of `block` bytes, in a scattered
+/// order (block `j` to block `j`), so a transport that moves them in order is not favoured.
+#[must_use]
+pub fn scattered_blocks(
+    local: RegionId,
+    remote: RegionId,
+    len: u64,
+    block: u64,
+) -> Vec<TransferOp> {
+    let n = len / block;
+    (0..n)
+        .map(|i| (i * 7919 + 13) % n)
+        .map(|j| TransferOp::new(local, j * block, remote, j * block, block))
+        .collect()
+}
+
+/// Sends `text` to the peer as the notification of an empty batch: a command the peer obeys
+/// once every earlier batch's bytes are in its memory.
+///
+/// # Panics
+/// If the batch fails.
+pub async fn send_command(t: &dyn KvTransport, peer: PeerId, text: String) {
+    t.transfer(
+        peer,
+        TransferBatch::write(vec![]).with_notification(Bytes::from(text)),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("sending the command to the peer process failed: {e}"));
 }
