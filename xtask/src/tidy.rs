@@ -615,3 +615,167 @@ fn the_reentrant_locking_rule_catches_the_old_patterns() {
     );
     assert_eq!(&nested[found[0].0..found[0].0 + 5], "reply");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Function length: library code has no function over `MAX_FN_LINES` lines unless the comment
+// or doc comment directly above it says `Long because: <reason>`.
+
+/// The most lines (from the line of `fn` to the closing brace) a library function may span.
+const MAX_FN_LINES: usize = 100;
+
+/// `code` (from [`code_only`]) with every item under `#[cfg(test)]` blanked, and the names of
+/// the modules declared `#[cfg(test)] mod name;` (their files are test code too).
+fn without_test_items(code: &[u8]) -> (Vec<u8>, Vec<String>) {
+    let mut out = code.to_vec();
+    let mut test_modules = Vec::new();
+    let mut from = 0;
+    while let Some(at) = find(code, b"#[cfg(test)]", from) {
+        from = at + 1;
+        let rest = &code[at..];
+        let Some(end) = rest.iter().position(|&c| c == b'{' || c == b';') else {
+            break;
+        };
+        let item = &code[at..at + end];
+        let close = if code[at + end] == b'{' {
+            matching(code, at + end)
+        } else {
+            let decl = String::from_utf8_lossy(item);
+            if let Some(name) = decl.split_whitespace().skip_while(|w| *w != "mod").nth(1) {
+                test_modules.push(name.to_owned());
+            }
+            at + end + 1
+        };
+        for c in &mut out[at..close] {
+            if *c != b'\n' {
+                *c = b' ';
+            }
+        }
+    }
+    (out, test_modules)
+}
+
+/// Whether the comment lines directly above line `line` (0-based; attributes skipped) give
+/// a `Long because:` reason.
+fn has_long_reason(lines: &[&str], line: usize) -> bool {
+    lines[..line]
+        .iter()
+        .rev()
+        .map(|l| l.trim())
+        .take_while(|l| l.starts_with("//") || l.starts_with("#["))
+        .any(|l| l.starts_with("//") && l.contains("Long because:"))
+}
+
+/// The functions of `src` longer than `MAX_FN_LINES` without a reason: (name, first line
+/// (1-based), lines), outside `#[cfg(test)]` items.
+fn long_functions(src: &str) -> (Vec<(String, usize, usize)>, Vec<String>) {
+    let (code, test_modules) = without_test_items(&code_only(src));
+    let lines: Vec<&str> = src.lines().collect();
+    let line_of = |at: usize| code[..at].iter().filter(|&&c| c == b'\n').count();
+    let mut out = Vec::new();
+    for (name, body) in functions(&code) {
+        // The line of `fn`: the last `fn ` before the body.
+        let start = code[..body.start]
+            .windows(3)
+            .rposition(|w| w == b"fn ")
+            .unwrap_or(body.start);
+        let (first, last) = (line_of(start), line_of(body.end.saturating_sub(1)));
+        let len = last - first + 1;
+        // The signature may start on lines above `fn` (attributes, `pub async`), all code.
+        if len > MAX_FN_LINES && !has_long_reason(&lines, first) {
+            out.push((name, first + 1, len));
+        }
+    }
+    (out, test_modules)
+}
+
+/// Every long function without a reason in library code: `crates/*/src`, test modules aside.
+fn long_library_functions() -> Vec<(String, String, usize, usize)> {
+    let mut files = Vec::new();
+    for (dir, _) in crates() {
+        rust_files(&dir.join("src"), &mut files);
+    }
+    files.sort();
+    let mut results = Vec::new();
+    let mut test_files = BTreeSet::new();
+    for file in &files {
+        let (long, test_modules) = long_functions(&read(file));
+        // A child module `m` of `a/b.rs` lives in `a/b/m.rs`; of `a/mod.rs` or `a/lib.rs` in `a/m.rs`.
+        let stem = file.file_stem().unwrap().to_string_lossy().into_owned();
+        let dir = if ["mod", "lib", "main"].contains(&stem.as_str()) {
+            file.parent().unwrap().to_path_buf()
+        } else {
+            file.parent().unwrap().join(&stem)
+        };
+        for m in test_modules {
+            test_files.insert(dir.join(format!("{m}.rs")));
+            test_files.insert(dir.join(&m).join("mod.rs"));
+        }
+        results.push((file.clone(), long));
+    }
+    let mut out = Vec::new();
+    for (file, long) in results {
+        if test_files.contains(&file) {
+            continue;
+        }
+        let rel = file
+            .strip_prefix(root())
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        for (name, line, len) in long {
+            out.push((rel.clone(), name, line, len));
+        }
+    }
+    out
+}
+
+#[test]
+fn library_functions_are_short_or_say_why() {
+    let long = long_library_functions();
+    let report: Vec<String> = long
+        .iter()
+        .map(|(file, name, line, len)| {
+            format!(
+                "{file}:{line}: `{name}` is {len} lines (over {MAX_FN_LINES}); split it into named \
+                 pieces, or write `Long because: <reason>` in the comment directly above it"
+            )
+        })
+        .collect();
+    assert!(report.is_empty(), "{}", report.join("\n"));
+}
+
+#[test]
+fn the_function_length_rule_catches_long_functions_and_accepts_reasons() {
+    let body = |n: usize| "    let x = 1;\n".repeat(n);
+    let fixture = format!(
+        "fn short() {{\n{short}}}\n\n\
+         /// Docs.\n#[inline]\npub async fn long_one(a: u8) -> u8 {{\n{long}    a\n}}\n\n\
+         /// Long because: one match arm per frame type.\n#[allow(clippy::too_many_lines)]\n\
+         fn long_with_reason() {{\n{long}}}\n\n\
+         // Long because: a reason in a plain comment counts too.\nfn also_fine() {{\n{long}}}\n\n\
+         /// Long because: this reason is not directly above the next function.\nconst X: u8 = 1;\n\
+         fn reason_not_adjacent() {{\n{long}}}\n\n\
+         fn exactly_the_limit() {{\n{limit}}}\n\n\
+         fn braces_in_strings() {{\n    let s = \"}}}}\";\n{long}}}\n\n\
+         #[cfg(test)]\nmod tests {{\n    fn long_test_helper() {{\n{long}    }}\n}}\n\n\
+         #[cfg(test)]\nmod more_tests;\n",
+        short = body(3),
+        long = body(MAX_FN_LINES),
+        limit = body(MAX_FN_LINES - 2),
+    );
+    let (long, test_modules) = long_functions(&fixture);
+    let names: Vec<&str> = long.iter().map(|(n, ..)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        ["long_one", "reason_not_adjacent", "braces_in_strings"],
+        "{long:?}"
+    );
+    assert_eq!(test_modules, ["more_tests"]);
+    // `long_one` spans its `fn` line to its closing brace: 100 body lines, `a` and two more.
+    assert_eq!(long[0].2, MAX_FN_LINES + 3);
+    let line = fixture
+        .lines()
+        .position(|l| l.contains("fn long_one"))
+        .unwrap();
+    assert_eq!(long[0].1, line + 1);
+}

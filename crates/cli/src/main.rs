@@ -13,6 +13,7 @@ mod check;
 mod demo;
 mod explain;
 mod plan;
+mod progress;
 
 /// Move an LLM's KV cache from prefill to decode servers, exactly.
 #[derive(Debug, Parser)]

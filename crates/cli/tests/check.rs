@@ -6,7 +6,8 @@ use std::process::{Command, Output};
 use serde_json::{Value, json};
 
 mod fuzzing;
-use fuzzing::{Rng, mutate};
+use fuzzing::mutate;
+use kvbridge_transport::testing::SplitMix64;
 
 fn example(path: &str) -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -378,13 +379,13 @@ fn mutated_descriptors_exit_0_1_or_2_with_a_report_or_a_message() {
         .collect();
     assert!(seeds.len() >= 10 && seeds.len() % 2 == 0);
     let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    let mut rng = Rng(0x6368_6563_6b5f_667a);
+    let mut rng = SplitMix64::new(0x6368_6563_6b5f_667a);
     let mut seen = [0usize; 3];
     for case in 0..48 {
-        let k = rng.below(seeds.len() / 2);
+        let k = rng.index(seeds.len() / 2);
         let (mut p, mut d) = (seeds[2 * k + 1].clone(), seeds[2 * k].clone());
-        for _ in 0..=rng.below(3) {
-            let side = if rng.below(2) == 0 { &mut p } else { &mut d };
+        for _ in 0..=rng.index(3) {
+            let side = if rng.index(2) == 0 { &mut p } else { &mut d };
             *side = mutate(
                 side,
                 &DESCRIPTOR_FIELDS,

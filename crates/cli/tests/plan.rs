@@ -6,7 +6,8 @@ use std::process::{Command, Output, Stdio};
 use serde_json::{Value, json};
 
 mod fuzzing;
-use fuzzing::{Rng, mutate};
+use fuzzing::mutate;
+use kvbridge_transport::testing::SplitMix64;
 
 fn plan_stdin(input: &str) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
@@ -252,11 +253,11 @@ fn mutated_plan_inputs_exit_0_or_2_with_a_message() {
         .collect();
     seeds.sort();
     assert!(seeds.len() >= 4);
-    let mut rng = Rng(0x6b76_6272_6964_6765);
+    let mut rng = SplitMix64::new(0x6b76_6272_6964_6765);
     let (mut planned, mut refused) = (0, 0);
     for case in 0..96 {
         let mut text = seeds[case % seeds.len()].clone();
-        for _ in 0..=rng.below(3) {
+        for _ in 0..=rng.index(3) {
             text = mutate(&text, &PLAN_FIELDS, &["src_pages", "dst_pages"], &mut rng);
         }
         let out = plan_stdin(&text);

@@ -4,9 +4,11 @@ use std::time::Duration;
 
 use kvbridge_handshake::CheckOptions;
 
-/// Configuration of a [`PrefillAgent`](crate::PrefillAgent). Build with struct-update syntax
-/// from [`Default`]: `PrefillConfig { bootstrap_timeout: ..., ..Default::default() }`.
+/// Configuration of a [`PrefillAgent`](crate::PrefillAgent). Start from [`Default`] and change
+/// fields with the `with_*` builders:
+/// `PrefillConfig::default().with_bootstrap_timeout(Duration::from_secs(30))`.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct PrefillConfig {
     /// A room still Bootstrapping (not every decode rank sent its metadata) after this long
     /// fails with `Request {room} timed out after {secs}s in KVPoll.Bootstrapping`
@@ -40,7 +42,70 @@ pub struct PrefillConfig {
 }
 
 impl PrefillConfig {
-    /// This configuration with pack buffers on.
+    /// Sets [`bootstrap_timeout`](Self::bootstrap_timeout).
+    #[must_use]
+    pub fn with_bootstrap_timeout(mut self, bootstrap_timeout: Duration) -> Self {
+        self.bootstrap_timeout = bootstrap_timeout;
+        self
+    }
+
+    /// Sets [`waiting_timeout`](Self::waiting_timeout).
+    #[must_use]
+    pub fn with_waiting_timeout(mut self, waiting_timeout: Duration) -> Self {
+        self.waiting_timeout = waiting_timeout;
+        self
+    }
+
+    /// Sets [`batch_timeout`](Self::batch_timeout).
+    #[must_use]
+    pub fn with_batch_timeout(mut self, batch_timeout: Duration) -> Self {
+        self.batch_timeout = batch_timeout;
+        self
+    }
+
+    /// Sets [`fence_grace`](Self::fence_grace).
+    #[must_use]
+    pub fn with_fence_grace(mut self, fence_grace: Duration) -> Self {
+        self.fence_grace = fence_grace;
+        self
+    }
+
+    /// Sets [`control_send_timeout`](Self::control_send_timeout).
+    #[must_use]
+    pub fn with_control_send_timeout(mut self, control_send_timeout: Duration) -> Self {
+        self.control_send_timeout = control_send_timeout;
+        self
+    }
+
+    /// Sets [`control_queue`](Self::control_queue).
+    #[must_use]
+    pub fn with_control_queue(mut self, control_queue: usize) -> Self {
+        self.control_queue = control_queue;
+        self
+    }
+
+    /// Sets [`max_rooms`](Self::max_rooms).
+    #[must_use]
+    pub fn with_max_rooms(mut self, max_rooms: usize) -> Self {
+        self.max_rooms = max_rooms;
+        self
+    }
+
+    /// Sets [`max_inflight_batches`](Self::max_inflight_batches).
+    #[must_use]
+    pub fn with_max_inflight_batches(mut self, max_inflight_batches: usize) -> Self {
+        self.max_inflight_batches = max_inflight_batches;
+        self
+    }
+
+    /// Sets [`check`](Self::check).
+    #[must_use]
+    pub fn with_check(mut self, check: CheckOptions) -> Self {
+        self.check = check;
+        self
+    }
+
+    /// Sets [`pack_buffers`](Self::pack_buffers): this configuration with pack buffers on.
     #[must_use]
     pub fn with_pack_buffers(mut self, pack: PackBuffers) -> Self {
         self.pack_buffers = Some(pack);
@@ -98,9 +163,11 @@ impl Default for PrefillConfig {
     }
 }
 
-/// Configuration of a [`DecodeAgent`](crate::DecodeAgent). Build with struct-update syntax
-/// from [`Default`].
+/// Configuration of a [`DecodeAgent`](crate::DecodeAgent). Start from [`Default`] and change
+/// fields with the `with_*` builders:
+/// `DecodeConfig::default().with_fence_timeout(Duration::from_secs(10))`.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct DecodeConfig {
     /// The handshake of a room (directory lookup, registration with every prefill peer) must
     /// finish within this, else the room fails (default 30 s; SGLang retries 15 × 1 s).
@@ -147,5 +214,84 @@ impl Default for DecodeConfig {
             max_rooms: 65_536,
             check: CheckOptions::default(),
         }
+    }
+}
+
+impl DecodeConfig {
+    /// Sets [`bootstrap_timeout`](Self::bootstrap_timeout).
+    #[must_use]
+    pub fn with_bootstrap_timeout(mut self, bootstrap_timeout: Duration) -> Self {
+        self.bootstrap_timeout = bootstrap_timeout;
+        self
+    }
+
+    /// Sets [`waiting_timeout`](Self::waiting_timeout).
+    #[must_use]
+    pub fn with_waiting_timeout(mut self, waiting_timeout: Duration) -> Self {
+        self.waiting_timeout = waiting_timeout;
+        self
+    }
+
+    /// Sets [`heartbeat_interval`](Self::heartbeat_interval).
+    #[must_use]
+    pub fn with_heartbeat_interval(mut self, heartbeat_interval: Duration) -> Self {
+        self.heartbeat_interval = heartbeat_interval;
+        self
+    }
+
+    /// Sets [`heartbeat_max_failures`](Self::heartbeat_max_failures).
+    #[must_use]
+    pub fn with_heartbeat_max_failures(mut self, heartbeat_max_failures: u32) -> Self {
+        self.heartbeat_max_failures = heartbeat_max_failures;
+        self
+    }
+
+    /// Sets [`control_send_timeout`](Self::control_send_timeout).
+    #[must_use]
+    pub fn with_control_send_timeout(mut self, control_send_timeout: Duration) -> Self {
+        self.control_send_timeout = control_send_timeout;
+        self
+    }
+
+    /// Sets [`control_queue`](Self::control_queue).
+    #[must_use]
+    pub fn with_control_queue(mut self, control_queue: usize) -> Self {
+        self.control_queue = control_queue;
+        self
+    }
+
+    /// Sets [`fence_timeout`](Self::fence_timeout).
+    #[must_use]
+    pub fn with_fence_timeout(mut self, fence_timeout: Duration) -> Self {
+        self.fence_timeout = fence_timeout;
+        self
+    }
+
+    /// Sets [`abort_resend_interval`](Self::abort_resend_interval).
+    #[must_use]
+    pub fn with_abort_resend_interval(mut self, abort_resend_interval: Duration) -> Self {
+        self.abort_resend_interval = abort_resend_interval;
+        self
+    }
+
+    /// Sets [`strict_prefix_alignment`](Self::strict_prefix_alignment).
+    #[must_use]
+    pub fn with_strict_prefix_alignment(mut self, strict_prefix_alignment: bool) -> Self {
+        self.strict_prefix_alignment = strict_prefix_alignment;
+        self
+    }
+
+    /// Sets [`max_rooms`](Self::max_rooms).
+    #[must_use]
+    pub fn with_max_rooms(mut self, max_rooms: usize) -> Self {
+        self.max_rooms = max_rooms;
+        self
+    }
+
+    /// Sets [`check`](Self::check).
+    #[must_use]
+    pub fn with_check(mut self, check: CheckOptions) -> Self {
+        self.check = check;
+        self
     }
 }

@@ -183,12 +183,10 @@ async fn prefill_abort_is_reported_to_the_decode_and_acknowledged() {
 #[tokio::test(start_paused = true)]
 async fn heartbeat_declares_a_silent_prefill_dead_and_keeps_its_pages_quarantined() {
     let mut spec = Spec::mla_one_to_one();
-    spec.decode_config = DecodeConfig {
-        heartbeat_interval: Duration::from_secs(2),
-        heartbeat_max_failures: 2,
-        fence_timeout: Duration::from_secs(10),
-        ..DecodeConfig::default()
-    };
+    spec.decode_config = DecodeConfig::default()
+        .with_heartbeat_interval(Duration::from_secs(2))
+        .with_heartbeat_max_failures(2)
+        .with_fence_timeout(Duration::from_secs(10));
     let r = rig(spec).await;
     let req = Request::new(5, 40);
     r.start(&req).await;
@@ -257,10 +255,7 @@ async fn prefill_bootstrap_timeout() {
 #[tokio::test(start_paused = true)]
 async fn decode_waiting_timeout_aborts_and_is_fenced() {
     let mut spec = Spec::mla_one_to_one();
-    spec.prefill_config = PrefillConfig {
-        waiting_timeout: Duration::from_secs(600),
-        ..PrefillConfig::default()
-    };
+    spec.prefill_config = PrefillConfig::default().with_waiting_timeout(Duration::from_secs(600));
     let r = rig(spec).await;
     let req = Request::new(4, 40);
     r.start(&req).await;
@@ -327,11 +322,9 @@ async fn unknown_bootstrap_address_fails_at_once() {
 async fn batch_deadline_fails_the_room_on_both_sides() {
     let mut spec = Spec::mla_one_to_one();
     spec.faults = vec![FaultScript::new().stall_batch(0)];
-    spec.prefill_config = PrefillConfig {
-        batch_timeout: Duration::from_secs(5),
-        fence_grace: Duration::from_secs(1),
-        ..PrefillConfig::default()
-    };
+    spec.prefill_config = PrefillConfig::default()
+        .with_batch_timeout(Duration::from_secs(5))
+        .with_fence_grace(Duration::from_secs(1));
     let r = rig(spec).await;
     let req = Request::new(31, 40);
     let started = tokio::time::Instant::now();
@@ -424,10 +417,7 @@ async fn control_send_timeout_fails_the_room_naming_the_peer() {
 #[tokio::test(start_paused = true)]
 async fn metadata_for_a_room_the_prefill_never_creates_expires() {
     let mut spec = Spec::mla_one_to_one();
-    spec.decode_config = DecodeConfig {
-        waiting_timeout: Duration::from_secs(900),
-        ..DecodeConfig::default()
-    };
+    spec.decode_config = DecodeConfig::default().with_waiting_timeout(Duration::from_secs(900));
     let r = rig(spec).await;
     let d = &r.decodes[0].0;
     d.receive(50, common::request(vec![0, 1, 2])).unwrap();
@@ -819,15 +809,10 @@ impl KvTransport for BrokenTransport {
 async fn a_batch_that_cannot_be_fenced_poisons_the_room_and_its_pages_stay_quarantined() {
     let mut spec = Spec::mla_one_to_one();
     spec.prefill_transport = Some(|| Arc::new(BrokenTransport::new(None)));
-    spec.prefill_config = PrefillConfig {
-        batch_timeout: Duration::from_secs(5),
-        fence_grace: Duration::from_secs(1),
-        ..PrefillConfig::default()
-    };
-    spec.decode_config = DecodeConfig {
-        fence_timeout: Duration::from_secs(20),
-        ..DecodeConfig::default()
-    };
+    spec.prefill_config = PrefillConfig::default()
+        .with_batch_timeout(Duration::from_secs(5))
+        .with_fence_grace(Duration::from_secs(1));
+    spec.decode_config = DecodeConfig::default().with_fence_timeout(Duration::from_secs(20));
     let r = rig(spec).await;
     let req = Request::new(61, 40);
     let outs = r.run(&req).await;
@@ -853,10 +838,7 @@ async fn the_fence_cancels_every_batch_at_once_under_one_deadline() {
     let grace = Duration::from_secs(2);
     let mut spec = Spec::mla_one_to_one();
     spec.prefill_transport = Some(|| Arc::new(BrokenTransport::new(Some(Duration::from_secs(1)))));
-    spec.prefill_config = PrefillConfig {
-        fence_grace: grace,
-        ..PrefillConfig::default()
-    };
+    spec.prefill_config = PrefillConfig::default().with_fence_grace(grace);
     let r = rig(spec).await;
     let req = Request {
         chunk_pages: 1,
@@ -892,10 +874,7 @@ async fn the_fence_cancels_every_batch_at_once_under_one_deadline() {
 #[tokio::test(start_paused = true)]
 async fn prefill_waiting_timeout_when_the_last_chunk_never_comes() {
     let mut spec = Spec::mla_one_to_one();
-    spec.decode_config = DecodeConfig {
-        waiting_timeout: Duration::from_secs(900),
-        ..DecodeConfig::default()
-    };
+    spec.decode_config = DecodeConfig::default().with_waiting_timeout(Duration::from_secs(900));
     let r = rig(spec).await;
     let req = Request::new(71, 40);
     r.start(&req).await;

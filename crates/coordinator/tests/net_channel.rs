@@ -113,10 +113,7 @@ async fn agents_transfer_over_tcp_control_and_http_bootstrap() {
             dch,
             Arc::new(HttpDirectory::new().with_retry(Duration::from_millis(50), 20)),
         )
-        .config(DecodeConfig {
-            waiting_timeout: Duration::from_secs(20),
-            ..DecodeConfig::default()
-        })
+        .config(DecodeConfig::default().with_waiting_timeout(Duration::from_secs(20)))
         .start()
         .unwrap();
         decodes.push((agent, dd, dmem));

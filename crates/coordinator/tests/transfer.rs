@@ -191,10 +191,7 @@ async fn misaligned_decode_prefix_fails_with_the_seed_text_in_strict_mode() {
         vec![mla("prefill", 4, 2, 32, 1, 0, 1)],
         (0..2).map(|i| mla("decode", 4, 2, 32, 2, i, 2)).collect(),
     );
-    spec.decode_config = DecodeConfig {
-        strict_prefix_alignment: true,
-        ..DecodeConfig::default()
-    };
+    spec.decode_config = DecodeConfig::default().with_strict_prefix_alignment(true);
     let r = rig(spec).await;
     let req = Request {
         cached_prefix: 21,

@@ -2,9 +2,10 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use kvbridge_transport::sync::lock;
 use kvbridge_transport::{
     BatchId, BatchState, Delegate, KvTransport, Notification, PeerId, Result, TransferBatch,
     TransferOp, TransportError,
@@ -209,10 +210,6 @@ enum Stage {
     Forwarded(BatchId),
     /// Ended here.
     Final(BatchState, Option<TransportError>),
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Rewrites the inner batch id in an error to the injector's id.

@@ -2,11 +2,12 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{Batches, Outcome, Step, deadline_after};
+use kvbridge_transport::sync::lock;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
@@ -81,10 +82,6 @@ impl LoopbackConfig {
 fn registry() -> &'static Mutex<HashMap<u64, Weak<Endpoint>>> {
     static REGISTRY: OnceLock<Mutex<HashMap<u64, Weak<Endpoint>>>> = OnceLock::new();
     REGISTRY.get_or_init(|| Mutex::new(HashMap::new()))
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// An in-process [`KvTransport`] with the full contract: bounds checked at `post`, copies on a
@@ -221,20 +218,18 @@ fn failed(e: TransportError) -> Step {
 }
 
 /// Copies one batch in chunks, each a step under the batch table's fence, checking peer and
-/// registrations before each.
+/// registrations before each; then notifies and finishes it.
 async fn run(job: Job) {
-    let Job {
-        batches,
-        id,
-        peer,
-        deadline,
-        target,
-        link,
-        direction,
-        ops,
-        notification,
-        chunk_bytes,
-    } = job;
+    if copy_all(&job).await {
+        notify_and_finish(job).await;
+    }
+}
+
+/// Copies every op of the batch, a chunk of `chunk_bytes` per step (cancel and deadline
+/// checks between steps). `false` when the batch ended early (it is then final).
+async fn copy_all(job: &Job) -> bool {
+    let (batches, target, link, ops) = (&job.batches, &job.target, &job.link, &job.ops);
+    let (id, peer, direction, chunk_bytes) = (job.id, job.peer, job.direction, job.chunk_bytes);
     // Position: op `i`, row `row` of it, `done_in_row` bytes of that row copied.
     let mut i = 0;
     let mut row = 0u64;
@@ -303,11 +298,25 @@ async fn run(job: Job) {
             Step::Continue
         });
         if !more {
-            return;
+            return false;
         }
         tokio::task::yield_now().await;
     }
+    true
+}
 
+/// With every byte in place: the notification (when the batch has one), then `Done`.
+async fn notify_and_finish(job: Job) {
+    let Job {
+        batches,
+        id,
+        peer,
+        deadline,
+        target,
+        link,
+        notification,
+        ..
+    } = job;
     // All bytes are in place. Reserve room for the notification before declaring the batch
     // done, so a done batch always notifies and a failed one never does.
     let permit = match &notification {

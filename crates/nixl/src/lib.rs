@@ -78,37 +78,37 @@ impl Default for NixlOptions {
 
 impl NixlOptions {
     /// Sets [`runtime`](Self::runtime).
-    pub fn runtime(mut self, runtime: Runtime) -> Self {
+    pub fn with_runtime(mut self, runtime: Runtime) -> Self {
         self.runtime = Some(runtime);
         self
     }
 
     /// Sets [`progress_interval`](Self::progress_interval).
-    pub fn progress_interval(mut self, interval: Duration) -> Self {
+    pub fn with_progress_interval(mut self, interval: Duration) -> Self {
         self.progress_interval = interval;
         self
     }
 
     /// Sets [`control_timeout`](Self::control_timeout).
-    pub fn control_timeout(mut self, timeout: Duration) -> Self {
+    pub fn with_control_timeout(mut self, timeout: Duration) -> Self {
         self.control_timeout = timeout;
         self
     }
 
     /// Sets [`commit_grace`](Self::commit_grace).
-    pub fn commit_grace(mut self, grace: Duration) -> Self {
+    pub fn with_commit_grace(mut self, grace: Duration) -> Self {
         self.commit_grace = grace;
         self
     }
 
     /// Sets [`poll_in_flight`](Self::poll_in_flight).
-    pub fn poll_in_flight(mut self, poll: bool) -> Self {
+    pub fn with_poll_in_flight(mut self, poll: bool) -> Self {
         self.poll_in_flight = poll;
         self
     }
 
     /// Sets [`device_memory`](Self::device_memory).
-    pub fn device_memory(mut self, accept: bool) -> Self {
+    pub fn with_device_memory(mut self, accept: bool) -> Self {
         self.device_memory = accept;
         self
     }

@@ -14,11 +14,12 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{BatchTable, Batches, Fence, Outcome, Step};
+use kvbridge_transport::sync::lock;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
@@ -41,11 +42,6 @@ use crate::{NAME, NixlError, NixlOptions};
 const POLL_MIN: Duration = Duration::from_micros(10);
 const POLL_BUSY_MAX: Duration = Duration::from_micros(50);
 const POLL_IDLE_MAX: Duration = Duration::from_millis(1);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section leaves its state consistent, so a poisoned lock is usable.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn sleep_until(at: Instant) -> tokio::time::Sleep {
     tokio::time::sleep_until(tokio::time::Instant::from_std(at))
@@ -572,35 +568,7 @@ impl Inner {
                     let _ = tx.send(Notification::new(id, Bytes::from(payload)));
                 }
             }
-            Control::Hello { seq, descriptor } => {
-                let d = match Descriptor::decode(&descriptor) {
-                    Ok(d) if d.name == from => d,
-                    Ok(d) => {
-                        tracing::warn!(peer = %from, claimed = %d.name, "refused a NIXL hello whose descriptor names another agent");
-                        return;
-                    }
-                    Err(why) => {
-                        tracing::warn!(peer = %from, "refused a NIXL hello: {why}");
-                        return;
-                    }
-                };
-                let loaded = lock(&self.state).loaded.contains(from);
-                if !loaded {
-                    if let Err(e) = self.agent.load_remote_md(&d.metadata) {
-                        tracing::warn!(peer = %from, "could not load a NIXL peer's metadata: {e:?}");
-                        return;
-                    }
-                    lock(&self.state).loaded.insert(from.to_owned());
-                }
-                {
-                    let mut st = lock(&self.state);
-                    let id = st.inbound.get(from).map(|p| p.id);
-                    let id = id.unwrap_or_else(|| PeerId(self.id()));
-                    st.inbound
-                        .insert(from.to_owned(), InPeer { id, silent: false });
-                }
-                let _ = self.send(from, &Control::Ack { seq });
-            }
+            Control::Hello { seq, descriptor } => self.on_hello(from, seq, &descriptor),
             Control::Ack { seq } => {
                 if let Some((_, tx)) = lock(&self.acks).remove(&seq) {
                     let _ = tx.send(());
@@ -613,37 +581,7 @@ impl Inner {
                 seq,
                 regions,
                 metadata,
-            } => {
-                if !metadata.is_empty() {
-                    if let Err(e) = self.agent.load_remote_md(&metadata) {
-                        tracing::warn!(peer = %from, "could not load a NIXL peer's region metadata: {e:?}");
-                    }
-                }
-                let mut st = lock(&self.state);
-                let mut removed = HashSet::new();
-                let table: HashMap<u64, RemoteRegion> =
-                    regions.into_iter().map(|r| (r.id, r)).collect();
-                let mut peers = Vec::new();
-                for (&pid, p) in st.out.iter_mut().filter(|(_, p)| p.name == from) {
-                    removed.extend(p.regions.keys().filter(|k| !table.contains_key(k)).copied());
-                    p.regions = table.clone();
-                    peers.push(PeerId(pid));
-                }
-                let waiting_on: Vec<BatchId> = st
-                    .inflight
-                    .iter()
-                    .filter(|(_, f)| {
-                        peers.contains(&f.peer)
-                            && f.remote_regions.iter().any(|r| removed.contains(r))
-                    })
-                    .map(|(&id, _)| id)
-                    .collect();
-                st.deferred.push(DeferredAck {
-                    to: from.to_owned(),
-                    seq,
-                    waiting_on,
-                });
-            }
+            } => self.on_update(from, seq, regions, &metadata),
             Control::Bye => {
                 // Whoever waits for an answer from it stops waiting.
                 lock(&self.acks).retain(|_, (to, _)| to != from);
@@ -663,6 +601,69 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// A peer's `Hello`: its metadata loaded (once), then answered.
+    fn on_hello(&self, from: &str, seq: u64, descriptor: &[u8]) {
+        let d = match Descriptor::decode(descriptor) {
+            Ok(d) if d.name == from => d,
+            Ok(d) => {
+                tracing::warn!(peer = %from, claimed = %d.name, "refused a NIXL hello whose descriptor names another agent");
+                return;
+            }
+            Err(why) => {
+                tracing::warn!(peer = %from, "refused a NIXL hello: {why}");
+                return;
+            }
+        };
+        let loaded = lock(&self.state).loaded.contains(from);
+        if !loaded {
+            if let Err(e) = self.agent.load_remote_md(&d.metadata) {
+                tracing::warn!(peer = %from, "could not load a NIXL peer's metadata: {e:?}");
+                return;
+            }
+            lock(&self.state).loaded.insert(from.to_owned());
+        }
+        {
+            let mut st = lock(&self.state);
+            let id = st.inbound.get(from).map(|p| p.id);
+            let id = id.unwrap_or_else(|| PeerId(self.id()));
+            st.inbound
+                .insert(from.to_owned(), InPeer { id, silent: false });
+        }
+        let _ = self.send(from, &Control::Ack { seq });
+    }
+
+    /// A peer's new region table: batches in flight to removed regions must end before the
+    /// update is acknowledged.
+    fn on_update(&self, from: &str, seq: u64, regions: Vec<RemoteRegion>, metadata: &[u8]) {
+        if !metadata.is_empty() {
+            if let Err(e) = self.agent.load_remote_md(metadata) {
+                tracing::warn!(peer = %from, "could not load a NIXL peer's region metadata: {e:?}");
+            }
+        }
+        let mut st = lock(&self.state);
+        let mut removed = HashSet::new();
+        let table: HashMap<u64, RemoteRegion> = regions.into_iter().map(|r| (r.id, r)).collect();
+        let mut peers = Vec::new();
+        for (&pid, p) in st.out.iter_mut().filter(|(_, p)| p.name == from) {
+            removed.extend(p.regions.keys().filter(|k| !table.contains_key(k)).copied());
+            p.regions = table.clone();
+            peers.push(PeerId(pid));
+        }
+        let waiting_on: Vec<BatchId> = st
+            .inflight
+            .iter()
+            .filter(|(_, f)| {
+                peers.contains(&f.peer) && f.remote_regions.iter().any(|r| removed.contains(r))
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        st.deferred.push(DeferredAck {
+            to: from.to_owned(),
+            seq,
+            waiting_on,
+        });
     }
 }
 
@@ -895,62 +896,7 @@ impl KvTransport for NixlTransport {
         // Each row is one NIXL descriptor: strided ops expand into the descriptor lists.
         let batch = batch.expand_rows(NAME, inner.caps.max_ops_per_batch)?;
         // Bounds before bytes: every descriptor checked before anything is posted.
-        let (name, local, remote) = {
-            let st = lock(&inner.state);
-            let p = st.usable(peer)?;
-            let mut local = Vec::new();
-            let mut remote = Vec::new();
-            for op in &batch.ops {
-                let l =
-                    st.regions
-                        .get(&op.local_region.0)
-                        .ok_or(TransportError::UnknownRegion {
-                            side: Side::Local,
-                            region: op.local_region,
-                            transport: NAME,
-                        })?;
-                let lseg = Segment::of(&l.region);
-                // One row each: `post` expanded strided ops first.
-                op.local_rows_in(lseg.len)?;
-                let r =
-                    p.regions
-                        .get(&op.remote_region.0)
-                        .ok_or(TransportError::UnknownRegion {
-                            side: Side::Remote,
-                            region: op.remote_region,
-                            transport: NAME,
-                        })?;
-                op.remote_rows_in(usize::try_from(r.len).unwrap_or(usize::MAX))?;
-                if op.len == 0 {
-                    continue;
-                }
-                local.push((
-                    lseg.addr + op.local_offset as usize,
-                    op.len as usize,
-                    lseg.device,
-                    op.local_region.0,
-                ));
-                remote.push((
-                    (r.addr + op.remote_offset) as usize,
-                    op.len as usize,
-                    r.device,
-                    op.remote_region.0,
-                ));
-            }
-            // One NIXL descriptor list holds one memory type per side.
-            let mixed = |kinds: Vec<bool>| kinds.windows(2).any(|w| w[0] != w[1]);
-            if mixed(local.iter().map(|l| l.2.is_some()).collect())
-                || mixed(remote.iter().map(|r| r.2.is_some()).collect())
-            {
-                return Err(TransportError::InvalidArgument {
-                    transport: NAME,
-                    message: "a batch mixes host and device memory on one side; NIXL moves one \
-                                  memory type per side in a transfer: post them as separate batches"
-                        .to_owned(),
-                });
-            }
-            (p.name.clone(), local, remote)
-        };
+        let (name, local, remote) = descriptors(inner, peer, &batch)?;
         let now = Instant::now();
         let id = inner.batches.insert(peer, batch.timeout, now)?;
         if local.is_empty() {
@@ -1130,6 +1076,69 @@ fn partial_metadata(inner: &Inner, seg: Segment) -> Result<Option<Vec<u8>>> {
 
 type LocalDesc = (usize, usize, Option<u32>, u64);
 type RemoteDesc = (usize, usize, Option<u32>, u64);
+
+/// The NIXL descriptors of a write batch to `peer` (one per row), every one checked against
+/// both sides' regions: the peer's agent name, the local and the remote descriptors.
+fn descriptors(
+    inner: &Inner,
+    peer: PeerId,
+    batch: &TransferBatch,
+) -> Result<(String, Vec<LocalDesc>, Vec<RemoteDesc>)> {
+    let st = lock(&inner.state);
+    let p = st.usable(peer)?;
+    let mut local = Vec::new();
+    let mut remote = Vec::new();
+    for op in &batch.ops {
+        let l = st
+            .regions
+            .get(&op.local_region.0)
+            .ok_or(TransportError::UnknownRegion {
+                side: Side::Local,
+                region: op.local_region,
+                transport: NAME,
+            })?;
+        let lseg = Segment::of(&l.region);
+        // One row each: `post` expanded strided ops first.
+        op.local_rows_in(lseg.len)?;
+        let r = p
+            .regions
+            .get(&op.remote_region.0)
+            .ok_or(TransportError::UnknownRegion {
+                side: Side::Remote,
+                region: op.remote_region,
+                transport: NAME,
+            })?;
+        op.remote_rows_in(usize::try_from(r.len).unwrap_or(usize::MAX))?;
+        if op.len == 0 {
+            continue;
+        }
+        local.push((
+            lseg.addr + op.local_offset as usize,
+            op.len as usize,
+            lseg.device,
+            op.local_region.0,
+        ));
+        remote.push((
+            (r.addr + op.remote_offset) as usize,
+            op.len as usize,
+            r.device,
+            op.remote_region.0,
+        ));
+    }
+    // One NIXL descriptor list holds one memory type per side.
+    let mixed = |kinds: Vec<bool>| kinds.windows(2).any(|w| w[0] != w[1]);
+    if mixed(local.iter().map(|l| l.2.is_some()).collect())
+        || mixed(remote.iter().map(|r| r.2.is_some()).collect())
+    {
+        return Err(TransportError::InvalidArgument {
+            transport: NAME,
+            message: "a batch mixes host and device memory on one side; NIXL moves one \
+                          memory type per side in a transfer: post them as separate batches"
+                .to_owned(),
+        });
+    }
+    Ok((p.name.clone(), local, remote))
+}
 
 fn make_request(
     inner: &Inner,

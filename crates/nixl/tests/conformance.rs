@@ -19,7 +19,7 @@ async fn nixl_pair() -> Option<TransportPair> {
     }
     // The suite has no way to allocate device memory here, so device memory stays off even on
     // a host with a GPU (the suite then checks that it is refused).
-    let options = || NixlOptions::default().device_memory(false);
+    let options = || NixlOptions::default().with_device_memory(false);
     Some(TransportPair::new(
         Arc::new(NixlTransport::with_options(options()).expect("sender transport")),
         Arc::new(NixlTransport::with_options(options()).expect("receiver transport")),
@@ -64,18 +64,16 @@ mod conformance {
 #[test]
 fn whole_suite_over_ucx_tcp() {
     const LANES_ENV: &str = "KVBRIDGE_NIXL_LANES";
-    if std::env::var_os(LANES_ENV).is_some() {
+    if kvbridge_transport::testing::child::is_peer(LANES_ENV) {
         return;
     }
     if !common::runtime_ready() {
         return;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--test-threads=2", "conformance::"])
-        .env("UCX_TLS", "tcp")
-        .env(LANES_ENV, "tcp")
-        .output()
-        .expect("re-run the suite");
+    let out = kvbridge_transport::testing::child::rerun_self(
+        &["--test-threads=2", "conformance::"],
+        [("UCX_TLS", "tcp"), (LANES_ENV, "tcp")],
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     let want = format!("{} passed", 2 * kvbridge_transport::testing::CASES.len());
     assert!(

@@ -9,28 +9,27 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::runtime_ready;
 use kvbridge_nixl::NixlTransport;
+use kvbridge_transport::testing::SplitMix64;
+use kvbridge_transport::testing::child::{
+    PeerProcess, is_peer, rerun_self, scattered_blocks, send_command,
+};
 use kvbridge_transport::{
-    KvTransport, KvTransportExt, PeerId, RegionId, TransferBatch, TransferOp, TransportError,
+    KvTransport, KvTransportExt, RegionId, TransferBatch, TransferOp, TransportError,
 };
 
 const CHILD_ENV: &str = "KVBRIDGE_NIXL_CHILD";
 const LEN_ENV: &str = "KVBRIDGE_NIXL_CHILD_LEN";
 /// Set in the re-run with other UCX lanes, so it does not re-run itself again.
 const LANES_ENV: &str = "KVBRIDGE_NIXL_LANES";
-const LINE_LIMIT: Duration = Duration::from_secs(30);
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    (0..len as u64)
-        .map(|i| (seed.wrapping_mul(0x9E37_79B9) ^ (i * 7) ^ (i >> 9)) as u8)
-        .collect()
+    SplitMix64::new(seed).bytes(len)
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -46,17 +45,12 @@ fn unhex(s: &str) -> Vec<u8> {
 
 /// Not a test of its own: the entry point of the peer processes the tests below start. Without
 /// `KVBRIDGE_NIXL_CHILD` in the environment it returns at once.
-#[test]
-fn child_process_entry() {
-    if std::env::var_os(CHILD_ENV).is_none() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_process_entry() {
+    if !is_peer(CHILD_ENV) {
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(child_main());
+    child_main().await;
 }
 
 async fn child_main() {
@@ -95,54 +89,22 @@ async fn child_main() {
     }
 }
 
-struct Child {
-    process: std::process::Child,
-    lines: Arc<Mutex<mpsc::Receiver<String>>>,
-}
+/// The receiving peer process.
+struct Child(PeerProcess);
 
 impl Child {
     fn spawn(len: usize) -> Self {
-        let mut process = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "child_process_entry",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD_ENV, "receiver")
-            .env(LEN_ENV, len.to_string())
-            .stdout(Stdio::piped())
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn the peer process");
-        let stdout = process.stdout.take().unwrap();
-        let (tx, rx) = mpsc::sync_channel(64);
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let tagged = line.chars().next().is_some_and(|c| c.is_ascii_uppercase());
-                if tagged && tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        Self {
-            process,
-            lines: Arc::new(Mutex::new(rx)),
-        }
+        Self(PeerProcess::spawn(
+            "child_process_entry",
+            [
+                (CHILD_ENV, "receiver".to_owned()),
+                (LEN_ENV, len.to_string()),
+            ],
+        ))
     }
 
     async fn line(&self, tag: &str) -> String {
-        let lines = Arc::clone(&self.lines);
-        let line =
-            tokio::task::spawn_blocking(move || lines.lock().unwrap().recv_timeout(LINE_LIMIT))
-                .await
-                .unwrap()
-                .unwrap_or_else(|e| panic!("the peer process printed no {tag} line: {e}"));
-        assert!(
-            line.starts_with(tag),
-            "expected {tag}, the peer said {line:?}"
-        );
-        line
+        self.0.line(tag).await
     }
 
     async fn ready(&self) -> (RegionId, Vec<u8>) {
@@ -153,30 +115,9 @@ impl Child {
     }
 }
 
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.process.kill();
-        let _ = self.process.wait();
-    }
-}
-
 /// 64 KiB blocks covering `[0, len)` of both regions, in a scattered order.
 fn scattered(local: RegionId, remote: RegionId, len: u64) -> Vec<TransferOp> {
-    let block = 64 * 1024;
-    let n = len / block;
-    (0..n)
-        .map(|i| (i * 7919 + 13) % n)
-        .map(|j| TransferOp::new(local, j * block, remote, j * block, block))
-        .collect()
-}
-
-async fn command(t: &NixlTransport, peer: PeerId, text: String) {
-    t.transfer(
-        peer,
-        TransferBatch::write(vec![]).with_notification(Bytes::from(text)),
-    )
-    .await
-    .unwrap();
+    scattered_blocks(local, remote, len, 64 * 1024)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -204,7 +145,7 @@ async fn cross_process_writes_arrive_before_their_notifications() {
         .unwrap();
         assert_eq!(child.line("VERIFIED").await, "VERIFIED ok", "seed {seed}");
     }
-    command(&t, peer, "exit".into()).await;
+    send_command(&t, peer, "exit".into()).await;
     child.line("BYE").await;
     // The peer said goodbye: its loss is reported, not waited for.
     let start = Instant::now();
@@ -258,8 +199,7 @@ async fn a_peer_killed_mid_transfer_fails_the_batches_in_flight() {
         })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
-    child.process.kill().unwrap();
-    child.process.wait().unwrap();
+    child.0.kill();
     let (err, took) = tokio::time::timeout(Duration::from_secs(60), sender)
         .await
         .expect("the batch in flight to a killed peer never ended")
@@ -299,18 +239,16 @@ async fn a_peer_killed_mid_transfer_fails_the_batches_in_flight() {
 /// inheritance, the child), so the same checks cover UCX's TCP lane.
 #[test]
 fn cross_process_tests_over_ucx_tcp() {
-    if std::env::var_os(LANES_ENV).is_some() || std::env::var_os(CHILD_ENV).is_some() {
+    if is_peer(LANES_ENV) || is_peer(CHILD_ENV) {
         return;
     }
     if !runtime_ready() {
         return;
     }
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--test-threads=1", "cross_process_writes", "a_peer_killed"])
-        .env("UCX_TLS", "tcp")
-        .env(LANES_ENV, "tcp")
-        .output()
-        .expect("re-run the tests");
+    let out = rerun_self(
+        &["--test-threads=1", "cross_process_writes", "a_peer_killed"],
+        [("UCX_TLS", "tcp"), (LANES_ENV, "tcp")],
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success() && text.contains("2 passed"),

@@ -8,10 +8,11 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use kvbridge_transport::sync::lock;
 use kvbridge_transport::{
     BatchId, BatchState, Direction, KvTransport, MemoryKind, MemoryRegion, PeerId, RegionId,
     TransferBatch, TransferOp, TransportError,
@@ -121,10 +122,6 @@ pub(crate) fn seconds(what: &str, secs: Option<f64>) -> PyResult<Option<Duration
         })
     })
     .transpose()
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A registered range, for refusing a second registration of the same bytes.
@@ -608,7 +605,7 @@ impl Engine {
                 "shm" => {
                     let mut options = kvbridge_shm::ShmOptions::default();
                     if let Some(dir) = runtime_dir {
-                        options = options.runtime_dir(dir);
+                        options = options.with_runtime_dir(dir);
                     }
                     let _rt = runtime()?.enter();
                     let made = kvbridge_shm::ShmTransport::with_options(options)

@@ -28,12 +28,13 @@
 //! the ring look full sends the notification over the socket.
 
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering, fence};
-use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvbridge_transport::MemoryRegion;
+use kvbridge_transport::sync::lock;
 use rustix::thread::futex;
 
 use crate::ShmError;
@@ -59,10 +60,6 @@ pub(crate) const RING_BYTES: usize = RING_WORDS * 4;
 /// `docs/benchmarks.md`).
 const SPIN_MIN: Duration = Duration::from_micros(1);
 const SPIN_MAX: Duration = Duration::from_micros(5);
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// Checks that `ring` has room for a ring at `offset`.
 fn check_len(ring: &MemoryRegion, offset: u64) -> Result<(), String> {

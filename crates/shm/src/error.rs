@@ -37,7 +37,7 @@ pub enum ShmError {
     /// accept.
     #[error(
         "refused a peer running as uid {uid} (pid {pid}): allowed are {allowed}; run both processes \
-         as the same user or add the uid with `ShmOptions::allow_uid`"
+         as the same user or add the uid to `ShmOptions::allowed_uids`"
     )]
     PeerRejected {
         /// The peer's user id (from `SO_PEERCRED`).

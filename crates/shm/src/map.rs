@@ -235,6 +235,37 @@ pub(crate) fn copy_out(
     src.copy_to(src_offset, dst, dst_offset, len)
 }
 
+/// The rows of a strided copy (see [`copy_rows`]).
+struct Rows {
+    src_offset: u64,
+    src_stride: u64,
+    dst_offset: u64,
+    dst_stride: u64,
+    len: u64,
+    count: u64,
+}
+
+/// [`copy_rows`] row by row through the region's own checked copy: for one row, or rows
+/// within one region.
+fn copy_rows_one_by_one(
+    src: &MemoryRegion,
+    dst: &MemoryRegion,
+    rows: &Rows,
+    streaming: bool,
+) -> kvbridge_transport::Result<()> {
+    for i in 0..rows.count {
+        let at = |offset: u64, stride: u64| offset.wrapping_add(i.wrapping_mul(stride));
+        let so = at(rows.src_offset, rows.src_stride);
+        let doff = at(rows.dst_offset, rows.dst_stride);
+        if streaming {
+            copy_out(src, so, dst, doff, rows.len)?;
+        } else {
+            src.copy_to(so, dst, doff, rows.len)?;
+        }
+    }
+    Ok(())
+}
+
 /// Copies `count` rows of `len` bytes, row `i` from `src[src_offset + i * src_stride..]` into
 /// `dst[dst_offset + i * dst_stride..]`: one strided op, or a run of its rows. Both spans (first
 /// row's start to last row's end) are checked and claimed once, before any byte moves, and the
@@ -256,18 +287,16 @@ pub(crate) fn copy_rows(
     streaming: bool,
 ) -> kvbridge_transport::Result<()> {
     if count <= 1 || src.same_region(dst) {
-        // One row, or a copy within one region (whose two claims must be taken together):
-        // row by row through the region's own checked copy.
-        for i in 0..count {
-            let at = |offset: u64, stride: u64| offset.wrapping_add(i.wrapping_mul(stride));
-            let (so, doff) = (at(src_offset, src_stride), at(dst_offset, dst_stride));
-            if streaming {
-                copy_out(src, so, dst, doff, len)?;
-            } else {
-                src.copy_to(so, dst, doff, len)?;
-            }
-        }
-        return Ok(());
+        // One row, or a copy within one region (whose two claims must be taken together).
+        let rows = Rows {
+            src_offset,
+            src_stride,
+            dst_offset,
+            dst_stride,
+            len,
+            count,
+        };
+        return copy_rows_one_by_one(src, dst, &rows, streaming);
     }
     // The span from the first row's start to the last row's end; `u64::MAX` (refused by the
     // claim as out of range) when it overflows.

@@ -3,26 +3,39 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// How a [`ShmTransport`](crate::ShmTransport) is set up. Start from [`ShmOptions::default`].
+/// How a [`ShmTransport`](crate::ShmTransport) is set up. Start from [`ShmOptions::default`]
+/// and change fields with the `with_*` builders.
 ///
 /// ```
 /// use kvbridge_shm::ShmOptions;
 /// use std::time::Duration;
 ///
 /// let options = ShmOptions::default()
-///     .allow_uid(1001) // a decode server running as another user may connect too
-///     .handshake_timeout(Duration::from_secs(2));
+///     .with_allowed_uids([1001]) // a decode server running as another user may connect too
+///     .with_handshake_timeout(Duration::from_secs(2));
 /// assert!(options.allows(1001, 1000));
 /// assert!(options.allows(1000, 1000));
 /// assert!(!options.allows(1002, 1000));
 /// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ShmOptions {
-    pub(crate) runtime_dir: Option<PathBuf>,
-    pub(crate) allow_same_uid: bool,
-    pub(crate) allowed_uids: Vec<u32>,
-    pub(crate) handshake_timeout: Duration,
-    pub(crate) revoke_timeout: Duration,
+    /// Directory in which the private control directory is created. Default `None`:
+    /// `$XDG_RUNTIME_DIR` when set, else the system temp directory. Its path must be short
+    /// (Unix socket paths are limited to 107 bytes).
+    pub runtime_dir: Option<PathBuf>,
+    /// Whether peers running as this process's own user are accepted (default `true`). With
+    /// `false`, only the uids in [`allowed_uids`](Self::allowed_uids) are.
+    pub allow_same_uid: bool,
+    /// Other users whose peers are accepted (checked with `SO_PEERCRED` on both ends of every
+    /// connection). A peer running as another user also needs access to the socket directory,
+    /// which is private (0700) to this user. Default: none.
+    pub allowed_uids: Vec<u32>,
+    /// How long connecting and the opening exchange may take (default 5 s).
+    pub handshake_timeout: Duration,
+    /// How long `deregister` waits for a peer to confirm it stopped writing into a region it
+    /// mapped (default 5 s); a peer that does not confirm in time is disconnected.
+    pub revoke_timeout: Duration,
 }
 
 impl Default for ShmOptions {
@@ -38,40 +51,32 @@ impl Default for ShmOptions {
 }
 
 impl ShmOptions {
-    /// Directory in which the private control directory is created. Default: `$XDG_RUNTIME_DIR`
-    /// when set, else the system temp directory. Its path must be short (Unix socket paths are
-    /// limited to 107 bytes).
-    pub fn runtime_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+    /// Sets [`runtime_dir`](Self::runtime_dir).
+    pub fn with_runtime_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.runtime_dir = Some(dir.into());
         self
     }
 
-    /// Also accepts peers running as `uid` (checked with `SO_PEERCRED` on both ends of every
-    /// connection). Note that a peer running as another user also needs access to the socket
-    /// directory, which is private (0700) to this user.
-    pub fn allow_uid(mut self, uid: u32) -> Self {
-        if !self.allowed_uids.contains(&uid) {
-            self.allowed_uids.push(uid);
-        }
-        self
-    }
-
-    /// Whether peers running as this process's own user are accepted (default `true`). With
-    /// `false`, only the uids given to [`allow_uid`](Self::allow_uid) are.
-    pub fn allow_same_uid(mut self, allow: bool) -> Self {
+    /// Sets [`allow_same_uid`](Self::allow_same_uid).
+    pub fn with_allow_same_uid(mut self, allow: bool) -> Self {
         self.allow_same_uid = allow;
         self
     }
 
-    /// How long connecting and the opening exchange may take (default 5 s).
-    pub fn handshake_timeout(mut self, timeout: Duration) -> Self {
+    /// Sets [`allowed_uids`](Self::allowed_uids).
+    pub fn with_allowed_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
+        self.allowed_uids = uids.into_iter().collect();
+        self
+    }
+
+    /// Sets [`handshake_timeout`](Self::handshake_timeout).
+    pub fn with_handshake_timeout(mut self, timeout: Duration) -> Self {
         self.handshake_timeout = timeout;
         self
     }
 
-    /// How long `deregister` waits for a peer to confirm it stopped writing into a region it
-    /// mapped (default 5 s); a peer that does not confirm in time is disconnected.
-    pub fn revoke_timeout(mut self, timeout: Duration) -> Self {
+    /// Sets [`revoke_timeout`](Self::revoke_timeout).
+    pub fn with_revoke_timeout(mut self, timeout: Duration) -> Self {
         self.revoke_timeout = timeout;
         self
     }

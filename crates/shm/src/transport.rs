@@ -4,11 +4,12 @@ use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{BatchTable, Batches, Fence, Outcome, Step, deadline_after};
+use kvbridge_transport::sync::{lock, read, write};
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
@@ -42,10 +43,6 @@ const JOB_QUEUE: usize = 256;
 const NOTIFICATION_QUEUE: usize = 4096;
 /// Extra time past a deadline for a notification write to be fenced.
 const FENCE_GRACE: Duration = Duration::from_millis(250);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// Hands `value` to whoever waits for the answer `key`, if anyone still does.
 fn answer<T>(waiters: &Mutex<HashMap<u64, oneshot::Sender<T>>>, key: u64, value: T) {
@@ -290,10 +287,7 @@ fn copy_job(job: Job) -> Option<impl Future<Output = ()> + Send + 'static> {
     // Each chunk is a step under the batch table's lock: cancel, the deadline and peer loss
     // take it to fence the batch, so once they report, no further chunk starts.
     while batches.step(id, now(), || {
-        let fence = conn
-            .copy_lock
-            .read()
-            .unwrap_or_else(PoisonError::into_inner);
+        let fence = read(&conn.copy_lock);
         let copied = if conn.lost.load(Ordering::Acquire) {
             Err(lost(conn.id, conn.lost_reason()))
         } else {
@@ -533,10 +527,7 @@ impl Inner {
         lock(&conn.pings).clear();
         lock(&conn.revokes).clear();
         {
-            let _fence = conn
-                .copy_lock
-                .write()
-                .unwrap_or_else(PoisonError::into_inner);
+            let _fence = write(&conn.copy_lock);
             for (_, r) in lock(&conn.remote).drain() {
                 r.revoked.store(true, Ordering::Release);
             }
@@ -667,6 +658,28 @@ impl Inner {
         }
     }
 
+    /// Why a `Hello` with this version and token is refused, if it is.
+    fn hello_refusal(
+        &self,
+        version: u32,
+        token: [u8; crate::descriptor::TOKEN_LEN],
+    ) -> Option<String> {
+        if version != proto::VERSION {
+            Some(format!(
+                "protocol version {version} is not supported (this side speaks {})",
+                proto::VERSION
+            ))
+        } else if token != self.token {
+            Some(
+                "the descriptor's token does not match this transport: the descriptor is \
+                 stale or belongs to another transport"
+                    .to_owned(),
+            )
+        } else {
+            None
+        }
+    }
+
     /// Serves one inbound connection: credential check, handshake, then region lookups,
     /// notifications and liveness checks.
     async fn serve_inbound(self: Arc<Self>, stream: UnixStream) {
@@ -697,20 +710,7 @@ impl Inner {
         let hello = tokio::time::timeout(self.options.handshake_timeout, reader.next(&wire)).await;
         let refusal = match hello {
             Ok(Ok(Some((Frame::Hello { version, token }, _)))) => {
-                if version != proto::VERSION {
-                    Some(format!(
-                        "protocol version {version} is not supported (this side speaks {})",
-                        proto::VERSION
-                    ))
-                } else if token != self.token {
-                    Some(
-                        "the descriptor's token does not match this transport: the descriptor is \
-                         stale or belongs to another transport"
-                            .to_owned(),
-                    )
-                } else {
-                    None
-                }
+                self.hello_refusal(version, token)
             }
             Ok(Ok(Some((other, _)))) => Some(format!("expected Hello first, got {other:?}")),
             Ok(Ok(None)) | Ok(Err(_)) | Err(_) => return,
@@ -870,10 +870,7 @@ impl Inner {
                     {
                         // Waits for the chunk in flight (if any), after which no copy touches
                         // the region.
-                        let _fence = conn
-                            .copy_lock
-                            .write()
-                            .unwrap_or_else(PoisonError::into_inner);
+                        let _fence = write(&conn.copy_lock);
                         if let Some(r) = lock(&conn.remote).remove(&RegionId(region)) {
                             r.revoked.store(true, Ordering::Release);
                         }
@@ -1142,6 +1139,122 @@ impl ShmTransport {
     }
 }
 
+/// Connects to the control socket of descriptor `d` (at `path`) and checks the peer's user.
+async fn dial(inner: &Inner, d: &Descriptor, path: &str) -> Result<Wire> {
+    let io = |context: String, source: std::io::Error| TransportError::Io {
+        transport: NAME,
+        context,
+        source,
+    };
+    let hs = inner.options.handshake_timeout;
+    let stream = match tokio::time::timeout(hs, UnixStream::connect(&d.socket)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            return Err(io(
+                format!(
+                    "connecting to the peer's control socket {path} (is the peer running, and \
+                     is its directory accessible to this user?)"
+                ),
+                e,
+            ));
+        }
+        Err(_) => {
+            return Err(io(
+                format!("connecting to {path}"),
+                std::io::ErrorKind::TimedOut.into(),
+            ));
+        }
+    };
+    let wire = Wire::new(stream);
+    let (uid, pid) = wire
+        .peer_cred()
+        .map_err(|e| io("reading the peer's credentials".into(), e))?;
+    if !inner.options.allows(uid, inner.own_uid) {
+        tracing::warn!(
+            uid,
+            pid,
+            "shm: refusing to connect to a peer of another user"
+        );
+        return Err(ShmError::PeerRejected {
+            uid,
+            pid,
+            allowed: inner.options.describe_allowed(inner.own_uid),
+        }
+        .into());
+    }
+    Ok(wire)
+}
+
+/// The opening exchange on a fresh connection (bounded by `hs`): `Hello` with the peer's
+/// token, answered by `Welcome` with its doorbell ring, which is mapped here.
+async fn opening_exchange(
+    wire: &Wire,
+    token: [u8; crate::descriptor::TOKEN_LEN],
+    peer: PeerId,
+    hs: Duration,
+) -> Result<(MemoryRegion, WireReader)> {
+    let hello = Frame::Hello {
+        version: proto::VERSION,
+        token,
+    };
+    let mut reader = WireReader::default();
+    let handshake = async {
+        wire.send(&hello, None).await.map_err(ReadError::Io)?;
+        reader.next(wire).await
+    };
+    let ring = match tokio::time::timeout(hs, handshake).await {
+        Ok(Ok(Some((Frame::Welcome { ring, .. }, Some(fd))))) => {
+            tokio::task::spawn_blocking(move || map::map_remote(0, fd, ring))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(ShmError::Map {
+                        what: "mapping the peer's doorbell ring".into(),
+                        source: std::io::Error::other(e.to_string()),
+                    })
+                })?
+        }
+        Ok(Ok(Some((Frame::Welcome { .. }, None)))) => {
+            return Err(TransportError::Protocol {
+                peer,
+                transport: NAME,
+                message: "the peer's Welcome came without a doorbell ring".into(),
+            });
+        }
+        Ok(Ok(Some((Frame::Reject { reason }, _)))) => {
+            return Err(ShmError::RefusedByPeer { reason }.into());
+        }
+        Ok(Ok(Some((other, _)))) => {
+            return Err(TransportError::Protocol {
+                peer,
+                transport: NAME,
+                message: format!("expected Welcome, got {other:?}"),
+            });
+        }
+        Ok(Ok(None)) => {
+            return Err(TransportError::PeerLost {
+                peer,
+                transport: NAME,
+                reason: "the peer closed the connection during the opening exchange".into(),
+            });
+        }
+        Ok(Err(e)) => {
+            return Err(TransportError::PeerLost {
+                peer,
+                transport: NAME,
+                reason: format!("the opening exchange failed: {e}"),
+            });
+        }
+        Err(_) => {
+            return Err(TransportError::PeerLost {
+                peer,
+                transport: NAME,
+                reason: format!("no answer to the opening exchange within {hs:?}"),
+            });
+        }
+    };
+    Ok((ring, reader))
+}
+
 #[async_trait::async_trait]
 impl KvTransport for ShmTransport {
     fn name(&self) -> &'static str {
@@ -1199,107 +1312,10 @@ impl KvTransport for ShmTransport {
             message,
         })?;
         let hs = inner.options.handshake_timeout;
-        let io = |context: String, source: std::io::Error| TransportError::Io {
-            transport: NAME,
-            context,
-            source,
-        };
         let path = d.socket.display().to_string();
-        let stream = match tokio::time::timeout(hs, UnixStream::connect(&d.socket)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => {
-                return Err(io(
-                    format!(
-                        "connecting to the peer's control socket {path} (is the peer running, and \
-                         is its directory accessible to this user?)"
-                    ),
-                    e,
-                ));
-            }
-            Err(_) => {
-                return Err(io(
-                    format!("connecting to {path}"),
-                    std::io::ErrorKind::TimedOut.into(),
-                ));
-            }
-        };
-        let wire = Wire::new(stream);
-        let (uid, pid) = wire
-            .peer_cred()
-            .map_err(|e| io("reading the peer's credentials".into(), e))?;
-        if !inner.options.allows(uid, inner.own_uid) {
-            tracing::warn!(
-                uid,
-                pid,
-                "shm: refusing to connect to a peer of another user"
-            );
-            return Err(ShmError::PeerRejected {
-                uid,
-                pid,
-                allowed: inner.options.describe_allowed(inner.own_uid),
-            }
-            .into());
-        }
-        let hello = Frame::Hello {
-            version: proto::VERSION,
-            token: d.token,
-        };
-        let mut reader = WireReader::default();
-        let handshake = async {
-            wire.send(&hello, None).await.map_err(ReadError::Io)?;
-            reader.next(&wire).await
-        };
+        let wire = dial(inner, &d, &path).await?;
         let peer = PeerId(inner.next_id());
-        let ring = match tokio::time::timeout(hs, handshake).await {
-            Ok(Ok(Some((Frame::Welcome { ring, .. }, Some(fd))))) => {
-                tokio::task::spawn_blocking(move || map::map_remote(0, fd, ring))
-                    .await
-                    .unwrap_or_else(|e| {
-                        Err(ShmError::Map {
-                            what: "mapping the peer's doorbell ring".into(),
-                            source: std::io::Error::other(e.to_string()),
-                        })
-                    })?
-            }
-            Ok(Ok(Some((Frame::Welcome { .. }, None)))) => {
-                return Err(TransportError::Protocol {
-                    peer,
-                    transport: NAME,
-                    message: "the peer's Welcome came without a doorbell ring".into(),
-                });
-            }
-            Ok(Ok(Some((Frame::Reject { reason }, _)))) => {
-                return Err(ShmError::RefusedByPeer { reason }.into());
-            }
-            Ok(Ok(Some((other, _)))) => {
-                return Err(TransportError::Protocol {
-                    peer,
-                    transport: NAME,
-                    message: format!("expected Welcome, got {other:?}"),
-                });
-            }
-            Ok(Ok(None)) => {
-                return Err(TransportError::PeerLost {
-                    peer,
-                    transport: NAME,
-                    reason: "the peer closed the connection during the opening exchange".into(),
-                });
-            }
-            Ok(Err(e)) => {
-                return Err(TransportError::PeerLost {
-                    peer,
-                    transport: NAME,
-                    reason: format!("the opening exchange failed: {e}"),
-                });
-            }
-            Err(_) => {
-                return Err(TransportError::PeerLost {
-                    peer,
-                    transport: NAME,
-                    reason: format!("no answer to the opening exchange within {hs:?}"),
-                });
-            }
-        };
+        let (ring, reader) = opening_exchange(&wire, d.token, peer, hs).await?;
         let bell = Producer::new(ring, 0).map_err(|message| TransportError::Protocol {
             peer,
             transport: NAME,

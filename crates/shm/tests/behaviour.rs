@@ -27,7 +27,8 @@ fn own_uid() -> u32 {
 
 #[tokio::test]
 async fn a_peer_of_a_user_not_allowed_is_refused_by_the_listener() {
-    let strict = ShmTransport::with_options(ShmOptions::default().allow_same_uid(false)).unwrap();
+    let strict =
+        ShmTransport::with_options(ShmOptions::default().with_allow_same_uid(false)).unwrap();
     let sender = ShmTransport::new().unwrap();
     let err = sender
         .connect(&strict.local_descriptor())
@@ -39,7 +40,7 @@ async fn a_peer_of_a_user_not_allowed_is_refused_by_the_listener() {
         "{text}"
     );
     assert!(
-        text.contains(&format!("uid {}", own_uid())) && text.contains("allow_uid"),
+        text.contains(&format!("uid {}", own_uid())) && text.contains("allowed_uids"),
         "{text}"
     );
 }
@@ -50,8 +51,8 @@ async fn the_connecting_side_checks_the_listener_too() {
     let uid = own_uid();
     let picky = ShmTransport::with_options(
         ShmOptions::default()
-            .allow_same_uid(false)
-            .allow_uid(uid.wrapping_add(1)),
+            .with_allow_same_uid(false)
+            .with_allowed_uids([uid.wrapping_add(1)]),
     )
     .unwrap();
     let err = picky
@@ -63,9 +64,12 @@ async fn the_connecting_side_checks_the_listener_too() {
         "{err}"
     );
     // The allow-list admits that user.
-    let listed =
-        ShmTransport::with_options(ShmOptions::default().allow_same_uid(false).allow_uid(uid))
-            .unwrap();
+    let listed = ShmTransport::with_options(
+        ShmOptions::default()
+            .with_allow_same_uid(false)
+            .with_allowed_uids([uid]),
+    )
+    .unwrap();
     listed.connect(&receiver.local_descriptor()).await.unwrap();
 }
 

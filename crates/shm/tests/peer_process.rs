@@ -1,47 +1,40 @@
 //! Tests in which the peer is a separate OS process.
 //!
-//! The test binary re-executes itself (`--exact child_process_entry`) with `KVBRIDGE_SHM_CHILD`
-//! set; that child runs a receiving `ShmTransport`, reports on stdout (lines starting with an
-//! upper-case tag) and obeys commands that arrive as notifications, so every command also proves
-//! that notifications cross the process boundary after their data.
+//! The test binary re-executes itself (`--exact child_process_entry`, through
+//! `kvbridge_transport::testing::child`) with `KVBRIDGE_SHM_CHILD` set; that child runs a
+//! receiving `ShmTransport`, reports on stdout (lines starting with an upper-case tag) and obeys
+//! commands that arrive as notifications, so every command also proves that notifications cross
+//! the process boundary after their data.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvbridge_shm::{ShmOptions, ShmTransport};
+use kvbridge_transport::testing::SplitMix64;
+use kvbridge_transport::testing::child::{PeerProcess, is_peer, scattered_blocks, send_command};
 use kvbridge_transport::{
-    KvTransport, KvTransportExt, PeerId, RegionId, Side, TransferBatch, TransferOp, TransportError,
+    KvTransport, KvTransportExt, RegionId, Side, TransferBatch, TransferOp, TransportError,
 };
 
 const CHILD_ENV: &str = "KVBRIDGE_SHM_CHILD";
 const DIR_ENV: &str = "KVBRIDGE_SHM_CHILD_DIR";
 const LEN_ENV: &str = "KVBRIDGE_SHM_CHILD_LEN";
-const LINE_LIMIT: Duration = Duration::from_secs(10);
 
 /// Deterministic test bytes.
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    (0..len as u64)
-        .map(|i| (seed.wrapping_mul(0x9E37_79B9) ^ (i * 7) ^ (i >> 9)) as u8)
-        .collect()
+    SplitMix64::new(seed).bytes(len)
 }
 
 /// Not a test of its own: the entry point of the peer processes the tests below start. Without
 /// `KVBRIDGE_SHM_CHILD` in the environment it returns at once.
-#[test]
-fn child_process_entry() {
-    if std::env::var_os(CHILD_ENV).is_none() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_process_entry() {
+    if !is_peer(CHILD_ENV) {
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(child_main());
+    child_main().await;
     // Leave without running other cleanup: the parent checks what the transport removed itself.
     std::process::exit(0);
 }
@@ -49,7 +42,7 @@ fn child_process_entry() {
 async fn child_main() {
     let dir = PathBuf::from(std::env::var_os(DIR_ENV).expect("runtime dir"));
     let len: usize = std::env::var(LEN_ENV).unwrap().parse().unwrap();
-    let t = ShmTransport::with_options(ShmOptions::default().runtime_dir(&dir)).unwrap();
+    let t = ShmTransport::with_options(ShmOptions::default().with_runtime_dir(&dir)).unwrap();
     let (id, region) = t.allocate_registered(len).await.unwrap();
     let mut regions = vec![(id, region)];
     // The leading newline ends libtest's "test child_process_entry ... " line.
@@ -103,57 +96,24 @@ async fn child_main() {
     }
 }
 
-/// A running child process and its tagged stdout lines.
-struct Child {
-    process: std::process::Child,
-    lines: Arc<Mutex<mpsc::Receiver<String>>>,
-}
+/// The receiving peer process.
+struct Child(PeerProcess);
 
 impl Child {
     fn spawn(dir: &Path, len: usize) -> Self {
-        let mut process = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "child_process_entry",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD_ENV, "receiver")
-            .env(DIR_ENV, dir)
-            .env(LEN_ENV, len.to_string())
-            .stdout(Stdio::piped())
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn the peer process");
-        let stdout = process.stdout.take().unwrap();
-        let (tx, rx) = mpsc::sync_channel(64);
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let tagged = line.chars().next().is_some_and(|c| c.is_ascii_uppercase());
-                if tagged && tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        Self {
-            process,
-            lines: Arc::new(Mutex::new(rx)),
-        }
+        Self(PeerProcess::spawn(
+            "child_process_entry",
+            [
+                (CHILD_ENV, "receiver".into()),
+                (DIR_ENV, dir.as_os_str().to_owned()),
+                (LEN_ENV, len.to_string().into()),
+            ],
+        ))
     }
 
     /// The next tagged line, which must start with `tag`.
     async fn line(&self, tag: &str) -> String {
-        let lines = Arc::clone(&self.lines);
-        let line =
-            tokio::task::spawn_blocking(move || lines.lock().unwrap().recv_timeout(LINE_LIMIT))
-                .await
-                .unwrap()
-                .unwrap_or_else(|e| panic!("the peer process printed no {tag} line: {e}"));
-        assert!(
-            line.starts_with(tag),
-            "expected {tag}, the peer said {line:?}"
-        );
-        line
+        self.0.line(tag).await
     }
 
     /// Waits for the READY line: (region id, control dir, descriptor).
@@ -167,13 +127,6 @@ impl Child {
     }
 }
 
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.process.kill();
-        let _ = self.process.wait();
-    }
-}
-
 fn base_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kvb-shm-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -182,21 +135,7 @@ fn base_dir(name: &str) -> PathBuf {
 
 /// 64 KiB blocks covering `[0, len)` of both regions, in a scattered order.
 fn scattered(local: RegionId, remote: RegionId, len: u64) -> Vec<TransferOp> {
-    let block = 64 * 1024;
-    let n = len / block;
-    (0..n)
-        .map(|i| (i * 7919 + 13) % n)
-        .map(|j| TransferOp::new(local, j * block, remote, j * block, block))
-        .collect()
-}
-
-async fn send_command(t: &ShmTransport, peer: PeerId, command: String) {
-    t.transfer(
-        peer,
-        TransferBatch::write(vec![]).with_notification(Bytes::from(command)),
-    )
-    .await
-    .unwrap();
+    scattered_blocks(local, remote, len, 64 * 1024)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -207,7 +146,7 @@ async fn cross_process_writes_reads_fetches_and_fences() {
     let (remote, child_dir, descriptor) = child.ready().await;
     assert!(child_dir.starts_with(&base) && child_dir.exists());
 
-    let t = ShmTransport::with_options(ShmOptions::default().runtime_dir(&base)).unwrap();
+    let t = ShmTransport::with_options(ShmOptions::default().with_runtime_dir(&base)).unwrap();
     let (local, mem) = t.allocate_registered(LEN).await.unwrap();
     let peer = t.connect(descriptor.as_bytes()).await.unwrap();
     t.probe(peer, Duration::from_secs(2)).await.unwrap();
@@ -268,7 +207,7 @@ async fn cross_process_writes_reads_fetches_and_fences() {
     send_command(&t, peer, "exit".into()).await;
     child.line("BYE").await;
     let mut child = child;
-    let status = child.process.wait().unwrap();
+    let status = child.0.wait();
     assert!(status.success(), "{status}");
     assert!(
         !child_dir.exists(),
@@ -292,7 +231,9 @@ async fn killing_the_peer_mid_transfer_fails_batches_by_their_deadline() {
     let mut child = Child::spawn(&base, LEN);
     let (remote, child_dir, descriptor) = child.ready().await;
 
-    let t = Arc::new(ShmTransport::with_options(ShmOptions::default().runtime_dir(&base)).unwrap());
+    let t = Arc::new(
+        ShmTransport::with_options(ShmOptions::default().with_runtime_dir(&base)).unwrap(),
+    );
     let (local, mem) = t.allocate_registered(LEN).await.unwrap();
     mem.write_at(0, &pattern(5, LEN)).unwrap();
     let peer = t.connect(descriptor.as_bytes()).await.unwrap();
@@ -333,8 +274,7 @@ async fn killing_the_peer_mid_transfer_fails_batches_by_their_deadline() {
         outcomes
     });
     tokio::time::sleep(Duration::from_millis(30)).await;
-    child.process.kill().unwrap();
-    child.process.wait().unwrap();
+    child.0.kill();
     let outcomes = tokio::time::timeout(Duration::from_secs(60), poster)
         .await
         .expect("the posting loop ends once the peer is gone")
@@ -353,7 +293,7 @@ async fn killing_the_peer_mid_transfer_fails_batches_by_their_deadline() {
     // The killed peer could not clean up; its directory goes when the next transport starts
     // in the same place. Shared memory was never in /dev/shm.
     assert!(child_dir.exists());
-    let next = ShmTransport::with_options(ShmOptions::default().runtime_dir(&base)).unwrap();
+    let next = ShmTransport::with_options(ShmOptions::default().with_runtime_dir(&base)).unwrap();
     assert!(
         !child_dir.exists(),
         "{} was left behind",

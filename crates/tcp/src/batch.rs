@@ -10,11 +10,12 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use kvbridge_transport::batch::Outcome;
+use kvbridge_transport::sync::lock;
 use kvbridge_transport::{BatchId, BatchState, PeerId, RegionId, Side, TransferOp, TransportError};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::{NAME, Shared, lock};
+use crate::{NAME, Shared};
 
 /// Why the receiver refused a batch.
 #[derive(Debug, Clone, PartialEq, Eq)]

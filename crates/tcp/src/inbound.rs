@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_transport::memory::checked_rows;
+use kvbridge_transport::sync::{lock, read};
 use kvbridge_transport::{MemoryRegion, Notification, PeerId, Result, TransportError};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedReadHalf;
@@ -20,7 +21,7 @@ use crate::error::TcpError;
 use crate::wire::{
     self, BeginStatus, CancelStatus, Frame, FrameType, RegionLen, RegionNeed, WireRows,
 };
-use crate::{BATCH_STATE_BYTES, NAME, Shared, lock};
+use crate::{BATCH_STATE_BYTES, NAME, Shared};
 
 /// Bytes offered to one vectored read (between two checks that the batch is still live).
 const READ_BYTES: u64 = 1 << 20;
@@ -329,6 +330,27 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     }
 }
 
+impl Session {
+    /// A session as its first connection is admitted.
+    fn new(peer: PeerId, id: u64, conn_count: u16, idle: Duration, welcomed: Instant) -> Self {
+        Session {
+            peer,
+            id,
+            conn_count,
+            ctrl: Mutex::new(vec![None; usize::from(conn_count)]),
+            batches: Mutex::new(HashMap::new()),
+            writers_idle: Notify::new(),
+            tasks: Mutex::new(Vec::new()),
+            pings: Mutex::new(HashMap::new()),
+            ping_seq: AtomicU64::new(1),
+            idle,
+            pending: Arc::new(AtomicU64::new(0)),
+            welcomed: Mutex::new(welcomed),
+            epochs: Mutex::new(VecDeque::new()),
+        }
+    }
+}
+
 /// Handshake, then joins (or starts) the connection's session and starts its tasks, which
 /// hold one of the `connections` slots until the connection ends.
 async fn admit(
@@ -366,7 +388,7 @@ async fn admit(
     // the connection joining its session, so each later change is announced to it.
     let mut table = Vec::new();
     let session = {
-        let regions = shared.regions.read().unwrap_or_else(|e| e.into_inner());
+        let regions = read(&shared.regions);
         if hello.conn_index == 0 {
             table = table_frames(&regions);
         }
@@ -374,21 +396,14 @@ async fn admit(
         let session = sessions
             .entry(hello.session)
             .or_insert_with(|| {
-                Arc::new(Session {
-                    peer: shared.alloc_peer_id(),
-                    id: hello.session,
-                    conn_count: hello.conn_count,
-                    ctrl: Mutex::new(vec![None; usize::from(hello.conn_count)]),
-                    batches: Mutex::new(HashMap::new()),
-                    writers_idle: Notify::new(),
-                    tasks: Mutex::new(Vec::new()),
-                    pings: Mutex::new(HashMap::new()),
-                    ping_seq: AtomicU64::new(1),
+                let peer = shared.alloc_peer_id();
+                Arc::new(Session::new(
+                    peer,
+                    hello.session,
+                    hello.conn_count,
                     idle,
-                    pending: Arc::new(AtomicU64::new(0)),
-                    welcomed: Mutex::new(welcomed),
-                    epochs: Mutex::new(VecDeque::new()),
-                })
+                    welcomed,
+                ))
             })
             .clone();
         {
@@ -808,21 +823,11 @@ impl Receiver<'_> {
         self.send_now(Frame::Done { batch }).await
     }
 
-    /// A `Data` or `Rows` frame: every descriptor, each row of a strided one included, is
-    /// checked before any payload byte is read.
-    async fn data(
-        &mut self,
-        r: &mut Reader,
-        batch: u64,
-        ops: Vec<WireRows>,
-    ) -> Result<(), LinkError> {
-        // The decoder checked that the sum does not overflow.
-        let sum = ops.iter().fold(0u64, |a, op| a.saturating_add(op.total()));
-        if let Some(refused) = self.take_refused(batch, sum)? {
-            return self.drain(r, refused).await;
-        }
+    /// The regions a `Data` or `Rows` frame writes, each descriptor checked against its
+    /// region (every row, the last row's end without overflow, no overlapping rows).
+    fn data_targets(&self, batch: u64, ops: &[WireRows]) -> Result<Vec<MemoryRegion>, LinkError> {
         let mut targets: Vec<MemoryRegion> = Vec::with_capacity(ops.len());
-        for op in &ops {
+        for op in ops {
             let Some(region) = self.shared.region(op.region) else {
                 return Err(protocol(format!(
                     "{} frame for batch {batch} writes region #{} which is not registered here",
@@ -851,6 +856,23 @@ impl Receiver<'_> {
             }
             targets.push(region);
         }
+        Ok(targets)
+    }
+
+    /// A `Data` or `Rows` frame: every descriptor, each row of a strided one included, is
+    /// checked before any payload byte is read.
+    async fn data(
+        &mut self,
+        r: &mut Reader,
+        batch: u64,
+        ops: Vec<WireRows>,
+    ) -> Result<(), LinkError> {
+        // The decoder checked that the sum does not overflow.
+        let sum = ops.iter().fold(0u64, |a, op| a.saturating_add(op.total()));
+        if let Some(refused) = self.take_refused(batch, sum)? {
+            return self.drain(r, refused).await;
+        }
+        let targets = self.data_targets(batch, &ops)?;
         let total = sum;
         let apply = {
             let mut batches = self.session.lock_batches();

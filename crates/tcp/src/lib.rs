@@ -93,6 +93,7 @@ pub use error::TcpError;
 use batch::TxBatch;
 use inbound::Session;
 use kvbridge_transport::batch::{BatchTable, Batches, Outcome};
+use kvbridge_transport::sync::{lock, read, write};
 use outbound::OutPeer;
 
 /// The transport's name in logs and errors.
@@ -195,11 +196,21 @@ impl TcpConfig {
         self
     }
 
-    /// Sets [`keepalive_interval`](Self::keepalive_interval) and
-    /// [`keepalive_timeout`](Self::keepalive_timeout).
-    pub fn with_keepalive(mut self, interval: Duration, timeout: Duration) -> Self {
+    /// Sets [`keepalive_interval`](Self::keepalive_interval).
+    pub fn with_keepalive_interval(mut self, interval: Duration) -> Self {
         self.keepalive_interval = interval;
+        self
+    }
+
+    /// Sets [`keepalive_timeout`](Self::keepalive_timeout).
+    pub fn with_keepalive_timeout(mut self, timeout: Duration) -> Self {
         self.keepalive_timeout = timeout;
+        self
+    }
+
+    /// Sets [`connect_timeout`](Self::connect_timeout).
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
         self
     }
 
@@ -218,6 +229,12 @@ impl TcpConfig {
     /// Sets [`piece_bytes`](Self::piece_bytes).
     pub fn with_piece_bytes(mut self, bytes: u64) -> Self {
         self.piece_bytes = bytes;
+        self
+    }
+
+    /// Sets [`max_inbound_batches`](Self::max_inbound_batches).
+    pub fn with_max_inbound_batches(mut self, n: usize) -> Self {
+        self.max_inbound_batches = n;
         self
     }
 
@@ -408,11 +425,7 @@ impl Shared {
     }
 
     pub(crate) fn region(&self, id: u64) -> Option<MemoryRegion> {
-        self.regions
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&id)
-            .cloned()
+        read(&self.regions).get(&id).cloned()
     }
 
     pub(crate) fn alloc_peer_id(&self) -> PeerId {
@@ -546,12 +559,6 @@ impl Drop for TcpTransport {
     }
 }
 
-/// Locks `m`, going on past a panic of another holder (the state stays consistent between
-/// statements).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// Aborts every task in `tasks` without waiting.
 pub(crate) fn abort_tasks(tasks: &Mutex<Vec<JoinHandle<()>>>) {
     for t in lock(tasks).iter() {
@@ -608,11 +615,7 @@ impl KvTransport for TcpTransport {
         self.capabilities().check_region(NAME, &region)?;
         let id = self.shared.next_region.fetch_add(1, Ordering::Relaxed);
         let len = region.len() as u64;
-        let mut regions = self
-            .shared
-            .regions
-            .write()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut regions = write(&self.shared.regions);
         regions.insert(id, region);
         inbound::announce(&self.shared, id, Some(len));
         drop(regions);
@@ -621,11 +624,7 @@ impl KvTransport for TcpTransport {
 
     async fn deregister(&self, region: RegionId) -> Result<()> {
         self.check_open()?;
-        let mut regions = self
-            .shared
-            .regions
-            .write()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut regions = write(&self.shared.regions);
         let removed = regions.remove(&region.0);
         if removed.is_some() {
             inbound::announce(&self.shared, region.0, None);

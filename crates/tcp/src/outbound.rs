@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvbridge_transport::memory::{checked_rows, rows_end};
+use kvbridge_transport::sync::{lock, read};
 use kvbridge_transport::{
     BatchId, MemoryRegion, PeerId, RegionId, RegionSlice, Result, Side, TransferBatch, TransferOp,
     TransportError,
@@ -26,7 +27,7 @@ use crate::error::TcpError;
 use crate::wire::{
     self, BeginStatus, CancelStatus, Frame, RegionLen, RegionNeed, WireOp, WireRows,
 };
-use crate::{NAME, Shared, lock};
+use crate::{NAME, Shared};
 use kvbridge_transport::batch::{Fence, Outcome, Step};
 
 /// Descriptors in one `Data` frame (one `writev` carries the header and all their payloads,
@@ -620,6 +621,25 @@ async fn keepalive_task(peer: Arc<OutPeer>, interval: Duration) {
     }
 }
 
+/// Ends the peer after a failed read on connection `index`; a listener that only went silent
+/// is told why first.
+async fn lose_on_read_error(shared: &Arc<Shared>, peer: &Arc<OutPeer>, index: usize, e: LinkError) {
+    let remote_closed = !matches!(e, LinkError::Silent(_));
+    if let LinkError::Silent(d) = e {
+        // This side gives up on a listener that may only be slow: tell it why.
+        let why = TcpError::Closing {
+            reason: format!(
+                "the sender heard nothing on connection {index} for {d:?} (its \
+                 keep-alive timeout); the listener is stalled or overloaded"
+            ),
+        };
+        if peer.ctrl[index].try_send(conn::error_frame(&why)).is_ok() {
+            tokio::time::sleep(conn::CLOSE_GRACE).await;
+        }
+    }
+    peer.lose(shared, e.to_string(), remote_closed);
+}
+
 async fn reader_task(shared: Arc<Shared>, peer: Arc<OutPeer>, r: OwnedReadHalf, index: usize) {
     // Only control frames arrive here: one read takes a `Done` (or several) whole.
     let mut r = tokio::io::BufReader::with_capacity(READ_AHEAD, r);
@@ -630,20 +650,7 @@ async fn reader_task(shared: Arc<Shared>, peer: Arc<OutPeer>, r: OwnedReadHalf, 
         let frame = match conn::read_frame(&mut r, &mut buf, max, idle).await {
             Ok(f) => f,
             Err(e) => {
-                let remote_closed = !matches!(e, LinkError::Silent(_));
-                if let LinkError::Silent(d) = e {
-                    // This side gives up on a listener that may only be slow: tell it why.
-                    let why = TcpError::Closing {
-                        reason: format!(
-                            "the sender heard nothing on connection {index} for {d:?} (its \
-                             keep-alive timeout); the listener is stalled or overloaded"
-                        ),
-                    };
-                    if peer.ctrl[index].try_send(conn::error_frame(&why)).is_ok() {
-                        tokio::time::sleep(conn::CLOSE_GRACE).await;
-                    }
-                }
-                peer.lose(&shared, e.to_string(), remote_closed);
+                lose_on_read_error(&shared, &peer, index, e).await;
                 return;
             }
         };
@@ -990,79 +997,8 @@ pub(crate) async fn post(
     }
     let cfg = &shared.config;
     batch.check_destination_rows(NAME)?;
-    // Bounds before bytes, local side.
-    let mut ops = Vec::with_capacity(batch.ops.len());
-    let mut needs: BTreeMap<u64, u64> = BTreeMap::new();
-    let mut total = 0u64;
-    for (k, slice) in batch.ops.chunks(RESOLVE_SLICE).enumerate() {
-        if k > 0 {
-            // A batch can carry hundreds of thousands of descriptors (one per token row of a
-            // head slice): checking them all in one poll would hold this runtime worker for
-            // long enough that keep-alives and the other connections' tasks miss their
-            // deadlines, and peers drop the connection.
-            tokio::task::yield_now().await;
-        }
-        let regions = shared.regions.read().unwrap_or_else(|e| e.into_inner());
-        for op in slice {
-            let region = regions
-                .get(&op.local_region.0)
-                .ok_or(TransportError::UnknownRegion {
-                    side: Side::Local,
-                    region: op.local_region,
-                    transport: NAME,
-                })?;
-            // Every row of a strided op, overflow included, before anything is sent.
-            op.local_rows_in(region.len())?;
-            let end =
-                rows_end(op.remote_offset, op.remote_stride, op.len, op.count).unwrap_or(u64::MAX);
-            let need = needs.entry(op.remote_region.0).or_insert(0);
-            *need = (*need).max(end);
-            total = op
-                .len
-                .checked_mul(op.count)
-                .and_then(|bytes| total.checked_add(bytes))
-                .ok_or_else(|| TransportError::InvalidArgument {
-                    transport: NAME,
-                    message: "the batch's lengths add up to more than 2^64 bytes; split it".into(),
-                })?;
-            ops.push(LocalOp {
-                region: region.clone(),
-                local_offset: op.local_offset,
-                remote_region: op.remote_region.0,
-                remote_offset: op.remote_offset,
-                len: op.len,
-                count: op.count,
-                local_stride: op.local_stride,
-                remote_stride: op.remote_stride,
-            });
-        }
-    }
-    // Remote side, against the announced table: a region's length never changes while it is
-    // registered (ids are not reused), so a write outside a known region is refused here. A
-    // region not in the table may have been registered since; the receiver decides.
-    {
-        let remote = lock(&peer.remote);
-        for op in &batch.ops {
-            if let Some(&region_len) = remote.get(&op.remote_region.0) {
-                if let Some(refused) = remote_out_of_bounds(op, region_len) {
-                    return Err(refused.into_error(BatchId(0), peer.id));
-                }
-            }
-        }
-    }
-    let notification_len = batch.notification.as_ref().map_or(0, |n| n.len());
-    let begin_len = wire::BEGIN_FIXED as usize + 16 * needs.len() + notification_len;
-    if begin_len > cfg.max_frame_len as usize {
-        return Err(TransportError::InvalidArgument {
-            transport: NAME,
-            message: format!(
-                "the notification ({notification_len} bytes) and {} distinct remote regions do not fit \
-                 one frame of {} bytes; shorten the notification or raise TcpConfig::max_frame_len",
-                needs.len(),
-                cfg.max_frame_len
-            ),
-        });
-    }
+    let (ops, needs, total) = resolve_local(shared, &batch).await?;
+    check_remote(peer, cfg, &batch, &needs)?;
     // One clock read for both (a clock read is not free on every machine).
     let now = crate::batch::now();
     let id = shared.table.insert(peer.id, batch.timeout, now)?;
@@ -1111,35 +1047,64 @@ pub(crate) async fn post(
     };
     b.set_anchor(b.deadline + Duration::from_millis(1));
     if let Some(frame) = inline {
-        // Written from here when connection 0 is idle: one task hop less per small batch.
-        let ctrl = &peer.ctrl[0];
-        let idle = ctrl.capacity() == ctrl.max_capacity();
-        let direct = match peer.writers[0].upgrade() {
-            Some(w) => conn::write_now(&w, idle, frame, cfg.keepalive_timeout),
-            None => Err(frame),
-        };
-        let sent = match direct {
-            Ok(()) => Ok(Ok(())),
-            Err(frame) => tokio::time::timeout_at(b.deadline, ctrl.send(frame)).await,
-        };
-        match sent {
-            Ok(Ok(())) => {}
-            Ok(Err(_)) => {
-                forget();
-                return Err(peer.lost_error());
-            }
-            Err(_) => {
-                // Never queued: nothing can land.
-                shared.finish(&b, Outcome::TimedOut);
-                return Ok(id);
-            }
-        }
-        shared.deadlines.watch(b);
-        return Ok(id);
+        return send_inline(shared, peer, b, frame, forget).await;
     }
+    let begin = begin(true).encode();
+    begin_and_queue(shared, peer, b, begin, ops, total, &batch.ops, forget).await
+}
+
+/// Sends a small batch whole (its `Begin` and bytes in one buffer, no acknowledgement asked).
+async fn send_inline(
+    shared: &Shared,
+    peer: &OutPeer,
+    b: Arc<TxBatch>,
+    frame: Vec<u8>,
+    forget: impl Fn(),
+) -> Result<BatchId> {
+    let id = b.id;
+    // Written from here when connection 0 is idle: one task hop less per small batch.
+    let ctrl = &peer.ctrl[0];
+    let idle = ctrl.capacity() == ctrl.max_capacity();
+    let direct = match peer.writers[0].upgrade() {
+        Some(w) => conn::write_now(&w, idle, frame, shared.config.keepalive_timeout),
+        None => Err(frame),
+    };
+    let sent = match direct {
+        Ok(()) => Ok(Ok(())),
+        Err(frame) => tokio::time::timeout_at(b.deadline, ctrl.send(frame)).await,
+    };
+    match sent {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => {
+            forget();
+            return Err(peer.lost_error());
+        }
+        Err(_) => {
+            // Never queued: nothing can land.
+            shared.finish(&b, Outcome::TimedOut);
+            return Ok(id);
+        }
+    }
+    shared.deadlines.watch(b);
+    Ok(id)
+}
+
+/// Sends the `Begin` of a batch with pieces, waits for the receiver's answer (bounded by the
+/// batch's deadline) and queues the pieces for the connections' writers.
+#[allow(clippy::too_many_arguments)]
+async fn begin_and_queue(
+    shared: &Shared,
+    peer: &OutPeer,
+    b: Arc<TxBatch>,
+    begin: Vec<u8>,
+    ops: Vec<LocalOp>,
+    total: u64,
+    remote_ops: &[TransferOp],
+    forget: impl Fn(),
+) -> Result<BatchId> {
+    let id = b.id;
     let (tx, rx) = oneshot::channel();
     lock(&peer.waiters).begin.insert(id.0, tx);
-    let begin = begin(true).encode();
     let answer = tokio::time::timeout_at(b.deadline, async {
         peer.ctrl[0].send(begin).await.ok()?;
         rx.await.ok()
@@ -1171,7 +1136,7 @@ pub(crate) async fn post(
     };
     if status != BeginStatus::Accepted {
         forget();
-        return Err(refusal(status, &batch.ops, &regions).into_error(id, peer.id));
+        return Err(refusal(status, remote_ops, &regions).into_error(id, peer.id));
     }
     if total > 0 {
         lock(&peer.queue).push_back(Job {
@@ -1185,6 +1150,99 @@ pub(crate) async fn post(
     }
     shared.deadlines.watch(b);
     Ok(id)
+}
+
+/// The batch's ops resolved against this side's regions, every row bounds-checked: the ops,
+/// the end each remote region must reach, and the batch's total bytes.
+async fn resolve_local(
+    shared: &Shared,
+    batch: &TransferBatch,
+) -> Result<(Vec<LocalOp>, BTreeMap<u64, u64>, u64)> {
+    // Bounds before bytes, local side.
+    let mut ops = Vec::with_capacity(batch.ops.len());
+    let mut needs: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut total = 0u64;
+    for (k, slice) in batch.ops.chunks(RESOLVE_SLICE).enumerate() {
+        if k > 0 {
+            // A batch can carry hundreds of thousands of descriptors (one per token row of a
+            // head slice): checking them all in one poll would hold this runtime worker for
+            // long enough that keep-alives and the other connections' tasks miss their
+            // deadlines, and peers drop the connection.
+            tokio::task::yield_now().await;
+        }
+        let regions = read(&shared.regions);
+        for op in slice {
+            let region = regions
+                .get(&op.local_region.0)
+                .ok_or(TransportError::UnknownRegion {
+                    side: Side::Local,
+                    region: op.local_region,
+                    transport: NAME,
+                })?;
+            // Every row of a strided op, overflow included, before anything is sent.
+            op.local_rows_in(region.len())?;
+            let end =
+                rows_end(op.remote_offset, op.remote_stride, op.len, op.count).unwrap_or(u64::MAX);
+            let need = needs.entry(op.remote_region.0).or_insert(0);
+            *need = (*need).max(end);
+            total = op
+                .len
+                .checked_mul(op.count)
+                .and_then(|bytes| total.checked_add(bytes))
+                .ok_or_else(|| TransportError::InvalidArgument {
+                    transport: NAME,
+                    message: "the batch's lengths add up to more than 2^64 bytes; split it".into(),
+                })?;
+            ops.push(LocalOp {
+                region: region.clone(),
+                local_offset: op.local_offset,
+                remote_region: op.remote_region.0,
+                remote_offset: op.remote_offset,
+                len: op.len,
+                count: op.count,
+                local_stride: op.local_stride,
+                remote_stride: op.remote_stride,
+            });
+        }
+    }
+    Ok((ops, needs, total))
+}
+
+/// Refuses what cannot work on the remote side before anything is sent: a write outside a
+/// region the peer announced, or a `Begin` larger than one frame.
+fn check_remote(
+    peer: &OutPeer,
+    cfg: &crate::TcpConfig,
+    batch: &TransferBatch,
+    needs: &BTreeMap<u64, u64>,
+) -> Result<()> {
+    // Remote side, against the announced table: a region's length never changes while it is
+    // registered (ids are not reused), so a write outside a known region is refused here. A
+    // region not in the table may have been registered since; the receiver decides.
+    {
+        let remote = lock(&peer.remote);
+        for op in &batch.ops {
+            if let Some(&region_len) = remote.get(&op.remote_region.0) {
+                if let Some(refused) = remote_out_of_bounds(op, region_len) {
+                    return Err(refused.into_error(BatchId(0), peer.id));
+                }
+            }
+        }
+    }
+    let notification_len = batch.notification.as_ref().map_or(0, |n| n.len());
+    let begin_len = wire::BEGIN_FIXED as usize + 16 * needs.len() + notification_len;
+    if begin_len > cfg.max_frame_len as usize {
+        return Err(TransportError::InvalidArgument {
+            transport: NAME,
+            message: format!(
+                "the notification ({notification_len} bytes) and {} distinct remote regions do not fit \
+                 one frame of {} bytes; shorten the notification or raise TcpConfig::max_frame_len",
+                needs.len(),
+                cfg.max_frame_len
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// A small batch as one buffer: its `Begin`, then (when it has bytes) its one `Data` (or

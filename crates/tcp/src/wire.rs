@@ -712,33 +712,7 @@ pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
     let kind = ty.name();
     let mut f = Fields { buf: body, kind };
     let frame = match ty {
-        FrameType::Hello => {
-            let session = f.u64()?;
-            let conn_index = f.u16()?;
-            let conn_count = f.u16()?;
-            let keepalive_ms = f.u32()?;
-            let mac = f.mac()?;
-            f.end(body.len() as u64 - f.buf.len() as u64)?;
-            if !(1..=MAX_CONNECTIONS).contains(&conn_count) {
-                return Err(TcpError::ReservedNotZero {
-                    field: "Hello connection count (must be 1..=16)",
-                    value: u64::from(conn_count),
-                });
-            }
-            if conn_index >= conn_count {
-                return Err(TcpError::ReservedNotZero {
-                    field: "Hello connection index (must be below the count)",
-                    value: u64::from(conn_index),
-                });
-            }
-            Frame::Hello {
-                session,
-                conn_index,
-                conn_count,
-                keepalive_ms,
-                mac,
-            }
-        }
+        FrameType::Hello => decode_hello(&mut f, body.len())?,
         FrameType::Welcome => {
             let mac = f.mac()?;
             f.end(body.len() as u64 - f.buf.len() as u64)?;
@@ -777,63 +751,7 @@ pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
             f.end(9)?;
             Frame::CancelAck { batch, status }
         }
-        FrameType::Begin => {
-            let batch = f.u64()?;
-            let epoch = f.u64()?;
-            let remaining_ms = f.u64()?;
-            let total_bytes = f.u64()?;
-            let count = f.u32()?;
-            let has_notification = f.u8()?;
-            if has_notification > 1 {
-                return Err(TcpError::ReservedNotZero {
-                    field: "Begin notification presence byte (must be 0 or 1)",
-                    value: u64::from(has_notification),
-                });
-            }
-            let ack = f.u8()?;
-            if ack > 1 {
-                return Err(TcpError::ReservedNotZero {
-                    field: "Begin acknowledgement byte (must be 0 or 1)",
-                    value: u64::from(ack),
-                });
-            }
-            let table = u64::from(count)
-                .checked_mul(16)
-                .ok_or(TcpError::LengthOverflow {
-                    what: "region table length",
-                    a: u64::from(count),
-                    b: 16,
-                })?;
-            if table > f.buf.len() as u64 {
-                return Err(TcpError::BadLength {
-                    kind,
-                    need: BEGIN_FIXED + table,
-                    got: body.len() as u64,
-                });
-            }
-            let mut regions = Vec::with_capacity(count as usize);
-            for _ in 0..count {
-                regions.push(RegionNeed {
-                    region: f.u64()?,
-                    end: f.u64()?,
-                });
-            }
-            let notification = if has_notification == 1 {
-                Some(Bytes::copy_from_slice(f.rest()))
-            } else {
-                f.end(BEGIN_FIXED + table)?;
-                None
-            };
-            Frame::Begin {
-                batch,
-                epoch,
-                remaining_ms,
-                total_bytes,
-                regions,
-                notification,
-                ack: ack == 1,
-            }
-        }
+        FrameType::Begin => decode_begin(&mut f, kind, body.len())?,
         FrameType::Regions => {
             let last = match f.u8()? {
                 0 => false,
@@ -872,72 +790,166 @@ pub fn decode_body(ty: FrameType, body: &[u8]) -> Result<Frame> {
                 regions,
             }
         }
-        FrameType::Data => {
-            let (batch, count) = descriptor_table(&mut f, kind, body.len(), OP_LEN)?;
-            let mut ops = Vec::with_capacity(count as usize);
-            let mut total = 0u64;
-            for _ in 0..count {
-                let op = WireOp {
-                    region: f.u64()?,
-                    offset: f.u64()?,
-                    len: f.u64()?,
-                };
-                op.offset
-                    .checked_add(op.len)
-                    .ok_or(TcpError::LengthOverflow {
-                        what: "descriptor offset + len",
-                        a: op.offset,
-                        b: op.len,
-                    })?;
-                total = total.checked_add(op.len).ok_or(TcpError::LengthOverflow {
-                    what: "Data frame payload length",
-                    a: total,
-                    b: op.len,
-                })?;
-                ops.push(op);
-            }
-            Frame::Data { batch, ops }
-        }
-        FrameType::Rows => {
-            let (batch, count) = descriptor_table(&mut f, kind, body.len(), ROWS_OP_LEN)?;
-            // Only the descriptors are allocated (bounded by the body); rows are never
-            // materialised, whatever count a descriptor claims.
-            let mut ops = Vec::with_capacity(count as usize);
-            let mut total = 0u64;
-            for _ in 0..count {
-                let op = WireRows {
-                    region: f.u64()?,
-                    offset: f.u64()?,
-                    len: f.u64()?,
-                    rows: f.u64()?,
-                    stride: f.u64()?,
-                };
-                kvbridge_transport::memory::rows_end(op.offset, op.stride, op.len, op.rows).ok_or(
-                    TcpError::LengthOverflow {
-                        what: "Rows descriptor offset + (rows - 1) * stride + len",
-                        a: op.offset,
-                        b: op.rows,
-                    },
-                )?;
-                let bytes = op
-                    .len
-                    .checked_mul(op.rows)
-                    .ok_or(TcpError::LengthOverflow {
-                        what: "Rows descriptor len * rows",
-                        a: op.len,
-                        b: op.rows,
-                    })?;
-                total = total.checked_add(bytes).ok_or(TcpError::LengthOverflow {
-                    what: "Rows frame payload length",
-                    a: total,
-                    b: bytes,
-                })?;
-                ops.push(op);
-            }
-            Frame::Rows { batch, ops }
-        }
+        FrameType::Data => decode_data(&mut f, kind, body.len())?,
+        FrameType::Rows => decode_rows(&mut f, kind, body.len())?,
     };
     Ok(frame)
+}
+
+/// The body of a `Hello` frame, its connection index and count checked.
+fn decode_hello(f: &mut Fields<'_>, body_len: usize) -> Result<Frame> {
+    let session = f.u64()?;
+    let conn_index = f.u16()?;
+    let conn_count = f.u16()?;
+    let keepalive_ms = f.u32()?;
+    let mac = f.mac()?;
+    f.end(body_len as u64 - f.buf.len() as u64)?;
+    if !(1..=MAX_CONNECTIONS).contains(&conn_count) {
+        return Err(TcpError::ReservedNotZero {
+            field: "Hello connection count (must be 1..=16)",
+            value: u64::from(conn_count),
+        });
+    }
+    if conn_index >= conn_count {
+        return Err(TcpError::ReservedNotZero {
+            field: "Hello connection index (must be below the count)",
+            value: u64::from(conn_index),
+        });
+    }
+    Ok(Frame::Hello {
+        session,
+        conn_index,
+        conn_count,
+        keepalive_ms,
+        mac,
+    })
+}
+
+/// The body of a `Begin` frame after its kind.
+fn decode_begin(f: &mut Fields<'_>, kind: &'static str, body_len: usize) -> Result<Frame> {
+    let batch = f.u64()?;
+    let epoch = f.u64()?;
+    let remaining_ms = f.u64()?;
+    let total_bytes = f.u64()?;
+    let count = f.u32()?;
+    let has_notification = f.u8()?;
+    if has_notification > 1 {
+        return Err(TcpError::ReservedNotZero {
+            field: "Begin notification presence byte (must be 0 or 1)",
+            value: u64::from(has_notification),
+        });
+    }
+    let ack = f.u8()?;
+    if ack > 1 {
+        return Err(TcpError::ReservedNotZero {
+            field: "Begin acknowledgement byte (must be 0 or 1)",
+            value: u64::from(ack),
+        });
+    }
+    let table = u64::from(count)
+        .checked_mul(16)
+        .ok_or(TcpError::LengthOverflow {
+            what: "region table length",
+            a: u64::from(count),
+            b: 16,
+        })?;
+    if table > f.buf.len() as u64 {
+        return Err(TcpError::BadLength {
+            kind,
+            need: BEGIN_FIXED + table,
+            got: body_len as u64,
+        });
+    }
+    let mut regions = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        regions.push(RegionNeed {
+            region: f.u64()?,
+            end: f.u64()?,
+        });
+    }
+    let notification = if has_notification == 1 {
+        Some(Bytes::copy_from_slice(f.rest()))
+    } else {
+        f.end(BEGIN_FIXED + table)?;
+        None
+    };
+    Ok(Frame::Begin {
+        batch,
+        epoch,
+        remaining_ms,
+        total_bytes,
+        regions,
+        notification,
+        ack: ack == 1,
+    })
+}
+
+/// The descriptors of a `Data` frame, each range and their sum checked for overflow.
+fn decode_data(f: &mut Fields<'_>, kind: &'static str, body_len: usize) -> Result<Frame> {
+    let (batch, count) = descriptor_table(f, kind, body_len, OP_LEN)?;
+    let mut ops = Vec::with_capacity(count as usize);
+    let mut total = 0u64;
+    for _ in 0..count {
+        let op = WireOp {
+            region: f.u64()?,
+            offset: f.u64()?,
+            len: f.u64()?,
+        };
+        op.offset
+            .checked_add(op.len)
+            .ok_or(TcpError::LengthOverflow {
+                what: "descriptor offset + len",
+                a: op.offset,
+                b: op.len,
+            })?;
+        total = total.checked_add(op.len).ok_or(TcpError::LengthOverflow {
+            what: "Data frame payload length",
+            a: total,
+            b: op.len,
+        })?;
+        ops.push(op);
+    }
+    Ok(Frame::Data { batch, ops })
+}
+
+/// The descriptors of a `Rows` frame, each strided range and their sum checked for overflow.
+fn decode_rows(f: &mut Fields<'_>, kind: &'static str, body_len: usize) -> Result<Frame> {
+    let (batch, count) = descriptor_table(f, kind, body_len, ROWS_OP_LEN)?;
+    // Only the descriptors are allocated (bounded by the body); rows are never
+    // materialised, whatever count a descriptor claims.
+    let mut ops = Vec::with_capacity(count as usize);
+    let mut total = 0u64;
+    for _ in 0..count {
+        let op = WireRows {
+            region: f.u64()?,
+            offset: f.u64()?,
+            len: f.u64()?,
+            rows: f.u64()?,
+            stride: f.u64()?,
+        };
+        kvbridge_transport::memory::rows_end(op.offset, op.stride, op.len, op.rows).ok_or(
+            TcpError::LengthOverflow {
+                what: "Rows descriptor offset + (rows - 1) * stride + len",
+                a: op.offset,
+                b: op.rows,
+            },
+        )?;
+        let bytes = op
+            .len
+            .checked_mul(op.rows)
+            .ok_or(TcpError::LengthOverflow {
+                what: "Rows descriptor len * rows",
+                a: op.len,
+                b: op.rows,
+            })?;
+        total = total.checked_add(bytes).ok_or(TcpError::LengthOverflow {
+            what: "Rows frame payload length",
+            a: total,
+            b: bytes,
+        })?;
+        ops.push(op);
+    }
+    Ok(Frame::Rows { batch, ops })
 }
 
 /// Result of [`decode_frame`] over a buffer.

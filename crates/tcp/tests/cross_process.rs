@@ -1,25 +1,24 @@
 //! Tests in which the receiving peer is a separate OS process.
 //!
-//! The test binary re-executes itself (`--exact child_process_entry`) with `KVBRIDGE_TCP_CHILD`
-//! set; the child runs a receiving `TcpTransport` (same secret, same settings), prints
-//! `READY <region> <descriptor>` and then checks its memory each time a notification
-//! `check:<seed>:<offset>:<len>` arrives, answering `OK <offset>` or `BAD ...` on stdout — so
-//! every check also proves that a notification crossed the process boundary after its data.
+//! The test binary re-executes itself (`--exact child_process_entry`, through
+//! `kvbridge_transport::testing::child`) with `KVBRIDGE_TCP_CHILD` set; the child runs a
+//! receiving `TcpTransport` (same secret, same settings), prints `READY <region> <descriptor>`
+//! and then checks its memory each time a notification `check:<seed>:<offset>:<len>` arrives,
+//! answering `OK <offset>` or `BAD ...` on stdout — so every check also proves that a
+//! notification crossed the process boundary after its data.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_tcp::{TcpConfig, TcpTransport};
+use kvbridge_transport::testing::SplitMix64;
+use kvbridge_transport::testing::child::{PeerProcess, is_peer};
 use kvbridge_transport::{
     KvTransport, KvTransportExt, PeerId, RegionId, Side, TransferBatch, TransferOp, TransportError,
 };
 
 const CHILD_ENV: &str = "KVBRIDGE_TCP_CHILD";
 const LEN_ENV: &str = "KVBRIDGE_TCP_CHILD_LEN";
-const LINE_LIMIT: Duration = Duration::from_secs(10);
 const SECRET: &[u8] = b"cross-process secret";
 
 fn config() -> TcpConfig {
@@ -27,28 +26,22 @@ fn config() -> TcpConfig {
         .with_secret(SECRET.to_vec())
         .with_connections_per_peer(2)
         .with_piece_bytes(256 << 10)
-        .with_keepalive(Duration::from_millis(100), Duration::from_secs(2))
+        .with_keepalive_interval(Duration::from_millis(100))
+        .with_keepalive_timeout(Duration::from_secs(2))
 }
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    (0..len as u64)
-        .map(|i| (seed.wrapping_mul(0x9E37_79B9) ^ (i * 7) ^ (i >> 9)) as u8)
-        .collect()
+    SplitMix64::new(seed).bytes(len)
 }
 
 /// Not a test of its own: the entry point of the peer processes the tests below start.
 /// Without `KVBRIDGE_TCP_CHILD` it returns at once.
-#[test]
-fn child_process_entry() {
-    if std::env::var_os(CHILD_ENV).is_none() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_process_entry() {
+    if !is_peer(CHILD_ENV) {
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(child_main());
+    child_main().await;
     std::process::exit(0);
 }
 
@@ -86,66 +79,20 @@ async fn child_main() {
     }
 }
 
-struct ChildPeer {
-    child: Child,
-    lines: mpsc::Receiver<String>,
+/// Waits for the READY line: (region id, descriptor).
+async fn ready(child: &PeerProcess) -> (RegionId, String) {
+    let line = child.line("READY").await;
+    let mut words = line.split_whitespace().skip(1);
+    let region = RegionId(words.next().unwrap().parse().unwrap());
+    (region, words.next().unwrap().to_owned())
 }
 
-impl ChildPeer {
-    fn spawn(len: usize) -> Self {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "child_process_entry",
-                "--nocapture",
-                "--test-threads",
-                "1",
-            ])
-            .env(CHILD_ENV, "1")
-            .env(LEN_ENV, len.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let out = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::sync_channel(1024);
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines() {
-                let Ok(line) = line else { return };
-                let wanted =
-                    line.starts_with("READY") || line.starts_with("OK") || line.starts_with("BAD");
-                if wanted && tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        Self { child, lines }
-    }
-
-    fn line(&self) -> String {
-        self.lines
-            .recv_timeout(LINE_LIMIT)
-            .expect("the child process stopped answering")
-    }
-
-    fn ready(&self) -> (RegionId, String) {
-        let line = self.line();
-        let mut words = line.split_whitespace().skip(1);
-        let region = RegionId(words.next().unwrap().parse().unwrap());
-        (region, words.next().unwrap().to_owned())
-    }
-}
-
-impl Drop for ChildPeer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-async fn connect(len: usize) -> (ChildPeer, TcpTransport, PeerId, RegionId) {
-    let child = ChildPeer::spawn(len);
-    let (remote, descriptor) = child.ready();
+async fn connect(len: usize) -> (PeerProcess, TcpTransport, PeerId, RegionId) {
+    let child = PeerProcess::spawn(
+        "child_process_entry",
+        [(CHILD_ENV, "1".to_owned()), (LEN_ENV, len.to_string())],
+    );
+    let (remote, descriptor) = ready(&child).await;
     let t = TcpTransport::bind(config()).await.unwrap();
     let peer = t.connect(descriptor.as_bytes()).await.unwrap();
     (child, t, peer, remote)
@@ -182,7 +129,7 @@ async fn cross_process_writes_are_checked_by_the_peer_at_notification_time() {
         )
         .await
         .unwrap();
-        assert_eq!(child.line(), format!("OK {}", i * BLOCK as u64));
+        assert_eq!(child.line("OK").await, format!("OK {}", i * BLOCK as u64));
     }
     // Remote bounds come from the other process.
     let oob = TransferOp::new(local, 0, remote, LEN as u64 - 10, 11);
@@ -208,8 +155,7 @@ async fn killing_the_peer_process_fails_its_batches_by_their_deadline() {
         .post(peer, TransferBatch::write(vec![op]).with_timeout(deadline))
         .await
         .unwrap();
-    child.child.kill().unwrap();
-    child.child.wait().unwrap();
+    child.kill();
     let r = tokio::time::timeout(deadline + Duration::from_secs(5), t.wait(id))
         .await
         .expect("wait hung past the deadline after the peer died");

@@ -19,6 +19,7 @@ use kvbridge_tcp::wire::{
     WireOp, WireRows,
 };
 use kvbridge_tcp::{TcpConfig, TcpTransport};
+use kvbridge_transport::testing::SplitMix64;
 use kvbridge_transport::{KvTransport, KvTransportExt, TransferBatch, TransferOp};
 use proptest::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -424,31 +425,20 @@ fn every_seed_decodes_whole() {
     }
 }
 
-/// A fixed-seed generator for the live-listener cases (same inputs every run).
-struct XorShift(u64);
-
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn mutation(&mut self) -> Mutation {
-        let r = self.next() as usize;
-        let s = self.next() as usize;
-        match self.next() % 9 {
-            0 => Mutation::FlipBit(r, (s % 8) as u8),
-            1 => Mutation::SetByte(r, s as u8),
-            2 => Mutation::Truncate(r),
-            3 => Mutation::Insert(r, vec![s as u8; 1 + s % 8]),
-            4 => Mutation::Remove(r, 1 + s % 16),
-            5 => Mutation::Splice(r, s, self.next() as usize),
-            6 => Mutation::SetLen(r % (EXTREMES_32.len() + 2)),
-            7 => Mutation::SetCount(r % EXTREMES_32.len()),
-            _ => Mutation::SetU64(r, s % EXTREMES_64.len()),
-        }
+/// One random mutation, from a fixed-seed generator (same inputs every run).
+fn random_mutation(rng: &mut SplitMix64) -> Mutation {
+    let r = rng.next_u64() as usize;
+    let s = rng.next_u64() as usize;
+    match rng.next_u64() % 9 {
+        0 => Mutation::FlipBit(r, (s % 8) as u8),
+        1 => Mutation::SetByte(r, s as u8),
+        2 => Mutation::Truncate(r),
+        3 => Mutation::Insert(r, vec![s as u8; 1 + s % 8]),
+        4 => Mutation::Remove(r, 1 + s % 16),
+        5 => Mutation::Splice(r, s, rng.next_u64() as usize),
+        6 => Mutation::SetLen(r % (EXTREMES_32.len() + 2)),
+        7 => Mutation::SetCount(r % EXTREMES_32.len()),
+        _ => Mutation::SetU64(r, s % EXTREMES_64.len()),
     }
 }
 
@@ -485,7 +475,8 @@ async fn hostile(addr: std::net::SocketAddr, session: u64, stream: Vec<u8>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_listener_survives_mutated_corpus_streams() {
     let config = TcpConfig::default()
-        .with_keepalive(Duration::from_millis(100), Duration::from_millis(500))
+        .with_keepalive_interval(Duration::from_millis(100))
+        .with_keepalive_timeout(Duration::from_millis(500))
         .with_max_frame_len(MAX)
         .with_max_inbound_pending_bytes(256 << 10);
     let t = TcpTransport::bind(config).await.unwrap();
@@ -493,15 +484,17 @@ async fn a_live_listener_survives_mutated_corpus_streams() {
     let (first, _) = t.allocate_registered(64).await.unwrap();
     let (_, _) = t.allocate_registered(4096).await.unwrap();
     let corpus = corpus();
-    let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+    let mut rng = SplitMix64::new(0x9e37_79b9_7f4a_7c15);
     let mut cases = Vec::new();
     for case in 0..48u64 {
         // Each case: a few seeds back to back, then a few mutations of the whole.
         let mut stream = Vec::new();
-        for _ in 0..1 + rng.next() % 4 {
-            stream.extend_from_slice(&corpus[rng.next() as usize % corpus.len()]);
+        for _ in 0..1 + rng.next_u64() % 4 {
+            stream.extend_from_slice(&corpus[rng.next_u64() as usize % corpus.len()]);
         }
-        let muts: Vec<_> = (0..1 + rng.next() % 4).map(|_| rng.mutation()).collect();
+        let muts: Vec<_> = (0..1 + rng.next_u64() % 4)
+            .map(|_| random_mutation(&mut rng))
+            .collect();
         let stream = mutate(&corpus, stream, &muts);
         cases.push(tokio::spawn(hostile(t.local_addr(), 1000 + case, stream)));
     }

@@ -744,7 +744,8 @@ async fn silent_listener(
 
 fn keepalive_config() -> TcpConfig {
     TcpConfig::default()
-        .with_keepalive(Duration::from_millis(50), Duration::from_millis(300))
+        .with_keepalive_interval(Duration::from_millis(50))
+        .with_keepalive_timeout(Duration::from_millis(300))
         .with_fence_grace(Duration::from_millis(200))
 }
 
@@ -854,7 +855,9 @@ async fn bad_descriptors_and_configs_are_refused() {
         TcpConfig::default().with_connections_per_peer(0),
         TcpConfig::default().with_secret(Vec::new()),
         TcpConfig::default().with_max_frame_len(16),
-        TcpConfig::default().with_keepalive(Duration::from_secs(2), Duration::from_secs(1)),
+        TcpConfig::default()
+            .with_keepalive_interval(Duration::from_secs(2))
+            .with_keepalive_timeout(Duration::from_secs(1)),
         TcpConfig::default().with_max_inbound_pending_bytes(1 << 20),
         TcpConfig::default().with_max_inbound_connections(0),
     ] {
@@ -1024,8 +1027,9 @@ async fn a_lost_peer_error_names_the_listeners_reason() {
 async fn an_idle_connection_is_closed_whatever_interval_it_announces() {
     // The peer claims it pings every 49 days and then says nothing: the listener still closes
     // it (after at most 4 x its own keep-alive timeout) and says why.
-    let config =
-        TcpConfig::default().with_keepalive(Duration::from_millis(100), Duration::from_millis(500));
+    let config = TcpConfig::default()
+        .with_keepalive_interval(Duration::from_millis(100))
+        .with_keepalive_timeout(Duration::from_millis(500));
     let (t, region, mem) = target(config).await;
     let mut raw = Raw::handshake_as(&t, false, (7, 0, 1), u32::MAX).await;
     let msg = raw.expect_error(16).await;

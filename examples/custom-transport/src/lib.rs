@@ -22,11 +22,12 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{Batches, Outcome, Step};
+use kvbridge_transport::sync::lock;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
@@ -39,10 +40,6 @@ const PREFIX: &str = "example-nic:";
 const QUEUE: usize = 256;
 /// Notifications queued per NIC before senders wait (until their deadline).
 const NOTIFICATIONS: usize = 1024;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// The fabric: every live NIC in the process.
 fn fabric() -> &'static Mutex<HashMap<u64, Weak<Nic>>> {

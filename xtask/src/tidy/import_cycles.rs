@@ -12,11 +12,6 @@ use std::path::Path;
 
 use super::{code_only, is_ident, matching, read, root, rust_files};
 
-/// Cycles that exist today in files another change is reworking: (crate directory, the files
-/// of one cycle). A cycle passes if all its files are inside one entry. Remove an entry when
-/// its cycle is broken; never add one.
-const ALLOWED: &[(&str, &[&str])] = &[("crates/coordinator", &["src/error.rs", "src/state.rs"])];
-
 /// The module path of a source file relative to its crate (`src/a/b.rs` and `src/a/b/mod.rs`
 /// are `a::b`; `src/lib.rs`, `src/main.rs` are the root), or `None` for a file outside `src/`.
 fn module_of(rel: &str) -> Option<Vec<String>> {
@@ -303,16 +298,11 @@ fn no_import_cycles_between_the_files_of_a_crate() {
     let mut report = Vec::new();
     for (krate, dir) in workspace_crates() {
         for (files, path) in cycles(&sources(&dir)) {
-            let allowed = ALLOWED.iter().any(|(c, allowed)| {
-                *c == krate && files.iter().all(|f| allowed.contains(&f.as_str()))
-            });
-            if !allowed {
-                let files: Vec<&str> = files.iter().map(String::as_str).collect();
-                report.push(format!(
-                    "{krate}: files {} import each other: {path}",
-                    files.join(", ")
-                ));
-            }
+            let files: Vec<&str> = files.iter().map(String::as_str).collect();
+            report.push(format!(
+                "{krate}: files {} import each other: {path}",
+                files.join(", ")
+            ));
         }
     }
     assert!(

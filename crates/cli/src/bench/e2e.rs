@@ -39,7 +39,7 @@ use kvbridge_coordinator::{
 use kvbridge_handshake::{PeerDescriptor, Role};
 use kvbridge_transport::{KvTransport, PeerId, TransferBatch, TransferOp};
 
-use super::{BenchArgs, TransportKind, factory};
+use super::{BenchArgs, Factory, TransportKind, factory};
 
 const LAYERS: usize = 61;
 const TOKEN_BYTES: u64 = 1152;
@@ -177,29 +177,53 @@ fn owned(tokens: u64, size: u32, rank: u32) -> u64 {
     tokens / size + u64::from(rank < tokens % size)
 }
 
-async fn bench(args: &BenchArgs) -> Result<Report, String> {
-    let make = factory(args.transport)?;
-    let e = |e: kvbridge_coordinator::CoordinatorError| e.to_string();
-    let (a, b) = (args.prefill_dcp, args.dcp);
-    let (pp, dp) = (args.prefill_page_size, args.page_size);
-    let align = (pp * u64::from(a)).max(dp * u64::from(b));
-    let tokens = ((8192.0 * args.size_scale) as u64 / align).max(1) * align;
-    let shape = Shape {
-        tokens,
-        prefill_dcp: a,
-        dcp: b,
-        prefill_page: pp,
-        page: dp,
-    };
+/// Zeroes the decodes' pools, runs one request through the coordinator and checks every
+/// byte each decode rank holds: whether all are right.
+async fn verified_run(
+    prefills: &[Prefill],
+    decodes: &[Decode],
+    addr: &str,
+    room: u64,
+    tokens: u64,
+) -> Result<bool, String> {
+    for d in decodes {
+        for v in d.mem.kv_views() {
+            v.region
+                .fill(v.offset, v.len, 0)
+                .map_err(|x| x.to_string())?;
+        }
+    }
+    coordinator_run(prefills, decodes, addr, room, tokens).await?;
+    let mut verified = true;
+    let mut got = 0;
+    for d in decodes {
+        let layout = TokenLayout::for_rank(&d.desc, d.table.clone())?;
+        match verify_rows(&d.mem.kv_views(), &layout, PATTERN_ROOM, 0..tokens) {
+            Ok(n) => got += n,
+            Err(err) => {
+                eprintln!(
+                    "kvbridge bench --e2e: the coordinator left a wrong byte on decode rank {}: \
+                     {err}",
+                    d.desc.dcp_rank
+                );
+                verified = false;
+            }
+        }
+    }
+    Ok(verified && got == tokens * LAYERS as u64 * TOKEN_BYTES)
+}
 
-    let boot = BootstrapServer::bind(BootstrapConfig::default())
-        .await
-        .map_err(|e| e.to_string())?;
-    let addr = boot.bootstrap_addr();
-    // Prefill pages in allocation order; decode pages reversed, so a row that lands on the
-    // wrong page does not verify.
-    let ppages = tokens.div_ceil(pp * u64::from(a));
-    let dpages = tokens.div_ceil(dp * u64::from(b));
+/// One prefill agent per prefill DCP rank, its pool filled with the request's rows and
+/// registered with the bootstrap server at `addr`.
+async fn start_prefills(
+    args: &BenchArgs,
+    make: Factory,
+    addr: &str,
+    tokens: u64,
+    ppages: u64,
+) -> Result<Vec<Prefill>, String> {
+    let e = |e: kvbridge_coordinator::CoordinatorError| e.to_string();
+    let (a, b, pp) = (args.prefill_dcp, args.dcp, args.prefill_page_size);
     let mut prefills = Vec::new();
     for r in 0..a {
         let pd = desc(Role::Prefill, pp, a, r, a)?;
@@ -230,7 +254,7 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
         .kv_regions(pmem.kv_regions.clone())
         .start()
         .map_err(e)?;
-        BootstrapClient::new(&addr)
+        BootstrapClient::new(addr)
             .register(&RankRegistration::from(agent.rank_info()))
             .await
             .map_err(|e| e.to_string())?;
@@ -243,6 +267,19 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
             peers: Vec::new(),
         });
     }
+    Ok(prefills)
+}
+
+/// One decode agent per decode DCP rank (pages in reverse order); every prefill's transport
+/// also connects to each, for the raw-transport baseline.
+async fn start_decodes(
+    args: &BenchArgs,
+    make: Factory,
+    prefills: &mut [Prefill],
+    dpages: u64,
+) -> Result<Vec<Decode>, String> {
+    let e = |e: kvbridge_coordinator::CoordinatorError| e.to_string();
+    let (b, dp) = (args.dcp, args.page_size);
     let mut decodes = Vec::new();
     for r in 0..b {
         let dd = desc(Role::Decode, dp, b, r, b)?;
@@ -261,7 +298,7 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
         )
         .start()
         .map_err(e)?;
-        for p in &mut prefills {
+        for p in prefills.iter_mut() {
             let peer = p
                 .transport
                 .connect(&dt.local_descriptor())
@@ -279,37 +316,56 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
             table: (0..dpages).rev().collect(),
         });
     }
+    Ok(decodes)
+}
+
+/// Stops every agent, then every transport.
+async fn shutdown(prefills: &[Prefill], decodes: &[Decode]) {
+    for p in prefills {
+        p.agent.shutdown();
+    }
+    for d in decodes {
+        d.agent.shutdown();
+    }
+    for p in prefills {
+        let _ = p.transport.shutdown().await;
+    }
+    for d in decodes {
+        let _ = d.transport.shutdown().await;
+    }
+}
+
+async fn bench(args: &BenchArgs) -> Result<Report, String> {
+    let make = factory(args.transport)?;
+    let (a, b) = (args.prefill_dcp, args.dcp);
+    let (pp, dp) = (args.prefill_page_size, args.page_size);
+    let align = (pp * u64::from(a)).max(dp * u64::from(b));
+    let tokens = ((8192.0 * args.size_scale) as u64 / align).max(1) * align;
+    let shape = Shape {
+        tokens,
+        prefill_dcp: a,
+        dcp: b,
+        prefill_page: pp,
+        page: dp,
+    };
+
+    let boot = BootstrapServer::bind(BootstrapConfig::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = boot.bootstrap_addr();
+    // Prefill pages in allocation order; decode pages reversed, so a row that lands on the
+    // wrong page does not verify.
+    let ppages = tokens.div_ceil(pp * u64::from(a));
+    let dpages = tokens.div_ceil(dp * u64::from(b));
+    let mut prefills = start_prefills(args, make, &addr, tokens, ppages).await?;
+    let decodes = start_decodes(args, make, &mut prefills, dpages).await?;
     let blocks = large_blocks(&shape);
     let bytes: u64 = tokens * LAYERS as u64 * TOKEN_BYTES;
     debug_assert_eq!(blocks.iter().map(|k| k.len).sum::<u64>(), bytes);
 
     // Untimed warm-up (first mappings, registrations) and verification of the coordinator.
-    for d in &decodes {
-        for v in d.mem.kv_views() {
-            v.region
-                .fill(v.offset, v.len, 0)
-                .map_err(|x| x.to_string())?;
-        }
-    }
     let mut room = 100u64;
-    coordinator_run(&prefills, &decodes, &addr, room, tokens).await?;
-    let mut verified = true;
-    let mut got = 0;
-    for d in &decodes {
-        let layout = TokenLayout::for_rank(&d.desc, d.table.clone())?;
-        match verify_rows(&d.mem.kv_views(), &layout, PATTERN_ROOM, 0..tokens) {
-            Ok(n) => got += n,
-            Err(err) => {
-                eprintln!(
-                    "kvbridge bench --e2e: the coordinator left a wrong byte on decode rank {}: \
-                     {err}",
-                    d.desc.dcp_rank
-                );
-                verified = false;
-            }
-        }
-    }
-    verified &= got == bytes;
+    let verified = verified_run(&prefills, &decodes, &addr, room, tokens).await?;
     memcpy_run(&prefills, &decodes, &blocks)?;
     transport_run(&prefills, &decodes, &blocks).await?;
 
@@ -334,18 +390,7 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
     };
     let (c, m, r) = (median(&mut coord), median(&mut mem), median(&mut raw));
     let gbps = |d: Duration| bytes as f64 / 1e9 / d.as_secs_f64().max(1e-9);
-    for p in &prefills {
-        p.agent.shutdown();
-    }
-    for d in &decodes {
-        d.agent.shutdown();
-    }
-    for p in &prefills {
-        let _ = p.transport.shutdown().await;
-    }
-    for d in &decodes {
-        let _ = d.transport.shutdown().await;
-    }
+    shutdown(&prefills, &decodes).await;
     boot.shutdown();
     Ok(Report {
         bench: "e2e",

@@ -13,7 +13,7 @@
 //! large-block throughput) lives in `e2e.rs`.
 
 use std::future::Future;
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::process::ExitCode;
@@ -21,10 +21,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use kvbridge_transport::testing::{SplitMix64, mix64};
 use kvbridge_transport::{
     KvTransport, KvTransportExt, MemoryRegion, PeerId, RegionId, TransferBatch, TransferOp,
 };
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::progress::Progress;
 
 mod e2e;
 mod nixl;
@@ -364,26 +367,17 @@ fn plan(pattern: Pattern, scale: f64, seed: u64) -> (u64, Vec<(u64, u64, u64)>) 
     } else {
         (block, ((count as f64 * scale).round() as u64).max(1))
     };
-    let mut rng = SplitMix(seed ^ block);
+    let mut rng = SplitMix64::new(seed ^ block);
     let mut src: Vec<u64> = (0..count).collect();
     let mut dst: Vec<u64> = (0..count).collect();
-    shuffle(&mut src, &mut rng);
-    shuffle(&mut dst, &mut rng);
+    rng.shuffle(&mut src);
+    rng.shuffle(&mut dst);
     let ops = src
         .iter()
         .zip(&dst)
         .map(|(s, d)| (s * block, d * block, block))
         .collect();
     (block * count, ops)
-}
-
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        mix(self.0)
-    }
 }
 
 /// `strided-1152`: source pages of `STRIDED_RANKS * STRIDED_ROWS` rows; op `k` of a page takes
@@ -393,9 +387,9 @@ fn strided_plan(scale: f64, seed: u64) -> (u64, Vec<(u64, u64, u64)>) {
     let (row, rows) = Pattern::Strided1152.shape();
     let page = STRIDED_RANKS * STRIDED_ROWS;
     let pages = ((rows as f64 * scale) as u64 / page).max(1);
-    let mut rng = SplitMix(seed ^ row);
+    let mut rng = SplitMix64::new(seed ^ row);
     let mut slots: Vec<u64> = (0..pages * STRIDED_RANKS).collect();
-    shuffle(&mut slots, &mut rng);
+    rng.shuffle(&mut slots);
     let mut out = Vec::with_capacity((pages * page) as usize);
     for (op, slot) in slots.iter().enumerate() {
         let (p, k) = (op as u64 / STRIDED_RANKS, op as u64 % STRIDED_RANKS);
@@ -425,23 +419,10 @@ fn plan_ops(
         .collect()
 }
 
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-fn shuffle(v: &mut [u64], rng: &mut SplitMix) {
-    for i in (1..v.len()).rev() {
-        let j = (rng.next() % (i as u64 + 1)) as usize;
-        v.swap(i, j);
-    }
-}
-
 /// The source pool's content: 8-byte words derived from their offset, so any misplaced or
 /// stale block is detected.
 fn word_at(offset: u64) -> u64 {
-    mix((offset / 8) ^ SEED)
+    mix64((offset / 8) ^ SEED)
 }
 
 fn fill_source(region: &MemoryRegion) -> Result<(), String> {
@@ -691,34 +672,12 @@ impl ReceiverProcess {
     }
 }
 
-/// Live progress on a terminal (stderr), silent otherwise.
-struct Progress {
-    on: bool,
-}
-
-impl Progress {
-    fn show(&self, text: &str) {
-        if self.on {
-            eprint!("\r\x1b[2K{text}");
-            let _ = std::io::stderr().flush();
-        }
-    }
-
-    fn clear(&self) {
-        if self.on {
-            eprint!("\r\x1b[2K");
-        }
-    }
-}
-
 async fn sender(make: Factory, args: BenchArgs) -> ExitCode {
     let patterns: Vec<Pattern> = match args.pattern {
         Some(p) => vec![p],
         None => Pattern::ALL.to_vec(),
     };
-    let progress = Progress {
-        on: std::io::stderr().is_terminal(),
-    };
+    let progress = Progress::on_stderr(true);
     let mut reports = Vec::new();
     for pattern in patterns {
         match measure(make, &args, pattern, &progress).await {
@@ -782,6 +741,145 @@ async fn measure(
     result
 }
 
+impl Report {
+    /// The report of a pattern before anything is measured.
+    fn unmeasured(
+        args: &BenchArgs,
+        pattern: &'static str,
+        bytes: u64,
+        blocks: u64,
+        baseline: &'static str,
+    ) -> Self {
+        Report {
+            transport: args.transport.name(),
+            pattern,
+            bytes,
+            blocks,
+            gbps: 0.0,
+            baseline,
+            baseline_gbps: 0.0,
+            ratio: 0.0,
+            receiver_peak_rss_bytes: 0,
+            runs: args.runs,
+            verified: false,
+            p50_us: None,
+            p99_us: None,
+            local_p50_us: None,
+            local_p99_us: None,
+            baseline_p50_us: None,
+            baseline_p99_us: None,
+        }
+    }
+}
+
+/// Waits for the receiver's `Ready`: its descriptor and the region to write.
+async fn receiver_ready(rx: &mut ReceiverProcess) -> Result<(Vec<u8>, RegionId), String> {
+    match rx.next().await? {
+        FromReceiver::Ready {
+            descriptor_hex,
+            region,
+            control_dirs,
+        } => {
+            rx.control_dirs = control_dirs.into_iter().map(PathBuf::from).collect();
+            Ok((
+                unhex(&descriptor_hex).ok_or("the receiver sent a malformed descriptor")?,
+                RegionId(region),
+            ))
+        }
+        other => Err(format!("expected Ready from the receiver, got {other:?}")),
+    }
+}
+
+/// The raw baseline a pattern is held to on a transport, started; `None` for memcpy of the
+/// same blocks (or, for `strided-1152` off shm, the transport's own large block).
+fn raw_baseline(
+    transport: TransportKind,
+    pattern: Pattern,
+    pool: u64,
+    src: &MemoryRegion,
+    descriptor: &[u8],
+    remote: RegionId,
+) -> Result<Option<RawBaseline>, String> {
+    Ok(match (transport, pattern) {
+        (TransportKind::Shm, Pattern::Strided1152) => Some(RawBaseline::LargeBlock),
+        (_, Pattern::Strided1152) => None,
+        (TransportKind::Tcp, _) => Some(RawBaseline::Tcp(tcp::RawTcpBaseline::start(pool)?)),
+        (TransportKind::Shm, Pattern::Latency4k) => {
+            Some(RawBaseline::Wake(shm::RawWakeBaseline::start()?))
+        }
+        (TransportKind::Shm, _) => None,
+        // NIXL against the same descriptors posted through nixl-sys directly (`bench/nixl.rs`).
+        (TransportKind::Nixl, _) => Some(RawBaseline::Nixl(nixl::DirectBaseline::start(
+            src, descriptor, remote,
+        )?)),
+    })
+}
+
+/// One run of the raw baseline: `raw`, or memcpy of the same blocks into `dst`; seconds.
+fn run_baseline(
+    raw: Option<&RawBaseline>,
+    src: &MemoryRegion,
+    dst: &MemoryRegion,
+    pool: u64,
+    ops: &[(u64, u64, u64)],
+) -> Result<f64, String> {
+    match raw {
+        Some(RawBaseline::Tcp(raw)) => return raw.run(src),
+        Some(RawBaseline::Wake(raw)) => return raw.run(src, dst, pool),
+        Some(RawBaseline::LargeBlock) => {
+            let start = Instant::now();
+            src.copy_to(0, dst, 0, pool).map_err(|e| e.to_string())?;
+            return Ok(start.elapsed().as_secs_f64());
+        }
+        Some(RawBaseline::Nixl(raw)) => return raw.run(ops),
+        None => {}
+    }
+    let start = Instant::now();
+    for &(s, d, len) in ops {
+        src.copy_to(s, dst, d, len).map_err(|e| e.to_string())?;
+    }
+    Ok(start.elapsed().as_secs_f64())
+}
+
+/// Has the receiver verify every byte and report its memory and latencies, into `report`.
+async fn verify_and_finish(
+    rx: &mut ReceiverProcess,
+    args: &BenchArgs,
+    pattern: Pattern,
+    report: &mut Report,
+) -> Result<(), String> {
+    let name = pattern.name();
+    rx.command(&format!("verify {name} {}", args.size_scale))
+        .await?;
+    match rx.next().await? {
+        FromReceiver::Verified { ok, detail } => {
+            report.verified = ok;
+            if !ok {
+                eprintln!("kvbridge bench: {name}: {detail}");
+            }
+        }
+        other => return Err(format!("expected Verified, got {other:?}")),
+    }
+    rx.command("finish").await?;
+    let latencies = match rx.next().await? {
+        FromReceiver::Finished {
+            peak_rss_bytes,
+            latencies_ns,
+        } => {
+            report.receiver_peak_rss_bytes = peak_rss_bytes;
+            latencies_ns
+        }
+        other => return Err(format!("expected Finished, got {other:?}")),
+    };
+    if pattern == Pattern::Latency4k {
+        let mut l = latencies;
+        l.sort_unstable();
+        report.p50_us = Some(percentile(&l, 0.5) / 1e3);
+        report.p99_us = Some(percentile(&l, 0.99) / 1e3);
+    }
+    Ok(())
+}
+
 async fn measure_with(
     rx: &mut ReceiverProcess,
     make: Factory,
@@ -791,20 +889,7 @@ async fn measure_with(
 ) -> Result<Report, String> {
     let name = pattern.name();
     let (pool, ops) = plan(pattern, args.size_scale, SEED);
-    let (descriptor, remote) = match rx.next().await? {
-        FromReceiver::Ready {
-            descriptor_hex,
-            region,
-            control_dirs,
-        } => {
-            rx.control_dirs = control_dirs.into_iter().map(PathBuf::from).collect();
-            (
-                unhex(&descriptor_hex).ok_or("the receiver sent a malformed descriptor")?,
-                RegionId(region),
-            )
-        }
-        other => return Err(format!("expected Ready from the receiver, got {other:?}")),
-    };
+    let (descriptor, remote) = receiver_ready(rx).await?;
     let t = make().await?;
     let dirs = serde_json::to_string(&control_dirs()).map_err(|e| e.to_string())?;
     rx.command(&format!("sender-dirs {dirs}")).await?;
@@ -825,41 +910,8 @@ async fn measure_with(
     let baseline_dst = MemoryRegion::allocate(pool as usize).map_err(|e| e.to_string())?;
     // TCP is measured against a raw TCP stream between two processes (`bench/tcp.rs`), shm's
     // `latency-4k` against a raw cross-process wake-up round trip (`bench/shm.rs`).
-    let raw = match (args.transport, pattern) {
-        (TransportKind::Shm, Pattern::Strided1152) => Some(RawBaseline::LargeBlock),
-        (_, Pattern::Strided1152) => None,
-        (TransportKind::Tcp, _) => Some(RawBaseline::Tcp(tcp::RawTcpBaseline::start(pool)?)),
-        (TransportKind::Shm, Pattern::Latency4k) => {
-            Some(RawBaseline::Wake(shm::RawWakeBaseline::start()?))
-        }
-        (TransportKind::Shm, _) => None,
-        // NIXL against the same descriptors posted through nixl-sys directly (`bench/nixl.rs`).
-        (TransportKind::Nixl, _) => Some(RawBaseline::Nixl(nixl::DirectBaseline::start(
-            &src,
-            &descriptor,
-            remote,
-        )?)),
-    };
-    let baseline_run = || -> Result<f64, String> {
-        match &raw {
-            Some(RawBaseline::Tcp(raw)) => return raw.run(&src),
-            Some(RawBaseline::Wake(raw)) => return raw.run(&src, &baseline_dst, pool),
-            Some(RawBaseline::LargeBlock) => {
-                let start = Instant::now();
-                src.copy_to(0, &baseline_dst, 0, pool)
-                    .map_err(|e| e.to_string())?;
-                return Ok(start.elapsed().as_secs_f64());
-            }
-            Some(RawBaseline::Nixl(raw)) => return raw.run(&ops),
-            None => {}
-        }
-        let start = Instant::now();
-        for &(s, d, len) in &ops {
-            src.copy_to(s, &baseline_dst, d, len)
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(start.elapsed().as_secs_f64())
-    };
+    let raw = raw_baseline(args.transport, pattern, pool, &src, &descriptor, remote)?;
+    let baseline_run = || run_baseline(raw.as_ref(), &src, &baseline_dst, pool, &ops);
     let batch = |note: Bytes| {
         TransferBatch::write(transfer_ops.clone())
             .with_notification(note)
@@ -880,29 +932,12 @@ async fn measure_with(
         .await
         .map_err(e)?;
 
-    let mut report = Report {
-        transport: args.transport.name(),
-        pattern: name,
-        bytes: pool,
-        blocks: transfer_ops.len() as u64,
-        gbps: 0.0,
-        baseline: match (&raw, &large) {
-            (Some(raw), _) => raw.description(),
-            (None, Some(_)) => LARGE_BASELINE,
-            (None, None) => BASELINE,
-        },
-        baseline_gbps: 0.0,
-        ratio: 0.0,
-        receiver_peak_rss_bytes: 0,
-        runs: args.runs,
-        verified: false,
-        p50_us: None,
-        p99_us: None,
-        local_p50_us: None,
-        local_p99_us: None,
-        baseline_p50_us: None,
-        baseline_p99_us: None,
+    let baseline = match (&raw, &large) {
+        (Some(raw), _) => raw.description(),
+        (None, Some(_)) => LARGE_BASELINE,
+        (None, None) => BASELINE,
     };
+    let mut report = Report::unmeasured(args, name, pool, transfer_ops.len() as u64, baseline);
     if pattern == Pattern::Latency4k {
         latency(
             &t,
@@ -934,34 +969,7 @@ async fn measure_with(
         report.ratio = report.gbps / report.baseline_gbps;
     }
     progress.show(&format!("{name}: verifying"));
-    rx.command(&format!("verify {name} {}", args.size_scale))
-        .await?;
-    match rx.next().await? {
-        FromReceiver::Verified { ok, detail } => {
-            report.verified = ok;
-            if !ok {
-                eprintln!("kvbridge bench: {name}: {detail}");
-            }
-        }
-        other => return Err(format!("expected Verified, got {other:?}")),
-    }
-    rx.command("finish").await?;
-    let latencies = match rx.next().await? {
-        FromReceiver::Finished {
-            peak_rss_bytes,
-            latencies_ns,
-        } => {
-            report.receiver_peak_rss_bytes = peak_rss_bytes;
-            latencies_ns
-        }
-        other => return Err(format!("expected Finished, got {other:?}")),
-    };
-    if pattern == Pattern::Latency4k {
-        let mut l = latencies;
-        l.sort_unstable();
-        report.p50_us = Some(percentile(&l, 0.5) / 1e3);
-        report.p99_us = Some(percentile(&l, 0.99) / 1e3);
-    }
+    verify_and_finish(rx, args, pattern, &mut report).await?;
     let _ = t.shutdown().await;
     let _ = rx.child.wait().await;
     Ok(report)

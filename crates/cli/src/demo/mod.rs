@@ -302,11 +302,11 @@ pub(crate) fn room_of(i: u32) -> u64 {
 }
 
 impl Setup {
-    pub(crate) fn from_args(a: &DemoArgs) -> Result<Self, String> {
-        let p2 = a.page_size;
-        let p1 = a.prefill_page_size.unwrap_or(p2);
+    /// Layers, decode DCP and the TP sizes of both sides: the arguments, or the geometry's
+    /// defaults.
+    fn shape(a: &DemoArgs) -> (u32, u32, u32, u32) {
         let pdcp = a.prefill_dcp;
-        let (layers, dcp, ptp, dtp) = match a.geometry {
+        match a.geometry {
             Geometry::Mla => {
                 let dcp = a.dcp.unwrap_or(4);
                 (
@@ -325,7 +325,15 @@ impl Setup {
                     a.decode_tp.unwrap_or(4),
                 )
             }
-        };
+        }
+    }
+
+    /// Refuses arguments that cannot make a run, saying which and why.
+    fn check_args(
+        a: &DemoArgs,
+        (ptp, pdcp): (u32, u32),
+        (dtp, dcp): (u32, u32),
+    ) -> Result<(), String> {
         if ptp % pdcp != 0 {
             return Err(format!(
                 "--prefill-tp {ptp} must be a multiple of --prefill-dcp {pdcp} (DCP ranks are nested \
@@ -353,6 +361,15 @@ impl Setup {
         if a.secret.as_ref().is_some_and(String::is_empty) {
             return Err("--secret must not be empty".to_owned());
         }
+        Ok(())
+    }
+
+    pub(crate) fn from_args(a: &DemoArgs) -> Result<Self, String> {
+        let p2 = a.page_size;
+        let p1 = a.prefill_page_size.unwrap_or(p2);
+        let pdcp = a.prefill_dcp;
+        let (layers, dcp, ptp, dtp) = Self::shape(a);
+        Self::check_args(a, (ptp, pdcp), (dtp, dcp))?;
         let desc = |role: PeerRole,
                     page: u64,
                     tp: u32,

@@ -1,7 +1,6 @@
 //! The demo's parent process: starts the prefill and decode processes, follows their events,
 //! draws the progress bar, and prints the summary.
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::{ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -13,6 +12,7 @@ use tokio::sync::mpsc;
 
 use super::worker::decode_bytes;
 use super::{DemoArgs, Event, GRACE, Setup, Summary, Transport};
+use crate::progress::Progress;
 use crate::remove_control_dir;
 
 /// Which process to kill or freeze, and when (test knobs `--kill`, `--freeze`).
@@ -171,35 +171,18 @@ struct Request {
     failed: bool,
 }
 
-struct Progress {
-    enabled: bool,
-    total: u32,
-    start: Instant,
-}
-
-impl Progress {
-    fn draw(&self, done: u32, bytes: u64) {
-        if !self.enabled {
-            return;
-        }
-        const WIDTH: usize = 30;
-        let filled = (done as usize * WIDTH) / self.total.max(1) as usize;
-        let secs = self.start.elapsed().as_secs_f64().max(1e-9);
-        eprint!(
-            "\r  [{}{}] {done}/{} requests  {:.2} GB  {:.2} GB/s ",
-            "#".repeat(filled),
-            ".".repeat(WIDTH - filled),
-            self.total,
+/// The demo's progress line: requests done, bytes and rate since the decodes were ready.
+fn draw(progress: &Progress, done: u32, total: u32, bytes: u64, since: Instant) {
+    let secs = since.elapsed().as_secs_f64().max(1e-9);
+    progress.bar(
+        u64::from(done),
+        u64::from(total),
+        &format!(
+            "requests  {:.2} GB  {:.2} GB/s ",
             bytes as f64 / 1e9,
             bytes as f64 / 1e9 / secs
-        );
-    }
-
-    fn clear(&self) {
-        if self.enabled {
-            eprint!("\r\x1b[2K");
-        }
-    }
+        ),
+    );
 }
 
 #[derive(Debug, Serialize)]
@@ -294,63 +277,204 @@ pub(crate) fn run(args: &DemoArgs, setup: Setup) -> ExitCode {
     }
 }
 
+/// The state of a demo run while its processes report.
+struct Run<'a> {
+    setup: &'a Setup,
+    n_decode: usize,
+    kill: Option<KillSpec>,
+    tx: mpsc::Sender<Msg>,
+    procs: Vec<Proc>,
+    failures: Vec<String>,
+    bootstrap: Option<String>,
+    requests: Vec<Request>,
+    killed: Vec<String>,
+    frozen: Vec<String>,
+    timed_out: bool,
+    started_at: Option<Instant>,
+    ready_decodes: usize,
+    done_requests: u32,
+    done_bytes: u64,
+    finish_sent: bool,
+    /// The first failure or dead process: from then on the run ends within the timeout (the
+    /// survivors' deadlines) plus the grace, or what still runs is killed.
+    trouble: Option<Instant>,
+    progress: Progress,
+    bar_start: Instant,
+}
+
+impl<'a> Run<'a> {
+    fn new(
+        args: &DemoArgs,
+        setup: &'a Setup,
+        kill: Option<KillSpec>,
+        tx: mpsc::Sender<Msg>,
+    ) -> Self {
+        Run {
+            setup,
+            n_decode: setup.decode.len(),
+            kill,
+            tx,
+            procs: Vec::new(),
+            failures: Vec::new(),
+            bootstrap: None,
+            requests: vec![Request::default(); setup.requests as usize],
+            killed: Vec::new(),
+            frozen: Vec::new(),
+            timed_out: false,
+            started_at: None,
+            ready_decodes: 0,
+            done_requests: 0,
+            done_bytes: 0,
+            finish_sent: false,
+            trouble: None,
+            progress: Progress::on_stderr(!args.json),
+            bar_start: Instant::now(),
+        }
+    }
+
+    /// Counts a request sent and verified by every decode rank (`Some(its bytes)`), on the
+    /// progress line too.
+    fn request_done(&mut self, bytes: Option<u64>) {
+        let Some(bytes) = bytes else { return };
+        self.done_requests += 1;
+        self.done_bytes += bytes;
+        draw(
+            &self.progress,
+            self.done_requests,
+            self.setup.requests,
+            self.done_bytes,
+            self.bar_start,
+        );
+    }
+
+    /// One event of process `idx`.
+    async fn on_event(&mut self, idx: usize, ev: Event) {
+        match ev {
+            Event::Ready {
+                bootstrap: Some(addr),
+                ..
+            } if idx == 0 => {
+                self.bootstrap = Some(addr.clone());
+                spawn_decodes(
+                    self.n_decode,
+                    &addr,
+                    &mut self.procs,
+                    &self.tx,
+                    &mut self.failures,
+                    self.setup.secret.as_deref(),
+                );
+            }
+            Event::Ready { .. } => {
+                self.ready_decodes += 1;
+                if self.ready_decodes == self.n_decode {
+                    self.started_at = Some(Instant::now());
+                    self.bar_start = Instant::now();
+                    if let Some(stdin) = self.procs[0].stdin.as_mut() {
+                        if let Err(e) = stdin.write_all(b"start\n").await {
+                            self.failures
+                                .push(format!("cannot tell the prefill to start: {e}"));
+                        }
+                    }
+                }
+            }
+            Event::Chunk { request, index } => {
+                if let Some(k) = self.kill.filter(|k| k.request == request && index == 0) {
+                    apply_kill(
+                        k,
+                        &mut self.procs,
+                        &mut self.killed,
+                        &mut self.frozen,
+                        &mut self.failures,
+                    );
+                }
+            }
+            Event::Sent {
+                request,
+                latency_us,
+                bytes,
+            } => {
+                let n_decode = self.n_decode;
+                let done = self.requests.get_mut(request as usize).and_then(|r| {
+                    r.latency = Some(Duration::from_micros(latency_us));
+                    r.bytes = bytes;
+                    (r.verified as usize == n_decode).then_some(bytes)
+                });
+                self.request_done(done);
+            }
+            Event::Verified { request, .. } => {
+                let n_decode = self.n_decode;
+                let done = self.requests.get_mut(request as usize).and_then(|r| {
+                    r.verified += 1;
+                    (r.verified as usize == n_decode && r.latency.is_some()).then_some(r.bytes)
+                });
+                self.request_done(done);
+            }
+            Event::ControlDir { path } => self.procs[idx].control_dirs.push(PathBuf::from(path)),
+            Event::Failed {
+                request,
+                reason,
+                secondary,
+            } => {
+                self.trouble.get_or_insert_with(Instant::now);
+                if let Some(r) = self.requests.get_mut(request as usize) {
+                    r.failed = true;
+                }
+                let p = &mut self.procs[idx];
+                if p.failure.as_ref().is_none_or(|f| f.1 && !secondary) {
+                    p.failure = Some((reason, secondary));
+                }
+            }
+            Event::Done(s) => {
+                if s.first_failure.is_some() {
+                    self.trouble.get_or_insert_with(Instant::now);
+                }
+                self.procs[idx].summary = Some(s);
+            }
+        }
+    }
+}
+
+/// When the whole run must have ended: generous bounds for start-up (allocating pools), then
+/// every request's own deadline.
+fn run_deadline(setup: &Setup) -> Instant {
+    let startup = Duration::from_secs(60);
+    let waves = f64::from(setup.requests) / f64::from(setup.concurrency);
+    Instant::now()
+        + startup
+        + setup.timeout.mul_f64(4.0 + waves.min(1e6))
+        + Duration::from_secs_f64(waves.min(1e6) * 0.5)
+}
+
 async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> Report {
-    let n_decode = setup.decode.len();
     let (tx, mut rx) = mpsc::channel::<Msg>(1024);
-    let mut procs: Vec<Proc> = Vec::new();
-    let mut failures: Vec<String> = Vec::new();
-    let mut bootstrap = None;
-    let mut requests = vec![Request::default(); setup.requests as usize];
-    let mut killed = Vec::new();
-    let mut frozen: Vec<String> = Vec::new();
-    let mut timed_out = false;
+    let mut run = Run::new(args, setup, kill, tx);
     let begun = Instant::now();
-    let mut progress = Progress {
-        enabled: !args.json && std::io::stderr().is_terminal(),
-        total: setup.requests,
-        start: Instant::now(),
-    };
     if !args.json {
         println!("kvbridge demo: {}", setup.describe());
     }
-
     match spawn(
         "prefill".to_owned(),
         "prefill",
         0,
         &["--role".into(), "prefill".into()],
         0,
-        &tx,
+        &run.tx,
         setup.secret.as_deref(),
     ) {
-        Ok(p) => procs.push(p),
-        Err(e) => failures.push(e),
+        Ok(p) => run.procs.push(p),
+        Err(e) => run.failures.push(e),
     }
-    // Generous bounds: start-up (allocating pools), then every request's own deadline.
-    let startup = Duration::from_secs(60);
-    let waves = f64::from(setup.requests) / f64::from(setup.concurrency);
-    let deadline = Instant::now()
-        + startup
-        + setup.timeout.mul_f64(4.0 + waves.min(1e6))
-        + Duration::from_secs_f64(waves.min(1e6) * 0.5);
-    let mut started_at = None;
-    let mut ready_decodes = 0usize;
-    let mut done_requests = 0u32;
-    let mut done_bytes = 0u64;
-    let mut finish_sent = false;
-    // The first failure or dead process: from then on the run ends within the timeout (the
-    // survivors' deadlines) plus the grace, or what still runs is killed.
-    let mut trouble: Option<Instant> = None;
+    let deadline = run_deadline(setup);
     // After a signal: the grace, for the children to stop.
     let mut stop_by: Option<Instant> = None;
     // The parent's SIGINT or SIGTERM stops the run cleanly (the children are told).
     let signal = crate::terminating_signal();
     tokio::pin!(signal);
 
-    while !procs.is_empty() && procs.iter().any(|p| !p.eof) {
+    while !run.procs.is_empty() && run.procs.iter().any(|p| !p.eof) {
         let end = [
             Some(deadline),
-            trouble.map(|t| t + setup.timeout + GRACE),
+            run.trouble.map(|t| t + setup.timeout + GRACE),
             stop_by,
         ]
         .into_iter()
@@ -361,187 +485,104 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
             m = rx.recv() => m,
             why = &mut signal, if stop_by.is_none() => {
                 // Closing their stdin stops the children, which clean up and report.
-                for p in &mut procs {
+                for p in &mut run.procs {
                     p.stdin = None;
                 }
-                failures.push(format!("{why}: every process was told to stop"));
+                run.failures.push(format!("{why}: every process was told to stop"));
                 stop_by.get_or_insert_with(|| Instant::now() + GRACE);
                 continue;
             }
             _ = tokio::time::sleep_until(end.into()) => {
-                timed_out = true;
-                for p in &mut procs {
+                run.timed_out = true;
+                for p in &mut run.procs {
                     let _ = p.child.start_kill();
                 }
-                failures.push(match trouble {
-                    _ if stop_by == Some(end) => format!(
-                        "the processes did not stop within the grace of {} s; every process \
-                         still running was killed",
-                        GRACE.as_secs()
-                    ),
-                    Some(t) if end < deadline => format!(
-                        "the run did not end within --timeout {:.1} s plus the grace of {} s \
-                         after the first failure ({:.1} s after the start); every process still \
-                         running was killed",
-                        setup.timeout.as_secs_f64(),
-                        GRACE.as_secs(),
-                        (t - begun).as_secs_f64()
-                    ),
-                    _ => format!(
-                        "the run did not finish within {:.0} s; every process was killed",
-                        (deadline - begun).as_secs_f64()
-                    ),
-                });
+                let after_signal = stop_by == Some(end);
+                let why = timeout_failure(setup, run.trouble, after_signal, end < deadline, (begun, deadline));
+                run.failures.push(why);
                 break;
             }
         };
         let Some(msg) = msg else { break };
         let (idx, line) = match msg {
             Msg::Eof(idx) => {
-                procs[idx].eof = true;
-                if procs[idx].summary.is_none() {
-                    trouble.get_or_insert_with(Instant::now);
+                run.procs[idx].eof = true;
+                if run.procs[idx].summary.is_none() {
+                    run.trouble.get_or_insert_with(Instant::now);
                 }
-                maybe_finish(&mut procs, &mut finish_sent).await;
+                maybe_finish(&mut run.procs, &mut run.finish_sent).await;
                 // A prefill that dies before it is ready leaves nothing to wait for.
-                if idx == 0 && bootstrap.is_none() {
-                    failures.push("the prefill process exited before it was ready".to_owned());
+                if idx == 0 && run.bootstrap.is_none() {
+                    run.failures
+                        .push("the prefill process exited before it was ready".to_owned());
                 }
                 continue;
             }
             Msg::Line(idx, line) => (idx, line),
         };
         let Ok(ev) = serde_json::from_str::<Event>(&line) else {
-            eprintln!("[{}] {line}", procs[idx].label);
+            eprintln!("[{}] {line}", run.procs[idx].label);
             continue;
         };
-        match ev {
-            Event::Ready {
-                bootstrap: Some(addr),
-                ..
-            } if idx == 0 => {
-                bootstrap = Some(addr.clone());
-                for r in 0..n_decode as u32 {
-                    let extra = [
-                        "--role".to_owned(),
-                        "decode".to_owned(),
-                        "--rank".to_owned(),
-                        r.to_string(),
-                        "--bootstrap".to_owned(),
-                        addr.clone(),
-                    ];
-                    let i = procs.len();
-                    let secret = setup.secret.as_deref();
-                    match spawn(format!("decode {r}"), "decode", r, &extra, i, &tx, secret) {
-                        Ok(p) => procs.push(p),
-                        Err(e) => failures.push(e),
-                    }
-                }
-            }
-            Event::Ready { .. } => {
-                ready_decodes += 1;
-                if ready_decodes == n_decode {
-                    started_at = Some(Instant::now());
-                    progress.start = Instant::now();
-                    if let Some(stdin) = procs[0].stdin.as_mut() {
-                        if let Err(e) = stdin.write_all(b"start\n").await {
-                            failures.push(format!("cannot tell the prefill to start: {e}"));
-                        }
-                    }
-                }
-            }
-            Event::Chunk { request, index } => {
-                if let Some(k) = kill.filter(|k| k.request == request && index == 0) {
-                    let target = match k.decode {
-                        None => Some(0),
-                        Some(r) => procs.iter().position(|p| p.role == "decode" && p.rank == r),
-                    };
-                    if let Some(t) =
-                        target.filter(|&t| procs[t].exit_code.is_none() && !procs[t].eof)
-                    {
-                        if killed.is_empty() && frozen.is_empty() {
-                            if k.freeze {
-                                match procs[t].pid.ok_or("no pid".to_owned()).and_then(freeze) {
-                                    Ok(()) => frozen.push(procs[t].label.clone()),
-                                    Err(e) => failures.push(e),
-                                }
-                            } else {
-                                let _ = procs[t].child.start_kill();
-                                killed.push(procs[t].label.clone());
-                            }
-                        }
-                    }
-                }
-            }
-            Event::Sent {
-                request,
-                latency_us,
-                bytes,
-            } => {
-                if let Some(r) = requests.get_mut(request as usize) {
-                    r.latency = Some(Duration::from_micros(latency_us));
-                    r.bytes = bytes;
-                    if r.verified as usize == n_decode {
-                        done_requests += 1;
-                        done_bytes += bytes;
-                        progress.draw(done_requests, done_bytes);
-                    }
-                }
-            }
-            Event::Verified { request, .. } => {
-                if let Some(r) = requests.get_mut(request as usize) {
-                    r.verified += 1;
-                    if r.verified as usize == n_decode && r.latency.is_some() {
-                        done_requests += 1;
-                        done_bytes += r.bytes;
-                        progress.draw(done_requests, done_bytes);
-                    }
-                }
-            }
-            Event::ControlDir { path } => procs[idx].control_dirs.push(PathBuf::from(path)),
-            Event::Failed {
-                request,
-                reason,
-                secondary,
-            } => {
-                trouble.get_or_insert_with(Instant::now);
-                if let Some(r) = requests.get_mut(request as usize) {
-                    r.failed = true;
-                }
-                let p = &mut procs[idx];
-                if p.failure.as_ref().is_none_or(|f| f.1 && !secondary) {
-                    p.failure = Some((reason, secondary));
-                }
-            }
-            Event::Done(s) => {
-                if s.first_failure.is_some() {
-                    trouble.get_or_insert_with(Instant::now);
-                }
-                procs[idx].summary = Some(s);
-            }
-        }
-        maybe_finish(&mut procs, &mut finish_sent).await;
+        run.on_event(idx, ev).await;
+        maybe_finish(&mut run.procs, &mut run.finish_sent).await;
     }
-    progress.clear();
-    let elapsed = started_at.map_or(Duration::ZERO, |t| t.elapsed());
-    for p in &mut procs {
-        let status = match tokio::time::timeout(Duration::from_secs(10), p.child.wait()).await {
-            Ok(Ok(s)) => Some(s),
-            _ => {
-                let _ = p.child.start_kill();
-                p.child.wait().await.ok()
-            }
-        };
-        p.exit_code = status.and_then(|s| s.code());
-        p.exit_signal = status.and_then(|s| std::os::unix::process::ExitStatusExt::signal(&s));
-        if p.summary.is_none() {
-            // It died before it could clean up (killed, crashed): remove what it created.
-            for dir in &p.control_dirs {
-                remove_control_dir(dir);
-            }
-        }
-    }
+    run.progress.clear();
+    let elapsed = run.started_at.map_or(Duration::ZERO, |t| t.elapsed());
+    reap(&mut run.procs).await;
 
+    let outcome = Outcome {
+        bootstrap: run.bootstrap,
+        killed: run.killed,
+        frozen: run.frozen,
+        timed_out: run.timed_out,
+        failures: run.failures,
+    };
+    report(setup, run.procs, &run.requests, outcome, elapsed)
+}
+
+/// How the run ended, besides the processes' own reports.
+struct Outcome {
+    bootstrap: Option<String>,
+    killed: Vec<String>,
+    frozen: Vec<String>,
+    timed_out: bool,
+    failures: Vec<String>,
+}
+
+/// The prefill's transfer counters per succeeded request.
+fn per_request(procs: &[Proc], succeeded: u32) -> Option<PerRequest> {
+    procs
+        .first()
+        .and_then(|p| p.summary.as_ref())
+        .filter(|_| succeeded > 0)
+        .map(|s| {
+            let n = u64::from(succeeded);
+            PerRequest {
+                descriptors: s.descriptors / n,
+                rows: s.rows / n,
+                pack_batches: s.pack_batches / n,
+                pack_bytes: s.pack_bytes / n,
+            }
+        })
+}
+
+/// The run's report from what the processes and their events said.
+fn report(
+    setup: &Setup,
+    procs: Vec<Proc>,
+    requests: &[Request],
+    outcome: Outcome,
+    elapsed: Duration,
+) -> Report {
+    let n_decode = setup.decode.len();
+    let Outcome {
+        bootstrap,
+        killed,
+        frozen,
+        timed_out,
+        mut failures,
+    } = outcome;
     let mut latencies: Vec<f64> = requests
         .iter()
         .filter(|r| !r.failed && r.verified as usize == n_decode)
@@ -568,33 +609,7 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
             .iter()
             .map(|d| decode_bytes(d, 0, setup.tokens))
             .sum::<u64>();
-    // Per process, its first root cause: a process that died comes first (it is usually
-    // what the others' failures follow from).
-    for p in &procs {
-        if p.summary.is_some() {
-            continue;
-        }
-        let how = match (p.exit_code, p.exit_signal) {
-            (_, Some(9)) if killed.contains(&p.label) => "was killed (test knob --kill)".to_owned(),
-            (_, Some(sig)) => format!("was killed by signal {sig} before it reported"),
-            (Some(code), _) => {
-                format!("exited with status {code} before it reported (its stderr says why)")
-            }
-            (None, None) => "ended before it reported".to_owned(),
-        };
-        failures.push(format!("{}: {how}", p.name()));
-    }
-    for p in &procs {
-        // The child's own choice (its summary) when it reported, else its events'.
-        let first = p
-            .summary
-            .as_ref()
-            .and_then(|s| s.first_failure.as_ref())
-            .or(p.failure.as_ref().map(|f| &f.0));
-        if let Some(f) = first {
-            failures.push(format!("{}: first failure: {f}", p.name()));
-        }
-    }
+    root_causes(&procs, &killed, &mut failures);
     let all_exited_ok = procs.len() == n_decode + 1 && procs.iter().all(|p| p.exit_code == Some(0));
     let ok = !timed_out
         && killed.is_empty()
@@ -604,19 +619,7 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
         && succeeded == setup.requests
         && verified_bytes == expected_verified_bytes;
     let secs = elapsed.as_secs_f64();
-    let descriptors_per_request = procs
-        .first()
-        .and_then(|p| p.summary.as_ref())
-        .filter(|_| succeeded > 0)
-        .map(|s| {
-            let n = u64::from(succeeded);
-            PerRequest {
-                descriptors: s.descriptors / n,
-                rows: s.rows / n,
-                pack_batches: s.pack_batches / n,
-                pack_bytes: s.pack_bytes / n,
-            }
-        });
+    let descriptors_per_request = per_request(&procs, succeeded);
     Report {
         ok,
         setup: setup.describe(),
@@ -654,6 +657,141 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
                 summary: p.summary,
             })
             .collect(),
+    }
+}
+
+/// The `--kill` test knob: kills (or freezes) its target once, if it still runs.
+fn apply_kill(
+    k: KillSpec,
+    procs: &mut [Proc],
+    killed: &mut Vec<String>,
+    frozen: &mut Vec<String>,
+    failures: &mut Vec<String>,
+) {
+    let target = match k.decode {
+        None => Some(0),
+        Some(r) => procs.iter().position(|p| p.role == "decode" && p.rank == r),
+    };
+    if let Some(t) = target.filter(|&t| procs[t].exit_code.is_none() && !procs[t].eof) {
+        if killed.is_empty() && frozen.is_empty() {
+            if k.freeze {
+                match procs[t].pid.ok_or("no pid".to_owned()).and_then(freeze) {
+                    Ok(()) => frozen.push(procs[t].label.clone()),
+                    Err(e) => failures.push(e),
+                }
+            } else {
+                let _ = procs[t].child.start_kill();
+                killed.push(procs[t].label.clone());
+            }
+        }
+    }
+}
+
+/// Why the run was cut short: the grace after a signal passed, the run outlived its
+/// timeout after the first failure (`early`: before the overall deadline), or the deadline.
+fn timeout_failure(
+    setup: &Setup,
+    trouble: Option<Instant>,
+    after_signal: bool,
+    early: bool,
+    (begun, deadline): (Instant, Instant),
+) -> String {
+    match trouble {
+        _ if after_signal => format!(
+            "the processes did not stop within the grace of {} s; every process \
+             still running was killed",
+            GRACE.as_secs()
+        ),
+        Some(t) if early => format!(
+            "the run did not end within --timeout {:.1} s plus the grace of {} s \
+             after the first failure ({:.1} s after the start); every process still \
+             running was killed",
+            setup.timeout.as_secs_f64(),
+            GRACE.as_secs(),
+            (t - begun).as_secs_f64()
+        ),
+        _ => format!(
+            "the run did not finish within {:.0} s; every process was killed",
+            (deadline - begun).as_secs_f64()
+        ),
+    }
+}
+
+/// Starts one process per decode rank, pointed at the prefill's bootstrap server `addr`.
+fn spawn_decodes(
+    n_decode: usize,
+    addr: &str,
+    procs: &mut Vec<Proc>,
+    tx: &mpsc::Sender<Msg>,
+    failures: &mut Vec<String>,
+    secret: Option<&str>,
+) {
+    for r in 0..n_decode as u32 {
+        let extra = [
+            "--role".to_owned(),
+            "decode".to_owned(),
+            "--rank".to_owned(),
+            r.to_string(),
+            "--bootstrap".to_owned(),
+            addr.to_owned(),
+        ];
+        let i = procs.len();
+        match spawn(format!("decode {r}"), "decode", r, &extra, i, tx, secret) {
+            Ok(p) => procs.push(p),
+            Err(e) => failures.push(e),
+        }
+    }
+}
+
+/// Waits (bounded) for every child to exit, killing what does not, and removes the control
+/// directories of those that died before they could.
+async fn reap(procs: &mut [Proc]) {
+    for p in procs.iter_mut() {
+        let status = match tokio::time::timeout(Duration::from_secs(10), p.child.wait()).await {
+            Ok(Ok(s)) => Some(s),
+            _ => {
+                let _ = p.child.start_kill();
+                p.child.wait().await.ok()
+            }
+        };
+        p.exit_code = status.and_then(|s| s.code());
+        p.exit_signal = status.and_then(|s| std::os::unix::process::ExitStatusExt::signal(&s));
+        if p.summary.is_none() {
+            // It died before it could clean up (killed, crashed): remove what it created.
+            for dir in &p.control_dirs {
+                remove_control_dir(dir);
+            }
+        }
+    }
+}
+
+/// Each process's first root cause, into `failures`: a process that died comes first (it is
+/// usually what the others' failures follow from).
+fn root_causes(procs: &[Proc], killed: &[String], failures: &mut Vec<String>) {
+    for p in procs {
+        if p.summary.is_some() {
+            continue;
+        }
+        let how = match (p.exit_code, p.exit_signal) {
+            (_, Some(9)) if killed.contains(&p.label) => "was killed (test knob --kill)".to_owned(),
+            (_, Some(sig)) => format!("was killed by signal {sig} before it reported"),
+            (Some(code), _) => {
+                format!("exited with status {code} before it reported (its stderr says why)")
+            }
+            (None, None) => "ended before it reported".to_owned(),
+        };
+        failures.push(format!("{}: {how}", p.name()));
+    }
+    for p in procs {
+        // The child's own choice (its summary) when it reported, else its events'.
+        let first = p
+            .summary
+            .as_ref()
+            .and_then(|s| s.first_failure.as_ref())
+            .or(p.failure.as_ref().map(|f| &f.0));
+        if let Some(f) = first {
+            failures.push(format!("{}: first failure: {f}", p.name()));
+        }
     }
 }
 

@@ -30,6 +30,7 @@ use kvbridge_handshake::PeerDescriptor;
 use kvbridge_shm::ShmTransport;
 use kvbridge_tcp::{TcpConfig, TcpTransport};
 use kvbridge_transport::KvTransport;
+use kvbridge_transport::sync::lock;
 use tokio::sync::{Notify, Semaphore, watch};
 use tokio::task::JoinSet;
 
@@ -244,7 +245,8 @@ async fn transport(
             let keep =
                 (setup.timeout / 2).clamp(Duration::from_millis(200), Duration::from_secs(10));
             let mut cfg = TcpConfig::default()
-                .with_keepalive((keep / 5).max(Duration::from_millis(40)), keep);
+                .with_keepalive_interval((keep / 5).max(Duration::from_millis(40)))
+                .with_keepalive_timeout(keep);
             if let Some(s) = &setup.secret {
                 cfg = cfg.with_secret(s.as_bytes().to_vec());
             }
@@ -294,14 +296,12 @@ fn heartbeat(setup: &Setup) -> Duration {
 
 fn prefill_config(setup: &Setup, d: &PeerDescriptor) -> PrefillConfig {
     let t = setup.timeout;
-    let config = PrefillConfig {
-        bootstrap_timeout: t,
-        waiting_timeout: t,
-        batch_timeout: t,
-        fence_grace: (t / 4).min(Duration::from_secs(5)),
-        control_send_timeout: (t / 4).min(Duration::from_secs(30)),
-        ..PrefillConfig::default()
-    };
+    let config = PrefillConfig::default()
+        .with_bootstrap_timeout(t)
+        .with_waiting_timeout(t)
+        .with_batch_timeout(t)
+        .with_fence_grace((t / 4).min(Duration::from_secs(5)))
+        .with_control_send_timeout((t / 4).min(Duration::from_secs(30)));
     match setup.pack {
         None => config,
         Some((count, _)) => {
@@ -316,17 +316,15 @@ fn prefill_config(setup: &Setup, d: &PeerDescriptor) -> PrefillConfig {
 
 fn decode_config(setup: &Setup) -> DecodeConfig {
     let t = setup.timeout;
-    DecodeConfig {
-        bootstrap_timeout: t,
-        waiting_timeout: t,
-        heartbeat_interval: heartbeat(setup),
-        heartbeat_max_failures: 2,
-        control_send_timeout: (t / 4).min(Duration::from_secs(1)),
+    DecodeConfig::default()
+        .with_bootstrap_timeout(t)
+        .with_waiting_timeout(t)
+        .with_heartbeat_interval(heartbeat(setup))
+        .with_heartbeat_max_failures(2)
+        .with_control_send_timeout((t / 4).min(Duration::from_secs(1)))
         // Only bounds when pages of a failed room may be reused; within the run's grace.
-        fence_timeout: t.min(GRACE / 2),
-        abort_resend_interval: heartbeat(setup),
-        ..DecodeConfig::default()
-    }
+        .with_fence_timeout(t.min(GRACE / 2))
+        .with_abort_resend_interval(heartbeat(setup))
 }
 
 /// The page table of a request in pool slot `slot`: the slot's `n` pages, in order on the
@@ -365,12 +363,7 @@ impl Slots {
 
     async fn take(self: &Arc<Self>) -> SlotGuard {
         let permit = self.sem.clone().acquire_owned().await.ok();
-        let slot = self
-            .free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop()
-            .unwrap_or(0);
+        let slot = lock(&self.free).pop().unwrap_or(0);
         SlotGuard {
             slots: self.clone(),
             slot,
@@ -387,20 +380,12 @@ struct SlotGuard {
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        self.slots
-            .free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(self.slot);
+        lock(&self.slots.free).push(self.slot);
     }
 }
 
 /// Rooms in flight on this process (aborted when a request fails).
 type InFlight = Arc<Mutex<BTreeSet<u64>>>;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// Positions `[from, to)` that a rank of DCP size `d` and rank `r` holds.
 fn owned(from: u64, to: u64, d: u64, r: u64) -> u64 {
@@ -511,6 +496,15 @@ impl From<CoordinatorError> for Failure {
 }
 
 impl Summary {
+    /// Adds a prefill agent's transfer counters.
+    fn add_metrics(&mut self, m: &kvbridge_coordinator::MetricsSnapshot) {
+        self.bytes += m.bytes_transferred;
+        self.descriptors += m.descriptors_posted;
+        self.rows += m.rows_posted;
+        self.pack_batches += m.pack_batches;
+        self.pack_bytes += m.pack_bytes;
+    }
+
     /// Records why the process stopped early (parent gone, signal), unless a root cause is
     /// already known.
     fn stopped(&mut self, commands: &Commands) {
@@ -574,43 +568,28 @@ fn report_error(role: &str, rank: u32, e: String) -> ExitCode {
     ExitCode::from(1)
 }
 
-async fn prefill_main(
-    args: &DemoArgs,
-    setup: Setup,
-    commands: Arc<Commands>,
-    created: Dirs,
-) -> Result<ExitCode, String> {
-    let mut config = BootstrapConfig::default().with_bind_addr(SocketAddr::new(
-        Ipv4Addr::LOCALHOST.into(),
-        args.bootstrap_port,
-    ));
-    if let Some(s) = &setup.secret {
-        config = config.with_secret(s.as_bytes());
-    }
-    // `GET /metrics` on the bootstrap port: this process's prefill agents, once started.
-    let scraped: Arc<OnceLock<Vec<PrefillAgent>>> = Arc::default();
-    let agents = scraped.clone();
-    let boot = BootstrapServer::builder(config)
-        .metrics(move || prefill_metrics(agents.get().map_or(&[], Vec::as_slice)))
-        .bind()
-        .await
-        .map_err(|e| e.to_string())?;
-    let client = BootstrapClient::with_config(boot.bootstrap_addr(), client_config(&setup));
+/// One prefill agent per prefill rank of the setup, each registered with the bootstrap
+/// server; with the control directories their transports made.
+async fn start_prefill_ranks(
+    setup: &Setup,
+    created: &Dirs,
+    client: &BootstrapClient,
+) -> Result<(Vec<PRank>, Vec<String>), String> {
     let conc = u64::from(setup.concurrency);
     let mut ranks = Vec::new();
     let mut dirs = Vec::new();
     for d in &setup.prefill {
-        let (t, dir) = transport(&setup, &created).await?;
+        let (t, dir) = transport(setup, created).await?;
         dirs.extend(dir);
         let mem = KvMemory::allocate(&*t, d, setup.prefill_pages * conc, conc)
             .await
             .map_err(|e| format!("allocating the prefill pool: {e}"))?;
-        let channel = NetChannel::bind(net_config(&setup))
+        let channel = NetChannel::bind(net_config(setup))
             .await
             .map_err(|e| e.to_string())?;
         let agent =
             PrefillAgent::builder(d.clone(), mem.memory.clone(), t.clone(), Arc::new(channel))
-                .config(prefill_config(&setup, d))
+                .config(prefill_config(setup, d))
                 .kv_regions(mem.kv_regions.clone())
                 .start()
                 .map_err(|e| e.to_string())?;
@@ -625,6 +604,58 @@ async fn prefill_main(
             transport: t,
         });
     }
+    Ok((ranks, dirs))
+}
+
+/// Waits until the parent says `finish`, this process is told to stop, or `wait` passed.
+async fn wait_for_finish(commands: &Commands, wait: Duration) {
+    tokio::select! {
+        _ = commands.finish.notified() => {}
+        _ = commands.stopped() => {}
+        _ = tokio::time::sleep(wait) => {}
+    }
+}
+
+/// Stops every rank's agent and transport.
+async fn shutdown_prefill_ranks(ranks: &[PRank]) {
+    for r in ranks {
+        r.agent.shutdown();
+        let _ = r.transport.shutdown().await;
+    }
+}
+
+/// The prefill's bootstrap server with the run's secret; its `GET /metrics` serves this
+/// process's prefill agents once they are set in the returned cell.
+async fn start_bootstrap(
+    args: &DemoArgs,
+    setup: &Setup,
+) -> Result<(BootstrapServer, Arc<OnceLock<Vec<PrefillAgent>>>), String> {
+    let mut config = BootstrapConfig::default().with_bind_addr(SocketAddr::new(
+        Ipv4Addr::LOCALHOST.into(),
+        args.bootstrap_port,
+    ));
+    if let Some(s) = &setup.secret {
+        config = config.with_secret(s.as_bytes());
+    }
+    let scraped: Arc<OnceLock<Vec<PrefillAgent>>> = Arc::default();
+    let agents = scraped.clone();
+    let boot = BootstrapServer::builder(config)
+        .metrics(move || prefill_metrics(agents.get().map_or(&[], Vec::as_slice)))
+        .bind()
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((boot, scraped))
+}
+
+async fn prefill_main(
+    args: &DemoArgs,
+    setup: Setup,
+    commands: Arc<Commands>,
+    created: Dirs,
+) -> Result<ExitCode, String> {
+    let (boot, scraped) = start_bootstrap(args, &setup).await?;
+    let client = BootstrapClient::with_config(boot.bootstrap_addr(), client_config(&setup));
+    let (ranks, dirs) = start_prefill_ranks(&setup, &created, &client).await?;
     let _ = scraped.set(ranks.iter().map(|r| r.agent.clone()).collect());
     emit(&Event::Ready {
         pid: std::process::id(),
@@ -635,10 +666,7 @@ async fn prefill_main(
     tokio::select! {
         _ = commands.start.notified() => {}
         why = commands.stopped() => {
-            for r in &ranks {
-                r.agent.shutdown();
-                let _ = r.transport.shutdown().await;
-            }
+            shutdown_prefill_ranks(&ranks).await;
             boot.shutdown();
             return Err(format!("{why} before the requests started"));
         }
@@ -694,12 +722,7 @@ async fn prefill_main(
 
     summary.stopped(&commands);
     for r in ranks.iter() {
-        let m = r.agent.metrics();
-        summary.bytes += m.bytes_transferred;
-        summary.descriptors += m.descriptors_posted;
-        summary.rows += m.rows_posted;
-        summary.pack_batches += m.pack_batches;
-        summary.pack_bytes += m.pack_bytes;
+        summary.add_metrics(&r.agent.metrics());
     }
     summary.rooms_left = settle(|| ranks.iter().map(|r| r.agent.room_count()).sum()).await;
     summary.control_dirs = dirs;
@@ -707,16 +730,9 @@ async fn prefill_main(
     // After a failure their rooms end by their deadlines, so do not wait for a hung one.
     let ok = summary.failed == 0 && summary.skipped == 0;
     let wait = if ok { setup.timeout + GRACE } else { GRACE / 2 };
-    tokio::select! {
-        _ = commands.finish.notified() => {}
-        _ = commands.stopped() => {}
-        _ = tokio::time::sleep(wait) => {}
-    }
+    wait_for_finish(&commands, wait).await;
     stopper.abort();
-    for r in ranks.iter() {
-        r.agent.shutdown();
-        let _ = r.transport.shutdown().await;
-    }
+    shutdown_prefill_ranks(&ranks).await;
     boot.shutdown();
     emit(&Event::Done(summary));
     Ok(if ok {
@@ -875,6 +891,46 @@ pub(crate) fn run_decode(args: &DemoArgs, setup: Setup) -> ExitCode {
     })
 }
 
+/// The decode agent of one decode rank, with its pool, transport and the control directory
+/// the transport made.
+async fn start_decode_agent(
+    setup: &Setup,
+    desc: &PeerDescriptor,
+    dirs: &Dirs,
+) -> Result<
+    (
+        DecodeAgent,
+        AllocatedMemory,
+        Arc<dyn KvTransport>,
+        Option<String>,
+    ),
+    String,
+> {
+    let conc = u64::from(setup.concurrency);
+    let (t, dir) = transport(setup, dirs).await?;
+    let mem = KvMemory::allocate(&*t, desc, setup.decode_pages * conc, conc)
+        .await
+        .map_err(|e| format!("allocating the decode pool: {e}"))?;
+    let channel = NetChannel::bind(net_config(setup))
+        .await
+        .map_err(|e| e.to_string())?;
+    let hb = heartbeat(setup);
+    let directory = HttpDirectory::new().with_retry(hb, 15).with_client_config(
+        client_config(setup).with_timeout(setup.timeout.min(Duration::from_secs(5))),
+    );
+    let agent = DecodeAgent::builder(
+        desc.clone(),
+        mem.memory.clone(),
+        t.clone(),
+        Arc::new(channel),
+        Arc::new(directory),
+    )
+    .config(decode_config(setup))
+    .start()
+    .map_err(|e| e.to_string())?;
+    Ok((agent, mem, t, dir))
+}
+
 async fn decode_main(
     args: &DemoArgs,
     setup: Setup,
@@ -891,28 +947,7 @@ async fn decode_main(
         .get(rank as usize)
         .cloned()
         .ok_or_else(|| format!("internal: no decode rank {rank}"))?;
-    let conc = u64::from(setup.concurrency);
-    let (t, dir) = transport(&setup, &dirs).await?;
-    let mem = KvMemory::allocate(&*t, &desc, setup.decode_pages * conc, conc)
-        .await
-        .map_err(|e| format!("allocating the decode pool: {e}"))?;
-    let channel = NetChannel::bind(net_config(&setup))
-        .await
-        .map_err(|e| e.to_string())?;
-    let hb = heartbeat(&setup);
-    let directory = HttpDirectory::new().with_retry(hb, 15).with_client_config(
-        client_config(&setup).with_timeout(setup.timeout.min(Duration::from_secs(5))),
-    );
-    let agent = DecodeAgent::builder(
-        desc.clone(),
-        mem.memory.clone(),
-        t.clone(),
-        Arc::new(channel),
-        Arc::new(directory),
-    )
-    .config(decode_config(&setup))
-    .start()
-    .map_err(|e| e.to_string())?;
+    let (agent, mem, t, dir) = start_decode_agent(&setup, &desc, &dirs).await?;
     emit(&Event::Ready {
         pid: std::process::id(),
         bootstrap: None,

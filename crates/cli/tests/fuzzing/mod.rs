@@ -1,29 +1,13 @@
 //! The seeded JSON mutator of the CLI fuzz tests (`plan.rs`, `check.rs`).
 
+use kvbridge_transport::testing::SplitMix64;
 use serde_json::{Value, json};
-
-/// SplitMix64: a seeded generator, so every run mutates the same way.
-pub(crate) struct Rng(pub(crate) u64);
-
-impl Rng {
-    pub(crate) fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    pub(crate) fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
 
 /// One mutation of a JSON object: one of `fields` set to an extreme (integer edges, negative,
 /// float, wrong types, an array longer than any maximum), an element of one of `lists` set to
 /// an extreme, a bit flip, or a truncation. Accepted values stay small, so every run is quick
 /// by construction.
-pub(crate) fn mutate(text: &str, fields: &[&str], lists: &[&str], rng: &mut Rng) -> String {
+pub(crate) fn mutate(text: &str, fields: &[&str], lists: &[&str], rng: &mut SplitMix64) -> String {
     let extremes = [
         json!(0),
         json!(1),
@@ -42,15 +26,15 @@ pub(crate) fn mutate(text: &str, fields: &[&str], lists: &[&str], rng: &mut Rng)
         json!((0..5000).collect::<Vec<u64>>()),
         json!([u64::MAX, 0]),
     ];
-    match rng.below(4) {
+    match rng.index(4) {
         0 | 1 => match serde_json::from_str::<Value>(text) {
             Ok(Value::Object(mut o)) => {
-                let v = extremes[rng.below(extremes.len())].clone();
-                if rng.below(2) == 0 {
-                    o.insert(fields[rng.below(fields.len())].to_owned(), v);
-                } else if let Some(Value::Array(items)) = o.get_mut(lists[rng.below(lists.len())]) {
+                let v = extremes[rng.index(extremes.len())].clone();
+                if rng.index(2) == 0 {
+                    o.insert(fields[rng.index(fields.len())].to_owned(), v);
+                } else if let Some(Value::Array(items)) = o.get_mut(lists[rng.index(lists.len())]) {
                     if !items.is_empty() {
-                        let i = rng.below(items.len());
+                        let i = rng.index(items.len());
                         items[i] = v;
                     }
                 }
@@ -61,13 +45,13 @@ pub(crate) fn mutate(text: &str, fields: &[&str], lists: &[&str], rng: &mut Rng)
         2 => {
             let mut bytes = text.as_bytes().to_vec();
             if !bytes.is_empty() {
-                let i = rng.below(bytes.len());
-                bytes[i] ^= 1 << rng.below(8);
+                let i = rng.index(bytes.len());
+                bytes[i] ^= 1 << rng.index(8);
             }
             String::from_utf8_lossy(&bytes).into_owned()
         }
         _ => {
-            let cut = rng.below(text.len() + 1);
+            let cut = rng.index(text.len() + 1);
             String::from_utf8_lossy(&text.as_bytes()[..cut]).into_owned()
         }
     }

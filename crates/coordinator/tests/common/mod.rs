@@ -117,10 +117,9 @@ impl Spec {
             vec![mla("prefill", 16, 2, 64, 1, 0, 1)],
             vec![mla("decode", 64, 2, 64, 1, 0, 1)],
         );
-        spec.prefill_config = PrefillConfig {
-            check: kvbridge_handshake::CheckOptions::new(kvbridge_handshake::Compat::Sglang),
-            ..PrefillConfig::default()
-        };
+        spec.prefill_config = PrefillConfig::default().with_check(
+            kvbridge_handshake::CheckOptions::new(kvbridge_handshake::Compat::Sglang),
+        );
         spec
     }
 

@@ -150,42 +150,6 @@ pub(crate) async fn join_all<F: Future>(futs: Vec<F>) -> Vec<F::Output> {
     out.into_iter().flatten().collect()
 }
 
-/// A deterministic generator (SplitMix64): the suite's batches are the same on every run.
-#[derive(Debug, Clone)]
-pub(crate) struct Rng(u64);
-
-impl Rng {
-    pub(crate) fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    pub(crate) fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform-ish in `0..n` (`n > 0`).
-    pub(crate) fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-
-    pub(crate) fn fill(&mut self, buf: &mut [u8]) {
-        for chunk in buf.chunks_mut(8) {
-            let v = self.next_u64().to_le_bytes();
-            chunk.copy_from_slice(&v[..chunk.len()]);
-        }
-    }
-
-    pub(crate) fn bytes(&mut self, len: usize) -> Vec<u8> {
-        let mut v = vec![0; len];
-        self.fill(&mut v);
-        v
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,13 +181,5 @@ mod tests {
             })
             .collect();
         assert_eq!(block_on(join_all(futs)), vec![0, 1, 2, 3, 4]);
-    }
-
-    #[test]
-    fn rng_is_deterministic() {
-        let mut a = Rng::new(1);
-        let mut b = Rng::new(1);
-        assert_eq!(a.bytes(13), b.bytes(13));
-        assert_ne!(Rng::new(1).next_u64(), Rng::new(2).next_u64());
     }
 }
