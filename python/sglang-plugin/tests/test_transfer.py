@@ -100,13 +100,6 @@ def _owner_rule_expected(prefill, decode_pages, src_pages, d_pages, n_tokens, pa
     return out
 
 
-def _ranks(tp, rank, dcp):
-    return dict(
-        tp_size=tp, attn_tp_size=tp, moe_tp_size=tp, tp_rank=rank, attn_tp_rank=rank, moe_tp_rank=rank,
-        attn_dcp_size=dcp, attn_dcp_rank=rank % dcp,
-    )
-
-
 def test_mla_prefill_dcp1_to_decode_dcp4_owner_rule(sglang_env):
     from sglang.srt.disaggregation.base import KVPoll
     from sglang.srt.runtime_context import get_parallel
@@ -120,12 +113,12 @@ def test_mla_prefill_dcp1_to_decode_dcp4_owner_rule(sglang_env):
     try:
         for r in range(dcp):
             # DCP is nested in attention TP: decode rank r is TP rank r of 4.
-            get_parallel().override_permanently(**_ranks(tp=dcp, rank=r, dcp=dcp))
+            get_parallel().override_permanently(**harness.ranks(tp=dcp, rank=r, dcp=dcp))
             d_mgrs.append(
                 cls[t.MANAGER](decodes[r].kv_args(P, engine_rank=r), mode.DECODE, sglang_env["args"], True)
             )
     finally:
-        get_parallel().override_permanently(**_ranks(tp=1, rank=0, dcp=1))
+        get_parallel().override_permanently(**harness.ranks(tp=1, rank=0, dcp=1))
     src_pages = [12, 3, 7, 0, 9, 14, 1, 5, 10, 2]  # ceil(37 / 4) prefill pages
     d_pages = [5, 1, 6]  # ceil(37 / 16) virtual pages of 16 tokens
     room = 21
@@ -244,24 +237,6 @@ def test_the_page_and_dcp_paths_plan_with_kvbridges_planner(sglang_env, monkeypa
     assert "group_concurrent_contiguous" in calls
 
 
-def _reshard_pools(a, b, n, P, tb, src_pages, d_pages, seed):
-    """Prefill DCP rank a_r's pool holds position p (p mod a == a_r) at local row p div a, on
-    its pages ``src_pages``; returns the pools and decode rank b_r's expected pool by the owner
-    rule (position p at local row p div b, on ``d_pages``)."""
-    tokens = np.random.default_rng(seed).integers(0, 256, (2, n, tb), dtype=np.uint8)
-    prefills = [harness.Pool(layers=2, pages=16, page_bytes=P * tb).fill(seed + 1) for _ in range(a)]
-    want = [[np.zeros((10 * P, tb), dtype=np.uint8) for _ in range(2)] for _ in range(b)]
-    for layer in range(2):
-        for p in range(n):
-            y, x = p // a, p // b
-            rows = prefills[p % a].kv[layer].reshape(-1, tb)
-            rows[src_pages[y // P] * P + y % P] = tokens[layer, p]
-            want[p % b][layer][d_pages[x // P] * P + x % P] = tokens[layer, p]
-    for pool in prefills[1:]:
-        pool.aux[:] = prefills[0].aux  # aux rows are the same on every TP rank
-    return prefills, [[w.reshape(10, P * tb) for w in ranks] for ranks in want]
-
-
 @pytest.mark.parametrize("a,b", [(2, 4), (4, 2), (2, 1)])
 def test_mla_prefill_dcp_a_to_decode_dcp_b_owner_rule(sglang_env, a, b):
     """Prefill DCP a -> decode DCP b (SGLang's own classes refuse a > 1, a != b): each decode
@@ -271,10 +246,9 @@ def test_mla_prefill_dcp_a_to_decode_dcp_b_owner_rule(sglang_env, a, b):
     from sglang.srt.runtime_context import get_parallel
 
     t, mode, cls = sglang_env["t"], sglang_env["mode"], sglang_env["cls"]
-    P, tb, n = 4, 64, 37
-    src_pages = [12, 3, 7, 0, 9, 14, 1, 5, 10, 2][: -(-n // (P * a))]  # virtual pages of P*a
-    d_pages = [5, 1, 6, 3, 7, 0, 2, 4, 8, 9][: -(-n // (P * b))]  # virtual pages of P*b
-    prefills, want = _reshard_pools(a, b, n, P, tb, src_pages, d_pages, seed=10 * a + b)
+    P, tb = harness.RESHARD_P, harness.RESHARD_TB
+    src_pages, d_pages = harness.reshard_pages(a, b)
+    prefills, want = harness.reshard_pools(a, b)
     decodes = [harness.Pool(layers=2, pages=10, page_bytes=P * tb) for _ in range(b)]
     # A server of its own: SGLang's bootstrap server keeps the TP size of its first prefill.
     port = harness.free_port()
@@ -284,12 +258,12 @@ def test_mla_prefill_dcp_a_to_decode_dcp_b_owner_rule(sglang_env, a, b):
     try:
         p_mgrs, d_mgrs = [], []
         for r in range(a):
-            get_parallel().override_permanently(**_ranks(tp=a, rank=r, dcp=a))
+            get_parallel().override_permanently(**harness.ranks(tp=a, rank=r, dcp=a))
             p_mgrs.append(cls[t.MANAGER](prefills[r].kv_args(P, engine_rank=r), mode.PREFILL, args, True))
         for r in range(b):
-            get_parallel().override_permanently(**_ranks(tp=b, rank=r, dcp=b))
+            get_parallel().override_permanently(**harness.ranks(tp=b, rank=r, dcp=b))
             d_mgrs.append(cls[t.MANAGER](decodes[r].kv_args(P, engine_rank=r), mode.DECODE, args, True))
-        get_parallel().override_permanently(**_ranks(tp=1, rank=0, dcp=1))
+        get_parallel().override_permanently(**harness.ranks(tp=1, rank=0, dcp=1))
         room = 50 + 10 * a + b
         senders = [cls[t.SENDER](m, addr, room) for m in p_mgrs]
         receivers = []
@@ -310,9 +284,8 @@ def test_mla_prefill_dcp_a_to_decode_dcp_b_owner_rule(sglang_env, a, b):
             rcv.send_metadata(np.asarray(d_pages, dtype=np.int32), aux_index=3)
         for s in senders:
             harness.poll_until(s, {KVPoll.WaitingForInput}, "sender ready")
-        for s in senders:  # two chunks: 2 pages (2*P*a tokens), then the rest
-            s.send(np.asarray(src_pages[:2], dtype=np.int32), num_kv_tokens=2 * P * a)
-            s.send(np.asarray(src_pages[2:], dtype=np.int32), num_kv_tokens=n - 2 * P * a)
+        for s in senders:
+            harness.send_in_two_chunks(s, a)
         for r, s in enumerate(senders):
             assert harness.poll_until(s, {KVPoll.Success}, f"prefill rank {r}") == KVPoll.Success
         for r, rcv in enumerate(receivers):
@@ -322,6 +295,6 @@ def test_mla_prefill_dcp_a_to_decode_dcp_b_owner_rule(sglang_env, a, b):
                 assert np.array_equal(got, w), f"decode rank {r} layer {layer}"
             assert np.array_equal(decodes[r].aux[3], prefills[0].aux[1])
     finally:
-        get_parallel().override_permanently(**_ranks(tp=1, rank=0, dcp=1))
+        get_parallel().override_permanently(**harness.ranks(tp=1, rank=0, dcp=1))
         harness.publish("prefill", sglang_env["port"])  # the module's server for later tests
         server.close()
