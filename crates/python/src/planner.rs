@@ -1,5 +1,5 @@
 //! The planner: SGLang-compatible DCP token plans and run grouping over `kvbridge-geometry`,
-//! plus the prefix alignment helpers.
+//! any-to-any DCP resharding (the owner rule), plus the prefix alignment helpers.
 //!
 //! The Python layer (`kvbridge/sglang.py`) owns SGLang's argument handling and its numpy
 //! semantics outside the planner's domain; the functions here take index arrays as the raw
@@ -8,7 +8,7 @@
 //! arrays). Reading numpy memory in place would need `unsafe` (or the buffer protocol, which
 //! the 3.10 stable ABI lacks); the copy is a few microseconds for a chunk's page list.
 
-use kvbridge_geometry::{DcpPlanInput, GeometryError, SendPages};
+use kvbridge_geometry::{DcpPlanInput, GeometryError, ReshardInput, SendPages};
 use pyo3::exceptions::{PyValueError, PyZeroDivisionError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyList};
@@ -17,6 +17,9 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dcp_token_plan, m)?)?;
     m.add_function(wrap_pyfunction!(group_runs, m)?)?;
     m.add_function(wrap_pyfunction!(dcp_transfer_runs, m)?)?;
+    m.add_function(wrap_pyfunction!(reshard_sources, m)?)?;
+    m.add_function(wrap_pyfunction!(reshard_targets, m)?)?;
+    m.add_function(wrap_pyfunction!(reshard_transfer_runs, m)?)?;
     m.add_function(wrap_pyfunction!(virtual_page_size, m)?)?;
     m.add_function(wrap_pyfunction!(align_prefix_down, m)?)?;
     m.add_function(wrap_pyfunction!(align_prefix_up, m)?)?;
@@ -233,6 +236,63 @@ fn dcp_transfer_runs<'py>(
         })
         .map_err(|e| value_error(&e))?;
     Ok((runs_bytes(py, &target)?, runs_bytes(py, &draft)?))
+}
+
+/// Prefill DCP ranks holding rows that decode rank `decode_rank` needs (the owner rule,
+/// docs/planning.md): the prefill ranks a decode rank reads from.
+#[pyfunction]
+fn reshard_sources(prefill_dcp: u64, decode_dcp: u64, decode_rank: u64) -> PyResult<Vec<u64>> {
+    kvbridge_geometry::reshard_sources(prefill_dcp, decode_dcp, decode_rank)
+        .map_err(|e| value_error(&e))
+}
+
+/// Decode DCP ranks that prefill rank `prefill_rank` writes to (the owner rule).
+#[pyfunction]
+fn reshard_targets(prefill_dcp: u64, decode_dcp: u64, prefill_rank: u64) -> PyResult<Vec<u64>> {
+    kvbridge_geometry::reshard_targets(prefill_dcp, decode_dcp, prefill_rank)
+        .map_err(|e| value_error(&e))
+}
+
+/// The rows one (prefill DCP rank, decode DCP rank) pair moves in one chunk, prefill DCP `a` →
+/// decode DCP `b` for any sizes (`ReshardInput`, docs/planning.md), as coalesced int64
+/// triples `(src_row, dst_row, len)`. kvbridge's validation and messages (`ValueError` with
+/// the fix and the problem code).
+#[pyfunction]
+#[pyo3(signature = (src_pages, dst_pages, src_page_size, dst_page_size, src_dcp_size, src_dcp_rank, dst_dcp_size, dst_dcp_rank, decode_prefix_len, chunk_start, num_tokens))]
+#[allow(clippy::too_many_arguments)]
+fn reshard_transfer_runs<'py>(
+    py: Python<'py>,
+    src_pages: &[u8],
+    dst_pages: &[u8],
+    src_page_size: u64,
+    dst_page_size: u64,
+    src_dcp_size: u64,
+    src_dcp_rank: u64,
+    dst_dcp_size: u64,
+    dst_dcp_rank: u64,
+    decode_prefix_len: u64,
+    chunk_start: u64,
+    num_tokens: u64,
+) -> PyResult<Bound<'py, PyByteArray>> {
+    let src = page_ids(src_pages, "src_page_indices")?;
+    let dst = page_ids(dst_pages, "dst_page_indices")?;
+    let input = ReshardInput {
+        src_pages: &src,
+        dst_pages: SendPages::after_prefix(&dst),
+        src_page_size,
+        dst_page_size,
+        src_dcp_size,
+        src_dcp_rank,
+        dst_dcp_size,
+        dst_dcp_rank,
+        decode_prefix_len,
+        chunk_start,
+        num_tokens,
+    };
+    let runs = py
+        .detach(|| input.plan().map(|plan| plan.runs_vec()))
+        .map_err(|e| value_error(&e))?;
+    runs_bytes(py, &runs)
 }
 
 /// The order- and successor-preserving map of an `i64` into `u64` (sign bit flipped), so

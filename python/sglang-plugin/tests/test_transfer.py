@@ -1,6 +1,9 @@
 """One request between SGLang's own prefill and decode managers in one process, through
 SGLang's bootstrap server, ZMQ messages and transfer worker, bytes moved by kvbridge."""
 
+import contextlib
+import math
+
 import numpy as np
 import pytest
 
@@ -98,13 +101,6 @@ def _owner_rule_expected(prefill, decode_pages, src_pages, d_pages, n_tokens, pa
     return out
 
 
-def _ranks(tp, rank, dcp):
-    return dict(
-        tp_size=tp, attn_tp_size=tp, moe_tp_size=tp, tp_rank=rank, attn_tp_rank=rank, moe_tp_rank=rank,
-        attn_dcp_size=dcp, attn_dcp_rank=rank % dcp,
-    )
-
-
 def test_mla_prefill_dcp1_to_decode_dcp4_owner_rule(sglang_env):
     from sglang.srt.disaggregation.base import KVPoll
     from sglang.srt.runtime_context import get_parallel
@@ -118,12 +114,12 @@ def test_mla_prefill_dcp1_to_decode_dcp4_owner_rule(sglang_env):
     try:
         for r in range(dcp):
             # DCP is nested in attention TP: decode rank r is TP rank r of 4.
-            get_parallel().override_permanently(**_ranks(tp=dcp, rank=r, dcp=dcp))
+            get_parallel().override_permanently(**harness.ranks(tp=dcp, rank=r, dcp=dcp))
             d_mgrs.append(
                 cls[t.MANAGER](decodes[r].kv_args(P, engine_rank=r), mode.DECODE, sglang_env["args"], True)
             )
     finally:
-        get_parallel().override_permanently(**_ranks(tp=1, rank=0, dcp=1))
+        get_parallel().override_permanently(**harness.ranks(tp=1, rank=0, dcp=1))
     src_pages = [12, 3, 7, 0, 9, 14, 1, 5, 10, 2]  # ceil(37 / 4) prefill pages
     d_pages = [5, 1, 6]  # ceil(37 / 16) virtual pages of 16 tokens
     room = 21
@@ -240,3 +236,96 @@ def test_the_page_and_dcp_paths_plan_with_kvbridges_planner(sglang_env, monkeypa
     calls.clear()
     _tp1(sglang_env)
     assert "group_concurrent_contiguous" in calls
+
+
+@contextlib.contextmanager
+def _reshard_request(sglang_env, a, b, room):
+    """Prefill DCP a (one manager per rank) and decode DCP b managers on a bootstrap server of
+    their own (SGLang's keeps the TP size of its first prefill), one request bootstrapped:
+    yields (senders, receivers, prefill pools, decode pools)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    t, mode, cls = sglang_env["t"], sglang_env["mode"], sglang_env["cls"]
+    P, tb = harness.RESHARD_P, harness.RESHARD_TB
+    src_pages, d_pages = harness.reshard_pages(a, b)
+    prefills, _ = harness.reshard_pools(a, b)
+    decodes = [harness.Pool(layers=2, pages=10, page_bytes=P * tb) for _ in range(b)]
+    port = harness.free_port()
+    args = harness.publish("prefill", port)
+    server = cls[t.BOOTSTRAP_SERVER]("127.0.0.1", port)
+    addr = f"127.0.0.1:{port}"
+    try:
+        p_mgrs, d_mgrs = [], []
+        for r in range(a):
+            get_parallel().override_permanently(**harness.ranks(tp=a, rank=r, dcp=a))
+            p_mgrs.append(cls[t.MANAGER](prefills[r].kv_args(P, engine_rank=r), mode.PREFILL, args, True))
+        for r in range(b):
+            get_parallel().override_permanently(**harness.ranks(tp=b, rank=r, dcp=b))
+            d_mgrs.append(cls[t.MANAGER](decodes[r].kv_args(P, engine_rank=r), mode.DECODE, args, True))
+        get_parallel().override_permanently(**harness.ranks(tp=1, rank=0, dcp=1))
+        senders = [cls[t.SENDER](m, addr, room) for m in p_mgrs]
+        receivers = []
+        for r, d_mgr in enumerate(d_mgrs):
+            harness.wait_for(lambda: d_mgr.try_ensure_parallel_info(addr), "the prefill's parallel info")
+            info = d_mgr.prefill_info_table[addr]
+            # kvbridge's registration field, published by SGLang's bootstrap server.
+            assert info.kvbridge["version"] == 1 and info.kvbridge["dcp_size"] == a
+            assert info.kvbridge["descriptor"]["kv_item_lens"] == [P * tb] * 2
+            # The owner rule's sources, not SGLang's TP-size mapping.
+            assert info.target_tp_ranks == [s for s in range(a) if s % math.gcd(a, b) == r % math.gcd(a, b)]
+            rcv = cls[t.RECEIVER](d_mgr, addr, room)
+            rcv.init(0)
+            receivers.append(rcv)
+        for s in senders:
+            s.init(len(src_pages), aux_index=1)
+        for rcv in receivers:
+            rcv.send_metadata(np.asarray(d_pages, dtype=np.int32), aux_index=3)
+        yield senders, receivers, prefills, decodes
+    finally:
+        get_parallel().override_permanently(**harness.ranks(tp=1, rank=0, dcp=1))
+        harness.publish("prefill", sglang_env["port"])  # the module's server for later tests
+        server.close()
+
+
+@pytest.mark.parametrize("a,b", [(2, 4), (4, 2), (2, 1)])
+def test_mla_prefill_dcp_a_to_decode_dcp_b_owner_rule(sglang_env, a, b):
+    """Prefill DCP a -> decode DCP b (SGLang's own classes refuse a > 1, a != b): each decode
+    rank reads from the prefill ranks that own its rows, in two chunks; every byte of every
+    decode rank's pool is the owner rule's."""
+    from sglang.srt.disaggregation.base import KVPoll
+
+    _, want = harness.reshard_pools(a, b)
+    with _reshard_request(sglang_env, a, b, room=50 + 10 * a + b) as (senders, receivers, prefills, decodes):
+        for s in senders:
+            harness.poll_until(s, {KVPoll.WaitingForInput}, "sender ready")
+        for s in senders:
+            harness.send_in_two_chunks(s, a)
+        for r, s in enumerate(senders):
+            assert harness.poll_until(s, {KVPoll.Success}, f"prefill rank {r}") == KVPoll.Success
+        for r, rcv in enumerate(receivers):
+            assert harness.poll_until(rcv, {KVPoll.Success}, f"decode rank {r}") == KVPoll.Success
+        for r in range(b):
+            for layer, (w, got) in enumerate(zip(want[r], decodes[r].kv)):
+                assert np.array_equal(got, w), f"decode rank {r} layer {layer}"
+            assert np.array_equal(decodes[r].aux[3], prefills[0].aux[1])
+
+
+def test_a_planner_refusal_fails_the_room_with_kvbridges_message(sglang_env):
+    """A chunk whose pages do not cover its tokens: kvbridge's planner refuses it, the room
+    fails on both sides with the planner's message and problem code, nothing lands."""
+    from sglang.srt.disaggregation.base import KVPoll
+
+    src_pages, _ = harness.reshard_pages(2, 4)
+    with _reshard_request(sglang_env, 2, 4, room=90) as (senders, receivers, _, decodes):
+        for s in senders:
+            harness.poll_until(s, {KVPoll.WaitingForInput}, "sender ready")
+        for s in senders:
+            s.send(np.asarray(src_pages[:2], dtype=np.int32), num_kv_tokens=harness.RESHARD_N)
+            s.send(np.asarray(src_pages[2:], dtype=np.int32), num_kv_tokens=0)
+        assert harness.poll_until(senders[0], {KVPoll.Failed}, "prefill rank 0") == KVPoll.Failed
+        text = _failure_text(senders[0])  # SGLang hands the failure record out once
+        assert "kvbridge: ValueError" in text and "KVB-E041" in text, text
+        for r, rcv in enumerate(receivers):
+            assert harness.poll_until(rcv, {KVPoll.Failed}, f"decode rank {r}") == KVPoll.Failed
+        assert "KVB-E041" in _failure_text(receivers[0])
+        assert not any(d.kv[layer].any() for d in decodes for layer in range(2))

@@ -26,6 +26,21 @@ def dcp_transfer_runs(
     decode_prefix_len: int,
     num_kv_tokens: Optional[int],
 ) -> Tuple[bytearray, bytearray]: ...
+def reshard_sources(prefill_dcp: int, decode_dcp: int, decode_rank: int) -> List[int]: ...
+def reshard_targets(prefill_dcp: int, decode_dcp: int, prefill_rank: int) -> List[int]: ...
+def reshard_transfer_runs(
+    src_pages: bytes,
+    dst_pages: bytes,
+    src_page_size: int,
+    dst_page_size: int,
+    src_dcp_size: int,
+    src_dcp_rank: int,
+    dst_dcp_size: int,
+    dst_dcp_rank: int,
+    decode_prefix_len: int,
+    chunk_start: int,
+    num_tokens: int,
+) -> bytearray: ...
 def group_runs(
     src: bytes, dst: bytes, signed: bool
 ) -> Optional[Tuple[List[List[int]], List[List[int]]]]: ...

@@ -24,13 +24,22 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge import _native
-from kvbridge._native import align_prefix_down, align_prefix_up, virtual_page_size
+from kvbridge._native import (
+    align_prefix_down,
+    align_prefix_up,
+    reshard_sources,
+    reshard_targets,
+    virtual_page_size,
+)
 
 __all__ = [
     "DCPTokenTransferPlan",
     "DCPTransferRuns",
     "build_dcp_token_transfer_plan",
     "build_dcp_transfer_runs",
+    "build_reshard_transfer_runs",
+    "reshard_sources",
+    "reshard_targets",
     "group_concurrent_contiguous",
     "virtual_page_size",
     "align_prefix_down",
@@ -219,6 +228,48 @@ def build_dcp_transfer_runs(
         np.frombuffer(target, dtype=np.int64).reshape(-1, 3),
         np.frombuffer(draft, dtype=np.int64).reshape(-1, 3),
     )
+
+
+def build_reshard_transfer_runs(
+    src_page_indices: IndexArray,
+    dst_page_indices: IndexArray,
+    *,
+    src_page_size: int,
+    dst_page_size: int,
+    src_dcp_size: int,
+    src_dcp_rank: int,
+    dst_dcp_size: int,
+    dst_dcp_rank: int,
+    decode_prefix_len: int = 0,
+    chunk_start: int = 0,
+    num_tokens: int,
+) -> npt.NDArray[np.int64]:
+    """The rows prefill DCP rank ``src_dcp_rank`` (of ``src_dcp_size``) sends to decode DCP
+    rank ``dst_dcp_rank`` (of ``dst_dcp_size``) in one chunk, any sizes on each side (the owner
+    rule: position ``p`` lives on rank ``p mod size`` at local row ``p div size``), as an
+    ``(N, 3)`` int64 array of coalesced runs ``(src_row, dst_row, length)``.
+
+    ``src_page_indices`` are the prefill's page ids of this chunk (``src_page_size`` rows each
+    on every prefill rank); ``dst_page_indices`` the decode's page ids of the whole send range,
+    entry 0 at position ``decode_prefix_len``; ``chunk_start`` counts the positions of the send
+    range sent before this chunk, ``num_tokens`` those of this chunk. kvbridge's planner
+    validates (``ValueError`` naming the fix and the problem code). With ``src_dcp_size=1``
+    the runs are ``build_dcp_transfer_runs``'s target runs.
+    """
+    runs = _native.reshard_transfer_runs(
+        np.asarray(src_page_indices, dtype=np.int64).tobytes(),
+        np.asarray(dst_page_indices, dtype=np.int64).tobytes(),
+        src_page_size,
+        dst_page_size,
+        src_dcp_size,
+        src_dcp_rank,
+        dst_dcp_size,
+        dst_dcp_rank,
+        decode_prefix_len,
+        chunk_start,
+        num_tokens,
+    )
+    return np.frombuffer(runs, dtype=np.int64).reshape(-1, 3)
 
 
 def group_concurrent_contiguous(

@@ -7,14 +7,25 @@ the transfer engine swapped for :class:`kvbridge_sglang.engine.KvbridgeTransferE
 every byte is moved (and bounds-checked) by kvbridge, and the planner calls of the page and DCP
 paths answered by kvbridge's planner. A failed write makes the room
 ``KVPoll.Failed``; its ``KVTransferError`` carries kvbridge's cause.
+
+Prefill DCP a -> decode DCP b (which SGLang's classes refuse for a > 1 and a != b): the prefill
+publishes its DCP size in its bootstrap registration (:mod:`kvbridge_sglang.reshard`), the
+decode maps its ranks to prefill ranks by the owner rule, and each prefill rank sends the rows
+kvbridge's planner assigns to the pair (docs/sglang.md, "DCP a -> b").
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import types
+from typing import Optional
 
 import kvbridge.sglang
+import numpy as np
+from aiohttp import web
+from sglang.srt.disaggregation.common import conn as common_conn
 from sglang.srt.disaggregation.mooncake import conn as mooncake_conn
 from sglang.srt.disaggregation.mooncake.conn import (
     MooncakeKVBootstrapServer,
@@ -23,7 +34,7 @@ from sglang.srt.disaggregation.mooncake.conn import (
     MooncakeKVSender,
 )
 
-from kvbridge_sglang import checks
+from kvbridge_sglang import checks, reshard
 from kvbridge_sglang.engine import KvbridgeTransferEngine
 
 logger = logging.getLogger(__name__)
@@ -51,10 +62,23 @@ class _Globals(dict):
 _PLANNER_GLOBALS = _Globals(mooncake_conn, PLANNER)
 
 
-def _with_planner(fn: types.FunctionType) -> types.FunctionType:
-    """``fn`` (a method of SGLang's Mooncake manager) calling kvbridge's planner."""
+@dataclasses.dataclass
+class _PrefillServerInfo(common_conn.PrefillServerInfo):
+    """SGLang's parallel info of a prefill server, plus kvbridge's field (its DCP size)."""
+
+    kvbridge: Optional[dict] = None
+
+
+# SGLang's decode builds its PrefillServerInfo from the bootstrap server's JSON; this one
+# also takes kvbridge's field.
+_BOOTSTRAP_GLOBALS = _Globals(common_conn, {"PrefillServerInfo": _PrefillServerInfo})
+
+
+def _with_planner(fn: types.FunctionType, globals_: dict = _PLANNER_GLOBALS) -> types.FunctionType:
+    """``fn`` (a method of SGLang's manager) looking its globals up in ``globals_`` first:
+    kvbridge's planner by default."""
     rebound = types.FunctionType(
-        fn.__code__, _PLANNER_GLOBALS, fn.__name__, fn.__defaults__, fn.__closure__
+        fn.__code__, globals_, fn.__name__, fn.__defaults__, fn.__closure__
     )
     rebound.__kwdefaults__ = fn.__kwdefaults__
     rebound.__qualname__ = fn.__qualname__
@@ -70,9 +94,13 @@ class KvbridgeKVManager(MooncakeKVManager):
     kv_status_msg_tag = b"KVBRIDGE_STATUS"
     kv_status_msg_carries_reason = True
 
-    # The page path and the DCP path plan with kvbridge's planner.
+    # The page path and the prefill-DCP-1 path plan with kvbridge's planner.
     _send_kvcache_generic = _with_planner(MooncakeKVManager._send_kvcache_generic)
-    send_kvcache_dcp = _with_planner(MooncakeKVManager.send_kvcache_dcp)
+    _send_kvcache_dcp1 = _with_planner(MooncakeKVManager.send_kvcache_dcp)
+    # SGLang's checks of the prefill's parallel info, reading kvbridge's field too.
+    try_ensure_parallel_info = _with_planner(
+        common_conn.CommonKVManager.try_ensure_parallel_info, _BOOTSTRAP_GLOBALS
+    )
 
     def init_engine(self) -> None:
         # Called by the Mooncake manager's __init__ before the buffers are registered.
@@ -97,6 +125,111 @@ class KvbridgeKVManager(MooncakeKVManager):
         super().teardown()
         self.engine.close()
 
+    # Prefill DCP a -> decode DCP b (docs/sglang.md, "DCP a -> b").
+    def _register_topology_row(self, url: str, payload: dict) -> None:
+        # The prefill's DCP size and descriptor, which SGLang's registration leaves out.
+        super()._register_topology_row(url, {**payload, reshard.FIELD: reshard.registration(self)})
+
+    def _resolve_rank_mapping(self, info) -> None:
+        try:
+            field = reshard.parse_field(getattr(info, reshard.FIELD, None))
+        except ValueError as e:
+            raise RuntimeError(str(e)) from None
+        # Prefill DCP 1 (or a prefill without the field): SGLang's mapping is the owner rule's.
+        if field is None or field[0] == 1:
+            super()._resolve_rank_mapping(info)
+            return
+        mapping = reshard.owner_rule_mapping(field[1], field[0], self)
+        for name in (
+            "target_tp_rank",
+            "target_tp_ranks",
+            "target_cp_ranks",
+            "target_pp_ranks",
+            "required_dst_info_num",
+            "required_prefill_response_num",
+        ):
+            setattr(info, name, mapping[name])
+
+    def requires_dcp_relayout(self, dst_dcp_size: int, dst_dcp_rank: int) -> bool:
+        # SGLang's manager relayouts prefill DCP 1 only; kvbridge's planner any a -> b (MLA).
+        if self.dcp_size > 1 and dst_dcp_size != self.dcp_size and self.is_mla_backend:
+            return True
+        return super().requires_dcp_relayout(dst_dcp_size, dst_dcp_rank)
+
+    def send_kvcache_dcp(self, *args, **kwargs) -> int:
+        if self.dcp_size == 1:
+            return self._send_kvcache_dcp1(*args, **kwargs)
+        return self._send_kvcache_reshard(*args, **kwargs)
+
+    def _send_kvcache_reshard(
+        self,
+        session_id: str,
+        prefill_kv_indices,
+        dst_kv_ptrs: list,
+        dst_kv_indices,
+        *,
+        dst_dcp_size: int,
+        dst_dcp_rank: int,
+        src_page_offset: int,
+        decode_prefix_len: int,
+        num_kv_tokens: Optional[int],
+        dst_layer_ids: list,
+        dcp_token_item_lens: list,
+        **_unused,
+    ) -> int:
+        """One chunk from this prefill DCP rank to one decode DCP rank: the rows kvbridge's
+        planner assigns to the pair (``build_reshard_transfer_runs``), one write per chunk.
+        0 on success; -1 with the cause kept for the room's failure otherwise."""
+        a, a_r, page = self.dcp_size, self.dcp_rank, self.kv_args.page_size
+        try:
+            if num_kv_tokens is None:
+                raise ValueError("PD DCP transfer requires num_kv_tokens")
+            if self.kv_args.num_draft_entries:
+                raise ValueError(
+                    f"prefill DCP {a} -> decode DCP {dst_dcp_size} moves target KV only, but this "
+                    f"pool has {self.kv_args.num_draft_entries} draft entries; run speculative "
+                    "decoding with the same --dcp-size on both servers"
+                )
+            if dst_dcp_rank not in kvbridge.sglang.reshard_targets(a, dst_dcp_size, a_r):
+                raise ValueError(
+                    f"decode DCP rank {dst_dcp_rank} of {dst_dcp_size} holds no row of prefill DCP "
+                    f"rank {a_r} of {a}, yet registered with it; run kvbridge-sglang of the same "
+                    "version on both servers (the decode maps ranks by the owner rule)"
+                )
+            src_ptrs, dst_ptrs = self._reshard_entries(dst_kv_ptrs, dst_layer_ids)
+            runs = kvbridge.sglang.build_reshard_transfer_runs(
+                np.asarray(prefill_kv_indices, dtype=np.int64),
+                np.asarray(dst_kv_indices, dtype=np.int64),
+                src_page_size=page,
+                dst_page_size=page,
+                src_dcp_size=a,
+                src_dcp_rank=a_r,
+                dst_dcp_size=dst_dcp_size,
+                dst_dcp_rank=dst_dcp_rank,
+                decode_prefix_len=decode_prefix_len,
+                chunk_start=src_page_offset * page * a,
+                num_tokens=num_kv_tokens,
+            )
+        except (ValueError, RuntimeError) as e:
+            return self.engine.fail(f"{type(e).__name__}: {e}")
+        if len(runs) == 0:
+            return 0
+        src = np.concatenate([p + runs[:, 0] * w for p, w in zip(src_ptrs, dcp_token_item_lens)])
+        dst = np.concatenate([p + runs[:, 1] * w for p, w in zip(dst_ptrs, dcp_token_item_lens)])
+        lens = np.concatenate([runs[:, 2] * w for w in dcp_token_item_lens[: len(src_ptrs)]])
+        return self.engine.batch_transfer_sync(session_id, src, dst, lens)
+
+    def _reshard_entries(self, dst_kv_ptrs: list, dst_layer_ids: list) -> tuple:
+        """Source and destination buffer of each KV entry, paired as SGLang's DCP path does."""
+        src_layer_ids = self.kv_args.kv_layer_ids
+        if src_layer_ids or dst_layer_ids:
+            dst_indices = mooncake_conn.resolve_dcp_dst_entry_indices(
+                src_layer_ids, dst_layer_ids, len(self.kv_args.kv_data_ptrs), len(dst_kv_ptrs)
+            )
+            return self.kv_args.kv_data_ptrs, [dst_kv_ptrs[j] for j in dst_indices]
+        src, dst, _ = self.get_mla_kv_ptrs_with_pp(self.kv_args.kv_data_ptrs, dst_kv_ptrs)
+        return src, dst
+
 
 class KvbridgeKVSender(MooncakeKVSender):
     pass
@@ -106,5 +239,50 @@ class KvbridgeKVReceiver(MooncakeKVReceiver):
     pass
 
 
+def _is_parallel_info_query(request: web.Request) -> bool:
+    """SGLang's query for the whole server's parallel info: every rank -1."""
+    keys = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+    return all(request.query.get(k) == "-1" for k in keys)
+
+
 class KvbridgeKVBootstrapServer(MooncakeKVBootstrapServer):
-    pass
+    """SGLang's bootstrap server, also keeping and publishing kvbridge's registration field
+    (the prefill's DCP size, which SGLang's parallel info leaves out)."""
+
+    def __init__(self, host: str, port: int):
+        # Before SGLang's __init__ starts the server thread.
+        self.kvbridge_field: Optional[dict] = None
+        super().__init__(host, port)
+
+    async def _handle_route_put(self, request: web.Request):
+        data = await request.json()  # aiohttp keeps the body: SGLang's handler reads it again
+        field = data.get(reshard.FIELD)
+        try:
+            reshard.parse_field(field)
+        except ValueError as e:
+            return web.Response(text=str(e), status=400)
+        # The DCP size is the topology every decode maps by: one value per prefill server. The
+        # rest of the field follows the latest registration, as SGLang's rank table does.
+        dcp = (field or {}).get("dcp_size", 1)
+        seen = (self.kvbridge_field or {}).get("dcp_size", 1)
+        if self._registered_count and dcp != seen:
+            return web.Response(
+                text=(
+                    f"prefill ranks registered different DCP sizes in their {reshard.FIELD!r} "
+                    f"fields ({seen}, then {dcp}); every rank of one prefill server runs with the "
+                    "same --dcp-size"
+                ),
+                status=400,
+            )
+        response = await super()._handle_route_put(request)
+        if response.status == 200:
+            self.kvbridge_field = field
+        return response
+
+    async def _handle_route_get(self, request: web.Request):
+        response = await super()._handle_route_get(request)
+        if response.status != 200 or self.kvbridge_field is None or not _is_parallel_info_query(request):
+            return response
+        payload = json.loads(response.body)
+        payload[reshard.FIELD] = self.kvbridge_field
+        return web.json_response(payload, status=200)

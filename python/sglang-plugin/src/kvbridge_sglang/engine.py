@@ -177,11 +177,14 @@ class KvbridgeTransferEngine:
             transfer.wait()
             return 0
         except kvbridge.KvbridgeError as e:
-            cause = f"{type(e).__name__}: {e}"
-            with self._lock:
-                self._last_error = cause
-            logger.warning("kvbridge: transfer to a decode failed: %s", cause)
-            return -1
+            return self.fail(f"{type(e).__name__}: {e}")
+
+    def fail(self, cause: str) -> int:
+        """Keeps ``cause`` for :meth:`take_error` and returns -1, SGLang's failed transfer."""
+        with self._lock:
+            self._last_error = cause
+        logger.warning("kvbridge: transfer to a decode failed: %s", cause)
+        return -1
 
     def transfer_sync(self, session_id: str, buffer: int, peer_buffer_address: int, length: int) -> int:
         return self.batch_transfer_sync(session_id, [buffer], [peer_buffer_address], [length])

@@ -29,7 +29,7 @@ DST_PAGES = [9, 2, 31, 14, 5]
 ROOM, SEED, SRC_AUX, DST_AUX = 1, 7, 2, 4
 
 
-def publish(mode: str, port: int, **parallel) -> object:
+def publish(mode: str, port: int, backend: str = "kvbridge", **parallel) -> object:
     """Loads the plugins and publishes this process's ServerArgs, as SGLang's scheduler does."""
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import get_parallel
@@ -41,7 +41,7 @@ def publish(mode: str, port: int, **parallel) -> object:
         model_path="dummy",
         device="cpu",
         disaggregation_mode=mode,
-        disaggregation_transfer_backend="kvbridge",
+        disaggregation_transfer_backend=backend,
         disaggregation_bootstrap_port=port,
     )
     sglang_publish(args, role="test")
@@ -52,11 +52,10 @@ def publish(mode: str, port: int, **parallel) -> object:
     return args
 
 
-def classes():
+def classes(backend: str = "kvbridge"):
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
-    backend = TransferBackend("kvbridge")
-    return {t.name: get_kv_class(backend, t) for t in KVClassType}
+    return {t.name: get_kv_class(TransferBackend(backend), t) for t in KVClassType}
 
 
 @dataclass
