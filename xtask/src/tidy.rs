@@ -452,14 +452,61 @@ fn calls<'a>(
             s -= 1;
         }
         let chain = String::from_utf8_lossy(&code[s..i]).into_owned();
-        let root = chain.split(['.', ':']).next().unwrap_or("").to_owned();
-        Some((i, root))
+        Some((i, chain))
     })
 }
 
-/// Whether a call's receiver root is the file's own object (or the call is a bare function).
-fn is_own(root: &str) -> bool {
-    matches!(root, "" | "self" | "inner" | "me" | "Self")
+/// Whether a call (its receiver chain, e.g. `self.` or `c.machine.`) is on the file's own
+/// object or a bare function: `self.f()`, `self.inner.f()`, `inner.f()`, `me.f()`,
+/// `Self::f()`, `f()`. A method of a field (`self.metrics.f()`) or of another value, or a chain
+/// that starts on an earlier line or after `?` (`.f()`), is not.
+fn is_own(chain: &str) -> bool {
+    matches!(
+        chain,
+        "" | "self." | "self.inner." | "inner." | "me." | "Self::"
+    )
+}
+
+/// The argument ranges of `spawn(..)` calls: code there runs on a task of its own, later,
+/// not under a lock its spawner holds.
+fn spawned(code: &[u8]) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while let Some(p) = find(code, b"spawn(", at) {
+        at = p + 1;
+        if p > 0 && is_ident(code[p - 1]) {
+            continue;
+        }
+        let open = p + 5;
+        out.push(open..matching(code, open));
+    }
+    out
+}
+
+/// Where a std mutex is taken: `.lock()` not followed by `.await` (an async mutex, made to be
+/// held across awaits), and calls of the poison-ignoring helper `lock(&..)` /
+/// `sync::lock(&..)` (not its definition).
+fn lock_sites(code: &[u8]) -> Vec<usize> {
+    let mut sites = Vec::new();
+    let mut at = 0;
+    while let Some(p) = find(code, b".lock()", at) {
+        at = p + 1;
+        let rest = String::from_utf8_lossy(&code[p + 7..(p + 40).min(code.len())]).into_owned();
+        if !rest.trim_start().starts_with(".await") {
+            sites.push(p);
+        }
+    }
+    at = 0;
+    while let Some(p) = find(code, b"lock(&", at) {
+        at = p + 1;
+        let before = String::from_utf8_lossy(&code[p.saturating_sub(3)..p]).into_owned();
+        let helper = p == 0 || !is_ident(code[p - 1]) || before.ends_with("::");
+        if helper && !before.ends_with("fn ") && !before.ends_with('.') {
+            sites.push(p);
+        }
+    }
+    sites.sort_unstable();
+    sites
 }
 
 /// Re-entrant locking problems in one source file: (offset, message).
@@ -480,12 +527,10 @@ fn reentrant_locking(src: &str) -> Vec<(usize, String)> {
     };
     let mut problems = Vec::new();
     let mut lockers = BTreeSet::new();
-    let mut at = 0;
-    while let Some(p) = find(&code, b".lock()", at) {
-        at = p + 1;
-        let rest = String::from_utf8_lossy(&code[p + 7..(p + 40).min(code.len())]).into_owned();
-        if rest.trim_start().starts_with(".await") {
-            continue; // an async mutex, made to be held across awaits
+    let mut direct = BTreeSet::new();
+    for p in lock_sites(&code) {
+        if let Some(name) = enclosing(p) {
+            direct.insert(name.to_owned());
         }
         match enclosing(p) {
             Some(name) if name.starts_with("with_") => {
@@ -494,7 +539,7 @@ fn reentrant_locking(src: &str) -> Vec<(usize, String)> {
             other => problems.push((
                 p,
                 format!(
-                    "`.lock()` in `{}`: take a std mutex only in a `with_*` helper that passes \
+                    "a lock taken in `{}`: take a std mutex only in a `with_*` helper that passes \
                      the state to a closure",
                     other.unwrap_or("<no function>")
                 ),
@@ -502,14 +547,16 @@ fn reentrant_locking(src: &str) -> Vec<(usize, String)> {
         }
     }
     // Functions that take a lock, directly or by calling one that does (to a fixed point).
-    let mut taking: BTreeSet<String> = lockers.clone();
+    let spawns = spawned(&code);
+    let not_spawned = |p: usize| !spawns.iter().any(|r| r.contains(&p));
+    let mut taking: BTreeSet<String> = direct;
     loop {
         let before = taking.len();
         for (name, body) in &fns {
             if !taking.contains(name)
-                && taking
-                    .iter()
-                    .any(|t| calls(&code, t, body.clone()).any(|(_, root)| is_own(&root)))
+                && taking.iter().any(|t| {
+                    calls(&code, t, body.clone()).any(|(p, chain)| is_own(&chain) && not_spawned(p))
+                })
             {
                 taking.insert(name.clone());
             }
@@ -523,8 +570,8 @@ fn reentrant_locking(src: &str) -> Vec<(usize, String)> {
             let open = call + code[call..].iter().position(|&c| c == b'(').unwrap();
             let args = open..matching(&code, open);
             for t in &taking {
-                for (p, root) in calls(&code, t, args.clone()) {
-                    if is_own(&root) {
+                for (p, chain) in calls(&code, t, args.clone()) {
+                    if is_own(&chain) && not_spawned(p) {
                         problems.push((
                             p,
                             format!(
@@ -548,6 +595,7 @@ fn coordinator_state_locks_are_never_taken_twice() {
     let mut files = Vec::new();
     rust_files(&root().join("crates/coordinator/src"), &mut files);
     rust_files(&root().join("crates/bootstrap/src"), &mut files);
+    rust_files(&root().join("crates/control/src"), &mut files);
     let mut report = Vec::new();
     for file in files {
         let text = read(&file);
@@ -581,7 +629,7 @@ fn the_reentrant_locking_rule_catches_the_old_patterns() {
         assert!(
             found
                 .iter()
-                .any(|m| m.contains(&format!("`.lock()` in `{f}`"))),
+                .any(|m| m.contains(&format!("a lock taken in `{f}`"))),
             "{found:?}"
         );
     }
@@ -614,6 +662,38 @@ fn the_reentrant_locking_rule_catches_the_old_patterns() {
         "{found:?}"
     );
     assert_eq!(&nested[found[0].0..found[0].0 + 5], "reply");
+    // The poison-ignoring helper counts as taking the lock, wherever it is called.
+    let helper = r#"
+        use kvbridge_transport::sync;
+        fn lock(m: &Mutex<u8>) -> MutexGuard<'_, u8> { m.lock().unwrap() }
+        impl Inner {
+            fn with_state<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+                f(&mut sync::lock(&self.state))
+            }
+            fn peek(&self) -> u8 { *sync::lock(&self.other) }
+            fn bare(&self) -> u8 { *lock(&self.other) }
+            fn nested(&self) { self.with_state(|_| self.peek()); }
+        }
+    "#;
+    let found: Vec<String> = reentrant_locking(helper)
+        .into_iter()
+        .map(|(_, m)| m)
+        .collect();
+    for f in ["lock", "peek", "bare"] {
+        assert!(
+            found
+                .iter()
+                .any(|m| m.contains(&format!("a lock taken in `{f}`"))),
+            "{found:?}"
+        );
+    }
+    assert!(
+        found
+            .iter()
+            .any(|m| m.contains("`peek` takes a lock and is called inside")),
+        "{found:?}"
+    );
+    assert_eq!(found.len(), 4, "{found:?}");
 }
 
 // ---------------------------------------------------------------------------------------------
