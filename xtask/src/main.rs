@@ -50,8 +50,9 @@ fn fmt() -> Result<(), String> {
 /// nixl-sys (features `kvbridge-nixl/nixl`, `kvbridge-cli/nixl`) runs bindgen, which needs it.
 /// `tidy::the_feature_list_without_nixl_names_every_other_feature` keeps the list complete.
 pub(crate) const FEATURES_WITHOUT_NIXL: &str = "kvbridge-geometry/serde,kvbridge-transport/mock,\
-kvbridge-transport/testing,kvbridge/full,kvbridge/coordinator,kvbridge/handshake,kvbridge/mock,\
-kvbridge/planner,kvbridge/shm,kvbridge/tcp,kvbridge/testing,kvbridge/transport";
+kvbridge-transport/testing,kvbridge/full,kvbridge/auth,kvbridge/bootstrap,kvbridge/control,\
+kvbridge/coordinator,kvbridge/handshake,kvbridge/mock,kvbridge/planner,kvbridge/shm,kvbridge/tcp,\
+kvbridge/testing,kvbridge/transport";
 
 /// `--all-features` where nixl-sys can be built (libclang present, as `cargo xtask nixl-setup`
 /// makes it), otherwise every other feature, saying once why the NIXL tests do not run.

@@ -55,6 +55,12 @@ impl ClientConfig {
         self.secret = Some(secret.into());
         self
     }
+    /// Sets [`max_response_bytes`](Self::max_response_bytes).
+    #[must_use]
+    pub fn with_max_response_bytes(mut self, v: usize) -> Self {
+        self.max_response_bytes = v;
+        self
+    }
 }
 
 /// An answer: status and body.

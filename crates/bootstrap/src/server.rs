@@ -105,6 +105,34 @@ impl BootstrapConfig {
         self
     }
 
+    /// Sets [`max_head_bytes`](Self::max_head_bytes).
+    #[must_use]
+    pub fn with_max_head_bytes(mut self, v: usize) -> Self {
+        self.max_head_bytes = v;
+        self
+    }
+
+    /// Sets [`max_headers`](Self::max_headers).
+    #[must_use]
+    pub fn with_max_headers(mut self, v: usize) -> Self {
+        self.max_headers = v;
+        self
+    }
+
+    /// Sets [`room_entry_ttl`](Self::room_entry_ttl).
+    #[must_use]
+    pub fn with_room_entry_ttl(mut self, v: Duration) -> Self {
+        self.room_entry_ttl = v;
+        self
+    }
+
+    /// Sets [`max_room_entries`](Self::max_room_entries).
+    #[must_use]
+    pub fn with_max_room_entries(mut self, v: usize) -> Self {
+        self.max_room_entries = v;
+        self
+    }
+
     fn validate(&self) -> Result<()> {
         let bad = |message: String| Err(BootstrapError::InvalidSetup { message });
         if self.max_head_bytes < 256 {

@@ -229,12 +229,31 @@ impl TcpControlConfig {
         self
     }
 
-    /// Sets [`handshake_timeout`](Self::handshake_timeout) and
-    /// [`frame_timeout`](Self::frame_timeout).
+    /// Sets [`connect_timeout`](Self::connect_timeout).
     #[must_use]
-    pub fn with_timeouts(mut self, handshake: Duration, frame: Duration) -> Self {
-        self.handshake_timeout = handshake;
-        self.frame_timeout = frame;
+    pub fn with_connect_timeout(mut self, v: Duration) -> Self {
+        self.connect_timeout = v;
+        self
+    }
+
+    /// Sets [`handshake_timeout`](Self::handshake_timeout).
+    #[must_use]
+    pub fn with_handshake_timeout(mut self, v: Duration) -> Self {
+        self.handshake_timeout = v;
+        self
+    }
+
+    /// Sets [`frame_timeout`](Self::frame_timeout).
+    #[must_use]
+    pub fn with_frame_timeout(mut self, v: Duration) -> Self {
+        self.frame_timeout = v;
+        self
+    }
+
+    /// Sets [`write_timeout`](Self::write_timeout).
+    #[must_use]
+    pub fn with_write_timeout(mut self, v: Duration) -> Self {
+        self.write_timeout = v;
         self
     }
 

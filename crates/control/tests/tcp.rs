@@ -11,7 +11,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 fn cfg() -> TcpControlConfig {
-    TcpControlConfig::default().with_timeouts(Duration::from_secs(2), Duration::from_secs(2))
+    TcpControlConfig::default()
+        .with_handshake_timeout(Duration::from_secs(2))
+        .with_frame_timeout(Duration::from_secs(2))
 }
 
 fn ping(n: u64) -> ControlMessage {
@@ -351,7 +353,8 @@ async fn a_silent_handshake_gives_its_slot_back_at_the_deadline() {
     let b = TcpControlChannel::bind(
         cfg()
             .with_max_connections(1)
-            .with_timeouts(Duration::from_millis(300), Duration::from_secs(2)),
+            .with_handshake_timeout(Duration::from_millis(300))
+            .with_frame_timeout(Duration::from_secs(2)),
     )
     .await
     .unwrap();

@@ -883,6 +883,11 @@ impl PrefillInner {
         reg: &Registration,
     ) -> std::result::Result<(PeerPlan, String), Vec<WireProblem>> {
         let report = check_with(&self.descriptor, &reg.descriptor, &self.config.check);
+        for w in &report.warnings {
+            // E.g. KVB-W003: a decode of a newer minor version whose new fields this release
+            // does not know; the pair still works.
+            tracing::warn!(decode = %reg.decode_endpoint, code = %w.code, "{}", w.message);
+        }
         let mut problems: Vec<WireProblem> =
             report.problems.iter().map(WireProblem::from).collect();
         if reg.transport.name != self.transport.name() {

@@ -20,7 +20,9 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 fn cfg() -> NetChannelConfig {
-    NetChannelConfig::default().with_timeouts(Duration::from_secs(2), Duration::from_secs(2))
+    NetChannelConfig::default()
+        .with_handshake_timeout(Duration::from_secs(2))
+        .with_frame_timeout(Duration::from_secs(2))
 }
 
 fn ping(n: u64) -> ControlMessage {

@@ -105,7 +105,8 @@ fn the_same_register_message_on_two_connections_is_answered_twice() {
     within(Duration::from_secs(120), false, async || {
         let cfg = || {
             NetChannelConfig::default()
-                .with_timeouts(Duration::from_secs(10), Duration::from_secs(10))
+                .with_handshake_timeout(Duration::from_secs(10))
+                .with_frame_timeout(Duration::from_secs(10))
         };
         let pd = mla("prefill", 16, 2, 64, 1, 0, 1);
         let pt: Arc<dyn KvTransport> = Arc::new(LoopbackTransport::new());

@@ -66,6 +66,13 @@ impl CheckOptions {
         }
     }
 
+    /// Sets [`CheckOptions::compat`].
+    #[must_use]
+    pub fn with_compat(mut self, compat: Compat) -> Self {
+        self.compat = compat;
+        self
+    }
+
     /// Set [`CheckOptions::all_cp_ranks_transfer`].
     #[must_use]
     pub fn with_all_cp_ranks_transfer(mut self, on: bool) -> Self {

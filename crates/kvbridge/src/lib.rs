@@ -18,7 +18,10 @@
 //! | `mock` | `mock` (`kvbridge-mock`) | `LoopbackTransport`, `FaultInjector`, `MockKvTransport` | tokio |
 //! | `shm` | `shm` (`kvbridge-shm`) | the shared-memory transport | tokio |
 //! | `tcp` | `tcp` (`kvbridge-tcp`) | the TCP transport | tokio |
-//! | `coordinator` | `coordinator` (`kvbridge-coordinator`) | prefill and decode agents, the request lifecycle, bootstrap service (implies `planner`, `handshake`, `transport`) | tokio |
+//! | `auth` | `auth` (`kvbridge-auth`) | the shared secret, its one challenge-response, the random source | none |
+//! | `control` | `control` (`kvbridge-control`) | the `ControlChannel` trait, control messages, typed ids, the in-process and TCP channels | tokio |
+//! | `bootstrap` | `bootstrap` (`kvbridge-bootstrap`) | the bootstrap registry server and client, prefill directories (implies `control`) | tokio |
+//! | `coordinator` | `coordinator` (`kvbridge-coordinator`) | prefill and decode agents, the request lifecycle (implies `planner`, `handshake`, `transport`, `control`, `bootstrap`) | tokio |
 //! | `full` | all of the above | | tokio |
 //!
 //! The defaults are the sans-IO pieces: no async runtime, no I/O. `docs/embedding.md` in the
@@ -68,6 +71,21 @@ pub use kvbridge_shm as shm;
 #[cfg_attr(docsrs, doc(cfg(feature = "tcp")))]
 #[doc(inline)]
 pub use kvbridge_tcp as tcp;
+
+#[cfg(feature = "auth")]
+#[cfg_attr(docsrs, doc(cfg(feature = "auth")))]
+#[doc(inline)]
+pub use kvbridge_auth as auth;
+
+#[cfg(feature = "control")]
+#[cfg_attr(docsrs, doc(cfg(feature = "control")))]
+#[doc(inline)]
+pub use kvbridge_control as control;
+
+#[cfg(feature = "bootstrap")]
+#[cfg_attr(docsrs, doc(cfg(feature = "bootstrap")))]
+#[doc(inline)]
+pub use kvbridge_bootstrap as bootstrap;
 
 #[cfg(feature = "coordinator")]
 #[cfg_attr(docsrs, doc(cfg(feature = "coordinator")))]
