@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use crate::error::{BootstrapError, Result};
 use crate::http::{Limits, PROMETHEUS_TEXT, RequestHead, Response, parse_request_head};
 use kvbridge_auth::Secret;
+use kvbridge_control::listen::{Accepted, accept_bounded, closed};
 
 use crate::auth::{Verifier, needs_proof};
 use crate::registry::Registry;
@@ -368,10 +369,6 @@ impl BootstrapServer {
 }
 
 /// Resolves once `shutdown` is set (or its sender is gone).
-async fn closed(shutdown: &mut watch::Receiver<bool>) {
-    let _ = shutdown.wait_for(|&c| c).await;
-}
-
 async fn purge_loop(registry: Registry, ttl: Duration, mut shutdown: watch::Receiver<bool>) {
     let period = ttl.max(Duration::from_millis(100));
     loop {
@@ -389,31 +386,22 @@ async fn accept_loop(
 ) {
     let config = &service.config;
     let limit = Arc::new(Semaphore::new(config.max_connections));
-    loop {
-        let accepted = tokio::select! {
-            a = listener.accept() => a,
-            _ = closed(&mut shutdown) => return,
-        };
-        let (stream, peer) = match accepted {
-            Ok(x) => x,
-            Err(e) => {
-                tracing::warn!(error = %e, "bootstrap: accept failed");
-                tokio::time::sleep(Duration::from_millis(10)).await;
+    while let Some(accepted) = accept_bounded(&listener, &limit, &mut shutdown, "bootstrap").await {
+        let (stream, peer, permit) = match accepted {
+            Accepted::Admitted(stream, peer, permit) => (stream, peer, permit),
+            Accepted::OverLimit(stream, peer) => {
+                // Best effort, never waits: the socket buffer of a fresh connection has room.
+                let busy = Response::text(
+                    503,
+                    format!(
+                        "the bootstrap server is serving {} connections already; retry shortly",
+                        config.max_connections
+                    ),
+                );
+                let _ = stream.try_write(&busy.encode());
+                tracing::warn!(%peer, "bootstrap: connection limit reached");
                 continue;
             }
-        };
-        let Ok(permit) = limit.clone().try_acquire_owned() else {
-            // Best effort, never waits: the socket buffer of a fresh connection has room.
-            let busy = Response::text(
-                503,
-                format!(
-                    "the bootstrap server is serving {} connections already; retry shortly",
-                    config.max_connections
-                ),
-            );
-            let _ = stream.try_write(&busy.encode());
-            tracing::warn!(%peer, "bootstrap: connection limit reached");
-            continue;
         };
         let service = service.clone();
         tokio::spawn(async move {

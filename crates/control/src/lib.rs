@@ -33,6 +33,7 @@ mod error;
 #[cfg(test)]
 mod fuzz;
 pub mod ids;
+pub mod listen;
 pub mod messages;
 mod state;
 pub mod tcp;

@@ -74,6 +74,7 @@ use tokio::sync::{Semaphore, mpsc, watch};
 use crate::channel::{ControlChannel, Envelope};
 use crate::endpoint::Endpoint;
 use crate::error::{ControlError, Result};
+use crate::listen::{Accepted, accept_bounded, closed};
 use crate::messages::ControlMessage;
 use crate::version::ProtocolVersion;
 
@@ -353,10 +354,6 @@ struct Counters {
 }
 
 /// Resolves once the shutdown flag is set (at once if it already is).
-async fn closed(rx: &mut watch::Receiver<bool>) {
-    let _ = rx.wait_for(|&c| c).await;
-}
-
 fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
@@ -955,24 +952,17 @@ async fn writer(
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, tx: mpsc::Sender<Envelope>) {
     let limit = Arc::new(Semaphore::new(shared.config.max_connections));
     let mut shutdown = shared.shutdown.subscribe();
-    loop {
-        let accepted = tokio::select! {
-            a = listener.accept() => a,
-            _ = closed(&mut shutdown) => return,
-        };
-        let (stream, addr) = match accepted {
-            Ok(x) => x,
-            Err(e) => {
-                tracing::warn!(error = %e, "control channel: accept failed");
-                tokio::time::sleep(Duration::from_millis(10)).await;
+    while let Some(accepted) =
+        accept_bounded(&listener, &limit, &mut shutdown, "control channel").await
+    {
+        let (stream, addr, permit) = match accepted {
+            Accepted::Admitted(stream, addr, permit) => (stream, addr, permit),
+            Accepted::OverLimit(stream, addr) => {
+                bump(&shared.counters.over_limit);
+                tracing::warn!(peer = %addr, limit = shared.config.max_connections, "control channel: too many connections, closing a new one");
+                drop(stream);
                 continue;
             }
-        };
-        let Ok(permit) = limit.clone().try_acquire_owned() else {
-            bump(&shared.counters.over_limit);
-            tracing::warn!(peer = %addr, limit = shared.config.max_connections, "control channel: too many connections, closing a new one");
-            drop(stream);
-            continue;
         };
         let shared = shared.clone();
         let tx = tx.clone();
