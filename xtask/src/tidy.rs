@@ -859,3 +859,80 @@ fn the_function_length_rule_catches_long_functions_and_accepts_reasons() {
         .unwrap();
     assert_eq!(long[0].1, line + 1);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The room machines are sans-IO: events and explicit instants in, actions out.
+
+/// What the library files of `crates/coordinator/src/room/` never name: a runtime, a clock
+/// read, threads, sockets, files or tracing spans (the drivers own all of that; a machine may
+/// emit log events, which carry no state of their own).
+const ROOM_FORBIDDEN: &[&str] = &[
+    "tokio",
+    "Instant::now",
+    "SystemTime",
+    "Span",
+    "span!",
+    "instrument",
+    "std::thread",
+    "std::net",
+    "std::fs",
+    "async ",
+    ".await",
+];
+
+fn sans_io_violations(src: &str) -> Vec<(usize, &'static str)> {
+    let code = code_only(src);
+    let mut found = Vec::new();
+    for word in ROOM_FORBIDDEN {
+        let mut at = 0;
+        while let Some(p) = find(&code, word.as_bytes(), at) {
+            at = p + 1;
+            found.push((p, *word));
+        }
+    }
+    found.sort_unstable();
+    found
+}
+
+#[test]
+fn the_room_machines_do_no_io_and_read_no_clock() {
+    let mut files = Vec::new();
+    rust_files(&root().join("crates/coordinator/src/room"), &mut files);
+    assert!(
+        !files.is_empty(),
+        "crates/coordinator/src/room has no files"
+    );
+    let mut report = Vec::new();
+    for file in files {
+        let name = file.file_name().unwrap().to_string_lossy();
+        if name == "tests.rs" {
+            continue; // tests pick their base instant from the clock
+        }
+        let text = read(&file);
+        for (at, word) in sans_io_violations(&text) {
+            let line = text[..at].matches('\n').count() + 1;
+            report.push(format!(
+                "{}:{line}: `{word}` in a room machine: take the instant as an argument and \
+                 return an action for the driver (which owns runtime, clock, spans and I/O)",
+                file.display()
+            ));
+        }
+    }
+    assert!(report.is_empty(), "{}", report.join("\n"));
+}
+
+#[test]
+fn the_sans_io_rule_sees_clocks_and_runtimes_but_not_comments() {
+    let src = "// tokio in a comment\nfn f(now: Instant) { let s = \"tokio\"; }\n\
+               fn g() { let t = Instant::now(); tokio::spawn(async {}); }\n\
+               fn h() { let _s = tracing::info_span!(\"room\"); tracing::info!(\"fine\"); }\n";
+    let words: Vec<&str> = sans_io_violations(src)
+        .into_iter()
+        .map(|(_, w)| w)
+        .collect();
+    assert_eq!(
+        words,
+        ["Instant::now", "tokio", "async ", "span!"],
+        "{words:?}"
+    );
+}
