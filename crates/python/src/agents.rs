@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbridge_coordinator::bootstrap::{
-    BootstrapClient, BootstrapConfig, BootstrapServer as RustBootstrapServer, HttpDirectory,
-    RankRegistration,
+    BootstrapClient, BootstrapConfig, BootstrapServer as RustBootstrapServer, ClientConfig,
+    HttpDirectory, RankRegistration,
 };
 use kvbridge_coordinator::net_channel::{NetChannel, NetChannelConfig};
 use kvbridge_coordinator::{
@@ -136,6 +136,15 @@ fn pages(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
                 .map_err(|_| invalid(format!("page ids must be between 0 and 2**64-1, got {v}")))
         })
         .collect()
+}
+
+/// The bootstrap client settings for `secret` (the registry proves it when one is set).
+fn client_config(secret: Option<&[u8]>) -> ClientConfig {
+    let c = ClientConfig::default();
+    match secret {
+        Some(s) => c.with_secret(s),
+        None => c,
+    }
 }
 
 fn net_config(secret: Option<Vec<u8>>) -> NetChannelConfig {
@@ -269,15 +278,19 @@ pub(crate) struct BootstrapServer {
 
 #[pymethods]
 impl BootstrapServer {
+    /// With `secret`, every registration and query must prove it (the agents' `secret`).
     #[new]
-    #[pyo3(signature = (host="127.0.0.1", port=0))]
-    fn new(py: Python<'_>, host: &str, port: u16) -> PyResult<Self> {
+    #[pyo3(signature = (host="127.0.0.1", port=0, *, secret=None))]
+    fn new(py: Python<'_>, host: &str, port: u16, secret: Option<Vec<u8>>) -> PyResult<Self> {
         let ip = host.parse().map_err(|e| {
             invalid(format!(
                 "host must be an IP address such as 127.0.0.1, got {host:?}: {e}"
             ))
         })?;
-        let config = BootstrapConfig::default().with_bind_addr(SocketAddr::new(ip, port));
+        let mut config = BootstrapConfig::default().with_bind_addr(SocketAddr::new(ip, port));
+        if let Some(s) = secret {
+            config = config.with_secret(s);
+        }
         let server = block_on(py, async move { RustBootstrapServer::bind(config).await })?
             .map_err(|e| errors::coordinator(e.into()))?;
         Ok(Self { server })
@@ -349,12 +362,13 @@ agent_methods! { PrefillAgent,
             seconds("batch_timeout", batch_timeout)?,
         );
         let transport = engine.core().transport.clone();
+        let client = BootstrapClient::with_config(bootstrap_addr, client_config(secret.as_deref()));
         let agent = block_on(py, async move {
             let channel = NetChannel::bind(net_config(secret)).await?;
             let agent = RustPrefillAgent::builder(desc, mem, transport, Arc::new(channel))
                 .config(config)
                 .start()?;
-            let registered = BootstrapClient::new(bootstrap_addr)
+            let registered = client
                 .register(&RankRegistration::from(agent.rank_info()))
                 .await;
             if let Err(e) = registered {
@@ -463,6 +477,7 @@ agent_methods! { DecodeAgent,
             seconds("fence_timeout", fence_timeout)?,
         );
         let transport = engine.core().transport.clone();
+        let directory = HttpDirectory::new().with_client_config(client_config(secret.as_deref()));
         let agent = block_on(py, async move {
             let channel = NetChannel::bind(net_config(secret)).await?;
             RustDecodeAgent::builder(
@@ -470,7 +485,7 @@ agent_methods! { DecodeAgent,
                 mem,
                 transport,
                 Arc::new(channel),
-                Arc::new(HttpDirectory::new()),
+                Arc::new(directory),
             )
             .config(config)
             .start()

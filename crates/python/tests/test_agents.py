@@ -139,3 +139,39 @@ def test_an_unreachable_bootstrap_server_raises_peer_lost():
     with pytest.raises(kvbridge.PeerLostError, match="bootstrap"):
         kvbridge.PrefillAgent(e, descriptor("prefill"), kv, bootstrap_addr="127.0.0.1:1")
     e.close()
+
+
+def test_a_secret_guards_the_bootstrap_registry_and_the_control_channel():
+    secret = b"one secret for the deployment"
+    with kvbridge.BootstrapServer(secret=secret) as server:
+        p_engine, d_engine = kvbridge.Engine("loopback"), kvbridge.Engine("loopback")
+        p_kv = [p_engine.allocate(PAGES * ITEM) for _ in range(LAYERS)]
+        d_kv = [d_engine.allocate(PAGES * ITEM) for _ in range(LAYERS)]
+        # Without the secret the registry refuses the registration, and says why.
+        with pytest.raises(kvbridge.KvbridgeError, match="shared secret"):
+            kvbridge.PrefillAgent(p_engine, descriptor("prefill"), p_kv, bootstrap_addr=server.addr)
+        prefill = kvbridge.PrefillAgent(
+            p_engine, descriptor("prefill"), p_kv, bootstrap_addr=server.addr, secret=secret
+        )
+        decode = kvbridge.DecodeAgent(d_engine, descriptor("decode"), d_kv, secret=secret)
+        for layer, m in enumerate(p_kv):
+            np.asarray(m)[:] = np.arange(m.nbytes, dtype=np.uint64).astype(np.uint8) + layer
+        prefill.create_room(5)
+        decode.receive(5, server.addr, [1, 3])
+        assert prefill.wait_ready(5, timeout=120.0) == 0
+        prefill.send_chunk(5, [4, 2], 2 * PAGE, last=True)
+        assert prefill.wait(5, timeout=120.0) == kvbridge.KVPoll.Success
+        assert decode.wait(5, timeout=120.0) == kvbridge.KVPoll.Success
+        for layer in range(LAYERS):
+            src, dst = np.asarray(p_kv[layer]), np.asarray(d_kv[layer])
+            for s, d in ((4, 1), (2, 3)):
+                assert (dst[d * ITEM : (d + 1) * ITEM] == src[s * ITEM : (s + 1) * ITEM]).all()
+        # A decode without the secret cannot even look the prefill up.
+        stranger = kvbridge.DecodeAgent(d_engine, descriptor("decode"), d_kv, bootstrap_timeout=2.0)
+        stranger.receive(6, server.addr, [0])
+        with pytest.raises(kvbridge.KVTransferError, match="shared secret"):
+            stranger.wait(6, timeout=120.0)
+        for a in (stranger, decode, prefill):
+            a.close()
+        p_engine.close()
+        d_engine.close()
