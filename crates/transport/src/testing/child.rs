@@ -192,7 +192,7 @@ impl PeerProcess {
     }
 
     /// The peer's tagged lines, for a reader that takes them as they come instead of with
-    /// [`line`](Self::line) (use one or the other).
+    /// [`line`](Self::line) (never both at once).
     #[must_use]
     pub fn lines(&self) -> PeerLines {
         self.lines.clone()
