@@ -1,5 +1,6 @@
 //! The unsafe edge of `kvbridge-nixl`: loading the NIXL runtime, handing NIXL the address of a
-//! registered region, and allocating memory a peer may write at any time.
+//! registered region, and allocating memory a peer may write at any time (private, or shared
+//! with another process on this host).
 //!
 //! Everything else in the crate goes through nixl-sys's safe API.
 #![allow(unsafe_code)]
@@ -131,4 +132,94 @@ pub(crate) fn allocate(len: usize) -> std::io::Result<MemoryRegion> {
     // and moves into the region as its owner, so it stays mapped for the region's life. The
     // mapping's address does not change when the handle moves.
     Ok(unsafe { MemoryRegion::from_raw_parts(ForeignMemory::host(ptr, len, map)) })
+}
+
+/// The file behind a region of [`allocate_shared`] or [`map_shared`]: a memfd sealed so that
+/// its size never changes, the region's tag. Holding it gives no access to the bytes from Rust.
+struct SharedFile(std::fs::File);
+
+/// `len` bytes of zeroed host memory that another process on this host may map too, as a
+/// foreign region: a memfd (sealed against shrinking and growing) mapped shared. Hand the file
+/// to the other process with [`shared_fd`] (fd passing, or `/proc/<pid>/fd/<fd>`), which maps it
+/// with [`map_shared`]; both mappings are the same bytes.
+///
+/// # Errors
+/// When the kernel refuses the memfd, its size, its seals or the mapping.
+pub fn allocate_shared(len: usize) -> std::io::Result<MemoryRegion> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    const NAME: &[u8] = b"kvbridge-nixl-shared\0";
+    // SAFETY: `NAME` is NUL-terminated and outlives the call; the flags are valid for
+    // memfd_create.
+    let fd = unsafe {
+        libc::memfd_create(
+            NAME.as_ptr().cast(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by memfd_create and is owned by nothing else.
+    let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let file = std::fs::File::from(owned);
+    // A zero-length mapping is refused by mmap; one byte keeps the pointer valid.
+    file.set_len(len.max(1) as u64)?;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: F_ADD_SEALS on a descriptor `file` keeps open; no memory is involved.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    map_shared(file, len)
+}
+
+/// The descriptor of the memfd behind a region of [`allocate_shared`] or [`map_shared`], open
+/// as long as the region lives; `None` for other regions.
+#[must_use]
+pub fn shared_fd(region: &MemoryRegion) -> Option<std::os::fd::RawFd> {
+    use std::os::fd::AsRawFd;
+    region.tag::<SharedFile>().map(|f| f.0.as_raw_fd())
+}
+
+/// Maps the first `len` bytes of a memfd another process made with [`allocate_shared`] (or any
+/// memfd sealed against shrinking) as a foreign host region; its writes and this process's
+/// meet in the same bytes.
+///
+/// # Errors
+/// `InvalidInput` when the file is not sealed against shrinking (a peer could then truncate it
+/// under the mapping) or is shorter than `len` (at least one byte); the kernel's error when the
+/// seals cannot be read or the mapping fails.
+pub fn map_shared(file: std::fs::File, len: usize) -> std::io::Result<MemoryRegion> {
+    use std::io::{Error, ErrorKind};
+    use std::os::fd::AsRawFd;
+    // SAFETY: F_GET_SEALS on a descriptor `file` keeps open; no memory is involved.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 {
+        return Err(Error::last_os_error());
+    }
+    if seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "the file is not sealed against shrinking (F_SEAL_SHRINK), so a mapping of it could \
+             lose its pages; make it with kvbridge_nixl::allocate_shared",
+        ));
+    }
+    let size = file.metadata()?.len();
+    let map_len = len.max(1);
+    if size < map_len as u64 {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            format!("the file has {size} bytes, fewer than the {map_len} to map"),
+        ));
+    }
+    // SAFETY: the file is sealed against shrinking and holds at least `map_len` bytes, so every
+    // page of the mapping stays backed for its life. Other processes may write the bytes at any
+    // time: the mapping is only ever wrapped as foreign memory below, which kvbridge accesses by
+    // raw copies and never as a Rust reference.
+    let mut map = unsafe { memmap2::MmapOptions::new().len(map_len).map_mut(&file)? };
+    let ptr = NonNull::new(map.as_mut_ptr()).expect("mmap never returns NULL");
+    let tag = std::sync::Arc::new(SharedFile(file));
+    // SAFETY: `ptr` is the start of `map`, at least `len` bytes, readable and writable and a new
+    // mapping (no other region wraps these addresses); `map` moves into the region as its owner,
+    // so it stays mapped for the region's life. The tag gives no access to the bytes.
+    Ok(unsafe { MemoryRegion::from_raw_parts(ForeignMemory::host(ptr, len, map).with_tag(tag)) })
 }

@@ -30,6 +30,9 @@ pub mod runtime;
 mod transport;
 
 pub use error::NixlError;
+#[cfg(feature = "nixl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
+pub use ffi::{allocate_shared, map_shared, shared_fd};
 pub use runtime::{LIB_DIR_ENV, Runtime};
 #[cfg(feature = "nixl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]

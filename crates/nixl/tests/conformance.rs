@@ -1,6 +1,7 @@
-//! The whole conformance suite against two NIXL agents (UCX backend, the lanes UCX picks by
-//! default), directly and through `Arc<dyn KvTransport>`. `lanes.rs` runs it again with
-//! `UCX_TLS=tcp`; `peer_process.rs` has the cases whose peer is another process.
+//! The whole conformance suite against two NIXL agents in one process (UCX backend, the lanes
+//! UCX picks by default), directly and through `Arc<dyn KvTransport>`, and again with
+//! `UCX_TLS=tcp` (`whole_suite_over_ucx_tcp`). `cross_process_suite.rs` runs the suite with the
+//! receiver in another process; `peer_process.rs` has more cases whose peer is another process.
 //!
 //! Every case is skipped, with the reason printed, when the NIXL runtime is not set up
 //! (`cargo xtask nixl-setup`); `.ci/run` sets it up, so CI runs them all.

@@ -8,6 +8,8 @@
 #![cfg(feature = "nixl")]
 
 mod common;
+#[path = "common/peer.rs"]
+mod peer;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,31 +18,17 @@ use bytes::Bytes;
 use common::runtime_ready;
 use kvbridge_nixl::NixlTransport;
 use kvbridge_transport::testing::SplitMix64;
-use kvbridge_transport::testing::child::{
-    PeerProcess, is_peer, rerun_self, scattered_blocks, send_command,
-};
-use kvbridge_transport::{
-    KvTransport, KvTransportExt, RegionId, TransferBatch, TransferOp, TransportError,
+use kvbridge_transport::testing::child::{PeerProcess, is_peer, scattered_blocks, send_command};
+use kvbridge_transport::{KvTransport, KvTransportExt, RegionId, TransferBatch, TransferOp};
+use peer::{
+    LANES_ENV, assert_failed_in_time, hex, later_batches_and_probes_fail, rerun_over_ucx_tcp, unhex,
 };
 
 const CHILD_ENV: &str = "KVBRIDGE_NIXL_CHILD";
 const LEN_ENV: &str = "KVBRIDGE_NIXL_CHILD_LEN";
-/// Set in the re-run with other UCX lanes, so it does not re-run itself again.
-const LANES_ENV: &str = "KVBRIDGE_NIXL_LANES";
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
     SplitMix64::new(seed).bytes(len)
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
 }
 
 /// Not a test of its own: the entry point of the peer processes the tests below start. Without
@@ -204,35 +192,9 @@ async fn a_peer_killed_mid_transfer_fails_the_batches_in_flight() {
         .await
         .expect("the batch in flight to a killed peer never ended")
         .unwrap();
-    assert!(
-        matches!(
-            err,
-            TransportError::PeerLost { .. }
-                | TransportError::BatchFailed { .. }
-                | TransportError::TimedOut { .. }
-        ),
-        "unexpected error after the peer died: {err}"
-    );
-    // Ended by its deadline plus the commit grace (and scheduling slack), not later.
-    assert!(
-        took < deadline + Duration::from_secs(20),
-        "the failed batch took {took:?}"
-    );
+    assert_failed_in_time(&err, took, deadline, "the batch in flight");
     // Later batches and probes fail too.
-    let later = t
-        .post(
-            peer,
-            TransferBatch::write(scattered(local, remote, 1 << 20)).with_timeout(deadline),
-        )
-        .await;
-    if let Ok(id) = later {
-        assert!(
-            t.wait(id).await.is_err(),
-            "a batch to a dead peer completed"
-        );
-    }
-    assert!(t.probe(peer, Duration::from_secs(1)).await.is_err());
-    t.shutdown().await.unwrap();
+    later_batches_and_probes_fail(&*t, peer, local, remote, deadline).await;
 }
 
 /// Runs this binary's cross-process tests again with `UCX_TLS=tcp` (in the parent and, by
@@ -245,14 +207,5 @@ fn cross_process_tests_over_ucx_tcp() {
     if !runtime_ready() {
         return;
     }
-    let out = rerun_self(
-        &["--test-threads=1", "cross_process_writes", "a_peer_killed"],
-        [("UCX_TLS", "tcp"), (LANES_ENV, "tcp")],
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.contains("2 passed"),
-        "the cross-process tests failed with UCX_TLS=tcp:\n{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    rerun_over_ucx_tcp(&["cross_process_writes", "a_peer_killed"], 2);
 }

@@ -9,7 +9,10 @@
 //! first report starts with a newline, to end libtest's `test <entry> ... ` line.
 //!
 //! Waiting for a line is `async` and runtime-agnostic (the suite's own `std` timer), and bounded:
-//! a peer that stops answering fails the test with a message instead of hanging it.
+//! a peer that stops answering fails the test with a message instead of hanging it. A parent that
+//! talks back sends lines to the peer's stdin ([`PeerProcess::send`]); a parent that reads lines
+//! as they come (a dispatcher) takes them from a [`PeerLines`] handle, which waits as long as the
+//! peer lives (its callers bound their own waits).
 //!
 //! ```ignore
 //! const PEER_ENV: &str = "MY_TRANSPORT_PEER";
@@ -34,8 +37,8 @@
 use std::collections::VecDeque;
 use std::ffi::OsStr;
 use std::future::poll_fn;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::task::{Poll, Waker};
 use std::time::Duration;
@@ -84,8 +87,33 @@ struct Lines {
 /// A running peer process; killed and reaped when dropped.
 pub struct PeerProcess {
     process: Child,
-    lines: Arc<Mutex<Lines>>,
+    stdin: Mutex<Option<ChildStdin>>,
+    lines: PeerLines,
     limit: Duration,
+}
+
+/// A handle on the tagged lines of a [`PeerProcess`] ([`PeerProcess::lines`]), for one reader
+/// that takes every line as it comes.
+#[derive(Clone)]
+pub struct PeerLines(Arc<Mutex<Lines>>);
+
+impl PeerLines {
+    /// The next tagged line, waiting as long as the peer runs; `None` once it exited (its
+    /// stdout closed) and every line was taken.
+    pub async fn next(&self) -> Option<String> {
+        poll_fn(|cx| {
+            let mut l = lock(&self.0);
+            if let Some(line) = l.queue.pop_front() {
+                return Poll::Ready(Some(line));
+            }
+            if l.closed {
+                return Poll::Ready(None);
+            }
+            l.waker = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
 }
 
 impl PeerProcess {
@@ -104,9 +132,10 @@ impl PeerProcess {
             .args(["--exact", entry, "--nocapture", "--test-threads=1"])
             .envs(envs)
             .stdout(Stdio::piped())
-            .stdin(Stdio::null())
+            .stdin(Stdio::piped())
             .spawn()
             .expect("spawn the peer process");
+        let stdin = process.stdin.take();
         let stdout = process.stdout.take().expect("the peer's stdout is piped");
         let lines = Arc::new(Mutex::new(Lines::default()));
         let shared = Arc::clone(&lines);
@@ -128,7 +157,8 @@ impl PeerProcess {
         });
         Self {
             process,
-            lines,
+            stdin: Mutex::new(stdin),
+            lines: PeerLines(lines),
             limit: LINE_LIMIT,
         }
     }
@@ -146,18 +176,7 @@ impl PeerProcess {
     /// If the peer prints no tagged line within the limit, exits first, or the line starts
     /// otherwise.
     pub async fn line(&self, tag: &str) -> String {
-        let next = poll_fn(|cx| {
-            let mut l = lock(&self.lines);
-            if let Some(line) = l.queue.pop_front() {
-                return Poll::Ready(Some(line));
-            }
-            if l.closed {
-                return Poll::Ready(None);
-            }
-            l.waker = Some(cx.waker().clone());
-            Poll::Pending
-        });
-        let line = match timeout(self.limit, next).await {
+        let line = match timeout(self.limit, self.lines.next()).await {
             Some(Some(line)) => line,
             Some(None) => panic!("the peer process exited before printing a {tag} line"),
             None => panic!(
@@ -170,6 +189,27 @@ impl PeerProcess {
             "expected {tag}, the peer said {line:?}"
         );
         line
+    }
+
+    /// The peer's tagged lines, for a reader that takes them as they come instead of with
+    /// [`line`](Self::line) (never both at once).
+    #[must_use]
+    pub fn lines(&self) -> PeerLines {
+        self.lines.clone()
+    }
+
+    /// Writes `line` and a newline to the peer's stdin, where a peer that takes commands reads
+    /// them (its stdin closes when the `PeerProcess` drops).
+    ///
+    /// # Errors
+    /// When the peer's stdin is closed (the peer exited).
+    pub fn send(&self, line: &str) -> std::io::Result<()> {
+        let mut stdin = lock(&self.stdin);
+        let pipe = stdin
+            .as_mut()
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::BrokenPipe))?;
+        pipe.write_all(format!("{line}\n").as_bytes())?;
+        pipe.flush()
     }
 
     /// Kills the peer (as a crash would) and reaps it.
