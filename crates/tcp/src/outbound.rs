@@ -116,6 +116,18 @@ impl LocalOp {
         }
     }
 
+    /// Whether this op's bytes are gathered into the writer's staging buffer rather than
+    /// handed to the kernel in place: its local ranges (rows, or the whole op) are shorter
+    /// than [`STAGE_BELOW`], so an iovec each would cost more than a copy.
+    fn staged(&self) -> bool {
+        let range = if self.locally_contiguous() {
+            self.total()
+        } else {
+            self.len
+        };
+        range < STAGE_BELOW && self.region.can_borrow()
+    }
+
     /// Whether the rows are adjacent in the local region (one range), or there is one.
     fn locally_contiguous(&self) -> bool {
         self.count <= 1 || self.local_stride == self.len
@@ -737,6 +749,7 @@ async fn writer_task(
     mut ctrl: mpsc::Receiver<Vec<u8>>,
 ) {
     let piece_bytes = shared.config.piece_bytes;
+    let mut stage = Stage::default();
     let r: std::io::Result<()> = async {
         loop {
             // Control frames (cancels, pongs, pings) go first, between pieces.
@@ -752,7 +765,7 @@ async fn writer_task(
             tokio::pin!(notified);
             notified.as_mut().enable();
             if let Some(piece) = peer.take_piece(piece_bytes) {
-                send_piece(&*w.lock().await, piece).await?;
+                send_piece(&*w.lock().await, piece, &mut stage).await?;
                 // Waiting for a writable socket does not count against tokio's task budget,
                 // so while the socket keeps up this loop would never give the worker back:
                 // keep-alives, heartbeats and the other connections' writers would starve
@@ -833,6 +846,25 @@ impl<'a> Source<'a> {
         Some(Source::Copied(v))
     }
 
+    /// Appends these bytes, in payload order, to `out`.
+    fn gather_into(&self, out: &mut Vec<u8>) {
+        match self {
+            Source::Borrowed {
+                span,
+                base,
+                op,
+                from,
+                to,
+            } => {
+                for (offset, len) in op.local_parts(*from, *to) {
+                    let at = (offset - base) as usize;
+                    out.extend_from_slice(&span[at..at + len as usize]);
+                }
+            }
+            Source::Copied(v) => out.extend_from_slice(v),
+        }
+    }
+
     /// The iovecs of these bytes, in payload order.
     fn push_slices<'s>(&'s self, out: &mut Vec<IoSlice<'s>>) {
         match self {
@@ -853,20 +885,53 @@ impl<'a> Source<'a> {
     }
 }
 
+/// Local ranges shorter than this (a strided op's rows, or a whole short op) are gathered into
+/// the writer's staging buffer and written from there: the kernel's cost per iovec exceeds a
+/// user-space copy of that many bytes.
+const STAGE_BELOW: u64 = 4 << 10;
+
+/// Bytes gathered into a writer's staging buffer at a time, each batch one `writev`: small
+/// enough to stay in the CPU's cache between the gather and the kernel's copy out of it, and
+/// below the 64 KiB of one loopback or GSO segment, so no write leaves a tiny segment behind
+/// (64 KiB exactly would: a 65,483-byte segment and a 53-byte one, each sent at once).
+const STAGE_BYTES: u64 = 63 << 10;
+
+/// A writer's staging buffer, reused from piece to piece: bytes `from..from + buf.len()` of the
+/// frame being written, gathered from short source ranges ([`LocalOp::staged`]).
+#[derive(Default)]
+struct Stage {
+    buf: Vec<u8>,
+    from: u64,
+}
+
 /// Writes a piece as one `Data` or `Rows` frame: header, descriptors and payloads in vectored
-/// writes, each row of a strided op its own iovec (gathered in place, nothing copied).
+/// writes. Long source ranges are written in place (an iovec each, nothing copied); short
+/// ones (rows of a strided op, small ops) are gathered into `stage` first, at most
+/// [`STAGE_BYTES`] at a time, and written from there.
 ///
-/// Source ranges are borrowed only for the duration of each non-blocking `writev`, never
-/// while waiting for the socket, so the application can write its own memory meanwhile.
-async fn send_piece(w: &OwnedWriteHalf, piece: Piece) -> std::io::Result<()> {
+/// Source ranges are borrowed only for the duration of each non-blocking `writev` (or of a
+/// gather), never while waiting for the socket, so the application can write its own memory
+/// meanwhile.
+async fn send_piece(w: &OwnedWriteHalf, piece: Piece, stage: &mut Stage) -> std::io::Result<()> {
     use std::os::fd::AsFd;
     let header = encode_ops_header(piece.batch.0.id.0, &piece.ops);
     let head = header.len() as u64;
     let total = head + piece.ops.iter().map(LocalOp::total).sum::<u64>();
+    stage.buf.clear();
     let mut done = 0u64;
     while done < total {
         w.writable().await?;
+        let header_left = &header[(done.min(head)) as usize..];
+        let staged = stage.from..stage.from + stage.buf.len() as u64;
+        if staged.contains(&done) {
+            // The rest of what an earlier attempt gathered.
+            let rest = [IoSlice::new(&stage.buf[(done - staged.start) as usize..])];
+            advance(w.try_write_vectored(&rest), &mut done)?;
+            continue;
+        }
+        // (op, payload range of it, frame offset of that range)
         let mut parts = Vec::new();
+        let mut staging = None;
         let mut budget = ATTEMPT_BYTES;
         // One iovec is the header's.
         let mut iovecs = MAX_IOVECS - 1;
@@ -877,28 +942,65 @@ async fn send_piece(w: &OwnedWriteHalf, piece: Piece) -> std::io::Result<()> {
                 at = end;
                 continue;
             }
-            let from = done.saturating_sub(at);
-            let to = op.attempt_end(from, budget, iovecs);
-            parts.push((op, from, to));
-            budget -= to - from;
-            iovecs = iovecs.saturating_sub(if op.locally_contiguous() {
-                1
-            } else {
-                ((to - 1) / op.len - from / op.len + 1) as usize
+            // An attempt is all staged bytes or all bytes in place.
+            let gather = *staging.get_or_insert_with(|| {
+                if op.staged() {
+                    budget = STAGE_BYTES;
+                }
+                op.staged()
             });
+            if op.staged() != gather {
+                break;
+            }
+            let from = done.saturating_sub(at);
+            let to = if gather {
+                op.total().min(from + budget)
+            } else {
+                op.attempt_end(from, budget, iovecs)
+            };
+            parts.push((op, from, to, at + from));
+            budget -= to - from;
+            if !gather {
+                iovecs = iovecs.saturating_sub(if op.locally_contiguous() {
+                    1
+                } else {
+                    ((to - 1) / op.len - from / op.len + 1) as usize
+                });
+            }
             at = end;
             // What follows in the frame comes after the rest of this op.
             if budget == 0 || iovecs == 0 || to < op.total() {
                 break;
             }
         }
-        let header_left = &header[(done.min(head)) as usize..];
-        if parts.iter().any(|(op, _, _)| !op.region.can_borrow()) {
+        if staging == Some(true) {
+            stage.buf.clear();
+            stage.from = parts.first().map_or(head, |p| p.3);
+            for &(op, from, to, _) in &parts {
+                match Source::acquire(op, from, to) {
+                    Some(s) => s.gather_into(&mut stage.buf),
+                    None => break,
+                }
+            }
+            if header_left.is_empty() && stage.buf.is_empty() {
+                // Another access holds the range for the length of one write; try again shortly.
+                tokio::time::sleep(Duration::from_micros(100)).await;
+                continue;
+            }
+            let mut slices = Vec::with_capacity(2);
+            if !header_left.is_empty() {
+                slices.push(IoSlice::new(header_left));
+            }
+            slices.push(IoSlice::new(&stage.buf));
+            advance(w.try_write_vectored(&slices), &mut done)?;
+            continue;
+        }
+        if parts.iter().any(|(op, ..)| !op.region.can_borrow()) {
             // Memory that cannot be borrowed (foreign) is written by the kernel straight from
             // its claimed raw ranges.
             let ranges: Vec<(&MemoryRegion, u64, u64)> = parts
                 .iter()
-                .flat_map(|(op, from, to)| {
+                .flat_map(|(op, from, to, _)| {
                     op.local_parts(*from, *to)
                         .map(|(offset, len)| (&op.region, offset, len))
                 })
@@ -907,19 +1009,16 @@ async fn send_piece(w: &OwnedWriteHalf, piece: Piece) -> std::io::Result<()> {
             match stream.try_io(tokio::io::Interest::WRITABLE, || {
                 kvbridge_transport::memory::send_vectored(stream.as_fd(), header_left, &ranges)
             }) {
-                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-                Ok(n) => done += n as u64,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 // Another access holds the range for the length of one write; try again shortly.
                 Err(e) if e.get_ref().is_some_and(|i| i.is::<TransportError>()) => {
                     tokio::time::sleep(Duration::from_micros(100)).await;
                 }
-                Err(e) => return Err(e),
+                r => advance(r, &mut done)?,
             }
             continue;
         }
         let mut sources = Vec::with_capacity(parts.len());
-        for (op, from, to) in parts {
+        for (op, from, to, _) in parts {
             match Source::acquire(op, from, to) {
                 Some(s) => sources.push(s),
                 None => break,
@@ -937,14 +1036,22 @@ async fn send_piece(w: &OwnedWriteHalf, piece: Piece) -> std::io::Result<()> {
         for s in &sources {
             s.push_slices(&mut slices);
         }
-        match w.try_write_vectored(&slices) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => done += n as u64,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
-        }
+        advance(w.try_write_vectored(&slices), &mut done)?;
     }
     Ok(())
+}
+
+/// Counts what one non-blocking write sent (nothing when the socket was full).
+fn advance(r: std::io::Result<usize>, done: &mut u64) -> std::io::Result<()> {
+    match r {
+        Ok(0) => Err(std::io::ErrorKind::WriteZero.into()),
+        Ok(n) => {
+            *done += n as u64;
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 /// Why the receiver refused a batch, named from its answer (`lens`: the lengths of the regions
