@@ -846,8 +846,8 @@ impl<'a> Source<'a> {
         Some(Source::Copied(v))
     }
 
-    /// Appends these bytes, in payload order, to `out`.
-    fn gather_into(&self, out: &mut Vec<u8>) {
+    /// Calls `f` with these bytes, slice by slice, in payload order.
+    fn each_slice<'s>(&'s self, mut f: impl FnMut(&'s [u8])) {
         match self {
             Source::Borrowed {
                 span,
@@ -858,29 +858,10 @@ impl<'a> Source<'a> {
             } => {
                 for (offset, len) in op.local_parts(*from, *to) {
                     let at = (offset - base) as usize;
-                    out.extend_from_slice(&span[at..at + len as usize]);
+                    f(&span[at..at + len as usize]);
                 }
             }
-            Source::Copied(v) => out.extend_from_slice(v),
-        }
-    }
-
-    /// The iovecs of these bytes, in payload order.
-    fn push_slices<'s>(&'s self, out: &mut Vec<IoSlice<'s>>) {
-        match self {
-            Source::Borrowed {
-                span,
-                base,
-                op,
-                from,
-                to,
-            } => {
-                for (offset, len) in op.local_parts(*from, *to) {
-                    let at = (offset - base) as usize;
-                    out.push(IoSlice::new(&span[at..at + len as usize]));
-                }
-            }
-            Source::Copied(v) => out.push(IoSlice::new(v)),
+            Source::Copied(v) => f(v),
         }
     }
 }
@@ -904,6 +885,15 @@ struct Stage {
     from: u64,
 }
 
+/// Part of one op in one write attempt: `op`'s payload bytes `from..to`, which start at byte
+/// `at` of the frame.
+struct Part<'a> {
+    op: &'a LocalOp,
+    from: u64,
+    to: u64,
+    at: u64,
+}
+
 /// Writes a piece as one `Data` or `Rows` frame: header, descriptors and payloads in vectored
 /// writes. Long source ranges are written in place (an iovec each, nothing copied); short
 /// ones (rows of a strided op, small ops) are gathered into `stage` first, at most
@@ -913,7 +903,6 @@ struct Stage {
 /// gather), never while waiting for the socket, so the application can write its own memory
 /// meanwhile.
 async fn send_piece(w: &OwnedWriteHalf, piece: Piece, stage: &mut Stage) -> std::io::Result<()> {
-    use std::os::fd::AsFd;
     let header = encode_ops_header(piece.batch.0.id.0, &piece.ops);
     let head = header.len() as u64;
     let total = head + piece.ops.iter().map(LocalOp::total).sum::<u64>();
@@ -923,133 +912,159 @@ async fn send_piece(w: &OwnedWriteHalf, piece: Piece, stage: &mut Stage) -> std:
         w.writable().await?;
         let header_left = &header[(done.min(head)) as usize..];
         let staged = stage.from..stage.from + stage.buf.len() as u64;
-        if staged.contains(&done) {
+        let sent = if staged.contains(&done) {
             // The rest of what an earlier attempt gathered.
             let rest = [IoSlice::new(&stage.buf[(done - staged.start) as usize..])];
-            advance(w.try_write_vectored(&rest), &mut done)?;
-            continue;
+            Some(written(w.try_write_vectored(&rest))?)
+        } else {
+            match next_attempt(&piece.ops, head, done) {
+                (parts, true) => write_gathered(w, header_left, &parts, stage)?,
+                (parts, false) => write_in_place(w, header_left, &parts)?,
+            }
+        };
+        match sent {
+            Some(n) => done += n,
+            // Another access holds a source range for the length of one write; try again
+            // shortly.
+            None => tokio::time::sleep(Duration::from_micros(100)).await,
         }
-        // (op, payload range of it, frame offset of that range)
-        let mut parts = Vec::new();
-        let mut staging = None;
-        let mut budget = ATTEMPT_BYTES;
-        // One iovec is the header's.
-        let mut iovecs = MAX_IOVECS - 1;
-        let mut at = head;
-        for op in &piece.ops {
-            let end = at + op.total();
-            if end <= done {
-                at = end;
-                continue;
-            }
-            // An attempt is all staged bytes or all bytes in place.
-            let gather = *staging.get_or_insert_with(|| {
-                if op.staged() {
-                    budget = STAGE_BYTES;
-                }
-                op.staged()
-            });
-            if op.staged() != gather {
-                break;
-            }
-            let from = done.saturating_sub(at);
-            let to = if gather {
-                op.total().min(from + budget)
-            } else {
-                op.attempt_end(from, budget, iovecs)
-            };
-            parts.push((op, from, to, at + from));
-            budget -= to - from;
-            if !gather {
-                iovecs = iovecs.saturating_sub(if op.locally_contiguous() {
-                    1
-                } else {
-                    ((to - 1) / op.len - from / op.len + 1) as usize
-                });
-            }
-            at = end;
-            // What follows in the frame comes after the rest of this op.
-            if budget == 0 || iovecs == 0 || to < op.total() {
-                break;
-            }
-        }
-        if staging == Some(true) {
-            stage.buf.clear();
-            stage.from = parts.first().map_or(head, |p| p.3);
-            for &(op, from, to, _) in &parts {
-                match Source::acquire(op, from, to) {
-                    Some(s) => s.gather_into(&mut stage.buf),
-                    None => break,
-                }
-            }
-            if header_left.is_empty() && stage.buf.is_empty() {
-                // Another access holds the range for the length of one write; try again shortly.
-                tokio::time::sleep(Duration::from_micros(100)).await;
-                continue;
-            }
-            let mut slices = Vec::with_capacity(2);
-            if !header_left.is_empty() {
-                slices.push(IoSlice::new(header_left));
-            }
-            slices.push(IoSlice::new(&stage.buf));
-            advance(w.try_write_vectored(&slices), &mut done)?;
-            continue;
-        }
-        if parts.iter().any(|(op, ..)| !op.region.can_borrow()) {
-            // Memory that cannot be borrowed (foreign) is written by the kernel straight from
-            // its claimed raw ranges.
-            let ranges: Vec<(&MemoryRegion, u64, u64)> = parts
-                .iter()
-                .flat_map(|(op, from, to, _)| {
-                    op.local_parts(*from, *to)
-                        .map(|(offset, len)| (&op.region, offset, len))
-                })
-                .collect();
-            let stream: &tokio::net::TcpStream = w.as_ref();
-            match stream.try_io(tokio::io::Interest::WRITABLE, || {
-                kvbridge_transport::memory::send_vectored(stream.as_fd(), header_left, &ranges)
-            }) {
-                // Another access holds the range for the length of one write; try again shortly.
-                Err(e) if e.get_ref().is_some_and(|i| i.is::<TransportError>()) => {
-                    tokio::time::sleep(Duration::from_micros(100)).await;
-                }
-                r => advance(r, &mut done)?,
-            }
-            continue;
-        }
-        let mut sources = Vec::with_capacity(parts.len());
-        for (op, from, to, _) in parts {
-            match Source::acquire(op, from, to) {
-                Some(s) => sources.push(s),
-                None => break,
-            }
-        }
-        if header_left.is_empty() && sources.is_empty() {
-            // Another access holds the range for the length of one write; try again shortly.
-            tokio::time::sleep(Duration::from_micros(100)).await;
-            continue;
-        }
-        let mut slices = Vec::with_capacity(MAX_IOVECS.min(1 + sources.len() * 4));
-        if !header_left.is_empty() {
-            slices.push(IoSlice::new(header_left));
-        }
-        for s in &sources {
-            s.push_slices(&mut slices);
-        }
-        advance(w.try_write_vectored(&slices), &mut done)?;
     }
     Ok(())
 }
 
-/// Counts what one non-blocking write sent (nothing when the socket was full).
-fn advance(r: std::io::Result<usize>, done: &mut u64) -> std::io::Result<()> {
+/// The parts of the next write attempt from frame byte `done` on (past the `head` bytes of the
+/// header), and whether they are gathered: an attempt is all short ranges (at most
+/// [`STAGE_BYTES`], gathered) or all long ones (at most [`ATTEMPT_BYTES`] and
+/// [`MAX_IOVECS`] iovecs, in place).
+fn next_attempt(ops: &[LocalOp], head: u64, done: u64) -> (Vec<Part<'_>>, bool) {
+    let mut parts = Vec::new();
+    let mut gather = None;
+    let mut budget = ATTEMPT_BYTES;
+    // One iovec is the header's.
+    let mut iovecs = MAX_IOVECS - 1;
+    let mut at = head;
+    for op in ops {
+        let end = at + op.total();
+        if end <= done {
+            at = end;
+            continue;
+        }
+        let staged = op.staged();
+        if *gather.get_or_insert(staged) != staged {
+            break;
+        }
+        if staged && parts.is_empty() {
+            budget = STAGE_BYTES;
+        }
+        let from = done.saturating_sub(at);
+        let to = if staged {
+            op.total().min(from + budget)
+        } else {
+            op.attempt_end(from, budget, iovecs)
+        };
+        parts.push(Part {
+            op,
+            from,
+            to,
+            at: at + from,
+        });
+        budget -= to - from;
+        if !staged {
+            iovecs = iovecs.saturating_sub(if op.locally_contiguous() {
+                1
+            } else {
+                ((to - 1) / op.len - from / op.len + 1) as usize
+            });
+        }
+        at = end;
+        // What follows in the frame comes after the rest of this op.
+        if budget == 0 || iovecs == 0 || to < op.total() {
+            break;
+        }
+    }
+    (parts, gather == Some(true))
+}
+
+/// Gathers `parts` into `stage` and writes what is left of the header and the staged bytes:
+/// the bytes sent, or `None` when no source could be read and nothing was sent.
+fn write_gathered(
+    w: &OwnedWriteHalf,
+    header_left: &[u8],
+    parts: &[Part<'_>],
+    stage: &mut Stage,
+) -> std::io::Result<Option<u64>> {
+    stage.buf.clear();
+    stage.from = parts.first().map_or(0, |p| p.at);
+    for p in parts {
+        match Source::acquire(p.op, p.from, p.to) {
+            Some(s) => s.each_slice(|bytes| stage.buf.extend_from_slice(bytes)),
+            None => break,
+        }
+    }
+    if header_left.is_empty() && stage.buf.is_empty() {
+        return Ok(None);
+    }
+    let mut slices = Vec::with_capacity(2);
+    if !header_left.is_empty() {
+        slices.push(IoSlice::new(header_left));
+    }
+    slices.push(IoSlice::new(&stage.buf));
+    Ok(Some(written(w.try_write_vectored(&slices))?))
+}
+
+/// Writes what is left of the header and `parts` straight from the sources (borrowed for the
+/// one call): the bytes sent, or `None` when a source is momentarily written and nothing was
+/// sent.
+fn write_in_place(
+    w: &OwnedWriteHalf,
+    header_left: &[u8],
+    parts: &[Part<'_>],
+) -> std::io::Result<Option<u64>> {
+    use std::os::fd::AsFd;
+    if parts.iter().any(|p| !p.op.region.can_borrow()) {
+        // Memory that cannot be borrowed (foreign) is written by the kernel straight from
+        // its claimed raw ranges.
+        let ranges: Vec<(&MemoryRegion, u64, u64)> = parts
+            .iter()
+            .flat_map(|p| {
+                p.op.local_parts(p.from, p.to)
+                    .map(|(offset, len)| (&p.op.region, offset, len))
+            })
+            .collect();
+        let stream: &tokio::net::TcpStream = w.as_ref();
+        return match stream.try_io(tokio::io::Interest::WRITABLE, || {
+            kvbridge_transport::memory::send_vectored(stream.as_fd(), header_left, &ranges)
+        }) {
+            Err(e) if e.get_ref().is_some_and(|i| i.is::<TransportError>()) => Ok(None),
+            r => written(r).map(Some),
+        };
+    }
+    let mut sources = Vec::with_capacity(parts.len());
+    for p in parts {
+        match Source::acquire(p.op, p.from, p.to) {
+            Some(s) => sources.push(s),
+            None => break,
+        }
+    }
+    if header_left.is_empty() && sources.is_empty() {
+        return Ok(None);
+    }
+    let mut slices = Vec::with_capacity(MAX_IOVECS.min(1 + sources.len() * 4));
+    if !header_left.is_empty() {
+        slices.push(IoSlice::new(header_left));
+    }
+    for s in &sources {
+        s.each_slice(|bytes| slices.push(IoSlice::new(bytes)));
+    }
+    Ok(Some(written(w.try_write_vectored(&slices))?))
+}
+
+/// What one non-blocking write sent: 0 when the socket was full.
+fn written(r: std::io::Result<usize>) -> std::io::Result<u64> {
     match r {
         Ok(0) => Err(std::io::ErrorKind::WriteZero.into()),
-        Ok(n) => {
-            *done += n as u64;
-            Ok(())
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(()),
+        Ok(n) => Ok(n as u64),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(0),
         Err(e) => Err(e),
     }
 }
