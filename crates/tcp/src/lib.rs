@@ -712,13 +712,21 @@ impl KvTransport for TcpTransport {
 
     async fn recv_notification(&self) -> Result<Notification> {
         self.check_open()?;
-        let mut rx = tokio::select! {
-            rx = self.shared.notify_rx.lock() => rx,
-            () = self.shared.wait_closed() => return Err(self.shared.closed_err()),
+        // One watch of the closing for both waits, subscribed only if one has to wait (each
+        // subscription costs a lock; a small write's notification is on its round trip).
+        let closed = self.shared.wait_closed();
+        tokio::pin!(closed);
+        let mut rx = match self.shared.notify_rx.try_lock() {
+            Ok(rx) => rx,
+            Err(_) => tokio::select! {
+                rx = self.shared.notify_rx.lock() => rx,
+                () = &mut closed => return Err(self.shared.closed_err()),
+            },
         };
         tokio::select! {
+            biased;
             n = rx.recv() => n.map(|(n, _charge)| n).ok_or_else(|| self.shared.closed_err()),
-            () = self.shared.wait_closed() => Err(self.shared.closed_err()),
+            () = &mut closed => Err(self.shared.closed_err()),
         }
     }
 
