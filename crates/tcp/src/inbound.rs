@@ -499,6 +499,7 @@ async fn reader_task(
         buf: Vec::new(),
         scratch: Vec::new(),
         bounce: Vec::new(),
+        silence: conn::Silence::new(session.idle),
     };
     let mut r = Reader::with_capacity(READ_AHEAD, r);
     let Err(error) = rx.run(&mut r).await;
@@ -620,6 +621,8 @@ struct Receiver<'a> {
     buf: Vec<u8>,
     scratch: Vec<u8>,
     bounce: Vec<u8>,
+    /// The connection's keep-alive limit on reads.
+    silence: conn::Silence,
 }
 
 impl Receiver<'_> {
@@ -657,13 +660,14 @@ impl Receiver<'_> {
         loop {
             // A `Begin` is charged to the peer's budget before its body is read.
             let mut charge = None;
-            let frame = conn::read_frame_checked(r, &mut self.buf, max, session.idle, |ty, len| {
-                if ty == FrameType::Begin {
-                    charge = Some(session.charge(shared, len)?);
-                }
-                Ok(())
-            })
-            .await?;
+            let frame =
+                conn::read_frame_checked(r, &mut self.buf, max, &mut self.silence, |ty, len| {
+                    if ty == FrameType::Begin {
+                        charge = Some(session.charge(shared, len)?);
+                    }
+                    Ok(())
+                })
+                .await?;
             match frame {
                 Frame::Ping { nonce } => {
                     session.record_pong(nonce);
@@ -907,7 +911,6 @@ impl Receiver<'_> {
             bytes: total,
             applied: false,
         };
-        let idle = self.session.idle;
         let mut left = total;
         let mut dropping = false;
         // Foreign memory (a mapping others may write) is never borrowed as a slice.
@@ -922,11 +925,7 @@ impl Receiver<'_> {
             let ahead = r.buffer().len();
             if ahead == 0 {
                 fresh = false;
-                match tokio::time::timeout(idle, r.get_ref().readable()).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => return Err(LinkError::Io(e)),
-                    Err(_) => return Err(LinkError::Silent(idle)),
-                }
+                conn::readable_timed(r.get_ref(), &mut self.silence).await?;
             }
             if !std::mem::take(&mut fresh) && !self.session.batch_live(batch) {
                 dropping = true;
@@ -1048,7 +1047,7 @@ impl Receiver<'_> {
         }
         while n > 0 {
             let k = n.min(DRAIN_BUF as u64) as usize;
-            conn::read_exact_timed(r, &mut self.scratch[..k], self.session.idle).await?;
+            conn::read_exact_timed(r, &mut self.scratch[..k], &mut self.silence).await?;
             n -= k as u64;
         }
         Ok(())
