@@ -590,15 +590,23 @@ struct ActiveGuard<'a> {
 impl Drop for ActiveGuard<'_> {
     fn drop(&mut self) {
         let mut batches = self.session.lock_batches();
-        if let Some(b) = batches.get_mut(&self.batch) {
-            b.active = b.active.saturating_sub(1);
-            b.inflight = b.inflight.saturating_sub(self.bytes);
-            if self.applied {
-                b.received += self.bytes;
+        // Only a cancel waits for the pieces of a batch, once it marked the batch cancelled
+        // (or forgot it) under this lock.
+        let cancel_waits = match batches.get_mut(&self.batch) {
+            Some(b) => {
+                b.active = b.active.saturating_sub(1);
+                b.inflight = b.inflight.saturating_sub(self.bytes);
+                if self.applied {
+                    b.received += self.bytes;
+                }
+                b.cancelled
             }
-        }
+            None => true,
+        };
         drop(batches);
-        self.session.writers_idle.notify_waiters();
+        if cancel_waits {
+            self.session.writers_idle.notify_waiters();
+        }
     }
 }
 
@@ -640,16 +648,14 @@ impl Receiver<'_> {
     /// Sends `frame` at once from this task when nothing is queued before it (see
     /// [`conn::write_now`]), otherwise through the writer task.
     async fn send_now(&self, frame: Frame) -> Result<(), LinkError> {
-        let Some(ctrl) = self.session.ctrl(self.index) else {
-            return Err(LinkError::Eof);
+        // Looked at in place: a clone of the queue's sender costs two atomic updates.
+        let idle = match lock(&self.session.ctrl).get(usize::from(self.index)) {
+            Some(Some(ctrl)) => ctrl.capacity() == ctrl.max_capacity(),
+            _ => return Err(LinkError::Eof),
         };
-        let idle = ctrl.capacity() == ctrl.max_capacity();
         match conn::write_now(&self.writer, idle, frame.encode(), self.session.idle) {
             Ok(()) => Ok(()),
-            Err(frame) => ctrl
-                .send(Outgoing::plain(frame))
-                .await
-                .map_err(|_| LinkError::Eof),
+            Err(frame) => self.send_out(Outgoing::plain(frame)).await,
         }
     }
 
@@ -736,13 +742,16 @@ impl Receiver<'_> {
         let ack_charge = charge.split((wire::HEADER_LEN + 13 + 16 * needs.len()) as u64);
         let mut lens = Vec::with_capacity(needs.len());
         let mut ok = true;
-        for need in &needs {
-            let len = self.shared.region(need.region).map(|r| r.len() as u64);
-            ok &= len.is_some_and(|l| need.end <= l);
-            lens.push(RegionLen {
-                region: need.region,
-                len,
-            });
+        {
+            let regions = read(&self.shared.regions);
+            for need in &needs {
+                let len = regions.get(&need.region).map(|r| r.len() as u64);
+                ok &= len.is_some_and(|l| need.end <= l);
+                lens.push(RegionLen {
+                    region: need.region,
+                    len,
+                });
+            }
         }
         let status = {
             let mut batches = self.session.lock_batches();
