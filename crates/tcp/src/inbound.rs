@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use kvbridge_transport::batch::LocalIds;
 use kvbridge_transport::memory::checked_rows;
 use kvbridge_transport::sync::{lock, read};
 use kvbridge_transport::{MemoryRegion, Notification, PeerId, Result, TransportError};
@@ -269,7 +270,7 @@ pub(crate) fn announce(shared: &Shared, region: u64, len: Option<u64>) {
 }
 
 /// The region table as `Regions` frames, the last one marked, for a connection's first bytes.
-fn table_frames(table: &HashMap<u64, MemoryRegion>) -> Vec<u8> {
+fn table_frames(table: &HashMap<u64, MemoryRegion, LocalIds>) -> Vec<u8> {
     let mut entries: Vec<RegionLen> = table
         .iter()
         .map(|(&region, r)| RegionLen {

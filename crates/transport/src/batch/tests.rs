@@ -404,3 +404,17 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// Two different ids never share a hash under [`LocalIds`] (one multiplication by an odd
+    /// number is a bijection), and ids differing in one low bit differ in the high bits too
+    /// (the tag a hash table compares first).
+    #[test]
+    fn local_ids_never_collide(a in any::<u64>(), b in any::<u64>()) {
+        use std::hash::BuildHasher;
+        let h = LocalIds::default();
+        prop_assume!(a != b);
+        prop_assert_ne!(h.hash_one(a), h.hash_one(b));
+        prop_assert_ne!(h.hash_one(a) >> 57, h.hash_one(a ^ 1) >> 57);
+    }
+}
