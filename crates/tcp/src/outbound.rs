@@ -28,7 +28,7 @@ use crate::wire::{
     self, BeginStatus, CancelStatus, Frame, RegionLen, RegionNeed, WireOp, WireRows,
 };
 use crate::{NAME, Shared};
-use kvbridge_transport::batch::{Fence, Outcome, Step};
+use kvbridge_transport::batch::{Fence, Outcome};
 
 /// Descriptors in one `Data` frame (one `writev` carries the header and all their payloads,
 /// and stays below the kernel's 1024-iovec limit).
@@ -1002,15 +1002,14 @@ pub(crate) async fn post(
     check_remote(peer, cfg, &batch, &needs)?;
     // One clock read for both (a clock read is not free on every machine).
     let now = crate::batch::now();
-    let id = shared.table.insert(peer.id, batch.timeout, now)?;
     // Committing from the start: once any byte of the `Begin` may have left, only the
     // receiver's fence decides how the batch ends (`fence`). The receiver applies nothing past
     // its own deadline (at most the anchor), so the table's backstop needs no fence of its own.
-    shared.table.step(id, now, || Step::Commit(Fence::none()));
-    let deadline = shared
-        .table
-        .deadline(id)
-        .map_or_else(Instant::now, Instant::from_std);
+    let (id, deadline) =
+        shared
+            .table
+            .insert_committed(peer.id, batch.timeout, now, Fence::none())?;
+    let deadline = Instant::from_std(deadline);
     let mut b = TxBatch::new(id, peer.id, deadline);
     // The deadline counts from an epoch the receiver stamped no later than this side read it,
     // so the receiver's deadline for the batch is never later than `b.deadline`.

@@ -489,6 +489,22 @@ impl Batches {
         self.lock().insert(peer, timeout, now)
     }
 
+    /// [`insert`](Self::insert), then [`step`](Self::step) with [`Step::Commit`]`(fence)`, under
+    /// one lock (for a transport whose batches commit as they are posted, so a small batch pays
+    /// for one lock, not two): the new id and its deadline.
+    pub fn insert_committed(
+        &self,
+        peer: PeerId,
+        timeout: Duration,
+        now: Instant,
+        fence: Fence,
+    ) -> Result<(BatchId, Instant)> {
+        let mut table = self.lock();
+        let id = table.insert(peer, timeout, now)?;
+        table.commit(id, fence, now);
+        Ok((id, table.deadline(id).unwrap_or(now)))
+    }
+
     /// See [`BatchTable::forget`].
     pub fn forget(&self, id: BatchId) {
         let wakeups = self.lock().forget(id);
@@ -631,7 +647,7 @@ impl Batches {
                 None => return Err(table.unknown(id)),
             }
         };
-        let mut sleep = Box::pin(sleep_until(end));
+        let mut sleep = std::pin::pin!(sleep_until(end));
         let mut fired = false;
         std::future::poll_fn(|cx| {
             loop {
@@ -649,7 +665,7 @@ impl Batches {
                     Some(later) if fired && later > end => {
                         drop(table);
                         end = later;
-                        sleep = Box::pin(sleep_until(end));
+                        sleep.set(sleep_until(end));
                         fired = false;
                     }
                     _ => return Poll::Pending,
