@@ -28,7 +28,7 @@ use crate::wire::{
     self, BeginStatus, CancelStatus, Frame, RegionLen, RegionNeed, WireOp, WireRows,
 };
 use crate::{NAME, Shared};
-use kvbridge_transport::batch::{Fence, Outcome, Step};
+use kvbridge_transport::batch::{Fence, Outcome};
 
 /// Descriptors in one `Data` frame (one `writev` carries the header and all their payloads,
 /// and stays below the kernel's 1024-iovec limit).
@@ -596,8 +596,9 @@ async fn read_table(
 ) -> Result<Vec<RegionLen>, LinkError> {
     let mut buf = Vec::new();
     let mut table = Vec::new();
+    let mut silence = conn::Silence::new(cfg.connect_timeout);
     loop {
-        match conn::read_frame(s, &mut buf, cfg.max_frame_len, cfg.connect_timeout).await? {
+        match conn::read_frame(s, &mut buf, cfg.max_frame_len, &mut silence).await? {
             Frame::Regions { last, regions } => {
                 let room = MAX_REMOTE_REGIONS.saturating_sub(table.len());
                 table.extend(regions.into_iter().take(room));
@@ -657,9 +658,9 @@ async fn reader_task(shared: Arc<Shared>, peer: Arc<OutPeer>, r: OwnedReadHalf, 
     let mut r = tokio::io::BufReader::with_capacity(READ_AHEAD, r);
     let mut buf = Vec::new();
     let max = shared.config.max_frame_len;
-    let idle = shared.config.keepalive_timeout;
+    let mut silence = conn::Silence::new(shared.config.keepalive_timeout);
     loop {
-        let frame = match conn::read_frame(&mut r, &mut buf, max, idle).await {
+        let frame = match conn::read_frame(&mut r, &mut buf, max, &mut silence).await {
             Ok(f) => f,
             Err(e) => {
                 lose_on_read_error(&shared, &peer, index, e).await;
@@ -1112,7 +1113,7 @@ const RESOLVE_SLICE: usize = 4096;
 pub(crate) async fn post(
     shared: &Arc<Shared>,
     peer: &Arc<OutPeer>,
-    batch: TransferBatch,
+    mut batch: TransferBatch,
 ) -> Result<BatchId> {
     if peer.lost.load(Ordering::Acquire) {
         return Err(peer.lost_error());
@@ -1123,15 +1124,14 @@ pub(crate) async fn post(
     check_remote(peer, cfg, &batch, &needs)?;
     // One clock read for both (a clock read is not free on every machine).
     let now = crate::batch::now();
-    let id = shared.table.insert(peer.id, batch.timeout, now)?;
     // Committing from the start: once any byte of the `Begin` may have left, only the
     // receiver's fence decides how the batch ends (`fence`). The receiver applies nothing past
     // its own deadline (at most the anchor), so the table's backstop needs no fence of its own.
-    shared.table.step(id, now, || Step::Commit(Fence::none()));
-    let deadline = shared
-        .table
-        .deadline(id)
-        .map_or_else(Instant::now, Instant::from_std);
+    let (id, deadline) =
+        shared
+            .table
+            .insert_committed(peer.id, batch.timeout, now, Fence::none())?;
+    let deadline = Instant::from_std(deadline);
     let mut b = TxBatch::new(id, peer.id, deadline);
     // The deadline counts from an epoch the receiver stamped no later than this side read it,
     // so the receiver's deadline for the batch is never later than `b.deadline`.
@@ -1158,7 +1158,8 @@ pub(crate) async fn post(
         None
     };
     if inline.is_some() {
-        b.remote_ops = batch.ops.clone();
+        // Kept to name what the receiver refuses; the batch itself is not needed any more.
+        b.remote_ops = std::mem::take(&mut batch.ops);
     }
     let b = Arc::new(b);
     lock(&shared.batches).insert(id.0, b.clone());
@@ -1371,22 +1372,29 @@ fn check_remote(
 /// `Rows`) frame with the payload copied from the sources. `None` when a source range is
 /// momentarily written (the batch then takes the path with pieces, which waits for it).
 fn inline_frame(begin: Frame, batch: u64, ops: &[LocalOp], total: u64) -> Option<Vec<u8>> {
-    let mut frame = begin.encode();
     if total == 0 {
-        return Some(frame);
+        return Some(begin.encode());
     }
     // Ops without bytes are left out: the receiver needs no descriptor for them.
-    let ops: Vec<LocalOp> = ops
-        .iter()
-        .filter(|op| op.total() > 0)
-        .map(|op| op.rows(0, op.count))
-        .collect();
-    let header = encode_ops_header(batch, &ops);
+    let with_bytes: Vec<LocalOp>;
+    let ops = if ops.iter().all(|op| op.total() > 0) {
+        ops
+    } else {
+        with_bytes = ops
+            .iter()
+            .filter(|op| op.total() > 0)
+            .map(|op| op.rows(0, op.count))
+            .collect();
+        &with_bytes
+    };
+    let header = encode_ops_header(batch, ops);
+    // One allocation for the whole batch.
+    let mut frame = Vec::with_capacity(begin.encoded_len_hint() + header.len() + total as usize);
+    begin.encode_into(&mut frame);
     let mut at = frame.len() + header.len();
-    frame.reserve_exact(header.len() + total as usize);
     frame.extend_from_slice(&header);
     frame.resize(at + total as usize, 0);
-    for op in &ops {
+    for op in ops {
         for (offset, len) in op.local_parts(0, op.total()) {
             let n = len as usize;
             op.region.read_at(offset, &mut frame[at..at + n]).ok()?;
