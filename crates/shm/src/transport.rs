@@ -1,6 +1,6 @@
 //! [`ShmTransport`]: connections, batches, the copy worker and the `KvTransport` impl.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -27,8 +27,14 @@ use crate::proto::{self, Frame, RegionStatus};
 use crate::wire::{ReadError, Wire, WireReader};
 use crate::{NAME, ShmError, ShmOptions};
 
-/// Bytes copied between two checks of a batch's cancel flag, deadline and peer.
-pub(crate) const CHUNK_BYTES: u64 = 1 << 20;
+/// Bytes copied between two checks of a batch's cancel flag, deadline and peer, when a batch is
+/// copied by the task that posted it.
+const CHUNK_BYTES: u64 = 1 << 20;
+/// Bytes the copy worker copies of one batch before it turns to the next one it holds (and
+/// checks the batch's cancel flag, deadline and peer). Copying the interleaved rows of several
+/// batches a few strided ops at a time keeps their shared source pages close in time; turns of
+/// 16 ops of 64 rows of 1152 bytes (1.2 MB) lost most of that (`docs/benchmarks.md`).
+const TURN_BYTES: u64 = 128 << 10;
 /// Budget charged per descriptor at least, so a chunk of tiny descriptors stays short too.
 const OP_COST: u64 = 256;
 /// Batches whose final state has not been collected by `wait`, at most.
@@ -254,68 +260,120 @@ struct Job {
     rt: tokio::runtime::Handle,
 }
 
-/// The copy worker: one OS thread per transport, fed through a bounded queue.
+/// The copy worker: one OS thread per transport, fed through a bounded queue. It serves the
+/// batches it holds in turn, one step of at most [`TURN_BYTES`] each, taking newly queued ones
+/// in between: a small batch does not wait behind a large one, and batches that read
+/// interleaved rows of the same source (one per decode rank in a DCP relayout) read them close
+/// together in time, which copies faster than one pass per batch.
 fn worker(mut jobs: mpsc::Receiver<Job>) {
-    while let Some(job) = jobs.blocking_recv() {
-        run_job(job);
-    }
-}
-
-fn run_job(job: Job) {
-    let rt = job.rt.clone();
-    if let Some(commit) = copy_job(job) {
-        rt.spawn(commit);
-    }
-}
-
-/// Copies a job's bytes; returns the write of its notification when that is what remains.
-fn copy_job(job: Job) -> Option<impl Future<Output = ()> + Send + 'static> {
-    let Job {
-        batches,
-        id,
-        conn,
-        direction,
-        locals,
-        remotes,
-        ops,
-        mut notification,
-        deadline,
-        rt: _,
-    } = job;
-    let mut at = Cursor::default();
-    let mut committed = None;
-    // Each chunk is a step under the batch table's lock: cancel, the deadline and peer loss
-    // take it to fence the batch, so once they report, no further chunk starts.
-    while batches.step(id, now(), || {
-        let fence = read(&conn.copy_lock);
-        let copied = if conn.lost.load(Ordering::Acquire) {
-            Err(lost(conn.id, conn.lost_reason()))
-        } else {
-            copy_chunk(direction, &locals, &remotes, &ops, &mut at)
-                .map_err(|reason| failed(id, conn.id, reason))
-        };
-        drop(fence);
-        match copied {
-            Err(outcome) => Step::Finish(outcome),
-            Ok(()) if at.op < ops.len() => Step::Continue,
-            Ok(()) => match notification.take() {
-                None => Step::Finish(Outcome::Done),
-                // Published in this step, so it is fenced like the copies: once cancel or the
-                // deadline reports, it has either been rung or never will be.
-                Some(payload) if matches!(conn.ring(&payload), Ok(true)) => {
-                    Step::Finish(Outcome::Done)
-                }
-                // The notification write cannot be recalled once started: if it outlives the
-                // deadline by the grace, closing the connection keeps it from arriving.
-                Some(payload) => {
-                    let conn = Arc::clone(&conn);
-                    committed = Some(payload);
-                    Step::Commit(Fence::new(move || conn.wire.shutdown()))
-                }
-            },
+    let mut turns: VecDeque<Copying> = VecDeque::new();
+    loop {
+        if turns.is_empty() {
+            match jobs.blocking_recv() {
+                Some(job) => turns.push_back(Copying::new(job)),
+                None => return,
+            }
         }
-    }) {}
-    committed.map(|payload| commit(batches, id, conn, payload, deadline))
+        // Held jobs are bounded like the queue, so `post` still waits once both are full.
+        while turns.len() < JOB_QUEUE {
+            match jobs.try_recv() {
+                Ok(job) => turns.push_back(Copying::new(job)),
+                Err(_) => break,
+            }
+        }
+        let Some(mut copying) = turns.pop_front() else {
+            continue;
+        };
+        if copying.turn(TURN_BYTES) {
+            turns.push_back(copying);
+        } else {
+            let rt = copying.job.rt.clone();
+            if let Some(commit) = copying.finish() {
+                rt.spawn(commit);
+            }
+        }
+    }
+}
+
+/// Copies a job's bytes at once; returns the write of its notification when that is what
+/// remains.
+fn copy_job(job: Job) -> Option<impl Future<Output = ()> + Send + 'static> {
+    let mut copying = Copying::new(job);
+    while copying.turn(CHUNK_BYTES) {}
+    copying.finish()
+}
+
+/// A job being copied, between its steps.
+struct Copying {
+    job: Job,
+    at: Cursor,
+    /// The notification to write, once the batch was committed.
+    committed: Option<Bytes>,
+}
+
+impl Copying {
+    fn new(job: Job) -> Self {
+        Self {
+            job,
+            at: Cursor::default(),
+            committed: None,
+        }
+    }
+
+    /// Copies up to `budget` bytes in one step of the batch; false once the batch has ended or
+    /// only its commit (see [`Copying::finish`]) remains.
+    fn turn(&mut self, budget: u64) -> bool {
+        let Self { job, at, committed } = self;
+        let Job {
+            batches,
+            id,
+            conn,
+            direction,
+            locals,
+            remotes,
+            ops,
+            notification,
+            ..
+        } = job;
+        let id = *id;
+        // Each step runs under the batch table's lock: cancel, the deadline and peer loss take
+        // it to fence the batch, so once they report, no further step starts.
+        batches.step(id, now(), || {
+            let fence = read(&conn.copy_lock);
+            let copied = if conn.lost.load(Ordering::Acquire) {
+                Err(lost(conn.id, conn.lost_reason()))
+            } else {
+                copy_chunk(*direction, locals, remotes, ops, at, budget)
+                    .map_err(|reason| failed(id, conn.id, reason))
+            };
+            drop(fence);
+            match copied {
+                Err(outcome) => Step::Finish(outcome),
+                Ok(()) if at.op < ops.len() => Step::Continue,
+                Ok(()) => match notification.take() {
+                    None => Step::Finish(Outcome::Done),
+                    // Published in this step, so it is fenced like the copies: once cancel or
+                    // the deadline reports, it has either been rung or never will be.
+                    Some(payload) if matches!(conn.ring(&payload), Ok(true)) => {
+                        Step::Finish(Outcome::Done)
+                    }
+                    // The notification write cannot be recalled once started: if it outlives
+                    // the deadline by the grace, closing the connection keeps it from arriving.
+                    Some(payload) => {
+                        let conn = Arc::clone(conn);
+                        *committed = Some(payload);
+                        Step::Commit(Fence::new(move || conn.wire.shutdown()))
+                    }
+                },
+            }
+        })
+    }
+
+    /// The write of the notification, when the batch was committed and that is what remains.
+    fn finish(self) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let Self { job, committed, .. } = self;
+        committed.map(|payload| commit(job.batches, job.id, job.conn, payload, job.deadline))
+    }
 }
 
 /// A batch's commit, run by the task that posted it. If that task stops polling (its `post`
@@ -348,7 +406,7 @@ impl Drop for InlineCommit {
     }
 }
 
-/// Copies up to [`CHUNK_BYTES`] of the batch from `at`, and moves `at` past what it copied; the
+/// Copies up to `budget` bytes of the batch from `at`, and moves `at` past what it copied; the
 /// error says why the batch fails. Whole rows of a strided op go in one `map::copy_rows` call
 /// (one pair of claims, one tight loop); only a row longer than what is left of the chunk is
 /// cut.
@@ -358,8 +416,8 @@ fn copy_chunk(
     remotes: &[Arc<RemoteRegion>],
     ops: &[PlannedOp],
     at: &mut Cursor,
+    mut budget: u64,
 ) -> std::result::Result<(), String> {
-    let mut budget = CHUNK_BYTES;
     while at.op < ops.len() && budget > 0 {
         let op = ops[at.op];
         if at.row >= op.count || op.len == 0 {
@@ -1723,5 +1781,135 @@ mod tests {
             .await
             .expect("the detached commit never finished")
             .expect("the detached commit was dropped, not run");
+    }
+
+    /// Batches to four peers through one transport, their rows interleaved in one source as a
+    /// DCP 1 -> 4 relayout posts them, are copied in turns: each lands byte for byte with its
+    /// notification, and cancelling the largest once its first rows landed leaves the others
+    /// complete and the cancelled one fenced (nothing of it lands after `cancel` reports, and
+    /// its notification never arrives).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_batches_take_turns_and_a_cancelled_one_is_fenced_alone() {
+        const ROW: u64 = 1152;
+        const ROWS: u64 = 4096;
+        const LONG: u64 = 48 << 20;
+        const CANCELLED: usize = 1;
+        let wait = Duration::from_secs(60);
+        let sender = ShmTransport::new().unwrap();
+        let src_len = 4 * ROWS * ROW;
+        let (src, src_region) = sender.allocate_registered(src_len as usize).await.unwrap();
+        let (long_src, long_region) = sender.allocate_registered(LONG as usize).await.unwrap();
+        let bytes: Vec<u8> = (0..src_len).map(|i| (i * 7 + i / 1153) as u8 | 1).collect();
+        src_region.write_at(0, &bytes).unwrap();
+        let long_bytes: Vec<u8> = (0..LONG).map(|i| (i * 13 + i / 4099) as u8 | 1).collect();
+        long_region.write_at(0, &long_bytes).unwrap();
+        let mut ranks = Vec::new();
+        for rank in 0..4u64 {
+            let receiver = ShmTransport::new().unwrap();
+            let len = ROWS * ROW + if rank as usize == CANCELLED { LONG } else { 0 };
+            let (dst, dst_region) = receiver.allocate_registered(len as usize).await.unwrap();
+            let peer = sender.connect(&receiver.local_descriptor()).await.unwrap();
+            // Rank r's rows are every 4th row of the source from row r, packed.
+            let mut ops =
+                vec![TransferOp::new(src, rank * ROW, dst, 0, ROW).with_rows(ROWS, 4 * ROW, ROW)];
+            if rank as usize == CANCELLED {
+                ops.push(TransferOp::new(long_src, 0, dst, ROWS * ROW, LONG));
+            }
+            let batch = TransferBatch::write(ops).with_notification(Bytes::from(vec![rank as u8]));
+            ranks.push((receiver, peer, dst, dst_region, batch, len));
+        }
+        let mut ids = Vec::new();
+        for (_, peer, _, _, batch, _) in &ranks {
+            ids.push(sender.post(*peer, batch.clone()).await.unwrap());
+        }
+        // Cancel once its first row landed (every source byte is odd, the destination zeroed).
+        let cancelled = &ranks[CANCELLED].3;
+        tokio::time::timeout(wait, async {
+            while cancelled.to_vec(0, 1).unwrap() == [0] {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the batch to cancel never started");
+        let state = sender.cancel(ids[CANCELLED]).await.unwrap();
+        let at_cancel = cancelled.to_vec(0, ranks[CANCELLED].5).unwrap();
+        for (rank, (receiver, _, _, dst_region, _, len)) in ranks.iter().enumerate() {
+            if rank == CANCELLED {
+                continue;
+            }
+            tokio::time::timeout(wait, sender.wait(ids[rank]))
+                .await
+                .expect("a batch never finished")
+                .unwrap_or_else(|e| panic!("rank {rank}'s batch failed: {e}"));
+            let got = dst_region.to_vec(0, *len).unwrap();
+            for row in 0..ROWS as usize {
+                let s = (4 * row + rank) * ROW as usize;
+                let d = row * ROW as usize;
+                assert!(
+                    got[d..d + ROW as usize] == bytes[s..s + ROW as usize],
+                    "rank {rank}, row {row}"
+                );
+            }
+            let n = tokio::time::timeout(wait, receiver.recv_notification())
+                .await
+                .expect("a notification never arrived")
+                .unwrap();
+            assert_eq!(
+                &n.payload[..],
+                &[rank as u8][..],
+                "rank {rank}'s notification"
+            );
+        }
+        // Every byte of the cancelled batch that landed is its own (a step may end inside a
+        // row, so a row can be cut).
+        let landed = |got: &[u8]| {
+            for (d, &have) in got.iter().enumerate() {
+                let (row, at) = (d / ROW as usize, d % ROW as usize);
+                let want = if row < ROWS as usize {
+                    bytes[(4 * row + CANCELLED) * ROW as usize + at]
+                } else {
+                    long_bytes[d - (ROWS * ROW) as usize]
+                };
+                assert!(have == 0 || have == want, "byte {d} of the cancelled batch");
+            }
+        };
+        let (receiver, peer, dst, dst_region, _, len) = &ranks[CANCELLED];
+        let got = dst_region.to_vec(0, *len).unwrap();
+        landed(&got);
+        match state {
+            BatchState::Cancelled => {
+                assert_eq!(got, at_cancel, "bytes landed after cancel reported");
+                assert!(got.contains(&0), "cancelled, yet everything landed");
+            }
+            // Finished before the cancel came (a very slow test task): then it is whole.
+            BatchState::Done => assert!(got.iter().all(|&b| b != 0)),
+            other => panic!("cancel reported {other:?}"),
+        }
+        // Notifications of one connection arrive in order: had the cancelled batch's been
+        // sent, it would come before this one.
+        sender
+            .transfer(
+                *peer,
+                TransferBatch::write(vec![TransferOp::new(
+                    src,
+                    CANCELLED as u64 * ROW,
+                    *dst,
+                    0,
+                    ROW,
+                )])
+                .with_notification(Bytes::from_static(b"after")),
+            )
+            .await
+            .unwrap();
+        let n = tokio::time::timeout(wait, receiver.recv_notification())
+            .await
+            .expect("the later notification never arrived")
+            .unwrap();
+        let expected: &[u8] = if matches!(state, BatchState::Cancelled) {
+            b"after"
+        } else {
+            &[CANCELLED as u8]
+        };
+        assert_eq!(&n.payload[..], expected);
     }
 }
