@@ -1879,7 +1879,6 @@ mod tests {
         match state {
             BatchState::Cancelled => {
                 assert_eq!(got, at_cancel, "bytes landed after cancel reported");
-                assert!(got.contains(&0), "cancelled, yet everything landed");
             }
             // Finished before the cancel came (a very slow test task): then it is whole.
             BatchState::Done => assert!(got.iter().all(|&b| b != 0)),
