@@ -9,8 +9,10 @@
 //! region receives no byte once `deregister` returned.
 //!
 //! One background thread per transport drives NIXL: it polls the transfers in flight and the
-//! notifications, sleeping 10 to 50 µs between polls while transfers are in flight and backing
-//! off to 1 ms when idle (no busy spin); `post` wakes it.
+//! notifications (each poll also drives UCX's progress), sleeping 10 to 50 µs between polls
+//! while transfers are in flight or something happened in the last 20 ms, and backing off to
+//! 1 ms when idle (no busy spin); `post` wakes it. NIXL's own progress thread is off by default
+//! ([`NixlOptions::progress_thread`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -37,11 +39,15 @@ use crate::runtime::Runtime;
 use crate::{NAME, NixlError, NixlOptions};
 
 /// The polling thread's back-off: from `POLL_MIN` up to `POLL_BUSY_MAX` while transfers are
-/// in flight (each poll also drives UCX's progress on this side), up to `POLL_IDLE_MAX` when
-/// nothing is; `post` wakes it at once.
+/// in flight or within `POLL_LINGER` of the last activity (each poll also drives UCX's
+/// progress, which an inbound TCP lane needs to land bytes), up to `POLL_IDLE_MAX` after that;
+/// `post` wakes it at once. A poll that took `POLL_WORKED` or more did work inside UCX (read an
+/// inbound stream, say) and counts as activity.
 const POLL_MIN: Duration = Duration::from_micros(10);
 const POLL_BUSY_MAX: Duration = Duration::from_micros(50);
 const POLL_IDLE_MAX: Duration = Duration::from_millis(1);
+const POLL_LINGER: Duration = Duration::from_millis(20);
+const POLL_WORKED: Duration = Duration::from_micros(20);
 
 fn sleep_until(at: Instant) -> tokio::time::Sleep {
     tokio::time::sleep_until(tokio::time::Instant::from_std(at))
@@ -178,6 +184,8 @@ pub(crate) struct Inner {
     notify_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<Notification>>,
     /// The polling thread, unparked by `post`.
     poller: std::sync::OnceLock<std::thread::Thread>,
+    /// Set by `post`: the polling thread counts it as activity.
+    kicked: AtomicBool,
 }
 
 /// A [`KvTransport`] on a NIXL agent with the UCX backend (feature `nixl`).
@@ -220,9 +228,10 @@ impl NixlTransport {
             Instant::now().elapsed().as_nanos() as u64 ^ std::ptr::addr_of!(AGENTS) as u64
         );
         let cfg = AgentConfig {
-            enable_prog_thread: true,
-            // The progress thread sleeps this long between rounds: UCX lanes that need the
-            // target to progress (tcp) land bytes without any call from the receiver.
+            // Off by default: on a host with few cores NIXL's progress thread contends with the
+            // posting thread for UCX's worker lock and halves the rate of writes of many
+            // descriptors; the polling thread drives UCX's progress instead.
+            enable_prog_thread: options.progress_thread,
             pthr_delay_us: options.progress_interval.as_micros() as u64,
             thread_sync: ThreadSync::Strict,
             ..AgentConfig::default()
@@ -276,6 +285,7 @@ impl NixlTransport {
             notify_tx: Mutex::new(Some(tx)),
             notify_rx: tokio::sync::Mutex::new(rx),
             poller: std::sync::OnceLock::new(),
+            kicked: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&inner);
         let poller = std::thread::Builder::new()
@@ -311,6 +321,15 @@ impl Drop for NixlTransport {
 impl Inner {
     fn id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Wakes the polling thread for a new batch, as activity: its polls drive UCX's progress,
+    /// which the batch's bytes and notification may still need.
+    fn kick(&self) {
+        self.kicked.store(true, Ordering::SeqCst);
+        if let Some(poller) = self.poller.get() {
+            poller.unpark();
+        }
     }
 
     fn check_open(&self) -> Result<()> {
@@ -668,8 +687,10 @@ impl Inner {
 }
 
 fn poll_loop(weak: Weak<Inner>) {
+    ffi::precise_sleeps();
     let mut backoff = POLL_MIN;
     let mut last_notifications = Instant::now();
+    let mut last_activity = Instant::now();
     loop {
         let Some(inner) = weak.upgrade() else { return };
         let in_flight = !lock(&inner.state).inflight.is_empty();
@@ -677,11 +698,14 @@ fn poll_loop(weak: Weak<Inner>) {
         // (which drives UCX's progress on this side) and yields the CPU instead of sleeping;
         // notifications are still polled at the busy back-off's pace.
         let spin = in_flight && inner.options.poll_in_flight;
+        let started = Instant::now();
         let mut busy = inner.poll_transfers();
         if !spin || last_notifications.elapsed() >= POLL_BUSY_MAX {
             busy |= inner.poll_notifications();
             last_notifications = Instant::now();
         }
+        busy |= started.elapsed() >= POLL_WORKED;
+        busy |= inner.kicked.swap(false, Ordering::SeqCst);
         let (idle, done) = {
             let st = lock(&inner.state);
             let idle = st.inflight.is_empty() && st.zombies.is_empty();
@@ -695,7 +719,14 @@ fn poll_loop(weak: Weak<Inner>) {
             std::thread::yield_now();
             continue;
         }
-        let max = if idle { POLL_IDLE_MAX } else { POLL_BUSY_MAX };
+        if busy || !idle {
+            last_activity = Instant::now();
+        }
+        let max = if idle && last_activity.elapsed() >= POLL_LINGER {
+            POLL_IDLE_MAX
+        } else {
+            POLL_BUSY_MAX
+        };
         backoff = if busy {
             POLL_MIN
         } else {
@@ -941,6 +972,17 @@ impl KvTransport for NixlTransport {
                 reason,
             });
         }
+        // UCX often finishes a write inside the post (its cma lane copies there, and a small
+        // write may be acknowledged at once): such a batch ends here, without waiting for the
+        // polling thread's next turn. The thread is woken all the same: the notification may
+        // still wait in UCX's queue for a progress call.
+        if matches!(inner.agent.get_xfer_status(&req), Ok(XferStatus::Success)) {
+            drop(st);
+            drop(req);
+            inner.batches.finish(id, Outcome::Done, Instant::now());
+            inner.kick();
+            return Ok(id);
+        }
         st.inflight.insert(
             id,
             Inflight {
@@ -958,9 +1000,7 @@ impl KvTransport for NixlTransport {
             }
         });
         inner.batches.step(id, now, || Step::Commit(fence));
-        if let Some(poller) = inner.poller.get() {
-            poller.unpark();
-        }
+        inner.kick();
         Ok(id)
     }
 

@@ -1,6 +1,7 @@
 //! The whole conformance suite against two NIXL agents in one process (UCX backend, the lanes
 //! UCX picks by default), directly and through `Arc<dyn KvTransport>`, and again with
-//! `UCX_TLS=tcp` (`whole_suite_over_ucx_tcp`). `cross_process_suite.rs` runs the suite with the
+//! `UCX_TLS=tcp` (`whole_suite_over_ucx_tcp`), and directly with NIXL's own progress thread on
+//! (`progress_thread::`; it is off by default). `cross_process_suite.rs` runs the suite with the
 //! receiver in another process; `peer_process.rs` has more cases whose peer is another process.
 //!
 //! Every case is skipped, with the reason printed, when the NIXL runtime is not set up
@@ -15,12 +16,24 @@ use kvbridge_nixl::{NixlOptions, NixlTransport};
 use kvbridge_transport::testing::TransportPair;
 
 async fn nixl_pair() -> Option<TransportPair> {
+    pair_with(false)
+}
+
+async fn nixl_pair_with_progress_thread() -> Option<TransportPair> {
+    pair_with(true)
+}
+
+fn pair_with(progress_thread: bool) -> Option<TransportPair> {
     if !common::runtime_ready() {
         return None;
     }
     // The suite has no way to allocate device memory here, so device memory stays off even on
     // a host with a GPU (the suite then checks that it is refused).
-    let options = || NixlOptions::default().with_device_memory(false);
+    let options = || {
+        NixlOptions::default()
+            .with_device_memory(false)
+            .with_progress_thread(progress_thread)
+    };
     Some(TransportPair::new(
         Arc::new(NixlTransport::with_options(options()).expect("sender transport")),
         Arc::new(NixlTransport::with_options(options()).expect("receiver transport")),
@@ -51,6 +64,18 @@ macro_rules! emit_boxed {
     };
 }
 
+macro_rules! emit_progress_thread {
+    ($($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let Some(pair) = super::nixl_pair_with_progress_thread().await else { return };
+                kvbridge_transport::testing::$case(pair).await
+            }
+        )*
+    };
+}
+
 mod conformance {
     use super::nixl_pair;
     kvbridge_transport::__conformance_cases!(emit_direct);
@@ -58,6 +83,11 @@ mod conformance {
     mod dyn_transport {
         kvbridge_transport::__conformance_cases!(emit_boxed);
     }
+}
+
+/// The suite with NIXL's progress thread driving UCX beside the polling thread.
+mod progress_thread {
+    kvbridge_transport::__conformance_cases!(emit_progress_thread);
 }
 
 /// Runs the whole suite again in a child test process with `UCX_TLS=tcp`, so every case also
