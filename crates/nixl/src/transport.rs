@@ -948,13 +948,21 @@ impl KvTransport for NixlTransport {
                 return Err(e);
             }
         };
-        let ids = |mut v: Vec<u64>| {
+        // Region ids, once each: consecutive descriptors mostly share theirs, so runs are
+        // collapsed before sorting (a strided batch has one descriptor per row).
+        let ids = |ids: &mut dyn Iterator<Item = u64>| {
+            let mut v: Vec<u64> = Vec::new();
+            for id in ids {
+                if v.last() != Some(&id) {
+                    v.push(id);
+                }
+            }
             v.sort_unstable();
             v.dedup();
             v
         };
-        let remote_regions = ids(remote.iter().map(|r| r.3).collect());
-        let local_regions = ids(local.iter().map(|l| l.3).collect());
+        let remote_regions = ids(&mut remote.iter().map(|r| r.3));
+        let local_regions = ids(&mut local.iter().map(|l| l.3));
         // Posted under the region lock so a deregistration's deferred ack sees the batch.
         let mut st = lock(&inner.state);
         if let Err(e) = inner.agent.post_xfer_req(&req, None) {
@@ -1126,28 +1134,37 @@ fn descriptors(
 ) -> Result<(String, Vec<LocalDesc>, Vec<RemoteDesc>)> {
     let st = lock(&inner.state);
     let p = st.usable(peer)?;
-    let mut local = Vec::new();
-    let mut remote = Vec::new();
+    let mut local = Vec::with_capacity(batch.ops.len());
+    let mut remote = Vec::with_capacity(batch.ops.len());
+    // The last regions looked up: consecutive ops (the rows of one strided op) share them.
+    let mut last: Option<(RegionId, Segment, RegionId, &RemoteRegion)> = None;
     for op in &batch.ops {
-        let l = st
-            .regions
-            .get(&op.local_region.0)
-            .ok_or(TransportError::UnknownRegion {
-                side: Side::Local,
-                region: op.local_region,
-                transport: NAME,
-            })?;
-        let lseg = Segment::of(&l.region);
+        let (lseg, r) = match last {
+            Some((l, lseg, r, rr)) if l == op.local_region && r == op.remote_region => (lseg, rr),
+            _ => {
+                let l =
+                    st.regions
+                        .get(&op.local_region.0)
+                        .ok_or(TransportError::UnknownRegion {
+                            side: Side::Local,
+                            region: op.local_region,
+                            transport: NAME,
+                        })?;
+                let r =
+                    p.regions
+                        .get(&op.remote_region.0)
+                        .ok_or(TransportError::UnknownRegion {
+                            side: Side::Remote,
+                            region: op.remote_region,
+                            transport: NAME,
+                        })?;
+                let lseg = Segment::of(&l.region);
+                last = Some((op.local_region, lseg, op.remote_region, r));
+                (lseg, r)
+            }
+        };
         // One row each: `post` expanded strided ops first.
         op.local_rows_in(lseg.len)?;
-        let r = p
-            .regions
-            .get(&op.remote_region.0)
-            .ok_or(TransportError::UnknownRegion {
-                side: Side::Remote,
-                region: op.remote_region,
-                transport: NAME,
-            })?;
         op.remote_rows_in(usize::try_from(r.len).unwrap_or(usize::MAX))?;
         if op.len == 0 {
             continue;
@@ -1166,10 +1183,10 @@ fn descriptors(
         ));
     }
     // One NIXL descriptor list holds one memory type per side.
-    let mixed = |kinds: Vec<bool>| kinds.windows(2).any(|w| w[0] != w[1]);
-    if mixed(local.iter().map(|l| l.2.is_some()).collect())
-        || mixed(remote.iter().map(|r| r.2.is_some()).collect())
-    {
+    let mixed = |d: &[(usize, usize, Option<u32>, u64)]| {
+        d.windows(2).any(|w| w[0].2.is_some() != w[1].2.is_some())
+    };
+    if mixed(&local) || mixed(&remote) {
         return Err(TransportError::InvalidArgument {
             transport: NAME,
             message: "a batch mixes host and device memory on one side; NIXL moves one \
