@@ -38,12 +38,14 @@ use crate::ffi::{self, Segment};
 use crate::runtime::Runtime;
 use crate::{NAME, NixlError, NixlOptions};
 
-/// The polling thread's back-off: from `POLL_MIN` up to `POLL_BUSY_MAX` while transfers are
-/// in flight or within `POLL_LINGER` of the last activity (each poll also drives UCX's
-/// progress, which an inbound TCP lane needs to land bytes), up to `POLL_IDLE_MAX` after that;
-/// `post` wakes it at once. A poll that took `POLL_WORKED` or more did work inside UCX (read an
+/// The polling thread's back-off: from `POLL_MIN` up to `POLL_IN_FLIGHT_MAX` while transfers
+/// are in flight (each poll also drives UCX's progress, which the batch's completion waits
+/// for), up to `POLL_BUSY_MAX` within `POLL_LINGER` of the last activity (an inbound TCP lane
+/// needs the receiver's progress to land bytes), up to `POLL_IDLE_MAX` after that; `post`
+/// wakes it at once. A poll that took `POLL_WORKED` or more did work inside UCX (read an
 /// inbound stream, say) and counts as activity.
 const POLL_MIN: Duration = Duration::from_micros(10);
+const POLL_IN_FLIGHT_MAX: Duration = Duration::from_micros(20);
 const POLL_BUSY_MAX: Duration = Duration::from_micros(50);
 const POLL_IDLE_MAX: Duration = Duration::from_millis(1);
 const POLL_LINGER: Duration = Duration::from_millis(20);
@@ -722,10 +724,12 @@ fn poll_loop(weak: Weak<Inner>) {
         if busy || !idle {
             last_activity = Instant::now();
         }
-        let max = if idle && last_activity.elapsed() >= POLL_LINGER {
-            POLL_IDLE_MAX
-        } else {
+        let max = if !idle {
+            POLL_IN_FLIGHT_MAX
+        } else if last_activity.elapsed() < POLL_LINGER {
             POLL_BUSY_MAX
+        } else {
+            POLL_IDLE_MAX
         };
         backoff = if busy {
             POLL_MIN
