@@ -65,7 +65,7 @@ pub struct NixlOptions {
     /// While a transfer is in flight, poll it without sleeping, yielding the CPU between polls
     /// (default false): each poll drives UCX's progress on the sending side, which the bytes'
     /// rate depends on, at the cost of a core while bytes move (what NIXL's own progress thread
-    /// does at its default delay of zero). Off, the polling thread sleeps 10 to 50 µs between
+    /// does at its default delay of zero). Off, the polling thread sleeps 10 to 20 µs between
     /// polls. Idle transports always back off to 1 ms (after 20 ms without activity).
     pub poll_in_flight: bool,
 }

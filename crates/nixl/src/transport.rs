@@ -9,10 +9,10 @@
 //! region receives no byte once `deregister` returned.
 //!
 //! One background thread per transport drives NIXL: it polls the transfers in flight and the
-//! notifications (each poll also drives UCX's progress), sleeping 10 to 50 µs between polls
-//! while transfers are in flight or something happened in the last 20 ms, and backing off to
-//! 1 ms when idle (no busy spin); `post` wakes it. NIXL's own progress thread is off by default
-//! ([`NixlOptions::progress_thread`]).
+//! notifications (each poll also drives UCX's progress), sleeping 10 to 20 µs between polls
+//! while transfers are in flight, 10 to 50 µs while something happened in the last 20 ms, and
+//! backing off to 1 ms when idle (no busy spin); `post` wakes it. NIXL's own progress thread
+//! is off by default ([`NixlOptions::progress_thread`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
