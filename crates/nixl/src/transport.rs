@@ -89,7 +89,20 @@ struct Inflight {
     /// Local regions it reads: kept registered until it ends.
     local_regions: Vec<u64>,
     remote_regions: Vec<u64>,
+    /// The staging region its gathered rows are sent from, if any.
+    _staging: Option<Staging>,
 }
+
+/// A registered region holding a batch's gathered rows; deregistered before it is unmapped.
+struct Staging {
+    _registration: RegistrationHandle,
+    _region: MemoryRegion,
+}
+
+/// Rows at most this long whose destinations are back to back are gathered into a staging
+/// region at `post` (host memory only), so NIXL gets one descriptor per run instead of one per
+/// row: UCX pays per descriptor, and a copy of a small row costs less.
+const GATHER_MAX_ROW: usize = 16 * 1024;
 
 /// An acknowledgement that waits until the batches in flight into regions the peer removed
 /// have ended (the fencing point of the peer's `deregister`).
@@ -945,13 +958,6 @@ impl KvTransport for NixlTransport {
             inner.batches.finish(id, Outcome::Done, now);
             return Ok(id);
         }
-        let req = match make_request(inner, &name, &local, &remote, batch.notification.as_deref()) {
-            Ok(req) => req,
-            Err(e) => {
-                inner.batches.forget(id);
-                return Err(e);
-            }
-        };
         // Region ids, once each: consecutive descriptors mostly share theirs, so runs are
         // collapsed before sorting (a strided batch has one descriptor per row).
         let ids = |ids: &mut dyn Iterator<Item = u64>| {
@@ -965,8 +971,22 @@ impl KvTransport for NixlTransport {
             v.dedup();
             v
         };
-        let remote_regions = ids(&mut remote.iter().map(|r| r.3));
         let local_regions = ids(&mut local.iter().map(|l| l.3));
+        let (local, remote, staging) = match gather(inner, local, remote) {
+            Ok(g) => g,
+            Err(e) => {
+                inner.batches.forget(id);
+                return Err(e);
+            }
+        };
+        let req = match make_request(inner, &name, &local, &remote, batch.notification.as_deref()) {
+            Ok(req) => req,
+            Err(e) => {
+                inner.batches.forget(id);
+                return Err(e);
+            }
+        };
+        let remote_regions = ids(&mut remote.iter().map(|r| r.3));
         // Posted under the region lock so a deregistration's deferred ack sees the batch.
         let mut st = lock(&inner.state);
         if let Err(e) = inner.agent.post_xfer_req(&req, None) {
@@ -991,6 +1011,7 @@ impl KvTransport for NixlTransport {
         if matches!(inner.agent.get_xfer_status(&req), Ok(XferStatus::Success)) {
             drop(st);
             drop(req);
+            drop(staging);
             inner.batches.finish(id, Outcome::Done, Instant::now());
             inner.kick();
             return Ok(id);
@@ -1002,6 +1023,7 @@ impl KvTransport for NixlTransport {
                 peer,
                 local_regions,
                 remote_regions,
+                _staging: staging,
             },
         );
         drop(st);
@@ -1199,6 +1221,101 @@ fn descriptors(
         });
     }
     Ok((p.name.clone(), local, remote))
+}
+
+/// Gathers runs of small host-memory rows whose destinations are back to back (the rows of a
+/// strided op packed on the peer) into one registered staging region, one descriptor pair
+/// per run; other descriptors stay as they are. The copy happens here, at `post`, so the
+/// source rows are read before `post` returns.
+fn gather(
+    inner: &Inner,
+    local: Vec<LocalDesc>,
+    remote: Vec<RemoteDesc>,
+) -> Result<(Vec<LocalDesc>, Vec<RemoteDesc>, Option<Staging>)> {
+    // A run: descriptors i..j, each a small host row, the remote ones back to back in one region.
+    let small =
+        |i: usize| local[i].2.is_none() && remote[i].2.is_none() && local[i].1 <= GATHER_MAX_ROW;
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < local.len() {
+        let mut j = i + 1;
+        if small(i) {
+            while j < local.len()
+                && small(j)
+                && remote[j].3 == remote[i].3
+                && remote[j - 1].0 + remote[j - 1].1 == remote[j].0
+                && local[j - 1].0 + local[j - 1].1 != local[j].0
+            {
+                j += 1;
+            }
+        }
+        runs.push(i..j);
+        i = j;
+    }
+    let staged: usize = runs
+        .iter()
+        .filter(|r| r.len() > 1)
+        .map(|r| local[r.clone()].iter().map(|l| l.1).sum::<usize>())
+        .sum();
+    if staged == 0 {
+        return Ok((local, remote, None));
+    }
+    let region = ffi::allocate(staged).map_err(|e| TransportError::Io {
+        transport: NAME,
+        context: format!("mapping a {staged}-byte staging region for gathered rows"),
+        source: e,
+    })?;
+    let seg = Segment::of(&region);
+    let registration = inner.agent.register_memory(&seg, None).map_err(|e| {
+        call_err(
+            "registerMem",
+            e,
+            "UCX could not register a staging region; post fewer rows per batch",
+        )
+    })?;
+    let sources: HashMap<u64, (usize, MemoryRegion)> = {
+        let st = lock(&inner.state);
+        let mut m = HashMap::new();
+        for r in runs.iter().filter(|r| r.len() > 1) {
+            let id = local[r.start].3;
+            if let Some(l) = st.regions.get(&id) {
+                m.entry(id)
+                    .or_insert_with(|| (Segment::of(&l.region).addr, l.region.clone()));
+            }
+        }
+        m
+    };
+    let mut out_local = Vec::with_capacity(runs.len());
+    let mut out_remote = Vec::with_capacity(runs.len());
+    let mut at = 0;
+    for r in runs {
+        if r.len() == 1 {
+            out_local.push(local[r.start]);
+            out_remote.push(remote[r.start]);
+            continue;
+        }
+        let start = at;
+        for l in &local[r.clone()] {
+            let (base, src) = sources.get(&l.3).ok_or(TransportError::UnknownRegion {
+                side: Side::Local,
+                region: RegionId(l.3),
+                transport: NAME,
+            })?;
+            src.copy_to((l.0 - base) as u64, &region, at as u64, l.1 as u64)?;
+            at += l.1;
+        }
+        out_local.push((seg.addr + start, at - start, None, local[r.start].3));
+        let first = remote[r.start];
+        out_remote.push((first.0, at - start, None, first.3));
+    }
+    Ok((
+        out_local,
+        out_remote,
+        Some(Staging {
+            _registration: registration,
+            _region: region,
+        }),
+    ))
 }
 
 fn make_request(

@@ -1,0 +1,77 @@
+//! Strided writes whose destination rows are back to back are gathered into a staging region
+//! at `post` (one NIXL descriptor per run of rows): every shape of batch must still land
+//! exactly the bytes a row-by-row copy would, and nothing else. Random batches (strided ops
+//! packed or not on the peer, contiguous ops, rows above and below the gathering limit) are
+//! checked byte for byte against a model of the destination.
+#![cfg(feature = "nixl")]
+
+mod common;
+
+use std::sync::Arc;
+
+use kvbridge_nixl::{NixlOptions, NixlTransport};
+use kvbridge_transport::testing::SplitMix64;
+use kvbridge_transport::{KvTransport, KvTransportExt, TransferBatch, TransferOp};
+
+const SRC: usize = 1 << 20;
+const DST: usize = 1 << 20;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gathered_rows_land_exactly_where_row_by_row_copies_would() {
+    if !common::runtime_ready() {
+        return;
+    }
+    let options = || NixlOptions::default().with_device_memory(false);
+    let tx: Arc<dyn KvTransport> = Arc::new(NixlTransport::with_options(options()).unwrap());
+    let rx: Arc<dyn KvTransport> = Arc::new(NixlTransport::with_options(options()).unwrap());
+    let (src_id, src) = tx.allocate_registered(SRC).await.unwrap();
+    let (dst_id, dst) = rx.allocate_registered(DST).await.unwrap();
+    let peer = tx.connect(&rx.local_descriptor()).await.unwrap();
+    let mut rng = SplitMix64::new(0x9a7e);
+    let source = rng.bytes(SRC);
+    src.write_at(0, &source).unwrap();
+    for round in 0..24 {
+        let mut model = vec![0u8; DST];
+        dst.write_at(0, &model).unwrap();
+        // Ops on disjoint destination slices of 64 KiB, so their order does not matter.
+        let mut ops = Vec::new();
+        for slot in 0..(1 + rng.next_u64() % 8) {
+            let base = slot * 65_536;
+            let len = [1, 64, 1152, 4096, 16_384, 16_385, 20_000][(rng.next_u64() % 7) as usize];
+            let count = 1 + rng.next_u64() % (65_536 / len).min(40);
+            let packed = rng.next_u64() % 3 != 0;
+            let remote_stride = if packed {
+                len
+            } else {
+                len + 1 + rng.next_u64() % 64
+            };
+            let count = count.min(65_536 / remote_stride).max(1);
+            let local_stride = len * (1 + rng.next_u64() % 3);
+            let local_offset = rng.next_u64() % (SRC as u64 - local_stride * count - len);
+            let op = TransferOp::new(src_id, local_offset, dst_id, base, len).with_rows(
+                count,
+                local_stride,
+                remote_stride,
+            );
+            for row in op.rows() {
+                let (s, d, n) = (
+                    row.local_offset as usize,
+                    row.remote_offset as usize,
+                    len as usize,
+                );
+                model[d..d + n].copy_from_slice(&source[s..s + n]);
+            }
+            ops.push(op);
+        }
+        tx.transfer(peer, TransferBatch::write(ops.clone()))
+            .await
+            .unwrap();
+        let landed = dst.to_vec(0, DST as u64).unwrap();
+        assert!(
+            landed == model,
+            "round {round}: the destination differs from a row-by-row copy of {ops:?}"
+        );
+    }
+    tx.shutdown().await.unwrap();
+    rx.shutdown().await.unwrap();
+}
