@@ -958,20 +958,7 @@ impl KvTransport for NixlTransport {
             inner.batches.finish(id, Outcome::Done, now);
             return Ok(id);
         }
-        // Region ids, once each: consecutive descriptors mostly share theirs, so runs are
-        // collapsed before sorting (a strided batch has one descriptor per row).
-        let ids = |ids: &mut dyn Iterator<Item = u64>| {
-            let mut v: Vec<u64> = Vec::new();
-            for id in ids {
-                if v.last() != Some(&id) {
-                    v.push(id);
-                }
-            }
-            v.sort_unstable();
-            v.dedup();
-            v
-        };
-        let local_regions = ids(&mut local.iter().map(|l| l.3));
+        let local_regions = region_ids(local.iter().map(|l| l.3));
         let (local, remote, staging) = match gather(inner, local, remote) {
             Ok(g) => g,
             Err(e) => {
@@ -986,7 +973,7 @@ impl KvTransport for NixlTransport {
                 return Err(e);
             }
         };
-        let remote_regions = ids(&mut remote.iter().map(|r| r.3));
+        let remote_regions = region_ids(remote.iter().map(|r| r.3));
         // Posted under the region lock so a deregistration's deferred ack sees the batch.
         let mut st = lock(&inner.state);
         if let Err(e) = inner.agent.post_xfer_req(&req, None) {
@@ -1221,6 +1208,20 @@ fn descriptors(
         });
     }
     Ok((p.name.clone(), local, remote))
+}
+
+/// Region ids, once each, sorted: consecutive descriptors mostly share theirs, so runs are
+/// collapsed before sorting (a strided batch has one descriptor per row).
+fn region_ids(ids: impl Iterator<Item = u64>) -> Vec<u64> {
+    let mut v: Vec<u64> = Vec::new();
+    for id in ids {
+        if v.last() != Some(&id) {
+            v.push(id);
+        }
+    }
+    v.sort_unstable();
+    v.dedup();
+    v
 }
 
 /// Gathers runs of small host-memory rows whose destinations are back to back (the rows of a
