@@ -1233,7 +1233,8 @@ fn gather(
     local: Vec<LocalDesc>,
     remote: Vec<RemoteDesc>,
 ) -> Result<(Vec<LocalDesc>, Vec<RemoteDesc>, Option<Staging>)> {
-    // A run: descriptors i..j, each a small host row, the remote ones back to back in one region.
+    // A run: descriptors i..j, each a small host row of one local region, the remote ones back
+    // to back in one region.
     let small =
         |i: usize| local[i].2.is_none() && remote[i].2.is_none() && local[i].1 <= GATHER_MAX_ROW;
     let mut runs = Vec::new();
@@ -1244,6 +1245,7 @@ fn gather(
             while j < local.len()
                 && small(j)
                 && remote[j].3 == remote[i].3
+                && local[j].3 == local[i].3
                 && remote[j - 1].0 + remote[j - 1].1 == remote[j].0
                 && local[j - 1].0 + local[j - 1].1 != local[j].0
             {

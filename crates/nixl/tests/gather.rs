@@ -2,7 +2,8 @@
 //! at `post` (one NIXL descriptor per run of rows): every shape of batch must still land
 //! exactly the bytes a row-by-row copy would, and nothing else. Random batches (strided ops
 //! packed or not on the peer, contiguous ops, rows above and below the gathering limit) are
-//! checked byte for byte against a model of the destination.
+//! checked byte for byte against a model of the destination, and so are two ops from two
+//! source regions packed one after the other on the peer.
 #![cfg(feature = "nixl")]
 
 mod common;
@@ -70,6 +71,31 @@ async fn gathered_rows_land_exactly_where_row_by_row_copies_would() {
         assert!(
             landed == model,
             "round {round}: the destination differs from a row-by-row copy of {ops:?}"
+        );
+    }
+    // Two strided ops from two source regions, packed one right after the other on the peer.
+    let (other_id, other) = tx.allocate_registered(SRC).await.unwrap();
+    let second = rng.bytes(SRC);
+    other.write_at(0, &second).unwrap();
+    let (len, count) = (1152u64, 16u64);
+    let ops = vec![
+        TransferOp::new(src_id, 0, dst_id, 0, len).with_rows(count, 4 * len, len),
+        TransferOp::new(other_id, 0, dst_id, len * count, len).with_rows(count, 4 * len, len),
+    ];
+    dst.write_at(0, &vec![0u8; DST]).unwrap();
+    tx.transfer(peer, TransferBatch::write(ops)).await.unwrap();
+    let landed = dst.to_vec(0, 2 * len * count).unwrap();
+    for (k, row) in landed.chunks(len as usize).enumerate() {
+        let (from, i) = if (k as u64) < count {
+            (&source, k)
+        } else {
+            (&second, k - count as usize)
+        };
+        let at = i * 4 * len as usize;
+        assert_eq!(
+            row,
+            &from[at..at + len as usize],
+            "row {k} of two regions' ops"
         );
     }
     tx.shutdown().await.unwrap();
