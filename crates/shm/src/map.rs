@@ -317,20 +317,21 @@ pub(crate) fn copy_rows(
                 (len as usize, src_stride as usize, dst_stride as usize);
             let count = count as usize;
             let mut first = 0;
-            // Rows whose length is whole cache lines, into 16-byte aligned destinations (the
-            // DCP relayout's 1152-byte rows): `ROWS_AT_ONCE` rows at a time, a line of each in
-            // turn, so that many independent load streams are in flight.
+            // Rows of whole cache lines into 16-byte aligned destinations (the DCP relayout's
+            // 1152-byte rows) go `ROWS_AT_ONCE` at a time, a line of each in turn (many load
+            // streams in flight), unless 64-byte stores are at hand: then each row on its own,
+            // without prefetch, is faster (docs/benchmarks.md).
+            let wide = stream && wide_stores();
             #[cfg(target_arch = "x86_64")]
-            if stream && len % 64 == 0 && d.align_offset(16) == 0 && dst_stride % 16 == 0 {
+            if stream && !wide && len % 64 == 0 && d.align_offset(16) == 0 && dst_stride % 16 == 0 {
                 let rows: [usize; ROWS_AT_ONCE] = std::array::from_fn(|k| k);
                 while first + ROWS_AT_ONCE <= count {
                     for k in first + ROWS_AT_ONCE..(first + 2 * ROWS_AT_ONCE).min(count) {
                         prefetch(s.wrapping_add(k * src_stride), len);
                     }
                     // SAFETY: rows `first..first + ROWS_AT_ONCE` are below `count`, so each lies
-                    // inside both claimed spans, as in the loop below; each destination row
-                    // starts 16-byte aligned (`d` and the stride are) and `len` is a multiple
-                    // of 64.
+                    // inside both claimed spans, as in the loop below; destination rows start
+                    // 16-byte aligned (`d` and the stride are); `len` is a multiple of 64.
                     unsafe {
                         stream_row_group(
                             rows.map(|k| s.add((first + k) * src_stride).cast_const()),
@@ -342,9 +343,8 @@ pub(crate) fn copy_rows(
                 }
             }
             for i in first..count {
-                // The hardware prefetchers start over at every row; fetching a row a few rows
-                // ahead keeps the loads of strided rows from stalling on memory.
-                if i + PREFETCH_ROWS < count {
+                // Hardware prefetchers start over at every row: fetch a few rows ahead.
+                if !wide && i + PREFETCH_ROWS < count {
                     prefetch(s.wrapping_add((i + PREFETCH_ROWS) * src_stride), len);
                 }
                 // SAFETY: row `i` lies inside both claimed spans (`i * stride + len <= span`),
@@ -478,7 +478,8 @@ unsafe fn stream_row_group(
     }
 }
 
-/// The body of [`stream_copy`], without the closing fence, so a run of rows pays one fence.
+/// The body of [`stream_copy`], without the closing fence, so a run of rows pays one fence:
+/// 64-byte stores where the CPU has them ([`wide_stores`]), else 16-byte ones.
 ///
 /// # Safety
 ///
@@ -492,6 +493,21 @@ unsafe fn stream_rows(src: *const u8, dst: *mut u8, len: usize) {
     use std::arch::x86_64::_mm_store_si128 as _mm_stream_si128;
     #[cfg(not(miri))]
     use std::arch::x86_64::_mm_stream_si128;
+    #[cfg(not(miri))]
+    if wide_stores() {
+        // Bytes until `dst` is 64-byte aligned (64-byte streaming stores need it).
+        let head = dst.align_offset(64).min(len);
+        let lines = (len - head) / 64;
+        // SAFETY: `head + 64 * lines <= len`, so every range below is inside the caller's
+        // valid ranges; `dst + head` is 64-byte aligned; `wide_stores` checked the CPU.
+        unsafe {
+            std::ptr::copy(src, dst, head);
+            stream_lines_wide(src.add(head), dst.add(head), lines);
+            let at = head + 64 * lines;
+            std::ptr::copy(src.add(at), dst.add(at), len - at);
+        }
+        return;
+    }
     // Bytes until `dst` is 16-byte aligned (streaming stores need aligned destinations).
     let head = (dst.align_offset(16)).min(len);
     // SAFETY: `head <= len`, so both ranges are inside the caller's valid ranges.
@@ -520,9 +536,100 @@ unsafe fn stream_rows(src: *const u8, dst: *mut u8, len: usize) {
     }
 }
 
+/// Whether this CPU (and OS) has AVX-512, for [`stream_lines_wide`]: a 64-byte streaming
+/// store writes a whole line at once, and strided 1152-byte rows copy about 1.3x as fast
+/// (CPU time) as with 16-byte stores (docs/benchmarks.md). Never under Miri, which cannot
+/// run the instructions; `std` caches the answer, so asking costs one load. Tests turn it off
+/// on their thread to cover the 16-byte path too.
+#[cfg(target_arch = "x86_64")]
+fn wide_stores() -> bool {
+    #[cfg(test)]
+    if tests::NARROW.with(std::cell::Cell::get) {
+        return false;
+    }
+    !cfg!(miri) && std::is_x86_feature_detected!("avx512f")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn wide_stores() -> bool {
+    false
+}
+
+/// Copies `lines` 64-byte lines from `src` to `dst` with AVX-512 loads and 64-byte streaming
+/// stores, four lines per step, without the closing fence. Written as assembly because the
+/// AVX-512 intrinsics need a newer Rust than this workspace's `rust-version`.
+///
+/// # Safety
+///
+/// The CPU must have AVX-512 ([`wide_stores`]); `src` must be valid for reads and `dst` for
+/// writes of `64 * lines` bytes, and `dst` must be 64-byte aligned.
+#[cfg(all(target_arch = "x86_64", not(miri)))]
+unsafe fn stream_lines_wide(src: *const u8, dst: *mut u8, lines: usize) {
+    // SAFETY: by the caller's contract every load is inside `src`'s valid range, every store
+    // inside `dst`'s and 64-byte aligned (`dst` is, and it advances by 64), and the CPU runs
+    // these instructions. Like the intrinsics above, the loads and stores create no references
+    // to the bytes. The block uses no stack. It writes zmm0-3 and ends with `vzeroupper`
+    // (which clears the upper bits of vector registers 0-15, so later SSE code pays no
+    // penalty); xmm0-15 are declared clobbered, which covers every width of those registers,
+    // so the compiler keeps nothing in them across the block.
+    unsafe {
+        std::arch::asm!(
+            "2:",
+            "cmp {n}, 4",
+            "jb 3f",
+            "vmovdqu64 zmm0, [{s}]",
+            "vmovdqu64 zmm1, [{s} + 64]",
+            "vmovdqu64 zmm2, [{s} + 128]",
+            "vmovdqu64 zmm3, [{s} + 192]",
+            "vmovntdq [{d}], zmm0",
+            "vmovntdq [{d} + 64], zmm1",
+            "vmovntdq [{d} + 128], zmm2",
+            "vmovntdq [{d} + 192], zmm3",
+            "add {s}, 256",
+            "add {d}, 256",
+            "sub {n}, 4",
+            "jmp 2b",
+            "3:",
+            "test {n}, {n}",
+            "jz 4f",
+            "vmovdqu64 zmm0, [{s}]",
+            "vmovntdq [{d}], zmm0",
+            "add {s}, 64",
+            "add {d}, 64",
+            "dec {n}",
+            "jmp 3b",
+            "4:",
+            "vzeroupper",
+            s = inout(reg) src => _,
+            d = inout(reg) dst => _,
+            n = inout(reg) lines => _,
+            out("xmm0") _, out("xmm1") _, out("xmm2") _, out("xmm3") _,
+            out("xmm4") _, out("xmm5") _, out("xmm6") _, out("xmm7") _,
+            out("xmm8") _, out("xmm9") _, out("xmm10") _, out("xmm11") _,
+            out("xmm12") _, out("xmm13") _, out("xmm14") _, out("xmm15") _,
+            options(nostack),
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    thread_local! {
+        /// Set: this thread's streaming copies use the 16-byte stores even where the CPU has
+        /// AVX-512, so both paths are tested on such a machine.
+        pub(super) static NARROW: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// Runs `f` with this thread's streaming copies 16 bytes wide (`narrow`) or as wide as the
+    /// CPU allows.
+    fn with_narrow<R>(narrow: bool, f: impl FnOnce() -> R) -> R {
+        let before = NARROW.with(|n| n.replace(narrow));
+        let r = f();
+        NARROW.with(|n| n.set(before));
+        r
+    }
 
     #[test]
     fn allocated_regions_are_sealed_shared_and_recognised() {
@@ -556,18 +663,20 @@ mod tests {
             (13, 17, 2 * STREAM_MIN + 1),
             (5, 9, 100),
         ] {
-            let dst = allocate(len).unwrap();
-            dst.fill(0, len as u64, 0xaa).unwrap();
-            copy_out(&src, so, &dst, doff, n).unwrap();
-            let got = dst.to_vec(0, len as u64).unwrap();
-            let (so, doff, n) = (so as usize, doff as usize, n as usize);
-            assert_eq!(
-                &got[doff..doff + n],
-                &bytes[so..so + n],
-                "({so}, {doff}, {n})"
-            );
-            assert!(got[..doff].iter().all(|&b| b == 0xaa));
-            assert!(got[doff + n..].iter().all(|&b| b == 0xaa));
+            for narrow in [false, true] {
+                let dst = allocate(len).unwrap();
+                dst.fill(0, len as u64, 0xaa).unwrap();
+                with_narrow(narrow, || copy_out(&src, so, &dst, doff, n)).unwrap();
+                let got = dst.to_vec(0, len as u64).unwrap();
+                let (so, doff, n) = (so as usize, doff as usize, n as usize);
+                assert_eq!(
+                    &got[doff..doff + n],
+                    &bytes[so..so + n],
+                    "({so}, {doff}, {n}, narrow {narrow})"
+                );
+                assert!(got[..doff].iter().all(|&b| b == 0xaa));
+                assert!(got[doff + n..].iter().all(|&b| b == 0xaa));
+            }
         }
         let dst = allocate(len).unwrap();
         assert!(matches!(
@@ -671,6 +780,7 @@ mod tests {
             extra_d in 0usize..300,
             count in 0usize..40,
             streaming: bool,
+            narrow: bool,
         ) {
             let (ss, ds) = (len + extra_s, len + extra_d);
             let src_len = so + ss * count + len + 1;
@@ -680,10 +790,10 @@ mod tests {
             src.write_at(0, &bytes).unwrap();
             let dst = MemoryRegion::allocate(dst_len).unwrap();
             dst.fill(0, dst_len as u64, 0xee).unwrap();
-            copy_rows(
+            with_narrow(narrow, || copy_rows(
                 &src, so as u64, ss as u64, &dst, doff as u64, ds as u64, len as u64,
                 count as u64, streaming,
-            )
+            ))
             .unwrap();
             let mut want = vec![0xee; dst_len];
             rows_by_hand(&bytes, &mut want, (so, ss, doff, ds, len, count));
@@ -704,6 +814,7 @@ mod tests {
             extra_s in 0usize..200,
             extra_d16 in 0usize..8,
             count in 64usize..120,
+            narrow: bool,
         ) {
             let len = lines * 64 + usize::from(ragged) * 9;
             let (ss, ds, doff) = (len + extra_s, len + 16 * extra_d16, 16 * doff16);
@@ -713,10 +824,10 @@ mod tests {
             let bytes: Vec<u8> = (0..src_len).map(|i| (i * 29 + i / 241) as u8).collect();
             src.write_at(0, &bytes).unwrap();
             let dst = MemoryRegion::allocate(dst_len).unwrap();
-            copy_rows(
+            with_narrow(narrow, || copy_rows(
                 &src, so as u64, ss as u64, &dst, doff as u64, ds as u64, len as u64,
                 count as u64, true,
-            )
+            ))
             .unwrap();
             let mut want = vec![0; dst_len];
             rows_by_hand(&bytes, &mut want, (so, ss, doff, ds, len, count));

@@ -95,15 +95,55 @@ fn io_err(e: std::io::Error) -> LinkError {
     }
 }
 
-/// Reads exactly `buf.len()` bytes, failing if the peer is silent for `idle`.
+/// A reader's keep-alive limit: a read that waits `idle` for bytes fails with
+/// [`LinkError::Silent`]. One timer serves all the reads of a connection: it is moved only when
+/// a wait would outlast it by more than half the limit (and when it fires early), so a read
+/// that waits for the next frame, as each small batch's does, neither arms nor disarms a timer.
+pub(crate) struct Silence {
+    idle: Duration,
+    timer: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl Silence {
+    pub(crate) fn new(idle: Duration) -> Self {
+        Self {
+            idle,
+            timer: Box::pin(tokio::time::sleep(idle)),
+        }
+    }
+
+    /// Runs `fut`, failing if it is still pending `idle` from now.
+    async fn limit<F: std::future::Future>(&mut self, fut: F) -> Result<F::Output, LinkError> {
+        let limit = Instant::now() + self.idle;
+        if self.timer.deadline() + self.idle / 2 < limit {
+            self.timer.as_mut().reset(limit);
+        }
+        let mut fut = std::pin::pin!(fut);
+        std::future::poll_fn(|cx| {
+            if let std::task::Poll::Ready(v) = fut.as_mut().poll(cx) {
+                return std::task::Poll::Ready(Ok(v));
+            }
+            while self.timer.as_mut().poll(cx).is_ready() {
+                if Instant::now() >= limit {
+                    return std::task::Poll::Ready(Err(LinkError::Silent(self.idle)));
+                }
+                self.timer.as_mut().reset(limit);
+            }
+            std::task::Poll::Pending
+        })
+        .await
+    }
+}
+
+/// Reads exactly `buf.len()` bytes, failing if the peer is silent for `silence`'s limit.
 ///
-/// Bytes already at hand (in a read-ahead, or in the socket) are taken without a timer: a
-/// timer costs a clock read, which is a good part of a small batch's time on some VMs, and a
-/// small batch's frames arrive in one read.
+/// Bytes already at hand (in a read-ahead, or in the socket) are taken without looking at the
+/// clock: a clock read is a good part of a small batch's time on some VMs, and a small batch's
+/// frames arrive in one read.
 pub(crate) async fn read_exact_timed<R: AsyncRead + Unpin>(
     r: &mut R,
     buf: &mut [u8],
-    idle: Duration,
+    silence: &mut Silence,
 ) -> Result<(), LinkError> {
     let mut read = std::pin::pin!(r.read_exact(buf));
     let first = std::future::poll_fn(|cx| match read.as_mut().poll(cx) {
@@ -112,15 +152,19 @@ pub(crate) async fn read_exact_timed<R: AsyncRead + Unpin>(
     })
     .await;
     let done = match first {
-        Some(r) => Ok(r),
-        // The same read goes on (what it has read so far is kept), now under the timer.
-        None => tokio::time::timeout(idle, read).await,
+        Some(r) => r,
+        // The same read goes on (what it has read so far is kept), now under the limit.
+        None => silence.limit(read).await?,
     };
-    match done {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err(e)) => Err(io_err(e)),
-        Err(_) => Err(LinkError::Silent(idle)),
-    }
+    done.map(|_| ()).map_err(io_err)
+}
+
+/// Waits until `r` is readable, failing if the peer is silent for `silence`'s limit.
+pub(crate) async fn readable_timed(
+    r: &tokio::net::tcp::OwnedReadHalf,
+    silence: &mut Silence,
+) -> Result<(), LinkError> {
+    silence.limit(r.readable()).await?.map_err(LinkError::Io)
 }
 
 /// Reads one frame (a `Data` frame's payload stays on the stream). `buf` is reused; it never
@@ -129,9 +173,9 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
     buf: &mut Vec<u8>,
     max_body: u32,
-    idle: Duration,
+    silence: &mut Silence,
 ) -> Result<Frame, LinkError> {
-    read_frame_checked(r, buf, max_body, idle, |_, _| Ok(())).await
+    read_frame_checked(r, buf, max_body, silence, |_, _| Ok(())).await
 }
 
 /// [`read_frame`], with `check` run on the header's type and body length before any of the
@@ -140,16 +184,16 @@ pub(crate) async fn read_frame_checked<R: AsyncRead + Unpin>(
     r: &mut R,
     buf: &mut Vec<u8>,
     max_body: u32,
-    idle: Duration,
+    silence: &mut Silence,
     check: impl FnOnce(wire::FrameType, u32) -> Result<(), TcpError>,
 ) -> Result<Frame, LinkError> {
     let mut h = [0u8; HEADER_LEN];
-    read_exact_timed(r, &mut h, idle).await?;
+    read_exact_timed(r, &mut h, silence).await?;
     let (ty, len) = wire::decode_header(&h, max_body)?;
     check(ty, len)?;
     buf.clear();
     buf.resize(len as usize, 0);
-    read_exact_timed(r, buf, idle).await?;
+    read_exact_timed(r, buf, silence).await?;
     Ok(wire::decode_body(ty, buf)?)
 }
 
@@ -190,7 +234,7 @@ async fn read_preface<R: AsyncRead + Unpin>(
     idle: Duration,
 ) -> Result<([u8; PREFACE_LEN], Preface), LinkError> {
     let mut raw = [0u8; PREFACE_LEN];
-    read_exact_timed(r, &mut raw, idle).await?;
+    read_exact_timed(r, &mut raw, &mut Silence::new(idle)).await?;
     let p = Preface::decode(&raw)?;
     Ok((raw, p))
 }
@@ -251,7 +295,7 @@ pub(crate) async fn client_handshake<S: AsyncRead + AsyncWrite + Unpin>(
     };
     s.write_all(&frame.encode()).await.map_err(io_err)?;
     let mut buf = Vec::new();
-    let frame = read_frame(s, &mut buf, 4096, idle).await?;
+    let frame = read_frame(s, &mut buf, 4096, &mut Silence::new(idle)).await?;
     let welcomed = Instant::now();
     match frame {
         Frame::Welcome { mac } => match (&config.secret, mac) {
@@ -303,7 +347,7 @@ async fn server_handshake_inner<S: AsyncRead + AsyncWrite + Unpin>(
     };
     let (mine, theirs_raw) = exchange_prefaces(s, config, names).await?;
     let mut buf = Vec::new();
-    let frame = read_frame(s, &mut buf, 4096, idle).await?;
+    let frame = read_frame(s, &mut buf, 4096, &mut Silence::new(idle)).await?;
     let Frame::Hello {
         session,
         conn_index,
@@ -349,4 +393,41 @@ async fn server_handshake_inner<S: AsyncRead + AsyncWrite + Unpin>(
         .await
         .map_err(io_err)?;
     Ok((hello, welcomed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The limit counts from the start of each wait, whether the shared timer is moved for it
+    /// or only re-armed when it fires early.
+    #[tokio::test(start_paused = true)]
+    async fn silence_fails_a_wait_exactly_idle_after_it_began() {
+        let idle = Duration::from_secs(10);
+        let mut silence = Silence::new(idle);
+        // A first wait arms the timer at 10 s and is answered at once.
+        assert_eq!(silence.limit(async { 7 }).await.unwrap(), 7);
+        for start_after in [Duration::from_secs(4), Duration::from_secs(7)] {
+            tokio::time::advance(start_after).await;
+            let began = Instant::now();
+            let r = silence.limit(std::future::pending::<()>()).await;
+            assert!(matches!(r, Err(LinkError::Silent(d)) if d == idle), "{r:?}");
+            assert_eq!(Instant::now() - began, idle, "after {start_after:?}");
+        }
+    }
+
+    /// A wait that ends before the limit returns what it read, however long it took.
+    #[tokio::test(start_paused = true)]
+    async fn silence_lets_a_wait_shorter_than_the_limit_finish() {
+        let mut silence = Silence::new(Duration::from_secs(10));
+        for _ in 0..3 {
+            let r = silence
+                .limit(async {
+                    tokio::time::sleep(Duration::from_secs(9)).await;
+                    "frame"
+                })
+                .await;
+            assert_eq!(r.unwrap(), "frame");
+        }
+    }
 }

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use kvbridge_transport::batch::LocalIds;
 use kvbridge_transport::memory::checked_rows;
 use kvbridge_transport::sync::{lock, read};
 use kvbridge_transport::{MemoryRegion, Notification, PeerId, Result, TransportError};
@@ -269,7 +270,7 @@ pub(crate) fn announce(shared: &Shared, region: u64, len: Option<u64>) {
 }
 
 /// The region table as `Regions` frames, the last one marked, for a connection's first bytes.
-fn table_frames(table: &HashMap<u64, MemoryRegion>) -> Vec<u8> {
+fn table_frames(table: &HashMap<u64, MemoryRegion, LocalIds>) -> Vec<u8> {
     let mut entries: Vec<RegionLen> = table
         .iter()
         .map(|(&region, r)| RegionLen {
@@ -499,6 +500,7 @@ async fn reader_task(
         buf: Vec::new(),
         scratch: Vec::new(),
         bounce: Vec::new(),
+        silence: conn::Silence::new(session.idle),
     };
     let mut r = Reader::with_capacity(READ_AHEAD, r);
     let Err(error) = rx.run(&mut r).await;
@@ -589,15 +591,23 @@ struct ActiveGuard<'a> {
 impl Drop for ActiveGuard<'_> {
     fn drop(&mut self) {
         let mut batches = self.session.lock_batches();
-        if let Some(b) = batches.get_mut(&self.batch) {
-            b.active = b.active.saturating_sub(1);
-            b.inflight = b.inflight.saturating_sub(self.bytes);
-            if self.applied {
-                b.received += self.bytes;
+        // Only a cancel waits for the pieces of a batch, once it marked the batch cancelled
+        // (or forgot it) under this lock.
+        let cancel_waits = match batches.get_mut(&self.batch) {
+            Some(b) => {
+                b.active = b.active.saturating_sub(1);
+                b.inflight = b.inflight.saturating_sub(self.bytes);
+                if self.applied {
+                    b.received += self.bytes;
+                }
+                b.cancelled
             }
-        }
+            None => true,
+        };
         drop(batches);
-        self.session.writers_idle.notify_waiters();
+        if cancel_waits {
+            self.session.writers_idle.notify_waiters();
+        }
     }
 }
 
@@ -620,6 +630,8 @@ struct Receiver<'a> {
     buf: Vec<u8>,
     scratch: Vec<u8>,
     bounce: Vec<u8>,
+    /// The connection's keep-alive limit on reads.
+    silence: conn::Silence,
 }
 
 impl Receiver<'_> {
@@ -637,16 +649,14 @@ impl Receiver<'_> {
     /// Sends `frame` at once from this task when nothing is queued before it (see
     /// [`conn::write_now`]), otherwise through the writer task.
     async fn send_now(&self, frame: Frame) -> Result<(), LinkError> {
-        let Some(ctrl) = self.session.ctrl(self.index) else {
-            return Err(LinkError::Eof);
+        // Looked at in place: a clone of the queue's sender costs two atomic updates.
+        let idle = match lock(&self.session.ctrl).get(usize::from(self.index)) {
+            Some(Some(ctrl)) => ctrl.capacity() == ctrl.max_capacity(),
+            _ => return Err(LinkError::Eof),
         };
-        let idle = ctrl.capacity() == ctrl.max_capacity();
         match conn::write_now(&self.writer, idle, frame.encode(), self.session.idle) {
             Ok(()) => Ok(()),
-            Err(frame) => ctrl
-                .send(Outgoing::plain(frame))
-                .await
-                .map_err(|_| LinkError::Eof),
+            Err(frame) => self.send_out(Outgoing::plain(frame)).await,
         }
     }
 
@@ -657,13 +667,14 @@ impl Receiver<'_> {
         loop {
             // A `Begin` is charged to the peer's budget before its body is read.
             let mut charge = None;
-            let frame = conn::read_frame_checked(r, &mut self.buf, max, session.idle, |ty, len| {
-                if ty == FrameType::Begin {
-                    charge = Some(session.charge(shared, len)?);
-                }
-                Ok(())
-            })
-            .await?;
+            let frame =
+                conn::read_frame_checked(r, &mut self.buf, max, &mut self.silence, |ty, len| {
+                    if ty == FrameType::Begin {
+                        charge = Some(session.charge(shared, len)?);
+                    }
+                    Ok(())
+                })
+                .await?;
             match frame {
                 Frame::Ping { nonce } => {
                     session.record_pong(nonce);
@@ -732,13 +743,16 @@ impl Receiver<'_> {
         let ack_charge = charge.split((wire::HEADER_LEN + 13 + 16 * needs.len()) as u64);
         let mut lens = Vec::with_capacity(needs.len());
         let mut ok = true;
-        for need in &needs {
-            let len = self.shared.region(need.region).map(|r| r.len() as u64);
-            ok &= len.is_some_and(|l| need.end <= l);
-            lens.push(RegionLen {
-                region: need.region,
-                len,
-            });
+        {
+            let regions = read(&self.shared.regions);
+            for need in &needs {
+                let len = regions.get(&need.region).map(|r| r.len() as u64);
+                ok &= len.is_some_and(|l| need.end <= l);
+                lens.push(RegionLen {
+                    region: need.region,
+                    len,
+                });
+            }
         }
         let status = {
             let mut batches = self.session.lock_batches();
@@ -907,7 +921,6 @@ impl Receiver<'_> {
             bytes: total,
             applied: false,
         };
-        let idle = self.session.idle;
         let mut left = total;
         let mut dropping = false;
         // Foreign memory (a mapping others may write) is never borrowed as a slice.
@@ -922,11 +935,7 @@ impl Receiver<'_> {
             let ahead = r.buffer().len();
             if ahead == 0 {
                 fresh = false;
-                match tokio::time::timeout(idle, r.get_ref().readable()).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => return Err(LinkError::Io(e)),
-                    Err(_) => return Err(LinkError::Silent(idle)),
-                }
+                conn::readable_timed(r.get_ref(), &mut self.silence).await?;
             }
             if !std::mem::take(&mut fresh) && !self.session.batch_live(batch) {
                 dropping = true;
@@ -1048,7 +1057,7 @@ impl Receiver<'_> {
         }
         while n > 0 {
             let k = n.min(DRAIN_BUF as u64) as usize;
-            conn::read_exact_timed(r, &mut self.scratch[..k], self.session.idle).await?;
+            conn::read_exact_timed(r, &mut self.scratch[..k], &mut self.silence).await?;
             n -= k as u64;
         }
         Ok(())

@@ -92,7 +92,7 @@ pub use error::TcpError;
 
 use batch::TxBatch;
 use inbound::Session;
-use kvbridge_transport::batch::{BatchTable, Batches, Outcome};
+use kvbridge_transport::batch::{BatchTable, Batches, LocalIds, Outcome};
 use kvbridge_transport::sync::{lock, read, write};
 use outbound::OutPeer;
 
@@ -383,17 +383,17 @@ pub(crate) struct Shared {
     pub(crate) config: TcpConfig,
     pub(crate) descriptor: Bytes,
     pub(crate) local_addr: SocketAddr,
-    pub(crate) regions: RwLock<HashMap<u64, MemoryRegion>>,
+    pub(crate) regions: RwLock<HashMap<u64, MemoryRegion, LocalIds>>,
     next_region: AtomicU64,
     /// Peer ids for both outbound peers and inbound sessions.
     pub(crate) next_peer: AtomicU64,
-    pub(crate) out_peers: Mutex<HashMap<u64, Arc<OutPeer>>>,
+    pub(crate) out_peers: Mutex<HashMap<u64, Arc<OutPeer>, LocalIds>>,
     /// Inbound sessions by session id.
     pub(crate) sessions: Mutex<HashMap<u64, Arc<Session>>>,
     /// Ids, states, deadlines, `wait` and `cancel` of the batches this side posted.
     pub(crate) table: Batches,
     /// What the wire needs of each batch in `table`, until `wait` collects it.
-    pub(crate) batches: Mutex<HashMap<u64, Arc<TxBatch>>>,
+    pub(crate) batches: Mutex<HashMap<u64, Arc<TxBatch>, LocalIds>>,
     pub(crate) deadlines: outbound::Deadlines,
     /// Notifications of completed batches, each with the charge of its batch (released when
     /// the application takes it).
@@ -493,15 +493,15 @@ impl TcpTransport {
             descriptor: Bytes::from(format_descriptor(advertised)),
             local_addr: bound,
             config,
-            regions: RwLock::new(HashMap::new()),
+            regions: RwLock::new(HashMap::default()),
             next_region: AtomicU64::new(1),
             next_peer: AtomicU64::new(1),
-            out_peers: Mutex::new(HashMap::new()),
+            out_peers: Mutex::new(HashMap::default()),
             sessions: Mutex::new(HashMap::new()),
             // A fence that cannot finish leaves the peer within twice its grace (and the
             // receiver's own deadline for the batch is its anchor): the backstop comes after.
             table: Batches::from_table(BatchTable::new(NAME).with_commit_grace(commit_grace)),
-            batches: Mutex::new(HashMap::new()),
+            batches: Mutex::new(HashMap::default()),
             deadlines: outbound::Deadlines::default(),
             notify_tx,
             notify_rx: tokio::sync::Mutex::new(notify_rx),
@@ -712,13 +712,21 @@ impl KvTransport for TcpTransport {
 
     async fn recv_notification(&self) -> Result<Notification> {
         self.check_open()?;
-        let mut rx = tokio::select! {
-            rx = self.shared.notify_rx.lock() => rx,
-            () = self.shared.wait_closed() => return Err(self.shared.closed_err()),
+        // One watch of the closing for both waits, subscribed only if one has to wait (each
+        // subscription costs a lock; a small write's notification is on its round trip).
+        let closed = self.shared.wait_closed();
+        tokio::pin!(closed);
+        let mut rx = match self.shared.notify_rx.try_lock() {
+            Ok(rx) => rx,
+            Err(_) => tokio::select! {
+                rx = self.shared.notify_rx.lock() => rx,
+                () = &mut closed => return Err(self.shared.closed_err()),
+            },
         };
         tokio::select! {
+            biased;
             n = rx.recv() => n.map(|(n, _charge)| n).ok_or_else(|| self.shared.closed_err()),
-            () = self.shared.wait_closed() => Err(self.shared.closed_err()),
+            () = &mut closed => Err(self.shared.closed_err()),
         }
     }
 

@@ -28,7 +28,7 @@ use crate::wire::{
     self, BeginStatus, CancelStatus, Frame, RegionLen, RegionNeed, WireOp, WireRows,
 };
 use crate::{NAME, Shared};
-use kvbridge_transport::batch::{Fence, Outcome, Step};
+use kvbridge_transport::batch::{Fence, Outcome};
 
 /// Descriptors in one `Data` frame (one `writev` carries the header and all their payloads,
 /// and stays below the kernel's 1024-iovec limit).
@@ -114,6 +114,18 @@ impl LocalOp {
             local_stride: n,
             remote_stride: n,
         }
+    }
+
+    /// Whether this op's bytes are gathered into the writer's staging buffer rather than
+    /// handed to the kernel in place: its local ranges (rows, or the whole op) are shorter
+    /// than [`STAGE_BELOW`], so an iovec each would cost more than a copy.
+    fn staged(&self) -> bool {
+        let range = if self.locally_contiguous() {
+            self.total()
+        } else {
+            self.len
+        };
+        range < STAGE_BELOW && self.region.can_borrow()
     }
 
     /// Whether the rows are adjacent in the local region (one range), or there is one.
@@ -584,8 +596,9 @@ async fn read_table(
 ) -> Result<Vec<RegionLen>, LinkError> {
     let mut buf = Vec::new();
     let mut table = Vec::new();
+    let mut silence = conn::Silence::new(cfg.connect_timeout);
     loop {
-        match conn::read_frame(s, &mut buf, cfg.max_frame_len, cfg.connect_timeout).await? {
+        match conn::read_frame(s, &mut buf, cfg.max_frame_len, &mut silence).await? {
             Frame::Regions { last, regions } => {
                 let room = MAX_REMOTE_REGIONS.saturating_sub(table.len());
                 table.extend(regions.into_iter().take(room));
@@ -645,9 +658,9 @@ async fn reader_task(shared: Arc<Shared>, peer: Arc<OutPeer>, r: OwnedReadHalf, 
     let mut r = tokio::io::BufReader::with_capacity(READ_AHEAD, r);
     let mut buf = Vec::new();
     let max = shared.config.max_frame_len;
-    let idle = shared.config.keepalive_timeout;
+    let mut silence = conn::Silence::new(shared.config.keepalive_timeout);
     loop {
-        let frame = match conn::read_frame(&mut r, &mut buf, max, idle).await {
+        let frame = match conn::read_frame(&mut r, &mut buf, max, &mut silence).await {
             Ok(f) => f,
             Err(e) => {
                 lose_on_read_error(&shared, &peer, index, e).await;
@@ -737,6 +750,7 @@ async fn writer_task(
     mut ctrl: mpsc::Receiver<Vec<u8>>,
 ) {
     let piece_bytes = shared.config.piece_bytes;
+    let mut stage = Stage::default();
     let r: std::io::Result<()> = async {
         loop {
             // Control frames (cancels, pongs, pings) go first, between pieces.
@@ -752,7 +766,7 @@ async fn writer_task(
             tokio::pin!(notified);
             notified.as_mut().enable();
             if let Some(piece) = peer.take_piece(piece_bytes) {
-                send_piece(&*w.lock().await, piece).await?;
+                send_piece(&*w.lock().await, piece, &mut stage).await?;
                 // Waiting for a writable socket does not count against tokio's task budget,
                 // so while the socket keeps up this loop would never give the worker back:
                 // keep-alives, heartbeats and the other connections' writers would starve
@@ -833,8 +847,8 @@ impl<'a> Source<'a> {
         Some(Source::Copied(v))
     }
 
-    /// The iovecs of these bytes, in payload order.
-    fn push_slices<'s>(&'s self, out: &mut Vec<IoSlice<'s>>) {
+    /// Calls `f` with these bytes, slice by slice, in payload order.
+    fn each_slice<'s>(&'s self, mut f: impl FnMut(&'s [u8])) {
         match self {
             Source::Borrowed {
                 span,
@@ -845,106 +859,215 @@ impl<'a> Source<'a> {
             } => {
                 for (offset, len) in op.local_parts(*from, *to) {
                     let at = (offset - base) as usize;
-                    out.push(IoSlice::new(&span[at..at + len as usize]));
+                    f(&span[at..at + len as usize]);
                 }
             }
-            Source::Copied(v) => out.push(IoSlice::new(v)),
+            Source::Copied(v) => f(v),
         }
     }
 }
 
+/// Local ranges shorter than this (a strided op's rows, or a whole short op) are gathered into
+/// the writer's staging buffer and written from there: the kernel's cost per iovec exceeds a
+/// user-space copy of that many bytes.
+const STAGE_BELOW: u64 = 4 << 10;
+
+/// Bytes gathered into a writer's staging buffer at a time, each batch one `writev`: small
+/// enough to stay in the CPU's cache between the gather and the kernel's copy out of it, and
+/// below the 64 KiB of one loopback or GSO segment, so no write leaves a tiny segment behind
+/// (64 KiB exactly would: a 65,483-byte segment and a 53-byte one, each sent at once).
+const STAGE_BYTES: u64 = 63 << 10;
+
+/// A writer's staging buffer, reused from piece to piece: bytes `from..from + buf.len()` of the
+/// frame being written, gathered from short source ranges ([`LocalOp::staged`]).
+#[derive(Default)]
+struct Stage {
+    buf: Vec<u8>,
+    from: u64,
+}
+
+/// Part of one op in one write attempt: `op`'s payload bytes `from..to`, which start at byte
+/// `at` of the frame.
+struct Part<'a> {
+    op: &'a LocalOp,
+    from: u64,
+    to: u64,
+    at: u64,
+}
+
 /// Writes a piece as one `Data` or `Rows` frame: header, descriptors and payloads in vectored
-/// writes, each row of a strided op its own iovec (gathered in place, nothing copied).
+/// writes. Long source ranges are written in place (an iovec each, nothing copied); short
+/// ones (rows of a strided op, small ops) are gathered into `stage` first, at most
+/// [`STAGE_BYTES`] at a time, and written from there.
 ///
-/// Source ranges are borrowed only for the duration of each non-blocking `writev`, never
-/// while waiting for the socket, so the application can write its own memory meanwhile.
-async fn send_piece(w: &OwnedWriteHalf, piece: Piece) -> std::io::Result<()> {
-    use std::os::fd::AsFd;
+/// Source ranges are borrowed only for the duration of each non-blocking `writev` (or of a
+/// gather), never while waiting for the socket, so the application can write its own memory
+/// meanwhile.
+async fn send_piece(w: &OwnedWriteHalf, piece: Piece, stage: &mut Stage) -> std::io::Result<()> {
     let header = encode_ops_header(piece.batch.0.id.0, &piece.ops);
     let head = header.len() as u64;
     let total = head + piece.ops.iter().map(LocalOp::total).sum::<u64>();
+    stage.buf.clear();
     let mut done = 0u64;
     while done < total {
         w.writable().await?;
-        let mut parts = Vec::new();
-        let mut budget = ATTEMPT_BYTES;
-        // One iovec is the header's.
-        let mut iovecs = MAX_IOVECS - 1;
-        let mut at = head;
-        for op in &piece.ops {
-            let end = at + op.total();
-            if end <= done {
-                at = end;
-                continue;
+        let header_left = &header[(done.min(head)) as usize..];
+        let staged = stage.from..stage.from + stage.buf.len() as u64;
+        let sent = if staged.contains(&done) {
+            // The rest of what an earlier attempt gathered.
+            let rest = [IoSlice::new(&stage.buf[(done - staged.start) as usize..])];
+            Some(written(w.try_write_vectored(&rest))?)
+        } else {
+            match next_attempt(&piece.ops, head, done) {
+                (parts, true) => write_gathered(w, header_left, &parts, stage)?,
+                (parts, false) => write_in_place(w, header_left, &parts)?,
             }
-            let from = done.saturating_sub(at);
-            let to = op.attempt_end(from, budget, iovecs);
-            parts.push((op, from, to));
-            budget -= to - from;
+        };
+        match sent {
+            Some(n) => done += n,
+            // Another access holds a source range for the length of one write; try again
+            // shortly.
+            None => tokio::time::sleep(Duration::from_micros(100)).await,
+        }
+    }
+    Ok(())
+}
+
+/// The parts of the next write attempt from frame byte `done` on (past the `head` bytes of the
+/// header), and whether they are gathered: an attempt is all short ranges (at most
+/// [`STAGE_BYTES`], gathered) or all long ones (at most [`ATTEMPT_BYTES`] and
+/// [`MAX_IOVECS`] iovecs, in place).
+fn next_attempt(ops: &[LocalOp], head: u64, done: u64) -> (Vec<Part<'_>>, bool) {
+    let mut parts = Vec::new();
+    let mut gather = None;
+    let mut budget = ATTEMPT_BYTES;
+    // One iovec is the header's.
+    let mut iovecs = MAX_IOVECS - 1;
+    let mut at = head;
+    for op in ops {
+        let end = at + op.total();
+        if end <= done {
+            at = end;
+            continue;
+        }
+        let staged = op.staged();
+        if *gather.get_or_insert(staged) != staged {
+            break;
+        }
+        if staged && parts.is_empty() {
+            budget = STAGE_BYTES;
+        }
+        let from = done.saturating_sub(at);
+        let to = if staged {
+            op.total().min(from + budget)
+        } else {
+            op.attempt_end(from, budget, iovecs)
+        };
+        parts.push(Part {
+            op,
+            from,
+            to,
+            at: at + from,
+        });
+        budget -= to - from;
+        if !staged {
             iovecs = iovecs.saturating_sub(if op.locally_contiguous() {
                 1
             } else {
                 ((to - 1) / op.len - from / op.len + 1) as usize
             });
-            at = end;
-            // What follows in the frame comes after the rest of this op.
-            if budget == 0 || iovecs == 0 || to < op.total() {
-                break;
-            }
         }
-        let header_left = &header[(done.min(head)) as usize..];
-        if parts.iter().any(|(op, _, _)| !op.region.can_borrow()) {
-            // Memory that cannot be borrowed (foreign) is written by the kernel straight from
-            // its claimed raw ranges.
-            let ranges: Vec<(&MemoryRegion, u64, u64)> = parts
-                .iter()
-                .flat_map(|(op, from, to)| {
-                    op.local_parts(*from, *to)
-                        .map(|(offset, len)| (&op.region, offset, len))
-                })
-                .collect();
-            let stream: &tokio::net::TcpStream = w.as_ref();
-            match stream.try_io(tokio::io::Interest::WRITABLE, || {
-                kvbridge_transport::memory::send_vectored(stream.as_fd(), header_left, &ranges)
-            }) {
-                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-                Ok(n) => done += n as u64,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                // Another access holds the range for the length of one write; try again shortly.
-                Err(e) if e.get_ref().is_some_and(|i| i.is::<TransportError>()) => {
-                    tokio::time::sleep(Duration::from_micros(100)).await;
-                }
-                Err(e) => return Err(e),
-            }
-            continue;
-        }
-        let mut sources = Vec::with_capacity(parts.len());
-        for (op, from, to) in parts {
-            match Source::acquire(op, from, to) {
-                Some(s) => sources.push(s),
-                None => break,
-            }
-        }
-        if header_left.is_empty() && sources.is_empty() {
-            // Another access holds the range for the length of one write; try again shortly.
-            tokio::time::sleep(Duration::from_micros(100)).await;
-            continue;
-        }
-        let mut slices = Vec::with_capacity(MAX_IOVECS.min(1 + sources.len() * 4));
-        if !header_left.is_empty() {
-            slices.push(IoSlice::new(header_left));
-        }
-        for s in &sources {
-            s.push_slices(&mut slices);
-        }
-        match w.try_write_vectored(&slices) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => done += n as u64,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
+        at = end;
+        // What follows in the frame comes after the rest of this op.
+        if budget == 0 || iovecs == 0 || to < op.total() {
+            break;
         }
     }
-    Ok(())
+    (parts, gather == Some(true))
+}
+
+/// Gathers `parts` into `stage` and writes what is left of the header and the staged bytes:
+/// the bytes sent, or `None` when no source could be read and nothing was sent.
+fn write_gathered(
+    w: &OwnedWriteHalf,
+    header_left: &[u8],
+    parts: &[Part<'_>],
+    stage: &mut Stage,
+) -> std::io::Result<Option<u64>> {
+    stage.buf.clear();
+    stage.from = parts.first().map_or(0, |p| p.at);
+    for p in parts {
+        match Source::acquire(p.op, p.from, p.to) {
+            Some(s) => s.each_slice(|bytes| stage.buf.extend_from_slice(bytes)),
+            None => break,
+        }
+    }
+    if header_left.is_empty() && stage.buf.is_empty() {
+        return Ok(None);
+    }
+    let mut slices = Vec::with_capacity(2);
+    if !header_left.is_empty() {
+        slices.push(IoSlice::new(header_left));
+    }
+    slices.push(IoSlice::new(&stage.buf));
+    Ok(Some(written(w.try_write_vectored(&slices))?))
+}
+
+/// Writes what is left of the header and `parts` straight from the sources (borrowed for the
+/// one call): the bytes sent, or `None` when a source is momentarily written and nothing was
+/// sent.
+fn write_in_place(
+    w: &OwnedWriteHalf,
+    header_left: &[u8],
+    parts: &[Part<'_>],
+) -> std::io::Result<Option<u64>> {
+    use std::os::fd::AsFd;
+    if parts.iter().any(|p| !p.op.region.can_borrow()) {
+        // Memory that cannot be borrowed (foreign) is written by the kernel straight from
+        // its claimed raw ranges.
+        let ranges: Vec<(&MemoryRegion, u64, u64)> = parts
+            .iter()
+            .flat_map(|p| {
+                p.op.local_parts(p.from, p.to)
+                    .map(|(offset, len)| (&p.op.region, offset, len))
+            })
+            .collect();
+        let stream: &tokio::net::TcpStream = w.as_ref();
+        return match stream.try_io(tokio::io::Interest::WRITABLE, || {
+            kvbridge_transport::memory::send_vectored(stream.as_fd(), header_left, &ranges)
+        }) {
+            Err(e) if e.get_ref().is_some_and(|i| i.is::<TransportError>()) => Ok(None),
+            r => written(r).map(Some),
+        };
+    }
+    let mut sources = Vec::with_capacity(parts.len());
+    for p in parts {
+        match Source::acquire(p.op, p.from, p.to) {
+            Some(s) => sources.push(s),
+            None => break,
+        }
+    }
+    if header_left.is_empty() && sources.is_empty() {
+        return Ok(None);
+    }
+    let mut slices = Vec::with_capacity(MAX_IOVECS.min(1 + sources.len() * 4));
+    if !header_left.is_empty() {
+        slices.push(IoSlice::new(header_left));
+    }
+    for s in &sources {
+        s.each_slice(|bytes| slices.push(IoSlice::new(bytes)));
+    }
+    Ok(Some(written(w.try_write_vectored(&slices))?))
+}
+
+/// What one non-blocking write sent: 0 when the socket was full.
+fn written(r: std::io::Result<usize>) -> std::io::Result<u64> {
+    match r {
+        Ok(0) => Err(std::io::ErrorKind::WriteZero.into()),
+        Ok(n) => Ok(n as u64),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(0),
+        Err(e) => Err(e),
+    }
 }
 
 /// Why the receiver refused a batch, named from its answer (`lens`: the lengths of the regions
@@ -990,7 +1113,7 @@ const RESOLVE_SLICE: usize = 4096;
 pub(crate) async fn post(
     shared: &Arc<Shared>,
     peer: &Arc<OutPeer>,
-    batch: TransferBatch,
+    mut batch: TransferBatch,
 ) -> Result<BatchId> {
     if peer.lost.load(Ordering::Acquire) {
         return Err(peer.lost_error());
@@ -1001,15 +1124,14 @@ pub(crate) async fn post(
     check_remote(peer, cfg, &batch, &needs)?;
     // One clock read for both (a clock read is not free on every machine).
     let now = crate::batch::now();
-    let id = shared.table.insert(peer.id, batch.timeout, now)?;
     // Committing from the start: once any byte of the `Begin` may have left, only the
     // receiver's fence decides how the batch ends (`fence`). The receiver applies nothing past
     // its own deadline (at most the anchor), so the table's backstop needs no fence of its own.
-    shared.table.step(id, now, || Step::Commit(Fence::none()));
-    let deadline = shared
-        .table
-        .deadline(id)
-        .map_or_else(Instant::now, Instant::from_std);
+    let (id, deadline) =
+        shared
+            .table
+            .insert_committed(peer.id, batch.timeout, now, Fence::none())?;
+    let deadline = Instant::from_std(deadline);
     let mut b = TxBatch::new(id, peer.id, deadline);
     // The deadline counts from an epoch the receiver stamped no later than this side read it,
     // so the receiver's deadline for the batch is never later than `b.deadline`.
@@ -1036,7 +1158,8 @@ pub(crate) async fn post(
         None
     };
     if inline.is_some() {
-        b.remote_ops = batch.ops.clone();
+        // Kept to name what the receiver refuses; the batch itself is not needed any more.
+        b.remote_ops = std::mem::take(&mut batch.ops);
     }
     let b = Arc::new(b);
     lock(&shared.batches).insert(id.0, b.clone());
@@ -1249,22 +1372,29 @@ fn check_remote(
 /// `Rows`) frame with the payload copied from the sources. `None` when a source range is
 /// momentarily written (the batch then takes the path with pieces, which waits for it).
 fn inline_frame(begin: Frame, batch: u64, ops: &[LocalOp], total: u64) -> Option<Vec<u8>> {
-    let mut frame = begin.encode();
     if total == 0 {
-        return Some(frame);
+        return Some(begin.encode());
     }
     // Ops without bytes are left out: the receiver needs no descriptor for them.
-    let ops: Vec<LocalOp> = ops
-        .iter()
-        .filter(|op| op.total() > 0)
-        .map(|op| op.rows(0, op.count))
-        .collect();
-    let header = encode_ops_header(batch, &ops);
+    let with_bytes: Vec<LocalOp>;
+    let ops = if ops.iter().all(|op| op.total() > 0) {
+        ops
+    } else {
+        with_bytes = ops
+            .iter()
+            .filter(|op| op.total() > 0)
+            .map(|op| op.rows(0, op.count))
+            .collect();
+        &with_bytes
+    };
+    let header = encode_ops_header(batch, ops);
+    // One allocation for the whole batch.
+    let mut frame = Vec::with_capacity(begin.encoded_len_hint() + header.len() + total as usize);
+    begin.encode_into(&mut frame);
     let mut at = frame.len() + header.len();
-    frame.reserve_exact(header.len() + total as usize);
     frame.extend_from_slice(&header);
     frame.resize(at + total as usize, 0);
-    for op in &ops {
+    for op in ops {
         for (offset, len) in op.local_parts(0, op.total()) {
             let n = len as usize;
             op.region.read_at(offset, &mut frame[at..at + n]).ok()?;

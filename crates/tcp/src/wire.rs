@@ -411,7 +411,41 @@ impl Frame {
 
     /// Encodes the frame: header and body (for `Data`, the caller writes the payload after it).
     pub fn encode(&self) -> Vec<u8> {
-        let mut body = Vec::new();
+        let mut out = Vec::with_capacity(self.encoded_len_hint());
+        self.encode_into(&mut out);
+        out
+    }
+
+    /// About the encoded length (header and body, exact for the frames of a small batch), so
+    /// a buffer sized by it is allocated once.
+    pub fn encoded_len_hint(&self) -> usize {
+        HEADER_LEN
+            + match self {
+                Frame::Begin {
+                    regions,
+                    notification,
+                    ..
+                } => {
+                    BEGIN_FIXED as usize
+                        + 16 * regions.len()
+                        + notification.as_ref().map_or(0, |n| n.len())
+                }
+                Frame::BeginAck { regions, .. } | Frame::Regions { regions, .. } => {
+                    13 + 16 * regions.len()
+                }
+                Frame::Error { message, .. } => 2 + message.len().min(MAX_ERROR_TEXT),
+                Frame::Data { ops, .. } => 12 + ops.len() * OP_LEN,
+                Frame::Rows { ops, .. } => 12 + ops.len() * ROWS_OP_LEN,
+                _ => 64,
+            }
+    }
+
+    /// Appends the encoded frame to `out` (see [`encode`](Self::encode)): the body is written
+    /// in place after a header whose length is filled in at the end, nothing is copied twice.
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.extend_from_slice(&[0u8; HEADER_LEN]);
+        let body = &mut *out;
         match self {
             Frame::Hello {
                 session,
@@ -424,9 +458,9 @@ impl Frame {
                 body.extend_from_slice(&conn_index.to_be_bytes());
                 body.extend_from_slice(&conn_count.to_be_bytes());
                 body.extend_from_slice(&keepalive_ms.to_be_bytes());
-                put_mac(&mut body, mac);
+                put_mac(body, mac);
             }
-            Frame::Welcome { mac } => put_mac(&mut body, mac),
+            Frame::Welcome { mac } => put_mac(body, mac),
             Frame::Error { code, message } => {
                 body.extend_from_slice(&code.to_be_bytes());
                 body.extend_from_slice(truncate_utf8(message, MAX_ERROR_TEXT).as_bytes());
@@ -465,10 +499,18 @@ impl Frame {
             } => {
                 body.extend_from_slice(&batch.to_be_bytes());
                 body.push(*status as u8);
-                put_region_lens(&mut body, regions);
+                put_region_lens(body, regions);
             }
-            Frame::Data { batch, ops } => return encode_data_header(*batch, ops),
-            Frame::Rows { batch, ops } => return encode_rows_header(*batch, ops),
+            Frame::Data { batch, ops } => {
+                out.truncate(start);
+                out.extend_from_slice(&encode_data_header(*batch, ops));
+                return;
+            }
+            Frame::Rows { batch, ops } => {
+                out.truncate(start);
+                out.extend_from_slice(&encode_rows_header(*batch, ops));
+                return;
+            }
             Frame::Done { batch } | Frame::Cancel { batch } => {
                 body.extend_from_slice(&batch.to_be_bytes())
             }
@@ -478,13 +520,11 @@ impl Frame {
             }
             Frame::Regions { last, regions } => {
                 body.push(u8::from(*last));
-                put_region_lens(&mut body, regions);
+                put_region_lens(body, regions);
             }
         }
-        let mut out = Vec::with_capacity(HEADER_LEN + body.len());
-        out.extend_from_slice(&encode_header(self.frame_type(), body.len() as u32));
-        out.extend_from_slice(&body);
-        out
+        let body_len = (out.len() - start - HEADER_LEN) as u32;
+        out[start..start + HEADER_LEN].copy_from_slice(&encode_header(self.frame_type(), body_len));
     }
 }
 

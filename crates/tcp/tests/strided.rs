@@ -1,8 +1,9 @@
 //! Strided ops over TCP, moved natively (one `Rows` descriptor per op or piece of it): random
 //! geometries land row by row exactly where the rows say (gaps untouched), through small
 //! batches sent whole, batches cut into pieces between and inside rows, one and several
-//! connections, and the bounce-buffer receive path; and what `post` refuses before anything is
-//! sent. Case counts are fixed and every transfer runs under a generous timeout.
+//! connections, and the bounce-buffer receive path; batches mixing short ranges (gathered by
+//! the sender into its staging buffer) with long ones (written in place); and what `post`
+//! refuses before anything is sent. Case counts are fixed and every transfer runs under a generous timeout.
 
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -93,6 +94,12 @@ fn src_byte(i: u64) -> u8 {
 }
 
 async fn moves_rows(kind: u8, ops: Vec<Geometry>) {
+    // One batch per op: ops of one batch must not overlap on the destination.
+    moves_batches(kind, ops.into_iter().map(|g| vec![g]).collect()).await;
+}
+
+/// Moves each batch in turn and checks every byte of the destination after each.
+async fn moves_batches(kind: u8, batches: Vec<Vec<Geometry>>) {
     let cfg = config(kind);
     let decode = TcpTransport::bind(cfg.clone()).await.unwrap();
     let prefill = TcpTransport::bind(cfg).await.unwrap();
@@ -102,36 +109,79 @@ async fn moves_rows(kind: u8, ops: Vec<Geometry>) {
     src_mem.write_at(0, &pattern).unwrap();
     dst_mem.fill(0, DST_LEN as u64, 0xEE).unwrap();
     let peer = prefill.connect(&decode.local_descriptor()).await.unwrap();
-    // One batch per op: ops of one batch must not overlap on the destination.
-    for g in &ops {
-        let op = TransferOp::new(src, g.local_offset, dst, g.remote_offset, g.len).with_rows(
-            g.count,
-            g.local_stride,
-            g.remote_stride,
-        );
+    for geometries in &batches {
         let mut expected = dst_mem.to_vec(0, DST_LEN as u64).unwrap();
-        for row in op.rows() {
-            let (s, d, n) = (
-                row.local_offset as usize,
-                row.remote_offset as usize,
-                row.len as usize,
-            );
-            expected[d..d + n].copy_from_slice(&pattern[s..s + n]);
+        let ops: Vec<TransferOp> = geometries
+            .iter()
+            .map(|g| {
+                TransferOp::new(src, g.local_offset, dst, g.remote_offset, g.len).with_rows(
+                    g.count,
+                    g.local_stride,
+                    g.remote_stride,
+                )
+            })
+            .collect();
+        for op in &ops {
+            for row in op.rows() {
+                let (s, d, n) = (
+                    row.local_offset as usize,
+                    row.remote_offset as usize,
+                    row.len as usize,
+                );
+                expected[d..d + n].copy_from_slice(&pattern[s..s + n]);
+            }
         }
-        tokio::time::timeout(
-            LIMIT,
-            prefill.transfer(peer, TransferBatch::write(vec![op])),
-        )
-        .await
-        .expect("transfer timed out")
-        .unwrap_or_else(|e| panic!("{g:?}: {e}"));
+        tokio::time::timeout(LIMIT, prefill.transfer(peer, TransferBatch::write(ops)))
+            .await
+            .expect("transfer timed out")
+            .unwrap_or_else(|e| panic!("{geometries:?}: {e}"));
         let got = dst_mem.to_vec(0, DST_LEN as u64).unwrap();
         if let Some(at) = got.iter().zip(&expected).position(|(a, b)| a != b) {
-            panic!("{g:?}: first wrong byte at {at}");
+            panic!("{geometries:?}: first wrong byte at {at}");
         }
     }
     prefill.shutdown().await.unwrap();
     decode.shutdown().await.unwrap();
+}
+
+/// One batch of ops laid one after the other on the destination (so they never overlap),
+/// each with its rows anywhere in the source: short rows (gathered by the sender before they
+/// are written) and long ones (written in place), strided and contiguous, mixed.
+fn mixed_batch() -> impl Strategy<Value = Vec<Geometry>> {
+    proptest::collection::vec(
+        (
+            prop_oneof![1u64..200, 1000u64..1200, 4000u64..4200, 20_000u64..40_000],
+            prop_oneof![Just(1u64), 1u64..80],
+            0u64..3,
+            0u64..SRC_LEN as u64,
+            0u64..100,
+        ),
+        1..40,
+    )
+    .prop_map(|specs| {
+        let mut at = 0u64;
+        let mut ops = Vec::new();
+        for (len, count, gaps, local_offset, rgap) in specs {
+            // Source rows every `gaps + 1` rows (adjacent when 0), wrapped into the region.
+            let local_stride = len * (gaps + 1);
+            let local_span = (count - 1) * local_stride + len;
+            let remote_stride = len + if gaps == 0 { 0 } else { rgap };
+            let remote_span = (count - 1) * remote_stride + len;
+            if local_span > SRC_LEN as u64 || at + remote_span > DST_LEN as u64 {
+                continue;
+            }
+            ops.push(Geometry {
+                len,
+                count,
+                local_offset: local_offset.min(SRC_LEN as u64 - local_span),
+                local_stride,
+                remote_offset: at,
+                remote_stride,
+            });
+            at += remote_span;
+        }
+        ops
+    })
 }
 
 proptest! {
@@ -143,6 +193,14 @@ proptest! {
         ops in proptest::collection::vec(geometry(), 1..4),
     ) {
         runtime().block_on(moves_rows(kind, ops));
+    }
+
+    #[test]
+    fn a_batch_of_short_and_long_ranges_lands_byte_for_byte(
+        kind in 0u8..3,
+        batch in mixed_batch(),
+    ) {
+        runtime().block_on(moves_batches(kind, vec![batch]));
     }
 }
 

@@ -404,3 +404,34 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// Two different ids never share a hash under [`LocalIds`] (one multiplication by an odd
+    /// number is a bijection), and ids differing in one low bit differ in the high bits too
+    /// (the tag a hash table compares first).
+    #[test]
+    fn local_ids_never_collide(a in any::<u64>(), b in any::<u64>()) {
+        use std::hash::BuildHasher;
+        let h = LocalIds::default();
+        prop_assume!(a != b);
+        prop_assert_ne!(h.hash_one(a), h.hash_one(b));
+        prop_assert_ne!(h.hash_one(a) >> 57, h.hash_one(a ^ 1) >> 57);
+    }
+}
+
+/// One lock for both: the batch is known, committing (the mover gets no step, cancel leaves it
+/// to the fence) and due at `now + timeout`.
+#[test]
+fn insert_committed_is_insert_then_commit() {
+    let batches = Batches::new("t");
+    let t0 = Instant::now();
+    let (id, deadline) = batches
+        .insert_committed(PeerId(1), Duration::from_secs(5), t0, Fence::none())
+        .unwrap();
+    assert_eq!(deadline, t0 + Duration::from_secs(5));
+    assert_eq!(batches.deadline(id), Some(deadline));
+    assert!(!batches.step(id, t0, || Step::Continue));
+    assert_eq!(batches.cancel(id, t0).unwrap(), BatchState::Pending);
+    assert!(batches.finish(id, Outcome::Done, t0));
+    assert!(matches!(batches.collect(id, t0), Poll::Ready(Ok(()))));
+}
