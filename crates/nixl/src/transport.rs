@@ -89,15 +89,31 @@ struct Inflight {
     /// Local regions it reads: kept registered until it ends.
     local_regions: Vec<u64>,
     remote_regions: Vec<u64>,
-    /// The staging region its gathered rows are sent from, if any.
-    _staging: Option<Staging>,
+    /// The staging region its gathered rows are sent from, if any: back to the pool once
+    /// NIXL no longer reads it.
+    staging: Option<Staging>,
 }
 
 /// A registered region holding a batch's gathered rows; deregistered before it is unmapped.
 struct Staging {
     _registration: RegistrationHandle,
-    _region: MemoryRegion,
+    region: MemoryRegion,
 }
+
+impl Staging {
+    fn len(&self) -> usize {
+        Segment::of(&self.region).len
+    }
+}
+
+/// Idle staging regions kept mapped and registered for later batches: a fresh one costs a
+/// mapping, its page faults and a UCX registration at every `post`, more than the copy into
+/// it. At most `STAGING_POOL_MAX` idle regions of at most `STAGING_POOL_MAX_LEN` bytes each
+/// are kept; new ones are sized to a power of two from `STAGING_MIN` so later batches of
+/// similar shape fit.
+const STAGING_POOL_MAX: usize = 8;
+const STAGING_POOL_MAX_LEN: usize = 64 << 20;
+const STAGING_MIN: usize = 64 << 10;
 
 /// Rows at most this long whose destinations are back to back are gathered into a staging
 /// region at `post` (host memory only), so NIXL gets one descriptor per run instead of one per
@@ -152,6 +168,34 @@ impl State {
             .collect()
     }
 
+    /// A transfer NIXL let go of (done, failed or a zombie no longer in progress): its request
+    /// is released first, then its staging region goes back to the pool.
+    fn release(&mut self, f: Inflight) {
+        let Inflight { req, staging, .. } = f;
+        drop(req);
+        self.recycle(staging);
+    }
+
+    /// Keeps `staging` (no longer read by any request) for a later batch, within the pool's
+    /// bounds; otherwise it is deregistered and unmapped.
+    fn recycle(&mut self, staging: Option<Staging>) {
+        let Some(s) = staging else { return };
+        if !self.staging_closed
+            && self.staging.len() < STAGING_POOL_MAX
+            && s.len() <= STAGING_POOL_MAX_LEN
+        {
+            self.staging.push(s);
+        }
+    }
+
+    /// The smallest idle staging region of at least `len` bytes, taken out of the pool.
+    fn take_staging(&mut self, len: usize) -> Option<Staging> {
+        let i = (0..self.staging.len())
+            .filter(|&i| self.staging[i].len() >= len)
+            .min_by_key(|&i| self.staging[i].len())?;
+        Some(self.staging.swap_remove(i))
+    }
+
     /// Deregisters `local` from NIXL now, or once no transfer reads it any more.
     fn retire(&mut self, id: u64, local: LocalRegion) {
         if self.sources_in_use().contains(&id) {
@@ -179,6 +223,11 @@ struct State {
     deferred: Vec<DeferredAck>,
     /// Batches whose deadline passed while NIXL still had them: their peer is cut off.
     fenced: Vec<BatchId>,
+    /// Idle staging regions: only ones no request in flight (or zombie) reads, so a region
+    /// handed out is never one a batch still sends from. Emptied at shutdown.
+    staging: Vec<Staging>,
+    /// Set at shutdown: staging regions are freed when their batch ends, not kept.
+    staging_closed: bool,
 }
 
 pub(crate) struct Inner {
@@ -486,7 +535,9 @@ impl Inner {
         let mut lost = Vec::new();
         for (id, r) in finished {
             busy = true;
-            st.inflight.remove(&id);
+            if let Some(f) = st.inflight.remove(&id) {
+                st.release(f);
+            }
             match r {
                 Ok(()) => {
                     self.batches.finish(id, Outcome::Done, now);
@@ -509,12 +560,17 @@ impl Inner {
                 }
             }
         }
-        st.zombies.retain(|f| {
-            matches!(
-                self.agent.get_xfer_status(&f.req),
-                Ok(XferStatus::InProgress)
-            )
-        });
+        let (zombies, let_go): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut st.zombies).into_iter().partition(|f| {
+                matches!(
+                    self.agent.get_xfer_status(&f.req),
+                    Ok(XferStatus::InProgress)
+                )
+            });
+        st.zombies = zombies;
+        for f in let_go {
+            st.release(f);
+        }
         if !st.retired.is_empty() {
             let used = st.sources_in_use();
             st.retired.retain(|(id, _)| used.contains(id));
@@ -996,9 +1052,9 @@ impl KvTransport for NixlTransport {
         // polling thread's next turn. The thread is woken all the same: the notification may
         // still wait in UCX's queue for a progress call.
         if matches!(inner.agent.get_xfer_status(&req), Ok(XferStatus::Success)) {
-            drop(st);
             drop(req);
-            drop(staging);
+            st.recycle(staging);
+            drop(st);
             inner.batches.finish(id, Outcome::Done, Instant::now());
             inner.kick();
             return Ok(id);
@@ -1010,7 +1066,7 @@ impl KvTransport for NixlTransport {
                 peer,
                 local_regions,
                 remote_regions,
-                _staging: staging,
+                staging,
             },
         );
         drop(st);
@@ -1080,7 +1136,16 @@ impl KvTransport for NixlTransport {
         }
         // Senders forget every region (and fence their batches into them) before the regions
         // are deregistered; then every peer hears that this agent is gone.
-        let regions = std::mem::take(&mut lock(&inner.state).regions);
+        let (regions, staging) = {
+            let mut st = lock(&inner.state);
+            st.staging_closed = true;
+            (
+                std::mem::take(&mut st.regions),
+                std::mem::take(&mut st.staging),
+            )
+        };
+        // Idle staging regions: no request reads them.
+        drop(staging);
         inner.publish(None).await;
         {
             let mut st = lock(&inner.state);
@@ -1263,22 +1328,9 @@ fn gather(
     if staged == 0 {
         return Ok((local, remote, None));
     }
-    let region = ffi::allocate(staged).map_err(|e| TransportError::Io {
-        transport: NAME,
-        context: format!("mapping a {staged}-byte staging region for gathered rows"),
-        source: e,
-    })?;
-    let seg = Segment::of(&region);
-    let registration = inner.agent.register_memory(&seg, None).map_err(|e| {
-        call_err(
-            "registerMem",
-            e,
-            "UCX could not register a staging region; post fewer rows per batch",
-        )
-    })?;
-    let sources: HashMap<u64, (usize, MemoryRegion)> = {
-        let st = lock(&inner.state);
-        let mut m = HashMap::new();
+    let (pooled, sources) = {
+        let mut st = lock(&inner.state);
+        let mut m: HashMap<u64, (usize, MemoryRegion)> = HashMap::new();
         for r in runs.iter().filter(|r| r.len() > 1) {
             let id = local[r.start].3;
             if let Some(l) = st.regions.get(&id) {
@@ -1286,8 +1338,14 @@ fn gather(
                     .or_insert_with(|| (Segment::of(&l.region).addr, l.region.clone()));
             }
         }
-        m
+        (st.take_staging(staged), m)
     };
+    let staging = match pooled {
+        Some(s) => s,
+        None => new_staging(inner, staged)?,
+    };
+    let region = &staging.region;
+    let seg = Segment::of(region);
     let mut out_local = Vec::with_capacity(runs.len());
     let mut out_remote = Vec::with_capacity(runs.len());
     let mut at = 0;
@@ -1304,21 +1362,42 @@ fn gather(
                 region: RegionId(l.3),
                 transport: NAME,
             })?;
-            src.copy_to((l.0 - base) as u64, &region, at as u64, l.1 as u64)?;
+            src.copy_to((l.0 - base) as u64, region, at as u64, l.1 as u64)?;
             at += l.1;
         }
         out_local.push((seg.addr + start, at - start, None, local[r.start].3));
         let first = remote[r.start];
         out_remote.push((first.0, at - start, None, first.3));
     }
-    Ok((
-        out_local,
-        out_remote,
-        Some(Staging {
-            _registration: registration,
-            _region: region,
-        }),
-    ))
+    Ok((out_local, out_remote, Some(staging)))
+}
+
+/// A new registered staging region for at least `staged` bytes: a power of two from
+/// `STAGING_MIN` while the pool would keep it, so later batches of similar shape reuse it.
+fn new_staging(inner: &Inner, staged: usize) -> Result<Staging> {
+    let len = match staged.max(STAGING_MIN).checked_next_power_of_two() {
+        Some(len) if len <= STAGING_POOL_MAX_LEN => len,
+        _ => staged,
+    };
+    let region = ffi::allocate(len).map_err(|e| TransportError::Io {
+        transport: NAME,
+        context: format!("mapping a {len}-byte staging region for gathered rows"),
+        source: e,
+    })?;
+    let registration = inner
+        .agent
+        .register_memory(&Segment::of(&region), None)
+        .map_err(|e| {
+            call_err(
+                "registerMem",
+                e,
+                "UCX could not register a staging region; post fewer rows per batch",
+            )
+        })?;
+    Ok(Staging {
+        _registration: registration,
+        region,
+    })
 }
 
 fn make_request(

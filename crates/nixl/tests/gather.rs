@@ -7,6 +7,10 @@
 #![cfg(feature = "nixl")]
 
 mod common;
+// Only its re-run over UCX's TCP lane is used here.
+#[allow(dead_code)]
+#[path = "common/peer.rs"]
+mod peer;
 
 use std::sync::Arc;
 
@@ -100,4 +104,85 @@ async fn gathered_rows_land_exactly_where_row_by_row_copies_would() {
     }
     tx.shutdown().await.unwrap();
     rx.shutdown().await.unwrap();
+}
+
+/// Staging regions are kept registered and handed to later batches: a region a batch still
+/// sends from must never be handed out again. Many batches in flight at once, each gathering
+/// its own rows (a distinct pattern per round and batch) into its own destination slice, then
+/// every destination byte checked: a staging region reused early would land another batch's
+/// rows. Over UCX's default lanes most batches end inside `post`; the re-run over its TCP lane
+/// below keeps them in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staging_regions_reused_by_later_batches_are_never_overwritten_in_flight() {
+    if !common::runtime_ready() {
+        return;
+    }
+    const BATCHES: u64 = 8;
+    const ROWS: u64 = 4096;
+    const LEN: u64 = 1152;
+    const SLICE: u64 = ROWS * LEN;
+    const STRIDE: u64 = 1280;
+    let options = || NixlOptions::default().with_device_memory(false);
+    let tx: Arc<dyn KvTransport> = Arc::new(NixlTransport::with_options(options()).unwrap());
+    let rx: Arc<dyn KvTransport> = Arc::new(NixlTransport::with_options(options()).unwrap());
+    // One source region per batch (rows `STRIDE` apart), one destination slice per batch.
+    let mut sources = Vec::new();
+    for _ in 0..BATCHES {
+        sources.push(
+            tx.allocate_registered((ROWS * STRIDE) as usize)
+                .await
+                .unwrap(),
+        );
+    }
+    let (dst_id, dst) = rx
+        .allocate_registered((BATCHES * SLICE) as usize)
+        .await
+        .unwrap();
+    let peer = tx.connect(&rx.local_descriptor()).await.unwrap();
+    for round in 0..3u64 {
+        let mut want = Vec::new();
+        for (b, (_, src)) in sources.iter().enumerate() {
+            let bytes = SplitMix64::new(round << 8 | b as u64).bytes((ROWS * STRIDE) as usize);
+            src.write_at(0, &bytes).unwrap();
+            want.push(bytes);
+        }
+        // All posted before any is waited for; each source rewritten right after its post
+        // (post copied the rows), so only a reused staging region could carry stale bytes.
+        let mut ids = Vec::new();
+        for (b, (src_id, src)) in sources.iter().enumerate() {
+            let op = TransferOp::new(*src_id, 0, dst_id, b as u64 * SLICE, LEN)
+                .with_rows(ROWS, STRIDE, LEN);
+            ids.push(tx.post(peer, TransferBatch::write(vec![op])).await.unwrap());
+            src.write_at(0, &vec![0xee; (ROWS * STRIDE) as usize])
+                .unwrap();
+        }
+        for id in ids {
+            tx.wait(id).await.unwrap();
+        }
+        let landed = dst.to_vec(0, BATCHES * SLICE).unwrap();
+        for b in 0..BATCHES as usize {
+            for row in 0..ROWS as usize {
+                let at = b * SLICE as usize + row * LEN as usize;
+                assert_eq!(
+                    &landed[at..at + LEN as usize],
+                    &want[b][row * STRIDE as usize..row * STRIDE as usize + LEN as usize],
+                    "round {round}, batch {b}, row {row}"
+                );
+            }
+        }
+    }
+    tx.shutdown().await.unwrap();
+    rx.shutdown().await.unwrap();
+}
+
+/// The test above again with `UCX_TLS=tcp`, where batches stay in flight after `post`.
+#[test]
+fn staging_regions_reused_in_flight_over_ucx_tcp() {
+    if kvbridge_transport::testing::child::is_peer(peer::LANES_ENV) {
+        return;
+    }
+    if !common::runtime_ready() {
+        return;
+    }
+    peer::rerun_over_ucx_tcp(&["staging_regions_reused_by_later_batches"], 1);
 }
