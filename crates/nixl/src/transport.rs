@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvbridge_transport::batch::{BatchTable, Batches, Fence, Outcome, Step};
+use kvbridge_transport::batch::{BatchTable, Batches, Fence, Outcome};
 use kvbridge_transport::sync::lock;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
@@ -1002,7 +1002,26 @@ impl KvTransport for NixlTransport {
         // Bounds before bytes: every descriptor checked before anything is posted.
         let (name, local, remote) = descriptors(inner, peer, &batch)?;
         let now = Instant::now();
-        let id = inner.batches.insert(peer, batch.timeout, now)?;
+        // Committing from the start: once its notification or request is handed to NIXL, only
+        // NIXL says how the batch ended. A peer's `Bye` or loss (`fail_where`) arriving between
+        // the hand-over and the outcome recorded below must not fail a batch whose bytes and
+        // notification were delivered (a peer that obeys a command and shuts down at once
+        // made `transfer` of that command fail). The fence cuts the peer off if NIXL still has
+        // the batch at its deadline.
+        let weak = Arc::downgrade(inner);
+        let fenced = Arc::new(std::sync::OnceLock::new());
+        let fence = {
+            let fenced = Arc::clone(&fenced);
+            Fence::new(move || {
+                if let (Some(inner), Some(&id)) = (weak.upgrade(), fenced.get()) {
+                    lock(&inner.state).fenced.push(id);
+                }
+            })
+        };
+        let (id, _) = inner
+            .batches
+            .insert_committed(peer, batch.timeout, now, fence)?;
+        let _ = fenced.set(id);
         if local.is_empty() {
             // Nothing to move: the notification alone, then done.
             if let Some(payload) = &batch.notification {
@@ -1070,13 +1089,6 @@ impl KvTransport for NixlTransport {
             },
         );
         drop(st);
-        let weak = Arc::downgrade(inner);
-        let fence = Fence::new(move || {
-            if let Some(inner) = weak.upgrade() {
-                lock(&inner.state).fenced.push(id);
-            }
-        });
-        inner.batches.step(id, now, || Step::Commit(fence));
         inner.kick();
         Ok(id)
     }
