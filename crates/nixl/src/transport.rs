@@ -108,12 +108,13 @@ impl Staging {
 
 /// Idle staging regions kept mapped and registered for later batches: a fresh one costs a
 /// mapping, its page faults and a UCX registration at every `post`, more than the copy into
-/// it. At most `STAGING_POOL_MAX` idle regions of at most `STAGING_POOL_MAX_LEN` bytes each
-/// are kept; new ones are sized to a power of two from `STAGING_MIN` so later batches of
-/// similar shape fit.
+/// it. At most `STAGING_POOL_MAX` idle regions of `STAGING_POOL_MAX_BYTES` in all are kept;
+/// new ones are rounded up (to a power of two up to `STAGING_ROUND`, to a multiple of it
+/// above) so later batches of similar shape fit.
 const STAGING_POOL_MAX: usize = 8;
-const STAGING_POOL_MAX_LEN: usize = 64 << 20;
+const STAGING_POOL_MAX_BYTES: usize = 512 << 20;
 const STAGING_MIN: usize = 64 << 10;
+const STAGING_ROUND: usize = 4 << 20;
 
 /// Rows at most this long whose destinations are back to back are gathered into a staging
 /// region at `post` (host memory only), so NIXL gets one descriptor per run instead of one per
@@ -180,9 +181,10 @@ impl State {
     /// bounds; otherwise it is deregistered and unmapped.
     fn recycle(&mut self, staging: Option<Staging>) {
         let Some(s) = staging else { return };
+        let idle: usize = self.staging.iter().map(Staging::len).sum();
         if !self.staging_closed
             && self.staging.len() < STAGING_POOL_MAX
-            && s.len() <= STAGING_POOL_MAX_LEN
+            && idle + s.len() <= STAGING_POOL_MAX_BYTES
         {
             self.staging.push(s);
         }
@@ -1384,12 +1386,13 @@ fn gather(
     Ok((out_local, out_remote, Some(staging)))
 }
 
-/// A new registered staging region for at least `staged` bytes: a power of two from
-/// `STAGING_MIN` while the pool would keep it, so later batches of similar shape reuse it.
+/// A new registered staging region for at least `staged` bytes, rounded up so later batches
+/// of similar shape reuse it.
 fn new_staging(inner: &Inner, staged: usize) -> Result<Staging> {
-    let len = match staged.max(STAGING_MIN).checked_next_power_of_two() {
-        Some(len) if len <= STAGING_POOL_MAX_LEN => len,
-        _ => staged,
+    let len = if staged <= STAGING_ROUND {
+        staged.max(STAGING_MIN).next_power_of_two()
+    } else {
+        staged.div_ceil(STAGING_ROUND).saturating_mul(STAGING_ROUND)
     };
     let region = ffi::allocate(len).map_err(|e| TransportError::Io {
         transport: NAME,
