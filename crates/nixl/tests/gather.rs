@@ -160,12 +160,12 @@ async fn staging_regions_reused_by_later_batches_are_never_overwritten_in_flight
             tx.wait(id).await.unwrap();
         }
         let landed = dst.to_vec(0, BATCHES * SLICE).unwrap();
-        for b in 0..BATCHES as usize {
+        for (b, source) in want.iter().enumerate() {
             for row in 0..ROWS as usize {
                 let at = b * SLICE as usize + row * LEN as usize;
                 assert_eq!(
                     &landed[at..at + LEN as usize],
-                    &want[b][row * STRIDE as usize..row * STRIDE as usize + LEN as usize],
+                    &source[row * STRIDE as usize..row * STRIDE as usize + LEN as usize],
                     "round {round}, batch {b}, row {row}"
                 );
             }
