@@ -1004,26 +1004,7 @@ impl KvTransport for NixlTransport {
         // Bounds before bytes: every descriptor checked before anything is posted.
         let (name, local, remote) = descriptors(inner, peer, &batch)?;
         let now = Instant::now();
-        // Committing from the start: once its notification or request is handed to NIXL, only
-        // NIXL says how the batch ended. A peer's `Bye` or loss (`fail_where`) arriving between
-        // the hand-over and the outcome recorded below must not fail a batch whose bytes and
-        // notification were delivered (a peer that obeys a command and shuts down at once
-        // made `transfer` of that command fail). The fence cuts the peer off if NIXL still has
-        // the batch at its deadline.
-        let weak = Arc::downgrade(inner);
-        let fenced = Arc::new(std::sync::OnceLock::new());
-        let fence = {
-            let fenced = Arc::clone(&fenced);
-            Fence::new(move || {
-                if let (Some(inner), Some(&id)) = (weak.upgrade(), fenced.get()) {
-                    lock(&inner.state).fenced.push(id);
-                }
-            })
-        };
-        let (id, _) = inner
-            .batches
-            .insert_committed(peer, batch.timeout, now, fence)?;
-        let _ = fenced.set(id);
+        let id = insert_committed(inner, peer, batch.timeout, now)?;
         if local.is_empty() {
             // Nothing to move: the notification alone, then done.
             if let Some(payload) = &batch.notification {
@@ -1199,6 +1180,33 @@ impl KvTransport for NixlTransport {
         inner.finished.store(true, Ordering::SeqCst);
         Ok(())
     }
+}
+
+/// A new batch in the table, committing from the start: once its notification or request is
+/// handed to NIXL, only NIXL says how it ended. A peer's `Bye` or loss (`fail_where`) arriving
+/// between the hand-over and the outcome `post` records must not fail a batch whose bytes and
+/// notification were delivered (a peer that obeys a command and shuts down at once made
+/// `transfer` of that command fail). The fence cuts the peer off if NIXL still has the batch
+/// at its deadline.
+fn insert_committed(
+    inner: &Arc<Inner>,
+    peer: PeerId,
+    timeout: Duration,
+    now: Instant,
+) -> Result<BatchId> {
+    let weak = Arc::downgrade(inner);
+    let fenced = Arc::new(std::sync::OnceLock::new());
+    let fence = {
+        let fenced = Arc::clone(&fenced);
+        Fence::new(move || {
+            if let (Some(inner), Some(&id)) = (weak.upgrade(), fenced.get()) {
+                lock(&inner.state).fenced.push(id);
+            }
+        })
+    };
+    let (id, _) = inner.batches.insert_committed(peer, timeout, now, fence)?;
+    let _ = fenced.set(id);
+    Ok(id)
 }
 
 /// NIXL's metadata of one newly registered region, for the peers that already loaded the rest.
