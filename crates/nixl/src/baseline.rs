@@ -2,12 +2,18 @@
 //! through nixl-sys directly, on an agent of its own, with none of kvbridge (no batch table, no
 //! control messages, no polling thread: it polls NIXL itself, in a tight loop, as a program
 //! using NIXL alone would).
+//!
+//! The agent has no NIXL progress thread either: `Agent::new` would start one that polls
+//! without sleeping (NIXL's default progress delay is zero), which burns a core for the whole
+//! run, also while the transport is measured beside it, and so would hand the transport a
+//! handicap the baseline does not pay (its own tight loop drives UCX's progress).
 
 use std::time::{Duration, Instant};
 
 use kvbridge_transport::{MemoryRegion, Result, TransportError};
 use nixl_sys::{
-    Agent, Backend, MemType, OptArgs, RegistrationHandle, XferDescList, XferOp, XferStatus,
+    Agent, AgentConfig, Backend, MemType, OptArgs, RegistrationHandle, XferDescList, XferOp,
+    XferStatus,
 };
 
 use crate::descriptor::{Descriptor, RemoteRegion};
@@ -54,7 +60,11 @@ impl DirectWriter {
                 message,
             })?;
         let name = format!("kvbridge-direct-{}", std::process::id());
-        let agent = Agent::new(&name).map_err(|e| failed("createAgent", e))?;
+        let cfg = AgentConfig {
+            enable_prog_thread: false,
+            ..AgentConfig::default()
+        };
+        let agent = Agent::new_configured(&name, &cfg).map_err(|e| failed("createAgent", e))?;
         let (_mems, params) = agent
             .get_plugin_params("UCX")
             .map_err(|e| failed("getPluginParams", e))?;

@@ -223,3 +223,12 @@ pub fn map_shared(file: std::fs::File, len: usize) -> std::io::Result<MemoryRegi
     // so it stays mapped for the region's life. The tag gives no access to the bytes.
     Ok(unsafe { MemoryRegion::from_raw_parts(ForeignMemory::host(ptr, len, map).with_tag(tag)) })
 }
+
+/// Sets this thread's timer slack to 1 ns (Linux's default is 50 µs, which the kernel may add
+/// to every timed sleep): the polling thread's sleeps of 10 to 50 µs then last about that long
+/// instead of 60 to 100 µs, so it can poll often while bytes move without spinning.
+pub(crate) fn precise_sleeps() {
+    // SAFETY: PR_SET_TIMERSLACK takes an integer argument and changes only the calling thread's
+    // timer slack; no memory is passed.
+    let _ = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0) };
+}

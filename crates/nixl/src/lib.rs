@@ -47,8 +47,12 @@ pub const NAME: &str = "nixl";
 pub struct NixlOptions {
     /// The runtime to load; `None` finds it with [`Runtime::locate`].
     pub runtime: Option<Runtime>,
-    /// How long NIXL's progress thread sleeps between rounds (default 200 µs): how soon a UCX
-    /// lane that needs the target's progress (tcp) lands bytes, against the CPU it costs.
+    /// Run NIXL's own progress thread (default false). Off, the transport's polling thread
+    /// drives UCX's progress (see `docs/transports.md`, "NIXL"): on a host with few cores
+    /// NIXL's progress thread contends with the posting thread for UCX's worker lock and
+    /// halves the rate of writes of many descriptors.
+    pub progress_thread: bool,
+    /// How long NIXL's progress thread, when on, waits between rounds (default 200 µs).
     pub progress_interval: Duration,
     /// How long a control exchange (connect, region updates, probes) waits for the peer
     /// (default 5 s).
@@ -61,8 +65,8 @@ pub struct NixlOptions {
     /// While a transfer is in flight, poll it without sleeping, yielding the CPU between polls
     /// (default false): each poll drives UCX's progress on the sending side, which the bytes'
     /// rate depends on, at the cost of a core while bytes move (what NIXL's own progress thread
-    /// does at its default delay of zero). Off, the polling thread sleeps 10 to 50 µs between
-    /// polls. Idle transports always back off to 1 ms.
+    /// does at its default delay of zero). Off, the polling thread sleeps 10 to 20 µs between
+    /// polls. Idle transports always back off to 1 ms (after 20 ms without activity).
     pub poll_in_flight: bool,
 }
 
@@ -70,6 +74,7 @@ impl Default for NixlOptions {
     fn default() -> Self {
         Self {
             runtime: None,
+            progress_thread: false,
             progress_interval: Duration::from_micros(200),
             control_timeout: Duration::from_secs(5),
             commit_grace: Duration::from_secs(1),
@@ -83,6 +88,12 @@ impl NixlOptions {
     /// Sets [`runtime`](Self::runtime).
     pub fn with_runtime(mut self, runtime: Runtime) -> Self {
         self.runtime = Some(runtime);
+        self
+    }
+
+    /// Sets [`progress_thread`](Self::progress_thread).
+    pub fn with_progress_thread(mut self, on: bool) -> Self {
+        self.progress_thread = on;
         self
     }
 

@@ -9,8 +9,10 @@
 //! region receives no byte once `deregister` returned.
 //!
 //! One background thread per transport drives NIXL: it polls the transfers in flight and the
-//! notifications, sleeping 10 to 50 µs between polls while transfers are in flight and backing
-//! off to 1 ms when idle (no busy spin); `post` wakes it.
+//! notifications (each poll also drives UCX's progress), sleeping 10 to 20 µs between polls
+//! while transfers are in flight, 10 to 50 µs while something happened in the last 20 ms, and
+//! backing off to 1 ms when idle (no busy spin); `post` wakes it. NIXL's own progress thread
+//! is off by default ([`NixlOptions::progress_thread`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -18,7 +20,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvbridge_transport::batch::{BatchTable, Batches, Fence, Outcome, Step};
+use kvbridge_transport::batch::{BatchTable, Batches, Fence, Outcome};
 use kvbridge_transport::sync::lock;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
@@ -36,12 +38,18 @@ use crate::ffi::{self, Segment};
 use crate::runtime::Runtime;
 use crate::{NAME, NixlError, NixlOptions};
 
-/// The polling thread's back-off: from `POLL_MIN` up to `POLL_BUSY_MAX` while transfers are
-/// in flight (each poll also drives UCX's progress on this side), up to `POLL_IDLE_MAX` when
-/// nothing is; `post` wakes it at once.
+/// The polling thread's back-off: from `POLL_MIN` up to `POLL_IN_FLIGHT_MAX` while transfers
+/// are in flight (each poll also drives UCX's progress, which the batch's completion waits
+/// for), up to `POLL_BUSY_MAX` within `POLL_LINGER` of the last activity (an inbound TCP lane
+/// needs the receiver's progress to land bytes), up to `POLL_IDLE_MAX` after that; `post`
+/// wakes it at once. A poll that took `POLL_WORKED` or more did work inside UCX (read an
+/// inbound stream, say) and counts as activity.
 const POLL_MIN: Duration = Duration::from_micros(10);
+const POLL_IN_FLIGHT_MAX: Duration = Duration::from_micros(20);
 const POLL_BUSY_MAX: Duration = Duration::from_micros(50);
 const POLL_IDLE_MAX: Duration = Duration::from_millis(1);
+const POLL_LINGER: Duration = Duration::from_millis(20);
+const POLL_WORKED: Duration = Duration::from_micros(20);
 
 fn sleep_until(at: Instant) -> tokio::time::Sleep {
     tokio::time::sleep_until(tokio::time::Instant::from_std(at))
@@ -81,7 +89,37 @@ struct Inflight {
     /// Local regions it reads: kept registered until it ends.
     local_regions: Vec<u64>,
     remote_regions: Vec<u64>,
+    /// The staging region its gathered rows are sent from, if any: back to the pool once
+    /// NIXL no longer reads it.
+    staging: Option<Staging>,
 }
+
+/// A registered region holding a batch's gathered rows; deregistered before it is unmapped.
+struct Staging {
+    _registration: RegistrationHandle,
+    region: MemoryRegion,
+}
+
+impl Staging {
+    fn len(&self) -> usize {
+        Segment::of(&self.region).len
+    }
+}
+
+/// Idle staging regions kept mapped and registered for later batches: a fresh one costs a
+/// mapping, its page faults and a UCX registration at every `post`, more than the copy into
+/// it. At most `STAGING_POOL_MAX` idle regions of `STAGING_POOL_MAX_BYTES` in all are kept;
+/// new ones are rounded up (to a power of two up to `STAGING_ROUND`, to a multiple of it
+/// above) so later batches of similar shape fit.
+const STAGING_POOL_MAX: usize = 8;
+const STAGING_POOL_MAX_BYTES: usize = 512 << 20;
+const STAGING_MIN: usize = 64 << 10;
+const STAGING_ROUND: usize = 4 << 20;
+
+/// Rows at most this long whose destinations are back to back are gathered into a staging
+/// region at `post` (host memory only), so NIXL gets one descriptor per run instead of one per
+/// row: UCX pays per descriptor, and a copy of a small row costs less.
+const GATHER_MAX_ROW: usize = 16 * 1024;
 
 /// An acknowledgement that waits until the batches in flight into regions the peer removed
 /// have ended (the fencing point of the peer's `deregister`).
@@ -131,6 +169,35 @@ impl State {
             .collect()
     }
 
+    /// A transfer NIXL let go of (done, failed or a zombie no longer in progress): its request
+    /// is released first, then its staging region goes back to the pool.
+    fn release(&mut self, f: Inflight) {
+        let Inflight { req, staging, .. } = f;
+        drop(req);
+        self.recycle(staging);
+    }
+
+    /// Keeps `staging` (no longer read by any request) for a later batch, within the pool's
+    /// bounds; otherwise it is deregistered and unmapped.
+    fn recycle(&mut self, staging: Option<Staging>) {
+        let Some(s) = staging else { return };
+        let idle: usize = self.staging.iter().map(Staging::len).sum();
+        if !self.staging_closed
+            && self.staging.len() < STAGING_POOL_MAX
+            && idle + s.len() <= STAGING_POOL_MAX_BYTES
+        {
+            self.staging.push(s);
+        }
+    }
+
+    /// The smallest idle staging region of at least `len` bytes, taken out of the pool.
+    fn take_staging(&mut self, len: usize) -> Option<Staging> {
+        let i = (0..self.staging.len())
+            .filter(|&i| self.staging[i].len() >= len)
+            .min_by_key(|&i| self.staging[i].len())?;
+        Some(self.staging.swap_remove(i))
+    }
+
     /// Deregisters `local` from NIXL now, or once no transfer reads it any more.
     fn retire(&mut self, id: u64, local: LocalRegion) {
         if self.sources_in_use().contains(&id) {
@@ -158,6 +225,11 @@ struct State {
     deferred: Vec<DeferredAck>,
     /// Batches whose deadline passed while NIXL still had them: their peer is cut off.
     fenced: Vec<BatchId>,
+    /// Idle staging regions: only ones no request in flight (or zombie) reads, so a region
+    /// handed out is never one a batch still sends from. Emptied at shutdown.
+    staging: Vec<Staging>,
+    /// Set at shutdown: staging regions are freed when their batch ends, not kept.
+    staging_closed: bool,
 }
 
 pub(crate) struct Inner {
@@ -178,6 +250,8 @@ pub(crate) struct Inner {
     notify_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<Notification>>,
     /// The polling thread, unparked by `post`.
     poller: std::sync::OnceLock<std::thread::Thread>,
+    /// Set by `post`: the polling thread counts it as activity.
+    kicked: AtomicBool,
 }
 
 /// A [`KvTransport`] on a NIXL agent with the UCX backend (feature `nixl`).
@@ -220,9 +294,10 @@ impl NixlTransport {
             Instant::now().elapsed().as_nanos() as u64 ^ std::ptr::addr_of!(AGENTS) as u64
         );
         let cfg = AgentConfig {
-            enable_prog_thread: true,
-            // The progress thread sleeps this long between rounds: UCX lanes that need the
-            // target to progress (tcp) land bytes without any call from the receiver.
+            // Off by default: on a host with few cores NIXL's progress thread contends with the
+            // posting thread for UCX's worker lock and halves the rate of writes of many
+            // descriptors; the polling thread drives UCX's progress instead.
+            enable_prog_thread: options.progress_thread,
             pthr_delay_us: options.progress_interval.as_micros() as u64,
             thread_sync: ThreadSync::Strict,
             ..AgentConfig::default()
@@ -276,6 +351,7 @@ impl NixlTransport {
             notify_tx: Mutex::new(Some(tx)),
             notify_rx: tokio::sync::Mutex::new(rx),
             poller: std::sync::OnceLock::new(),
+            kicked: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&inner);
         let poller = std::thread::Builder::new()
@@ -311,6 +387,15 @@ impl Drop for NixlTransport {
 impl Inner {
     fn id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Wakes the polling thread for a new batch, as activity: its polls drive UCX's progress,
+    /// which the batch's bytes and notification may still need.
+    fn kick(&self) {
+        self.kicked.store(true, Ordering::SeqCst);
+        if let Some(poller) = self.poller.get() {
+            poller.unpark();
+        }
     }
 
     fn check_open(&self) -> Result<()> {
@@ -452,7 +537,9 @@ impl Inner {
         let mut lost = Vec::new();
         for (id, r) in finished {
             busy = true;
-            st.inflight.remove(&id);
+            if let Some(f) = st.inflight.remove(&id) {
+                st.release(f);
+            }
             match r {
                 Ok(()) => {
                     self.batches.finish(id, Outcome::Done, now);
@@ -475,12 +562,17 @@ impl Inner {
                 }
             }
         }
-        st.zombies.retain(|f| {
-            matches!(
-                self.agent.get_xfer_status(&f.req),
-                Ok(XferStatus::InProgress)
-            )
-        });
+        let (zombies, let_go): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut st.zombies).into_iter().partition(|f| {
+                matches!(
+                    self.agent.get_xfer_status(&f.req),
+                    Ok(XferStatus::InProgress)
+                )
+            });
+        st.zombies = zombies;
+        for f in let_go {
+            st.release(f);
+        }
         if !st.retired.is_empty() {
             let used = st.sources_in_use();
             st.retired.retain(|(id, _)| used.contains(id));
@@ -668,8 +760,10 @@ impl Inner {
 }
 
 fn poll_loop(weak: Weak<Inner>) {
+    ffi::precise_sleeps();
     let mut backoff = POLL_MIN;
     let mut last_notifications = Instant::now();
+    let mut last_activity = Instant::now();
     loop {
         let Some(inner) = weak.upgrade() else { return };
         let in_flight = !lock(&inner.state).inflight.is_empty();
@@ -677,11 +771,14 @@ fn poll_loop(weak: Weak<Inner>) {
         // (which drives UCX's progress on this side) and yields the CPU instead of sleeping;
         // notifications are still polled at the busy back-off's pace.
         let spin = in_flight && inner.options.poll_in_flight;
+        let started = Instant::now();
         let mut busy = inner.poll_transfers();
         if !spin || last_notifications.elapsed() >= POLL_BUSY_MAX {
             busy |= inner.poll_notifications();
             last_notifications = Instant::now();
         }
+        busy |= started.elapsed() >= POLL_WORKED;
+        busy |= inner.kicked.swap(false, Ordering::SeqCst);
         let (idle, done) = {
             let st = lock(&inner.state);
             let idle = st.inflight.is_empty() && st.zombies.is_empty();
@@ -695,7 +792,16 @@ fn poll_loop(weak: Weak<Inner>) {
             std::thread::yield_now();
             continue;
         }
-        let max = if idle { POLL_IDLE_MAX } else { POLL_BUSY_MAX };
+        if busy || !idle {
+            last_activity = Instant::now();
+        }
+        let max = if !idle {
+            POLL_IN_FLIGHT_MAX
+        } else if last_activity.elapsed() < POLL_LINGER {
+            POLL_BUSY_MAX
+        } else {
+            POLL_IDLE_MAX
+        };
         backoff = if busy {
             POLL_MIN
         } else {
@@ -898,7 +1004,7 @@ impl KvTransport for NixlTransport {
         // Bounds before bytes: every descriptor checked before anything is posted.
         let (name, local, remote) = descriptors(inner, peer, &batch)?;
         let now = Instant::now();
-        let id = inner.batches.insert(peer, batch.timeout, now)?;
+        let id = insert_committed(inner, peer, batch.timeout, now)?;
         if local.is_empty() {
             // Nothing to move: the notification alone, then done.
             if let Some(payload) = &batch.notification {
@@ -910,6 +1016,14 @@ impl KvTransport for NixlTransport {
             inner.batches.finish(id, Outcome::Done, now);
             return Ok(id);
         }
+        let local_regions = region_ids(local.iter().map(|l| l.3));
+        let (local, remote, staging) = match gather(inner, local, remote) {
+            Ok(g) => g,
+            Err(e) => {
+                inner.batches.forget(id);
+                return Err(e);
+            }
+        };
         let req = match make_request(inner, &name, &local, &remote, batch.notification.as_deref()) {
             Ok(req) => req,
             Err(e) => {
@@ -917,13 +1031,7 @@ impl KvTransport for NixlTransport {
                 return Err(e);
             }
         };
-        let ids = |mut v: Vec<u64>| {
-            v.sort_unstable();
-            v.dedup();
-            v
-        };
-        let remote_regions = ids(remote.iter().map(|r| r.3).collect());
-        let local_regions = ids(local.iter().map(|l| l.3).collect());
+        let remote_regions = region_ids(remote.iter().map(|r| r.3));
         // Posted under the region lock so a deregistration's deferred ack sees the batch.
         let mut st = lock(&inner.state);
         if let Err(e) = inner.agent.post_xfer_req(&req, None) {
@@ -941,6 +1049,18 @@ impl KvTransport for NixlTransport {
                 reason,
             });
         }
+        // UCX often finishes a write inside the post (its cma lane copies there, and a small
+        // write may be acknowledged at once): such a batch ends here, without waiting for the
+        // polling thread's next turn. The thread is woken all the same: the notification may
+        // still wait in UCX's queue for a progress call.
+        if matches!(inner.agent.get_xfer_status(&req), Ok(XferStatus::Success)) {
+            drop(req);
+            st.recycle(staging);
+            drop(st);
+            inner.batches.finish(id, Outcome::Done, Instant::now());
+            inner.kick();
+            return Ok(id);
+        }
         st.inflight.insert(
             id,
             Inflight {
@@ -948,19 +1068,11 @@ impl KvTransport for NixlTransport {
                 peer,
                 local_regions,
                 remote_regions,
+                staging,
             },
         );
         drop(st);
-        let weak = Arc::downgrade(inner);
-        let fence = Fence::new(move || {
-            if let Some(inner) = weak.upgrade() {
-                lock(&inner.state).fenced.push(id);
-            }
-        });
-        inner.batches.step(id, now, || Step::Commit(fence));
-        if let Some(poller) = inner.poller.get() {
-            poller.unpark();
-        }
+        inner.kick();
         Ok(id)
     }
 
@@ -1019,7 +1131,16 @@ impl KvTransport for NixlTransport {
         }
         // Senders forget every region (and fence their batches into them) before the regions
         // are deregistered; then every peer hears that this agent is gone.
-        let regions = std::mem::take(&mut lock(&inner.state).regions);
+        let (regions, staging) = {
+            let mut st = lock(&inner.state);
+            st.staging_closed = true;
+            (
+                std::mem::take(&mut st.regions),
+                std::mem::take(&mut st.staging),
+            )
+        };
+        // Idle staging regions: no request reads them.
+        drop(staging);
         inner.publish(None).await;
         {
             let mut st = lock(&inner.state);
@@ -1061,6 +1182,33 @@ impl KvTransport for NixlTransport {
     }
 }
 
+/// A new batch in the table, committing from the start: once its notification or request is
+/// handed to NIXL, only NIXL says how it ended. A peer's `Bye` or loss (`fail_where`) arriving
+/// between the hand-over and the outcome `post` records must not fail a batch whose bytes and
+/// notification were delivered (a peer that obeys a command and shuts down at once made
+/// `transfer` of that command fail). The fence cuts the peer off if NIXL still has the batch
+/// at its deadline.
+fn insert_committed(
+    inner: &Arc<Inner>,
+    peer: PeerId,
+    timeout: Duration,
+    now: Instant,
+) -> Result<BatchId> {
+    let weak = Arc::downgrade(inner);
+    let fenced = Arc::new(std::sync::OnceLock::new());
+    let fence = {
+        let fenced = Arc::clone(&fenced);
+        Fence::new(move || {
+            if let (Some(inner), Some(&id)) = (weak.upgrade(), fenced.get()) {
+                lock(&inner.state).fenced.push(id);
+            }
+        })
+    };
+    let (id, _) = inner.batches.insert_committed(peer, timeout, now, fence)?;
+    let _ = fenced.set(id);
+    Ok(id)
+}
+
 /// NIXL's metadata of one newly registered region, for the peers that already loaded the rest.
 fn partial_metadata(inner: &Inner, seg: Segment) -> Result<Option<Vec<u8>>> {
     let mut descs = RegDescList::new(Segment::mem_type(seg.device)).map_err(|e| {
@@ -1086,28 +1234,37 @@ fn descriptors(
 ) -> Result<(String, Vec<LocalDesc>, Vec<RemoteDesc>)> {
     let st = lock(&inner.state);
     let p = st.usable(peer)?;
-    let mut local = Vec::new();
-    let mut remote = Vec::new();
+    let mut local = Vec::with_capacity(batch.ops.len());
+    let mut remote = Vec::with_capacity(batch.ops.len());
+    // The last regions looked up: consecutive ops (the rows of one strided op) share them.
+    let mut last: Option<(RegionId, Segment, RegionId, &RemoteRegion)> = None;
     for op in &batch.ops {
-        let l = st
-            .regions
-            .get(&op.local_region.0)
-            .ok_or(TransportError::UnknownRegion {
-                side: Side::Local,
-                region: op.local_region,
-                transport: NAME,
-            })?;
-        let lseg = Segment::of(&l.region);
+        let (lseg, r) = match last {
+            Some((l, lseg, r, rr)) if l == op.local_region && r == op.remote_region => (lseg, rr),
+            _ => {
+                let l =
+                    st.regions
+                        .get(&op.local_region.0)
+                        .ok_or(TransportError::UnknownRegion {
+                            side: Side::Local,
+                            region: op.local_region,
+                            transport: NAME,
+                        })?;
+                let r =
+                    p.regions
+                        .get(&op.remote_region.0)
+                        .ok_or(TransportError::UnknownRegion {
+                            side: Side::Remote,
+                            region: op.remote_region,
+                            transport: NAME,
+                        })?;
+                let lseg = Segment::of(&l.region);
+                last = Some((op.local_region, lseg, op.remote_region, r));
+                (lseg, r)
+            }
+        };
         // One row each: `post` expanded strided ops first.
         op.local_rows_in(lseg.len)?;
-        let r = p
-            .regions
-            .get(&op.remote_region.0)
-            .ok_or(TransportError::UnknownRegion {
-                side: Side::Remote,
-                region: op.remote_region,
-                transport: NAME,
-            })?;
         op.remote_rows_in(usize::try_from(r.len).unwrap_or(usize::MAX))?;
         if op.len == 0 {
             continue;
@@ -1126,10 +1283,10 @@ fn descriptors(
         ));
     }
     // One NIXL descriptor list holds one memory type per side.
-    let mixed = |kinds: Vec<bool>| kinds.windows(2).any(|w| w[0] != w[1]);
-    if mixed(local.iter().map(|l| l.2.is_some()).collect())
-        || mixed(remote.iter().map(|r| r.2.is_some()).collect())
-    {
+    let mixed = |d: &[(usize, usize, Option<u32>, u64)]| {
+        d.windows(2).any(|w| w[0].2.is_some() != w[1].2.is_some())
+    };
+    if mixed(&local) || mixed(&remote) {
         return Err(TransportError::InvalidArgument {
             transport: NAME,
             message: "a batch mixes host and device memory on one side; NIXL moves one \
@@ -1138,6 +1295,132 @@ fn descriptors(
         });
     }
     Ok((p.name.clone(), local, remote))
+}
+
+/// Region ids, once each, sorted: consecutive descriptors mostly share theirs, so runs are
+/// collapsed before sorting (a strided batch has one descriptor per row).
+fn region_ids(ids: impl Iterator<Item = u64>) -> Vec<u64> {
+    let mut v: Vec<u64> = Vec::new();
+    for id in ids {
+        if v.last() != Some(&id) {
+            v.push(id);
+        }
+    }
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// Gathers runs of small host-memory rows whose destinations are back to back (the rows of a
+/// strided op packed on the peer) into one registered staging region, one descriptor pair
+/// per run; other descriptors stay as they are. The copy happens here, at `post`, so the
+/// source rows are read before `post` returns.
+fn gather(
+    inner: &Inner,
+    local: Vec<LocalDesc>,
+    remote: Vec<RemoteDesc>,
+) -> Result<(Vec<LocalDesc>, Vec<RemoteDesc>, Option<Staging>)> {
+    // A run: descriptors i..j, each a small host row of one local region, the remote ones back
+    // to back in one region.
+    let small =
+        |i: usize| local[i].2.is_none() && remote[i].2.is_none() && local[i].1 <= GATHER_MAX_ROW;
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < local.len() {
+        let mut j = i + 1;
+        if small(i) {
+            while j < local.len()
+                && small(j)
+                && remote[j].3 == remote[i].3
+                && local[j].3 == local[i].3
+                && remote[j - 1].0 + remote[j - 1].1 == remote[j].0
+                && local[j - 1].0 + local[j - 1].1 != local[j].0
+            {
+                j += 1;
+            }
+        }
+        runs.push(i..j);
+        i = j;
+    }
+    let staged: usize = runs
+        .iter()
+        .filter(|r| r.len() > 1)
+        .map(|r| local[r.clone()].iter().map(|l| l.1).sum::<usize>())
+        .sum();
+    if staged == 0 {
+        return Ok((local, remote, None));
+    }
+    let (pooled, sources) = {
+        let mut st = lock(&inner.state);
+        let mut m: HashMap<u64, (usize, MemoryRegion)> = HashMap::new();
+        for r in runs.iter().filter(|r| r.len() > 1) {
+            let id = local[r.start].3;
+            if let Some(l) = st.regions.get(&id) {
+                m.entry(id)
+                    .or_insert_with(|| (Segment::of(&l.region).addr, l.region.clone()));
+            }
+        }
+        (st.take_staging(staged), m)
+    };
+    let staging = match pooled {
+        Some(s) => s,
+        None => new_staging(inner, staged)?,
+    };
+    let region = &staging.region;
+    let seg = Segment::of(region);
+    let mut out_local = Vec::with_capacity(runs.len());
+    let mut out_remote = Vec::with_capacity(runs.len());
+    let mut at = 0;
+    for r in runs {
+        if r.len() == 1 {
+            out_local.push(local[r.start]);
+            out_remote.push(remote[r.start]);
+            continue;
+        }
+        let start = at;
+        for l in &local[r.clone()] {
+            let (base, src) = sources.get(&l.3).ok_or(TransportError::UnknownRegion {
+                side: Side::Local,
+                region: RegionId(l.3),
+                transport: NAME,
+            })?;
+            src.copy_to((l.0 - base) as u64, region, at as u64, l.1 as u64)?;
+            at += l.1;
+        }
+        out_local.push((seg.addr + start, at - start, None, local[r.start].3));
+        let first = remote[r.start];
+        out_remote.push((first.0, at - start, None, first.3));
+    }
+    Ok((out_local, out_remote, Some(staging)))
+}
+
+/// A new registered staging region for at least `staged` bytes, rounded up so later batches
+/// of similar shape reuse it.
+fn new_staging(inner: &Inner, staged: usize) -> Result<Staging> {
+    let len = if staged <= STAGING_ROUND {
+        staged.max(STAGING_MIN).next_power_of_two()
+    } else {
+        staged.div_ceil(STAGING_ROUND).saturating_mul(STAGING_ROUND)
+    };
+    let region = ffi::allocate(len).map_err(|e| TransportError::Io {
+        transport: NAME,
+        context: format!("mapping a {len}-byte staging region for gathered rows"),
+        source: e,
+    })?;
+    let registration = inner
+        .agent
+        .register_memory(&Segment::of(&region), None)
+        .map_err(|e| {
+            call_err(
+                "registerMem",
+                e,
+                "UCX could not register a staging region; post fewer rows per batch",
+            )
+        })?;
+    Ok(Staging {
+        _registration: registration,
+        region,
+    })
 }
 
 fn make_request(

@@ -791,7 +791,7 @@ async fn receiver_ready(rx: &mut ReceiverProcess) -> Result<(Vec<u8>, RegionId),
 }
 
 /// The raw baseline a pattern is held to on a transport, started; `None` for memcpy of the
-/// same blocks (or, for `strided-1152` off shm, the transport's own large block).
+/// same blocks (or, for `strided-1152` on TCP, the transport's own large block).
 fn raw_baseline(
     transport: TransportKind,
     pattern: Pattern,
@@ -802,16 +802,17 @@ fn raw_baseline(
 ) -> Result<Option<RawBaseline>, String> {
     Ok(match (transport, pattern) {
         (TransportKind::Shm, Pattern::Strided1152) => Some(RawBaseline::LargeBlock),
+        // NIXL against the same descriptors posted through nixl-sys directly (`bench/nixl.rs`),
+        // for `strided-1152` one per row.
+        (TransportKind::Nixl, _) => Some(RawBaseline::Nixl(nixl::DirectBaseline::start(
+            src, descriptor, remote,
+        )?)),
         (_, Pattern::Strided1152) => None,
         (TransportKind::Tcp, _) => Some(RawBaseline::Tcp(tcp::RawTcpBaseline::start(pool)?)),
         (TransportKind::Shm, Pattern::Latency4k) => {
             Some(RawBaseline::Wake(shm::RawWakeBaseline::start()?))
         }
         (TransportKind::Shm, _) => None,
-        // NIXL against the same descriptors posted through nixl-sys directly (`bench/nixl.rs`).
-        (TransportKind::Nixl, _) => Some(RawBaseline::Nixl(nixl::DirectBaseline::start(
-            src, descriptor, remote,
-        )?)),
     })
 }
 
@@ -900,9 +901,10 @@ async fn measure_with(
     let transfer_ops = plan_ops(pattern, &ops, local, remote);
     // `strided-1152` is measured against the same transport moving the same bytes as one
     // large block (its own best case), alternating.
-    // On shm it is held to memcpy of one large block (`RawBaseline::LargeBlock`) instead.
+    // On shm it is held to memcpy of one large block (`RawBaseline::LargeBlock`) instead, on
+    // NIXL to the same per-row descriptors posted through nixl-sys directly.
     let large =
-        (pattern == Pattern::Strided1152 && args.transport != TransportKind::Shm).then(|| {
+        (pattern == Pattern::Strided1152 && args.transport == TransportKind::Tcp).then(|| {
             TransferBatch::write(vec![TransferOp::new(local, 0, remote, 0, pool)])
                 .with_timeout(Duration::from_secs(60))
         });

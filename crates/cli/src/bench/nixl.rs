@@ -7,7 +7,7 @@ use kvbridge_transport::{MemoryRegion, RegionId};
 use super::TransportFuture;
 
 /// How the baseline is described in the report.
-pub(super) const BASELINE: &str = "the same descriptors posted through nixl-sys directly (a raw NIXL agent, UCX backend, polled in a tight loop)";
+pub(super) const BASELINE: &str = "the same descriptors posted through nixl-sys directly (a raw NIXL agent without a progress thread, UCX backend, polled in a tight loop)";
 
 /// Creates a `NixlTransport` with the default options.
 pub(super) fn factory() -> TransportFuture {
