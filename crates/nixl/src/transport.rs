@@ -84,7 +84,11 @@ struct InPeer {
 }
 
 struct Inflight {
-    req: XferRequest,
+    /// Shared with the call posting it; once `posted`, only this table's holder touches it.
+    req: Arc<XferRequest>,
+    /// Handed to NIXL (`postXferReq` returned): until then the polling thread neither asks
+    /// NIXL about it nor fences it, since the post may still be running on another thread.
+    posted: bool,
     peer: PeerId,
     /// Local regions it reads: kept registered until it ends.
     local_regions: Vec<u64>,
@@ -115,6 +119,10 @@ const STAGING_POOL_MAX: usize = 8;
 const STAGING_POOL_MAX_BYTES: usize = 512 << 20;
 const STAGING_MIN: usize = 64 << 10;
 const STAGING_ROUND: usize = 4 << 20;
+
+/// Batches of at least this many bytes are posted from a blocking thread (`post` returns while
+/// UCX copies); smaller ones from `post` itself, which saves a thread hop per small write.
+const POST_ASIDE_BYTES: usize = 4 << 20;
 
 /// Rows at most this long whose destinations are back to back are gathered into a staging
 /// region at `post` (host memory only), so NIXL gets one descriptor per run instead of one per
@@ -158,6 +166,28 @@ impl State {
             }),
             None => Ok(p),
         }
+    }
+
+    /// Refuses a batch about to be handed to NIXL when its peer was lost, or a region it names
+    /// left either side's table, since its descriptors were checked: a deregistration that
+    /// finished meanwhile did not wait for it (it waits only for batches in `inflight`).
+    fn still_usable(&self, peer: PeerId, local: &[u64], remote: &[u64]) -> Result<()> {
+        let p = self.usable(peer)?;
+        if let Some(&r) = local.iter().find(|r| !self.regions.contains_key(r)) {
+            return Err(TransportError::UnknownRegion {
+                side: Side::Local,
+                region: RegionId(r),
+                transport: NAME,
+            });
+        }
+        if let Some(&r) = remote.iter().find(|r| !p.regions.contains_key(r)) {
+            return Err(TransportError::UnknownRegion {
+                side: Side::Remote,
+                region: RegionId(r),
+                transport: NAME,
+            });
+        }
+        Ok(())
     }
 
     /// Local regions a transfer in flight (or a zombie) reads.
@@ -510,6 +540,62 @@ impl Inner {
         );
     }
 
+    /// Hands batch `id` (in `inflight`, not yet posted) to NIXL. A batch NIXL finished inside
+    /// the post ends here; otherwise the polling thread takes it over. On a refusal the batch
+    /// leaves `inflight` (NIXL never had it) and the error and the peer-loss reason come back.
+    fn post_now(
+        &self,
+        id: BatchId,
+        req: &XferRequest,
+    ) -> std::result::Result<(), (TransportError, String)> {
+        let posted = self.agent.post_xfer_req(req, None);
+        // UCX often finishes a write inside the post (its cma lane copies there, and a small
+        // write may be acknowledged at once): such a batch ends here, without waiting for the
+        // polling thread's next turn.
+        let done =
+            posted.is_ok() && matches!(self.agent.get_xfer_status(req), Ok(XferStatus::Success));
+        let mut st = lock(&self.state);
+        let Some(f) = st.inflight.get_mut(&id) else {
+            return Ok(());
+        };
+        let peer = f.peer;
+        match posted {
+            Err(e) => {
+                if let Some(f) = st.inflight.remove(&id) {
+                    st.release(f);
+                }
+                drop(st);
+                // NIXL refuses to post to an agent whose connection broke (the peer died).
+                let reason = format!(
+                    "NIXL postXferReq failed with status {e:?}: the peer process died or its \
+                     UCX connection broke"
+                );
+                let e = TransportError::PeerLost {
+                    peer,
+                    transport: NAME,
+                    reason: reason.clone(),
+                };
+                Err((e, reason))
+            }
+            Ok(_) if done => {
+                if let Some(f) = st.inflight.remove(&id) {
+                    st.release(f);
+                }
+                drop(st);
+                self.batches.finish(id, Outcome::Done, Instant::now());
+                // The notification may still wait in UCX's queue for a progress call.
+                self.kick();
+                Ok(())
+            }
+            Ok(_) => {
+                f.posted = true;
+                drop(st);
+                self.kick();
+                Ok(())
+            }
+        }
+    }
+
     // ---- the polling thread's work ----------------------------------------------------------
 
     fn poll_transfers(&self) -> bool {
@@ -520,14 +606,21 @@ impl Inner {
         let fenced = std::mem::take(&mut st.fenced);
         let mut cut = Vec::new();
         for id in fenced {
-            if let Some(f) = st.inflight.remove(&id) {
-                cut.push(f.peer);
-                st.zombies.push(f);
-                busy = true;
+            match st.inflight.get(&id) {
+                // Still being posted: fenced once the post returned.
+                Some(f) if !f.posted => st.fenced.push(id),
+                Some(_) => {
+                    if let Some(f) = st.inflight.remove(&id) {
+                        cut.push(f.peer);
+                        st.zombies.push(f);
+                        busy = true;
+                    }
+                }
+                None => {}
             }
         }
         let mut finished = Vec::new();
-        for (&id, f) in st.inflight.iter() {
+        for (&id, f) in st.inflight.iter().filter(|(_, f)| f.posted) {
             match self.agent.get_xfer_status(&f.req) {
                 Ok(XferStatus::InProgress) => {}
                 Ok(XferStatus::Success) => finished.push((id, Ok(()))),
@@ -1032,47 +1125,51 @@ impl KvTransport for NixlTransport {
             }
         };
         let remote_regions = region_ids(remote.iter().map(|r| r.3));
-        // Posted under the region lock so a deregistration's deferred ack sees the batch.
-        let mut st = lock(&inner.state);
-        if let Err(e) = inner.agent.post_xfer_req(&req, None) {
-            drop(st);
-            inner.batches.forget(id);
-            // NIXL refuses to post to an agent whose connection broke (the peer died).
-            let reason = format!(
-                "NIXL postXferReq failed with status {e:?}: the peer process died or its UCX \
-                 connection broke"
+        let bytes: usize = local.iter().map(|l| l.1).sum();
+        let req = Arc::new(req);
+        {
+            // In `inflight` before it is posted, so a deregistration on either side waits for
+            // it; the regions are checked again under the same lock for one that finished
+            // since `descriptors` looked.
+            let mut st = lock(&inner.state);
+            if let Err(e) = st.still_usable(peer, &local_regions, &remote_regions) {
+                st.recycle(staging);
+                drop(st);
+                inner.batches.forget(id);
+                return Err(e);
+            }
+            st.inflight.insert(
+                id,
+                Inflight {
+                    req: Arc::clone(&req),
+                    posted: false,
+                    peer,
+                    local_regions,
+                    remote_regions,
+                    staging,
+                },
             );
-            inner.peer_lost(peer, reason.clone());
-            return Err(TransportError::PeerLost {
-                peer,
-                transport: NAME,
-                reason,
-            });
         }
-        // UCX often finishes a write inside the post (its cma lane copies there, and a small
-        // write may be acknowledged at once): such a batch ends here, without waiting for the
-        // polling thread's next turn. The thread is woken all the same: the notification may
-        // still wait in UCX's queue for a progress call.
-        if matches!(inner.agent.get_xfer_status(&req), Ok(XferStatus::Success)) {
-            drop(req);
-            st.recycle(staging);
-            drop(st);
-            inner.batches.finish(id, Outcome::Done, Instant::now());
-            inner.kick();
-            return Ok(id);
+        // UCX's cma lane copies a write's bytes inside `postXferReq`. A large batch is posted
+        // from a blocking thread, so `post` returns while UCX copies and the caller's next
+        // batch is gathered meanwhile (docs/benchmarks.md).
+        if bytes >= POST_ASIDE_BYTES {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let inner = Arc::clone(inner);
+                rt.spawn_blocking(move || {
+                    if let Err((e, reason)) = inner.post_now(id, &req) {
+                        inner.batches.finish(id, Outcome::Failed(e), Instant::now());
+                        inner.peer_lost(peer, reason);
+                    }
+                });
+                return Ok(id);
+            }
         }
-        st.inflight.insert(
-            id,
-            Inflight {
-                req,
-                peer,
-                local_regions,
-                remote_regions,
-                staging,
-            },
-        );
-        drop(st);
-        inner.kick();
+        if let Err((e, reason)) = inner.post_now(id, &req) {
+            inner.batches.forget(id);
+            inner.peer_lost(peer, reason);
+            return Err(e);
+        }
         Ok(id)
     }
 
@@ -1378,16 +1475,16 @@ fn gather(
             continue;
         }
         let start = at;
-        for l in &local[r.clone()] {
-            let (base, src) = sources.get(&l.3).ok_or(TransportError::UnknownRegion {
-                side: Side::Local,
-                region: RegionId(l.3),
-                transport: NAME,
-            })?;
-            src.copy_to((l.0 - base) as u64, region, at as u64, l.1 as u64)?;
-            at += l.1;
-        }
-        out_local.push((seg.addr + start, at - start, None, local[r.start].3));
+        let rows = &local[r.clone()];
+        let id = rows[0].3;
+        let (base, src) = sources.get(&id).ok_or(TransportError::UnknownRegion {
+            side: Side::Local,
+            region: RegionId(id),
+            transport: NAME,
+        })?;
+        let rows: Vec<(usize, usize)> = rows.iter().map(|l| (l.0 - base, l.1)).collect();
+        at += ffi::gather_rows(src, &rows, region, at)?;
+        out_local.push((seg.addr + start, at - start, None, id));
         let first = remote[r.start];
         out_remote.push((first.0, at - start, None, first.3));
     }

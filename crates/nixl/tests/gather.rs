@@ -3,7 +3,8 @@
 //! exactly the bytes a row-by-row copy would, and nothing else. Random batches (strided ops
 //! packed or not on the peer, contiguous ops, rows above and below the gathering limit) are
 //! checked byte for byte against a model of the destination, and so are two ops from two
-//! source regions packed one after the other on the peer.
+//! source regions packed one after the other on the peer. Last, a region deregistered while a
+//! batch into it is still being gathered receives none of its bytes.
 #![cfg(feature = "nixl")]
 
 mod common;
@@ -110,10 +111,10 @@ async fn gathered_rows_land_exactly_where_row_by_row_copies_would() {
 /// sends from must never be handed out again. Many batches in flight at once, each gathering
 /// its own rows (a distinct pattern per round and batch) into its own destination slice, then
 /// every destination byte checked: a staging region reused early would land another batch's
-/// rows. Run over UCX's default lanes and, below, its TCP lane. On this host both lanes mostly
-/// read a batch's staging bytes inside `post` (a build that handed regions back at `post`
-/// still passed here), so this checks reuse end to end rather than catching every early
-/// reuse; what guards that is that a region returns to the pool only once NIXL let go of it.
+/// rows. Run over UCX's default lanes and, below, its TCP lane. Batches this large are handed
+/// to NIXL after `post` returns, so a build that put a staging region back in the pool at
+/// `post` fails here on the default lanes (checked by making that change); over the TCP lane
+/// it still passed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn staging_regions_reused_by_later_batches_are_never_overwritten_in_flight() {
     if !common::runtime_ready() {
@@ -188,4 +189,65 @@ fn staging_regions_reused_in_flight_over_ucx_tcp() {
         return;
     }
     peer::rerun_over_ucx_tcp(&["staging_regions_reused_by_later_batches"], 1);
+}
+
+/// A receiver that deregisters a region while a sender is still gathering a batch into it
+/// (between `post`'s checks and the hand-over to NIXL, milliseconds for megabytes of rows):
+/// once `deregister` returned, no byte of that batch may land. The sender either refuses the
+/// batch (the region left its table) or its acknowledgement waits for the batch to end. Each
+/// round writes a marker over the region as soon as `deregister` returns, lets any late write
+/// land, and checks the marker is whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_byte_lands_in_a_region_deregistered_while_its_batch_was_being_gathered() {
+    if !common::runtime_ready() {
+        return;
+    }
+    const ROWS: u64 = 8192;
+    const LEN: u64 = 1152;
+    const STRIDE: u64 = 2 * LEN;
+    let options = || NixlOptions::default().with_device_memory(false);
+    let tx: Arc<dyn KvTransport> = Arc::new(NixlTransport::with_options(options()).unwrap());
+    let rx: Arc<dyn KvTransport> = Arc::new(NixlTransport::with_options(options()).unwrap());
+    let (src_id, src) = tx
+        .allocate_registered((ROWS * STRIDE) as usize)
+        .await
+        .unwrap();
+    src.write_at(0, &SplitMix64::new(7).bytes((ROWS * STRIDE) as usize))
+        .unwrap();
+    let peer = tx.connect(&rx.local_descriptor()).await.unwrap();
+    let mut rng = SplitMix64::new(0xde7e);
+    let (mut refused, mut landed_first) = (0, 0);
+    for round in 0..40 {
+        let (dst_id, dst) = rx.allocate_registered((ROWS * LEN) as usize).await.unwrap();
+        // The sender's table has the region once `allocate_registered` returned (the
+        // receiver waited for the sender's acknowledgement).
+        let op = TransferOp::new(src_id, 0, dst_id, 0, LEN).with_rows(ROWS, STRIDE, LEN);
+        let sender = {
+            let tx = Arc::clone(&tx);
+            tokio::spawn(async move {
+                match tx.post(peer, TransferBatch::write(vec![op])).await {
+                    Ok(id) => tx.wait(id).await.map(|()| true),
+                    Err(e) => Err(e),
+                }
+            })
+        };
+        tokio::time::sleep(std::time::Duration::from_micros(rng.next_u64() % 3000)).await;
+        rx.deregister(dst_id).await.unwrap();
+        dst.fill(0, ROWS * LEN, 0x5a).unwrap();
+        match sender.await.unwrap() {
+            Ok(_) => landed_first += 1,
+            Err(_) => refused += 1,
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let after = dst.to_vec(0, ROWS * LEN).unwrap();
+        let stray = after.iter().filter(|&&b| b != 0x5a).count();
+        assert_eq!(
+            stray, 0,
+            "round {round}: {stray} bytes landed in region #{} after its deregister returned",
+            dst_id.0
+        );
+    }
+    eprintln!("{landed_first} batches ended before the deregistration, {refused} refused");
+    tx.shutdown().await.unwrap();
+    rx.shutdown().await.unwrap();
 }
