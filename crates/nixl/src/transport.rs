@@ -17,6 +17,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -45,6 +46,8 @@ use crate::{NAME, NixlError, NixlOptions};
 /// wakes it at once. A poll that took `POLL_WORKED` or more did work inside UCX (read an
 /// inbound stream, say) and counts as activity.
 const POLL_MIN: Duration = Duration::from_micros(10);
+/// How long `wait` polls NIXL itself before sleeping on the batch table.
+const WAIT_DRIVES: Duration = Duration::from_micros(100);
 const POLL_IN_FLIGHT_MAX: Duration = Duration::from_micros(20);
 const POLL_BUSY_MAX: Duration = Duration::from_micros(50);
 const POLL_IDLE_MAX: Duration = Duration::from_millis(1);
@@ -599,7 +602,25 @@ impl Inner {
     // ---- the polling thread's work ----------------------------------------------------------
 
     fn poll_transfers(&self) -> bool {
-        let mut st = lock(&self.state);
+        self.poll_transfers_locked(lock(&self.state))
+    }
+
+    /// [`poll_transfers`](Self::poll_transfers) unless another thread holds the state (the
+    /// polling thread, polling the same transfers): `wait` then yields instead of sleeping on
+    /// the lock.
+    fn try_poll_transfers(&self) {
+        match self.state.try_lock() {
+            Ok(st) => {
+                self.poll_transfers_locked(st);
+            }
+            Err(std::sync::TryLockError::Poisoned(e)) => {
+                self.poll_transfers_locked(e.into_inner());
+            }
+            Err(std::sync::TryLockError::WouldBlock) => {}
+        }
+    }
+
+    fn poll_transfers_locked(&self, mut st: std::sync::MutexGuard<'_, State>) -> bool {
         let now = Instant::now();
         let mut busy = false;
         // Fenced batches (deadline passed): cut the peer off so nothing more is sent.
@@ -1178,7 +1199,23 @@ impl KvTransport for NixlTransport {
     }
 
     async fn wait(&self, batch: BatchId) -> Result<()> {
-        self.inner.batches.wait(batch, sleep_until).await
+        let inner = &self.inner;
+        // A small write is mostly done a few microseconds after its post, once UCX's progress
+        // ran: for up to `WAIT_DRIVES` the waiting task drives it itself, yielding to the
+        // runtime between polls, instead of sleeping until the polling thread's next turn
+        // wakes it (two thread wake-ups, tens of microseconds each on an idle virtual
+        // machine). Then it sleeps on the batch table.
+        let until = Instant::now() + WAIT_DRIVES;
+        loop {
+            if let Poll::Ready(r) = inner.batches.collect(batch, Instant::now()) {
+                return r;
+            }
+            if Instant::now() >= until {
+                return inner.batches.wait(batch, sleep_until).await;
+            }
+            inner.try_poll_transfers();
+            tokio::task::yield_now().await;
+        }
     }
 
     async fn cancel(&self, batch: BatchId) -> Result<BatchState> {
