@@ -15,7 +15,7 @@
 //! is off by default ([`NixlOptions::progress_thread`]).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -285,6 +285,9 @@ pub(crate) struct Inner {
     poller: std::sync::OnceLock<std::thread::Thread>,
     /// Set by `post`: the polling thread counts it as activity.
     kicked: AtomicBool,
+    /// Waits driving their own batch right now ([`Driving`]): the polling thread leaves
+    /// NIXL to them.
+    drivers: AtomicUsize,
 }
 
 /// A [`KvTransport`] on a NIXL agent with the UCX backend (feature `nixl`).
@@ -385,6 +388,7 @@ impl NixlTransport {
             notify_rx: tokio::sync::Mutex::new(rx),
             poller: std::sync::OnceLock::new(),
             kicked: AtomicBool::new(false),
+            drivers: AtomicUsize::new(0),
         });
         let weak = Arc::downgrade(&inner);
         let poller = std::thread::Builder::new()
@@ -873,6 +877,22 @@ impl Inner {
     }
 }
 
+/// One `wait` driving its own batch, counted in `Inner::drivers` while it lives.
+struct Driving<'a>(&'a Inner);
+
+impl<'a> Driving<'a> {
+    fn new(inner: &'a Inner) -> Self {
+        inner.drivers.fetch_add(1, Ordering::SeqCst);
+        Self(inner)
+    }
+}
+
+impl Drop for Driving<'_> {
+    fn drop(&mut self) {
+        self.0.drivers.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 fn poll_loop(weak: Weak<Inner>) {
     ffi::precise_sleeps();
     let mut backoff = POLL_MIN;
@@ -885,6 +905,18 @@ fn poll_loop(weak: Weak<Inner>) {
         // (which drives UCX's progress on this side) and yields the CPU instead of sleeping;
         // notifications are still polled at the busy back-off's pace.
         let spin = in_flight && inner.options.poll_in_flight;
+        // While a `wait` drives its batch, this thread stays out of NIXL's agent lock (every
+        // NIXL call takes it) except to look for notifications every `WAIT_DRIVES`: a small
+        // write's `wait` then finishes sooner (docs/benchmarks.md, NIXL).
+        if inner.drivers.load(Ordering::SeqCst) > 0 {
+            if last_notifications.elapsed() >= WAIT_DRIVES {
+                inner.poll_notifications();
+                last_notifications = Instant::now();
+            }
+            drop(inner);
+            std::thread::park_timeout(POLL_IN_FLIGHT_MAX);
+            continue;
+        }
         let started = Instant::now();
         let mut busy = inner.poll_transfers();
         if !spin || last_notifications.elapsed() >= POLL_BUSY_MAX {
@@ -1206,11 +1238,14 @@ impl KvTransport for NixlTransport {
         // wakes it (two thread wake-ups, tens of microseconds each on an idle virtual
         // machine). Then it sleeps on the batch table.
         let until = Instant::now() + WAIT_DRIVES;
+        // Counted while it drives (also if this future is dropped half-way).
+        let driving = Driving::new(inner);
         loop {
             if let Poll::Ready(r) = inner.batches.collect(batch, Instant::now()) {
                 return r;
             }
             if Instant::now() >= until {
+                drop(driving);
                 return inner.batches.wait(batch, sleep_until).await;
             }
             inner.try_poll_transfers();
