@@ -193,6 +193,26 @@ impl State {
         Ok(())
     }
 
+    /// Fenced batches (deadline passed) NIXL has: moved to the zombies; returns their peers,
+    /// to be cut off so nothing more is sent. One still being posted is fenced once its post
+    /// returned.
+    fn fence_posted(&mut self) -> Vec<PeerId> {
+        let mut cut = Vec::new();
+        for id in std::mem::take(&mut self.fenced) {
+            match self.inflight.get(&id) {
+                Some(f) if !f.posted => self.fenced.push(id),
+                Some(_) => {
+                    if let Some(f) = self.inflight.remove(&id) {
+                        cut.push(f.peer);
+                        self.zombies.push(f);
+                    }
+                }
+                None => {}
+            }
+        }
+        cut
+    }
+
     /// Local regions a transfer in flight (or a zombie) reads.
     fn sources_in_use(&self) -> HashSet<u64> {
         self.inflight
@@ -626,24 +646,8 @@ impl Inner {
 
     fn poll_transfers_locked(&self, mut st: std::sync::MutexGuard<'_, State>) -> bool {
         let now = Instant::now();
-        let mut busy = false;
-        // Fenced batches (deadline passed): cut the peer off so nothing more is sent.
-        let fenced = std::mem::take(&mut st.fenced);
-        let mut cut = Vec::new();
-        for id in fenced {
-            match st.inflight.get(&id) {
-                // Still being posted: fenced once the post returned.
-                Some(f) if !f.posted => st.fenced.push(id),
-                Some(_) => {
-                    if let Some(f) = st.inflight.remove(&id) {
-                        cut.push(f.peer);
-                        st.zombies.push(f);
-                        busy = true;
-                    }
-                }
-                None => {}
-            }
-        }
+        let cut = st.fence_posted();
+        let mut busy = !cut.is_empty();
         let mut finished = Vec::new();
         for (&id, f) in st.inflight.iter().filter(|(_, f)| f.posted) {
             match self.agent.get_xfer_status(&f.req) {

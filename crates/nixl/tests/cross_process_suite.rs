@@ -1,7 +1,8 @@
 //! The whole conformance suite over NIXL's UCX backend with the two peers in separate processes:
 //! the sender is a `NixlTransport` in the test process, the receiver one in a child process (the
 //! test binary re-run through `kvbridge_transport::testing::child`). Over the lanes UCX picks by
-//! default here, and again with `UCX_TLS=tcp` (the binary re-runs itself with that variable).
+//! default here (directly and with the sender as `Arc<dyn KvTransport>`), and again with
+//! `UCX_TLS=tcp` (the binary re-runs itself with that variable).
 //!
 //! The suite reads and writes the receiver's memory through `MemoryRegion` handles, so the
 //! receiver's regions are shared: the parent's [`ReceiverProcess`] (a small `KvTransport` proxy)
@@ -391,9 +392,26 @@ macro_rules! emit_cross_process {
     };
 }
 
+macro_rules! emit_cross_process_boxed {
+    ($($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let Some((pair, _receiver)) = super::cross_process_pair().await else { return };
+                kvbridge_transport::testing::$case(pair.boxed()).await
+            }
+        )*
+    };
+}
+
 /// Every case of the suite, the receiver in another process.
 mod suite {
     kvbridge_transport::__conformance_cases!(emit_cross_process);
+}
+
+/// The same, with the sender used as `Arc<dyn KvTransport>` (default lanes only).
+mod as_dyn {
+    kvbridge_transport::__conformance_cases!(emit_cross_process_boxed);
 }
 
 /// The receiver process is killed while 32 MiB batches flow into it (each writes the other of
