@@ -10,7 +10,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::ptr::NonNull;
 use std::sync::OnceLock;
 
-use kvbridge_transport::{Access, ForeignMemory, MemoryRegion};
+use kvbridge_transport::{ForeignMemory, MemoryRegion};
 use nixl_sys::{MemType, NixlDescriptor};
 
 use crate::NixlError;
@@ -231,39 +231,4 @@ pub(crate) fn precise_sleeps() {
     // SAFETY: PR_SET_TIMERSLACK takes an integer argument and changes only the calling thread's
     // timer slack; no memory is passed.
     let _ = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0) };
-}
-
-/// Copies `rows` (offset into `src`, length) back to back into `staging` from `at`; returns
-/// the bytes copied. The source span (first row's start to last row's end) and the staging
-/// range are each checked and claimed once, not per row: a batch may gather hundreds of
-/// thousands of rows, and a claim per row held the gather to a third of memory speed
-/// (docs/benchmarks.md).
-pub(crate) fn gather_rows(
-    src: &MemoryRegion,
-    rows: &[(usize, usize)],
-    staging: &MemoryRegion,
-    at: usize,
-) -> kvbridge_transport::Result<usize> {
-    let lo = rows.iter().map(|r| r.0).min().unwrap_or(0);
-    let hi = rows
-        .iter()
-        .map(|r| r.0.saturating_add(r.1))
-        .max()
-        .unwrap_or(lo);
-    let total = rows.iter().map(|r| r.1).fold(0usize, usize::saturating_add);
-    src.with_raw_range(lo as u64, (hi - lo) as u64, Access::Read, |s, _| {
-        staging.with_raw_range(at as u64, total as u64, Access::Write, |d, _| {
-            let mut off = 0;
-            for &(start, len) in rows {
-                // SAFETY: every row lies inside the claimed source span (`lo <= start` and
-                // `start + len <= hi`, which the claim checked against the region), claimed
-                // for reading, and `off + len <= total`, inside the staging range claimed for
-                // writing; the write claim was granted while the read claim is held, so the
-                // two ranges do not overlap. No references to the bytes are made.
-                unsafe { std::ptr::copy_nonoverlapping(s.add(start - lo), d.add(off), len) };
-                off += len;
-            }
-        })
-    })??;
-    Ok(total)
 }

@@ -1558,8 +1558,13 @@ fn gather(
             region: RegionId(id),
             transport: NAME,
         })?;
-        let rows: Vec<(usize, usize)> = rows.iter().map(|l| (l.0 - base, l.1)).collect();
-        at += ffi::gather_rows(src, &rows, region, at)?;
+        // One claim of the run's source span and one of its staging range, not one per row
+        // (docs/benchmarks.md, NIXL).
+        let rows: Vec<(u64, u64)> = rows
+            .iter()
+            .map(|l| ((l.0 - base) as u64, l.1 as u64))
+            .collect();
+        at += src.gather_to(&rows, region, at as u64)? as usize;
         out_local.push((seg.addr + start, at - start, None, id));
         let first = remote[r.start];
         out_remote.push((first.0, at - start, None, first.3));

@@ -722,6 +722,61 @@ impl MemoryRegion {
         Ok(f(src_claim.ptr(), dst_claim.ptr(), src_claim.len()))
     }
 
+    /// Copies `rows` (each an offset into this region and a length) one after another into
+    /// `dst` from `dst_offset`, and returns the bytes copied: what a transport does to send
+    /// many short rows as one piece. The source span (the first row's start to the last row's
+    /// end) is checked and claimed for reading, and `dst`'s range for writing, once each, before
+    /// any byte moves, so a batch of hundreds of thousands of rows pays two claims, not two
+    /// per row; a refusal names the end refused ([`Operand::Source`] or
+    /// [`Operand::Destination`]) and moves nothing. The bytes between rows are claimed too: a
+    /// write to them meanwhile is refused (or waited for) like one to the rows. Into this same
+    /// region the rows are copied one by one through [`copy_to`](Self::copy_to). Host memory
+    /// only.
+    pub fn gather_to(
+        &self,
+        rows: &[(u64, u64)],
+        dst: &MemoryRegion,
+        dst_offset: u64,
+    ) -> Result<u64> {
+        let span_of = |rows: &[(u64, u64)]| -> Option<(u64, u64, u64)> {
+            let mut lo = u64::MAX;
+            let (mut hi, mut total) = (0u64, 0u64);
+            for &(offset, len) in rows {
+                lo = lo.min(offset);
+                hi = hi.max(offset.checked_add(len)?);
+                total = total.checked_add(len)?;
+            }
+            Some((lo.min(hi), hi, total))
+        };
+        // Lengths that overflow: a range no region has, so the claim refuses it.
+        let (lo, hi, total) = span_of(rows).unwrap_or((0, u64::MAX, u64::MAX));
+        if self.same_region(dst) {
+            let mut at = dst_offset;
+            for &(offset, len) in rows {
+                self.copy_to(offset, dst, at, len)?;
+                at = at.saturating_add(len);
+            }
+            return Ok(total);
+        }
+        // Claimed one after the other: no two table locks are ever held at once.
+        let src = self.claim(lo, hi - lo, Access::Read, Operand::Source)?;
+        let out = dst.claim(dst_offset, total, Access::Write, Operand::Destination)?;
+        let (s, d) = (src.ptr(), out.ptr());
+        let mut at = 0usize;
+        for &(offset, len) in rows {
+            let (from, len) = ((offset - lo) as usize, len as usize);
+            // SAFETY: the row lies inside the claimed source span (`lo <= offset` and
+            // `offset + len <= hi`), which is inside this host region and claimed for reading,
+            // so nothing in this process writes it meanwhile; `at + len <= total`, inside
+            // `dst`'s range claimed exclusively. The regions are different, so the two ranges
+            // do not overlap (no two regions wrap the same bytes: `allocate`, and the
+            // `from_raw_parts` contract).
+            unsafe { std::ptr::copy_nonoverlapping(s.add(from), d.add(at), len) };
+            at += len;
+        }
+        Ok(total)
+    }
+
     /// Claims a copy's source (shared) and destination (exclusive).
     fn claim_copy<'a>(
         &'a self,
@@ -1510,6 +1565,89 @@ mod tests {
     }
 
     #[test]
+    fn gather_to_lands_rows_back_to_back_and_refuses_bad_rows_whole() {
+        let src = MemoryRegion::allocate(4096).unwrap();
+        let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+        src.write_at(0, &pattern).unwrap();
+        let dst = MemoryRegion::allocate(512).unwrap();
+        dst.fill(0, 512, 0xee).unwrap();
+        // Out of order, of any length, one empty.
+        let rows: [(u64, u64); 5] = [(100, 10), (0, 5), (3000, 0), (2000, 100), (4090, 6)];
+        assert_eq!(src.gather_to(&rows, &dst, 7).unwrap(), 121);
+        let mut want = vec![0xee; 512];
+        let mut at = 7;
+        for (offset, len) in rows.map(|(o, l)| (o as usize, l as usize)) {
+            want[at..at + len].copy_from_slice(&pattern[offset..offset + len]);
+            at += len;
+        }
+        assert_eq!(dst.to_vec(0, 512).unwrap(), want);
+        // Refusals name the end refused and move nothing.
+        let refused = |rows: &[(u64, u64)], dst_offset| {
+            let before = dst.to_vec(0, 512).unwrap();
+            let e = src.gather_to(rows, &dst, dst_offset).unwrap_err();
+            assert_eq!(dst.to_vec(0, 512).unwrap(), before, "{rows:?} moved bytes");
+            e
+        };
+        let e = refused(&[(0, 8), (4090, 7)], 0);
+        assert!(
+            matches!(
+                e,
+                TransportError::AccessOutOfRange {
+                    operand: Operand::Source,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = refused(&[(0, 8), (u64::MAX, 2)], 0);
+        assert!(
+            matches!(
+                e,
+                TransportError::AccessOutOfRange {
+                    operand: Operand::Source,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = refused(&[(0, 300), (1000, 300)], 0);
+        assert!(
+            matches!(
+                e,
+                TransportError::AccessOutOfRange {
+                    operand: Operand::Destination,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let held = dst.borrow(100, 1).unwrap();
+        let e = refused(&[(0, 200)], 0);
+        assert!(
+            matches!(
+                e,
+                TransportError::AccessConflict {
+                    operand: Operand::Destination,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        drop(held);
+        // Into the same region: row by row.
+        assert_eq!(src.gather_to(&[(10, 4), (0, 4)], &src, 1000).unwrap(), 8);
+        let mut same = pattern[10..14].to_vec();
+        same.extend_from_slice(&pattern[0..4]);
+        assert_eq!(src.to_vec(1000, 8).unwrap(), same);
+        // Nothing to gather.
+        assert_eq!(src.gather_to(&[], &dst, 512).unwrap(), 0);
+        // Device memory is refused.
+        let device = placeholder_device_region(0, 64);
+        let e = device.gather_to(&[(0, 8)], &dst, 0).unwrap_err();
+        assert!(matches!(e, TransportError::NotHostMemory { .. }), "{e}");
+    }
+
+    #[test]
     fn concurrent_overlapping_accesses_through_every_accessor() {
         // Each writer writes one uniform byte over the whole of [0, 64) through one accessor;
         // every read that is not refused must see uniform bytes (no torn write), and Miri
@@ -1527,7 +1665,9 @@ mod tests {
                         let _ = target.write_at(0, &[i; 64]);
                         let _ = target.fill(0, 64, i.wrapping_add(1));
                         let _ = s.copy_to(0, target, 0, 64);
+                        let _ = s.gather_to(&[(0, 32), (32, 32)], target, 0);
                         let _ = target.copy_to(32, target, 0, 64);
+                        let _ = target.gather_to(&[(0, 16), (16, 16)], target, 32);
                     }
                 });
                 scope.spawn(move || {
@@ -1559,6 +1699,7 @@ mod tests {
                             assert!(uniform(&slice), "{:?}", &slice[..]);
                         }
                         let _ = target.copy_to(0, s, 0, 64);
+                        let _ = target.gather_to(&[(0, 16), (16, 16)], s, 0);
                         let _ = target.with_raw_range(0, 16, Access::Read, |ptr, len| {
                             // SAFETY: the hook's contract: `len` readable bytes at `ptr`,
                             // written by no one while this runs.
