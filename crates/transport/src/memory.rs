@@ -730,8 +730,8 @@ impl MemoryRegion {
     /// per row; a refusal names the end refused ([`Operand::Source`] or
     /// [`Operand::Destination`]) and moves nothing. The bytes between rows are claimed too: a
     /// write to them meanwhile is refused (or waited for) like one to the rows. Into this same
-    /// region the rows are copied one by one through [`copy_to`](Self::copy_to). Host memory
-    /// only.
+    /// region the rows are copied one by one through [`copy_to`](Self::copy_to), and a refusal
+    /// stops at the refused row. Host memory only.
     pub fn gather_to(
         &self,
         rows: &[(u64, u64)],
