@@ -58,6 +58,15 @@ fn sleep_until(at: Instant) -> tokio::time::Sleep {
     tokio::time::sleep_until(tokio::time::Instant::from_std(at))
 }
 
+/// A region this transport does not know (any more), on `side`.
+fn unknown_region(side: Side, region: RegionId) -> TransportError {
+    TransportError::UnknownRegion {
+        side,
+        region,
+        transport: NAME,
+    }
+}
+
 fn call_err(call: &'static str, e: nixl_sys::NixlError, remedy: &'static str) -> TransportError {
     NixlError::Call {
         call,
@@ -177,18 +186,10 @@ impl State {
     fn still_usable(&self, peer: PeerId, local: &[u64], remote: &[u64]) -> Result<()> {
         let p = self.usable(peer)?;
         if let Some(&r) = local.iter().find(|r| !self.regions.contains_key(r)) {
-            return Err(TransportError::UnknownRegion {
-                side: Side::Local,
-                region: RegionId(r),
-                transport: NAME,
-            });
+            return Err(unknown_region(Side::Local, RegionId(r)));
         }
         if let Some(&r) = remote.iter().find(|r| !p.regions.contains_key(r)) {
-            return Err(TransportError::UnknownRegion {
-                side: Side::Remote,
-                region: RegionId(r),
-                transport: NAME,
-            });
+            return Err(unknown_region(Side::Remote, RegionId(r)));
         }
         Ok(())
     }
@@ -1028,11 +1029,7 @@ impl KvTransport for NixlTransport {
         let inner = &self.inner;
         inner.check_open()?;
         let Some(local) = lock(&inner.state).regions.remove(&region.0) else {
-            return Err(TransportError::UnknownRegion {
-                side: Side::Local,
-                region,
-                transport: NAME,
-            });
+            return Err(unknown_region(Side::Local, region));
         };
         // Senders drop the region from their tables and acknowledge once their batches into
         // it have ended; only then is it deregistered from NIXL.
@@ -1415,22 +1412,14 @@ fn descriptors(
         let (lseg, r) = match last {
             Some((l, lseg, r, rr)) if l == op.local_region && r == op.remote_region => (lseg, rr),
             _ => {
-                let l =
-                    st.regions
-                        .get(&op.local_region.0)
-                        .ok_or(TransportError::UnknownRegion {
-                            side: Side::Local,
-                            region: op.local_region,
-                            transport: NAME,
-                        })?;
-                let r =
-                    p.regions
-                        .get(&op.remote_region.0)
-                        .ok_or(TransportError::UnknownRegion {
-                            side: Side::Remote,
-                            region: op.remote_region,
-                            transport: NAME,
-                        })?;
+                let l = st
+                    .regions
+                    .get(&op.local_region.0)
+                    .ok_or(unknown_region(Side::Local, op.local_region))?;
+                let r = p
+                    .regions
+                    .get(&op.remote_region.0)
+                    .ok_or(unknown_region(Side::Remote, op.remote_region))?;
                 let lseg = Segment::of(&l.region);
                 last = Some((op.local_region, lseg, op.remote_region, r));
                 (lseg, r)
@@ -1553,11 +1542,9 @@ fn gather(
         let start = at;
         let rows = &local[r.clone()];
         let id = rows[0].3;
-        let (base, src) = sources.get(&id).ok_or(TransportError::UnknownRegion {
-            side: Side::Local,
-            region: RegionId(id),
-            transport: NAME,
-        })?;
+        let (base, src) = sources
+            .get(&id)
+            .ok_or(unknown_region(Side::Local, RegionId(id)))?;
         // One claim of the run's source span and one of its staging range, not one per row
         // (docs/benchmarks.md, NIXL).
         let rows: Vec<(u64, u64)> = rows
