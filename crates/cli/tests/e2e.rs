@@ -759,7 +759,9 @@ fn bench_e2e(transport: &str, extra: &[&str]) -> Value {
 
 #[test]
 fn bench_e2e_verifies_the_coordinator_against_both_baselines_shm() {
-    bench_e2e("shm", &[]);
+    let r = bench_e2e("shm", &[]);
+    // The direct-NIXL baseline is NIXL's alone.
+    assert!(r["direct_ratio"].is_null() && r["direct_descriptors"].is_null(), "{r}");
 }
 
 #[test]
@@ -928,6 +930,17 @@ mod nixl {
     fn mla_dcp_1_to_4_nixl() {
         if ready() {
             mla_dcp("nixl", "4");
+        }
+    }
+
+    #[test]
+    fn bench_e2e_over_nixl_holds_the_coordinator_to_the_same_rows_posted_directly() {
+        if ready() {
+            let r = bench_e2e("nixl", &[]);
+            assert!(r["direct_ratio"].as_f64().unwrap() > 0.0, "{r}");
+            // DCP 1 -> 4: a decode rank's rows are every 4th prefill row, so each is a NIXL
+            // descriptor of its own in the direct baseline.
+            assert_eq!(r["direct_descriptors"], r["rows"], "{r}");
         }
     }
 

@@ -16,8 +16,6 @@
 
 use std::time::Duration;
 
-#[cfg(feature = "nixl")]
-#[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
 pub mod baseline;
 #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
 mod control;

@@ -19,6 +19,10 @@
 //!   back, and so are each decode rank's): the memory's own speed.
 //! - **transport**: the same large blocks posted through the prefill transports to the decode
 //!   transports: the transport's own large-block throughput.
+//! - **direct NIXL** (`--transport nixl` only): the request's rows posted through nixl-sys
+//!   directly, without kvbridge: per prefill rank a raw NIXL agent writes each decode rank its
+//!   rows as one transfer, one NIXL descriptor per run of rows contiguous on both sides (what
+//!   the coordinator's strided ops describe, in NIXL's own terms), polled in a tight loop.
 //!
 //! The coordinator path is verified once, untimed: the decode pools are zeroed, one run moves
 //! the request, and every row of every decode rank is checked against the owner rule.
@@ -33,10 +37,11 @@ use kvbridge_coordinator::bootstrap::{
 use kvbridge_coordinator::net_channel::{NetChannel, NetChannelConfig};
 use kvbridge_coordinator::testing::{TokenLayout, chunk_plan, fill_rows, verify_rows};
 use kvbridge_coordinator::{
-    AllocatedMemory, Chunk, DecodeAgent, KvMemory, MetricsSnapshot, PackBuffers, PrefillAgent,
-    PrefillConfig, ReceiveRequest,
+    AllocatedMemory, Chunk, DecodeAgent, EntryRegion, KvMemory, MetricsSnapshot, PackBuffers,
+    PrefillAgent, PrefillConfig, ReceiveRequest,
 };
 use kvbridge_handshake::{PeerDescriptor, Role};
+use kvbridge_nixl::baseline::DirectOp;
 use kvbridge_transport::{KvTransport, PeerId, TransferBatch, TransferOp};
 
 use super::{BenchArgs, Factory, TransportKind, factory};
@@ -50,6 +55,8 @@ const PACK_PER_DECODE: usize = 2;
 const PATTERN_ROOM: u64 = 1;
 /// Targets of the two ratios (docs/benchmarks.md, "End to end").
 const TARGET: f64 = 0.8;
+/// Target of the NIXL transport against the same rows posted through nixl-sys directly.
+const DIRECT_TARGET: f64 = 0.9;
 
 fn desc(role: Role, page: u64, tp: u32, rank: u32, dcp: u32) -> Result<PeerDescriptor, String> {
     PeerDescriptor::mla(role, page, LAYERS, TOKEN_BYTES)
@@ -75,6 +82,12 @@ struct Report {
     memcpy_ratio: f64,
     /// `coordinator_gbps / transport_gbps` (the TCP target).
     transport_ratio: f64,
+    /// The direct-NIXL baseline (`--transport nixl`): GB/s, ms, NIXL descriptors per request,
+    /// and `coordinator_gbps / direct_gbps` (the NIXL target).
+    direct_gbps: Option<f64>,
+    direct_ms: Option<f64>,
+    direct_descriptors: Option<u64>,
+    direct_ratio: Option<f64>,
     coordinator_ms: f64,
     memcpy_ms: f64,
     transport_ms: f64,
@@ -368,14 +381,25 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
     let verified = verified_run(&prefills, &decodes, &addr, room, tokens).await?;
     memcpy_run(&prefills, &decodes, &blocks)?;
     transport_run(&prefills, &decodes, &blocks).await?;
+    let direct = match args.transport {
+        TransportKind::Nixl => Some(start_direct(&prefills, &decodes, tokens)?),
+        _ => None,
+    };
+    if let Some(d) = &direct {
+        d.run()?;
+    }
 
     let metrics =
         |ps: &[Prefill]| -> Vec<MetricsSnapshot> { ps.iter().map(|p| p.agent.metrics()).collect() };
     let before = metrics(&prefills);
-    let (mut coord, mut mem, mut raw) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut coord, mut mem, mut raw, mut direct_runs) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..args.runs {
         mem.push(memcpy_run(&prefills, &decodes, &blocks)?);
         raw.push(transport_run(&prefills, &decodes, &blocks).await?);
+        if let Some(d) = &direct {
+            direct_runs.push(d.run()?);
+        }
         room += 1;
         coord.push(coordinator_run(&prefills, &decodes, &addr, room, tokens).await?);
     }
@@ -390,6 +414,10 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
     };
     let (c, m, r) = (median(&mut coord), median(&mut mem), median(&mut raw));
     let gbps = |d: Duration| bytes as f64 / 1e9 / d.as_secs_f64().max(1e-9);
+    let direct_time = direct.as_ref().map(|_| median(&mut direct_runs));
+    let direct_descriptors = direct.as_ref().map(super::nixl::DirectE2e::descriptors);
+    // The raw agents go before the transports whose peers they are.
+    drop(direct);
     shutdown(&prefills, &decodes).await;
     boot.shutdown();
     Ok(Report {
@@ -408,6 +436,10 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
         transport_gbps: gbps(r),
         memcpy_ratio: m.as_secs_f64() / c.as_secs_f64().max(1e-9),
         transport_ratio: r.as_secs_f64() / c.as_secs_f64().max(1e-9),
+        direct_gbps: direct_time.map(gbps),
+        direct_ms: direct_time.map(|d| d.as_secs_f64() * 1e3),
+        direct_descriptors,
+        direct_ratio: direct_time.map(|d| d.as_secs_f64() / c.as_secs_f64().max(1e-9)),
         coordinator_ms: c.as_secs_f64() * 1e3,
         memcpy_ms: m.as_secs_f64() * 1e3,
         transport_ms: r.as_secs_f64() * 1e3,
@@ -418,6 +450,81 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
         baseline_blocks: blocks.len() as u64,
         verified,
     })
+}
+
+/// The direct-NIXL baseline's writers, loaded with [`direct_ops`] for this request.
+fn start_direct(
+    prefills: &[Prefill],
+    decodes: &[Decode],
+    tokens: u64,
+) -> Result<super::nixl::DirectE2e, String> {
+    let layouts = |ranks: &mut dyn Iterator<Item = (&PeerDescriptor, &Vec<u64>, &KvMemory)>| {
+        ranks
+            .map(|(d, table, mem)| {
+                TokenLayout::for_rank(d, table.clone()).map(|l| (l, mem.kv.clone()))
+            })
+            .collect::<Result<Vec<_>, _>>()
+    };
+    let src = layouts(&mut prefills.iter().map(|p| (&p.desc, &p.table, &p.mem.memory)))?;
+    let dst = layouts(&mut decodes.iter().map(|d| (&d.desc, &d.table, &d.mem.memory)))?;
+    let ops = direct_ops(&src, &dst, tokens)?;
+    let peers: Vec<Vec<u8>> = decodes
+        .iter()
+        .map(|d| d.transport.local_descriptor().to_vec())
+        .collect();
+    let srcs: Vec<Vec<_>> = prefills.iter().map(|p| p.mem.kv_regions.clone()).collect();
+    super::nixl::DirectE2e::start(&srcs, &peers, ops)
+}
+
+/// The request's rows as NIXL descriptors, `[prefill rank][decode rank]`: each position's row,
+/// from the prefill rank that holds it to the decode rank that holds it, layer by layer; a row
+/// that continues the previous one on both sides extends it. Ranks are given as their layout
+/// and KV entries (the source index of a descriptor is its layer: one region per entry).
+fn direct_ops(
+    src: &[(TokenLayout, Vec<EntryRegion>)],
+    dst: &[(TokenLayout, Vec<EntryRegion>)],
+    tokens: u64,
+) -> Result<Vec<Vec<Vec<DirectOp>>>, String> {
+    let mut ops: Vec<Vec<Vec<DirectOp>>> = vec![vec![Vec::new(); dst.len()]; src.len()];
+    for layer in 0..LAYERS {
+        for pos in 0..tokens {
+            let owner = |ranks: &[(TokenLayout, Vec<EntryRegion>)]| {
+                ranks.iter().enumerate().find_map(|(i, (l, kv))| {
+                    let row = l.row_of(pos)?;
+                    Some((
+                        i,
+                        kv[layer].region,
+                        kv[layer].offset + row * l.token_bytes[layer],
+                    ))
+                })
+            };
+            let (Some((p, _, src_offset)), Some((q, region, dst_offset))) =
+                (owner(src), owner(dst))
+            else {
+                return Err(format!("internal: position {pos} has no owner"));
+            };
+            let op = DirectOp {
+                src: layer,
+                src_offset,
+                region: region.0,
+                dst_offset,
+                len: TOKEN_BYTES,
+            };
+            let list = &mut ops[p][q];
+            match list.last_mut() {
+                Some(last)
+                    if last.src == op.src
+                        && last.region == op.region
+                        && last.src_offset + last.len == op.src_offset
+                        && last.dst_offset + last.len == op.dst_offset =>
+                {
+                    last.len += op.len;
+                }
+                _ => list.push(op),
+            }
+        }
+    }
+    Ok(ops)
 }
 
 /// The request's bytes as large blocks, layer by layer: the rows each prefill rank holds are
@@ -626,16 +733,23 @@ fn print(args: &BenchArgs, r: &Report) {
          {kind} transport",
         r.transport_gbps, r.transport_ms, r.baseline_blocks
     );
-    let (ratio, against) = match args.transport {
-        TransportKind::Shm => (r.memcpy_ratio, "memcpy"),
-        TransportKind::Tcp | TransportKind::Nixl => {
-            (r.transport_ratio, "the transport's large blocks")
-        }
+    if let (Some(gbps), Some(ms), Some(n)) = (r.direct_gbps, r.direct_ms, r.direct_descriptors) {
+        println!(
+            "  direct NIXL  {gbps:>6.2} GB/s  {ms:>8.1} ms per request  the same rows as {n} NIXL \
+             descriptors through nixl-sys, no kvbridge"
+        );
+    }
+    // Each transport's target: shm against memcpy, TCP against its own large blocks, NIXL
+    // against the same rows posted through nixl-sys directly.
+    let (ratio, against, target) = match (args.transport, r.direct_ratio) {
+        (TransportKind::Shm, _) => (r.memcpy_ratio, "memcpy", TARGET),
+        (TransportKind::Nixl, Some(direct)) => (direct, "direct NIXL", DIRECT_TARGET),
+        _ => (r.transport_ratio, "the transport's large blocks", TARGET),
     };
     println!(
-        "  ratio        {ratio:.2}x of {against} (target >= {TARGET:.2}x){}; {:.2}x of memcpy, \
+        "  ratio        {ratio:.2}x of {against} (target >= {target:.2}x){}; {:.2}x of memcpy, \
          {:.2}x of the transport",
-        if ratio >= TARGET {
+        if ratio >= target {
             ""
         } else {
             "  BELOW TARGET"
@@ -656,6 +770,73 @@ fn print(args: &BenchArgs, r: &Report) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Ranks of one role: their layouts (`table(rank)` as page table) and KV entries, each
+    /// entry a region of its own (ids `base + rank * LAYERS + layer`).
+    fn ranks(
+        role: Role,
+        dcp: u32,
+        page: u64,
+        pages: u64,
+        base: u64,
+        table: impl Fn(u64) -> Vec<u64>,
+    ) -> Vec<(TokenLayout, Vec<EntryRegion>)> {
+        (0..dcp)
+            .map(|r| {
+                let d = desc(role, page, dcp, r, dcp).unwrap();
+                let kv = (0..LAYERS as u64)
+                    .map(|l| {
+                        let id = base + u64::from(r) * LAYERS as u64 + l;
+                        EntryRegion::whole(
+                            kvbridge_transport::RegionId(id),
+                            pages * page * TOKEN_BYTES,
+                        )
+                    })
+                    .collect();
+                (TokenLayout::for_rank(&d, table(pages)).unwrap(), kv)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn direct_ops_move_each_row_once_to_its_owner_and_merge_only_contiguous_runs() {
+        let tokens = 512;
+        let forward = |n: u64| (0..n).collect::<Vec<_>>();
+        let reversed = |n: u64| (0..n).rev().collect::<Vec<_>>();
+        // DCP 1 -> 4: a decode rank's rows are every 4th source row, so no two merge.
+        let src = ranks(Role::Prefill, 1, 64, 8, 0, forward);
+        let dst = ranks(Role::Decode, 4, 64, 2, 1000, reversed);
+        let ops = direct_ops(&src, &dst, tokens).unwrap();
+        let all: Vec<&DirectOp> = ops.iter().flatten().flatten().collect();
+        assert_eq!(all.len() as u64, tokens * LAYERS as u64);
+        let mut seen = std::collections::HashSet::new();
+        for (q, list) in ops[0].iter().enumerate() {
+            for op in list {
+                assert_eq!(op.len, TOKEN_BYTES);
+                assert_eq!(op.region, 1000 + q as u64 * LAYERS as u64 + op.src as u64);
+                // The source row's position is owned by decode rank q, and lands on its row.
+                let pos = op.src_offset / TOKEN_BYTES;
+                assert_eq!(pos % 4, q as u64);
+                let row = dst[q].0.row_of(pos).unwrap();
+                assert_eq!(op.dst_offset, row * TOKEN_BYTES);
+                assert!(
+                    seen.insert((op.region, op.dst_offset)),
+                    "{op:?} written twice"
+                );
+            }
+        }
+        // DCP 1 -> 1, both tables in order: one descriptor per layer; decode pages reversed:
+        // one per page and layer.
+        let src = ranks(Role::Prefill, 1, 64, 8, 0, forward);
+        let same = ranks(Role::Decode, 1, 64, 8, 1000, forward);
+        let ops = direct_ops(&src, &same, tokens).unwrap();
+        assert_eq!(ops[0][0].len(), LAYERS);
+        assert!(ops[0][0].iter().all(|o| o.len == tokens * TOKEN_BYTES));
+        let rev = ranks(Role::Decode, 1, 64, 8, 1000, reversed);
+        let ops = direct_ops(&src, &rev, tokens).unwrap();
+        assert_eq!(ops[0][0].len(), 8 * LAYERS);
+        assert!(ops[0][0].iter().all(|o| o.len == 64 * TOKEN_BYTES));
+    }
 
     #[test]
     fn large_blocks_cover_every_byte_once_and_cut_where_ranks_end() {

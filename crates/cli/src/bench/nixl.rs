@@ -30,8 +30,11 @@ impl DirectBaseline {
     ) -> Result<Self, String> {
         #[cfg(feature = "nixl")]
         {
-            let writer = kvbridge_nixl::baseline::DirectWriter::new(src, descriptor)
-                .map_err(|e| e.to_string())?;
+            let writer = kvbridge_nixl::baseline::DirectWriter::new(
+                std::slice::from_ref(src),
+                &[descriptor],
+            )
+            .map_err(|e| e.to_string())?;
             Ok(Self {
                 writer,
                 remote: remote.0,
@@ -48,18 +51,82 @@ impl DirectBaseline {
     pub(super) fn run(&self, ops: &[(u64, u64, u64)]) -> Result<f64, String> {
         #[cfg(feature = "nixl")]
         {
-            let ops: Vec<(u64, u64, u64, u64)> = ops
+            let ops: Vec<_> = ops
                 .iter()
-                .map(|&(s, d, len)| (s, self.remote, d, len))
+                .map(
+                    |&(src_offset, dst_offset, len)| kvbridge_nixl::baseline::DirectOp {
+                        src: 0,
+                        src_offset,
+                        region: self.remote,
+                        dst_offset,
+                        len,
+                    },
+                )
                 .collect();
             self.writer
-                .write(&ops, Some(b"baseline"))
+                .write(&[ops], Some(b"baseline"))
                 .map(|t| t.as_secs_f64())
                 .map_err(|e| e.to_string())
         }
         #[cfg(not(feature = "nixl"))]
         {
             let _ = (ops, self.remote);
+            Err(kvbridge_nixl::NixlError::NotBuilt.to_string())
+        }
+    }
+}
+
+/// The direct-NIXL baseline of `--e2e`: one raw agent per prefill rank, writing each decode rank
+/// its rows (`ops[prefill][decode]`) as one transfer.
+pub(super) struct DirectE2e {
+    #[cfg(feature = "nixl")]
+    writers: Vec<kvbridge_nixl::baseline::DirectWriter>,
+    ops: Vec<Vec<Vec<kvbridge_nixl::baseline::DirectOp>>>,
+}
+
+impl DirectE2e {
+    /// Registers each prefill rank's `srcs` with an agent of its own that loads every decode
+    /// rank's metadata (`peers`, their kvbridge-nixl descriptors).
+    pub(super) fn start(
+        srcs: &[Vec<MemoryRegion>],
+        peers: &[Vec<u8>],
+        ops: Vec<Vec<Vec<kvbridge_nixl::baseline::DirectOp>>>,
+    ) -> Result<Self, String> {
+        #[cfg(feature = "nixl")]
+        {
+            let peers: Vec<&[u8]> = peers.iter().map(Vec::as_slice).collect();
+            let writers = srcs
+                .iter()
+                .map(|s| kvbridge_nixl::baseline::DirectWriter::new(s, &peers))
+                .collect::<Result<_, _>>()
+                .map_err(|e| format!("direct NIXL baseline: {e}"))?;
+            Ok(Self { writers, ops })
+        }
+        #[cfg(not(feature = "nixl"))]
+        {
+            let _ = (srcs, peers, ops);
+            Err(kvbridge_nixl::NixlError::NotBuilt.to_string())
+        }
+    }
+
+    /// NIXL descriptors per request.
+    pub(super) fn descriptors(&self) -> u64 {
+        self.ops.iter().flatten().map(|o| o.len() as u64).sum()
+    }
+
+    /// One timed run: every prefill rank's transfers posted, then all polled to completion.
+    pub(super) fn run(&self) -> Result<std::time::Duration, String> {
+        #[cfg(feature = "nixl")]
+        {
+            let start = std::time::Instant::now();
+            for (w, ops) in self.writers.iter().zip(&self.ops) {
+                w.write(ops, None)
+                    .map_err(|e| format!("direct NIXL baseline: {e}"))?;
+            }
+            Ok(start.elapsed())
+        }
+        #[cfg(not(feature = "nixl"))]
+        {
             Err(kvbridge_nixl::NixlError::NotBuilt.to_string())
         }
     }
