@@ -761,7 +761,10 @@ fn bench_e2e(transport: &str, extra: &[&str]) -> Value {
 fn bench_e2e_verifies_the_coordinator_against_both_baselines_shm() {
     let r = bench_e2e("shm", &[]);
     // The direct-NIXL baseline is NIXL's alone.
-    assert!(r["direct_ratio"].is_null() && r["direct_descriptors"].is_null(), "{r}");
+    assert!(
+        r["direct_ratio"].is_null() && r["direct_descriptors"].is_null(),
+        "{r}"
+    );
 }
 
 #[test]

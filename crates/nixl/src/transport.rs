@@ -302,10 +302,12 @@ pub(crate) struct Inner {
     acks: Mutex<HashMap<u64, (String, oneshot::Sender<()>)>>,
     notify_tx: Mutex<Option<mpsc::UnboundedSender<Notification>>>,
     notify_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<Notification>>,
-    /// The polling thread, unparked by `post`.
+    /// The polling thread, unparked by `post` when it sleeps long ([`Inner::nudge`]).
     poller: std::sync::OnceLock<std::thread::Thread>,
     /// Set by `post`: the polling thread counts it as activity.
     kicked: AtomicBool,
+    /// How long the polling thread's current sleep is, in microseconds.
+    poller_sleep_us: AtomicU64,
     /// Waits driving their own batch right now ([`Driving`]): the polling thread leaves
     /// NIXL to them.
     drivers: AtomicUsize,
@@ -409,6 +411,7 @@ impl NixlTransport {
             notify_rx: tokio::sync::Mutex::new(rx),
             poller: std::sync::OnceLock::new(),
             kicked: AtomicBool::new(false),
+            poller_sleep_us: AtomicU64::new(0),
             drivers: AtomicUsize::new(0),
         });
         let weak = Arc::downgrade(&inner);
@@ -453,6 +456,18 @@ impl Inner {
         self.kicked.store(true, Ordering::SeqCst);
         if let Some(poller) = self.poller.get() {
             poller.unpark();
+        }
+    }
+
+    /// Marks activity for the polling thread, waking it only from a sleep longer than
+    /// `POLL_BUSY_MAX`: a shorter one ends soon anyway, and a `wait` that follows drives its
+    /// batch itself; each needless wake-up is a thread switch that competes with the peer's
+    /// progress for the same cores.
+    fn nudge(&self) {
+        if self.poller_sleep_us.load(Ordering::SeqCst) > POLL_BUSY_MAX.as_micros() as u64 {
+            self.kick();
+        } else {
+            self.kicked.store(true, Ordering::SeqCst);
         }
     }
 
@@ -618,7 +633,7 @@ impl Inner {
             Ok(_) => {
                 f.posted = true;
                 drop(st);
-                self.kick();
+                self.nudge();
                 Ok(())
             }
         }
@@ -918,6 +933,9 @@ fn poll_loop(weak: Weak<Inner>) {
                 inner.poll_notifications();
                 last_notifications = Instant::now();
             }
+            inner
+                .poller_sleep_us
+                .store(POLL_IN_FLIGHT_MAX.as_micros() as u64, Ordering::SeqCst);
             drop(inner);
             std::thread::park_timeout(POLL_IN_FLIGHT_MAX);
             continue;
@@ -935,11 +953,11 @@ fn poll_loop(weak: Weak<Inner>) {
             let idle = st.inflight.is_empty() && st.zombies.is_empty();
             (idle, idle && inner.finished.load(Ordering::SeqCst))
         };
-        drop(inner);
         if done {
             return;
         }
         if spin {
+            drop(inner);
             std::thread::yield_now();
             continue;
         }
@@ -958,6 +976,10 @@ fn poll_loop(weak: Weak<Inner>) {
         } else {
             (backoff * 2).min(max)
         };
+        inner
+            .poller_sleep_us
+            .store(backoff.as_micros() as u64, Ordering::SeqCst);
+        drop(inner);
         std::thread::park_timeout(backoff);
     }
 }
@@ -1171,6 +1193,10 @@ impl KvTransport for NixlTransport {
                 return Err(e);
             }
         };
+        let bytes: usize = local.iter().map(|l| l.1).sum();
+        // Like a driving `wait`, a small batch's request is made and posted with the polling
+        // thread out of NIXL's agent lock (every NIXL call takes it).
+        let driving = (bytes < POST_ASIDE_BYTES).then(|| Driving::new(inner));
         let req = match make_request(inner, &name, &local, &remote, batch.notification.as_deref()) {
             Ok(req) => req,
             Err(e) => {
@@ -1179,7 +1205,6 @@ impl KvTransport for NixlTransport {
             }
         };
         let remote_regions = region_ids(remote.iter().map(|r| r.3));
-        let bytes: usize = local.iter().map(|l| l.1).sum();
         let req = Arc::new(req);
         {
             // In `inflight` before it is posted, so a deregistration on either side waits for
@@ -1219,7 +1244,9 @@ impl KvTransport for NixlTransport {
                 return Ok(id);
             }
         }
-        if let Err((e, reason)) = inner.post_now(id, &req) {
+        let posted = inner.post_now(id, &req);
+        drop(driving);
+        if let Err((e, reason)) = posted {
             inner.batches.forget(id);
             inner.peer_lost(peer, reason);
             return Err(e);
@@ -1247,6 +1274,8 @@ impl KvTransport for NixlTransport {
             }
             if Instant::now() >= until {
                 drop(driving);
+                // The polling thread takes over (`post` may not have woken it).
+                inner.kick();
                 return inner.batches.wait(batch, sleep_until).await;
             }
             inner.try_poll_transfers();

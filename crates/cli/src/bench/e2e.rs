@@ -381,13 +381,7 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
     let verified = verified_run(&prefills, &decodes, &addr, room, tokens).await?;
     memcpy_run(&prefills, &decodes, &blocks)?;
     transport_run(&prefills, &decodes, &blocks).await?;
-    let direct = match args.transport {
-        TransportKind::Nixl => Some(start_direct(&prefills, &decodes, tokens)?),
-        _ => None,
-    };
-    if let Some(d) = &direct {
-        d.run()?;
-    }
+    let direct = direct_baseline(args, &prefills, &decodes, tokens)?;
 
     let metrics =
         |ps: &[Prefill]| -> Vec<MetricsSnapshot> { ps.iter().map(|p| p.agent.metrics()).collect() };
@@ -450,6 +444,22 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
         baseline_blocks: blocks.len() as u64,
         verified,
     })
+}
+
+/// The direct-NIXL baseline for `--transport nixl`, warmed up by one untimed run; none for the
+/// other transports.
+fn direct_baseline(
+    args: &BenchArgs,
+    prefills: &[Prefill],
+    decodes: &[Decode],
+    tokens: u64,
+) -> Result<Option<super::nixl::DirectE2e>, String> {
+    if !matches!(args.transport, TransportKind::Nixl) {
+        return Ok(None);
+    }
+    let direct = start_direct(prefills, decodes, tokens)?;
+    direct.run()?;
+    Ok(Some(direct))
 }
 
 /// The direct-NIXL baseline's writers, loaded with [`direct_ops`] for this request.
