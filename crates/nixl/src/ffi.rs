@@ -232,3 +232,31 @@ pub(crate) fn precise_sleeps() {
     // timer slack; no memory is passed.
     let _ = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0) };
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvbridge_transport::ForeignMemory;
+
+    /// What NIXL is told of a region: a device region becomes a `VRAM_SEG` descriptor with its
+    /// device id and address, host memory a `DRAM_SEG` one (the VRAM path that runs without a
+    /// GPU: registering device memory needs one).
+    #[test]
+    fn device_regions_become_vram_descriptors_with_their_device_id() {
+        // SAFETY: the device address is never dereferenced: only its number is read here.
+        let device =
+            unsafe { MemoryRegion::from_raw_parts(ForeignMemory::device(3, 1 << 40, 8192, ())) };
+        let seg = Segment::of(&device);
+        assert_eq!((seg.addr, seg.len, seg.device), (1 << 40, 8192, Some(3)));
+        assert!(matches!(NixlDescriptor::mem_type(&seg), MemType::Vram));
+        assert_eq!(seg.device_id(), 3);
+        let host = allocate(4096).unwrap();
+        let seg = Segment::of(&host);
+        assert_eq!(
+            (seg.addr, seg.len, seg.device),
+            (host.as_ptr() as usize, 4096, None)
+        );
+        assert!(matches!(NixlDescriptor::mem_type(&seg), MemType::Dram));
+        assert_eq!(seg.device_id(), 0);
+    }
+}
