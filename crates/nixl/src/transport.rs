@@ -464,10 +464,13 @@ impl Inner {
     /// batch itself; each needless wake-up is a thread switch that competes with the peer's
     /// progress for the same cores.
     fn nudge(&self) {
+        // The flag first: a polling thread about to sleep stores its sleep, then looks at the
+        // flag, so one of the two sees the other.
+        self.kicked.store(true, Ordering::SeqCst);
         if self.poller_sleep_us.load(Ordering::SeqCst) > POLL_BUSY_MAX.as_micros() as u64 {
-            self.kick();
-        } else {
-            self.kicked.store(true, Ordering::SeqCst);
+            if let Some(poller) = self.poller.get() {
+                poller.unpark();
+            }
         }
     }
 
@@ -979,6 +982,11 @@ fn poll_loop(weak: Weak<Inner>) {
         inner
             .poller_sleep_us
             .store(backoff.as_micros() as u64, Ordering::SeqCst);
+        // A `post` since this turn's look at the flag, that saw the previous (shorter) sleep,
+        // left only the flag (`Inner::nudge`): take another turn instead of sleeping.
+        if inner.kicked.load(Ordering::SeqCst) {
+            continue;
+        }
         drop(inner);
         std::thread::park_timeout(backoff);
     }
