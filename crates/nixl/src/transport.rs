@@ -468,9 +468,7 @@ impl Inner {
         // flag, so one of the two sees the other.
         self.kicked.store(true, Ordering::SeqCst);
         if self.poller_sleep_us.load(Ordering::SeqCst) > POLL_BUSY_MAX.as_micros() as u64 {
-            if let Some(poller) = self.poller.get() {
-                poller.unpark();
-            }
+            self.kick();
         }
     }
 

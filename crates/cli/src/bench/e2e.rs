@@ -22,7 +22,8 @@
 //! - **direct NIXL** (`--transport nixl` only): the request's rows posted through nixl-sys
 //!   directly, without kvbridge: per prefill rank a raw NIXL agent writes each decode rank its
 //!   rows as one transfer, one NIXL descriptor per run of rows contiguous on both sides (what
-//!   the coordinator's strided ops describe, in NIXL's own terms), polled in a tight loop.
+//!   the coordinator's strided ops describe, in NIXL's own terms), polled in a tight loop, each
+//!   prefill rank on a thread of its own.
 //!
 //! The coordinator path is verified once, untimed: the decode pools are zeroed, one run moves
 //! the request, and every row of every decode rank is checked against the owner rule.

@@ -114,15 +114,28 @@ impl DirectE2e {
         self.ops.iter().flatten().map(|o| o.len() as u64).sum()
     }
 
-    /// One timed run: every prefill rank's transfers posted, then all polled to completion.
+    /// One timed run: each prefill rank's transfers posted and polled to completion on a
+    /// thread of its own (as ranks in their own processes would), until all are done.
     pub(super) fn run(&self) -> Result<std::time::Duration, String> {
         #[cfg(feature = "nixl")]
         {
             let start = std::time::Instant::now();
-            for (w, ops) in self.writers.iter().zip(&self.ops) {
-                w.write(ops, None)
-                    .map_err(|e| format!("direct NIXL baseline: {e}"))?;
-            }
+            std::thread::scope(|s| {
+                let ranks: Vec<_> = self
+                    .writers
+                    .iter()
+                    .zip(&self.ops)
+                    .map(|(w, ops)| s.spawn(move || w.write(ops, None)))
+                    .collect();
+                for rank in ranks {
+                    match rank.join() {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => return Err(format!("direct NIXL baseline: {e}")),
+                        Err(_) => return Err("direct NIXL baseline: a writer panicked".to_owned()),
+                    }
+                }
+                Ok(())
+            })?;
             Ok(start.elapsed())
         }
         #[cfg(not(feature = "nixl"))]
