@@ -298,6 +298,8 @@ pub(crate) struct Inner {
     closed: AtomicBool,
     /// Set once `shutdown` has told every peer: the poller may stop when nothing is in flight.
     finished: AtomicBool,
+    /// Set by the transport's `Drop`: the poller stops at once.
+    dropped: AtomicBool,
     /// Waiters for acks, by sequence number, with the agent that should answer.
     acks: Mutex<HashMap<u64, (String, oneshot::Sender<()>)>>,
     notify_tx: Mutex<Option<mpsc::UnboundedSender<Notification>>>,
@@ -406,6 +408,7 @@ impl NixlTransport {
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             finished: AtomicBool::new(false),
+            dropped: AtomicBool::new(false),
             acks: Mutex::new(HashMap::new()),
             notify_tx: Mutex::new(Some(tx)),
             notify_rx: tokio::sync::Mutex::new(rx),
@@ -440,8 +443,15 @@ impl Drop for NixlTransport {
     fn drop(&mut self) {
         self.inner.closed.store(true, Ordering::SeqCst);
         self.inner.finished.store(true, Ordering::SeqCst);
-        // The poller holds only a weak reference and stops once the transport is gone.
-        drop(self.poller.take());
+        // The poller is stopped and joined: a NIXL call of it that outlived the transport would
+        // run under a process that may be exiting (and tearing NIXL's libraries down), and the
+        // agent would be destroyed on the poller's thread instead of this one. It finishes at
+        // most the turn it is in.
+        self.inner.dropped.store(true, Ordering::SeqCst);
+        if let Some(poller) = self.poller.take() {
+            poller.thread().unpark();
+            let _ = poller.join();
+        }
     }
 }
 
@@ -921,6 +931,9 @@ fn poll_loop(weak: Weak<Inner>) {
     let mut last_activity = Instant::now();
     loop {
         let Some(inner) = weak.upgrade() else { return };
+        if inner.dropped.load(Ordering::SeqCst) {
+            return;
+        }
         let in_flight = !lock(&inner.state).inflight.is_empty();
         // While bytes are in flight and the options allow it, every turn polls the transfers
         // (which drives UCX's progress on this side) and yields the CPU instead of sleeping;
