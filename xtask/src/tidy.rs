@@ -936,3 +936,61 @@ fn the_sans_io_rule_sees_clocks_and_runtimes_but_not_comments() {
         "{words:?}"
     );
 }
+
+// No blocking wait on an async runtime's worker thread: the TCP transport runs on tokio's
+// workers, so it touches registered memory only through the accessors that never wait for a
+// conflicting claim (`try_*`, `recv_vectored`, `send_vectored`) and waits on tokio's timers.
+
+/// Registered-memory accessors that may wait up to `CLAIM_WAIT` for a conflicting claim.
+const WAITING_ACCESSORS: &[&str] = &[
+    ".borrow(",
+    ".borrow_mut(",
+    ".read_at(",
+    ".write_at(",
+    ".fill(",
+    ".copy_to(",
+    ".with_raw_range(",
+    ".with_raw_copy(",
+    ".gather_to(",
+];
+
+/// The calls of [`WAITING_ACCESSORS`] in `src`'s code outside test items, as (line, call).
+fn waiting_calls(src: &str) -> Vec<(usize, &'static str)> {
+    let (code, _) = without_test_items(&code_only(src));
+    let mut found = Vec::new();
+    for call in WAITING_ACCESSORS {
+        let mut from = 0;
+        while let Some(at) = find(&code, call.as_bytes(), from) {
+            let line = code[..at].iter().filter(|&&c| c == b'\n').count() + 1;
+            found.push((line, *call));
+            from = at + 1;
+        }
+    }
+    found
+}
+
+#[test]
+fn the_tcp_transport_never_waits_for_a_claim_on_a_runtime_worker() {
+    let mut files = Vec::new();
+    rust_files(&root().join("crates/tcp/src"), &mut files);
+    let mut offenders = Vec::new();
+    for file in files {
+        for (line, call) in waiting_calls(&read(&file)) {
+            offenders.push(format!("{}:{line}: `{call}`", file.display()));
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "the TCP transport runs on tokio's worker threads, where a claim must never wait; use \
+         the `try_` accessor (and retry on a tokio timer) instead of:\n{}",
+        offenders.join("\n")
+    );
+}
+
+#[test]
+fn the_waiting_accessor_rule_catches_a_waiting_borrow() {
+    let src = "fn read(r: &MemoryRegion) { let s = r.borrow_mut(0, 8); let t = r.try_borrow_mut(0, 8); }\n\
+               // r.write_at(0, b\"x\") in a comment does not count\n\
+               #[cfg(test)]\nmod tests { fn t(r: &MemoryRegion) { r.write_at(0, b\"x\").unwrap(); } }\n";
+    assert_eq!(waiting_calls(src), [(1, ".borrow_mut(")]);
+}

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_transport::batch::LocalIds;
+use kvbridge_transport::memory::CLAIM_WAIT;
 use kvbridge_transport::memory::checked_rows;
 use kvbridge_transport::sync::{lock, read};
 use kvbridge_transport::{MemoryRegion, Notification, PeerId, Result, TransportError};
@@ -500,6 +501,7 @@ async fn reader_task(
         buf: Vec::new(),
         scratch: Vec::new(),
         bounce: Vec::new(),
+        bounce_pending: 0..0,
         silence: conn::Silence::new(session.idle),
     };
     let mut r = Reader::with_capacity(READ_AHEAD, r);
@@ -630,6 +632,8 @@ struct Receiver<'a> {
     buf: Vec<u8>,
     scratch: Vec<u8>,
     bounce: Vec<u8>,
+    /// Bytes of `bounce` read from the socket but not yet placed (their destination was held).
+    bounce_pending: std::ops::Range<usize>,
     /// The connection's keep-alive limit on reads.
     silence: conn::Silence,
 }
@@ -931,9 +935,11 @@ impl Receiver<'_> {
         // The batch was found live just now (`apply`): the first read needs no second look
         // unless it has to wait (a clock read is not free on every machine).
         let mut fresh = true;
+        // Since when the next destination bytes are held by another access, if they are.
+        let mut held_since: Option<Instant> = None;
         while left > 0 {
             let ahead = r.buffer().len();
-            if ahead == 0 {
+            if ahead == 0 && self.bounce_pending.is_empty() {
                 fresh = false;
                 conn::readable_timed(r.get_ref(), &mut self.silence).await?;
             }
@@ -941,29 +947,64 @@ impl Receiver<'_> {
                 dropping = true;
                 break;
             }
-            let n = if ahead > 0 {
-                // Read ahead with an earlier frame; its descriptors are checked now.
-                let n = (ahead as u64).min(left) as usize;
-                scatter(batch, &ops, &targets, at, &r.buffer()[..n])?;
-                r.consume(n);
-                n as u64
-            } else if in_place {
-                self.read_in_place(r.get_ref(), batch, &ops, &targets, at)?
-            } else if self.shared.config.receive_in_place {
-                read_raw(r.get_ref(), batch, &ops, &targets, at)?
-            } else {
-                self.read_through_bounce(r.get_ref(), batch, &ops, &targets, at, left)?
+            let n = match self.read_step(r, &ops, &targets, at, left, in_place)? {
+                Moved::Bytes(n) => {
+                    held_since = None;
+                    n
+                }
+                Moved::Held(e) => {
+                    // Another access (another session's write of the same bytes, a local
+                    // reader) holds them: wait on the runtime's timer, never on this worker
+                    // thread, as long as a blocking claim would have.
+                    let since = *held_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= CLAIM_WAIT {
+                        return Err(busy(batch, ops[at.op].region, e));
+                    }
+                    tokio::time::sleep(CLAIM_RETRY).await;
+                    continue;
+                }
             };
             left -= n;
             at.advance(&ops, n);
         }
         if dropping {
             drop(guard);
-            return self.drain(r, left).await;
+            // Payload already read into the bounce buffer is not on the socket any more.
+            let read = std::mem::replace(&mut self.bounce_pending, 0..0).len() as u64;
+            return self.drain(r, left - read).await;
         }
         guard.applied = true;
         drop(guard);
         self.maybe_complete(batch).await
+    }
+
+    /// One read of a frame's payload into its destinations, the way the configuration and
+    /// the memory allow; never waits for a claim.
+    fn read_step(
+        &mut self,
+        r: &mut Reader,
+        ops: &[WireRows],
+        targets: &[MemoryRegion],
+        at: Cursor,
+        left: u64,
+        in_place: bool,
+    ) -> Result<Moved, LinkError> {
+        let ahead = r.buffer().len();
+        if ahead > 0 {
+            // Read ahead with an earlier frame; its descriptors are checked now.
+            let n = (ahead as u64).min(left) as usize;
+            let moved = scatter(ops, targets, at, &r.buffer()[..n]);
+            if let Moved::Bytes(k) = moved {
+                r.consume(k as usize);
+            }
+            Ok(moved)
+        } else if in_place {
+            self.read_in_place(r.get_ref(), ops, targets, at)
+        } else if self.shared.config.receive_in_place {
+            read_raw(r.get_ref(), ops, targets, at)
+        } else {
+            self.read_through_bounce(r.get_ref(), ops, targets, at, left)
+        }
     }
 
     /// For a batch refused at its `Begin`: counts `bytes` more against what it announced and
@@ -987,15 +1028,14 @@ impl Receiver<'_> {
 
     /// One non-blocking vectored read straight into the next destination ranges (a strided
     /// op's rows one by one, adjacent rows as one range), each borrowed for the duration of
-    /// the call only.
+    /// the call only and never waited for.
     fn read_in_place(
         &self,
         r: &OwnedReadHalf,
-        batch: u64,
         ops: &[WireRows],
         targets: &[MemoryRegion],
         at: Cursor,
-    ) -> Result<u64, LinkError> {
+    ) -> Result<Moved, LinkError> {
         let mut slices = Vec::new();
         let mut budget = READ_BYTES;
         let mut c = at;
@@ -1004,11 +1044,13 @@ impl Receiver<'_> {
                 break;
             };
             let len = rest.min(budget);
-            match targets[c.op].borrow_mut(offset, len) {
+            // Never a waiting borrow: overlapping descriptors of one frame would wait on this
+            // read's own earlier slices, on the runtime's worker thread.
+            match targets[c.op].try_borrow_mut(offset, len) {
                 Ok(s) => slices.push(s),
                 // Overlapping descriptors in one frame: read up to the overlap.
                 Err(_) if !slices.is_empty() => break,
-                Err(e) => return Err(busy(batch, ops[c.op].region, e)),
+                Err(e) => return Ok(Moved::Held(e)),
             }
             budget -= len;
             c.done += len;
@@ -1019,8 +1061,8 @@ impl Receiver<'_> {
             .collect();
         match r.try_read_vectored(&mut bufs) {
             Ok(0) => Err(LinkError::Eof),
-            Ok(n) => Ok(n as u64),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(0),
+            Ok(n) => Ok(Moved::Bytes(n as u64)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(Moved::Bytes(0)),
             Err(e) => Err(LinkError::Io(e)),
         }
     }
@@ -1030,24 +1072,31 @@ impl Receiver<'_> {
     fn read_through_bounce(
         &mut self,
         r: &OwnedReadHalf,
-        batch: u64,
         ops: &[WireRows],
         targets: &[MemoryRegion],
         at: Cursor,
         left: u64,
-    ) -> Result<u64, LinkError> {
+    ) -> Result<Moved, LinkError> {
         if self.bounce.is_empty() {
             self.bounce = vec![0; READ_BYTES as usize];
         }
-        let want = left.min(READ_BYTES) as usize;
-        let n = match r.try_read(&mut self.bounce[..want]) {
-            Ok(0) => return Err(LinkError::Eof),
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(0),
-            Err(e) => return Err(LinkError::Io(e)),
-        };
-        scatter(batch, ops, targets, at, &self.bounce[..n])?;
-        Ok(n as u64)
+        // Bytes an earlier read could not place yet (their destination was held) go first.
+        if self.bounce_pending.is_empty() {
+            let want = left.min(READ_BYTES) as usize;
+            let n = match r.try_read(&mut self.bounce[..want]) {
+                Ok(0) => return Err(LinkError::Eof),
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(Moved::Bytes(0)),
+                Err(e) => return Err(LinkError::Io(e)),
+            };
+            self.bounce_pending = 0..n;
+        }
+        let pending = self.bounce_pending.clone();
+        let moved = scatter(ops, targets, at, &self.bounce[pending.clone()]);
+        if let Moved::Bytes(k) = moved {
+            self.bounce_pending = pending.start + k as usize..pending.end;
+        }
+        Ok(moved)
     }
 
     /// Reads and discards `n` payload bytes of a dropped batch (fixed-size scratch buffer).
@@ -1162,11 +1211,10 @@ fn frame_name(op: &WireRows) -> &'static str {
 /// copied and no slice of it is made.
 fn read_raw(
     r: &OwnedReadHalf,
-    batch: u64,
     ops: &[WireRows],
     targets: &[MemoryRegion],
     at: Cursor,
-) -> Result<u64, LinkError> {
+) -> Result<Moved, LinkError> {
     use std::os::fd::AsFd;
     let mut ranges = Vec::new();
     let mut budget = READ_BYTES;
@@ -1185,23 +1233,18 @@ fn read_raw(
         kvbridge_transport::memory::recv_vectored(stream.as_fd(), &ranges)
     }) {
         Ok(0) => Err(LinkError::Eof),
-        Ok(n) => Ok(n as u64),
-        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(0),
+        Ok(n) => Ok(Moved::Bytes(n as u64)),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(Moved::Bytes(0)),
         Err(e) => match e.downcast::<TransportError>() {
-            Ok(t) => Err(busy(batch, ops.get(at.op).map_or(0, |op| op.region), t)),
+            Ok(t) => Ok(Moved::Held(t)),
             Err(e) => Err(LinkError::Io(e)),
         },
     }
 }
 
-/// Copies `bytes`, the payload from `at` on, into the destination ranges with `write_at`.
-fn scatter(
-    batch: u64,
-    ops: &[WireRows],
-    targets: &[MemoryRegion],
-    at: Cursor,
-    bytes: &[u8],
-) -> Result<(), LinkError> {
+/// Copies `bytes`, the payload from `at` on, into the destination ranges with `try_write_at`,
+/// up to the first range another access holds; [`Moved::Held`] when that is the first.
+fn scatter(ops: &[WireRows], targets: &[MemoryRegion], at: Cursor, bytes: &[u8]) -> Moved {
     let (mut c, mut done) = (at, 0usize);
     while done < bytes.len() {
         // `bytes` never runs past the frame's payload (the caller counts what is left).
@@ -1209,14 +1252,27 @@ fn scatter(
             break;
         };
         let step = (rest as usize).min(bytes.len() - done);
-        targets[c.op]
-            .write_at(offset, &bytes[done..done + step])
-            .map_err(|e| busy(batch, ops[c.op].region, e))?;
+        match targets[c.op].try_write_at(offset, &bytes[done..done + step]) {
+            Ok(()) => {}
+            Err(e) if done == 0 => return Moved::Held(e),
+            Err(_) => break,
+        }
         done += step;
         c.done += step as u64;
     }
-    Ok(())
+    Moved::Bytes(done as u64)
 }
+
+/// What one read into a frame's destinations did.
+enum Moved {
+    /// Payload bytes placed (0: the socket had none yet).
+    Bytes(u64),
+    /// None: another access holds the next destination bytes (the refusal says which).
+    Held(TransportError),
+}
+
+/// How often a read whose destination is held looks again (within [`CLAIM_WAIT`]).
+const CLAIM_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
 
 fn busy(batch: u64, region: u64, e: TransportError) -> LinkError {
     protocol(format!("batch {batch} cannot write region #{region}: {e}"))

@@ -828,7 +828,9 @@ impl<'a> Source<'a> {
             start = start.min(offset);
             end = end.max(offset + len);
         }
-        if let Ok(span) = op.region.borrow(start, end - start) {
+        // Never a waiting claim: this runs on the runtime's worker thread; the caller tries
+        // again on a timer.
+        if let Ok(span) = op.region.try_borrow(start, end - start) {
             return Some(Source::Borrowed {
                 span,
                 base: start,
@@ -841,7 +843,7 @@ impl<'a> Source<'a> {
         let mut at = 0usize;
         for (offset, len) in op.local_parts(from, to) {
             let n = len as usize;
-            op.region.read_at(offset, &mut v[at..at + n]).ok()?;
+            op.region.try_read_at(offset, &mut v[at..at + n]).ok()?;
             at += n;
         }
         Some(Source::Copied(v))
@@ -1397,7 +1399,7 @@ fn inline_frame(begin: Frame, batch: u64, ops: &[LocalOp], total: u64) -> Option
     for op in ops {
         for (offset, len) in op.local_parts(0, op.total()) {
             let n = len as usize;
-            op.region.read_at(offset, &mut frame[at..at + n]).ok()?;
+            op.region.try_read_at(offset, &mut frame[at..at + n]).ok()?;
             at += n;
         }
     }

@@ -1427,3 +1427,101 @@ async fn posts_check_remote_bounds_against_the_announced_table() {
         .unwrap();
     assert_eq!(mem.to_vec(0, 64).unwrap(), vec![0x55; 64]);
 }
+
+/// One session's `Data` frame whose descriptors overlap, its payload sent after the frame,
+/// must not hold up the listener's other sessions: the listener answers a `Ping` on another
+/// session within 100 ms meanwhile (a claim that waited for the frame's own earlier slices
+/// blocked the runtime's worker for a second per descriptor), and still applies the frame's
+/// writes in order.
+#[test]
+fn overlapping_descriptors_do_not_stall_the_listeners_other_sessions() {
+    // The listener alone on a runtime with one worker: a blocking wait there stalls every
+    // session, as it would every worker of a busy runtime.
+    let listener_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (t, region, mem) = listener_rt.block_on(target(TcpConfig::default()));
+    let client_rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    const OPS: u64 = 30;
+    client_rt.block_on(async {
+        let mut hostile = Raw::handshake_as(&t, false, (42, 0, 1), 1000).await;
+        let mut pinger = Raw::handshake_as(&t, false, (43, 0, 1), 1000).await;
+        hostile.begin(1, region, OPS * 8).await;
+        // Op `i` writes 8 bytes of `i + 1` at `4 * i`: each overlaps the next by 4 bytes.
+        let ops = (0..OPS)
+            .map(|i| WireOp {
+                region: region.0,
+                offset: 4 * i,
+                len: 8,
+            })
+            .collect();
+        hostile.send(&Frame::Data { batch: 1, ops }).await;
+        // The frame is parsed on its own before any payload byte arrives.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let payload: Vec<u8> = (0..OPS).flat_map(|i| [i as u8 + 1; 8]).collect();
+        hostile.bytes(&payload).await;
+
+        let mut best = Duration::MAX;
+        for nonce in 0..5 {
+            let sent = std::time::Instant::now();
+            pinger.send(&Frame::Ping { nonce }).await;
+            assert_eq!(pinger.frame().await, Some(Frame::Pong { nonce }));
+            best = best.min(sent.elapsed());
+        }
+        assert!(
+            best < Duration::from_millis(100),
+            "the listener took {best:?} (best of 5) to answer a Ping on another session while one \
+             session wrote overlapping descriptors"
+        );
+
+        assert_eq!(hostile.frame().await, Some(Frame::Done { batch: 1 }));
+        // In order, later descriptors win where they overlap.
+        let mut want: Vec<u8> = (0..OPS).flat_map(|i| [i as u8 + 1; 4]).collect();
+        want.extend([OPS as u8; 4]);
+        assert_eq!(mem.to_vec(0, 4 * OPS + 4).unwrap(), want);
+        assert!(
+            mem.to_vec(4 * OPS + 4, 16)
+                .unwrap()
+                .iter()
+                .all(|&b| b == 0xAA)
+        );
+    });
+    listener_rt.block_on(async move { drop(t) });
+}
+
+/// A write whose destination bytes a local access holds waits for it on the runtime's timer
+/// (the worker goes on serving) and lands once it ends, whichever way the listener receives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_write_into_held_bytes_waits_for_them_and_lands() {
+    for in_place in [true, false] {
+        let (t, region, mem) = target(TcpConfig::default().with_receive_in_place(in_place)).await;
+        let sender = TcpTransport::new().await.unwrap();
+        let (src, src_mem) = sender.allocate_registered(16).await.unwrap();
+        src_mem.write_at(0, b"landed when free").unwrap();
+        let peer = sender.connect(&t.local_descriptor()).await.unwrap();
+        // The bytes are held on a thread of the test, released 200 ms later.
+        let held = mem.borrow_mut(100, 16).unwrap();
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            drop(held);
+        });
+        // Meanwhile the listener answers other work on its only worker.
+        let batch = TransferBatch::write(vec![TransferOp::new(src, 0, region, 100, 16)]);
+        let write = tokio::spawn(async move {
+            let r = sender.transfer(peer, batch).await;
+            (sender, r)
+        });
+        let mut other = Raw::handshake_as(&t, false, (44, 0, 1), 1000).await;
+        other.send(&Frame::Ping { nonce: 1 }).await;
+        assert_eq!(other.frame().await, Some(Frame::Pong { nonce: 1 }));
+        release.join().unwrap();
+        let (_sender, r) = tokio::time::timeout(LIMIT, write).await.unwrap().unwrap();
+        r.unwrap_or_else(|e| panic!("in place {in_place}: {e}"));
+        assert_eq!(mem.to_vec(100, 16).unwrap(), b"landed when free");
+    }
+}

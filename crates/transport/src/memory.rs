@@ -15,6 +15,10 @@
 //!   another access, where either of them writes, waits for that access to end, at most
 //!   [`CLAIM_WAIT`], and is then refused with [`TransportError::AccessConflict`] (so nothing
 //!   deadlocks on it: a thread that conflicts with its own borrow is refused after the bound).
+//!   Code on an async runtime's worker thread must never wait: it uses the `try_` accessors
+//!   ([`try_borrow_mut`](MemoryRegion::try_borrow_mut) and the like) and the vectored socket
+//!   calls ([`recv_vectored`], [`send_vectored`]), which refuse a conflict at once, and waits
+//!   for the other access to end on the runtime's own timers.
 //!   Two transfers may legitimately write the same bytes (two prefill ranks sending the same
 //!   aux row to one decode): they are serialised, never run at once. Copies hold their claim
 //!   only for the copy; [`RegionSliceMut`] and [`with_raw_range`](MemoryRegion::with_raw_range)
@@ -47,6 +51,15 @@ use crate::{Operand, Result, TransportError};
 /// refused. Copies hold their claims for microseconds; only a borrow held across other work
 /// (or a descheduled thread on a loaded machine) makes an access wait this long.
 pub const CLAIM_WAIT: Duration = Duration::from_secs(1);
+
+/// Whether a claim that meets a conflicting access waits for it to end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// At most [`CLAIM_WAIT`] (threads that may block).
+    Bounded,
+    /// Not at all: refused at once (async runtime workers).
+    Never,
+}
 
 /// Alignment of owned regions: one 4 KiB page, so DMA engines and `O_DIRECT` are happy.
 pub const REGION_ALIGN: usize = 4096;
@@ -299,8 +312,9 @@ impl Inner {
     }
 
     /// Records `wanted` once no conflicting claim is held, waiting at most [`CLAIM_WAIT`] for
-    /// conflicting accesses to end; then the first refused claim and the claim it met.
-    fn insert(&self, wanted: &[Claim]) -> std::result::Result<(), (usize, Claim)> {
+    /// conflicting accesses to end (not at all for [`Wait::Never`]); then the first refused
+    /// claim and the claim it met.
+    fn insert(&self, wanted: &[Claim], wait: Wait) -> std::result::Result<(), (usize, Claim)> {
         let mut table = self.table();
         // The clock is read only once a claim has to wait: an uncontended claim (nearly all of
         // them, one per row of a batch) costs no clock read.
@@ -310,6 +324,9 @@ impl Inner {
                 Ok(()) => return Ok(()),
                 Err(refused) => refused,
             };
+            if wait == Wait::Never {
+                return Err(refused);
+            }
             let now = Instant::now();
             let left = deadline
                 .get_or_insert(now + CLAIM_WAIT)
@@ -627,14 +644,25 @@ impl MemoryRegion {
         }
     }
 
-    /// Checks the range and claims it for `access` (host memory only); refusals name
-    /// `operand`.
+    /// Checks the range and claims it for `access` (host memory only), waiting for conflicting
+    /// accesses as [`CLAIM_WAIT`] says; refusals name `operand`.
     fn claim(
         &self,
         offset: u64,
         len: u64,
         access: Access,
         operand: Operand,
+    ) -> Result<Claimed<'_>> {
+        self.claim_waiting(offset, len, access, operand, Wait::Bounded)
+    }
+
+    fn claim_waiting(
+        &self,
+        offset: u64,
+        len: u64,
+        access: Access,
+        operand: Operand,
+        wait: Wait,
     ) -> Result<Claimed<'_>> {
         self.host_only(operand)?;
         let claim = Claim {
@@ -643,7 +671,7 @@ impl MemoryRegion {
         };
         if !claim.range.is_empty() {
             self.inner
-                .insert(std::slice::from_ref(&claim))
+                .insert(std::slice::from_ref(&claim), wait)
                 .map_err(|(_, held)| self.inner.conflict(operand, &claim, &held))?;
         }
         Ok(Claimed {
@@ -654,7 +682,23 @@ impl MemoryRegion {
 
     /// Copies `dst.len()` bytes starting at `offset` out of the region.
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
-        let src = self.claim(offset, dst.len() as u64, Access::Read, Operand::Region)?;
+        self.read_waiting(offset, dst, Wait::Bounded)
+    }
+
+    /// [`read_at`](Self::read_at) that never waits: a conflicting access is refused at once
+    /// (for code on an async runtime's worker thread, which must not block).
+    pub fn try_read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.read_waiting(offset, dst, Wait::Never)
+    }
+
+    fn read_waiting(&self, offset: u64, dst: &mut [u8], wait: Wait) -> Result<()> {
+        let src = self.claim_waiting(
+            offset,
+            dst.len() as u64,
+            Access::Read,
+            Operand::Region,
+            wait,
+        )?;
         // SAFETY: the range is inside the region, which is host memory valid for reads
         // (`allocate` / the `from_raw_parts` contract), and claimed for reading, so no write
         // from this process touches it meanwhile; `dst` is a distinct Rust slice.
@@ -664,7 +708,23 @@ impl MemoryRegion {
 
     /// Copies `src` into the region at `offset`.
     pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<()> {
-        let dst = self.claim(offset, src.len() as u64, Access::Write, Operand::Region)?;
+        self.write_waiting(offset, src, Wait::Bounded)
+    }
+
+    /// [`write_at`](Self::write_at) that never waits: a conflicting access is refused at once
+    /// (for code on an async runtime's worker thread, which must not block).
+    pub fn try_write_at(&self, offset: u64, src: &[u8]) -> Result<()> {
+        self.write_waiting(offset, src, Wait::Never)
+    }
+
+    fn write_waiting(&self, offset: u64, src: &[u8], wait: Wait) -> Result<()> {
+        let dst = self.claim_waiting(
+            offset,
+            src.len() as u64,
+            Access::Write,
+            Operand::Region,
+            wait,
+        )?;
         // SAFETY: the range is inside the host region and claimed exclusively, so nothing else
         // in this process touches it meanwhile; `src` is a distinct Rust slice.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.ptr(), dst.len()) };
@@ -817,14 +877,16 @@ impl MemoryRegion {
                 access: Access::Write,
             },
         ];
-        self.inner.insert(&want).map_err(|(i, held)| {
-            let operand = if i == 0 {
-                Operand::Source
-            } else {
-                Operand::Destination
-            };
-            self.inner.conflict(operand, &want[i], &held)
-        })?;
+        self.inner
+            .insert(&want, Wait::Bounded)
+            .map_err(|(i, held)| {
+                let operand = if i == 0 {
+                    Operand::Source
+                } else {
+                    Operand::Destination
+                };
+                self.inner.conflict(operand, &want[i], &held)
+            })?;
         let [s, d] = want;
         Ok((
             Claimed {
@@ -854,11 +916,22 @@ impl MemoryRegion {
     /// memory, and while any other access overlaps the range; other accesses to the range are
     /// refused while the slice lives.
     pub fn borrow_mut(&self, offset: u64, len: u64) -> Result<RegionSliceMut> {
+        self.borrow_mut_waiting(offset, len, Wait::Bounded)
+    }
+
+    /// [`borrow_mut`](Self::borrow_mut) that never waits: a conflicting access (a borrow of
+    /// the same caller included) is refused at once (for code on an async runtime's worker
+    /// thread, which must not block).
+    pub fn try_borrow_mut(&self, offset: u64, len: u64) -> Result<RegionSliceMut> {
+        self.borrow_mut_waiting(offset, len, Wait::Never)
+    }
+
+    fn borrow_mut_waiting(&self, offset: u64, len: u64, wait: Wait) -> Result<RegionSliceMut> {
         self.host_only(Operand::Region)?;
         if !self.can_borrow() {
             return Err(TransportError::ForeignBorrow { offset, len });
         }
-        let claimed = self.claim(offset, len, Access::Write, Operand::Region)?;
+        let claimed = self.claim_waiting(offset, len, Access::Write, Operand::Region, wait)?;
         let range = claimed.claim.range.clone();
         // The slice takes the claim over and releases it when it drops.
         std::mem::forget(claimed);
@@ -873,11 +946,21 @@ impl MemoryRegion {
     /// same source bytes twice); writes to the range are refused while the slice lives.
     /// Refused for foreign and device memory, and while a write overlaps the range.
     pub fn borrow(&self, offset: u64, len: u64) -> Result<RegionSlice> {
+        self.borrow_waiting(offset, len, Wait::Bounded)
+    }
+
+    /// [`borrow`](Self::borrow) that never waits: a conflicting write is refused at once (for
+    /// code on an async runtime's worker thread, which must not block).
+    pub fn try_borrow(&self, offset: u64, len: u64) -> Result<RegionSlice> {
+        self.borrow_waiting(offset, len, Wait::Never)
+    }
+
+    fn borrow_waiting(&self, offset: u64, len: u64, wait: Wait) -> Result<RegionSlice> {
         self.host_only(Operand::Region)?;
         if !self.can_borrow() {
             return Err(TransportError::ForeignBorrow { offset, len });
         }
-        let claimed = self.claim(offset, len, Access::Read, Operand::Region)?;
+        let claimed = self.claim_waiting(offset, len, Access::Read, Operand::Region, wait)?;
         let range = claimed.claim.range.clone();
         // The slice takes the claim over and releases it when it drops.
         std::mem::forget(claimed);
@@ -1001,10 +1084,10 @@ impl Drop for RegionSlice {
 /// Iovecs one [`recv_vectored`] / [`send_vectored`] call passes at most (the kernel's limit).
 pub const MAX_IOVECS: usize = 1024;
 
-/// Claims `ranges` (`(region, offset, len)`) for `access`, in order, stopping before the first
-/// one that overlaps an earlier range of the same call where one writes (it would wait on
-/// itself) or, when some are claimed already, that another access holds. Refusals of the
-/// first range are errors.
+/// Claims `ranges` (`(region, offset, len)`) for `access`, in order, never waiting (the
+/// callers are non-blocking socket calls), stopping before the first one that overlaps an
+/// earlier range of the same call where one writes or, when some are claimed already, that
+/// another access holds. Refusals of the first range are errors.
 fn claim_ranges<'a>(
     ranges: &[(&'a MemoryRegion, u64, u64)],
     access: Access,
@@ -1020,7 +1103,7 @@ fn claim_ranges<'a>(
                 break;
             }
         }
-        match region.claim(offset, len, access, Operand::Region) {
+        match region.claim_waiting(offset, len, access, Operand::Region, Wait::Never) {
             Ok(c) => claimed.push(c),
             Err(_) if !claimed.is_empty() => break,
             Err(e) => return Err(std::io::Error::other(e)),
@@ -1032,9 +1115,10 @@ fn claim_ranges<'a>(
 /// One `readv` from `fd` straight into `ranges` of host regions, owned or foreign, without
 /// making a Rust slice of their bytes (the kernel writes the raw memory). Every range is
 /// checked and claimed for writing for the length of the call; at most [`MAX_IOVECS`] ranges,
-/// and only the leading ones that can be claimed together are read into. Refusals of the first
-/// range come back as an [`std::io::Error`] wrapping the [`TransportError`]; a non-blocking
-/// `fd` with nothing to read gives [`std::io::ErrorKind::WouldBlock`].
+/// and only the leading ones that can be claimed together are read into. It never waits for
+/// another access: refusals of the first range (a conflict included) come back at once as an
+/// [`std::io::Error`] wrapping the [`TransportError`]; a non-blocking `fd` with nothing to
+/// read gives [`std::io::ErrorKind::WouldBlock`].
 pub fn recv_vectored(
     fd: std::os::fd::BorrowedFd<'_>,
     ranges: &[(&MemoryRegion, u64, u64)],
