@@ -50,15 +50,41 @@ pub(crate) fn has_libclang() -> bool {
     if let Ok(dir) = std::env::var("LIBCLANG_PATH") {
         if fs::read_dir(&dir).is_ok_and(|d| {
             d.flatten()
-                .any(|e| e.file_name().to_string_lossy().starts_with("libclang"))
+                .any(|e| is_libclang_file(&e.file_name().to_string_lossy()))
         }) {
             return true;
         }
     }
-    Command::new("ldconfig").arg("-p").output().is_ok_and(|o| {
-        String::from_utf8_lossy(&o.stdout)
-            .lines()
-            .any(|l| l.trim_start().starts_with("libclang.so") || l.contains("libclang-"))
+    Command::new("ldconfig")
+        .arg("-p")
+        .output()
+        .is_ok_and(|o| ldconfig_lists_libclang(&String::from_utf8_lossy(&o.stdout)))
+}
+
+/// Whether an `ldconfig -p` listing names a libclang that clang-sys can load.
+fn ldconfig_lists_libclang(listing: &str) -> bool {
+    listing
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .any(is_libclang_file)
+}
+
+/// `libclang.so`, `libclang.so.1`, `libclang-14.so`, `libclang-14.so.1`: the C API bindgen
+/// loads. Not `libclang-cpp.so.14` (the C++ library, which many images ship alone) nor
+/// `libclangBasic.a` and the like.
+fn is_libclang_file(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("libclang") else {
+        return false;
+    };
+    if rest == ".so" || rest.starts_with(".so.") {
+        return true;
+    }
+    // A versioned name: `-` then a version number, then `.so`.
+    rest.strip_prefix('-').is_some_and(|v| {
+        let (version, suffix) = v.split_at(v.find(".so").unwrap_or(v.len()));
+        !version.is_empty()
+            && version.chars().all(|c| c.is_ascii_digit() || c == '.')
+            && (suffix == ".so" || suffix.starts_with(".so."))
     })
 }
 
@@ -205,4 +231,43 @@ pub(crate) fn nixl_setup(dir: Option<&str>) -> Result<(), String> {
         dir.display()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cpp_library_alone_is_not_libclang() {
+        // What a fresh image of the CI kind lists: only the C++ library.
+        let fresh = "4 libs found in cache `/etc/ld.so.cache'\n\
+            \tlibclang-cpp.so.14 (libc6,x86-64) => /lib/x86_64-linux-gnu/libclang-cpp.so.14\n\
+            \tlibclangBasic.a (libc6,x86-64) => /usr/lib/llvm-14/lib/libclangBasic.a\n";
+        assert!(!ldconfig_lists_libclang(fresh));
+        for name in [
+            "libclang-cpp.so.14",
+            "libclang-cpp.so",
+            "libclangBasic.a",
+            "libclang",
+        ] {
+            assert!(!is_libclang_file(name), "{name} is not the C API");
+        }
+    }
+
+    #[test]
+    fn libclang_is_found_under_each_of_its_names() {
+        let installed = "\tlibclang-cpp.so.14 (libc6,x86-64) => /lib/x86_64-linux-gnu/libclang-cpp.so.14\n\
+            \tlibclang-14.so.1 (libc6,x86-64) => /lib/x86_64-linux-gnu/libclang-14.so.1\n";
+        assert!(ldconfig_lists_libclang(installed));
+        for name in [
+            "libclang.so",
+            "libclang.so.1",
+            "libclang-14.so",
+            "libclang-14.so.1",
+            "libclang-14.0.6.so",
+            "libclang-14.so.14.0.6",
+        ] {
+            assert!(is_libclang_file(name), "{name} is libclang");
+        }
+    }
 }
