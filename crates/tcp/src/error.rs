@@ -156,6 +156,25 @@ pub enum TcpError {
         /// The limit in force.
         limit: u64,
     },
+    /// All inbound peers' pending batches together would hold more bytes here than the
+    /// listener allows.
+    #[error(
+        "a Begin frame of {body} bytes would charge {charge} bytes to the pending batches of all \
+         inbound peers ({pending} bytes already), above \
+         TcpConfig::max_inbound_pending_bytes_total = {limit}; many peers begin batches they do \
+         not complete, or the receiving application does not take its notifications (raise the \
+         limit on the listener only if that many peers legitimately send at once)"
+    )]
+    OverTotalBudget {
+        /// Body length of the `Begin` frame that was refused.
+        body: u32,
+        /// What that batch would have been charged (body + per-batch state).
+        charge: u64,
+        /// Bytes all inbound peers were charged already.
+        pending: u64,
+        /// The limit in force.
+        limit: u64,
+    },
     /// This side closes a healthy-looking connection for a reason of its own.
     #[error("closing the connection: {reason}")]
     Closing {
@@ -203,7 +222,7 @@ impl TcpError {
             TcpError::Rejected { code, .. } => *code,
             TcpError::InvalidConfig { .. } => 12,
             TcpError::BadWrite { .. } => 14,
-            TcpError::OverBudget { .. } => 15,
+            TcpError::OverBudget { .. } | TcpError::OverTotalBudget { .. } => 15,
             TcpError::Closing { .. } => 16,
             TcpError::BadDescriptor { .. } => 13,
         }

@@ -42,11 +42,13 @@ const MAX_HANDSHAKES: usize = 64;
 /// `Pong`s remembered per session as epochs of `Begin` deadlines.
 const EPOCHS: usize = 64;
 
-/// Bytes an inbound peer is charged against `TcpConfig::max_inbound_pending_bytes`, released
-/// when dropped: with its batch when the batch is forgotten, or with the batch's notification
-/// once the application has taken it.
+/// Bytes an inbound peer is charged against `TcpConfig::max_inbound_pending_bytes` (its own
+/// counter) and `TcpConfig::max_inbound_pending_bytes_total` (the listener's), released from
+/// both when dropped: with its batch when the batch is forgotten, or with the batch's
+/// notification once the application has taken it.
 pub(crate) struct Charge {
-    pending: Arc<AtomicU64>,
+    /// The peer's counter and the listener's.
+    counters: [Arc<AtomicU64>; 2],
     bytes: u64,
 }
 
@@ -56,7 +58,7 @@ impl Charge {
         let bytes = bytes.min(self.bytes);
         self.bytes -= bytes;
         Charge {
-            pending: self.pending.clone(),
+            counters: self.counters.clone(),
             bytes,
         }
     }
@@ -64,7 +66,25 @@ impl Charge {
 
 impl Drop for Charge {
     fn drop(&mut self) {
-        self.pending.fetch_sub(self.bytes, Ordering::AcqRel);
+        for counter in &self.counters {
+            counter.fetch_sub(self.bytes, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Adds `charge` to `counter` unless that goes above `limit`: `Ok(after)`, or `Err(pending)`
+/// with what it held.
+fn add_within(counter: &AtomicU64, charge: u64, limit: u64) -> Result<u64, u64> {
+    let mut pending = counter.load(Ordering::Acquire);
+    loop {
+        let after = pending.saturating_add(charge);
+        if after > limit {
+            return Err(pending);
+        }
+        match counter.compare_exchange_weak(pending, after, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return Ok(after),
+            Err(now) => pending = now,
+        }
     }
 }
 
@@ -225,38 +245,34 @@ impl Session {
         self.pending.load(Ordering::Acquire)
     }
 
-    /// Charges a `Begin` frame with a `body`-byte body to this peer, or refuses it when the
-    /// peer would go above `TcpConfig::max_inbound_pending_bytes`.
+    /// Charges a `Begin` frame with a `body`-byte body to this peer and to the listener, or
+    /// refuses it when the peer would go above `TcpConfig::max_inbound_pending_bytes` or all
+    /// peers together above `TcpConfig::max_inbound_pending_bytes_total`.
     fn charge(&self, shared: &Shared, body: u32) -> Result<Charge, TcpError> {
         let charge = u64::from(body) + BATCH_STATE_BYTES;
         let limit = shared.config.max_inbound_pending_bytes;
-        let mut pending = self.pending.load(Ordering::Acquire);
-        loop {
-            let after = pending.saturating_add(charge);
-            if after > limit {
-                return Err(TcpError::OverBudget {
-                    body,
-                    charge,
-                    pending,
-                    limit,
-                });
-            }
-            match self.pending.compare_exchange_weak(
+        let after =
+            add_within(&self.pending, charge, limit).map_err(|pending| TcpError::OverBudget {
+                body,
+                charge,
                 pending,
-                after,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => {
-                    shared.peak_pending.fetch_max(after, Ordering::AcqRel);
-                    return Ok(Charge {
-                        pending: self.pending.clone(),
-                        bytes: charge,
-                    });
-                }
-                Err(now) => pending = now,
-            }
+                limit,
+            })?;
+        let total_limit = shared.config.max_inbound_pending_bytes_total;
+        if let Err(pending) = add_within(&shared.pending_total, charge, total_limit) {
+            self.pending.fetch_sub(charge, Ordering::AcqRel);
+            return Err(TcpError::OverTotalBudget {
+                body,
+                charge,
+                pending,
+                limit: total_limit,
+            });
         }
+        shared.peak_pending.fetch_max(after, Ordering::AcqRel);
+        Ok(Charge {
+            counters: [self.pending.clone(), shared.pending_total.clone()],
+            bytes: charge,
+        })
     }
 }
 

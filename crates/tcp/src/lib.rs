@@ -137,6 +137,12 @@ pub struct TcpConfig {
     /// go above the limit closes the peer's connections with error 15. At least
     /// `max_frame_len + BATCH_STATE_BYTES`; default 32 MiB.
     pub max_inbound_pending_bytes: u64,
+    /// Bytes all inbound peers together may make this side hold, charged as for
+    /// [`max_inbound_pending_bytes`](Self::max_inbound_pending_bytes): a `Begin` that would go
+    /// above it closes that peer's connections with error 15. It bounds what many peers
+    /// (authenticated or not, one per connection slot) can pin at once. At least
+    /// `max_frame_len + BATCH_STATE_BYTES`; default 256 MiB.
+    pub max_inbound_pending_bytes_total: u64,
     /// Inbound connections admitted at once (over all peers); the handshake of one more is
     /// answered with error 16. Each holds its slot until it closes. Default 1024.
     pub max_inbound_connections: usize,
@@ -165,6 +171,7 @@ impl Default for TcpConfig {
             piece_bytes: 4 << 20,
             max_inbound_batches: 65_536,
             max_inbound_pending_bytes: 32 << 20,
+            max_inbound_pending_bytes_total: 256 << 20,
             max_inbound_connections: 1024,
             receive_in_place: true,
         }
@@ -241,6 +248,12 @@ impl TcpConfig {
     /// Sets [`max_inbound_pending_bytes`](Self::max_inbound_pending_bytes).
     pub fn with_max_inbound_pending_bytes(mut self, bytes: u64) -> Self {
         self.max_inbound_pending_bytes = bytes;
+        self
+    }
+
+    /// Sets [`max_inbound_pending_bytes_total`](Self::max_inbound_pending_bytes_total).
+    pub fn with_max_inbound_pending_bytes_total(mut self, bytes: u64) -> Self {
+        self.max_inbound_pending_bytes_total = bytes;
         self
     }
 
@@ -333,6 +346,14 @@ impl TcpConfig {
                 "must hold at least one batch of the largest frame: max_frame_len + 128 bytes",
             );
         }
+        if self.max_inbound_pending_bytes_total < u64::from(self.max_frame_len) + BATCH_STATE_BYTES
+        {
+            return bad(
+                "max_inbound_pending_bytes_total",
+                self.max_inbound_pending_bytes_total.to_string(),
+                "must hold at least one batch of the largest frame: max_frame_len + 128 bytes",
+            );
+        }
         Ok(())
     }
 }
@@ -401,6 +422,8 @@ pub(crate) struct Shared {
     notify_rx: tokio::sync::Mutex<mpsc::Receiver<(Notification, inbound::Charge)>>,
     /// The most bytes any one inbound peer was ever charged (see `inbound_pending_stats`).
     pub(crate) peak_pending: AtomicU64,
+    /// Bytes charged to all inbound peers together (`max_inbound_pending_bytes_total`).
+    pub(crate) pending_total: Arc<AtomicU64>,
     pub(crate) closed: AtomicBool,
     pub(crate) closed_tx: watch::Sender<bool>,
     listener_task: Mutex<Option<JoinHandle<()>>>,
@@ -506,6 +529,7 @@ impl TcpTransport {
             notify_tx,
             notify_rx: tokio::sync::Mutex::new(notify_rx),
             peak_pending: AtomicU64::new(0),
+            pending_total: Arc::new(AtomicU64::new(0)),
             closed: AtomicBool::new(false),
             closed_tx,
             listener_task: Mutex::new(None),

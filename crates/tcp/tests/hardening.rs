@@ -859,6 +859,7 @@ async fn bad_descriptors_and_configs_are_refused() {
             .with_keepalive_interval(Duration::from_secs(2))
             .with_keepalive_timeout(Duration::from_secs(1)),
         TcpConfig::default().with_max_inbound_pending_bytes(1 << 20),
+        TcpConfig::default().with_max_inbound_pending_bytes_total(1 << 20),
         TcpConfig::default().with_max_inbound_connections(0),
     ] {
         let e = TcpTransport::bind(config).await.unwrap_err();
@@ -949,6 +950,51 @@ async fn begins_that_never_complete_are_bounded_by_the_pending_budget() {
         peak + charge(body) > budget,
         "refused at {peak} of {budget} bytes"
     );
+    charged_eventually(&t, 0).await;
+    still_serves(&t, region, &mem).await;
+}
+
+#[tokio::test]
+async fn many_peers_together_are_bounded_by_the_listeners_total_budget() {
+    // Each peer stays within its own budget (4 pending batches); together they may not pin
+    // more than the listener's total (6).
+    let body = 3000;
+    let config = TcpConfig::default()
+        .with_max_frame_len(4096)
+        .with_max_inbound_pending_bytes(4 * charge(body))
+        .with_max_inbound_pending_bytes_total(6 * charge(body));
+    let (t, region, mem) = target(config).await;
+    let mut first = Raw::handshake_as(&t, false, (51, 0, 1), 1000).await;
+    for batch in 0..4 {
+        first.send(&big_begin(batch, region, 4096, body)).await;
+        assert!(matches!(first.frame().await, Some(Frame::BeginAck { .. })));
+    }
+    let mut second = Raw::handshake_as(&t, false, (52, 0, 1), 1000).await;
+    let mut accepted = 0;
+    let message = loop {
+        second.send(&big_begin(accepted, region, 4096, body)).await;
+        match second.frame().await {
+            Some(Frame::BeginAck { status, .. }) => {
+                assert_eq!(status, wire::BeginStatus::Accepted);
+                accepted += 1;
+                assert!(accepted <= 4, "the second peer's Begins were all accepted");
+            }
+            Some(Frame::Error { code, message }) => {
+                assert_eq!(code, 15, "{message}");
+                assert!(second.frame().await.is_none(), "connection left open");
+                break message;
+            }
+            other => panic!("expected BeginAck or Error, got {other:?}"),
+        }
+    };
+    // The second peer met the total (6 batches in all), not its own budget (4).
+    assert_eq!(accepted, 2, "{message}");
+    assert!(
+        message.contains("max_inbound_pending_bytes_total"),
+        "{message}"
+    );
+    // Both peers' charges are released once they are gone.
+    drop(first);
     charged_eventually(&t, 0).await;
     still_serves(&t, region, &mem).await;
 }
