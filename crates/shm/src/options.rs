@@ -36,6 +36,10 @@ pub struct ShmOptions {
     /// How long `deregister` waits for a peer to confirm it stopped writing into a region it
     /// mapped (default 5 s); a peer that does not confirm in time is disconnected.
     pub revoke_timeout: Duration,
+    /// Inbound control connections served at once, handshakes included (default 256). Each
+    /// accepted peer costs a doorbell ring and a reader thread, so one more is refused with a
+    /// reason that names this limit until one closes.
+    pub max_inbound_connections: usize,
 }
 
 impl Default for ShmOptions {
@@ -46,6 +50,7 @@ impl Default for ShmOptions {
             allowed_uids: Vec::new(),
             handshake_timeout: Duration::from_secs(5),
             revoke_timeout: Duration::from_secs(5),
+            max_inbound_connections: 256,
         }
     }
 }
@@ -78,6 +83,12 @@ impl ShmOptions {
     /// Sets [`revoke_timeout`](Self::revoke_timeout).
     pub fn with_revoke_timeout(mut self, timeout: Duration) -> Self {
         self.revoke_timeout = timeout;
+        self
+    }
+
+    /// Sets [`max_inbound_connections`](Self::max_inbound_connections).
+    pub fn with_max_inbound_connections(mut self, n: usize) -> Self {
+        self.max_inbound_connections = n;
         self
     }
 

@@ -15,7 +15,7 @@ use kvbridge_transport::{
     RegionId, Result, Side, TransferBatch, TransportError,
 };
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
@@ -557,6 +557,8 @@ struct Inner {
     notif_tx: mpsc::Sender<Notification>,
     notif_rx: tokio::sync::Mutex<mpsc::Receiver<Notification>>,
     accept_task: Mutex<Option<AbortHandle>>,
+    /// One permit per inbound connection served (`ShmOptions::max_inbound_connections`).
+    inbound_slots: Arc<Semaphore>,
 }
 
 impl Inner {
@@ -706,7 +708,10 @@ impl Inner {
             match listener.accept().await {
                 Ok((stream, _)) => {
                     let inner = Arc::clone(&self);
-                    tokio::spawn(inner.serve_inbound(stream));
+                    match Arc::clone(&self.inbound_slots).try_acquire_owned() {
+                        Ok(slot) => tokio::spawn(inner.serve_inbound(stream, slot)),
+                        Err(_) => tokio::spawn(inner.refuse_over_limit(stream)),
+                    };
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "shm: accept on the control socket failed");
@@ -714,6 +719,24 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// Tells a peer beyond `ShmOptions::max_inbound_connections` why it is refused, within
+    /// the handshake timeout, and closes.
+    async fn refuse_over_limit(self: Arc<Self>, stream: UnixStream) {
+        let limit = self.options.max_inbound_connections;
+        let reason = format!(
+            "this transport already serves {limit} inbound connections \
+             (ShmOptions::max_inbound_connections = {limit}); connect again once one closes, or \
+             raise the limit on this side"
+        );
+        tracing::warn!("shm: refused a connection: {reason}");
+        let wire = Wire::new(stream);
+        let _ = tokio::time::timeout(
+            self.options.handshake_timeout,
+            wire.send(&Frame::Reject { reason }, None),
+        )
+        .await;
     }
 
     /// Why a `Hello` with this version and token is refused, if it is.
@@ -740,7 +763,7 @@ impl Inner {
 
     /// Serves one inbound connection: credential check, handshake, then region lookups,
     /// notifications and liveness checks.
-    async fn serve_inbound(self: Arc<Self>, stream: UnixStream) {
+    async fn serve_inbound(self: Arc<Self>, stream: UnixStream, _slot: OwnedSemaphorePermit) {
         let wire = Wire::new(stream);
         let (uid, pid) = match wire.peer_cred() {
             Ok(c) => c,
@@ -1041,6 +1064,17 @@ impl ShmTransport {
                           enabled); call it from async code or within Runtime::enter"
                     .to_owned(),
             })?;
+        let max_inbound = options.max_inbound_connections;
+        if !(1..=Semaphore::MAX_PERMITS).contains(&max_inbound) {
+            return Err(TransportError::InvalidArgument {
+                transport: NAME,
+                message: format!(
+                    "ShmOptions::max_inbound_connections = {max_inbound} must be at least 1 \
+                     (and at most {})",
+                    Semaphore::MAX_PERMITS
+                ),
+            });
+        }
         let base = options.runtime_dir.clone().unwrap_or_else(default_base);
         let control = |source: std::io::Error| -> TransportError {
             ShmError::Control {
@@ -1099,6 +1133,7 @@ impl ShmTransport {
             notif_tx,
             notif_rx: tokio::sync::Mutex::new(notif_rx),
             accept_task: Mutex::new(None),
+            inbound_slots: Arc::new(Semaphore::new(max_inbound)),
         });
         let task = inner
             .rt

@@ -239,3 +239,36 @@ async fn cancelling_a_large_batch_stops_it_and_nothing_lands_afterwards() {
         other => panic!("cancel returned {other:?}"),
     }
 }
+
+#[tokio::test]
+async fn connections_beyond_the_limit_are_refused_until_one_closes() {
+    let receiver =
+        ShmTransport::with_options(ShmOptions::default().with_max_inbound_connections(1)).unwrap();
+    let first = ShmTransport::new().unwrap();
+    first.connect(&receiver.local_descriptor()).await.unwrap();
+    let second = ShmTransport::new().unwrap();
+    let err = second
+        .connect(&receiver.local_descriptor())
+        .await
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("max_inbound_connections = 1"),
+        "the refusal names the limit: {text}"
+    );
+    // The slot is free again once the first peer is gone.
+    drop(first);
+    let mut tries = 0;
+    while let Err(e) = second.connect(&receiver.local_descriptor()).await {
+        tries += 1;
+        assert!(
+            tries < 200,
+            "still refused after the first peer closed: {e}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    assert!(matches!(
+        ShmTransport::with_options(ShmOptions::default().with_max_inbound_connections(0)),
+        Err(TransportError::InvalidArgument { .. })
+    ));
+}
