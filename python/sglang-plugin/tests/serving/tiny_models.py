@@ -1,0 +1,166 @@
+"""Tiny random-weight models for real SGLang servers, made here from a seed (no download).
+
+``llama``: a GQA Llama (2 layers, hidden 64, 4 attention heads / 2 KV heads, bf16).
+``deepseek_v2``: an MLA DeepSeek-V2 (kv_lora_rank 32, rope head dim 16, every layer dense,
+yarn rope scaling of factor 1, bf16). Each comes with a byte-level BPE tokenizer trained on a
+few lines of text, and is saved with ``save_pretrained`` as SGLang and transformers load it.
+
+As a script: ``python tiny_models.py OUT_DIR [llama|deepseek_v2 ...]`` writes
+``OUT_DIR/<name>`` for each model (both by default) and prints the paths.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+MODELS = ("llama", "deepseek_v2")
+SEED = 20261202
+# The longest sequence (prompt + output) the models accept; the TTFT measurement uses most of it.
+MAX_POSITIONS = 4096
+
+_TEXT = [
+    "The prefill server computes the key and value cache of a prompt.",
+    "The decode server receives that cache and generates one token after another.",
+    "Pages of sixteen tokens are written into the decode server's pool.",
+    "A bootstrap server tells the decode where the prefill listens.",
+    "Every byte is bounds checked before it moves over the network.",
+    "Latent attention stores one compressed vector per token and layer.",
+    "Grouped query attention shares each key and value head between several query heads.",
+    "Small random models are enough to compare tokens exactly.",
+]
+
+
+def _tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained on ``_TEXT`` (deterministic), as transformers'
+    ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_TEXT, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+def _config(name: str, vocab_size: int, tokenizer):
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    if name == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**common, num_key_value_heads=2, head_dim=16)
+    if name == "deepseek_v2":
+        from transformers import DeepseekV2Config
+
+        return DeepseekV2Config(
+            **common,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=16,
+            # Every layer dense: transformers' MoE path needs fields (scoring_func) its
+            # DeepseekV2Config lacks, and MLA is what the KV transfer is about.
+            first_k_dense_replace=2,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            # SGLang's CPU rope for DeepSeek accepts only its yarn variant; factor 1 leaves
+            # the positions as they are.
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 1.0,
+                "original_max_position_embeddings": MAX_POSITIONS,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        )
+    raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(MODELS)}")
+
+
+def make(name: str, out_dir: str, seed: int = SEED) -> str:
+    """Writes model ``name`` (config, bf16 random weights from ``seed``, tokenizer) into
+    ``out_dir/name``; returns that path. The same seed gives the same files."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.join(out_dir, name)
+    tokenizer = _tokenizer()
+    config = _config(name, len(tokenizer), tokenizer)
+    torch.manual_seed(seed)
+    # Bigger than the default 0.02 so that the tiny models' greedy choices depend visibly on
+    # every layer's KV (the damaged-KV control relies on that).
+    config.initializer_range = 0.2
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config.do_sample = False
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def reference_tokens(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy ``generate`` of each prompt (token ids), new tokens only: the
+    third opinion beside the single server and the prefill + decode pair."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model.eval()
+    # No stop token and no suppressed token: the servers run with ignore_eos, which only
+    # keeps them from stopping.
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None
+    config.do_sample = False
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids], dtype=torch.long)
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                generation_config=config,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=model.config.pad_token_id,
+            )
+            out.append(y[0, len(ids):].tolist())
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    out_dir, names = argv[0], argv[1:] or list(MODELS)
+    for name in names:
+        print(make(name, out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
