@@ -24,6 +24,10 @@ pub struct BootstrapConfig {
     /// Address to listen on. Default `127.0.0.1:0` (loopback, OS-assigned port); SGLang's
     /// default port is 8998.
     pub bind_addr: SocketAddr,
+    /// Address that [`BootstrapServer::bootstrap_addr`] names instead of the bound one (with
+    /// the bound port): the host's address peers on other hosts reach, when the server binds
+    /// `0.0.0.0` (which no peer can connect to). Default `None`: the bound address.
+    pub advertise_addr: Option<IpAddr>,
     /// Longest request head (request line and headers). Default 8 KiB.
     pub max_head_bytes: usize,
     /// Most header lines (and query parameters). Default 64.
@@ -50,6 +54,7 @@ impl Default for BootstrapConfig {
     fn default() -> Self {
         Self {
             bind_addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+            advertise_addr: None,
             max_head_bytes: 8 << 10,
             max_headers: 64,
             max_body_bytes: 1 << 20,
@@ -68,6 +73,13 @@ impl BootstrapConfig {
     #[must_use]
     pub fn with_bind_addr(mut self, addr: SocketAddr) -> Self {
         self.bind_addr = addr;
+        self
+    }
+
+    /// Sets [`advertise_addr`](Self::advertise_addr).
+    #[must_use]
+    pub fn with_advertise_addr(mut self, addr: IpAddr) -> Self {
+        self.advertise_addr = Some(addr);
         self
     }
 
@@ -162,6 +174,12 @@ impl BootstrapConfig {
         if self.request_timeout.is_zero() || self.room_entry_ttl.is_zero() {
             return bad("BootstrapConfig timeouts must be positive".to_owned());
         }
+        if let Some(ip) = self.advertise_addr.filter(IpAddr::is_unspecified) {
+            return bad(format!(
+                "BootstrapConfig::advertise_addr {ip} names no host a peer can connect to; \
+                 advertise this host's address on the network the decode servers reach"
+            ));
+        }
         Ok(())
     }
 }
@@ -227,6 +245,7 @@ impl BootstrapServerBuilder {
             .map_err(|e| BootstrapError::InvalidSetup {
                 message: format!("the bootstrap listener has no local address: {e}"),
             })?;
+        let advertised = SocketAddr::new(config.advertise_addr.unwrap_or(addr.ip()), addr.port());
         let (shutdown, _) = watch::channel(false);
         let service = Arc::new(Service::new(registry.clone(), self.metrics, config));
         tokio::spawn(accept_loop(listener, service.clone(), shutdown.subscribe()));
@@ -235,10 +254,11 @@ impl BootstrapServerBuilder {
             service.config.room_entry_ttl,
             shutdown.subscribe(),
         ));
-        tracing::info!(%addr, "bootstrap server listening");
+        tracing::info!(%addr, %advertised, "bootstrap server listening");
         Ok(BootstrapServer {
             registry,
             addr,
+            advertised,
             shutdown,
         })
     }
@@ -310,6 +330,8 @@ impl Service {
 pub struct BootstrapServer {
     registry: Registry,
     addr: SocketAddr,
+    /// What [`bootstrap_addr`](Self::bootstrap_addr) names.
+    advertised: SocketAddr,
     shutdown: watch::Sender<bool>,
 }
 
@@ -352,9 +374,10 @@ impl BootstrapServer {
         self.addr
     }
 
-    /// The bootstrap address decode requests carry (`host:port`).
+    /// The bootstrap address decode requests carry (`host:port`): the
+    /// [`advertise_addr`](BootstrapConfig::advertise_addr) when set, else the bound address.
     pub fn bootstrap_addr(&self) -> String {
-        self.addr.to_string()
+        self.advertised.to_string()
     }
 
     /// The registry being served.

@@ -524,3 +524,26 @@ async fn a_secret_guards_registrations_and_queries_over_http() {
     .unwrap_err();
     assert!(err.to_string().contains("the server has none"), "{err}");
 }
+
+/// A server bound on every interface names the advertised address (with the bound port), and
+/// that address serves; an unspecified advertised address is refused with the fix.
+#[tokio::test]
+async fn the_advertised_address_is_the_one_peers_get() {
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+    let config = BootstrapConfig::default()
+        .with_bind_addr(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
+        .with_advertise_addr(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    let s = BootstrapServer::bind(config).await.unwrap();
+    assert!(s.local_addr().ip().is_unspecified(), "{}", s.local_addr());
+    let want = format!("127.0.0.1:{}", s.local_addr().port());
+    assert_eq!(s.bootstrap_addr(), want);
+    let answer = raw(&want, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    assert_eq!(status(&answer), 200, "{answer}");
+    // Control: without an advertised address the bound one is named.
+    let plain = server().await;
+    assert_eq!(plain.bootstrap_addr(), plain.local_addr().to_string());
+
+    let bad = BootstrapConfig::default().with_advertise_addr(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+    let err = BootstrapServer::bind(bad).await.unwrap_err().to_string();
+    assert!(err.contains("advertise_addr 0.0.0.0"), "{err}");
+}
