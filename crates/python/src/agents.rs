@@ -147,12 +147,47 @@ fn client_config(secret: Option<&[u8]>) -> ClientConfig {
     }
 }
 
-fn net_config(secret: Option<Vec<u8>>) -> NetChannelConfig {
-    let c = NetChannelConfig::default();
-    match secret {
+/// An `advertise=` argument: the IP address peers on other hosts reach this one at.
+pub(crate) fn advertise_ip(advertise: Option<&str>) -> PyResult<Option<std::net::IpAddr>> {
+    advertise
+        .map(|a| {
+            a.parse::<std::net::IpAddr>()
+                .ok()
+                .filter(|ip| !ip.is_unspecified())
+                .ok_or_else(|| {
+                    invalid(format!(
+                        "advertise must be this host's IP address on the network its peers \
+                         reach (such as 10.0.0.5), got {a:?}"
+                    ))
+                })
+        })
+        .transpose()
+}
+
+/// The control channel's settings: `bind` its listening `ip:port` (default 127.0.0.1:0, one
+/// host only), `advertise` the IP it names to peers (needed when binding 0.0.0.0).
+fn net_config(
+    secret: Option<Vec<u8>>,
+    bind: Option<&str>,
+    advertise: Option<&str>,
+) -> PyResult<NetChannelConfig> {
+    let mut c = NetChannelConfig::default();
+    if let Some(addr) = bind {
+        let addr: SocketAddr = addr.parse().map_err(|e| {
+            invalid(format!(
+                "bind must be the control channel's ip:port such as 10.0.0.5:0 (port 0: any \
+                 free one), got {addr:?}: {e}"
+            ))
+        })?;
+        c = c.with_bind_addr(addr);
+    }
+    if let Some(ip) = advertise_ip(advertise)? {
+        c = c.with_advertise_addr(ip);
+    }
+    Ok(match secret {
         Some(s) => c.with_secret(s),
         None => c,
-    }
+    })
 }
 
 fn set(d: &mut Duration, v: Option<Duration>) {
@@ -279,15 +314,26 @@ pub(crate) struct BootstrapServer {
 #[pymethods]
 impl BootstrapServer {
     /// With `secret`, every registration and query must prove it (the agents' `secret`).
+    /// `advertise`: the IP that `addr` names when `host` is 0.0.0.0 (this host's address on
+    /// the network the decode servers reach).
     #[new]
-    #[pyo3(signature = (host="127.0.0.1", port=0, *, secret=None))]
-    fn new(py: Python<'_>, host: &str, port: u16, secret: Option<Vec<u8>>) -> PyResult<Self> {
+    #[pyo3(signature = (host="127.0.0.1", port=0, *, secret=None, advertise=None))]
+    fn new(
+        py: Python<'_>,
+        host: &str,
+        port: u16,
+        secret: Option<Vec<u8>>,
+        advertise: Option<&str>,
+    ) -> PyResult<Self> {
         let ip = host.parse().map_err(|e| {
             invalid(format!(
                 "host must be an IP address such as 127.0.0.1, got {host:?}: {e}"
             ))
         })?;
         let mut config = BootstrapConfig::default().with_bind_addr(SocketAddr::new(ip, port));
+        if let Some(ip) = advertise_ip(advertise)? {
+            config = config.with_advertise_addr(ip);
+        }
         if let Some(s) = secret {
             config = config.with_secret(s);
         }
@@ -328,10 +374,12 @@ agent_methods! { PrefillAgent,
     /// Starts the agent for `engine`'s rank: `descriptor` is its `PeerDescriptor` (role
     /// prefill), `kv` one entry per KV item (`kv_item_lens` order), `aux` one per aux buffer;
     /// it registers itself with the `BootstrapServer` at `bootstrap_addr`. Timeouts are seconds
-    /// (defaults: SGLang's).
+    /// (defaults: SGLang's). `bind` is the control channel's `ip:port` (default 127.0.0.1:0,
+    /// one host only) and `advertise` the IP it names to decode ranks (when binding 0.0.0.0).
     #[new]
     #[pyo3(signature = (engine, descriptor, kv, aux=None, *, bootstrap_addr, secret=None,
-                        bootstrap_timeout=None, waiting_timeout=None, batch_timeout=None))]
+                        bootstrap_timeout=None, waiting_timeout=None, batch_timeout=None,
+                        bind=None, advertise=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -344,7 +392,10 @@ agent_methods! { PrefillAgent,
         bootstrap_timeout: Option<f64>,
         waiting_timeout: Option<f64>,
         batch_timeout: Option<f64>,
+        bind: Option<&str>,
+        advertise: Option<&str>,
     ) -> PyResult<Self> {
+        let net = net_config(secret.clone(), bind, advertise)?;
         let desc = self::descriptor(descriptor)?;
         let empty = PyTuple::empty(py).into_any();
         let mem = memory(engine, kv, aux.unwrap_or(&empty))?;
@@ -364,7 +415,7 @@ agent_methods! { PrefillAgent,
         let transport = engine.core().transport.clone();
         let client = BootstrapClient::with_config(bootstrap_addr, client_config(secret.as_deref()));
         let agent = block_on(py, async move {
-            let channel = NetChannel::bind(net_config(secret)).await?;
+            let channel = NetChannel::bind(net).await?;
             let agent = RustPrefillAgent::builder(desc, mem, transport, Arc::new(channel))
                 .config(config)
                 .start()?;
@@ -438,11 +489,12 @@ pub(crate) struct DecodeAgent {
 
 agent_methods! { DecodeAgent,
     /// Starts the agent for `engine`'s rank (`descriptor` of role decode, `kv`/`aux` as for
-    /// `PrefillAgent`). Timeouts and the heartbeat are seconds (defaults: SGLang's).
+    /// `PrefillAgent`). Timeouts and the heartbeat are seconds (defaults: SGLang's). `bind`
+    /// and `advertise` as for `PrefillAgent`: prefill ranks send to this control channel.
     #[new]
     #[pyo3(signature = (engine, descriptor, kv, aux=None, *, secret=None,
                         bootstrap_timeout=None, waiting_timeout=None, heartbeat_interval=None,
-                        fence_timeout=None))]
+                        fence_timeout=None, bind=None, advertise=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -455,7 +507,10 @@ agent_methods! { DecodeAgent,
         waiting_timeout: Option<f64>,
         heartbeat_interval: Option<f64>,
         fence_timeout: Option<f64>,
+        bind: Option<&str>,
+        advertise: Option<&str>,
     ) -> PyResult<Self> {
+        let net = net_config(secret.clone(), bind, advertise)?;
         let desc = self::descriptor(descriptor)?;
         let empty = PyTuple::empty(py).into_any();
         let mem = memory(engine, kv, aux.unwrap_or(&empty))?;
@@ -479,7 +534,7 @@ agent_methods! { DecodeAgent,
         let transport = engine.core().transport.clone();
         let directory = HttpDirectory::new().with_client_config(client_config(secret.as_deref()));
         let agent = block_on(py, async move {
-            let channel = NetChannel::bind(net_config(secret)).await?;
+            let channel = NetChannel::bind(net).await?;
             RustDecodeAgent::builder(
                 desc,
                 mem,

@@ -556,26 +556,29 @@ fn parse_ops(ops: &Bound<'_, PyAny>) -> PyResult<Vec<TransferOp>> {
 #[pymethods]
 impl Engine {
     /// A transfer engine for one rank over `transport`: "tcp" (any hosts; `bind` is the
-    /// listening `ip:port`, default 127.0.0.1:0; `secret` enables HMAC authentication),
+    /// listening `ip:port`, default 127.0.0.1:0; `advertise` the IP its descriptor names when
+    /// `bind` is 0.0.0.0; `secret` enables HMAC authentication),
     /// "shm" (processes on one host; `runtime_dir` holds its control socket), "loopback"
     /// (engines of this process, for tests) or "nixl" (a package built with the `nixl`
     /// feature; its runtime from `cargo xtask nixl-setup` or `KVBRIDGE_NIXL_LIB_DIR`).
     #[new]
-    #[pyo3(signature = (transport="tcp", *, bind=None, secret=None, runtime_dir=None))]
+    #[pyo3(signature = (transport="tcp", *, bind=None, secret=None, runtime_dir=None,
+                        advertise=None))]
     fn new(
         py: Python<'_>,
         transport: &str,
         bind: Option<&str>,
         secret: Option<Vec<u8>>,
         runtime_dir: Option<std::path::PathBuf>,
+        advertise: Option<&str>,
     ) -> PyResult<Self> {
         let only = |option: &str, name: &str| {
             invalid(format!(
                 "{option} applies to transport=\"{name}\" only; drop it for transport=\"{transport}\""
             ))
         };
-        if transport != "tcp" && (bind.is_some() || secret.is_some()) {
-            return Err(only("bind/secret", "tcp"));
+        if transport != "tcp" && (bind.is_some() || secret.is_some() || advertise.is_some()) {
+            return Err(only("bind/advertise/secret", "tcp"));
         }
         if transport != "shm" && runtime_dir.is_some() {
             return Err(only("runtime_dir", "shm"));
@@ -591,6 +594,9 @@ impl Engine {
                             ))
                         })?;
                         config = config.with_bind_addr(addr);
+                    }
+                    if let Some(ip) = crate::agents::advertise_ip(advertise)? {
+                        config = config.with_advertise_addr(ip);
                     }
                     if let Some(s) = secret {
                         config = config.with_secret(s);

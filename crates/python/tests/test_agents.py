@@ -175,3 +175,57 @@ def test_a_secret_guards_the_bootstrap_registry_and_the_control_channel():
             a.close()
         p_engine.close()
         d_engine.close()
+
+
+def test_bound_on_every_interface_the_advertised_addresses_are_named_and_used():
+    # What two hosts need: each listener binds 0.0.0.0 and names the host's own address.
+    with kvbridge.BootstrapServer("0.0.0.0", advertise="127.0.0.1") as server:
+        assert server.addr.startswith("127.0.0.1:")
+        p_engine = kvbridge.Engine("tcp", bind="0.0.0.0:0", advertise="127.0.0.1")
+        d_engine = kvbridge.Engine("tcp", bind="0.0.0.0:0", advertise="127.0.0.1")
+        p_kv = [p_engine.allocate(PAGES * ITEM) for _ in range(LAYERS)]
+        d_kv = [d_engine.allocate(PAGES * ITEM) for _ in range(LAYERS)]
+        prefill = kvbridge.PrefillAgent(
+            p_engine,
+            descriptor("prefill"),
+            p_kv,
+            bootstrap_addr=server.addr,
+            bind="0.0.0.0:0",
+            advertise="127.0.0.1",
+        )
+        decode = kvbridge.DecodeAgent(
+            d_engine, descriptor("decode"), d_kv, bind="0.0.0.0:0", advertise="127.0.0.1"
+        )
+        assert "127.0.0.1:" in prefill.endpoint, prefill.endpoint
+        # Control: bound on every interface without advertise, the unusable 0.0.0.0 is named.
+        unnamed = kvbridge.DecodeAgent(d_engine, descriptor("decode"), d_kv, bind="0.0.0.0:0")
+        assert "0.0.0.0:" in unnamed.endpoint, unnamed.endpoint
+        unnamed.close()
+        for layer, m in enumerate(p_kv):
+            np.asarray(m)[:] = np.arange(m.nbytes, dtype=np.uint64).astype(np.uint8) + layer
+        prefill.create_room(4)
+        decode.receive(4, server.addr, [2, 6])
+        assert prefill.wait_ready(4, timeout=120.0) == 0
+        prefill.send_chunk(4, [1, 3], 2 * PAGE, last=True)
+        assert prefill.wait(4, timeout=120.0) == kvbridge.KVPoll.Success
+        assert decode.wait(4, timeout=120.0) == kvbridge.KVPoll.Success
+        for layer in range(LAYERS):
+            src, dst = np.asarray(p_kv[layer]), np.asarray(d_kv[layer])
+            for s, d in ((1, 2), (3, 6)):
+                assert (dst[d * ITEM : (d + 1) * ITEM] == src[s * ITEM : (s + 1) * ITEM]).all()
+        for a in (decode, prefill, p_engine, d_engine):
+            a.close()
+
+
+def test_bad_addresses_say_what_is_expected():
+    e = kvbridge.Engine("loopback")
+    kv = [e.allocate(PAGES * ITEM) for _ in range(LAYERS)]
+    with pytest.raises(kvbridge.InvalidArgumentError, match="ip:port"):
+        kvbridge.DecodeAgent(e, descriptor("decode"), kv, bind="10.0.0.5")
+    with pytest.raises(kvbridge.InvalidArgumentError, match="advertise must be"):
+        kvbridge.DecodeAgent(e, descriptor("decode"), kv, advertise="0.0.0.0")
+    with pytest.raises(kvbridge.InvalidArgumentError, match="advertise must be"):
+        kvbridge.BootstrapServer("0.0.0.0", advertise="host-a")
+    with pytest.raises(kvbridge.InvalidArgumentError, match="advertise"):
+        kvbridge.Engine("loopback", advertise="127.0.0.1")
+    e.close()

@@ -104,6 +104,7 @@ class Engine:
         bind: str | None = None,
         secret: bytes | None = None,
         runtime_dir: str | None = None,
+        advertise: str | None = None,
     ) -> None: ...
     @property
     def transport(self) -> str: ...
@@ -154,7 +155,12 @@ Pages = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 class BootstrapServer:
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        secret: bytes | None = None,
+        advertise: str | None = None,
     ) -> None: ...
     @property
     def addr(self) -> str: ...
@@ -175,6 +181,8 @@ class PrefillAgent:
         bootstrap_timeout: float | None = None,
         waiting_timeout: float | None = None,
         batch_timeout: float | None = None,
+        bind: str | None = None,
+        advertise: str | None = None,
     ) -> None: ...
     @property
     def endpoint(self) -> str: ...
@@ -212,6 +220,8 @@ class DecodeAgent:
         waiting_timeout: float | None = None,
         heartbeat_interval: float | None = None,
         fence_timeout: float | None = None,
+        bind: str | None = None,
+        advertise: str | None = None,
     ) -> None: ...
     @property
     def endpoint(self) -> str: ...
