@@ -937,9 +937,11 @@ fn the_sans_io_rule_sees_clocks_and_runtimes_but_not_comments() {
     );
 }
 
-// No blocking wait on an async runtime's worker thread: the TCP transport runs on tokio's
-// workers, so it touches registered memory only through the accessors that never wait for a
-// conflicting claim (`try_*`, `recv_vectored`, `send_vectored`) and waits on tokio's timers.
+// No blocking wait on an async runtime's worker thread: the TCP, loopback and NIXL transports
+// run their I/O and copies on the caller's tokio runtime (the shm transport copies on its own
+// thread, the coordinator gathers in `spawn_blocking`), so they touch registered memory only
+// through the accessors that never wait for a conflicting claim (`try_*`, `recv_vectored`,
+// `send_vectored`) and wait on tokio's timers.
 
 /// Registered-memory accessors that may wait up to `CLAIM_WAIT` for a conflicting claim.
 const WAITING_ACCESSORS: &[&str] = &[
@@ -970,9 +972,11 @@ fn waiting_calls(src: &str) -> Vec<(usize, &'static str)> {
 }
 
 #[test]
-fn the_tcp_transport_never_waits_for_a_claim_on_a_runtime_worker() {
+fn transports_on_the_runtime_never_wait_for_a_claim() {
     let mut files = Vec::new();
-    rust_files(&root().join("crates/tcp/src"), &mut files);
+    for dir in ["crates/tcp/src", "crates/mock/src", "crates/nixl/src"] {
+        rust_files(&root().join(dir), &mut files);
+    }
     let mut offenders = Vec::new();
     for file in files {
         for (line, call) in waiting_calls(&read(&file)) {
@@ -981,7 +985,7 @@ fn the_tcp_transport_never_waits_for_a_claim_on_a_runtime_worker() {
     }
     assert!(
         offenders.is_empty(),
-        "the TCP transport runs on tokio's worker threads, where a claim must never wait; use \
+        "these transports run on tokio's worker threads, where a claim must never wait; use \
          the `try_` accessor (and retry on a tokio timer) instead of:\n{}",
         offenders.join("\n")
     );

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{Batches, Outcome, Step, deadline_after};
+use kvbridge_transport::memory::CLAIM_WAIT;
 use kvbridge_transport::sync::lock;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
@@ -234,7 +235,12 @@ async fn copy_all(job: &Job) -> bool {
     let mut i = 0;
     let mut row = 0u64;
     let mut done_in_row = 0;
+    // Since when a local access holds bytes of the next copy, if one does: the copy is tried
+    // again on the runtime's timer (never waited for on this worker thread), as long as a
+    // blocking claim would have waited.
+    let mut held_since: Option<std::time::Instant> = None;
     while i < ops.len() {
+        let mut held = false;
         let more = batches.step(id, now(), || {
             if !link.alive.load(Ordering::Acquire) {
                 return failed(peer_lost(
@@ -276,16 +282,28 @@ async fn copy_all(job: &Job) -> bool {
                     op.remote_offset as u64 + row * op.remote_stride + done_in_row as u64,
                 );
                 let copied = match direction {
-                    Direction::Write => op.local.copy_to(lo, &op.remote, ro, n as u64),
-                    Direction::Read => op.remote.copy_to(ro, &op.local, lo, n as u64),
+                    Direction::Write => op.local.try_copy_to(lo, &op.remote, ro, n as u64),
+                    Direction::Read => op.remote.try_copy_to(ro, &op.local, lo, n as u64),
                 };
-                if let Err(e) = copied {
+                match copied {
+                    Ok(()) => held_since = None,
+                    Err(TransportError::AccessConflict { .. })
+                        if held_since
+                            .get_or_insert_with(std::time::Instant::now)
+                            .elapsed()
+                            < CLAIM_WAIT =>
+                    {
+                        held = true;
+                        break;
+                    }
                     // Only possible if a caller holds a `borrow_mut` over the bytes.
-                    return failed(TransportError::BatchFailed {
-                        batch: id,
-                        peer,
-                        reason: format!("copy refused: {e}; release borrowed region slices"),
-                    });
+                    Err(e) => {
+                        return failed(TransportError::BatchFailed {
+                            batch: id,
+                            peer,
+                            reason: format!("copy refused: {e}; release borrowed region slices"),
+                        });
+                    }
                 }
                 done_in_row += n;
                 budget -= n;
@@ -300,7 +318,11 @@ async fn copy_all(job: &Job) -> bool {
         if !more {
             return false;
         }
-        tokio::task::yield_now().await;
+        if held {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        } else {
+            tokio::task::yield_now().await;
+        }
     }
     true
 }

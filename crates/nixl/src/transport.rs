@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{BatchTable, Batches, Fence, Outcome};
+use kvbridge_transport::memory::CLAIM_WAIT;
 use kvbridge_transport::sync::lock;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
@@ -1205,7 +1206,7 @@ impl KvTransport for NixlTransport {
             return Ok(id);
         }
         let local_regions = region_ids(local.iter().map(|l| l.3));
-        let (local, remote, staging) = match gather(inner, local, remote) {
+        let (local, remote, staging) = match gather(inner, local, remote).await {
             Ok(g) => g,
             Err(e) => {
                 inner.batches.forget(id);
@@ -1524,8 +1525,9 @@ fn region_ids(ids: impl Iterator<Item = u64>) -> Vec<u64> {
 /// Gathers runs of small host-memory rows whose destinations are back to back (the rows of a
 /// strided op packed on the peer) into one registered staging region, one descriptor pair
 /// per run; other descriptors stay as they are. The copy happens here, at `post`, so the
-/// source rows are read before `post` returns.
-fn gather(
+/// source rows are read before `post` returns. `post` runs on the caller's async runtime, so a
+/// source another access holds is waited for on the runtime's timer, never on its worker.
+async fn gather(
     inner: &Inner,
     local: Vec<LocalDesc>,
     remote: Vec<RemoteDesc>,
@@ -1599,12 +1601,31 @@ fn gather(
             .iter()
             .map(|l| ((l.0 - base) as u64, l.1 as u64))
             .collect();
-        at += src.gather_to(&rows, region, at as u64)? as usize;
+        at += gather_run(src, &rows, region, at as u64).await? as usize;
         out_local.push((seg.addr + start, at - start, None, id));
         let first = remote[r.start];
         out_remote.push((first.0, at - start, None, first.3));
     }
     Ok((out_local, out_remote, Some(staging)))
+}
+
+/// `src.gather_to` without a blocking wait: a conflicting access is tried again on the
+/// runtime's timer, for as long as a blocking claim would have waited.
+async fn gather_run(
+    src: &MemoryRegion,
+    rows: &[(u64, u64)],
+    staging: &MemoryRegion,
+    at: u64,
+) -> Result<u64> {
+    let since = Instant::now();
+    loop {
+        match src.try_gather_to(rows, staging, at) {
+            Err(TransportError::AccessConflict { .. }) if since.elapsed() < CLAIM_WAIT => {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            done => return done,
+        }
+    }
 }
 
 /// A new registered staging region for at least `staged` bytes, rounded up so later batches

@@ -750,7 +750,30 @@ impl MemoryRegion {
         dst_offset: u64,
         len: u64,
     ) -> Result<()> {
-        let (src_claim, dst_claim) = self.claim_copy(src_offset, dst, dst_offset, len)?;
+        self.copy_waiting(src_offset, dst, dst_offset, len, Wait::Bounded)
+    }
+
+    /// [`copy_to`](Self::copy_to) that never waits: a conflicting access to either range is
+    /// refused at once (for code on an async runtime's worker thread, which must not block).
+    pub fn try_copy_to(
+        &self,
+        src_offset: u64,
+        dst: &MemoryRegion,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<()> {
+        self.copy_waiting(src_offset, dst, dst_offset, len, Wait::Never)
+    }
+
+    fn copy_waiting(
+        &self,
+        src_offset: u64,
+        dst: &MemoryRegion,
+        dst_offset: u64,
+        len: u64,
+        wait: Wait,
+    ) -> Result<()> {
+        let (src_claim, dst_claim) = self.claim_copy(src_offset, dst, dst_offset, len, wait)?;
         // SAFETY: both ranges are inside their host regions and claimed (the source for
         // reading, the destination exclusively), so nothing else in this process writes the
         // source or touches the destination meanwhile; `ptr::copy` permits the overlap of a
@@ -778,7 +801,8 @@ impl MemoryRegion {
         len: u64,
         f: impl FnOnce(*const u8, *mut u8, usize) -> R,
     ) -> Result<R> {
-        let (src_claim, dst_claim) = self.claim_copy(src_offset, dst, dst_offset, len)?;
+        let (src_claim, dst_claim) =
+            self.claim_copy(src_offset, dst, dst_offset, len, Wait::Bounded)?;
         Ok(f(src_claim.ptr(), dst_claim.ptr(), src_claim.len()))
     }
 
@@ -798,6 +822,27 @@ impl MemoryRegion {
         dst: &MemoryRegion,
         dst_offset: u64,
     ) -> Result<u64> {
+        self.gather_waiting(rows, dst, dst_offset, Wait::Bounded)
+    }
+
+    /// [`gather_to`](Self::gather_to) that never waits: a conflicting access is refused at
+    /// once (for code on an async runtime's worker thread, which must not block).
+    pub fn try_gather_to(
+        &self,
+        rows: &[(u64, u64)],
+        dst: &MemoryRegion,
+        dst_offset: u64,
+    ) -> Result<u64> {
+        self.gather_waiting(rows, dst, dst_offset, Wait::Never)
+    }
+
+    fn gather_waiting(
+        &self,
+        rows: &[(u64, u64)],
+        dst: &MemoryRegion,
+        dst_offset: u64,
+        wait: Wait,
+    ) -> Result<u64> {
         let span_of = |rows: &[(u64, u64)]| -> Option<(u64, u64, u64)> {
             let mut lo = u64::MAX;
             let (mut hi, mut total) = (0u64, 0u64);
@@ -813,14 +858,15 @@ impl MemoryRegion {
         if self.same_region(dst) {
             let mut at = dst_offset;
             for &(offset, len) in rows {
-                self.copy_to(offset, dst, at, len)?;
+                self.copy_waiting(offset, dst, at, len, wait)?;
                 at = at.saturating_add(len);
             }
             return Ok(total);
         }
         // Claimed one after the other: no two table locks are ever held at once.
-        let src = self.claim(lo, hi - lo, Access::Read, Operand::Source)?;
-        let out = dst.claim(dst_offset, total, Access::Write, Operand::Destination)?;
+        let src = self.claim_waiting(lo, hi - lo, Access::Read, Operand::Source, wait)?;
+        let out =
+            dst.claim_waiting(dst_offset, total, Access::Write, Operand::Destination, wait)?;
         let (s, d) = (src.ptr(), out.ptr());
         let mut at = 0usize;
         for &(offset, len) in rows {
@@ -844,13 +890,14 @@ impl MemoryRegion {
         dst: &'a MemoryRegion,
         dst_offset: u64,
         len: u64,
+        wait: Wait,
     ) -> Result<(Claimed<'a>, Claimed<'a>)> {
         if self.same_region(dst) {
-            return self.claim_within(src_offset, dst_offset, len);
+            return self.claim_within(src_offset, dst_offset, len, wait);
         }
         // Claimed one after the other: no two table locks are ever held at once.
-        let s = self.claim(src_offset, len, Access::Read, Operand::Source)?;
-        let d = dst.claim(dst_offset, len, Access::Write, Operand::Destination)?;
+        let s = self.claim_waiting(src_offset, len, Access::Read, Operand::Source, wait)?;
+        let d = dst.claim_waiting(dst_offset, len, Access::Write, Operand::Destination, wait)?;
         Ok((s, d))
     }
 
@@ -861,6 +908,7 @@ impl MemoryRegion {
         src_offset: u64,
         dst_offset: u64,
         len: u64,
+        wait: Wait,
     ) -> Result<(Claimed<'_>, Claimed<'_>)> {
         self.host_only(Operand::Source)?;
         let want = [
@@ -877,16 +925,14 @@ impl MemoryRegion {
                 access: Access::Write,
             },
         ];
-        self.inner
-            .insert(&want, Wait::Bounded)
-            .map_err(|(i, held)| {
-                let operand = if i == 0 {
-                    Operand::Source
-                } else {
-                    Operand::Destination
-                };
-                self.inner.conflict(operand, &want[i], &held)
-            })?;
+        self.inner.insert(&want, wait).map_err(|(i, held)| {
+            let operand = if i == 0 {
+                Operand::Source
+            } else {
+                Operand::Destination
+            };
+            self.inner.conflict(operand, &want[i], &held)
+        })?;
         let [s, d] = want;
         Ok((
             Claimed {
