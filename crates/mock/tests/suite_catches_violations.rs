@@ -31,11 +31,28 @@ enum Flaw {
     HangingWait,
     /// Registers device memory without declaring `device_memory`.
     UndeclaredDeviceMemory,
+    /// Delivers the notification of a batch that was cancelled or timed out.
+    NotifiesFailedBatches,
 }
 
 struct Broken {
     inner: LoopbackTransport,
     flaw: Flaw,
+    /// The notification and peer of each posted batch ([`Flaw::NotifiesFailedBatches`]).
+    notifications: Mutex<HashMap<BatchId, (PeerId, Bytes)>>,
+}
+
+impl Broken {
+    /// Delivers `batch`'s notification although it failed ([`Flaw::NotifiesFailedBatches`]).
+    async fn notify_anyway(&self, batch: BatchId) {
+        let taken = self.notifications.lock().unwrap().remove(&batch);
+        if let Some((peer, n)) = taken {
+            let _ = self
+                .inner
+                .post(peer, TransferBatch::write(vec![]).with_notification(n))
+                .await;
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -86,7 +103,12 @@ impl KvTransport for Broken {
             }
             _ => {}
         }
-        self.inner.post(peer, batch).await
+        let notification = batch.notification.clone();
+        let id = self.inner.post(peer, batch).await?;
+        if let (Flaw::NotifiesFailedBatches, Some(n)) = (self.flaw, notification) {
+            self.notifications.lock().unwrap().insert(id, (peer, n));
+        }
+        Ok(id)
     }
     fn batch_state(&self, batch: BatchId) -> Result<BatchState> {
         self.inner.batch_state(batch)
@@ -98,6 +120,13 @@ impl KvTransport for Broken {
                 Err(kvbridge_transport::TransportError::UnknownBatch { .. }) => Ok(()),
                 other => other,
             },
+            Flaw::NotifiesFailedBatches => {
+                let r = self.inner.wait(batch).await;
+                if matches!(r, Err(kvbridge_transport::TransportError::TimedOut { .. })) {
+                    self.notify_anyway(batch).await;
+                }
+                r
+            }
             _ => self.inner.wait(batch).await,
         }
     }
@@ -105,7 +134,11 @@ impl KvTransport for Broken {
         if self.flaw == Flaw::CancelDoesNotFence {
             return Ok(BatchState::Cancelled);
         }
-        self.inner.cancel(batch).await
+        let state = self.inner.cancel(batch).await?;
+        if self.flaw == Flaw::NotifiesFailedBatches && state != BatchState::Done {
+            self.notify_anyway(batch).await;
+        }
+        Ok(state)
     }
     async fn recv_notification(&self) -> Result<Notification> {
         self.inner.recv_notification().await
@@ -125,6 +158,7 @@ fn pair(flaw: Flaw) -> TransportPair {
         Arc::new(Broken {
             inner: LoopbackTransport::with_config(config.clone()),
             flaw,
+            notifications: Mutex::new(HashMap::new()),
         })
     };
     TransportPair::new(make(), make())
@@ -140,6 +174,19 @@ async fn dropped_descriptors_fail_random_batches() {
 #[should_panic(expected = "contract 4")]
 async fn early_notifications_fail_notification_after_data() {
     testing::notification_after_data(pair(Flaw::NotifiesEarly)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "contract 4")]
+async fn early_notifications_fail_notifications_only_for_completed_batches() {
+    // Deterministic: the early notification arrives although the batch is then cancelled.
+    testing::notifications_only_for_completed_batches(pair(Flaw::NotifiesEarly)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "contract 4")]
+async fn notifying_failed_batches_fails_notifications_only_for_completed_batches() {
+    testing::notifications_only_for_completed_batches(pair(Flaw::NotifiesFailedBatches)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -182,6 +229,7 @@ async fn the_wrapper_passes_cases_its_flaw_does_not_touch() {
     testing::cancel_fences(pair(Flaw::UndeclaredReads)).await;
     testing::notification_after_data(pair(Flaw::UndeclaredReads)).await;
     testing::device_memory_refused_unless_declared(pair(Flaw::UndeclaredReads)).await;
+    testing::notifications_only_for_completed_batches(pair(Flaw::UndeclaredReads)).await;
 }
 
 /// How long after `cancel` returned [`LateWriter`] lands the cancelled batch's bytes: far past

@@ -1369,6 +1369,91 @@ pub async fn cancel_fences(pair: TransportPair) {
     rig.assert_remote(&model, DATA, "a small batch");
 }
 
+/// A batch that does not complete never notifies, and one that completes notifies once:
+/// notifying batches cancelled at once after `post` and batches whose deadline expires are
+/// watched until their deadline plus the [fence grace](Limits::fence_grace), and no
+/// notification may arrive for them (one that arrives at `post`, before the data, is caught
+/// this way too, whatever the timing); one that `cancel` or `wait` reports done must have
+/// delivered its notification, after its bytes.
+pub async fn notifications_only_for_completed_batches(pair: TransportPair) {
+    const SIZE: usize = 2 << 20;
+    let rig = Rig::new(pair, &[SIZE], &[SIZE]).await;
+    let rounds = [
+        (
+            "cancelled at once",
+            rig.limits.interrupted_batch_timeout,
+            true,
+        ),
+        (
+            "cancelled at once",
+            rig.limits.interrupted_batch_timeout,
+            true,
+        ),
+        ("expiring", EXPIRING_DEADLINES[0], false),
+        ("expiring", EXPIRING_DEADLINES[1], false),
+    ];
+    for (round, (how, deadline, cancel)) in rounds.into_iter().enumerate() {
+        rig.local[0]
+            .mem
+            .write_at(0, &SplitMix64::new(round as u64 + 70).bytes(SIZE))
+            .unwrap();
+        let old = rig.snapshot_remote();
+        let ops = scattered_ops(&rig, SIZE, 4096);
+        let mut new = old.clone();
+        apply(&mut new, &rig, &ops);
+        let payload = format!("round {round}");
+        let posted = Instant::now();
+        let id = rig
+            .post(
+                TransferBatch::write(ops)
+                    .with_notification(Bytes::from(payload.clone()))
+                    .with_timeout(deadline),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("[{}] {NOTIFY}: post failed: {e}", rig.name));
+        let state = if cancel {
+            bounded(
+                rig.name,
+                FENCING,
+                "cancel",
+                rig.limits.call,
+                rig.sender.cancel(id),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("[{}] {FENCING}: cancel failed: {e}", rig.name))
+        } else {
+            wait_final_state(&rig, id).await
+        };
+        let _ = rig.wait(id, deadline).await;
+        let what = format!("a notifying 2 MiB batch {how} (deadline {deadline:?}) ended {state:?}");
+        if state == BatchState::Done {
+            rig.assert_remote(&new, DATA, &what);
+            let n = rig.recv_notification_ok().await;
+            assert_eq!(
+                n.payload,
+                payload.as_bytes(),
+                "[{}] {NOTIFY}: {what}: another notification arrived instead of its own",
+                rig.name
+            );
+        } else {
+            assert_old_or_new(&rig, &old, &new, FENCING, &what);
+            // Watched as long as a late write is (`assert_fenced`), and at least `quiet`.
+            let until =
+                (posted + deadline + rig.limits.fence_grace).max(Instant::now() + rig.limits.quiet);
+            let left = until.saturating_duration_since(Instant::now());
+            let got = timeout(left, rig.receiver.recv_notification()).await;
+            assert!(
+                got.is_none(),
+                "[{}] {NOTIFY}: {what}, yet a notification arrived: {:?}",
+                rig.name,
+                got.map(|n| n.map(|n| String::from_utf8_lossy(&n.payload).into_owned()))
+            );
+        }
+    }
+    // The receiver still gets the notification of a batch that completes, and only that one.
+    refused_batch_never_notifies(&rig, SIZE as u64).await;
+}
+
 /// Polls `batch_state` until final (bounded).
 async fn wait_final_state(rig: &Rig, id: BatchId) -> BatchState {
     let polled = timeout(
@@ -2145,6 +2230,7 @@ macro_rules! __conformance_cases {
             offset_overflow_refused,
             deregistered_region_refused,
             notification_after_data,
+            notifications_only_for_completed_batches,
             concurrent_batches,
             deadline_expiry,
             cancel_fences,
@@ -2201,6 +2287,7 @@ pub const CASES: &[&str] = &[
     "offset_overflow_refused",
     "deregistered_region_refused",
     "notification_after_data",
+    "notifications_only_for_completed_batches",
     "concurrent_batches",
     "deadline_expiry",
     "cancel_fences",
