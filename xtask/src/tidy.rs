@@ -216,16 +216,68 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
+/// The files that may hold `unsafe` code (docs/ARCHITECTURE.md, "Cross-cutting", names each).
+const UNSAFE_FILES: [&str; 4] = [
+    "crates/transport/src/memory.rs",
+    "crates/shm/src/map.rs",
+    // Python memory (numpy buffers, caller pointers) wrapped as foreign regions.
+    "crates/python/src/memory.rs",
+    // The NIXL C API and the memory handed to it.
+    "crates/nixl/src/ffi.rs",
+];
+
+/// The text of `docs/ARCHITECTURE.md` under the heading `heading`, up to the next heading of
+/// the same or a higher level.
+fn architecture_section(heading: &str) -> String {
+    let doc = read(&root().join("docs/ARCHITECTURE.md"));
+    let level = heading.chars().take_while(|&c| c == '#').count();
+    let start = doc
+        .find(&format!("\n{heading}\n"))
+        .unwrap_or_else(|| panic!("docs/ARCHITECTURE.md has no `{heading}` section"));
+    let body = &doc[start + heading.len() + 2..];
+    let end = body
+        .match_indices("\n#")
+        .find(|(at, _)| body[at + 1..].chars().take_while(|&c| c == '#').count() <= level)
+        .map_or(body.len(), |(at, _)| at);
+    body[..end].to_owned()
+}
+
+#[test]
+fn the_architecture_names_every_file_with_unsafe_code() {
+    let section = architecture_section("## Cross-cutting");
+    for file in UNSAFE_FILES {
+        assert!(
+            section.contains(&format!("`{file}`")),
+            "docs/ARCHITECTURE.md's Cross-cutting section must name `{file}` where it lists the \
+             files that hold unsafe code"
+        );
+    }
+}
+
+#[test]
+fn the_architecture_lists_every_module_of_the_facade() {
+    let facade = read(&root().join("crates/kvbridge/src/lib.rs"));
+    let section = architecture_section("### kvbridge");
+    let modules: Vec<&str> = facade
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("pub use kvbridge_"))
+        .filter_map(|l| l.split(" as ").nth(1))
+        .map(|m| m.trim_end_matches(';'))
+        .collect();
+    assert!(modules.len() >= 10, "facade modules found: {modules:?}");
+    for module in modules {
+        assert!(
+            section.contains(&format!("`::{module}`"))
+                || section.contains(&format!("`kvbridge::{module}`")),
+            "docs/ARCHITECTURE.md's kvbridge section must list the facade module `{module}` in \
+             its API Boundary"
+        );
+    }
+}
+
 #[test]
 fn unsafe_code_lives_only_in_the_memory_and_ffi_modules() {
-    let allowed = [
-        root().join("crates/transport/src/memory.rs"),
-        root().join("crates/shm/src/map.rs"),
-        // Python memory (numpy buffers, caller pointers) wrapped as foreign regions.
-        root().join("crates/python/src/memory.rs"),
-        // The NIXL C API and the memory handed to it.
-        root().join("crates/nixl/src/ffi.rs"),
-    ];
+    let allowed = UNSAFE_FILES.map(|f| root().join(f));
     let mut files = Vec::new();
     for dir in ["crates", "examples", "tests", "xtask"] {
         rust_files(&root().join(dir), &mut files);

@@ -8,8 +8,8 @@
 //! and reports medians. Afterwards the receiver checks every destination byte and reports its
 //! peak RSS.
 //!
-//! A transport plugs in with a [`Factory`] (see [`factory`]); `shm.rs` is one, a `tcp.rs` will be
-//! another. `--e2e` (the whole prefill → decode path against memcpy and the transport's own
+//! A transport plugs in with a [`Factory`] (see [`factory`]): `shm.rs`, `tcp.rs` and `nixl.rs`.
+//! `--e2e` (the whole prefill → decode path against memcpy and the transport's own
 //! large-block throughput) lives in `e2e.rs`.
 
 use std::future::Future;
