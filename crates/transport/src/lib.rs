@@ -32,7 +32,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 
 pub mod batch;
 pub mod delegate;
@@ -43,6 +42,9 @@ pub mod sync;
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 
+/// The byte buffer of descriptors and notifications, re-exported so an implementer needs no
+/// `bytes` dependency of its own.
+pub use bytes::Bytes;
 pub use delegate::Delegate;
 pub use error::{Operand, Result, Side, TransportError};
 pub use memory::{
