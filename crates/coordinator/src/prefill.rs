@@ -3,7 +3,7 @@
 //! messages, calls, batch outcomes, timers) and executes the actions it answers: sends control
 //! messages, posts and fences batches, arms the room's timer, publishes its state.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -169,6 +169,7 @@ impl PrefillAgentBuilder {
                     early_timers: HashMap::new(),
                     closed: false,
                     control_task: None,
+                    lost_peers: HashSet::new(),
                 }),
                 incarnations: AtomicU64::new(0),
                 registrations: Arc::new(Semaphore::new(REGISTRATION_CONCURRENCY)),
@@ -215,6 +216,8 @@ pub(crate) struct AcceptedPeer {
     session: SessionId,
     peer: PeerId,
     plan: PeerPlan,
+    /// The decode's transport descriptor (to connect again after the connection was lost).
+    descriptor: Vec<u8>,
 }
 
 enum DecodePeer {
@@ -249,6 +252,10 @@ struct PrefillState {
     early_timers: HashMap<RoomId, (std::time::Instant, TimerGuard)>,
     closed: bool,
     control_task: Option<AbortHandle>,
+    /// Transport connections to accepted decode ranks that a batch found lost (the peer died
+    /// or the network went quiet past the keep-alive): the next room of that decode rank
+    /// connects again first, so a healed link or a resumed decode serves new rooms.
+    lost_peers: HashSet<PeerId>,
 }
 
 /// The pack path of an agent ([`PrefillConfig::pack_buffers`]).
@@ -600,6 +607,13 @@ impl PrefillInner {
     fn with_state<R>(&self, f: impl FnOnce(&mut PrefillState) -> R) -> R {
         let mut st = lock(&self.state);
         f(&mut st)
+    }
+
+    /// Remembers `peer`'s connection as lost when a batch to it failed with `e` saying so.
+    fn note_lost(&self, peer: PeerId, e: &TransportError) {
+        if matches!(e, TransportError::PeerLost { .. }) {
+            self.with_state(|st| st.lost_peers.insert(peer));
+        }
     }
 
     /// Feeds `event` to the room's machine (only to the life `incarnation`, when given) and
@@ -956,6 +970,7 @@ impl PrefillInner {
             session,
             peer,
             plan,
+            descriptor: reg.transport.descriptor.clone(),
         });
         let old = self.with_state(|st| match st.peers.get(&reg.decode_endpoint) {
             Some(DecodePeer::Accepted(p)) if p.session == session => Err(()),
@@ -981,6 +996,7 @@ impl PrefillInner {
                     ),
                 ),
             );
+            self.with_state(|st| st.lost_peers.remove(&old.peer));
             let _ = self.transport.disconnect(old.peer).await;
         }
     }
@@ -1089,6 +1105,11 @@ impl PrefillInner {
             Ok(p) => p,
             Err(reason) => return self.reply_failed(&info, &reason),
         };
+        if !info.is_dummy && self.with_state(|st| st.lost_peers.contains(&peer.peer)) {
+            let inner = self.clone();
+            tokio::spawn(async move { inner.reconnect_then(info, peer).await });
+            return;
+        }
         let invalid = self.check_info(&info, &peer);
         let rp = RoomPeer {
             peer: (!info.is_dummy).then_some(peer),
@@ -1118,6 +1139,93 @@ impl PrefillInner {
                     let (reason, rp) = *refused;
                     self.reply_failed(&rp.info, &reason);
                 }
+            }
+        }
+    }
+
+    /// Connects the transport to `old`'s decode rank again (its connection was lost), puts the
+    /// new connection in its place, then handles `info`; a decode rank that cannot be reached
+    /// fails the room, naming it.
+    async fn reconnect_then(self: Arc<Self>, info: TransferInfo, old: Arc<AcceptedPeer>) {
+        match self.reconnect(&old).await {
+            Ok(_) => self.on_transfer_info(info),
+            Err(why) => {
+                let endpoint = &old.endpoint;
+                let reason = FailureReason::with_peer(
+                    FailureCause::TransferError,
+                    endpoint,
+                    format!("room {}: {why}", info.room),
+                );
+                self.reply_failed(&info, &reason);
+            }
+        }
+    }
+
+    /// Connects the transport to `old`'s decode rank again (its connection was lost) and puts
+    /// the new connection in its place (unless a concurrent reconnect or a new registration
+    /// replaced it first: then that one). The connection to use now, or why there is none.
+    async fn reconnect(
+        &self,
+        old: &Arc<AcceptedPeer>,
+    ) -> std::result::Result<Arc<AcceptedPeer>, String> {
+        let name = self.transport.name();
+        let endpoint = &old.endpoint;
+        // Another room may have connected again already.
+        let replaced = self.with_state(|st| match st.peers.get(endpoint) {
+            Some(DecodePeer::Accepted(p)) if !Arc::ptr_eq(p, old) && p.session == old.session => {
+                Some(p.clone())
+            }
+            _ => None,
+        });
+        if let Some(current) = replaced {
+            return Ok(current);
+        }
+        let timeout = self.config.control_send_timeout;
+        let connected =
+            tokio::time::timeout(timeout, self.transport.connect(&old.descriptor)).await;
+        let peer = match connected {
+            Ok(Ok(p)) => p,
+            failed => {
+                let why = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => format!("it did not finish within {timeout:?}"),
+                };
+                return Err(format!(
+                    "the {name} connection to decode {endpoint} was lost, and connecting again \
+                     failed: {why}"
+                ));
+            }
+        };
+        let fresh = Arc::new(AcceptedPeer {
+            endpoint: endpoint.clone(),
+            session: old.session,
+            peer,
+            plan: old.plan.clone(),
+            descriptor: old.descriptor.clone(),
+        });
+        let current = self.with_state(|st| match st.peers.get(endpoint) {
+            Some(DecodePeer::Accepted(p)) if Arc::ptr_eq(p, old) => {
+                st.peers
+                    .insert(endpoint.clone(), DecodePeer::Accepted(fresh.clone()));
+                st.lost_peers.remove(&old.peer);
+                Ok(fresh.clone())
+            }
+            Some(DecodePeer::Accepted(p)) if p.session == old.session => Err(Some(p.clone())),
+            _ => Err(None),
+        });
+        match current {
+            Ok(fresh) => {
+                tracing::info!(decode = %endpoint, "connected the transport to the decode again after it was lost");
+                let _ = self.transport.disconnect(old.peer).await;
+                Ok(fresh)
+            }
+            Err(other) => {
+                let _ = self.transport.disconnect(peer).await;
+                other.ok_or_else(|| {
+                    format!(
+                        "decode {endpoint} registered again while its lost connection was replaced"
+                    )
+                })
             }
         }
     }
@@ -1472,6 +1580,9 @@ struct RoomDriver {
     src_aux: Option<u64>,
     /// How long a batch is waited for: its deadline plus the grace.
     wait_limit: Duration,
+    /// Per peer: whether this room posted it a batch (only a connection found lost before
+    /// that is connected again within the room).
+    posted_to: Vec<bool>,
 }
 
 impl RoomDriver {
@@ -1488,6 +1599,7 @@ impl RoomDriver {
             hung_leases: HashMap::new(),
             src_aux: None,
             wait_limit,
+            posted_to: vec![false; d.senders.len()],
         }
     }
 
@@ -1600,6 +1712,9 @@ impl RoomDriver {
             }
             Waited::Final(Err(e)) => {
                 inc(&metrics.batches_failed);
+                if let Some(p) = &self.peers[w.pi].peer {
+                    self.inner.note_lost(p.peer, &e);
+                }
                 self.progress.handle(BatchEvent::Failed { id: w.id });
                 Err(batch_failure(room, endpoint, w.aux, e))
             }
@@ -1762,13 +1877,40 @@ impl RoomDriver {
         let rows: u64 = ops.iter().map(|o| o.count).sum();
         let bytes: u64 = ops.iter().map(TransferOp::total_bytes).sum();
         let batch = TransferBatch::write(ops).with_timeout(self.inner.config.batch_timeout);
-        let id = match self.inner.transport.post(peer_id, batch).await {
-            Ok(id) => id,
+        // Kept for one retry while this room has sent the peer nothing yet.
+        let retry = (!self.posted_to[pi]).then(|| batch.clone());
+        let mut posted = self.inner.transport.post(peer_id, batch).await;
+        if let (Err(e), Some(batch)) = (&posted, retry) {
+            // A connection lost before this room sent it anything (the link went quiet, or
+            // the decode was stopped, since the last room): connect again, once.
+            // (Unknown: another room replaced the lost connection since this room began.)
+            if matches!(
+                e,
+                TransportError::PeerLost { .. } | TransportError::UnknownPeer { .. }
+            ) {
+                self.inner.note_lost(peer_id, e);
+                let old = self.peers[pi].peer.clone();
+                if let Some(Ok(fresh)) = match old {
+                    Some(old) => Some(self.inner.reconnect(&old).await),
+                    None => None,
+                } {
+                    let peer_id = fresh.peer;
+                    self.peers[pi].peer = Some(fresh);
+                    posted = self.inner.transport.post(peer_id, batch).await;
+                }
+            }
+        }
+        let id = match posted {
+            Ok(id) => {
+                self.posted_to[pi] = true;
+                id
+            }
             Err(e) => {
                 // Refused: nothing of the batch moves.
                 if let Some(l) = lease {
                     l.release();
                 }
+                self.inner.note_lost(peer_id, &e);
                 let endpoint = &self.peers[pi].info.decode_endpoint;
                 return Err(batch_failure(self.room, endpoint, aux, e));
             }
