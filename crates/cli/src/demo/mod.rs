@@ -132,9 +132,18 @@ pub(crate) struct DemoArgs {
     /// registry all require it; default: a random one per run.
     #[arg(long)]
     secret: Option<String>,
-    /// Port of the bootstrap server on 127.0.0.1 (default: any free port).
+    /// Port of the bootstrap server on --bind-addr (default: any free port).
     #[arg(long, default_value_t = 0)]
     bootstrap_port: u16,
+    /// IP address every listener of the processes binds: the TCP transport, the control
+    /// channels and the bootstrap server. `0.0.0.0` listens on every interface (then set
+    /// --advertise-addr). The roles run on different hosts with each host's own address.
+    #[arg(long, default_value = "127.0.0.1")]
+    bind_addr: std::net::IpAddr,
+    /// IP address the processes name to their peers (the transport's descriptor, the control
+    /// endpoint, the bootstrap address); default: --bind-addr.
+    #[arg(long)]
+    advertise_addr: Option<std::net::IpAddr>,
     /// Gather each chunk's strided rows into registered pack buffers on the prefill and post
     /// one contiguous range per layer, chunk and decode rank (the default posts strided ops).
     #[arg(long)]
@@ -153,9 +162,16 @@ pub(crate) struct DemoArgs {
     /// Internal: the decode rank of this process.
     #[arg(long, hide = true, default_value_t = 0)]
     rank: u32,
-    /// Internal: the prefill's bootstrap address.
+    /// Internal: the prefill's bootstrap address (`host:port`), for `--role decode`.
     #[arg(long, hide = true)]
     bootstrap: Option<String>,
+    /// Internal, with `--role`: run the requests the controlling process names on stdin
+    /// (`run I`, one line each) instead of `0..--requests`, until `finish` or end of file; a
+    /// failed request does not stop the process. A decode rank fills the pages of a failed
+    /// room with a canary once no byte can land any more and checks it before reusing them
+    /// and at exit (the `canary` event).
+    #[arg(long, hide = true, requires = "role")]
+    serve: bool,
     /// Test knob: kill a process (SIGKILL) once the prefill posted the first chunk of a
     /// request: `decode:RANK@REQUEST` or `prefill@REQUEST`.
     #[arg(long, hide = true)]
@@ -199,6 +215,20 @@ pub(crate) enum Event {
         reason: String,
         #[serde(default)]
         secondary: bool,
+    },
+    /// Decode (`--serve`): the canary written into the pages of failed `request` once its
+    /// room was fenced (or the fence timed out), checked before the pages were reused or at
+    /// exit. `changed`: why it
+    /// is not intact (a byte landed after the fence).
+    Canary {
+        request: u32,
+        rank: u32,
+        bytes_checked: u64,
+        /// Whether the room's fence was proven before the canary was written (otherwise the
+        /// library kept the pages out of reuse, and the canary shows what would have landed).
+        fenced: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        changed: Option<String>,
     },
     /// The process finished; its final state.
     Done(Summary),
@@ -268,6 +298,11 @@ pub(crate) struct Setup {
     pub(crate) chunk_delay: Duration,
     /// Pack buffers on the prefill (`--pack`): how many per prefill rank, and their bytes.
     pub(crate) pack: Option<(usize, u64)>,
+    /// What every listener binds, and the address peers are told.
+    pub(crate) bind_addr: std::net::IpAddr,
+    pub(crate) advertise_addr: std::net::IpAddr,
+    /// `--serve`: requests named on stdin, failures do not stop the process.
+    pub(crate) serve: bool,
 }
 
 /// How long after the first failure (or a dead process) the run may take beyond `--timeout`
@@ -356,6 +391,13 @@ impl Setup {
             return Err(format!(
                 "--timeout must be a number of seconds in (0, 86400], got {}",
                 a.timeout
+            ));
+        }
+        if a.advertise_addr.unwrap_or(a.bind_addr).is_unspecified() {
+            return Err(format!(
+                "--bind-addr {} is not an address peers can connect to: pass --advertise-addr \
+                 with this host's address on the network the other processes reach",
+                a.bind_addr
             ));
         }
         if a.secret.as_ref().is_some_and(String::is_empty) {
@@ -461,6 +503,9 @@ impl Setup {
             secret: Some(run_secret(a)),
             chunk_delay: Duration::from_millis(a.chunk_delay_ms),
             pack,
+            bind_addr: a.bind_addr,
+            advertise_addr: a.advertise_addr.unwrap_or(a.bind_addr),
+            serve: a.serve,
         })
     }
 

@@ -410,6 +410,8 @@ impl<'a> Run<'a> {
                 self.request_done(done);
             }
             Event::ControlDir { path } => self.procs[idx].control_dirs.push(PathBuf::from(path)),
+            // Only `--serve` workers check canaries; the demo never starts them so.
+            Event::Canary { .. } => {}
             Event::Failed {
                 request,
                 reason,

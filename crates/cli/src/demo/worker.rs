@@ -7,7 +7,7 @@
 use std::collections::BTreeSet;
 use std::future::Future;
 use std::io::Write;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,7 +31,7 @@ use kvbridge_shm::ShmTransport;
 use kvbridge_tcp::{TcpConfig, TcpTransport};
 use kvbridge_transport::KvTransport;
 use kvbridge_transport::sync::lock;
-use tokio::sync::{Notify, Semaphore, watch};
+use tokio::sync::{Notify, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 
 use super::{AUX_ITEM_LENS, DemoArgs, Event, GRACE, Setup, Summary, Transport, room_of};
@@ -91,11 +91,15 @@ struct Commands {
     /// Set (with the reason) once this process must stop: the parent went away or a signal
     /// asked it to.
     stop: watch::Sender<Option<&'static str>>,
+    /// `--serve`: the requests named by `run I` lines; dropped at `finish` or end of file.
+    runs: Mutex<Option<mpsc::UnboundedSender<u32>>>,
 }
 
 impl Commands {
     /// Asks the process to stop (the first reason wins).
     fn stop(&self, why: &'static str) {
+        // No further request is named (`--serve`).
+        lock(&self.runs).take();
         self.stop
             .send_if_modified(|s| s.is_none() && s.replace(why).is_none());
     }
@@ -114,11 +118,12 @@ impl Commands {
 
 /// Follows the parent through our stdin (see [`Commands`]); end of file (the parent exited or
 /// was killed) stops this process, so no child outlives the demo.
-fn watch_parent() -> Arc<Commands> {
+fn watch_parent(runs: mpsc::UnboundedSender<u32>) -> Arc<Commands> {
     let commands = Arc::new(Commands {
         start: Notify::new(),
         finish: Notify::new(),
         stop: watch::Sender::new(None),
+        runs: Mutex::new(Some(runs)),
     });
     let c = commands.clone();
     std::thread::spawn(move || {
@@ -127,13 +132,22 @@ fn watch_parent() -> Arc<Commands> {
             line.clear();
             match std::io::BufRead::read_line(&mut std::io::stdin().lock(), &mut line) {
                 Ok(0) | Err(_) => {
+                    lock(&c.runs).take();
                     c.stop("stdin closed (the parent stopped the run, or died)");
                     return;
                 }
                 Ok(_) => match line.trim() {
                     "start" => c.start.notify_one(),
-                    "finish" => c.finish.notify_one(),
-                    _ => {}
+                    "finish" => {
+                        lock(&c.runs).take();
+                        c.finish.notify_one();
+                    }
+                    other => {
+                        let run = other.strip_prefix("run ").and_then(|i| i.parse().ok());
+                        if let (Some(i), Some(tx)) = (run, lock(&c.runs).as_ref()) {
+                            let _ = tx.send(i);
+                        }
+                    }
                 },
             }
         }
@@ -144,12 +158,15 @@ fn watch_parent() -> Arc<Commands> {
 /// The shared-memory control directories this process created.
 type Dirs = Arc<Mutex<Vec<PathBuf>>>;
 
+/// The requests a process runs: `0..--requests`, or with `--serve` those named on stdin.
+type Runs = mpsc::UnboundedReceiver<u32>;
+
 /// Runs a child process's `main` until it returns or, once the process must stop, for at most
 /// [`GRACE`] more; then drops whatever still runs (tasks, agents, transports) and removes any
 /// control directory still there. Every exit path goes through here, so destructors run.
 fn run_child<F, Fut>(args: &DemoArgs, role: &'static str, rank: u32, main: F) -> ExitCode
 where
-    F: FnOnce(Arc<Commands>, Dirs) -> Fut,
+    F: FnOnce(Arc<Commands>, Dirs, Runs) -> Fut,
     Fut: Future<Output = Result<ExitCode, String>>,
 {
     let label = match role {
@@ -157,7 +174,17 @@ where
         _ => role.to_owned(),
     };
     init_tracing(label, args.verbose);
-    let commands = watch_parent();
+    let (tx, runs) = mpsc::unbounded_channel();
+    if !args.serve {
+        for i in 0..args.requests {
+            let _ = tx.send(i);
+        }
+    }
+    let commands = watch_parent(if args.serve {
+        tx
+    } else {
+        mpsc::unbounded_channel().0
+    });
     let dirs = Dirs::default();
     let rt = match runtime() {
         Ok(rt) => rt,
@@ -167,7 +194,7 @@ where
         // A signal (a Ctrl-C reaches every process of the demo) stops it like a dead parent.
         let c = commands.clone();
         tokio::spawn(async move { c.stop(crate::terminating_signal().await) });
-        let main = main(commands.clone(), dirs.clone());
+        let main = main(commands.clone(), dirs.clone(), runs);
         tokio::pin!(main);
         tokio::select! {
             r = &mut main => r,
@@ -245,6 +272,8 @@ async fn transport(
             let keep =
                 (setup.timeout / 2).clamp(Duration::from_millis(200), Duration::from_secs(10));
             let mut cfg = TcpConfig::default()
+                .with_bind_addr(SocketAddr::new(setup.bind_addr, 0))
+                .with_advertise_addr(setup.advertise_addr)
                 .with_keepalive_interval((keep / 5).max(Duration::from_millis(40)))
                 .with_keepalive_timeout(keep);
             if let Some(s) = &setup.secret {
@@ -283,7 +312,10 @@ fn prefill_metrics(agents: &[PrefillAgent]) -> String {
 }
 
 fn net_config(setup: &Setup) -> NetChannelConfig {
-    let mut c = NetChannelConfig::default().with_queue(4096);
+    let mut c = NetChannelConfig::default()
+        .with_queue(4096)
+        .with_bind_addr(SocketAddr::new(setup.bind_addr, 0))
+        .with_advertise_addr(setup.advertise_addr);
     if let Some(s) = &setup.secret {
         c = c.with_secret(s.as_bytes().to_vec());
     }
@@ -400,12 +432,12 @@ pub(crate) fn decode_bytes(d: &PeerDescriptor, from: u64, to: u64) -> u64 {
     rows * d.kv_item_lens.iter().map(|l| l / d.page_size).sum::<u64>()
 }
 
-/// Runs requests `0..requests`, at most `concurrency` at once, each in its own task holding a
+/// Runs the requests `runs` yields, at most `concurrency` at once, each in its own task holding a
 /// pool slot (`start(request, slot)`), and reports each outcome to `on_done` as it ends. Once
 /// `stop` is set no further request starts; the ones in flight are awaited. Returns how many
 /// requests never started.
 async fn drive<T, Fut>(
-    requests: u32,
+    mut runs: Runs,
     concurrency: u32,
     stop: &AtomicBool,
     mut start: impl FnMut(u32, u32) -> Fut,
@@ -425,7 +457,14 @@ where
         ),
     };
     let mut skipped = 0;
-    for i in 0..requests {
+    loop {
+        let next = loop {
+            tokio::select! {
+                i = runs.recv() => break i,
+                Some(res) = tasks.join_next() => done(res),
+            }
+        };
+        let Some(i) = next else { break };
         while let Some(res) = tasks.try_join_next() {
             done(res);
         }
@@ -439,7 +478,11 @@ where
             }
         };
         let Some(guard) = guard.filter(|_| !stop.load(Ordering::SeqCst)) else {
-            skipped = requests - i;
+            runs.close();
+            skipped = 1;
+            while runs.try_recv().is_ok() {
+                skipped += 1;
+            }
             break;
         };
         let request = start(i, guard.slot);
@@ -516,13 +559,14 @@ impl Summary {
     }
 
     /// Records a failed request (the first root cause stays in `first_failure`); the first
-    /// failure sets `stop` and aborts every room in flight.
+    /// failure sets `stop` and aborts every room in flight, unless `keep_going` (`--serve`:
+    /// each request stands alone, as in a server).
     fn fail(
         &mut self,
         request: u32,
         why: Failure,
-        stop: &AtomicBool,
-        in_flight: &InFlight,
+        keep_going: bool,
+        (stop, in_flight): (&AtomicBool, &InFlight),
         abort: impl Fn(u64),
     ) {
         self.failed += 1;
@@ -535,7 +579,9 @@ impl Summary {
             reason: why.text,
             secondary: why.secondary,
         });
-        stop_all(stop, in_flight, abort);
+        if !keep_going {
+            stop_all(stop, in_flight, abort);
+        }
     }
 }
 
@@ -550,8 +596,8 @@ struct PRank {
 }
 
 pub(crate) fn run_prefill(args: &DemoArgs, setup: Setup) -> ExitCode {
-    run_child(args, "prefill", 0, |commands, dirs| {
-        prefill_main(args, setup, commands, dirs)
+    run_child(args, "prefill", 0, |commands, dirs, runs| {
+        prefill_main(args, setup, commands, dirs, runs)
     })
 }
 
@@ -630,10 +676,9 @@ async fn start_bootstrap(
     args: &DemoArgs,
     setup: &Setup,
 ) -> Result<(BootstrapServer, Arc<OnceLock<Vec<PrefillAgent>>>), String> {
-    let mut config = BootstrapConfig::default().with_bind_addr(SocketAddr::new(
-        Ipv4Addr::LOCALHOST.into(),
-        args.bootstrap_port,
-    ));
+    let mut config = BootstrapConfig::default()
+        .with_bind_addr(SocketAddr::new(setup.bind_addr, args.bootstrap_port))
+        .with_advertise_addr(setup.advertise_addr);
     if let Some(s) = &setup.secret {
         config = config.with_secret(s.as_bytes());
     }
@@ -652,6 +697,7 @@ async fn prefill_main(
     setup: Setup,
     commands: Arc<Commands>,
     created: Dirs,
+    runs: Runs,
 ) -> Result<ExitCode, String> {
     let (boot, scraped) = start_bootstrap(args, &setup).await?;
     let client = BootstrapClient::with_config(boot.bootstrap_addr(), client_config(&setup));
@@ -662,9 +708,10 @@ async fn prefill_main(
         bootstrap: Some(boot.bootstrap_addr()),
     });
     // The parent says `start` once every decode process is up, so request latencies do not
-    // include the decodes' start-up.
+    // include the decodes' start-up (`--serve`: the requests named are the signal).
     tokio::select! {
-        _ = commands.start.notified() => {}
+        _ = commands.start.notified(), if !setup.serve => {}
+        _ = std::future::ready(()), if setup.serve => {}
         why = commands.stopped() => {
             shutdown_prefill_ranks(&ranks).await;
             boot.shutdown();
@@ -689,7 +736,7 @@ async fn prefill_main(
         ..Summary::default()
     };
     summary.skipped = drive(
-        setup.requests,
+        runs,
         setup.concurrency,
         &stop,
         |i, slot| {
@@ -711,7 +758,7 @@ async fn prefill_main(
                 });
             }
             // Stop everything in flight: the decode ranks are told at once.
-            Err(reason) => summary.fail(i, reason, &stop, &in_flight, |room| {
+            Err(reason) => summary.fail(i, reason, setup.serve, (&stop, &in_flight), |room| {
                 for r in ranks.iter() {
                     r.agent.abort(room);
                 }
@@ -886,8 +933,8 @@ async fn send_room(
 // Decode process.
 
 pub(crate) fn run_decode(args: &DemoArgs, setup: Setup) -> ExitCode {
-    run_child(args, "decode", args.rank, |commands, dirs| {
-        decode_main(args, setup, commands, dirs)
+    run_child(args, "decode", args.rank, |commands, dirs, runs| {
+        decode_main(args, setup, commands, dirs, runs)
     })
 }
 
@@ -936,6 +983,7 @@ async fn decode_main(
     setup: Setup,
     commands: Arc<Commands>,
     dirs: Dirs,
+    runs: Runs,
 ) -> Result<ExitCode, String> {
     let rank = args.rank;
     let addr = args
@@ -953,10 +1001,16 @@ async fn decode_main(
         bootstrap: None,
     });
 
-    let setup = Arc::new(setup);
-    let mem = Arc::new(mem);
-    let desc = Arc::new(desc);
-    let in_flight: InFlight = Arc::default();
+    let side = Arc::new(DecodeSide {
+        agent: agent.clone(),
+        setup: Arc::new(setup),
+        mem: Arc::new(mem),
+        desc,
+        rank,
+        addr,
+        in_flight: InFlight::default(),
+        canaries: Mutex::default(),
+    });
     let stop = Arc::new(AtomicBool::new(false));
     let mut summary = Summary {
         role: "decode".to_owned(),
@@ -965,40 +1019,43 @@ async fn decode_main(
     };
     let stopper = {
         let agent = agent.clone();
-        stop_when_told(&commands, &stop, &in_flight, move |room| agent.abort(room))
+        stop_when_told(&commands, &stop, &side.in_flight, move |room| {
+            agent.abort(room)
+        })
     };
-    summary.skipped =
-        drive(
-            setup.requests,
-            setup.concurrency,
-            &stop,
-            |i, slot| {
-                let (agent, setup, mem, desc, in_flight, addr) = (
-                    agent.clone(),
-                    setup.clone(),
-                    mem.clone(),
-                    desc.clone(),
-                    in_flight.clone(),
-                    addr.clone(),
-                );
-                async move {
-                    decode_request(&agent, &setup, &mem, &desc, i, slot, &in_flight, addr).await
-                }
-            },
-            |i, r| match r {
-                Ok(bytes) => {
-                    summary.succeeded += 1;
-                    summary.bytes += bytes;
-                    emit(&Event::Verified {
-                        request: i,
-                        rank,
-                        bytes,
-                    });
-                }
-                Err(reason) => summary.fail(i, reason, &stop, &in_flight, |room| agent.abort(room)),
-            },
-        )
-        .await;
+    summary.skipped = drive(
+        runs,
+        side.setup.concurrency,
+        &stop,
+        |i, slot| {
+            let side = side.clone();
+            async move { decode_request(&side, i, slot).await }
+        },
+        |i, r| match r {
+            Ok(bytes) => {
+                summary.succeeded += 1;
+                summary.bytes += bytes;
+                emit(&Event::Verified {
+                    request: i,
+                    rank,
+                    bytes,
+                });
+            }
+            Err(reason) => summary.fail(
+                i,
+                reason,
+                side.setup.serve,
+                (&stop, &side.in_flight),
+                |room| agent.abort(room),
+            ),
+        },
+    )
+    .await;
+    // The canaries of pages never reused.
+    let slots: Vec<u32> = lock(&side.canaries).keys().copied().collect();
+    for slot in slots {
+        check_canary(&side, slot).await;
+    }
     stopper.abort();
     summary.stopped(&commands);
     summary.rooms_left = settle(|| agent.room_count()).await;
@@ -1014,20 +1071,57 @@ async fn decode_main(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn decode_request(
-    agent: &DecodeAgent,
-    setup: &Arc<Setup>,
-    mem: &Arc<AllocatedMemory>,
-    desc: &Arc<PeerDescriptor>,
-    i: u32,
-    slot: u32,
-    in_flight: &InFlight,
+/// What every request of a decode process shares.
+struct DecodeSide {
+    agent: DecodeAgent,
+    setup: Arc<Setup>,
+    mem: Arc<AllocatedMemory>,
+    desc: PeerDescriptor,
+    rank: u32,
+    /// The prefill's bootstrap address.
     addr: String,
-) -> Result<u64, Failure> {
+    in_flight: InFlight,
+    /// `--serve`: per pool slot, the canary a failed request left in its pages (request,
+    /// room, layout), checked before the slot is reused and at exit.
+    /// The last field: whether the fence was proven before the canary was written.
+    canaries: Mutex<std::collections::BTreeMap<u32, (u32, u64, TokenLayout, bool)>>,
+}
+
+/// The room id whose rows make the canary of failed `room`: bytes no request writes.
+fn canary_room(room: u64) -> u64 {
+    room ^ 0xC0FF_EE00_0000_0000
+}
+
+/// Checks and reports (the `canary` event) the canary a failed request left in `slot`'s pages.
+async fn check_canary(side: &DecodeSide, slot: u32) {
+    let Some((request, room, layout, fenced)) = lock(&side.canaries).remove(&slot) else {
+        return;
+    };
+    let (mem, tokens) = (side.mem.clone(), side.setup.tokens);
+    let checked = tokio::task::spawn_blocking(move || {
+        verify_rows(&mem.kv_views(), &layout, canary_room(room), 0..tokens)
+    })
+    .await;
+    let (bytes_checked, changed) = match checked {
+        Ok(Ok(bytes)) => (bytes, None),
+        Ok(Err(e)) => (0, Some(format!("a byte landed after the fence: {e}"))),
+        Err(e) => (0, Some(format!("the canary check did not finish: {e}"))),
+    };
+    emit(&Event::Canary {
+        request,
+        rank: side.rank,
+        bytes_checked,
+        fenced,
+        changed,
+    });
+}
+
+async fn decode_request(side: &DecodeSide, i: u32, slot: u32) -> Result<u64, Failure> {
+    let (agent, setup, mem) = (&side.agent, &side.setup, &side.mem);
+    check_canary(side, slot).await;
     let room = room_of(i);
     let table = slot_table(slot, setup.decode_pages, PageOrder::Reversed);
-    let layout = TokenLayout::for_rank(desc, table.clone())?;
+    let layout = TokenLayout::for_rank(&side.desc, table.clone())?;
     if setup.prefix_tokens > 0 {
         // The cached prefix: this rank already holds these rows (from an earlier request
         // sharing the prompt's start).
@@ -1041,13 +1135,13 @@ async fn decode_request(
     agent.receive(
         room,
         ReceiveRequest {
-            bootstrap_addr: addr,
+            bootstrap_addr: side.addr.clone(),
             page_table: table,
             cached_prefix_len: setup.prefix_tokens,
             aux_index: u64::from(slot),
         },
     )?;
-    lock(in_flight).insert(room);
+    lock(&side.in_flight).insert(room);
     // The agent's own deadlines end every room; the outer bound only guards against a bug.
     let outcome = match tokio::time::timeout(setup.timeout * 4, agent.wait(room)).await {
         Ok(r) => r.map_err(Failure::from),
@@ -1077,14 +1171,31 @@ async fn decode_request(
         }
         Err(e) => {
             // Pages of a failed room may be reused only once no byte can land any more.
-            if let Err(fence) = agent.release_when_fenced(room).await {
-                tracing::warn!(room, error = %fence, "pages of a failed room stay quarantined");
+            let fenced = match agent.release_when_fenced(room).await {
+                Err(fence) => {
+                    tracing::warn!(room, error = %fence, "pages of a failed room stay quarantined");
+                    false
+                }
+                Ok(_) => true,
+            };
+            if setup.serve {
+                // From now on nothing may change these pages: a canary proves it (and, where
+                // the fence could not be proven, shows whether a byte still landed).
+                let (mem, canary) = (mem.clone(), layout.clone());
+                let tokens = setup.tokens;
+                let filled = tokio::task::spawn_blocking(move || {
+                    fill_rows(&mem.kv_views(), &canary, canary_room(room), 0..tokens)
+                })
+                .await;
+                if matches!(filled, Ok(Ok(_))) {
+                    lock(&side.canaries).insert(slot, (i, room, layout, fenced));
+                }
             }
             Err(e)
         }
     };
     agent.clear(room);
-    lock(in_flight).remove(&room);
+    lock(&side.in_flight).remove(&room);
     result
 }
 
@@ -1115,11 +1226,13 @@ mod tests {
             text: text.to_owned(),
             secondary: true,
         };
-        s.fail(0, secondary("aborted"), &stop, &in_flight, |_| {});
+        let both = (&stop, &in_flight);
+        s.fail(0, secondary("aborted"), true, both, |_| {});
         assert_eq!(s.first_failure.as_deref(), Some("aborted"));
-        s.fail(1, "peer lost".to_owned().into(), &stop, &in_flight, |_| {});
-        s.fail(2, "later".to_owned().into(), &stop, &in_flight, |_| {});
-        s.fail(3, secondary("aborted again"), &stop, &in_flight, |_| {});
+        assert!(!stop.load(Ordering::SeqCst), "--serve keeps going");
+        s.fail(1, "peer lost".to_owned().into(), false, both, |_| {});
+        s.fail(2, "later".to_owned().into(), false, both, |_| {});
+        s.fail(3, secondary("aborted again"), false, both, |_| {});
         assert_eq!(s.first_failure.as_deref(), Some("peer lost"));
         assert_eq!(s.failed, 4);
         assert!(stop.load(Ordering::SeqCst));
