@@ -210,21 +210,32 @@ def test_dead_decode_engine_fails_the_room_with_kvbridges_cause(sglang_env):
 
 
 def test_the_page_and_dcp_paths_plan_with_kvbridges_planner(sglang_env, monkeypatch):
+    """The page path groups pages into kvbridge's runs, the prefill-DCP-1 path plans with
+    kvbridge's run builder; SGLang's own planner functions are never called."""
     import kvbridge.sglang
     from sglang.srt.disaggregation.mooncake import conn as mooncake_conn
 
     from kvbridge_sglang import conn
 
     calls = []
+
+    def counted(name, real):
+        def call(*a, **k):
+            calls.append(name)
+            return real(*a, **k)
+
+        return call
+
+    monkeypatch.setitem(
+        conn._RUNS_GLOBALS, "group_concurrent_contiguous",
+        counted("page runs", conn._RUNS_GLOBALS["group_concurrent_contiguous"]),
+    )
+    monkeypatch.setattr(
+        kvbridge.sglang, "build_dcp_transfer_runs",
+        counted("dcp runs", kvbridge.sglang.build_dcp_transfer_runs),
+    )
     for name in ("build_dcp_token_transfer_plan", "group_concurrent_contiguous"):
-        real = conn.PLANNER[name]
-        assert real is getattr(kvbridge.sglang, name)
-
-        def counted(*a, _real=real, _name=name, **k):
-            calls.append(_name)
-            return _real(*a, **k)
-
-        monkeypatch.setitem(conn._PLANNER_GLOBALS, name, counted)
+        assert conn.PLANNER[name] is getattr(kvbridge.sglang, name)
 
         def refused(*a, _name=name, **k):
             raise AssertionError(f"SGLang's {_name} was called")
@@ -232,10 +243,10 @@ def test_the_page_and_dcp_paths_plan_with_kvbridges_planner(sglang_env, monkeypa
         # SGLang's own functions, where the Mooncake methods would look them up.
         monkeypatch.setattr(mooncake_conn, name, refused)
     test_mla_prefill_dcp1_to_decode_dcp4_owner_rule(sglang_env)
-    assert "build_dcp_token_transfer_plan" in calls
+    assert calls.count("dcp runs") == 4  # one chunk, four decode ranks
     calls.clear()
     _tp1(sglang_env)
-    assert "group_concurrent_contiguous" in calls
+    assert calls == ["page runs"]
 
 
 @contextlib.contextmanager

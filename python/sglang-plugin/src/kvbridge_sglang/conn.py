@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 import types
 from typing import Optional
 
@@ -74,6 +75,48 @@ class _PrefillServerInfo(common_conn.PrefillServerInfo):
 _BOOTSTRAP_GLOBALS = _Globals(common_conn, {"PrefillServerInfo": _PrefillServerInfo})
 
 
+# The page path as runs (docs/sglang.md, "Moving a chunk"). SGLang's page path pairs the
+# pool's entries (layers; K and V; PP stages; elided entries) and then turns every group of
+# consecutive pages into a Python list and every (entry, group) into a tuple. Here its pairing
+# runs as it is, while the grouping is answered by numpy runs kept aside for the thread and a
+# single one-page group; SGLang's blocks then come out as one (src_ptr, dst_ptr, item_len) per
+# entry, which the manager's ``_transfer_data`` expands with the runs into one engine write.
+_PAGE_RUNS = threading.local()
+_ONE_GROUP = ([[0]], [[0]])
+
+
+def page_runs(src_indices, dst_indices) -> Optional[np.ndarray]:
+    """``(N, 3)`` int64 runs ``(src_page, dst_page, pages)`` of two equally long 1-D integer
+    index arrays, cut where either side is not the previous index plus 1 (SGLang's
+    ``group_concurrent_contiguous``, as runs). ``None`` for anything else (other dtypes or
+    shapes, unequal lengths), which SGLang's function answers itself."""
+    src, dst = np.asarray(src_indices), np.asarray(dst_indices)
+    if src.ndim != 1 or dst.ndim != 1 or src.dtype.kind not in "iu" or dst.dtype.kind not in "iu":
+        return None
+    if src.size == 0 or dst.size == 0:
+        return np.empty((0, 3), dtype=np.int64)
+    if src.size != dst.size or src.dtype == np.uint64 or dst.dtype == np.uint64:
+        return None
+    src, dst = src.astype(np.int64, copy=False), dst.astype(np.int64, copy=False)
+    cuts = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], cuts))
+    lengths = np.diff(np.concatenate((starts, [src.size])))
+    return np.stack((src[starts], dst[starts], lengths), axis=1)
+
+
+def _group_as_runs(src_indices, dst_indices):
+    """``group_concurrent_contiguous`` for SGLang's page path: the runs go aside for this
+    thread's next ``_transfer_data``; SGLang sees one group of one page."""
+    runs = page_runs(src_indices, dst_indices)
+    _PAGE_RUNS.pending = runs
+    if runs is None:
+        return kvbridge.sglang.group_concurrent_contiguous(src_indices, dst_indices)
+    return _ONE_GROUP if len(runs) else ([], [])
+
+
+_RUNS_GLOBALS = _Globals(mooncake_conn, {**PLANNER, "group_concurrent_contiguous": _group_as_runs})
+
+
 def _with_planner(fn: types.FunctionType, globals_: dict = _PLANNER_GLOBALS) -> types.FunctionType:
     """``fn`` (a method of SGLang's manager) looking its globals up in ``globals_`` first:
     kvbridge's planner by default."""
@@ -94,17 +137,72 @@ class KvbridgeKVManager(MooncakeKVManager):
     kv_status_msg_tag = b"KVBRIDGE_STATUS"
     kv_status_msg_carries_reason = True
 
-    # The page path and the prefill-DCP-1 path plan with kvbridge's planner.
-    _send_kvcache_generic = _with_planner(MooncakeKVManager._send_kvcache_generic)
+    # The page path and the prefill-DCP-1 path plan with kvbridge's planner; the page path
+    # moves runs (see _PAGE_RUNS), the lists version stays for what the runs do not cover.
+    _send_kvcache_generic_lists = _with_planner(MooncakeKVManager._send_kvcache_generic)
+    _send_kvcache_generic_runs = _with_planner(MooncakeKVManager._send_kvcache_generic, _RUNS_GLOBALS)
     _send_kvcache_dcp1 = _with_planner(MooncakeKVManager.send_kvcache_dcp)
     # SGLang's checks of the prefill's parallel info, reading kvbridge's field too.
     try_ensure_parallel_info = _with_planner(
         common_conn.CommonKVManager.try_ensure_parallel_info, _BOOTSTRAP_GLOBALS
     )
 
+    def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False, **kwargs):
+        # Where the pools live, and the refusal of device pools on a host-only transport,
+        # before SGLang's manager opens any socket (docs/sglang.md, "Pools on GPUs").
+        self.transport_name = checks.transport()
+        self.pool_memory = checks.pool_memory(args, checks.server_device(server_args))
+        checks.refuse_device_pools_on(self.transport_name, self.pool_memory)
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend, **kwargs)
+        # SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES bounds Mooncake's batches; kvbridge's
+        # engine takes a chunk in one write (split only at the transport's own limit).
+        self.max_transfer_batch_indices = 0
+
     def init_engine(self) -> None:
         # Called by the Mooncake manager's __init__ before the buffers are registered.
-        self.engine = KvbridgeTransferEngine(checks.transport(), host=self.local_ip)
+        self.engine = KvbridgeTransferEngine(
+            self.transport_name, host=self.local_ip, device_buffers=self.device_buffers()
+        )
+        # The transport's own word, for transports the name table does not know.
+        checks.refuse_device_pools_on(
+            self.transport_name, self.pool_memory, self.engine.engine.capabilities
+        )
+
+    def _send_kvcache_generic(self, *args, **kwargs) -> int:
+        # HiSparse's second (device) page space and Mooncake's per-layer thread pool (custom
+        # memory pools) group twice or off this thread: SGLang's lists there.
+        if kwargs.get("dst_device_data_indices") is not None or getattr(self, "enable_custom_mem_pool", False):
+            return self._send_kvcache_generic_lists(*args, **kwargs)
+        _PAGE_RUNS.active, _PAGE_RUNS.pending = True, None
+        try:
+            return self._send_kvcache_generic_runs(*args, **kwargs)
+        finally:
+            _PAGE_RUNS.active, _PAGE_RUNS.pending = False, None
+
+    def _transfer_data(self, session_id, transfer_blocks) -> int:
+        runs = getattr(_PAGE_RUNS, "pending", None) if getattr(_PAGE_RUNS, "active", False) else None
+        if runs is None:
+            return super()._transfer_data(session_id, transfer_blocks)
+        _PAGE_RUNS.pending = None
+        if not transfer_blocks or len(runs) == 0:
+            return 0
+        # One (src_ptr, dst_ptr, item_len) per entry, each expanded by every run.
+        entries = np.asarray(transfer_blocks, dtype=np.int64).reshape(-1, 3)
+        widths = entries[:, 2:3]
+        src = (entries[:, 0:1] + runs[:, 0] * widths).ravel()
+        dst = (entries[:, 1:2] + runs[:, 1] * widths).ravel()
+        lens = np.broadcast_to(runs[:, 2] * widths, (len(entries), len(runs))).ravel()
+        return self.engine.batch_transfer_sync(session_id, src, dst, lens)
+
+    def device_buffers(self) -> dict:
+        """Base address -> CUDA device of every registered buffer in GPU memory: the KV and
+        state pools when the pools are on a GPU. Aux buffers (SGLang's MetadataBuffers) are
+        host memory on CPU and CUDA servers alike."""
+        if self.pool_memory.on_host:
+            return {}
+        args = self.kv_args
+        ptrs = list(args.kv_data_ptrs) + [p for group in args.state_data_ptrs or [] for p in group]
+        return {int(p): self.pool_memory.device for p in ptrs}
 
     def _with_cause(self, failure_reason: str) -> str:
         # The worker's reason names the room and the peer; kvbridge's error says why.
@@ -158,8 +256,70 @@ class KvbridgeKVManager(MooncakeKVManager):
 
     def send_kvcache_dcp(self, *args, **kwargs) -> int:
         if self.dcp_size == 1:
+            ret = self._send_kvcache_dcp1_runs(*args, **kwargs)
+            if ret is not None:
+                return ret
             return self._send_kvcache_dcp1(*args, **kwargs)
         return self._send_kvcache_reshard(*args, **kwargs)
+
+    def _send_kvcache_dcp1_runs(
+        self,
+        session_id: str,
+        prefill_kv_indices,
+        dst_kv_ptrs: list,
+        dst_kv_indices,
+        *,
+        dst_dcp_size: int,
+        dst_dcp_rank: int,
+        src_page_offset: int,
+        decode_prefix_len: int,
+        num_kv_tokens: Optional[int],
+        dst_layer_ids: list,
+        dcp_token_item_lens: list,
+        pack_buffer=None,
+        dst_kv_item_lens=None,
+        **_unused,
+    ) -> Optional[int]:
+        """Prefill DCP 1 -> decode DCP rank: the target rows as kvbridge's runs
+        (``build_dcp_transfer_runs``), one write per chunk and decode rank. ``None`` where
+        SGLang's path must answer: draft entries, a pack buffer, arguments SGLang refuses
+        (its own errors then) or the planner does not take."""
+        if (
+            num_kv_tokens is None
+            or self.kv_args.num_draft_entries
+            or pack_buffer is not None
+            or (dst_kv_item_lens and len(dst_kv_item_lens) != len(dst_kv_ptrs))
+        ):
+            return None
+        try:
+            src_ptrs, dst_ptrs = self._reshard_entries(dst_kv_ptrs, dst_layer_ids)
+            runs = kvbridge.sglang.build_dcp_transfer_runs(
+                np.asarray(prefill_kv_indices, dtype=np.int64),
+                np.asarray(dst_kv_indices, dtype=np.int64),
+                physical_page_size=self.kv_args.page_size,
+                dcp_size=dst_dcp_size,
+                dcp_rank=dst_dcp_rank,
+                src_page_offset=src_page_offset,
+                decode_prefix_len=decode_prefix_len,
+                num_kv_tokens=num_kv_tokens,
+            ).target_runs
+        except (ValueError, TypeError, OverflowError, IndexError, RuntimeError):
+            return None
+        return self._write_runs(session_id, runs, src_ptrs, dst_ptrs, dcp_token_item_lens)
+
+    def _write_runs(self, session_id: str, runs, src_ptrs, dst_ptrs, widths) -> int:
+        """Every entry's rows of ``runs`` (``(src_row, dst_row, rows)``, rows of
+        ``widths[entry]`` bytes) in one engine write."""
+        if len(runs) == 0:
+            return 0
+        n = len(src_ptrs)
+        src_base = np.asarray(src_ptrs, dtype=np.int64)[:, None]
+        dst_base = np.asarray(dst_ptrs, dtype=np.int64)[:, None]
+        w = np.asarray(widths[:n], dtype=np.int64)[:, None]
+        src = (src_base + runs[:, 0] * w).ravel()
+        dst = (dst_base + runs[:, 1] * w).ravel()
+        lens = (runs[:, 2] * w).ravel()
+        return self.engine.batch_transfer_sync(session_id, src, dst, lens)
 
     def _send_kvcache_reshard(
         self,
@@ -212,12 +372,7 @@ class KvbridgeKVManager(MooncakeKVManager):
             )
         except (ValueError, RuntimeError) as e:
             return self.engine.fail(f"{type(e).__name__}: {e}")
-        if len(runs) == 0:
-            return 0
-        src = np.concatenate([p + runs[:, 0] * w for p, w in zip(src_ptrs, dcp_token_item_lens)])
-        dst = np.concatenate([p + runs[:, 1] * w for p, w in zip(dst_ptrs, dcp_token_item_lens)])
-        lens = np.concatenate([runs[:, 2] * w for w in dcp_token_item_lens[: len(src_ptrs)]])
-        return self.engine.batch_transfer_sync(session_id, src, dst, lens)
+        return self._write_runs(session_id, runs, src_ptrs, dst_ptrs, dcp_token_item_lens)
 
     def _reshard_entries(self, dst_kv_ptrs: list, dst_layer_ids: list) -> tuple:
         """Source and destination buffer of each KV entry, paired as SGLang's DCP path does."""

@@ -69,14 +69,26 @@ class _RegionTable:
 
 
 class KvbridgeTransferEngine:
-    """What SGLang's Mooncake manager calls on its engine, done by a ``kvbridge.Engine``."""
+    """What SGLang's Mooncake manager calls on its engine, done by a ``kvbridge.Engine``.
 
-    def __init__(self, transport: str, host: str, timeout: Optional[float] = None):
+    ``device_buffers`` maps the base address of every buffer in GPU memory to its CUDA device
+    ordinal: those are registered as device memory (``kind="cuda"``), never touched by the
+    CPU; every other buffer is host memory."""
+
+    def __init__(
+        self,
+        transport: str,
+        host: str,
+        timeout: Optional[float] = None,
+        device_buffers: Optional[dict[int, int]] = None,
+    ):
         self.timeout = _timeout() if timeout is None else timeout
         if transport == "tcp":
             self.engine = kvbridge.Engine("tcp", bind=f"{host}:0")
         else:
             self.engine = kvbridge.Engine(transport)
+        self._max_ops = self.engine.capabilities.get("max_ops_per_batch")
+        self._device_buffers = {int(p): int(d) for p, d in (device_buffers or {}).items()}
         self._lock = threading.Lock()
         self._regions: dict[int, tuple[int, int]] = {}  # base -> (len, region)
         self._local: Optional[_RegionTable] = None
@@ -93,7 +105,11 @@ class KvbridgeTransferEngine:
             for ptr, length in zip(ptrs, lengths):
                 if int(length) == 0 or int(ptr) in self._regions:
                     continue
-                region = self.engine.register(int(ptr), int(length))
+                device = self._device_buffers.get(int(ptr))
+                if device is None:
+                    region = self.engine.register(int(ptr), int(length))
+                else:
+                    region = self.engine.register(int(ptr), int(length), kind="cuda", device=device)
                 self._regions[int(ptr)] = (int(length), region)
             self._changed()
         return 0
@@ -172,9 +188,15 @@ class KvbridgeTransferEngine:
                 raise kvbridge.UnknownRegionError("no buffer is registered on this side")
             src_region, src_off = local.locate(src, lens, "source")
             dst_region, dst_off = remote.locate(dst, lens, "destination")
-            ops = np.stack([src_region, src_off, dst_region, dst_off, lens], axis=1)
-            transfer = self.engine.write(peer, np.ascontiguousarray(ops), timeout=self.timeout)
-            transfer.wait()
+            ops = np.ascontiguousarray(np.stack([src_region, src_off, dst_region, dst_off, lens], axis=1))
+            # One write, or one per part where the transport bounds a batch's descriptors.
+            step = self._max_ops or len(ops)
+            transfers = [
+                self.engine.write(peer, ops[i : i + step], timeout=self.timeout)
+                for i in range(0, len(ops), step)
+            ]
+            for transfer in transfers:
+                transfer.wait()
             return 0
         except kvbridge.KvbridgeError as e:
             return self.fail(f"{type(e).__name__}: {e}")

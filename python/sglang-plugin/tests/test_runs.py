@@ -1,0 +1,113 @@
+"""A chunk moves as runs (docs/sglang.md, "Moving a chunk"): SGLang's page indices become
+kvbridge's coalesced runs, and each chunk is one engine write per decode rank, whatever
+SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES says."""
+
+import numpy as np
+import pytest
+
+import harness
+
+pytestmark = pytest.mark.sglang
+
+
+def _sglang_groups(src, dst):
+    from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
+
+    return group_concurrent_contiguous(np.asarray(src), np.asarray(dst))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_page_runs_are_sglangs_groups(dtype):
+    from kvbridge_sglang.conn import page_runs
+
+    rng = np.random.default_rng(5)
+    for case in range(200):
+        n = int(rng.integers(1, 60))
+        # Stretches of consecutive pages on both sides, cut at random places.
+        src = np.cumsum(rng.choice([1, 1, 1, 2, 5], size=n)).astype(dtype) + rng.integers(0, 9)
+        dst = np.cumsum(rng.choice([1, 1, 1, 3], size=n)).astype(dtype)
+        if case % 3 == 0:
+            dst = rng.permutation(n).astype(dtype)
+        runs = page_runs(src, dst)
+        s_groups, d_groups = _sglang_groups(src, dst)
+        assert runs.dtype == np.int64 and runs.shape == (len(s_groups), 3)
+        assert [list(range(a, a + k)) for a, _, k in runs.tolist()] == s_groups
+        assert [list(range(b, b + k)) for _, b, k in runs.tolist()] == d_groups
+
+
+def test_page_runs_leave_what_they_do_not_plan_to_sglangs_function():
+    from kvbridge_sglang.conn import page_runs
+
+    assert page_runs(np.array([], np.int32), np.array([4], np.int32)).shape == (0, 3)
+    assert page_runs(np.array([1, 2]), np.array([1])) is None  # SGLang's ValueError
+    assert page_runs(np.array([1.0, 2.0]), np.array([1.0, 2.0])) is None
+    assert page_runs(np.array([[1, 2]]), np.array([[1, 2]])) is None
+
+
+class CountingEngine:
+    """A ``kvbridge.Engine`` that records the rows of every write it posts."""
+
+    def __init__(self, engine):
+        self._engine, self.writes = engine, []
+
+    def write(self, peer, ops, **kw):
+        self.writes.append(len(ops))
+        return self._engine.write(peer, ops, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+@pytest.fixture
+def bootstrap():
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from kvbridge_sglang.example import classes
+
+    port = harness.free_port()
+    args = harness.publish("prefill", port)
+    cls = classes()
+    server = cls["BOOTSTRAP_SERVER"]("127.0.0.1", port)
+    yield args, cls, f"127.0.0.1:{port}", DisaggregationMode
+    server.close()
+
+
+def test_each_chunk_is_one_write_of_its_runs(bootstrap, monkeypatch):
+    from sglang.srt.disaggregation.base import KVPoll
+
+    from kvbridge_sglang.conn import page_runs
+
+    # SGLang would split each chunk into engine calls of 2 pages for Mooncake.
+    monkeypatch.setenv("SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES", "2")
+    args, cls, addr, mode = bootstrap
+    layers, page_bytes = 3, 4 * 64
+    prefill = harness.Pool(layers=layers, pages=24, page_bytes=page_bytes).fill(8)
+    decode = harness.Pool(layers=layers, pages=24, page_bytes=page_bytes)
+    p_mgr = cls["MANAGER"](prefill.kv_args(4), mode.PREFILL, args, True)
+    d_mgr = cls["MANAGER"](decode.kv_args(4), mode.DECODE, args, True)
+    counting = CountingEngine(p_mgr.engine.engine)
+    p_mgr.engine.engine = counting
+    # Three chunks: runs of consecutive pages on both sides, and single pages.
+    src = [0, 1, 2, 3, 9, 10, 4, 20, 21, 22, 5, 6]
+    dst = [7, 8, 9, 10, 2, 3, 0, 11, 12, 13, 23, 1]
+    chunks = [slice(0, 5), slice(5, 9), slice(9, 12)]
+    sender = cls["SENDER"](p_mgr, addr, 61)
+    harness.wait_for(lambda: d_mgr.try_ensure_parallel_info(addr), "the prefill's parallel info")
+    receiver = cls["RECEIVER"](d_mgr, addr, 61)
+    receiver.init(0)
+    sender.init(len(src), aux_index=1)
+    receiver.send_metadata(np.asarray(dst, dtype=np.int32), aux_index=2)
+    harness.poll_until(sender, {KVPoll.WaitingForInput}, "sender ready")
+    for chunk in chunks:
+        sender.send(np.asarray(src[chunk], dtype=np.int32))
+    assert harness.poll_until(sender, {KVPoll.Success}, "sender") == KVPoll.Success
+    assert harness.poll_until(receiver, {KVPoll.Success}, "receiver") == KVPoll.Success
+    for layer, (p, d) in enumerate(zip(prefill.kv, decode.kv)):
+        want = np.zeros_like(d)
+        want[dst] = p[src]
+        assert np.array_equal(d, want), f"layer {layer}"
+    assert np.array_equal(decode.aux[2], prefill.aux[1])
+    # One write per chunk (its runs times the layers), then the aux row's.
+    runs = [len(page_runs(np.array(src[c]), np.array(dst[c]))) for c in chunks]
+    assert runs == [2, 3, 3]
+    assert counting.writes == [layers * r for r in runs] + [1]
