@@ -1,19 +1,29 @@
-"""The same request through SGLang's transfer backends, in the same run (docs/sglang.md,
-"Benchmark").
+"""The same request through SGLang's transfer backends and through kvbridge's own end to end,
+in the same run (docs/sglang.md, "Benchmark").
 
-    python -m kvbridge_sglang.bench                       # kvbridge and mooncake, TCP on loopback
+    python -m kvbridge_sglang.bench                       # kvbridge, mooncake, e2e; TCP on loopback
+    python -m kvbridge_sglang.bench --dcp 4               # MLA prefill DCP 1 -> decode DCP 4
     python -m kvbridge_sglang.bench --backends kvbridge --tokens 256 --requests 2
 
-For each backend, one prefill process (SGLang's bootstrap server and prefill manager) and one
-decode process (a decode manager) move ``--requests`` requests of ``--tokens`` tokens of an
-MLA pool (``--layers`` buffers, ``--token-bytes`` per token, pages of ``--page-size``) through
-SGLang 0.5.23's own classes, as ``get_kv_class`` returns them: ``kvbridge`` (this plugin,
-``KVBRIDGE_SGLANG_TRANSPORT=tcp``) and ``mooncake`` (SGLang's Mooncake backend with
-``MC_FORCE_TCP=1``, Mooncake's TCP transport). Every byte of every request is checked on the
-decode. Reported per backend: the prefill's time from ``send`` to ``Success`` (all KV and the
+For each SGLang backend, one prefill process (SGLang's bootstrap server and prefill manager)
+and one decode process (a decode manager per decode DCP rank) move ``--requests`` requests of
+``--tokens`` tokens of an MLA pool (``--layers`` buffers, ``--token-bytes`` per token, pages of
+``--page-size``) through SGLang 0.5.23's own classes, as ``get_kv_class`` returns them:
+``kvbridge`` (this plugin, ``KVBRIDGE_SGLANG_TRANSPORT=tcp``) and ``mooncake`` (SGLang's
+Mooncake backend with ``MC_FORCE_TCP=1``, Mooncake's TCP transport). Every byte of every
+request is checked on the decode (with ``--dcp`` > 1, each decode rank against the owner
+rule). Reported per backend: the prefill's time from ``send`` to ``Success`` (all KV and the
 aux row written, the decode told), the decode's from ``send_metadata`` to ``Success`` (the
-whole request as the decode sees it), and the throughput of the first (KV bytes / time). The
-pools are numpy arrays: no GPU and no model.
+whole request as the decode sees it), and the throughput of the first (KV bytes / time).
+The pools are numpy arrays: no GPU and no model.
+
+``e2e`` is kvbridge's own end to end for the same geometry (``kvbridge bench --e2e
+--transport tcp --prefill-dcp 1 --dcp D``: kvbridge's agents, control channels, bootstrap,
+planner and TCP transport, no SGLang), run with the ``kvbridge`` CLI (``--kvbridge-cli``,
+default ``target/release/kvbridge`` under the current directory, then ``kvbridge`` on
+``PATH``; ``cargo build --release -p kvbridge-cli`` builds it). Its geometry is fixed at 61
+layers of 1,152 bytes per token and up to 8,192 tokens; another geometry skips it with the
+reason.
 
 ``mooncake`` needs ``pip install mooncake-transfer-engine-non-cuda==0.3.13.post1`` (and
 libibverbs, which its engine links against); where it cannot be imported it is skipped with
@@ -25,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,7 +45,9 @@ import numpy as np
 
 from kvbridge_sglang.example import Pool, classes, publish
 
-BACKENDS = ("kvbridge", "mooncake")
+BACKENDS = ("kvbridge", "mooncake", "e2e")
+# The geometry ``kvbridge bench --e2e`` moves (crates/cli/src/bench/e2e.rs).
+E2E_LAYERS, E2E_TOKEN_BYTES, E2E_MAX_TOKENS = 61, 1152, 8192
 MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 # Seconds each step may take (the machine may be loaded: nothing here is an assertion).
 STEP_TIMEOUT = 300.0
@@ -55,8 +68,10 @@ def backend_env(backend: str, batch_pages: int) -> dict:
     return env
 
 
-def unavailable(backend: str):
+def unavailable(backend: str, args=None):
     """Why ``backend`` cannot run here, or ``None``."""
+    if backend == "e2e":
+        return _e2e_unavailable(args)
     if backend != "mooncake":
         return None
     try:
@@ -67,14 +82,35 @@ def unavailable(backend: str):
 
 
 def _pages(args) -> tuple:
-    """The request's prefill and decode page ids: two different permutations, so every page
-    lands somewhere else than where it came from."""
+    """The request's prefill pages and the decode's (virtual) pages, pages of ``page_size *
+    dcp`` tokens: two different permutations, so every page lands somewhere else than where it
+    came from; and the pool sizes, in pages, of each side."""
     n = -(-args.tokens // args.page_size)
+    nv = -(-args.tokens // (args.page_size * args.dcp))
     rng = np.random.default_rng(3)
-    return rng.permutation(n + 1)[:n].astype(np.int32), rng.permutation(n + 1)[:n].astype(np.int32), n + 1
+    src = rng.permutation(n + 1)[:n].astype(np.int32)
+    dst = rng.permutation(nv + 1)[:nv].astype(np.int32)
+    return src, dst, n + 1, nv + 1
 
 
-def _manager(args, mode: str, pool: Pool, server_args):
+def _owner_rows(args, src, dst, rank: int) -> tuple:
+    """Decode DCP rank ``rank``'s rows and the prefill rows they hold (the owner rule: position
+    p on rank p mod dcp at local row p div dcp; docs/planning.md)."""
+    page, dcp = args.page_size, args.dcp
+    p = np.arange(rank, args.tokens, dcp, dtype=np.int64)
+    x = p // dcp
+    return src[p // page].astype(np.int64) * page + p % page, dst[x // page].astype(np.int64) * page + x % page
+
+
+def _ranks(rank: int, dcp: int) -> dict:
+    """Parallel state of decode attention-TP rank ``rank`` of ``dcp`` (DCP nested in TP)."""
+    return dict(
+        tp_size=dcp, attn_tp_size=dcp, moe_tp_size=dcp, tp_rank=rank, attn_tp_rank=rank,
+        moe_tp_rank=rank, attn_dcp_size=dcp, attn_dcp_rank=rank,
+    )
+
+
+def _manager(args, mode: str, pool: Pool, server_args, rank: int = 0):
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     if args.backend == "mooncake":
@@ -86,7 +122,7 @@ def _manager(args, mode: str, pool: Pool, server_args):
         init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
     cls = classes(args.backend)
     mode_enum = DisaggregationMode.PREFILL if mode == "prefill" else DisaggregationMode.DECODE
-    return cls, cls["MANAGER"](pool.kv_args(args.page_size), mode_enum, server_args, True)
+    return cls, cls["MANAGER"](pool.kv_args(args.page_size, engine_rank=rank), mode_enum, server_args, True)
 
 
 def _pool(args, pages: int) -> Pool:
@@ -94,7 +130,7 @@ def _pool(args, pages: int) -> Pool:
 
 
 def run_prefill(args) -> dict:
-    src, _, pages = _pages(args)
+    src, _, pages, _ = _pages(args)
     pool = _pool(args, pages).fill(11)
     server_args = publish("prefill", args.port, backend=args.backend)
     server = classes(args.backend)["BOOTSTRAP_SERVER"]("127.0.0.1", args.port)
@@ -117,33 +153,63 @@ def run_prefill(args) -> dict:
 
 
 def run_decode(args) -> dict:
-    src, dst, pages = _pages(args)
-    pool = _pool(args, pages)
+    from sglang.srt.runtime_context import get_parallel
+
+    src, dst, pages, dst_pages = _pages(args)
     want = _pool(args, pages).fill(11)
-    cls, manager = _manager(args, "decode", pool, publish("decode", args.port, backend=args.backend))
+    server_args = publish("decode", args.port, backend=args.backend)
+    pools, managers = [], []
+    for rank in range(args.dcp):
+        if args.dcp > 1:
+            get_parallel().override_permanently(**_ranks(rank, args.dcp))
+        pools.append(_pool(args, dst_pages))
+        cls, manager = _manager(args, "decode", pools[-1], server_args, rank)
+        managers.append(manager)
     addr = f"127.0.0.1:{args.port}"
     end = time.monotonic() + STEP_TIMEOUT
-    while not manager.try_ensure_parallel_info(addr):
-        if time.monotonic() > end:
-            raise TimeoutError(f"decode: no prefill registered at {addr} after {STEP_TIMEOUT} s")
-        time.sleep(0.05)
+    for manager in managers:
+        while not manager.try_ensure_parallel_info(addr):
+            if time.monotonic() > end:
+                raise TimeoutError(f"decode: no prefill registered at {addr} after {STEP_TIMEOUT} s")
+            time.sleep(0.05)
+    rows = [_owner_rows(args, src, dst, rank) for rank in range(args.dcp)]
     times = []
     for room in range(1, args.warmup + args.requests + 1):
-        for buf in pool.kv:
-            buf[dst] = 0
-        pool.aux[1] = 0
-        receiver = cls["RECEIVER"](manager, addr, room)
-        receiver.init(0)
+        for pool in pools:
+            for buf in pool.kv:
+                buf[:] = 0
+            pool.aux[1] = 0
+        receivers = [cls["RECEIVER"](manager, addr, room) for manager in managers]
+        for receiver in receivers:
+            receiver.init(0)
         start = time.perf_counter()
-        receiver.send_metadata(dst, aux_index=1)
-        _spin(receiver, _poll().Success, f"decode: room {room}")
+        for receiver in receivers:
+            receiver.send_metadata(dst, aux_index=1)
+        for rank, receiver in enumerate(receivers):
+            _spin(receiver, _poll().Success, f"decode: room {room}, DCP rank {rank}")
         times.append(time.perf_counter() - start)
-        for layer, (got, sent) in enumerate(zip(pool.kv, want.kv)):
-            if not np.array_equal(got[dst], sent[src]):
-                raise SystemExit(f"decode: room {room}: layer {layer} differs from what was sent")
-        if not np.array_equal(pool.aux[1], want.aux[0]):
-            raise SystemExit(f"decode: room {room}: the aux row differs from what was sent")
+        for rank, pool in enumerate(pools):
+            _verify(args, room, rank, pool, want, src, dst, rows[rank])
     return {"metadata_to_success_s": times[args.warmup :], "verified": True}
+
+
+def _verify(args, room, rank, pool, want, src, dst, rows) -> None:
+    """Decode DCP rank ``rank``'s pool after a request: with DCP 1 every page the page path
+    moves whole (the last one padded), with DCP > 1 exactly the rank's rows (owner rule);
+    nothing anywhere else; the aux row."""
+    for layer, (got, sent) in enumerate(zip(pool.kv, want.kv)):
+        where = f"decode: room {room}: DCP rank {rank}, layer {layer}"
+        if args.dcp == 1:
+            moved, expected = got[dst], sent[src]
+        else:
+            got, sent = got.reshape(-1, args.token_bytes), sent.reshape(-1, args.token_bytes)
+            moved, expected = got[rows[1]], sent[rows[0]]
+        if not np.array_equal(moved, expected):
+            raise SystemExit(f"{where} differs from what was sent")
+        if int(got.sum(dtype=np.uint64)) != int(moved.sum(dtype=np.uint64)):
+            raise SystemExit(f"{where} holds bytes outside the request's pages or rows")
+    if not np.array_equal(pool.aux[1], want.aux[0]):
+        raise SystemExit(f"decode: room {room}: DCP rank {rank}'s aux row differs from what was sent")
 
 
 def _poll():
@@ -180,7 +246,7 @@ def _child_args(args, backend: str, port: int) -> list:
         "--backend", backend, "--port", str(port), "--tokens", str(args.tokens),
         "--layers", str(args.layers), "--page-size", str(args.page_size),
         "--token-bytes", str(args.token_bytes), "--requests", str(args.requests),
-        "--warmup", str(args.warmup),
+        "--warmup", str(args.warmup), "--dcp", str(args.dcp),
     ]
 
 
@@ -193,6 +259,8 @@ def _last_json(text: str) -> dict:
 
 def bench_backend(args, backend: str) -> dict:
     """One backend's prefill and decode processes; their figures."""
+    if backend == "e2e":
+        return bench_e2e(args)
     port = _free_port()
     cmd = [sys.executable, "-m", "kvbridge_sglang.bench"]
     env = backend_env(backend, args.batch_pages)
@@ -220,34 +288,133 @@ def bench_backend(args, backend: str) -> dict:
     if prefill.returncode != 0:
         raise RuntimeError(f"{backend}: the prefill failed:\n{p_err[-4000:]}")
     result = {**_last_json(p_out), **_last_json(decode.stdout)}
-    kv_bytes = args.tokens * args.token_bytes * args.layers
     send = result["send_to_success_s"]
     result.update(
         backend=backend,
-        kv_bytes=kv_bytes,
+        kv_bytes=_kv_bytes(args),
         prefill_p50_ms=1e3 * statistics.median(send),
+        prefill_min_ms=1e3 * min(send),
         decode_p50_ms=1e3 * statistics.median(result["metadata_to_success_s"]),
-        gib_per_s=kv_bytes / statistics.median(send) / 2**30,
+        gb_per_s=_kv_bytes(args) / statistics.median(send) / 1e9,
     )
     return result
 
 
+def _kv_bytes(args) -> int:
+    return args.tokens * args.token_bytes * args.layers
+
+
+def _cli(args):
+    """The ``kvbridge`` CLI binary: ``--kvbridge-cli``, else ``target/release/kvbridge`` under
+    the current directory, else ``kvbridge`` on PATH; ``None`` where there is none."""
+    if args.kvbridge_cli:
+        return args.kvbridge_cli if os.access(args.kvbridge_cli, os.X_OK) else None
+    local = os.path.join("target", "release", "kvbridge")
+    if os.access(local, os.X_OK):
+        return local
+    return shutil.which("kvbridge")
+
+
+def _e2e_scale(args):
+    """``--size-scale`` giving ``kvbridge bench --e2e`` this request's tokens, or ``None``."""
+    align = args.page_size * args.dcp
+    scale = args.tokens / E2E_MAX_TOKENS
+    if not 0 < scale <= 1:
+        return None
+    return scale if (int(E2E_MAX_TOKENS * scale) // align) * align == args.tokens else None
+
+
+def _e2e_unavailable(args):
+    if args is None:
+        return None
+    if _cli(args) is None:
+        where = args.kvbridge_cli or "target/release/kvbridge (or kvbridge on PATH)"
+        return f"no kvbridge CLI at {where}; cargo build --release -p kvbridge-cli, or pass --kvbridge-cli"
+    if args.layers != E2E_LAYERS or args.token_bytes != E2E_TOKEN_BYTES or _e2e_scale(args) is None:
+        return (
+            f"kvbridge bench --e2e moves {E2E_LAYERS} layers of {E2E_TOKEN_BYTES} B per token and at most "
+            f"{E2E_MAX_TOKENS} tokens (a multiple of page size x DCP); this request is {args.tokens} tokens "
+            f"x {args.layers} layers x {args.token_bytes} B"
+        )
+    return None
+
+
+def bench_e2e(args) -> dict:
+    """kvbridge's own end to end on this request's geometry (``kvbridge bench --e2e``, TCP)."""
+    cmd = [
+        _cli(args), "bench", "--e2e", "--transport", "tcp", "--prefill-dcp", "1",
+        "--dcp", str(args.dcp), "--prefill-page-size", str(args.page_size),
+        "--page-size", str(args.page_size), "--runs", str(args.requests), "--json",
+    ]
+    scale = _e2e_scale(args)
+    if scale != 1:
+        cmd += ["--size-scale", repr(scale)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=8 * STEP_TIMEOUT)
+    if done.returncode != 0:
+        raise RuntimeError(f"e2e: {' '.join(cmd)} failed:\n{done.stderr[-3000:]}{done.stdout[-2000:]}")
+    r = _last_json(done.stdout)
+    if r["bytes"] != _kv_bytes(args) or not r.get("verified"):
+        raise RuntimeError(f"e2e: moved {r['bytes']} bytes (verified: {r.get('verified')}), not this request's {_kv_bytes(args)}")
+    return {
+        "backend": "e2e",
+        "command": " ".join(cmd),
+        "kv_bytes": r["bytes"],
+        "prefill_p50_ms": r["coordinator_ms"],
+        "prefill_min_ms": None,
+        "decode_p50_ms": None,
+        "gb_per_s": r["coordinator_gbps"],
+        "transport_gb_per_s": r["transport_gbps"],
+        "verified": r["verified"],
+        "e2e": r,
+    }
+
+
+def ratios(results: list) -> dict:
+    """kvbridge's backend against kvbridge's own end to end and against Mooncake, by GB/s."""
+    by = {r["backend"]: r["gb_per_s"] for r in results}
+    out = {}
+    if "kvbridge" in by and "e2e" in by:
+        out["kvbridge_vs_e2e"] = by["kvbridge"] / by["e2e"]
+    if "kvbridge" in by and "mooncake" in by:
+        out["kvbridge_vs_mooncake"] = by["kvbridge"] / by["mooncake"]
+    return out
+
+
 def report(results: list, skipped: dict, args) -> str:
-    size = args.tokens * args.token_bytes * args.layers
+    size = _kv_bytes(args)
+    path = "page path" if args.dcp == 1 else f"prefill DCP 1 -> decode DCP {args.dcp}"
     lines = [
         f"one request: {args.tokens} tokens x {args.layers} layers x {args.token_bytes} B "
-        f"= {size / 2**20:.1f} MiB, pages of {args.page_size}; {args.requests} requests "
-        f"after {args.warmup} warm-up; {args.batch_pages or 'all'} pages per engine call; TCP on 127.0.0.1",
-        f"{'backend':<10} {'send->Success p50':>18} {'min':>9} {'GiB/s':>7} {'decode p50':>11}",
+        f"= {size / 1e6:.1f} MB, pages of {args.page_size}, MLA, {path}; {args.requests} requests "
+        f"after {args.warmup} warm-up; TCP on 127.0.0.1; load average {_load()}",
+        f"{'backend':<10} {'send->Success p50':>18} {'min':>9} {'GB/s':>7} {'decode p50':>11}",
     ]
+    ms = lambda v: f"{v:>6.1f} ms" if v is not None else f"{'-':>9}"  # noqa: E731
     for r in results:
         lines.append(
-            f"{r['backend']:<10} {r['prefill_p50_ms']:>15.1f} ms {1e3 * min(r['send_to_success_s']):>6.1f} ms "
-            f"{r['gib_per_s']:>7.2f} {r['decode_p50_ms']:>8.1f} ms"
+            f"{r['backend']:<10} {r['prefill_p50_ms']:>15.1f} ms {ms(r['prefill_min_ms'])} "
+            f"{r['gb_per_s']:>7.2f} {ms(r['decode_p50_ms']):>11}"
         )
     for backend, why in skipped.items():
         lines.append(f"{backend:<10} skipped: {why}")
+    for r in results:
+        if r["backend"] == "e2e":
+            lines.append(f"e2e: {r['command']} (coordinator; its TCP large blocks: {r['transport_gb_per_s']:.2f} GB/s)")
+        if r["backend"] == "mooncake":
+            lines.append(f"mooncake: {args.batch_pages or 'all'} pages per engine call (--batch-pages)")
+    r = ratios(results)
+    if "kvbridge_vs_e2e" in r:
+        lines.append(f"kvbridge / e2e: {r['kvbridge_vs_e2e']:.2f}x (target >= 0.8x)")
+    if "kvbridge_vs_mooncake" in r:
+        lines.append(f"kvbridge / mooncake: {r['kvbridge_vs_mooncake']:.2f}x (target >= 2x)")
     return "\n".join(lines)
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def main(argv=None) -> int:
@@ -260,11 +427,15 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=61, help="KV buffers, one per layer (default: %(default)s)")
     parser.add_argument("--token-bytes", type=int, default=1152, help="bytes per token per layer (default: %(default)s, MLA 576 x bf16)")
     parser.add_argument("--page-size", type=int, default=64, help="tokens per page (default: %(default)s)")
-    parser.add_argument("--batch-pages", type=int, default=32, help="SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES for both backends: pages per engine call (default: %(default)s; 0: the whole request at once, which Mooncake's TCP transport refuses above a few thousand page x layer slices)")
+    parser.add_argument("--dcp", type=int, default=1, help="decode DCP size: one decode manager per rank, prefill DCP 1 (default: %(default)s)")
+    parser.add_argument("--batch-pages", type=int, default=32, help="SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES: pages per engine call of Mooncake's (default: %(default)s; 0: the whole request at once, which Mooncake's TCP transport refuses above a few thousand page x layer slices); kvbridge writes each chunk at once whatever it says")
     parser.add_argument("--requests", type=int, default=5, help="timed requests per backend (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests first (default: %(default)s)")
+    parser.add_argument("--kvbridge-cli", default=None, help="the kvbridge binary for e2e (default: target/release/kvbridge, then kvbridge on PATH)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line too")
     args = parser.parse_args(argv)
+    if args.dcp < 1:
+        parser.error(f"--dcp must be at least 1, got {args.dcp}")
     if args.role == "_prefill":
         print(json.dumps(run_prefill(args)), flush=True)
         return 0
@@ -275,14 +446,14 @@ def main(argv=None) -> int:
     for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
         if backend not in BACKENDS:
             parser.error(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
-        why = unavailable(backend)
+        why = unavailable(backend, args)
         if why is not None:
             skipped[backend] = why
             continue
         results.append(bench_backend(args, backend))
     print(report(results, skipped, args), flush=True)
     if args.json:
-        print(json.dumps({"results": results, "skipped": skipped}), flush=True)
+        print(json.dumps({"results": results, "skipped": skipped, "ratios": ratios(results), "load_average": _load()}), flush=True)
     return 0
 
 
