@@ -147,23 +147,6 @@ fn client_config(secret: Option<&[u8]>) -> ClientConfig {
     }
 }
 
-/// An `advertise=` argument: the IP address peers on other hosts reach this one at.
-pub(crate) fn advertise_ip(advertise: Option<&str>) -> PyResult<Option<std::net::IpAddr>> {
-    advertise
-        .map(|a| {
-            a.parse::<std::net::IpAddr>()
-                .ok()
-                .filter(|ip| !ip.is_unspecified())
-                .ok_or_else(|| {
-                    invalid(format!(
-                        "advertise must be this host's IP address on the network its peers \
-                         reach (such as 10.0.0.5), got {a:?}"
-                    ))
-                })
-        })
-        .transpose()
-}
-
 /// The control channel's settings: `bind` its listening `ip:port` (default 127.0.0.1:0, one
 /// host only), `advertise` the IP it names to peers (needed when binding 0.0.0.0).
 fn net_config(
@@ -181,7 +164,7 @@ fn net_config(
         })?;
         c = c.with_bind_addr(addr);
     }
-    if let Some(ip) = advertise_ip(advertise)? {
+    if let Some(ip) = crate::engine::advertise_ip(advertise)? {
         c = c.with_advertise_addr(ip);
     }
     Ok(match secret {
@@ -331,7 +314,7 @@ impl BootstrapServer {
             ))
         })?;
         let mut config = BootstrapConfig::default().with_bind_addr(SocketAddr::new(ip, port));
-        if let Some(ip) = advertise_ip(advertise)? {
+        if let Some(ip) = crate::engine::advertise_ip(advertise)? {
             config = config.with_advertise_addr(ip);
         }
         if let Some(s) = secret {

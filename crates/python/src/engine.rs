@@ -553,6 +553,23 @@ fn parse_ops(ops: &Bound<'_, PyAny>) -> PyResult<Vec<TransferOp>> {
         .collect())
 }
 
+/// An `advertise=` argument: the IP address peers on other hosts reach this one at.
+pub(crate) fn advertise_ip(advertise: Option<&str>) -> PyResult<Option<std::net::IpAddr>> {
+    advertise
+        .map(|a| {
+            a.parse::<std::net::IpAddr>()
+                .ok()
+                .filter(|ip| !ip.is_unspecified())
+                .ok_or_else(|| {
+                    invalid(format!(
+                        "advertise must be this host's IP address on the network its peers \
+                         reach (such as 10.0.0.5), got {a:?}"
+                    ))
+                })
+        })
+        .transpose()
+}
+
 #[pymethods]
 impl Engine {
     /// A transfer engine for one rank over `transport`: "tcp" (any hosts; `bind` is the
@@ -595,7 +612,7 @@ impl Engine {
                         })?;
                         config = config.with_bind_addr(addr);
                     }
-                    if let Some(ip) = crate::agents::advertise_ip(advertise)? {
+                    if let Some(ip) = advertise_ip(advertise)? {
                         config = config.with_advertise_addr(ip);
                     }
                     if let Some(s) = secret {
