@@ -332,6 +332,21 @@ fn run_secret(a: &DemoArgs) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// Refuses pools that would take more than 16 GB in all (`total` bytes).
+fn check_memory(total: u64, concurrency: u32, kv_bytes_per_request: u64) -> Result<(), String> {
+    const LIMIT: u64 = 16 << 30;
+    if total > LIMIT {
+        return Err(format!(
+            "the pools would take {:.1} GB ({concurrency} requests of {:.1} MB in flight on each \
+             side); lower --concurrency or --tokens (limit {:.0} GB)",
+            total as f64 / 1e9,
+            kv_bytes_per_request as f64 / 1e6,
+            LIMIT as f64 / 1e9
+        ));
+    }
+    Ok(())
+}
+
 pub(crate) fn room_of(i: u32) -> u64 {
     u64::from(i) + 1
 }
@@ -474,17 +489,7 @@ impl Setup {
                     .saturating_mul(bytes)
                     .saturating_mul(prefill.len() as u64)
             });
-        const LIMIT: u64 = 16 << 30;
-        if total > LIMIT {
-            return Err(format!(
-                "the pools would take {:.1} GB ({} requests of {:.1} MB in flight on each side); \
-                 lower --concurrency or --tokens (limit {:.0} GB)",
-                total as f64 / 1e9,
-                a.concurrency,
-                kv_bytes_per_request as f64 / 1e6,
-                LIMIT as f64 / 1e9
-            ));
-        }
+        check_memory(total, a.concurrency, kv_bytes_per_request)?;
         Ok(Setup {
             transport: a.transport,
             geometry: a.geometry,
