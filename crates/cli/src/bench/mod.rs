@@ -216,6 +216,65 @@ pub(crate) struct BenchArgs {
     /// Internal: the receiver's pool size in bytes.
     #[arg(long, hide = true, default_value_t = 0)]
     pool_bytes: u64,
+    /// Test knob (TCP across a real link, `kvbridge-netns bench`): the address this process's
+    /// listeners bind.
+    #[arg(long, hide = true, default_value = "127.0.0.1")]
+    bind_addr: std::net::IpAddr,
+    /// Test knob: start the receiver and the raw TCP sink inside this network namespace
+    /// (`ip netns exec`, root), bound to `--peer-addr`.
+    #[arg(long, hide = true, requires = "peer_addr")]
+    peer_netns: Option<String>,
+    /// Test knob: the address the processes in `--peer-netns` bind.
+    #[arg(long, hide = true)]
+    peer_addr: Option<std::net::IpAddr>,
+    /// Test knob: the TCP transport's `connections_per_peer` (default: its default).
+    #[arg(long, hide = true, value_parser = clap::value_parser!(u32).range(1..=16))]
+    tcp_connections: Option<u32>,
+}
+
+/// Where this run's processes listen (`--bind-addr`, `--peer-netns`, `--peer-addr`).
+#[derive(Debug, Clone)]
+pub(crate) struct Net {
+    /// This process's listeners.
+    pub(crate) bind: std::net::IpAddr,
+    /// The receiver's and the sink's namespace, if not this one.
+    pub(crate) peer_netns: Option<String>,
+    /// The address they bind and the sender connects to.
+    pub(crate) peer: std::net::IpAddr,
+    /// `--tcp-connections`.
+    pub(crate) tcp_connections: Option<usize>,
+}
+
+static NET: std::sync::OnceLock<Net> = std::sync::OnceLock::new();
+
+/// This run's addresses (loopback unless the test knobs say otherwise).
+pub(crate) fn net() -> Net {
+    NET.get().cloned().unwrap_or(Net {
+        bind: std::net::Ipv4Addr::LOCALHOST.into(),
+        peer_netns: None,
+        peer: std::net::Ipv4Addr::LOCALHOST.into(),
+        tcp_connections: None,
+    })
+}
+
+/// A command running this binary as a peer process (receiver, sink): inside `--peer-netns`
+/// and bound to `--peer-addr` when given.
+pub(crate) fn peer_command(args: &[&str]) -> Result<std::process::Command, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
+    let net = net();
+    let mut c = match &net.peer_netns {
+        Some(ns) => {
+            let mut c = std::process::Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(exe);
+            c
+        }
+        None => std::process::Command::new(exe),
+    };
+    c.args(args).arg("--bind-addr").arg(net.peer.to_string());
+    if let Some(n) = net.tcp_connections {
+        c.arg("--tcp-connections").arg(n.to_string());
+    }
+    Ok(c)
 }
 
 /// Messages on the receiver's stdout, one JSON object per line.
@@ -285,6 +344,12 @@ fn profile_line() -> &'static str {
 }
 
 pub(crate) fn run(args: BenchArgs) -> ExitCode {
+    let _ = NET.set(Net {
+        bind: args.bind_addr,
+        peer_netns: args.peer_netns.clone(),
+        peer: args.peer_addr.unwrap_or(args.bind_addr),
+        tcp_connections: args.tcp_connections.map(|n| n as usize),
+    });
     if args.role.is_none() {
         // On stdout it would break the JSON lines.
         if args.json {
@@ -621,9 +686,8 @@ struct ReceiverProcess {
 
 impl ReceiverProcess {
     async fn start(kind: TransportKind, pool_bytes: u64) -> Result<Self, String> {
-        let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
-        let mut child = tokio::process::Command::new(exe)
-            .args(["bench", "--transport", kind.name(), "--role", "receiver"])
+        let command = peer_command(&["bench", "--transport", kind.name(), "--role", "receiver"])?;
+        let mut child = tokio::process::Command::from(command)
             .arg("--pool-bytes")
             .arg(pool_bytes.to_string())
             .stdin(std::process::Stdio::piped())

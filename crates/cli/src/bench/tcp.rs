@@ -8,7 +8,7 @@
 //! ping-pong of the same 4 KiB (send, the peer replies), the row's round-trip baseline.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::net::{TcpListener, TcpStream};
 use std::process::{Child, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::Instant;
@@ -20,13 +20,19 @@ use super::TransportFuture;
 
 /// How the baseline is described in the report.
 pub(super) const BASELINE: &str =
-    "a raw TCP stream (loopback, two processes, no framing) moving the bytes";
+    "a raw TCP stream (two processes, no framing; loopback unless --peer-netns) moving the bytes";
 
-/// Creates a [`TcpTransport`] with the default configuration (127.0.0.1, OS-assigned port,
-/// one connection per peer).
+/// Creates a [`TcpTransport`] with the default configuration (OS-assigned port, one
+/// connection per peer) on this run's address (127.0.0.1 unless `--bind-addr`).
 pub(super) fn factory() -> TransportFuture {
     Box::pin(async {
-        TcpTransport::new()
+        let net = super::net();
+        let mut config = kvbridge_tcp::TcpConfig::default()
+            .with_bind_addr(std::net::SocketAddr::new(net.bind, 0));
+        if let Some(n) = net.tcp_connections {
+            config = config.with_connections_per_peer(n);
+        }
+        TcpTransport::bind(config)
             .await
             .map(|t| Arc::new(t) as Arc<dyn KvTransport>)
             .map_err(|e| e.to_string())
@@ -43,15 +49,14 @@ pub(super) struct RawTcpBaseline {
 impl RawTcpBaseline {
     /// Starts the sink process for `bytes` per run and connects to it.
     pub(super) fn start(bytes: u64) -> Result<Self, String> {
-        let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
-        let mut sink = std::process::Command::new(exe)
-            .args(["bench", "--transport", "tcp", "--role", "raw-tcp-sink"])
-            .arg("--pool-bytes")
-            .arg(bytes.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot start the raw TCP sink process: {e}"))?;
+        let mut sink =
+            super::peer_command(&["bench", "--transport", "tcp", "--role", "raw-tcp-sink"])?
+                .arg("--pool-bytes")
+                .arg(bytes.to_string())
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .spawn()
+                .map_err(|e| format!("cannot start the raw TCP sink process: {e}"))?;
         let port = sink
             .stdout
             .take()
@@ -66,7 +71,7 @@ impl RawTcpBaseline {
             let _ = sink.wait();
             return Err("the raw TCP sink process did not report its port".to_owned());
         };
-        let stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port))
+        let stream = TcpStream::connect((super::net().peer, port))
             .map_err(|e| format!("connecting to the raw TCP sink: {e}"))?;
         let _ = stream.set_nodelay(true);
         Ok(Self {
@@ -108,7 +113,7 @@ pub(super) fn raw_sink(bytes: u64) -> ExitCode {
         let pool = MemoryRegion::allocate(bytes as usize).map_err(|e| e.to_string())?;
         let mut dst = pool.borrow_mut(0, bytes).map_err(|e| e.to_string())?;
         let listener =
-            TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| format!("bind: {e}"))?;
+            TcpListener::bind((super::net().bind, 0)).map_err(|e| format!("bind: {e}"))?;
         let port = listener.local_addr().map_err(|e| e.to_string())?.port();
         println!("PORT {port}");
         std::io::stdout().flush().map_err(|e| e.to_string())?;
