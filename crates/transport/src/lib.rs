@@ -32,7 +32,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-
 pub mod batch;
 pub mod delegate;
 mod error;
