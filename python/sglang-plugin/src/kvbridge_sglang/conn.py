@@ -387,7 +387,16 @@ class KvbridgeKVManager(MooncakeKVManager):
 
 
 class KvbridgeKVSender(MooncakeKVSender):
-    pass
+    @property
+    def supports_host_tensor_indices(self) -> bool:
+        """SGLang's prefill (``send_kv_chunk``) reads this per sender: when true it copies each
+        chunk's page indices from the GPU into pinned host memory without waiting and records a
+        ``torch.cuda.Event`` that the transfer worker waits on, so the scheduler does not stall
+        on the copy. That is for pools on a GPU. Pools in host memory (``--device cpu``) have
+        their indices on the host already, and pinned memory and CUDA events need a GPU (no
+        NVIDIA driver: the scheduler dies on the first request), so they take SGLang's plain
+        path. Mooncake's class declares it true whatever the device."""
+        return not self.kv_mgr.pool_memory.on_host
 
 
 class KvbridgeKVReceiver(MooncakeKVReceiver):
