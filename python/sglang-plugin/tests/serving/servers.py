@@ -108,7 +108,11 @@ class Server:
             "--host", "127.0.0.1", "--port", str(self.port),
             "--device", "cpu", "--attention-backend", "torch_native",
             "--disable-overlap-schedule",
-            "--mem-fraction-static", "0.05",
+            # On CPU SGLang sizes the pool from the machine's free memory and refuses to start
+            # if that shrank by more than this fraction while it loaded the weights: servers
+            # starting side by side take memory from one another, hence more than the 0.05 a
+            # lone server needs. --max-total-tokens bounds the pool itself.
+            "--mem-fraction-static", "0.3",
             "--max-total-tokens", "4096",
             "--page-size", "16",
             "--random-seed", "0",
@@ -243,6 +247,14 @@ def start_all(servers: list) -> list:
 
 
 def stop_all(servers: list) -> None:
+    # Every group gets SIGTERM first, so that they shut down side by side; then each is
+    # waited for (and killed if need be) by stop().
+    for s in servers:
+        if s.proc is not None and s.proc.poll() is None:
+            try:
+                os.killpg(s.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
     errors = []
     for s in servers:
         try:

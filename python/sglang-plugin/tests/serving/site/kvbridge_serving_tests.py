@@ -17,8 +17,9 @@ What it does:
   decode receives damaged KV for layer 0, so its tokens must differ if the comparison means
   anything. Other rooms are untouched.
 - **A slow sender** (``KVBRIDGE_SERVING_SLOW_ROOMS=<min room>:<seconds>``, prefill only): a
-  room at or above that value waits that long before each chunk is handed over, so that an
-  abort lands while the request's transfer is under way.
+  room at or above that value waits that long after each chunk is handed over (and says so in
+  the log), so that an abort sent after the first such line lands while the request's transfer
+  is under way.
 - **Mooncake on CPU** (``KVBRIDGE_SERVING_MOONCAKE_HOST_INDICES=0``): SGLang's
   ``MooncakeKVSender`` declares ``supports_host_tensor_indices = True``, which sends SGLang's
   prefill down a pinned-memory + CUDA-event path that cannot run without a GPU. Turned off here
@@ -85,13 +86,17 @@ def _wrap_kvbridge_send() -> None:
 
     def send_for_tests(self, kv_indices, *args, **kwargs):
         room = int(self.bootstrap_room)
-        if slow_from is not None and room >= slow_from:
-            time.sleep(slow_s)
+        slow_room = slow_from is not None and room >= slow_from
         if damage_from is not None and room >= damage_from:
             mgr = self.kv_mgr
             pages = [int(p) for p in kv_indices]
             _zero_pages(mgr.kv_args, _layer0_entries(mgr.kv_args, mgr.is_mla_backend), pages)
             logger.warning("kvbridge_serving_tests: room %d: layer 0 of %d pages zeroed", room, len(pages))
-        return send(self, kv_indices, *args, **kwargs)
+        result = send(self, kv_indices, *args, **kwargs)
+        if slow_room:
+            # The test waits for this line, then aborts: the later chunks are still to come.
+            logger.warning("kvbridge_serving_tests: room %d: a chunk of %d pages handed over", room, len(kv_indices))
+            time.sleep(slow_s)
+        return result
 
     KvbridgeKVSender.send = send_for_tests
