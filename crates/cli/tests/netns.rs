@@ -139,6 +139,8 @@ fn a_partition_longer_than_the_deadline_ends_every_room_and_heals() {
     let healed = Instant::now();
     // Anything still in flight on the old connections lands now, if it ever does.
     std::thread::sleep(Duration::from_secs(1));
+    // The decode ranks' pool slots come back once each failed room's fence ends.
+    assert!(d.wait_released(0..2, Duration::from_secs(30)));
     d.run(2..4).unwrap();
     d.wait_ended(2..4, Duration::from_secs(30));
     d.assert_succeeded(2..4);
@@ -212,6 +214,8 @@ fn carrier_loss_ends_every_room_and_heals() {
     d.link.carrier(true).unwrap();
     let healed = Instant::now();
     std::thread::sleep(Duration::from_secs(1));
+    // The decode ranks' pool slots come back once each failed room's fence ends.
+    assert!(d.wait_released(0..2, Duration::from_secs(30)));
     d.run(2..4).unwrap();
     d.wait_ended(2..4, Duration::from_secs(30));
     d.assert_succeeded(2..4);
@@ -269,6 +273,8 @@ fn frozen_decodes_end_the_prefills_rooms_and_recover() {
         );
     }
     std::thread::sleep(Duration::from_secs(1));
+    // The decode ranks' pool slots come back once each failed room's fence ends.
+    assert!(d.wait_released(0..2, Duration::from_secs(30)));
     d.run(2..4).unwrap();
     d.wait_ended(2..4, Duration::from_secs(30));
     d.assert_succeeded(2..4);
@@ -333,6 +339,8 @@ fn a_prefill_restarted_at_the_same_address_serves_the_same_decodes() {
     d.procs[0] = prefill;
     d.wait_ready(0).unwrap();
     let restarted = Instant::now();
+    // The decode ranks' pool slots come back once each failed room's fence ends.
+    assert!(d.wait_released(0..2, Duration::from_secs(30)));
     d.run(2..4).unwrap();
     d.wait_ended(2..4, Duration::from_secs(30));
     d.assert_succeeded(2..4);

@@ -69,6 +69,9 @@ pub struct Deployment {
     pub canaries: Vec<(usize, u32, Canary)>,
     /// Final summaries (`done` events) per process index.
     pub done: BTreeMap<usize, Value>,
+    /// (process index, request) whose request task ended: after a decode rank's fence, its
+    /// pool slot is free again.
+    pub released: std::collections::BTreeSet<(usize, u32)>,
     prefill_starts: u32,
     spec: DemoSpec,
 }
@@ -90,6 +93,7 @@ impl Deployment {
             first_chunk: BTreeMap::new(),
             canaries: Vec::new(),
             done: BTreeMap::new(),
+            released: Default::default(),
             prefill_starts: 0,
             spec,
         };
@@ -201,6 +205,10 @@ impl Deployment {
             return;
         };
         let request = ev["request"].as_u64().map(|r| r as u32);
+        let kind = ev["event"].as_str().unwrap_or("");
+        if let (Some(r), "sent" | "verified" | "failed") = (request, kind) {
+            self.released.insert((idx, r));
+        }
         match (ev["event"].as_str().unwrap_or(""), request) {
             ("chunk", Some(r)) => {
                 self.first_chunk.entry(r).or_insert(at);
@@ -216,16 +224,14 @@ impl Deployment {
                     },
                 );
             }
-            ("failed", Some(r)) => {
-                self.ends.insert(
-                    (idx, r),
-                    End {
-                        at,
-                        ok: false,
-                        reason: ev["reason"].as_str().unwrap_or("").to_owned(),
-                        bytes: 0,
-                    },
-                );
+            // A decode rank's room fails (`room_failed`) before its fence; `failed` follows.
+            ("failed" | "room_failed", Some(r)) => {
+                self.ends.entry((idx, r)).or_insert(End {
+                    at,
+                    ok: false,
+                    reason: ev["reason"].as_str().unwrap_or("").to_owned(),
+                    bytes: 0,
+                });
             }
             ("canary", Some(r)) => self.canaries.push((
                 idx,
@@ -295,6 +301,17 @@ impl Deployment {
         range
             .into_iter()
             .all(|r| (0..self.procs.len()).all(|i| self.ends.contains_key(&(i, r))))
+    }
+
+    /// Waits (bounded) until every decode rank released the pool slots of `range` (a failed
+    /// room's after its fence or fence timeout), so new requests find free slots at once.
+    pub fn wait_released(&mut self, range: std::ops::Range<u32>, limit: Duration) -> bool {
+        let n = self.procs.len();
+        self.until(limit, |d| {
+            range
+                .clone()
+                .all(|r| (1..n).all(|i| d.released.contains(&(i, r))))
+        })
     }
 
     /// Waits (bounded) for the first chunk of `request`: a transfer is in flight.

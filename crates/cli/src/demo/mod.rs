@@ -216,6 +216,9 @@ pub(crate) enum Event {
         #[serde(default)]
         secondary: bool,
     },
+    /// Decode (`--serve`): `request`'s room failed, now (its `failed` event follows once the
+    /// pages are fenced or the fence timed out).
+    RoomFailed { request: u32, reason: String },
     /// Decode (`--serve`): the canary written into the pages of failed `request` once its
     /// room was fenced (or the fence timed out), checked before the pages were reused or at
     /// exit. `changed`: why it

@@ -411,7 +411,7 @@ impl<'a> Run<'a> {
             }
             Event::ControlDir { path } => self.procs[idx].control_dirs.push(PathBuf::from(path)),
             // Only `--serve` workers check canaries; the demo never starts them so.
-            Event::Canary { .. } => {}
+            Event::Canary { .. } | Event::RoomFailed { .. } => {}
             Event::Failed {
                 request,
                 reason,

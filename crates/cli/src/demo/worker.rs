@@ -1170,6 +1170,13 @@ async fn decode_request(side: &DecodeSide, i: u32, slot: u32) -> Result<u64, Fai
             .map_err(|e| e.to_string())?
         }
         Err(e) => {
+            if setup.serve {
+                // When the room ended, apart from the fence that follows.
+                emit(&Event::RoomFailed {
+                    request: i,
+                    reason: e.text.clone(),
+                });
+            }
             // Pages of a failed room may be reused only once no byte can land any more.
             let fenced = match agent.release_when_fenced(room).await {
                 Err(fence) => {
