@@ -67,6 +67,21 @@ def test_tp1_to_tp1_over_loopback(sglang_env, monkeypatch):
     assert p_mgr.engine.engine.transport == d_mgr.engine.engine.transport == "loopback"
 
 
+def test_tp1_to_tp1_host_pools_over_nixl(sglang_env, monkeypatch):
+    """KVBRIDGE_SGLANG_TRANSPORT=nixl with host pools: every byte through SGLang's managers and
+    NIXL (docs/sglang.md, "Pools on GPUs")."""
+    import kvbridge
+
+    try:
+        kvbridge.Engine("nixl").close()
+    except kvbridge.KvbridgeError as e:  # a package without NIXL, or no runtime found
+        pytest.skip(f"kvbridge.Engine('nixl') cannot start here: {e}")
+    monkeypatch.setenv("KVBRIDGE_SGLANG_TRANSPORT", "nixl")
+    p_mgr, d_mgr = _tp1(sglang_env)
+    assert p_mgr.engine.engine.transport == d_mgr.engine.engine.transport == "nixl"
+    assert p_mgr.pool_memory.on_host
+
+
 def _tp1(sglang_env):
     prefill = harness.Pool(layers=3, pages=16, page_bytes=4 * 576).fill(1)
     decode = harness.Pool(layers=3, pages=16, page_bytes=4 * 576)

@@ -6,7 +6,7 @@ in the same run (docs/sglang.md, "Benchmark").
     python -m kvbridge_sglang.bench --backends kvbridge --tokens 256 --requests 2
 
 For each SGLang backend, one prefill process (SGLang's bootstrap server and prefill manager)
-and one decode process (a decode manager per decode DCP rank) move ``--requests`` requests of
+and one decode process per decode DCP rank (a decode manager each) move ``--requests`` requests of
 ``--tokens`` tokens of an MLA pool (``--layers`` buffers, ``--token-bytes`` per token, pages of
 ``--page-size``) through SGLang 0.5.23's own classes, as ``get_kv_class`` returns them:
 ``kvbridge`` (this plugin, ``KVBRIDGE_SGLANG_TRANSPORT=tcp``) and ``mooncake`` (SGLang's
@@ -153,43 +153,36 @@ def run_prefill(args) -> dict:
 
 
 def run_decode(args) -> dict:
+    """Decode DCP rank ``args.rank`` (one process per rank, as a server runs them: Mooncake's
+    engine is one per process, and SGLang tells decode ranks apart by their engines)."""
     from sglang.srt.runtime_context import get_parallel
 
     src, dst, pages, dst_pages = _pages(args)
     want = _pool(args, pages).fill(11)
     server_args = publish("decode", args.port, backend=args.backend)
-    pools, managers = [], []
-    for rank in range(args.dcp):
-        if args.dcp > 1:
-            get_parallel().override_permanently(**_ranks(rank, args.dcp))
-        pools.append(_pool(args, dst_pages))
-        cls, manager = _manager(args, "decode", pools[-1], server_args, rank)
-        managers.append(manager)
+    if args.dcp > 1:
+        get_parallel().override_permanently(**_ranks(args.rank, args.dcp))
+    pool = _pool(args, dst_pages)
+    cls, manager = _manager(args, "decode", pool, server_args, args.rank)
     addr = f"127.0.0.1:{args.port}"
     end = time.monotonic() + STEP_TIMEOUT
-    for manager in managers:
-        while not manager.try_ensure_parallel_info(addr):
-            if time.monotonic() > end:
-                raise TimeoutError(f"decode: no prefill registered at {addr} after {STEP_TIMEOUT} s")
-            time.sleep(0.05)
-    rows = [_owner_rows(args, src, dst, rank) for rank in range(args.dcp)]
+    while not manager.try_ensure_parallel_info(addr):
+        if time.monotonic() > end:
+            raise TimeoutError(f"decode: no prefill registered at {addr} after {STEP_TIMEOUT} s")
+        time.sleep(0.05)
+    rows = _owner_rows(args, src, dst, args.rank)
     times = []
     for room in range(1, args.warmup + args.requests + 1):
-        for pool in pools:
-            for buf in pool.kv:
-                buf[:] = 0
-            pool.aux[1] = 0
-        receivers = [cls["RECEIVER"](manager, addr, room) for manager in managers]
-        for receiver in receivers:
-            receiver.init(0)
+        for buf in pool.kv:
+            buf[:] = 0
+        pool.aux[1] = 0
+        receiver = cls["RECEIVER"](manager, addr, room)
+        receiver.init(0)
         start = time.perf_counter()
-        for receiver in receivers:
-            receiver.send_metadata(dst, aux_index=1)
-        for rank, receiver in enumerate(receivers):
-            _spin(receiver, _poll().Success, f"decode: room {room}, DCP rank {rank}")
+        receiver.send_metadata(dst, aux_index=1)
+        _spin(receiver, _poll().Success, f"decode: room {room}, DCP rank {args.rank}")
         times.append(time.perf_counter() - start)
-        for rank, pool in enumerate(pools):
-            _verify(args, room, rank, pool, want, src, dst, rows[rank])
+        _verify(args, room, args.rank, pool, want, src, dst, rows)
     return {"metadata_to_success_s": times[args.warmup :], "verified": True}
 
 
@@ -269,25 +262,39 @@ def bench_backend(args, backend: str) -> dict:
         cmd + ["_prefill"] + child, env=env, stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    try:
-        decode = subprocess.run(
-            cmd + ["_decode"] + child, env=env, capture_output=True, text=True,
-            timeout=4 * STEP_TIMEOUT,
+    decodes = [
+        subprocess.Popen(
+            cmd + ["_decode", "--rank", str(rank)] + child, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
-        if decode.returncode != 0:
+        for rank in range(args.dcp)
+    ]
+    outputs, failed = [], []
+    try:
+        for rank, decode in enumerate(decodes):
+            out, err = decode.communicate(timeout=4 * STEP_TIMEOUT)
+            outputs.append(out)
+            if decode.returncode != 0:
+                failed.append(f"decode DCP rank {rank}:\n{err[-3000:]}")
+        if failed:
             prefill.kill()
         p_out, p_err = prefill.communicate(input="", timeout=STEP_TIMEOUT)
     finally:
-        if prefill.poll() is None:
-            prefill.kill()
-            prefill.wait()
-    if decode.returncode != 0:
-        raise RuntimeError(
-            f"{backend}: the decode failed:\n{decode.stderr[-3000:]}\nthe prefill's output:\n{p_err[-3000:]}"
-        )
+        for proc in [prefill, *decodes]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if failed:
+        raise RuntimeError(f"{backend}: " + "\n".join(failed) + f"\nthe prefill's output:\n{p_err[-3000:]}")
     if prefill.returncode != 0:
         raise RuntimeError(f"{backend}: the prefill failed:\n{p_err[-4000:]}")
-    result = {**_last_json(p_out), **_last_json(decode.stdout)}
+    ranks = [_last_json(out) for out in outputs]
+    # A request is done for the decode when its last rank is.
+    result = {
+        **_last_json(p_out),
+        "metadata_to_success_s": [max(t) for t in zip(*(r["metadata_to_success_s"] for r in ranks))],
+        "verified": all(r["verified"] for r in ranks),
+    }
     send = result["send_to_success_s"]
     result.update(
         backend=backend,
@@ -410,6 +417,18 @@ def report(results: list, skipped: dict, args) -> str:
     return "\n".join(lines)
 
 
+def _why_failed(text: str) -> str:
+    """One line for a backend that failed (its processes' output is long)."""
+    if "queue-full" in text:
+        return (
+            "Mooncake's TCP transport refused the batch (\"TCP lane queue-full rejection\" in its "
+            "log): SGLang posts a chunk's DCP token rows in one batch, one slice per row and layer"
+        )
+    lines = [line for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line]
+    return (errors or lines or ["unknown"])[-1].strip()
+
+
 def _load() -> str:
     try:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -423,6 +442,7 @@ def main(argv=None) -> int:
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated (default: %(default)s)")
     parser.add_argument("--backend", default="kvbridge", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=8192, help="tokens of the request (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=61, help="KV buffers, one per layer (default: %(default)s)")
     parser.add_argument("--token-bytes", type=int, default=1152, help="bytes per token per layer (default: %(default)s, MLA 576 x bf16)")
@@ -450,7 +470,10 @@ def main(argv=None) -> int:
         if why is not None:
             skipped[backend] = why
             continue
-        results.append(bench_backend(args, backend))
+        try:
+            results.append(bench_backend(args, backend))
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            skipped[backend] = "failed: " + _why_failed(str(e))
     print(report(results, skipped, args), flush=True)
     if args.json:
         print(json.dumps({"results": results, "skipped": skipped, "ratios": ratios(results), "load_average": _load()}), flush=True)
