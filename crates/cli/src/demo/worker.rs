@@ -175,16 +175,16 @@ where
     };
     init_tracing(label, args.verbose);
     let (tx, runs) = mpsc::unbounded_channel();
-    if !args.serve {
+    let commands = if args.serve {
+        watch_parent(tx)
+    } else {
+        // Every request at once; the channel closes behind the last.
         for i in 0..args.requests {
             let _ = tx.send(i);
         }
-    }
-    let commands = watch_parent(if args.serve {
-        tx
-    } else {
-        mpsc::unbounded_channel().0
-    });
+        drop(tx);
+        watch_parent(mpsc::unbounded_channel().0)
+    };
     let dirs = Dirs::default();
     let rt = match runtime() {
         Ok(rt) => rt,
