@@ -10,16 +10,17 @@ What it does:
   dispatch (``AttentionBackendRegistry``) with SGLang's own MLA chooser. Unregistered,
   ``torch_native`` falls back to the triton handler, which picks the MHA prefill and fails
   with a shape error for an MLA model on CPU.
-- **The damaged-KV control** (``KVBRIDGE_SERVING_DAMAGE_ROOMS=<min room>``, prefill only):
-  for a room at or above that value, the prefill's layer-0 KV (K and V, or the latent vector
-  for MLA) of the pages about to be sent is zeroed just before the sender hands them to the
-  transfer backend. The prefill's own first token was already computed from intact KV; the
-  decode receives damaged KV for layer 0, so its tokens must differ if the comparison means
-  anything. Other rooms are untouched.
-- **A slow sender** (``KVBRIDGE_SERVING_SLOW_ROOMS=<min room>:<seconds>``, prefill only): a
-  room at or above that value waits that long after each chunk is handed over (and says so in
-  the log), so that an abort sent after the first such line lands while the request's transfer
-  is under way.
+- **The damaged-KV control** (``KVBRIDGE_SERVING_DAMAGE_ROOMS=<first room>``, prefill only):
+  for a room in ``[first room, first room + ROOMS_PER_MARK)``, the layer-0 KV (K and V, or the
+  latent vector for MLA) of the pages about to be sent is zeroed in the prefill's pool just
+  before the sender hands them to the transfer backend. For a prompt of one prefill chunk (the
+  tests' control) the prefill has computed its first token by then, from intact KV; the decode
+  receives layer 0 damaged, so its tokens must differ if the comparison means anything. (A
+  later chunk of a longer prompt would read the zeroed pages too.) Other rooms are untouched.
+- **A slow sender** (``KVBRIDGE_SERVING_SLOW_ROOMS=<first room>:<seconds>``, prefill only): a
+  room in such a range from that value waits that long after each chunk is handed over (and
+  says so in the log), so that an abort sent after the first such line lands while the
+  request's transfer is under way.
 - **Mooncake on CPU** (``KVBRIDGE_SERVING_MOONCAKE_HOST_INDICES=0``): SGLang's
   ``MooncakeKVSender`` declares ``supports_host_tensor_indices = True``, which sends SGLang's
   prefill down a pinned-memory + CUDA-event path that cannot run without a GPU. Turned off here
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 DAMAGE_ENV = "KVBRIDGE_SERVING_DAMAGE_ROOMS"
 SLOW_ENV = "KVBRIDGE_SERVING_SLOW_ROOMS"
 MOONCAKE_ENV = "KVBRIDGE_SERVING_MOONCAKE_HOST_INDICES"
+# Each mark covers the rooms [first room, first room + ROOMS_PER_MARK).
+ROOMS_PER_MARK = 2**59
 
 _installed = False
 
@@ -76,6 +79,10 @@ def _zero_pages(kv_args, entries: list[int], pages) -> None:
             ctypes.memset(base + int(p) * item, 0, item)
 
 
+def _marked(room: int, first) -> bool:
+    return first is not None and first <= room < first + ROOMS_PER_MARK
+
+
 def _wrap_kvbridge_send() -> None:
     from kvbridge_sglang.conn import KvbridgeKVSender
 
@@ -86,8 +93,8 @@ def _wrap_kvbridge_send() -> None:
 
     def send_for_tests(self, kv_indices, *args, **kwargs):
         room = int(self.bootstrap_room)
-        slow_room = slow_from is not None and room >= slow_from
-        if damage_from is not None and room >= damage_from:
+        slow_room = _marked(room, slow_from)
+        if _marked(room, damage_from):
             mgr = self.kv_mgr
             pages = [int(p) for p in kv_indices]
             _zero_pages(mgr.kv_args, _layer0_entries(mgr.kv_args, mgr.is_mla_backend), pages)
