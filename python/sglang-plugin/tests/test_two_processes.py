@@ -13,8 +13,23 @@ pytestmark = pytest.mark.sglang
 
 
 def test_one_request_between_two_processes_every_byte():
+    _two_processes(dict(os.environ, SGLANG_HOST_IP="127.0.0.1"))
+
+
+def test_one_request_between_two_processes_over_nixl():
+    """The same pair with KVBRIDGE_SGLANG_TRANSPORT=nixl: host pools through NIXL's UCX
+    between two processes (docs/sglang.md, "Pools on GPUs")."""
+    import kvbridge
+
+    try:
+        kvbridge.Engine("nixl").close()
+    except kvbridge.KvbridgeError as e:
+        pytest.skip(f"kvbridge.Engine('nixl') cannot start here: {e}")
+    _two_processes(dict(os.environ, SGLANG_HOST_IP="127.0.0.1", KVBRIDGE_SGLANG_TRANSPORT="nixl"))
+
+
+def _two_processes(env):
     port = harness.free_port()
-    env = dict(os.environ, SGLANG_HOST_IP="127.0.0.1")
     cmd = [sys.executable, "-m", "kvbridge_sglang.example"]
     timeout = ["--port", str(port), "--timeout", str(harness.DEADLINE_S)]
     prefill = subprocess.Popen(cmd + ["prefill"] + timeout, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

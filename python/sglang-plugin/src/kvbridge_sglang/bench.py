@@ -403,7 +403,7 @@ def report(results: list, skipped: dict, args) -> str:
             f"{r['gb_per_s']:>7.2f} {ms(r['decode_p50_ms']):>11}"
         )
     for backend, why in skipped.items():
-        lines.append(f"{backend:<10} skipped: {why}")
+        lines.append(f"{backend:<10} {why if why.startswith('failed') else 'skipped: ' + why}")
     for r in results:
         if r["backend"] == "e2e":
             lines.append(f"e2e: {r['command']} (coordinator; its TCP large blocks: {r['transport_gb_per_s']:.2f} GB/s)")
