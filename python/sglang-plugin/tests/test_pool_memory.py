@@ -6,7 +6,6 @@ No GPU is needed: device pools are checked at the engine boundary (a recording e
 in for ``kvbridge.Engine`` and never touches the memory), with addresses no CPU could read.
 """
 
-import numpy as np
 import pytest
 
 import harness
