@@ -70,3 +70,12 @@ def test_the_bench_moves_the_same_request_through_sglangs_mooncake_backend():
     if why is not None:
         pytest.skip(why)
     _bench("mooncake")
+
+
+def test_the_engine_row_posts_the_same_rows_without_sglang():
+    out, figures = _run("--backends", "kvbridge,engine", "--tokens", "100", "--layers", "2", "--token-bytes", "64",
+                        "--page-size", "16")
+    engine = [r for r in figures["results"] if r["backend"] == "engine"][0]
+    assert engine["verified"] and engine["kv_bytes"] == 100 * 64 * 2
+    assert engine["rows"] == 2 * 7  # one row per page (7 pages of 16 tokens) and layer
+    assert "kvbridge / engine:" in out

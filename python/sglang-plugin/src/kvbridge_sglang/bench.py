@@ -45,7 +45,7 @@ import numpy as np
 
 from kvbridge_sglang.example import Pool, classes, publish
 
-BACKENDS = ("kvbridge", "mooncake", "e2e")
+BACKENDS = ("kvbridge", "mooncake", "e2e", "engine")
 # The geometry ``kvbridge bench --e2e`` moves (crates/cli/src/bench/e2e.rs).
 E2E_LAYERS, E2E_TOKEN_BYTES, E2E_MAX_TOKENS = 61, 1152, 8192
 MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
@@ -72,6 +72,8 @@ def unavailable(backend: str, args=None):
     """Why ``backend`` cannot run here, or ``None``."""
     if backend == "e2e":
         return _e2e_unavailable(args)
+    if backend == "engine":
+        return None if args is None or args.dcp == 1 else "the engine row measures the page path only (--dcp 1)"
     if backend != "mooncake":
         return None
     try:
@@ -254,6 +256,8 @@ def bench_backend(args, backend: str) -> dict:
     """One backend's prefill and decode processes; their figures."""
     if backend == "e2e":
         return bench_e2e(args)
+    if backend == "engine":
+        return bench_engine(args)
     port = _free_port()
     cmd = [sys.executable, "-m", "kvbridge_sglang.bench"]
     env = backend_env(backend, args.batch_pages)
@@ -376,12 +380,81 @@ def bench_e2e(args) -> dict:
     }
 
 
+def run_engine_receiver(args) -> int:
+    """The ``engine`` row's receiver: the decode's pool, one region per layer; checks every
+    page of the request when told ``verify``."""
+    import kvbridge
+
+    src, dst, pages, _ = _pages(args)
+    pool, want = _pool(args, pages), _pool(args, pages).fill(11)
+    with kvbridge.Engine("tcp", bind="127.0.0.1:0") as engine:
+        regions = [engine.register_buffer(buf) for buf in pool.kv]
+        print(json.dumps({"descriptor": engine.local_descriptor().hex(), "regions": regions}), flush=True)
+        for line in sys.stdin:
+            if line.strip() != "verify":
+                break
+            ok = all(np.array_equal(got[dst], sent[src]) for got, sent in zip(pool.kv, want.kv))
+            print(json.dumps({"verified": ok}), flush=True)
+    return 0
+
+
+def bench_engine(args) -> dict:
+    """The request's page rows (one per page and layer, pools registered one region per layer
+    as SGLang's are) posted straight through ``kvbridge.Engine("tcp")`` to another process in
+    one write, no SGLang: what the backend's write costs by itself (page path only)."""
+    import kvbridge
+
+    src, dst, pages, _ = _pages(args)
+    receiver = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge_sglang.bench", "_engine"] + _child_args(args, "engine", 0),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        hello = _last_json(receiver.stdout.readline())
+        pool = _pool(args, pages).fill(11)
+        row = args.page_size * args.token_bytes
+        with kvbridge.Engine("tcp", bind="127.0.0.1:0") as engine:
+            regions = [engine.register_buffer(buf) for buf in pool.kv]
+            peer = engine.connect(bytes.fromhex(hello["descriptor"]))
+            ops = np.array(
+                [(regions[layer], int(s) * row, hello["regions"][layer], int(d) * row, row)
+                 for layer in range(args.layers) for s, d in zip(src, dst)],
+                dtype=np.uint64,
+            )
+            times = []
+            for i in range(args.warmup + args.requests):
+                start = time.perf_counter()
+                engine.write(peer, ops, timeout=STEP_TIMEOUT).wait()
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - start)
+        receiver.stdin.write("verify\n")
+        receiver.stdin.flush()
+        verified = _last_json(receiver.stdout.readline())["verified"]
+    finally:
+        receiver.stdin.close()
+        try:
+            receiver.wait(timeout=STEP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            receiver.kill()
+            receiver.wait()
+    if not verified:
+        raise RuntimeError("engine: the receiver's pool differs from what was sent")
+    median = statistics.median(times)
+    return {
+        "backend": "engine", "kv_bytes": _kv_bytes(args), "send_to_success_s": times, "verified": True,
+        "prefill_p50_ms": 1e3 * median, "prefill_min_ms": 1e3 * min(times), "decode_p50_ms": None,
+        "gb_per_s": _kv_bytes(args) / median / 1e9, "rows": len(ops),
+    }
+
+
 def ratios(results: list) -> dict:
     """kvbridge's backend against kvbridge's own end to end and against Mooncake, by GB/s."""
     by = {r["backend"]: r["gb_per_s"] for r in results}
     out = {}
     if "kvbridge" in by and "e2e" in by:
         out["kvbridge_vs_e2e"] = by["kvbridge"] / by["e2e"]
+    if "kvbridge" in by and "engine" in by:
+        out["kvbridge_vs_engine"] = by["kvbridge"] / by["engine"]
     if "kvbridge" in by and "mooncake" in by:
         out["kvbridge_vs_mooncake"] = by["kvbridge"] / by["mooncake"]
     return out
@@ -412,6 +485,8 @@ def report(results: list, skipped: dict, args) -> str:
     r = ratios(results)
     if "kvbridge_vs_e2e" in r:
         lines.append(f"kvbridge / e2e: {r['kvbridge_vs_e2e']:.2f}x (target >= 0.8x)")
+    if "kvbridge_vs_engine" in r:
+        lines.append(f"kvbridge / engine: {r['kvbridge_vs_engine']:.2f}x (the same rows in one Engine.write, no SGLang)")
     if "kvbridge_vs_mooncake" in r:
         lines.append(f"kvbridge / mooncake: {r['kvbridge_vs_mooncake']:.2f}x (target >= 2x)")
     return "\n".join(lines)
@@ -438,7 +513,7 @@ def _load() -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbridge_sglang.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("role", nargs="?", default="run", choices=["run", "_prefill", "_decode"], help=argparse.SUPPRESS)
+    parser.add_argument("role", nargs="?", default="run", choices=["run", "_prefill", "_decode", "_engine"], help=argparse.SUPPRESS)
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated (default: %(default)s)")
     parser.add_argument("--backend", default="kvbridge", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -459,6 +534,8 @@ def main(argv=None) -> int:
     if args.role == "_prefill":
         print(json.dumps(run_prefill(args)), flush=True)
         return 0
+    if args.role == "_engine":
+        return run_engine_receiver(args)
     if args.role == "_decode":
         print(json.dumps(run_decode(args)), flush=True)
         return 0
