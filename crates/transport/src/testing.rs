@@ -1204,14 +1204,7 @@ pub async fn deadline_expiry(pair: TransportPair) {
     const SIZE: usize = 2 << 20;
     let rig = Rig::new(pair, &[SIZE], &[SIZE]).await;
     for (round, deadline) in EXPIRING_DEADLINES.into_iter().enumerate() {
-        rig.local[0]
-            .mem
-            .write_at(0, &SplitMix64::new(round as u64 + 40).bytes(SIZE))
-            .unwrap();
-        let old = rig.snapshot_remote();
-        let ops = scattered_ops(&rig, SIZE, 4096);
-        let mut new = old.clone();
-        apply(&mut new, &rig, &ops);
+        let (old, new, ops) = scattered_round(&rig, round as u64 + 40);
         let what = format!("a 2 MiB batch with a {deadline:?} deadline");
         let posted = Instant::now();
         let id = match rig
@@ -1242,6 +1235,21 @@ pub async fn deadline_expiry(pair: TransportPair) {
             format!("a second wait for batch {id}"),
         );
     }
+}
+
+/// A round over the rig's first regions: new source bytes from `seed`, 4096 scattered ops over
+/// the whole source, the receiver's memory as it is now (`old`) and as the ops leave it (`new`).
+fn scattered_round(rig: &Rig, seed: u64) -> (Vec<Vec<u8>>, Vec<Vec<u8>>, Vec<TransferOp>) {
+    let size = rig.local[0].mem.len();
+    rig.local[0]
+        .mem
+        .write_at(0, &SplitMix64::new(seed).bytes(size))
+        .unwrap();
+    let old = rig.snapshot_remote();
+    let ops = scattered_ops(rig, size, 4096);
+    let mut new = old.clone();
+    apply(&mut new, rig, &ops);
+    (old, new, ops)
 }
 
 /// One round of [`cancel_fences`]: new source bytes from `seed`, `ops` posted as one batch with
@@ -1393,14 +1401,7 @@ pub async fn notifications_only_for_completed_batches(pair: TransportPair) {
         ("expiring", EXPIRING_DEADLINES[1], false),
     ];
     for (round, (how, deadline, cancel)) in rounds.into_iter().enumerate() {
-        rig.local[0]
-            .mem
-            .write_at(0, &SplitMix64::new(round as u64 + 70).bytes(SIZE))
-            .unwrap();
-        let old = rig.snapshot_remote();
-        let ops = scattered_ops(&rig, SIZE, 4096);
-        let mut new = old.clone();
-        apply(&mut new, &rig, &ops);
+        let (old, new, ops) = scattered_round(&rig, round as u64 + 70);
         let payload = format!("round {round}");
         let posted = Instant::now();
         let id = rig
