@@ -17,8 +17,8 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kvbridge_netns::LinkOptions;
 use kvbridge_netns::demo::{DemoSpec, Deployment};
+use kvbridge_netns::{Link, LinkOptions};
 
 /// One test at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -124,18 +124,26 @@ fn deadline() -> Duration {
     Duration::from_secs_f64(TIMEOUT_S + 3.0)
 }
 
-#[test]
-fn a_partition_longer_than_the_deadline_ends_every_room_and_heals() {
+/// A fault held until every room in flight ended, then lifted (`fault(link, true)` starts it):
+/// each room ends by its deadline with a cause naming the peer, no byte lands after the fence
+/// (a canary per failed room and decode rank), and new requests succeed without a restart.
+/// `row` names the fault in the table from how long it lasted (s).
+fn fault_ends_every_room_and_heals(
+    name: &str,
+    fault: impl Fn(&Link, bool) -> Result<(), String>,
+    row: impl Fn(f64) -> String,
+    lifted: &str,
+) {
     let Some(_serial) = guard() else { return };
-    let mut d = start("partition");
+    let mut d = start(name);
     d.run(0..2).unwrap();
     d.wait_transferring(0);
-    d.link.partition(true).unwrap();
+    fault(&d.link, true).unwrap();
     let t0 = Instant::now();
-    // Every room in flight ends while the link is still silent.
+    // Every room in flight ends while the fault lasts.
     d.wait_ended(0..2, deadline());
     assert_failed_naming_peer(&d, 0..2, t0, deadline());
-    d.link.partition(false).unwrap();
+    fault(&d.link, false).unwrap();
     let healed = Instant::now();
     // Anything still in flight on the old connections lands now, if it ever does.
     std::thread::sleep(Duration::from_secs(1));
@@ -145,24 +153,14 @@ fn a_partition_longer_than_the_deadline_ends_every_room_and_heals() {
     d.wait_ended(2..4, Duration::from_secs(30));
     d.assert_succeeded(2..4);
     let recovery = format!(
-        "requests 2-3 succeeded {:.1} s after the heal, no restart",
+        "requests 2-3 succeeded {:.1} s after {lifted}, no restart",
         d.ends[&(0, 3)]
             .at
             .saturating_duration_since(healed)
             .as_secs_f64()
     );
-    println!(
-        "{}",
-        d.table_row(
-            &format!(
-                "blackhole {:.1} s (healed once every room ended)",
-                healed.duration_since(t0).as_secs_f64()
-            ),
-            0..2,
-            t0,
-            &recovery
-        )
-    );
+    let lasted = healed.duration_since(t0).as_secs_f64();
+    println!("{}", d.table_row(&row(lasted), 0..2, t0, &recovery));
     let canaries = d.assert_canaries();
     assert_eq!(
         canaries,
@@ -170,6 +168,26 @@ fn a_partition_longer_than_the_deadline_ends_every_room_and_heals() {
         "a canary per failed room and decode rank"
     );
     d.finish();
+}
+
+#[test]
+fn a_partition_longer_than_the_deadline_ends_every_room_and_heals() {
+    fault_ends_every_room_and_heals(
+        "partition",
+        |link, on| link.partition(on),
+        |s| format!("blackhole {s:.1} s (healed once every room ended)"),
+        "the heal",
+    );
+}
+
+#[test]
+fn carrier_loss_ends_every_room_and_heals() {
+    fault_ends_every_room_and_heals(
+        "carrier",
+        |link, on| link.carrier(!on),
+        |s| format!("carrier down {s:.1} s (up once every room ended)"),
+        "the carrier returned",
+    );
 }
 
 /// A partition fails no room while it stays shorter than the decode's heartbeat window
@@ -198,47 +216,6 @@ fn a_partition_shorter_than_the_heartbeat_window_fails_no_room() {
         )
     );
     d.assert_succeeded(0..2);
-    d.finish();
-}
-
-#[test]
-fn carrier_loss_ends_every_room_and_heals() {
-    let Some(_serial) = guard() else { return };
-    let mut d = start("carrier");
-    d.run(0..2).unwrap();
-    d.wait_transferring(0);
-    d.link.carrier(false).unwrap();
-    let t0 = Instant::now();
-    d.wait_ended(0..2, deadline());
-    assert_failed_naming_peer(&d, 0..2, t0, deadline());
-    d.link.carrier(true).unwrap();
-    let healed = Instant::now();
-    std::thread::sleep(Duration::from_secs(1));
-    // The decode ranks' pool slots come back once each failed room's fence ends.
-    assert!(d.wait_released(0..2, Duration::from_secs(30)));
-    d.run(2..4).unwrap();
-    d.wait_ended(2..4, Duration::from_secs(30));
-    d.assert_succeeded(2..4);
-    d.assert_canaries();
-    let recovery = format!(
-        "requests 2-3 succeeded {:.1} s after the carrier returned, no restart",
-        d.ends[&(0, 3)]
-            .at
-            .saturating_duration_since(healed)
-            .as_secs_f64()
-    );
-    println!(
-        "{}",
-        d.table_row(
-            &format!(
-                "carrier down {:.1} s (up once every room ended)",
-                healed.duration_since(t0).as_secs_f64()
-            ),
-            0..2,
-            t0,
-            &recovery
-        )
-    );
     d.finish();
 }
 
