@@ -16,6 +16,23 @@ def descriptor(role):
     return kvbridge.PeerDescriptor.mla(role, PAGE, LAYERS, ROW)
 
 
+def move_two_pages(prefill, decode, server, p_kv, d_kv, room, src_pages, dst_pages):
+    """Fills the prefill's pools, moves `src_pages` into the decode's `dst_pages` as one room and
+    checks every byte of them in every layer."""
+    for layer, m in enumerate(p_kv):
+        np.asarray(m)[:] = np.arange(m.nbytes, dtype=np.uint64).astype(np.uint8) + layer
+    prefill.create_room(room)
+    decode.receive(room, server.addr, dst_pages)
+    assert prefill.wait_ready(room, timeout=120.0) == 0
+    prefill.send_chunk(room, src_pages, 2 * PAGE, last=True)
+    assert prefill.wait(room, timeout=120.0) == kvbridge.KVPoll.Success
+    assert decode.wait(room, timeout=120.0) == kvbridge.KVPoll.Success
+    for layer in range(LAYERS):
+        src, dst = np.asarray(p_kv[layer]), np.asarray(d_kv[layer])
+        for s, d in zip(src_pages, dst_pages):
+            assert (dst[d * ITEM : (d + 1) * ITEM] == src[s * ITEM : (s + 1) * ITEM]).all()
+
+
 def test_kvpoll_has_sglangs_names_and_values():
     assert [(p.name, int(p)) for p in kvbridge.KVPoll] == [
         ("Failed", 0),
@@ -154,18 +171,7 @@ def test_a_secret_guards_the_bootstrap_registry_and_the_control_channel():
             p_engine, descriptor("prefill"), p_kv, bootstrap_addr=server.addr, secret=secret
         )
         decode = kvbridge.DecodeAgent(d_engine, descriptor("decode"), d_kv, secret=secret)
-        for layer, m in enumerate(p_kv):
-            np.asarray(m)[:] = np.arange(m.nbytes, dtype=np.uint64).astype(np.uint8) + layer
-        prefill.create_room(5)
-        decode.receive(5, server.addr, [1, 3])
-        assert prefill.wait_ready(5, timeout=120.0) == 0
-        prefill.send_chunk(5, [4, 2], 2 * PAGE, last=True)
-        assert prefill.wait(5, timeout=120.0) == kvbridge.KVPoll.Success
-        assert decode.wait(5, timeout=120.0) == kvbridge.KVPoll.Success
-        for layer in range(LAYERS):
-            src, dst = np.asarray(p_kv[layer]), np.asarray(d_kv[layer])
-            for s, d in ((4, 1), (2, 3)):
-                assert (dst[d * ITEM : (d + 1) * ITEM] == src[s * ITEM : (s + 1) * ITEM]).all()
+        move_two_pages(prefill, decode, server, p_kv, d_kv, 5, [4, 2], [1, 3])
         # A decode without the secret cannot even look the prefill up.
         stranger = kvbridge.DecodeAgent(d_engine, descriptor("decode"), d_kv, bootstrap_timeout=2.0)
         stranger.receive(6, server.addr, [0])
@@ -201,18 +207,7 @@ def test_bound_on_every_interface_the_advertised_addresses_are_named_and_used():
         unnamed = kvbridge.DecodeAgent(d_engine, descriptor("decode"), d_kv, bind="0.0.0.0:0")
         assert "0.0.0.0:" in unnamed.endpoint, unnamed.endpoint
         unnamed.close()
-        for layer, m in enumerate(p_kv):
-            np.asarray(m)[:] = np.arange(m.nbytes, dtype=np.uint64).astype(np.uint8) + layer
-        prefill.create_room(4)
-        decode.receive(4, server.addr, [2, 6])
-        assert prefill.wait_ready(4, timeout=120.0) == 0
-        prefill.send_chunk(4, [1, 3], 2 * PAGE, last=True)
-        assert prefill.wait(4, timeout=120.0) == kvbridge.KVPoll.Success
-        assert decode.wait(4, timeout=120.0) == kvbridge.KVPoll.Success
-        for layer in range(LAYERS):
-            src, dst = np.asarray(p_kv[layer]), np.asarray(d_kv[layer])
-            for s, d in ((1, 2), (3, 6)):
-                assert (dst[d * ITEM : (d + 1) * ITEM] == src[s * ITEM : (s + 1) * ITEM]).all()
+        move_two_pages(prefill, decode, server, p_kv, d_kv, 4, [1, 3], [2, 6])
         for a in (decode, prefill, p_engine, d_engine):
             a.close()
 
