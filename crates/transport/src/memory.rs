@@ -225,7 +225,7 @@ enum Backing {
 }
 
 /// One access's claim on a byte range.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Claim {
     range: Range<usize>,
     access: Access,
@@ -246,29 +246,89 @@ impl Claim {
 #[derive(Debug, Default)]
 struct ClaimTable {
     claims: Vec<Claim>,
+    /// How many of `claims` write: a read conflicts with nothing while there are none, so the
+    /// many row claims of a send are recorded without looking at the others.
+    writes: usize,
     /// Accesses waiting on `released` for a conflicting claim to end: a release signals the
     /// condition variable only when there are some (a wake-up is a system call).
     waiting: usize,
 }
 
 impl ClaimTable {
+    /// A held claim `want` may not run beside, if any.
+    fn conflict(&self, want: &Claim) -> Option<&Claim> {
+        if want.access == Access::Read && self.writes == 0 {
+            return None;
+        }
+        self.claims.iter().find(|held| held.conflicts(want))
+    }
+
     /// Records all of `wanted` (which may overlap each other: they belong to one access), or
     /// none, returning the index of the first refused claim and the claim it met.
     fn try_insert(&mut self, wanted: &[Claim]) -> Result<(), (usize, Claim)> {
         for (i, want) in wanted.iter().enumerate() {
-            if let Some(held) = self.claims.iter().find(|held| held.conflicts(want)) {
+            if let Some(held) = self.conflict(want) {
                 return Err((i, held.clone()));
             }
         }
-        self.claims
-            .extend(wanted.iter().filter(|c| !c.range.is_empty()).cloned());
+        for claim in wanted.iter().filter(|c| !c.range.is_empty()) {
+            self.push(claim.clone());
+        }
         Ok(())
     }
 
-    fn remove(&mut self, claim: &Claim) {
-        if let Some(i) = self.claims.iter().position(|c| c == claim) {
-            self.claims.swap_remove(i);
+    /// Records the leading claims of `wanted` (one access's, not empty) that no held claim
+    /// conflicts with: their number, and the claim the next one met.
+    fn insert_leading(&mut self, wanted: &[Claim]) -> (usize, Option<Claim>) {
+        for (i, want) in wanted.iter().enumerate() {
+            if let Some(held) = self.conflict(want) {
+                let held = held.clone();
+                for claim in &wanted[..i] {
+                    self.push(claim.clone());
+                }
+                return (i, Some(held));
+            }
         }
+        for claim in wanted {
+            self.push(claim.clone());
+        }
+        (wanted.len(), None)
+    }
+
+    fn push(&mut self, claim: Claim) {
+        self.writes += usize::from(claim.access == Access::Write);
+        self.claims.push(claim);
+    }
+
+    fn remove(&mut self, claim: &Claim) {
+        // From the end: the latest claims are released first most often.
+        if let Some(i) = self.claims.iter().rposition(|c| c == claim) {
+            let gone = self.claims.swap_remove(i);
+            self.writes -= usize::from(gone.access == Access::Write);
+        }
+    }
+
+    /// Removes one recorded copy of each of `gone`, in one pass over the table.
+    fn remove_all(&mut self, gone: &[Claim]) {
+        if gone.len() <= 4 {
+            gone.iter().for_each(|c| self.remove(c));
+            return;
+        }
+        let mut left: std::collections::HashMap<&Claim, usize> =
+            std::collections::HashMap::with_capacity(gone.len());
+        for claim in gone {
+            *left.entry(claim).or_default() += 1;
+        }
+        let mut writes_gone = 0;
+        self.claims.retain(|c| match left.get_mut(c) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                writes_gone += usize::from(c.access == Access::Write);
+                false
+            }
+            _ => true,
+        });
+        self.writes -= writes_gone;
     }
 }
 
@@ -346,13 +406,17 @@ impl Inner {
 
     fn release(&self, claim: &Claim) {
         if !claim.range.is_empty() {
-            let mut table = self.table();
-            table.remove(claim);
-            let waiting = table.waiting > 0;
-            drop(table);
-            if waiting {
-                self.released.notify_all();
-            }
+            self.release_all(std::slice::from_ref(claim));
+        }
+    }
+
+    fn release_all(&self, claims: &[Claim]) {
+        let mut table = self.table();
+        table.remove_all(claims);
+        let waiting = table.waiting > 0;
+        drop(table);
+        if waiting {
+            self.released.notify_all();
         }
     }
 
@@ -1130,30 +1194,117 @@ impl Drop for RegionSlice {
 /// Iovecs one [`recv_vectored`] / [`send_vectored`] call passes at most (the kernel's limit).
 pub const MAX_IOVECS: usize = 1024;
 
+/// The claims of one vectored socket call, per region in the call's order, released together
+/// when dropped. Ranges that follow each other in memory are one claim (and one iovec).
+struct ClaimedRanges<'a> {
+    groups: Vec<(&'a Inner, Vec<Claim>)>,
+}
+
+impl ClaimedRanges<'_> {
+    /// One iovec per claim, in the call's order.
+    fn iovecs(&self) -> impl Iterator<Item = libc::iovec> + '_ {
+        self.groups.iter().flat_map(|(inner, claims)| {
+            claims.iter().map(|c| libc::iovec {
+                // In bounds (checked when claimed); `wrapping_add` keeps this safe.
+                iov_base: inner.ptr.wrapping_add(c.range.start).cast(),
+                iov_len: c.range.len(),
+            })
+        })
+    }
+
+    fn is_empty(&self) -> bool {
+        self.groups.is_empty()
+    }
+}
+
+impl Drop for ClaimedRanges<'_> {
+    fn drop(&mut self) {
+        for (inner, claims) in &self.groups {
+            inner.release_all(claims);
+        }
+    }
+}
+
 /// Claims `ranges` (`(region, offset, len)`) for `access`, in order, never waiting (the
 /// callers are non-blocking socket calls), stopping before the first one that overlaps an
 /// earlier range of the same call where one writes or, when some are claimed already, that
-/// another access holds. Refusals of the first range are errors.
+/// another access holds. Refusals of the first range are errors. Empty ranges are skipped.
 fn claim_ranges<'a>(
     ranges: &[(&'a MemoryRegion, u64, u64)],
     access: Access,
-) -> std::io::Result<Vec<Claimed<'a>>> {
-    let mut claimed: Vec<Claimed<'a>> = Vec::with_capacity(ranges.len().min(MAX_IOVECS));
+) -> std::io::Result<ClaimedRanges<'a>> {
+    // The call's claims, checked, merged where one starts where the previous one ends.
+    let mut wanted: Vec<(&'a Inner, Claim)> = Vec::with_capacity(ranges.len().min(MAX_IOVECS));
+    // Per region of the call, the end of its furthest range: a write range starting at or
+    // after it overlaps none of the call's earlier ones (rows in order need no search).
+    let mut furthest: Vec<(*const Inner, usize)> = Vec::new();
     for &(region, offset, len) in ranges.iter().take(MAX_IOVECS) {
-        if let Ok(range) = region.range(offset, len) {
-            let want = Claim { range, access };
-            if claimed
-                .iter()
-                .any(|c| std::ptr::eq(c.inner, &*region.inner) && c.claim.conflicts(&want))
+        let checked = region.host_only(Operand::Region).and_then(|()| {
+            region
+                .range(offset, len)
+                .map_err(|e| e.refused(Operand::Region))
+        });
+        let range = match checked {
+            Ok(range) => range,
+            Err(_) if !wanted.is_empty() => break,
+            Err(e) => return Err(std::io::Error::other(e)),
+        };
+        if range.is_empty() {
+            continue;
+        }
+        let inner: &'a Inner = &region.inner;
+        let key = std::ptr::from_ref(inner);
+        let seen = furthest.iter_mut().find(|(r, _)| *r == key);
+        let want = Claim { range, access };
+        if access == Access::Write {
+            let in_order = seen
+                .as_ref()
+                .is_none_or(|(_, end)| want.range.start >= *end);
+            if !in_order
+                && wanted
+                    .iter()
+                    .any(|(i, c)| std::ptr::eq(*i, inner) && c.conflicts(&want))
             {
                 break;
             }
         }
-        match region.claim_waiting(offset, len, access, Operand::Region, Wait::Never) {
-            Ok(c) => claimed.push(c),
-            Err(_) if !claimed.is_empty() => break,
-            Err(e) => return Err(std::io::Error::other(e)),
+        match seen {
+            Some((_, end)) => *end = (*end).max(want.range.end),
+            None => furthest.push((key, want.range.end)),
         }
+        match wanted.last_mut() {
+            Some((i, last)) if std::ptr::eq(*i, inner) && last.range.end == want.range.start => {
+                last.range.end = want.range.end;
+            }
+            _ => wanted.push((inner, want)),
+        }
+    }
+    // Recorded a region at a time (one lock each), up to the first claim another access holds.
+    let mut claimed = ClaimedRanges { groups: Vec::new() };
+    let mut rest = &wanted[..];
+    while let Some((inner, _)) = rest.first() {
+        let inner = *inner;
+        let n = rest
+            .iter()
+            .position(|(i, _)| !std::ptr::eq(*i, inner))
+            .unwrap_or(rest.len());
+        let group: Vec<Claim> = rest[..n].iter().map(|(_, c)| c.clone()).collect();
+        let (taken, held) = inner.table().insert_leading(&group);
+        if taken == 0 {
+            if let (true, Some(held)) = (claimed.is_empty(), held) {
+                let err = inner.conflict(Operand::Region, &group[0], &held);
+                return Err(std::io::Error::other(err));
+            }
+            break;
+        }
+        let all = taken == group.len();
+        let mut group = group;
+        group.truncate(taken);
+        claimed.groups.push((inner, group));
+        if !all {
+            break;
+        }
+        rest = &rest[n..];
     }
     Ok(claimed)
 }
@@ -1171,14 +1322,8 @@ pub fn recv_vectored(
 ) -> std::io::Result<usize> {
     use std::os::fd::AsRawFd;
     let claimed = claim_ranges(ranges, Access::Write)?;
-    let iov: Vec<libc::iovec> = claimed
-        .iter()
-        .map(|c| libc::iovec {
-            iov_base: c.ptr().cast(),
-            iov_len: c.len(),
-        })
-        .collect();
-    // SAFETY: each iovec covers a claimed range inside a host region (checked by `claim`),
+    let iov: Vec<libc::iovec> = claimed.iovecs().collect();
+    // SAFETY: each iovec covers a claimed range inside a host region (checked by `claim_ranges`),
     // valid for writes by the `allocate` / `from_raw_parts` contract, and claimed exclusively,
     // so no other access from this process touches it during the call; the kernel writes raw
     // memory, so no Rust reference to the bytes exists. `iov` outlives the call.
@@ -1203,17 +1348,14 @@ pub fn send_vectored(
     use std::os::fd::AsRawFd;
     let room = MAX_IOVECS - usize::from(!head.is_empty());
     let claimed = claim_ranges(&ranges[..ranges.len().min(room)], Access::Read)?;
-    let mut iov = Vec::with_capacity(claimed.len() + 1);
+    let mut iov = Vec::with_capacity(ranges.len().min(room) + 1);
     if !head.is_empty() {
         iov.push(libc::iovec {
             iov_base: head.as_ptr().cast_mut().cast(),
             iov_len: head.len(),
         });
     }
-    iov.extend(claimed.iter().map(|c| libc::iovec {
-        iov_base: c.ptr().cast(),
-        iov_len: c.len(),
-    }));
+    iov.extend(claimed.iovecs());
     // SAFETY: `head` is a live slice the kernel only reads; each other iovec covers a claimed
     // range inside a host region, valid for reads, claimed shared so no write from this process
     // touches it during the call; the kernel reads raw memory. `iov` outlives the call.
@@ -1258,6 +1400,81 @@ mod tests {
         // SAFETY: the Vec is never resized or referenced again; moving it into the region as
         // its owner keeps the heap bytes alive and in place.
         unsafe { MemoryRegion::from_raw_parts(ForeignMemory::host(ptr, len, buf)) }
+    }
+
+    #[test]
+    fn a_vectored_call_claims_its_rows_merged_in_order_and_stops_at_a_conflict() {
+        let o = MemoryRegion::allocate(64).unwrap();
+        let spans = |c: &ClaimedRanges<'_>| -> Vec<Range<usize>> {
+            c.groups
+                .iter()
+                .flat_map(|(_, claims)| claims.iter().map(|c| c.range.clone()))
+                .collect()
+        };
+        // Rows that follow each other are one claim; a gap starts another; empty ones vanish.
+        let rows = [
+            (&o, 0, 8),
+            (&o, 8, 8),
+            (&o, 20, 0),
+            (&o, 24, 8),
+            (&o, 32, 4),
+        ];
+        let c = claim_ranges(&rows, Access::Write).unwrap();
+        assert_eq!(spans(&c), vec![0..16, 24..36]);
+        // A write row overlapping an earlier one of the call ends the call before it; rows out
+        // of order that overlap nothing are all claimed.
+        let d = MemoryRegion::allocate(64).unwrap();
+        let rows = [(&d, 16, 8), (&d, 0, 8), (&d, 4, 8), (&d, 40, 8)];
+        assert_eq!(
+            spans(&claim_ranges(&rows, Access::Write).unwrap()),
+            vec![16..24, 0..8]
+        );
+        // Reads may overlap each other, and the bytes `c` writes refuse them.
+        let rows = [(&d, 0, 8), (&d, 4, 8), (&o, 12, 8)];
+        assert_eq!(
+            spans(&claim_ranges(&rows, Access::Read).unwrap()),
+            vec![0..8, 4..12]
+        );
+        let Err(e) = claim_ranges(&[(&o, 4, 4)], Access::Read) else {
+            panic!("a read of bytes being written was claimed");
+        };
+        assert!(e.to_string().contains("claimed for writing"), "{e}");
+        drop(c);
+        // Released in one go: the whole region can be written again.
+        assert!(o.try_borrow_mut(0, 64).is_ok());
+    }
+
+    #[test]
+    fn the_claim_table_tells_reads_from_writes_and_removes_one_copy_of_each() {
+        let claim = |start: usize, end: usize, access| Claim {
+            range: start..end,
+            access,
+        };
+        let mut t = ClaimTable::default();
+        let reads: Vec<Claim> = (0..10)
+            .map(|i| claim(i * 4, i * 4 + 8, Access::Read))
+            .collect();
+        assert_eq!(t.insert_leading(&reads), (10, None));
+        assert_eq!(t.insert_leading(&reads[..2]), (2, None)); // the same reads, twice
+        assert_eq!(t.writes, 0);
+        let write = claim(9, 10, Access::Write);
+        assert_eq!(t.try_insert(std::slice::from_ref(&write)).unwrap_err().0, 0);
+        t.remove_all(&reads);
+        // One copy of reads 0 and 1 is left: the write still meets read 1 (4..12).
+        assert_eq!(t.claims.len(), 2);
+        assert_eq!(
+            t.try_insert(std::slice::from_ref(&write)).unwrap_err().1,
+            reads[1]
+        );
+        t.remove_all(&reads[..2]);
+        assert!(t.try_insert(std::slice::from_ref(&write)).is_ok());
+        assert_eq!(t.writes, 1);
+        // With a writer held, reads are checked again.
+        let (n, held) =
+            t.insert_leading(&[claim(20, 24, Access::Read), claim(9, 11, Access::Read)]);
+        assert_eq!((n, held), (1, Some(write.clone())));
+        t.remove(&write);
+        assert_eq!((t.writes, t.claims.len()), (0, 1));
     }
 
     #[test]
