@@ -742,8 +742,10 @@ async fn silent_listener(
     (addr, task)
 }
 
+/// Fast keep-alive, one connection per peer (the silent listener answers one).
 fn keepalive_config() -> TcpConfig {
     TcpConfig::default()
+        .with_connections_per_peer(1)
         .with_keepalive_interval(Duration::from_millis(50))
         .with_keepalive_timeout(Duration::from_millis(300))
         .with_fence_grace(Duration::from_millis(200))
@@ -1186,9 +1188,11 @@ async fn connections_beyond_the_limit_are_refused_until_one_closes() {
     let mut third = Raw::hello(&t, hello).await;
     let msg = third.expect_error(16).await;
     assert!(msg.contains("max_inbound_connections"), "{msg}");
-    // Once a connection closes, its slot serves the next peer.
+    // Once a connection closes, its slot serves the next peer (of one connection).
     drop(first);
-    let good = TcpTransport::new().await.unwrap();
+    let good = TcpTransport::bind(TcpConfig::default().with_connections_per_peer(1))
+        .await
+        .unwrap();
     let mut admitted = false;
     for _ in 0..200 {
         match good.connect(&t.local_descriptor()).await {
