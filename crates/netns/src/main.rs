@@ -5,9 +5,12 @@
 //! `--runs`); `kvbridge bench --transport tcp --pattern large` with its receiver in the other
 //! namespace (256 MiB blocks; its own same-run baseline is one raw TCP stream); and the demo's
 //! DCP 1 -> 4 end to end (prefill in one namespace, four decode ranks in the other, every
-//! byte verified). Prints one table, with the load average next to each figure (other work on
-//! the machine moves them). Needs root; `--kvbridge` defaults to the `kvbridge` binary next to
-//! this one (`cargo build --release -p kvbridge-cli -p kvbridge-netns`).
+//! byte verified). With `--nixl`, also `kvbridge bench --transport nixl --pattern large` across
+//! the link with `UCX_TLS=tcp` (its same-run baseline: the same descriptors through nixl-sys
+//! directly; needs a `kvbridge` built with `--features nixl` and `cargo xtask nixl-setup`).
+//! Prints one table, with the load average next to each figure (other work on the machine
+//! moves them). Needs root; `--kvbridge` defaults to the `kvbridge` binary next to this one
+//! (`cargo build --release -p kvbridge-cli -p kvbridge-netns`).
 
 use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
@@ -17,7 +20,7 @@ use kvbridge_netns::demo::{DemoSpec, Deployment};
 use kvbridge_netns::{Link, LinkOptions, Proc};
 
 const USAGE: &str = "usage: kvbridge-netns bench [--kvbridge PATH] [--mtu 1500,9000] [--runs N] \
-                     [--tcp-connections N] [--requests N] [--skip-e2e]";
+                     [--tcp-connections N] [--requests N] [--skip-e2e] [--nixl]";
 
 struct Opts {
     kvbridge: PathBuf,
@@ -26,6 +29,7 @@ struct Opts {
     tcp_connections: Option<u32>,
     requests: u32,
     e2e: bool,
+    nixl: bool,
 }
 
 fn parse() -> Result<Opts, String> {
@@ -41,6 +45,7 @@ fn parse() -> Result<Opts, String> {
         tcp_connections: None,
         requests: 8,
         e2e: true,
+        nixl: false,
     };
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or(format!("{a} needs a value; {USAGE}"));
@@ -60,6 +65,7 @@ fn parse() -> Result<Opts, String> {
                 o.requests = value()?.parse().map_err(|_| "bad --requests".to_owned())?;
             }
             "--skip-e2e" => o.e2e = false,
+            "--nixl" => o.nixl = true,
             _ => return Err(format!("unknown argument {a:?}; {USAGE}")),
         }
     }
@@ -147,21 +153,21 @@ fn iperf3(link: &Link, streams: u32, runs: u32) -> Result<f64, String> {
     Ok(median(rates))
 }
 
-/// `kvbridge bench --transport tcp --pattern large` with the receiver in side B: (kvbridge
-/// GB/s, raw-stream GB/s).
-fn large(o: &Opts, link: &Link) -> Result<(f64, f64), String> {
+/// `kvbridge bench --transport tcp|nixl --pattern large` with the receiver in side B:
+/// (kvbridge GB/s, its same-run baseline's GB/s: one raw TCP stream, or nixl-sys directly).
+fn large(o: &Opts, link: &Link, transport: &str) -> Result<(f64, f64), String> {
     let mut c = Command::new("timeout");
+    if transport == "nixl" {
+        // UCX over TCP only, on the veth ends (either name: each side has one of them).
+        c.env("UCX_TLS", "tcp").env(
+            "UCX_NET_DEVICES",
+            format!("{},{}", link.a.veth, link.b.veth),
+        );
+    }
     c.args(["300", "ip", "netns", "exec", &link.a.netns])
         .arg(&o.kvbridge)
-        .args([
-            "bench",
-            "--transport",
-            "tcp",
-            "--pattern",
-            "large",
-            "--json",
-            "--runs",
-        ])
+        .args(["bench", "--transport", transport])
+        .args(["--pattern", "large", "--json", "--runs"])
         .arg(o.runs.to_string())
         .args(["--bind-addr", &link.a.addr.to_string()])
         .args([
@@ -263,6 +269,58 @@ fn e2e(o: &Opts, mtu: u32) -> Result<f64, String> {
     Ok(bytes as f64 / 1e9 / last.duration_since(started).as_secs_f64())
 }
 
+/// The large-block rows of one MTU (TCP, and NIXL with `--nixl`), ratios against `best`
+/// (iperf3's best); false when one failed.
+fn large_rows(o: &Opts, link: &Link, mtu: u32, best: f64) -> bool {
+    let mut ok = true;
+    let load = loadavg();
+    match large(o, link, "tcp") {
+        Ok((g, raw)) => {
+            println!(
+                "| {mtu} | kvbridge TCP, 256 MiB blocks | {g:.2} | {} | {load} |",
+                ratio(g, best)
+            );
+            println!(
+                "| {mtu} | raw TCP stream (kvbridge bench's own baseline) | {raw:.2} | {} | {load} |",
+                ratio(raw, best)
+            );
+        }
+        Err(e) => {
+            ok = false;
+            println!("| {mtu} | kvbridge TCP, 256 MiB blocks | error: {e} | | {load} |");
+        }
+    }
+    if o.nixl {
+        let load = loadavg();
+        match large(o, link, "nixl") {
+            Ok((g, raw)) => {
+                let vs_raw = if raw > 0.0 { g / raw } else { 0.0 };
+                println!(
+                    "| {mtu} | kvbridge NIXL (UCX_TLS=tcp), 256 MiB blocks | {g:.2} | {} ({vs_raw:.2}x of nixl-sys) | {load} |",
+                    ratio(g, best)
+                );
+                println!(
+                    "| {mtu} | nixl-sys directly, same descriptors (kvbridge bench's own baseline) | {raw:.2} | {} | {load} |",
+                    ratio(raw, best)
+                );
+            }
+            Err(e) => {
+                ok = false;
+                println!("| {mtu} | kvbridge NIXL, 256 MiB blocks | error: {e} | | {load} |");
+            }
+        }
+    }
+    ok
+}
+
+fn ratio(g: f64, best: f64) -> String {
+    if best > 0.0 {
+        format!("{:.2}x", g / best)
+    } else {
+        "-".to_owned()
+    }
+}
+
 fn main() -> ExitCode {
     let o = match parse() {
         Ok(o) => o,
@@ -309,30 +367,7 @@ fn main() -> ExitCode {
                 }
             }
         }
-        let ratio = |g: f64| {
-            if best > 0.0 {
-                format!("{:.2}x", g / best)
-            } else {
-                "-".to_owned()
-            }
-        };
-        let load = loadavg();
-        match large(&o, &link) {
-            Ok((g, raw)) => {
-                println!(
-                    "| {mtu} | kvbridge TCP, 256 MiB blocks | {g:.2} | {} | {load} |",
-                    ratio(g)
-                );
-                println!(
-                    "| {mtu} | raw TCP stream (kvbridge bench's own baseline) | {raw:.2} | {} | {load} |",
-                    ratio(raw)
-                );
-            }
-            Err(e) => {
-                failed = true;
-                println!("| {mtu} | kvbridge TCP, 256 MiB blocks | error: {e} | | {load} |");
-            }
-        }
+        failed |= !large_rows(&o, &link, mtu, best);
         drop(link);
         if o.e2e {
             let load = loadavg();
@@ -340,7 +375,7 @@ fn main() -> ExitCode {
                 Ok(g) => println!(
                     "| {mtu} | demo DCP 1 -> 4 end to end ({} requests, verified) | {g:.2} | {} | {load} |",
                     o.requests,
-                    ratio(g)
+                    ratio(g, best)
                 ),
                 Err(e) => {
                     failed = true;
