@@ -108,3 +108,18 @@ def send_in_two_chunks(sender, a):
     first = 2 * RESHARD_P * a
     sender.send(np.asarray(src_pages[:2], dtype=np.int32), num_kv_tokens=first)
     sender.send(np.asarray(src_pages[2:], dtype=np.int32), num_kv_tokens=RESHARD_N - first)
+
+
+class CountingEngine:
+    """A ``kvbridge.Engine`` that records the number of ops (descriptors) of every write it
+    posts."""
+
+    def __init__(self, engine):
+        self._engine, self.writes = engine, []
+
+    def write(self, peer, ops, **kw):
+        self.writes.append(len(ops))
+        return self._engine.write(peer, ops, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)

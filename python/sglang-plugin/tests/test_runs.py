@@ -44,18 +44,31 @@ def test_page_runs_leave_what_they_do_not_plan_to_sglangs_function():
     assert page_runs(np.array([[1, 2]]), np.array([[1, 2]])) is None
 
 
-class CountingEngine:
-    """A ``kvbridge.Engine`` that records the rows of every write it posts."""
+def test_run_progressions_cover_their_runs_exactly():
+    from kvbridge_sglang.conn import run_progressions
 
-    def __init__(self, engine):
-        self._engine, self.writes = engine, []
+    def expand(prog):
+        return [
+            (s + k * ss, d + k * ds, n) for s, d, n, count, ss, ds in prog.tolist() for k in range(count)
+        ]
 
-    def write(self, peer, ops, **kw):
-        self.writes.append(len(ops))
-        return self._engine.write(peer, ops, **kw)
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
+    rng = np.random.default_rng(9)
+    for case in range(500):
+        n = int(rng.integers(0, 40))
+        # Steps that repeat, change and go backwards; runs of one or two lengths.
+        src = np.cumsum(rng.choice([4, 4, 4, 1, 9, -30], size=n)) + 100
+        dst = np.cumsum(rng.choice([1, 1, 1, 2, 5, -7], size=n)) + 100
+        rows = rng.choice([1, 1, 1, 2], size=n) if case % 2 else np.ones(n, dtype=np.int64)
+        runs = np.stack([src, dst, rows], axis=1).astype(np.int64)
+        prog = run_progressions(runs)
+        assert prog.dtype == np.int64 and prog.shape[1] == 6
+        assert expand(prog) == [tuple(r) for r in runs.tolist()]
+        many = prog[:, 3] > 1
+        # Strides a transport takes: non-negative, destinations of one op disjoint.
+        assert (prog[many, 4] >= 0).all() and (prog[many, 5] >= prog[many, 2]).all()
+    # A DCP rank's rows of two consecutive pages and of one more page: two progressions.
+    rows = [(8 * p + r, i, 1) for i, (p, r) in enumerate([(3, 1), (3, 5), (4, 1), (4, 5), (9, 1), (9, 5)])]
+    assert run_progressions(np.array(rows)).tolist() == [[25, 0, 1, 4, 4, 1], [73, 4, 1, 2, 4, 1]]
 
 
 @pytest.fixture
@@ -85,7 +98,7 @@ def test_each_chunk_is_one_write_of_its_runs(bootstrap, monkeypatch):
     decode = harness.Pool(layers=layers, pages=24, page_bytes=page_bytes)
     p_mgr = cls["MANAGER"](prefill.kv_args(4), mode.PREFILL, args, True)
     d_mgr = cls["MANAGER"](decode.kv_args(4), mode.DECODE, args, True)
-    counting = CountingEngine(p_mgr.engine.engine)
+    counting = harness.CountingEngine(p_mgr.engine.engine)
     p_mgr.engine.engine = counting
     # Three chunks: runs of consecutive pages on both sides, and single pages.
     src = [0, 1, 2, 3, 9, 10, 4, 20, 21, 22, 5, 6]

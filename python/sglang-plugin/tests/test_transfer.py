@@ -135,8 +135,12 @@ def test_mla_prefill_dcp1_to_decode_dcp4_owner_rule(sglang_env):
             )
     finally:
         get_parallel().override_permanently(**harness.ranks(tp=1, rank=0, dcp=1))
-    src_pages = [12, 3, 7, 0, 9, 14, 1, 5, 10, 2]  # ceil(37 / 4) prefill pages
-    d_pages = [5, 1, 6]  # ceil(37 / 16) virtual pages of 16 tokens
+    counting = harness.CountingEngine(p_mgr.engine.engine)
+    p_mgr.engine.engine = counting
+    # ceil(37 / 4) prefill pages, 3 to 10 consecutive; ceil(37 / 16) virtual pages of 16
+    # tokens, consecutive.
+    src_pages = [12, 3, 4, 5, 6, 7, 8, 9, 10, 2]
+    d_pages = [5, 6, 7]
     room = 21
     sender = cls[t.SENDER](p_mgr, addr, room)
     receivers = []
@@ -158,6 +162,10 @@ def test_mla_prefill_dcp1_to_decode_dcp4_owner_rule(sglang_env):
         for layer, (w, got) in enumerate(zip(want, decodes[r].kv)):
             assert np.array_equal(got, w), f"decode rank {r} layer {layer}"
         assert np.array_equal(decodes[r].aux[3], prefill.aux[1])
+    # One strided op per layer and stretch of a rank's rows (one row per page here: pages 12,
+    # 3..10, 2 are three stretches; rank 0 has 10 rows, the others 9, the last on page 10),
+    # not one op per row and layer (20, 18, 18, 18).
+    assert sorted(w for w in counting.writes if w > 1) == [4, 4, 4, 6], counting.writes
 
 
 def _setup_request(env, p_mgr, d_mgr, room, n_pages, dst_pages, p_aux=0, d_aux=0):

@@ -26,6 +26,7 @@ from typing import Optional
 import kvbridge.sglang
 import numpy as np
 from aiohttp import web
+from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.common import conn as common_conn
 from sglang.srt.disaggregation.mooncake import conn as mooncake_conn
 from sglang.srt.disaggregation.mooncake.conn import (
@@ -104,6 +105,49 @@ def page_runs(src_indices, dst_indices) -> Optional[np.ndarray]:
     return np.stack((src[starts], dst[starts], lengths), axis=1)
 
 
+def run_progressions(runs) -> np.ndarray:
+    """Runs ``(src_row, dst_row, rows)`` (``(N, 3)`` int64, in order) as ``(M, 6)`` int64
+    progressions ``(src_row, dst_row, rows, count, src_step, dst_step)``: ``count`` runs of
+    ``rows`` rows, the ``k``-th at ``src_row + k * src_step`` and ``dst_row + k * dst_step``.
+    Consecutive runs of one length whose starts advance by the same steps (non-negative; the
+    destinations disjoint) make one progression: a DCP rank's rows of a page, one row every
+    ``dcp_size`` rows of the source, are one progression instead of one run per row."""
+    runs = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    if len(runs) == 0:
+        return np.empty((0, 6), dtype=np.int64)
+    src, dst, rows = runs[:, 0], runs[:, 1], runs[:, 2]
+    src_step, dst_step = np.diff(src), np.diff(dst)
+    # link[j]: run j + 1 may follow run j with the steps (src_step[j], dst_step[j]).
+    link = (rows[1:] == rows[:-1]) & (src_step >= 0) & (dst_step >= rows[:-1])
+    same = np.zeros(len(link), dtype=bool)  # link[j] continues link[j - 1]'s steps
+    same[1:] = link[1:] & link[:-1] & (src_step[1:] == src_step[:-1]) & (dst_step[1:] == dst_step[:-1])
+    # Greedy from the left: a link continuing its predecessor's steps is taken; so is a link
+    # whose predecessor is not taken (its run starts a progression). In a stretch of links
+    # that change steps one after the other, that alternates, from what the link before the
+    # stretch did: one progression never gets two steps.
+    free = link & ~same
+    stretch = free & ~np.concatenate(([False], free[:-1]))
+    first = np.flatnonzero(stretch)
+    sid = np.maximum(np.cumsum(stretch) - 1, 0)
+    taken = link & same
+    if len(first):
+        before_taken = np.where(first > 0, taken[np.maximum(first - 1, 0)], False)
+        k = np.arange(len(link)) - first[sid]
+        taken |= free & ((k % 2 == 0) != before_taken[sid])
+    starts = np.flatnonzero(np.concatenate(([True], ~taken)))
+    count = np.diff(np.concatenate((starts, [len(runs)])))
+    first_link = np.minimum(starts, max(len(link) - 1, 0))
+    has_steps = count > 1
+    out = np.empty((len(starts), 6), dtype=np.int64)
+    out[:, 0], out[:, 1], out[:, 2], out[:, 3] = src[starts], dst[starts], rows[starts], count
+    if len(link):
+        out[:, 4] = np.where(has_steps, src_step[first_link], rows[starts])
+        out[:, 5] = np.where(has_steps, dst_step[first_link], rows[starts])
+    else:
+        out[:, 4] = out[:, 5] = rows[starts]
+    return out
+
+
 def _group_as_runs(src_indices, dst_indices):
     """``group_concurrent_contiguous`` for SGLang's page path: the runs go aside for this
     thread's next ``_transfer_data``; SGLang sees one group of one page."""
@@ -127,6 +171,30 @@ def _with_planner(fn: types.FunctionType, globals_: dict = _PLANNER_GLOBALS) -> 
     rebound.__qualname__ = fn.__qualname__
     rebound.__doc__ = fn.__doc__
     return rebound
+
+
+# The DCP paths post a chunk's writes to every decode rank before waiting for any (SGLang's
+# worker sends to the ranks one after the other, each send returning when its bytes landed):
+# the writes stay in flight, under the room of the chunk this worker thread is on, until the
+# room concludes or the worker takes its next chunk (docs/sglang.md, "Moving a chunk").
+_CHUNK = threading.local()
+
+
+class _SettlingQueue:
+    """A transfer worker's queue: before the worker waits for its next chunk, the writes its
+    last chunk left in flight are settled; the chunk it takes names the room of its writes."""
+
+    def __init__(self, manager: "KvbridgeKVManager", queue):
+        self._manager, self._queue = manager, queue
+
+    def get(self):
+        self._manager._settle_chunk()
+        chunk = self._queue.get()
+        _CHUNK.room = getattr(chunk, "room", None)
+        return chunk
+
+    def __getattr__(self, name):
+        return getattr(self._queue, name)
 
 
 class KvbridgeKVManager(MooncakeKVManager):
@@ -157,6 +225,79 @@ class KvbridgeKVManager(MooncakeKVManager):
         # SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES bounds Mooncake's batches; kvbridge's
         # engine takes a chunk in one write (split only at the transport's own limit).
         self.max_transfer_batch_indices = 0
+
+    def transfer_worker(self, queue, executor, *args, **kwargs):
+        # SGLang's worker (started by its __init__), on a queue that settles writes in flight.
+        return super().transfer_worker(_SettlingQueue(self, queue), executor, *args, **kwargs)
+
+    def _in_flight_table(self) -> tuple:
+        # Made on first use: SGLang's __init__ starts the workers before it returns.
+        table = self.__dict__.get("_in_flight")
+        if table is None:
+            table = self.__dict__.setdefault("_in_flight", ({}, threading.Lock()))
+        return table
+
+    def _post_rows(self, session_id: str, src, dst, lens, rows) -> int:
+        """A DCP write: left in flight under the worker's current room (settled later), or
+        waited for here off a transfer worker."""
+        room = getattr(_CHUNK, "room", None)
+        if room is None:
+            return self.engine.batch_transfer_rows(session_id, src, dst, lens, rows)
+        try:
+            posted = self.engine.post_rows(session_id, src, dst, lens, rows)
+        except kvbridge.KvbridgeError as e:
+            return self.engine.fail(f"{type(e).__name__}: {e}")
+        table, lock = self._in_flight_table()
+        with lock:
+            table.setdefault(room, []).extend((session_id, t) for t in posted)
+        return 0
+
+    def _settle(self, room: int, cancel: bool = False) -> Optional[str]:
+        """Waits for (or cancels) the room's writes in flight; the first failure's cause, its
+        decode session then marked failed as SGLang marks a session whose send failed."""
+        table, lock = self._in_flight_table()
+        with lock:
+            pending = table.pop(room, [])
+        cause = None
+        for session_id, transfer in pending:
+            if cancel:
+                transfer.cancel()  # once it returns, no byte of the write lands
+                continue
+            try:
+                transfer.wait()
+            except kvbridge.KvbridgeError as e:
+                if cause is None:
+                    cause = f"{type(e).__name__}: {e}"
+                    logger.warning("kvbridge: transfer to a decode failed: %s", cause)
+                with self.session_lock:
+                    self.session_failures[session_id] += 1
+                    self.failed_sessions.add(session_id)
+        return cause
+
+    def _settle_chunk(self) -> None:
+        room, _CHUNK.room = getattr(_CHUNK, "room", None), None
+        if room is None:
+            return
+        cause = self._settle(room, cancel=self.request_status.get(room) == KVPoll.Failed)
+        if cause is not None:
+            self.conclude_failure(
+                bootstrap_room=room,
+                failure_reason=f"Failed to send kv chunk of {room}; kvbridge: {cause}",
+            )
+
+    def conclude_transfer(self, *, bootstrap_room: int, status, targets=None, failure_reason=None):
+        # The room's status reaches its decodes only after its writes have landed; a failed
+        # room's writes are cancelled first.
+        if status == KVPoll.Success:
+            cause = self._settle(bootstrap_room)
+            if cause is not None:
+                status = KVPoll.Failed
+                failure_reason = f"Failed to send kv of {bootstrap_room}; kvbridge: {cause}"
+        else:
+            self._settle(bootstrap_room, cancel=True)
+        return super().conclude_transfer(
+            bootstrap_room=bootstrap_room, status=status, targets=targets, failure_reason=failure_reason
+        )
 
     def init_engine(self) -> None:
         # Called by the Mooncake manager's __init__ before the buffers are registered.
@@ -309,17 +450,23 @@ class KvbridgeKVManager(MooncakeKVManager):
 
     def _write_runs(self, session_id: str, runs, src_ptrs, dst_ptrs, widths) -> int:
         """Every entry's rows of ``runs`` (``(src_row, dst_row, rows)``, rows of
-        ``widths[entry]`` bytes) in one engine write."""
+        ``widths[entry]`` bytes) in one engine write, each progression of runs as one strided
+        descriptor (DCP's interleaved rows: one per page and entry, not one per row)."""
         if len(runs) == 0:
             return 0
+        prog = run_progressions(runs)
         n = len(src_ptrs)
         src_base = np.asarray(src_ptrs, dtype=np.int64)[:, None]
         dst_base = np.asarray(dst_ptrs, dtype=np.int64)[:, None]
         w = np.asarray(widths[:n], dtype=np.int64)[:, None]
-        src = (src_base + runs[:, 0] * w).ravel()
-        dst = (dst_base + runs[:, 1] * w).ravel()
-        lens = (runs[:, 2] * w).ravel()
-        return self.engine.batch_transfer_sync(session_id, src, dst, lens)
+        shape = (n, len(prog))
+        src = (src_base + prog[:, 0] * w).ravel()
+        dst = (dst_base + prog[:, 1] * w).ravel()
+        lens = (prog[:, 2] * w).ravel()
+        counts = np.broadcast_to(prog[:, 3], shape).ravel()
+        src_strides = (prog[:, 4] * w).ravel()
+        dst_strides = (prog[:, 5] * w).ravel()
+        return self._post_rows(session_id, src, dst, lens, (counts, src_strides, dst_strides))
 
     def _send_kvcache_reshard(
         self,

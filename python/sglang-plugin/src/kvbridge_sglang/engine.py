@@ -175,31 +175,80 @@ class KvbridgeTransferEngine:
         lengths: Sequence[int],
     ) -> int:
         """0 when every byte landed; -1 otherwise, the cause kept for :meth:`take_error`."""
+        return self.batch_transfer_rows(session_id, buffers, peer_buffer_addresses, lengths)
+
+    def batch_transfer_rows(
+        self,
+        session_id: str,
+        buffers,
+        peer_buffer_addresses,
+        lengths,
+        rows=None,
+    ) -> int:
+        """:meth:`batch_transfer_sync` where copy ``i`` may be ``counts[i]`` copies of
+        ``lengths[i]`` bytes, the ``k``-th from ``buffers[i] + k * src_strides[i]`` to
+        ``peer_buffer_addresses[i] + k * dst_strides[i]`` (``rows`` is ``(counts, src_strides,
+        dst_strides)``; ``None``: one copy each): one strided descriptor instead of one per
+        copy. 0 when every byte landed; -1 otherwise, the cause kept for :meth:`take_error`."""
         try:
-            if len(buffers) == 0:
-                return 0
-            peer, remote = self._peer(session_id)
-            src = np.asarray(buffers, dtype=np.uint64)
-            dst = np.asarray(peer_buffer_addresses, dtype=np.uint64)
-            lens = np.asarray(lengths, dtype=np.uint64)
-            with self._lock:
-                local = self._local
-            if local is None:
-                raise kvbridge.UnknownRegionError("no buffer is registered on this side")
-            src_region, src_off = local.locate(src, lens, "source")
-            dst_region, dst_off = remote.locate(dst, lens, "destination")
-            ops = np.ascontiguousarray(np.stack([src_region, src_off, dst_region, dst_off, lens], axis=1))
-            # One write, or one per part where the transport bounds a batch's descriptors.
-            step = self._max_ops or len(ops)
-            transfers = [
-                self.engine.write(peer, ops[i : i + step], timeout=self.timeout)
-                for i in range(0, len(ops), step)
-            ]
-            for transfer in transfers:
+            for transfer in self.post_rows(session_id, buffers, peer_buffer_addresses, lengths, rows):
                 transfer.wait()
             return 0
         except kvbridge.KvbridgeError as e:
             return self.fail(f"{type(e).__name__}: {e}")
+
+    def post_rows(self, session_id: str, buffers, peer_buffer_addresses, lengths, rows=None) -> list:
+        """:meth:`batch_transfer_rows` without the wait: the posted ``kvbridge.Transfer``s (one,
+        or one per part where the transport bounds a batch). Raises kvbridge's errors."""
+        if len(buffers) == 0:
+            return []
+        peer, remote = self._peer(session_id)
+        src = np.asarray(buffers, dtype=np.uint64)
+        dst = np.asarray(peer_buffer_addresses, dtype=np.uint64)
+        lens = np.asarray(lengths, dtype=np.uint64)
+        with self._lock:
+            local = self._local
+        if local is None:
+            raise kvbridge.UnknownRegionError("no buffer is registered on this side")
+        if rows is None:
+            src_region, src_off = local.locate(src, lens, "source")
+            dst_region, dst_off = remote.locate(dst, lens, "destination")
+            ops = np.stack([src_region, src_off, dst_region, dst_off, lens], axis=1)
+            counts = None
+        else:
+            counts, src_strides, dst_strides = (np.asarray(r, dtype=np.uint64) for r in rows)
+            # Every copy of an op lies in the buffer its first copy starts in.
+            before_last = counts - np.uint64(1)
+            src_region, src_off = local.locate(src, lens + before_last * src_strides, "source")
+            dst_region, dst_off = remote.locate(dst, lens + before_last * dst_strides, "destination")
+            ops = np.stack(
+                [src_region, src_off, dst_region, dst_off, lens, counts, src_strides, dst_strides],
+                axis=1,
+            )
+        ops = np.ascontiguousarray(ops)
+        posted = []
+        try:
+            for part in self._parts(ops, counts):
+                posted.append(self.engine.write(peer, part, timeout=self.timeout))
+        except kvbridge.KvbridgeError:
+            for transfer in posted:  # no byte of a refused write lands
+                transfer.cancel()
+            raise
+        return posted
+
+    def _parts(self, ops: np.ndarray, counts) -> list:
+        """``ops`` as one write, or as parts of at most the transport's ``max_ops_per_batch``
+        copies each where it bounds a batch (a transport without strided ops counts every
+        copy of a strided op)."""
+        if not self._max_ops:
+            return [ops]
+        if counts is None:
+            return [ops[i : i + self._max_ops] for i in range(0, len(ops), self._max_ops)]
+        # An op starting before `span` copies of its part have started ends within the bound.
+        span = max(1, self._max_ops - int(counts.max()) + 1)
+        starts = np.cumsum(counts) - counts
+        cuts = np.flatnonzero(np.diff(starts // np.uint64(span))) + 1
+        return np.split(ops, cuts)
 
     def fail(self, cause: str) -> int:
         """Keeps ``cause`` for :meth:`take_error` and returns -1, SGLang's failed transfer."""
