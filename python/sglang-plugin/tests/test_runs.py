@@ -1,7 +1,9 @@
 """A chunk moves as runs (docs/sglang.md, "Moving a chunk"): SGLang's page indices become
 kvbridge's coalesced runs, and each chunk is one engine write per decode rank, whatever
-SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES says."""
+SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES says; the DCP paths' writes in flight settle before
+their room concludes."""
 
+import kvbridge
 import numpy as np
 import pytest
 
@@ -124,3 +126,51 @@ def test_each_chunk_is_one_write_of_its_runs(bootstrap, monkeypatch):
     runs = [len(page_runs(np.array(src[c]), np.array(dst[c]))) for c in chunks]
     assert runs == [2, 3, 3]
     assert counting.writes == [layers * r for r in runs] + [1]
+
+
+class _Transfer:
+    """A posted write that fails when waited for (``PeerLostError``), recording its calls."""
+
+    def __init__(self, fails: bool):
+        self.fails, self.calls = fails, []
+
+    def wait(self):
+        self.calls.append("wait")
+        if self.fails:
+            raise kvbridge.PeerLostError("tcp: peer 127.0.0.1:9 lost: connection reset")
+        return True
+
+    def cancel(self):
+        self.calls.append("cancel")
+        return "cancelled"
+
+
+def test_a_room_concludes_only_after_its_writes_in_flight_and_fails_with_their_cause(bootstrap):
+    from sglang.srt.disaggregation.base import KVPoll
+
+    args, cls, _, mode = bootstrap
+    pool = harness.Pool(layers=1, pages=4, page_bytes=64)
+    mgr = cls["MANAGER"](pool.kv_args(4), mode.PREFILL, args, True)
+    table, lock = mgr._in_flight_table()
+    # A room whose writes landed concludes Success, each write waited for once.
+    ok = [_Transfer(False), _Transfer(False)]
+    mgr.request_status[71] = KVPoll.Transferring
+    with lock:
+        table[71] = [("session-a", t) for t in ok]
+    assert mgr.conclude_transfer(bootstrap_room=71, status=KVPoll.Success, targets=[]) == KVPoll.Success
+    assert [t.calls for t in ok] == [["wait"], ["wait"]]
+    # One write failing turns Success into Failed with kvbridge's cause; its session is failed.
+    writes = [_Transfer(False), _Transfer(True)]
+    mgr.request_status[72] = KVPoll.Transferring
+    with lock:
+        table[72] = [("session-a", writes[0]), ("session-b", writes[1])]
+    assert mgr.conclude_transfer(bootstrap_room=72, status=KVPoll.Success, targets=[]) == KVPoll.Failed
+    assert "PeerLostError: tcp: peer 127.0.0.1:9 lost" in mgr.failure_records[72]
+    assert "session-b" in mgr.failed_sessions and "session-a" not in mgr.failed_sessions
+    # A room concluded Failed (an abort) has its writes cancelled, not waited for.
+    aborted = _Transfer(False)
+    mgr.request_status[73] = KVPoll.Transferring
+    with lock:
+        table[73] = [("session-a", aborted)]
+    mgr.conclude_failure(bootstrap_room=73, failure_reason="Aborted by AbortReq.")
+    assert aborted.calls == ["cancel"] and 73 not in table
