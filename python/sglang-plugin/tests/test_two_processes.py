@@ -1,6 +1,8 @@
 """The documented example: a prefill and a decode manager in two processes (docs/sglang.md)."""
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
 
@@ -19,22 +21,82 @@ def test_one_request_between_two_processes_every_byte():
 def test_one_request_between_two_processes_over_nixl():
     """The same pair with KVBRIDGE_SGLANG_TRANSPORT=nixl: host pools through NIXL's UCX
     between two processes (docs/sglang.md, "Pools on GPUs")."""
+    _skip_without_nixl()
+    _two_processes(dict(os.environ, SGLANG_HOST_IP="127.0.0.1", KVBRIDGE_SGLANG_TRANSPORT="nixl"))
+
+
+def _skip_without_nixl():
     import kvbridge
 
     try:
         kvbridge.Engine("nixl").close()
     except kvbridge.KvbridgeError as e:
         pytest.skip(f"kvbridge.Engine('nixl') cannot start here: {e}")
-    _two_processes(dict(os.environ, SGLANG_HOST_IP="127.0.0.1", KVBRIDGE_SGLANG_TRANSPORT="nixl"))
 
 
-def _two_processes(env):
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+def test_one_request_across_a_real_link(transport):
+    """The pair in two network namespaces joined by a veth pair (MTU 1500): each process
+    listens on its own namespace's address (``SGLANG_HOST_IP``), the decode asks the prefill's
+    bootstrap server across the link, and the prefill's engine connects to the address the
+    decode's session id advertises (docs/sglang.md, "Two hosts"); NIXL with UCX over TCP."""
+    if transport == "nixl":
+        _skip_without_nixl()
+    env = dict(os.environ, KVBRIDGE_SGLANG_TRANSPORT=transport, UCX_TLS="tcp")
+    with _veth_pair() as ((ns_a, ip_a), (ns_b, ip_b)):
+        _two_processes(
+            dict(env, SGLANG_HOST_IP=ip_a),
+            dict(env, SGLANG_HOST_IP=ip_b),
+            prefill_in=["ip", "netns", "exec", ns_a],
+            decode_in=["ip", "netns", "exec", ns_b],
+            bootstrap_host=ip_a,
+        )
+
+
+@contextlib.contextmanager
+def _veth_pair():
+    """Two network namespaces joined by a veth pair on 10.213.2.0/24, both removed on exit;
+    skips, saying why, where namespaces cannot be made (not root, no iproute2)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2's `ip`")
+    tag = f"kvs{os.getpid() % 100000}"
+    sides = [(f"{tag}a", f"{tag}va", "10.213.2.1"), (f"{tag}b", f"{tag}vb", "10.213.2.2")]
+
+    def ip(*args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
+
+    made = []
+    try:
+        try:
+            for ns, _, _ in sides:
+                ip("netns", "add", ns)
+                made.append(ns)
+            (a, va, _), (b, vb, _) = sides
+            ip("link", "add", va, "netns", a, "type", "veth", "peer", "name", vb, "netns", b)
+            for ns, dev, addr in sides:
+                ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                ip("-n", ns, "link", "set", dev, "up")
+                ip("-n", ns, "link", "set", "lo", "up")
+        except subprocess.CalledProcessError as e:
+            pytest.skip(f"cannot make network namespaces here: {' '.join(e.cmd)}: {e.stderr.strip()}")
+        yield [(ns, addr) for ns, _, addr in sides]
+    finally:
+        for ns in made:  # the veth pair goes with its namespaces
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+def _two_processes(env, decode_env=None, prefill_in=(), decode_in=(), bootstrap_host="127.0.0.1"):
     port = harness.free_port()
     cmd = [sys.executable, "-m", "kvbridge_sglang.example"]
-    timeout = ["--port", str(port), "--timeout", str(harness.DEADLINE_S)]
-    prefill = subprocess.Popen(cmd + ["prefill"] + timeout, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    common = ["--port", str(port), "--timeout", str(harness.DEADLINE_S), "--bootstrap-host", bootstrap_host]
+    prefill = subprocess.Popen(
+        [*prefill_in, *cmd, "prefill", *common], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
-        decode = subprocess.run(cmd + ["decode"] + timeout, env=env, capture_output=True, text=True, timeout=2 * harness.DEADLINE_S)
+        decode = subprocess.run(
+            [*decode_in, *cmd, "decode", *common], env=decode_env or env, capture_output=True, text=True,
+            timeout=2 * harness.DEADLINE_S,
+        )
         out, _ = prefill.communicate(timeout=2 * harness.DEADLINE_S)
     finally:
         if prefill.poll() is None:

@@ -1,7 +1,13 @@
-"""One request between two SGLang managers on one host, one process each (docs/sglang.md).
+"""One request between two SGLang managers, one process each (docs/sglang.md).
 
     python -m kvbridge_sglang.example prefill --port 8998 &
     python -m kvbridge_sglang.example decode --port 8998
+
+On two hosts, each process names its own address in ``SGLANG_HOST_IP`` (where its engine and
+SGLang's sockets listen) and both name the prefill's in ``--bootstrap-host``:
+
+    SGLANG_HOST_IP=10.0.0.1 python -m kvbridge_sglang.example prefill --bootstrap-host 10.0.0.1
+    SGLANG_HOST_IP=10.0.0.2 python -m kvbridge_sglang.example decode --bootstrap-host 10.0.0.1
 
 The prefill process runs SGLang's bootstrap server and a prefill manager over a pool filled
 from a seed; the decode process runs a decode manager, asks for the request and checks every
@@ -20,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# Every socket SGLang opens stays on this host.
+# Every socket SGLang opens stays on this host unless SGLANG_HOST_IP names another address.
 os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
 
 LAYERS, PAGE_SIZE, TOKEN_BYTES, PAGES = 4, 16, 576, 32
@@ -29,8 +35,9 @@ DST_PAGES = [9, 2, 31, 14, 5]
 ROOM, SEED, SRC_AUX, DST_AUX = 1, 7, 2, 4
 
 
-def publish(mode: str, port: int, backend: str = "kvbridge", **parallel) -> object:
-    """Loads the plugins and publishes this process's ServerArgs, as SGLang's scheduler does."""
+def publish(mode: str, port: int, backend: str = "kvbridge", host: str = "127.0.0.1", **parallel) -> object:
+    """Loads the plugins and publishes this process's ServerArgs, as SGLang's scheduler does
+    (``host`` is the server's ``--host``: a prefill registers at the bootstrap server there)."""
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.runtime_context import publish as sglang_publish
@@ -39,6 +46,7 @@ def publish(mode: str, port: int, backend: str = "kvbridge", **parallel) -> obje
     load_plugins()
     args = ServerArgs(
         model_path="dummy",
+        host=host,
         device="cpu",
         disaggregation_mode=mode,
         disaggregation_transfer_backend=backend,
@@ -123,16 +131,16 @@ def wait_state(obj, want, what: str, timeout: float):
         time.sleep(0.01)
 
 
-def run_prefill(port: int, timeout: float) -> None:
+def run_prefill(port: int, timeout: float, host: str = "127.0.0.1") -> None:
     from sglang.srt.disaggregation.base import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    args = publish("prefill", port)
+    args = publish("prefill", port, host=host)
     cls = classes()
-    server = cls["BOOTSTRAP_SERVER"]("127.0.0.1", port)
+    server = cls["BOOTSTRAP_SERVER"](host, port)
     pool = Pool(LAYERS, PAGES, PAGE_SIZE * TOKEN_BYTES).fill(SEED)
     manager = cls["MANAGER"](pool.kv_args(PAGE_SIZE), DisaggregationMode.PREFILL, args, True)
-    sender = cls["SENDER"](manager, f"127.0.0.1:{port}", ROOM)
+    sender = cls["SENDER"](manager, f"{host}:{port}", ROOM)
     sender.init(len(SRC_PAGES), aux_index=SRC_AUX)
     wait_state(sender, KVPoll.WaitingForInput, "prefill: the decode's request", timeout)
     sender.send(np.asarray(SRC_PAGES, dtype=np.int32))
@@ -143,7 +151,7 @@ def run_prefill(port: int, timeout: float) -> None:
     server.close()
 
 
-def run_decode(port: int, timeout: float) -> None:
+def run_decode(port: int, timeout: float, host: str = "127.0.0.1") -> None:
     from sglang.srt.disaggregation.base import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
@@ -151,7 +159,7 @@ def run_decode(port: int, timeout: float) -> None:
     cls = classes()
     pool = Pool(LAYERS, PAGES, PAGE_SIZE * TOKEN_BYTES)
     manager = cls["MANAGER"](pool.kv_args(PAGE_SIZE), DisaggregationMode.DECODE, args, True)
-    addr = f"127.0.0.1:{port}"
+    addr = f"{host}:{port}"
     end = time.monotonic() + timeout
     while not manager.try_ensure_parallel_info(addr):  # the prefill registered itself
         if time.monotonic() > end:
@@ -179,8 +187,12 @@ def main(argv=None) -> int:
     parser.add_argument("role", choices=["prefill", "decode"])
     parser.add_argument("--port", type=int, default=8998, help="SGLang's bootstrap port (both sides)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each step")
+    parser.add_argument(
+        "--bootstrap-host", default="127.0.0.1",
+        help="the prefill's address: where its bootstrap server listens and the decode asks (both sides)",
+    )
     a = parser.parse_args(argv)
-    (run_prefill if a.role == "prefill" else run_decode)(a.port, a.timeout)
+    (run_prefill if a.role == "prefill" else run_decode)(a.port, a.timeout, a.bootstrap_host)
     return 0
 
 
