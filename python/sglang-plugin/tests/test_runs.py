@@ -151,7 +151,7 @@ def test_a_room_concludes_only_after_its_writes_in_flight_and_fails_with_their_c
     args, cls, _, mode = bootstrap
     pool = harness.Pool(layers=1, pages=4, page_bytes=64)
     mgr = cls["MANAGER"](pool.kv_args(4), mode.PREFILL, args, True)
-    table, lock = mgr._in_flight_table()
+    table, lock = mgr._in_flight, mgr._in_flight_lock
     # A room whose writes landed concludes Success, each write waited for once.
     ok = [_Transfer(False), _Transfer(False)]
     mgr.request_status[71] = KVPoll.Transferring

@@ -221,6 +221,10 @@ class KvbridgeKVManager(MooncakeKVManager):
         self.transport_name = checks.transport()
         self.pool_memory = checks.pool_memory(args, checks.server_device(server_args))
         checks.refuse_device_pools_on(self.transport_name, self.pool_memory)
+        # Room -> the DCP writes in flight, (session id, transfer) each; before SGLang's
+        # __init__, which starts the transfer workers.
+        self._in_flight: dict = {}
+        self._in_flight_lock = threading.Lock()
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend, **kwargs)
         # SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES bounds Mooncake's batches; kvbridge's
         # engine takes a chunk in one write (split only at the transport's own limit).
@@ -229,13 +233,6 @@ class KvbridgeKVManager(MooncakeKVManager):
     def transfer_worker(self, queue, executor, *args, **kwargs):
         # SGLang's worker (started by its __init__), on a queue that settles writes in flight.
         return super().transfer_worker(_SettlingQueue(self, queue), executor, *args, **kwargs)
-
-    def _in_flight_table(self) -> tuple:
-        # Made on first use: SGLang's __init__ starts the workers before it returns.
-        table = self.__dict__.get("_in_flight")
-        if table is None:
-            table = self.__dict__.setdefault("_in_flight", ({}, threading.Lock()))
-        return table
 
     def _post_rows(self, session_id: str, src, dst, lens, rows) -> int:
         """A DCP write: left in flight under the worker's current room (settled later), or
@@ -247,17 +244,15 @@ class KvbridgeKVManager(MooncakeKVManager):
             posted = self.engine.post_rows(session_id, src, dst, lens, rows)
         except kvbridge.KvbridgeError as e:
             return self.engine.fail(f"{type(e).__name__}: {e}")
-        table, lock = self._in_flight_table()
-        with lock:
-            table.setdefault(room, []).extend((session_id, t) for t in posted)
+        with self._in_flight_lock:
+            self._in_flight.setdefault(room, []).extend((session_id, t) for t in posted)
         return 0
 
     def _settle(self, room: int, cancel: bool = False) -> Optional[str]:
         """Waits for (or cancels) the room's writes in flight; the first failure's cause, its
         decode session then marked failed as SGLang marks a session whose send failed."""
-        table, lock = self._in_flight_table()
-        with lock:
-            pending = table.pop(room, [])
+        with self._in_flight_lock:
+            pending = self._in_flight.pop(room, [])
         cause = None
         for session_id, transfer in pending:
             if cancel:
