@@ -141,7 +141,8 @@ fn msrv() -> Result<(), String> {
 const MIRI_SEEDS: &str = "0..64";
 
 /// Runs the tests of `kvbridge-transport`'s memory module under Miri (concurrent overlapping
-/// accesses through every accessor included), once per seed in [`MIRI_SEEDS`]. Succeeds with a
+/// accesses through every accessor included), once per seed in [`MIRI_SEEDS`], then the
+/// shared-memory transport's copies of rows together (`map::tests::together_*`). Succeeds with a
 /// printed reason when nightly Miri is not installed (`rustup toolchain install nightly
 /// --profile minimal && rustup component add --toolchain nightly miri rust-src`).
 fn miri() -> Result<(), String> {
@@ -178,11 +179,33 @@ fn miri() -> Result<(), String> {
         .env("MIRIFLAGS", &flags)
         .status()
         .map_err(|e| format!("could not run cargo +nightly miri: {e}"))?;
+    if !status.success() {
+        return Err(format!(
+            "Miri found a problem in registered memory ({status}); rerun the command above to see it"
+        ));
+    }
+    // The shared-memory transport's one-pass copy of several batches' rows (its own raw
+    // pointers and streaming stores), on heap regions; single-threaded, so one seed.
+    let args = [
+        "+nightly",
+        "miri",
+        "test",
+        "-p",
+        "kvbridge-shm",
+        "--lib",
+        "map::tests::together_",
+    ];
+    eprintln!("xtask: cargo {}", args.join(" "));
+    let status = Command::new("cargo")
+        .args(args)
+        .status()
+        .map_err(|e| format!("could not run cargo +nightly miri: {e}"))?;
     if status.success() {
         Ok(())
     } else {
         Err(format!(
-            "Miri found a problem in registered memory ({status}); rerun the command above to see it"
+            "Miri found a problem in the shared-memory copies ({status}); rerun the command above \
+             to see it"
         ))
     }
 }

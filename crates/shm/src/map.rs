@@ -376,6 +376,141 @@ pub(crate) fn copy_rows(
     }
 }
 
+/// One member of [`copy_together`]: `count` rows of `len` bytes, row `i` from
+/// `src[src_offset + i * src_stride..]` into `dst[dst_offset + i * dst_stride..]`.
+#[derive(Clone)]
+pub(crate) struct GangRows<'a> {
+    pub src: &'a MemoryRegion,
+    pub src_offset: u64,
+    pub src_stride: u64,
+    pub dst: &'a MemoryRegion,
+    pub dst_offset: u64,
+    pub dst_stride: u64,
+    pub len: u64,
+    pub count: u64,
+}
+
+/// Copies the rows of several members in one pass, in the order of their source addresses:
+/// the rows a DCP relayout sends to different decode ranks lie interleaved in the same source
+/// pages, so one pass reads the source once, front to back (what the hardware prefetcher
+/// follows), and writes each row to its member's destination. Every member's two spans are
+/// checked and claimed before any byte moves, as in [`copy_rows`]; a refused claim moves no
+/// byte of any member and names the member (its index) it came from. Members must not write
+/// the same bytes (the transport gangs batches with different destination regions); a member
+/// whose source and destination are one region is refused.
+pub(crate) fn copy_together(
+    members: &[GangRows<'_>],
+    streaming: bool,
+) -> Result<(), (usize, TransportError)> {
+    if let Some(k) = members.iter().position(|m| m.src.same_region(m.dst)) {
+        return Err((
+            k,
+            TransportError::InvalidArgument {
+                transport: crate::NAME,
+                message: "rows copied together must not copy within one region".into(),
+            },
+        ));
+    }
+    let total = members
+        .iter()
+        .fold(0u64, |t, m| t.saturating_add(m.len.saturating_mul(m.count)));
+    let stream = cfg!(target_arch = "x86_64")
+        && streaming
+        && members.iter().all(|m| m.len >= 64)
+        && total >= STREAM_MIN;
+    let mut bases = Vec::with_capacity(members.len());
+    with_claims(members, &mut bases, &mut |bases| {
+        // Row `next[k]` of member `k` is the next to copy; the member whose next row starts
+        // lowest in the source goes first (members share the source region, or their order
+        // does not matter).
+        let mut next = vec![0u64; members.len()];
+        loop {
+            let mut pick: Option<(usize, usize)> = None;
+            for (k, m) in members.iter().enumerate() {
+                if next[k] < m.count {
+                    // Inside the claimed span (row < count), so it fits in `usize`.
+                    let at = bases[k].0 as usize + (next[k] * m.src_stride) as usize;
+                    if pick.is_none_or(|(_, best)| at < best) {
+                        pick = Some((k, at));
+                    }
+                }
+            }
+            let Some((k, _)) = pick else { break };
+            let m = &members[k];
+            let (i, len) = (next[k] as usize, m.len as usize);
+            // SAFETY: row `i < count` of member `k` lies inside both of its claimed spans
+            // (`i * stride + len <= span`, as in `copy_rows`), so `len` bytes at the source
+            // row are readable and written by no one in this process, and `len` bytes at the
+            // destination row are writable and touched by nothing else in this process, while
+            // the claims are held (this closure runs inside them). Source and destination are
+            // different regions (checked above), and the members' destinations are claimed
+            // for writing each, so no two members' rows overlap. No references are made.
+            unsafe {
+                let s = bases[k].0.add(i * m.src_stride as usize).cast_const();
+                let d = bases[k].1.add(i * m.dst_stride as usize);
+                #[cfg(target_arch = "x86_64")]
+                if stream {
+                    stream_rows(s, d, len);
+                    next[k] += 1;
+                    continue;
+                }
+                std::ptr::copy_nonoverlapping(s, d, len);
+            }
+            next[k] += 1;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if stream {
+            sfence();
+        }
+    })
+}
+
+/// Each member's source and destination base addresses, inside its claims.
+type Bases = [(*mut u8, *mut u8)];
+
+/// Claims member `bases.len()`'s spans and the rest's after it (sources for reading,
+/// destinations for writing), then runs `f` with every member's two base addresses.
+fn with_claims(
+    members: &[GangRows<'_>],
+    bases: &mut Vec<(*mut u8, *mut u8)>,
+    f: &mut dyn FnMut(&Bases),
+) -> Result<(), (usize, TransportError)> {
+    let k = bases.len();
+    let Some(m) = members.get(k) else {
+        f(bases);
+        return Ok(());
+    };
+    // From the first row's start to the last row's end; `u64::MAX` (refused by the claim as
+    // out of range) when it overflows.
+    let span = |offset: u64, stride: u64| {
+        kvbridge_transport::memory::rows_end(offset, stride, m.len, m.count)
+            .map_or(u64::MAX, |end| end - offset)
+    };
+    let claimed = m.src.with_raw_range(
+        m.src_offset,
+        span(m.src_offset, m.src_stride),
+        Access::Read,
+        |s, _| {
+            m.dst.with_raw_range(
+                m.dst_offset,
+                span(m.dst_offset, m.dst_stride),
+                Access::Write,
+                |d, _| {
+                    bases.push((s, d));
+                    let rest = with_claims(members, bases, f);
+                    bases.pop();
+                    rest
+                },
+            )
+        },
+    );
+    match claimed {
+        Ok(Ok(rest)) => rest,
+        Ok(Err(e)) => Err((k, naming(e, Operand::Destination))),
+        Err(e) => Err((k, naming(e, Operand::Source))),
+    }
+}
+
 /// How many rows ahead a strided copy prefetches its source.
 const PREFETCH_ROWS: usize = 2;
 
@@ -893,6 +1028,157 @@ mod tests {
         let r = copy_rows(&src, 0, 100, &dst, 0, u64::MAX / 2, 100, 3, true);
         assert!(r.is_err(), "{r:?}");
         assert_eq!(dst.to_vec(0, 4096).unwrap(), vec![0; 4096]);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        /// Rows copied together (a DCP relayout's: member `k` takes every `members`-th row of
+        /// one source from row `k` on, into a destination of its own) equal each member's rows
+        /// copied on its own, with and without streaming stores, members of different lengths
+        /// and row counts included; bytes between and around the rows stay untouched.
+        #[test]
+        #[cfg_attr(miri, ignore = "thousands of rows: too slow under Miri; the small relayout covers the same code")]
+        fn together_rows_equal_each_members_rows_copied_alone(
+            members in 1usize..6,
+            len in 1usize..1300,
+            counts in proptest::collection::vec(1usize..40, 6),
+            doffs in proptest::collection::vec(0usize..200, 6),
+            gap in 0usize..100,
+            streaming: bool,
+            narrow: bool,
+        ) {
+            let stride = members * len;
+            let rows = counts.iter().take(members).max().copied().unwrap_or(0);
+            let src_len = stride * rows + gap;
+            let bytes: Vec<u8> = (0..src_len).map(|i| (i * 31 + i / 253) as u8).collect();
+            let src = MemoryRegion::allocate(src_len).unwrap();
+            src.write_at(0, &bytes).unwrap();
+            let dst_lens: Vec<usize> = (0..members).map(|k| doffs[k] + (len + gap) * counts[k] + 1).collect();
+            let dsts: Vec<MemoryRegion> = dst_lens.iter().map(|&n| {
+                let d = MemoryRegion::allocate(n).unwrap();
+                d.fill(0, n as u64, 0xee).unwrap();
+                d
+            }).collect();
+            let gang: Vec<GangRows<'_>> = (0..members).map(|k| GangRows {
+                src: &src,
+                src_offset: (k * len) as u64,
+                src_stride: stride as u64,
+                dst: &dsts[k],
+                dst_offset: doffs[k] as u64,
+                dst_stride: (len + gap) as u64,
+                len: len as u64,
+                count: counts[k] as u64,
+            }).collect();
+            with_narrow(narrow, || copy_together(&gang, streaming)).unwrap();
+            for k in 0..members {
+                let mut want = vec![0xee; dst_lens[k]];
+                rows_by_hand(&bytes, &mut want, (k * len, stride, doffs[k], len + gap, len, counts[k]));
+                proptest::prop_assert_eq!(dsts[k].to_vec(0, dst_lens[k] as u64).unwrap(), want);
+            }
+        }
+    }
+
+    /// A DCP 1 -> 4 relayout in small: four members take every fourth row of one source (rows
+    /// of whole cache lines, streamed; and short rows, copied plainly), each into its own
+    /// destination; every row lands where its member puts it. Small enough for Miri
+    /// (`cargo xtask miri`).
+    #[test]
+    fn together_a_small_relayout_lands_every_row() {
+        for (len, rows, streaming) in [(1152usize, 16usize, true), (40, 5, false)] {
+            let src = MemoryRegion::allocate(4 * len * rows).unwrap();
+            let bytes: Vec<u8> = (0..src.len()).map(|i| (i * 7 + i / 61) as u8).collect();
+            src.write_at(0, &bytes).unwrap();
+            let dsts: Vec<MemoryRegion> = (0..4)
+                .map(|_| MemoryRegion::allocate(len * rows + 16).unwrap())
+                .collect();
+            let gang: Vec<GangRows<'_>> = (0..4)
+                .map(|k| GangRows {
+                    src: &src,
+                    src_offset: (k * len) as u64,
+                    src_stride: (4 * len) as u64,
+                    dst: &dsts[k],
+                    dst_offset: 16,
+                    dst_stride: len as u64,
+                    len: len as u64,
+                    count: rows as u64,
+                })
+                .collect();
+            // 72 KiB in all: streamed (`STREAM_MIN`); the short rows are copied plainly.
+            copy_together(&gang, streaming).unwrap();
+            for (k, dst) in dsts.iter().enumerate() {
+                let mut want = vec![0; len * rows + 16];
+                rows_by_hand(&bytes, &mut want, (k * len, 4 * len, 16, len, len, rows));
+                assert_eq!(
+                    dst.to_vec(0, want.len() as u64).unwrap(),
+                    want,
+                    "member {k}"
+                );
+            }
+        }
+    }
+
+    /// Every member's spans are checked and claimed before any byte moves: one member past its
+    /// destination's end (or its source's) refuses the whole gang, names that member and
+    /// leaves every destination untouched; so does a member copying within one region.
+    #[test]
+    fn together_nothing_moves_when_one_member_is_refused() {
+        let src = MemoryRegion::allocate(8192).unwrap();
+        src.fill(0, 8192, 1).unwrap();
+        let dsts: Vec<MemoryRegion> = (0..3)
+            .map(|_| MemoryRegion::allocate(4096).unwrap())
+            .collect();
+        let member = |k: usize, src_stride: u64, dst_stride: u64| GangRows {
+            src: &src,
+            src_offset: 100 * k as u64,
+            src_stride,
+            dst: &dsts[k],
+            dst_offset: 0,
+            dst_stride,
+            len: 100,
+            count: 5,
+        };
+        let cases = [
+            (
+                vec![
+                    member(0, 300, 100),
+                    member(1, 300, 1024),
+                    member(2, 300, 100),
+                ],
+                1,
+                Operand::Destination,
+            ),
+            (
+                vec![
+                    member(0, 300, 100),
+                    member(1, 300, 100),
+                    member(2, 4096, 100),
+                ],
+                2,
+                Operand::Source,
+            ),
+        ];
+        for (gang, bad, end) in cases {
+            match copy_together(&gang, true) {
+                Err((k, TransportError::AccessOutOfRange { operand, .. })) => {
+                    assert_eq!((k, operand), (bad, end));
+                }
+                other => panic!("member {bad} should have been refused: {other:?}"),
+            }
+        }
+        let within = [
+            member(0, 300, 100),
+            GangRows {
+                dst: &src,
+                ..member(1, 300, 100)
+            },
+        ];
+        assert!(matches!(
+            copy_together(&within, false),
+            Err((1, TransportError::InvalidArgument { .. }))
+        ));
+        for d in &dsts {
+            assert_eq!(d.to_vec(0, 4096).unwrap(), vec![0; 4096]);
+        }
     }
 
     #[test]

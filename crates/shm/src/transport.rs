@@ -281,6 +281,21 @@ fn worker(mut jobs: mpsc::Receiver<Job>) {
                 Err(_) => break,
             }
         }
+        let gang = gang_of(&mut turns);
+        if gang.len() > 1 {
+            // Taken out in reverse, so the indices still point at the members.
+            let mut members: Vec<Copying> =
+                gang.iter().rev().filter_map(|&i| turns.remove(i)).collect();
+            members.reverse();
+            let pending = gang_turn(&mut members);
+            for (copying, pending) in members.into_iter().zip(pending) {
+                if pending {
+                    turns.push_back(copying);
+                }
+                // A member ends in a gang turn only by failing: nothing is left to commit.
+            }
+            continue;
+        }
         let Some(mut copying) = turns.pop_front() else {
             continue;
         };
@@ -293,6 +308,145 @@ fn worker(mut jobs: mpsc::Receiver<Job>) {
             }
         }
     }
+}
+
+/// Batches copied together in one gang turn, at most.
+const GANG_MAX: usize = 8;
+
+/// How far apart in their source two batches' next rows may be to be copied together.
+const GANG_NEAR: u64 = 16 << 20;
+/// How far past the lowest next source row of a gang one gang turn copies.
+const GANG_WINDOW: u64 = 4 * TURN_BYTES;
+
+/// The held batches the worker copies together next (indices into `turns`, in order): the
+/// first one and every other whose current op reads rows of the same local region, near the
+/// first's next row, and writes a different peer region, when the first can be copied in
+/// whole rows. Fewer than two: none.
+fn gang_of(turns: &mut VecDeque<Copying>) -> Vec<usize> {
+    let mut gang: Vec<usize> = Vec::new();
+    let mut first: Option<(MemoryRegion, u64, Vec<*const RemoteRegion>)> = None;
+    for (i, copying) in turns.iter_mut().enumerate() {
+        if gang.len() == GANG_MAX {
+            break;
+        }
+        let Some(op) = copying.gang_op() else {
+            if i == 0 {
+                return gang;
+            }
+            continue;
+        };
+        let source = &copying.job.locals[op.local as usize];
+        let at = copying.source_at(&op);
+        let dst = Arc::as_ptr(&copying.job.remotes[op.remote as usize]);
+        match &mut first {
+            None => first = Some((source.clone(), at, vec![dst])),
+            Some((region, first_at, dsts)) => {
+                if !region.same_region(source)
+                    || dsts.contains(&dst)
+                    || at.abs_diff(*first_at) > GANG_NEAR
+                {
+                    continue;
+                }
+                dsts.push(dst);
+            }
+        }
+        gang.push(i);
+    }
+    if gang.len() < 2 {
+        gang.clear();
+    }
+    gang
+}
+
+/// One gang turn: the rows of each member's current op that start within [`GANG_WINDOW`] of
+/// the gang's lowest next source row (so members that started late catch up with the others),
+/// at most [`TURN_BYTES`] of each, copied in one pass in source order (`map::copy_together`),
+/// under the batch table's lock for all of them and each peer's copy fence. Returns, per
+/// member, whether its batch is still pending (a member ends here only by failing).
+fn gang_turn(members: &mut [Copying]) -> Vec<bool> {
+    #[cfg(test)]
+    tests::GANG_TURNS.fetch_add(1, Ordering::Relaxed);
+    let horizon = members
+        .iter()
+        .filter_map(|c| c.current_op().map(|op| c.source_at(&op)))
+        .min()
+        .unwrap_or(0)
+        .saturating_add(GANG_WINDOW);
+    let batches = Arc::clone(&members[0].job.batches);
+    let ids: Vec<BatchId> = members.iter().map(|c| c.job.id).collect();
+    batches.step_many(&ids, now(), |pending| {
+        // Each peer's fence once (a second read of the same lock could wait behind a writer).
+        let mut conns: Vec<&Arc<Conn>> = Vec::new();
+        for (c, _) in members.iter().zip(pending).filter(|(_, p)| **p) {
+            if !conns.iter().any(|x| Arc::ptr_eq(x, &c.job.conn)) {
+                conns.push(&c.job.conn);
+            }
+        }
+        let fences: Vec<_> = conns.iter().map(|c| read(&c.copy_lock)).collect();
+        let mut steps: Vec<Option<Outcome>> = members.iter().map(|_| None).collect();
+        let mut copying = Vec::new();
+        for (k, c) in members.iter().enumerate() {
+            if !pending[k] {
+                continue;
+            }
+            let Some(op) = c.current_op() else { continue };
+            let remote = &c.job.remotes[op.remote as usize];
+            if c.job.conn.lost.load(Ordering::Acquire) {
+                steps[k] = Some(lost(c.job.conn.id, c.job.conn.lost_reason()));
+            } else if remote.revoked.load(Ordering::Acquire) {
+                steps[k] = Some(failed(c.job.id, c.job.conn.id, revoked(remote.id)));
+            } else {
+                let at = c.at;
+                let from = c.source_at(&op);
+                let below = match op.local_stride {
+                    _ if from >= horizon => 0,
+                    0 => u64::MAX,
+                    stride => (horizon - from).div_ceil(stride),
+                };
+                let rows = (op.count - at.row)
+                    .min((TURN_BYTES / op.len).max(1))
+                    .min(below);
+                if rows == 0 {
+                    continue;
+                }
+                copying.push((
+                    k,
+                    map::GangRows {
+                        src: &c.job.locals[op.local as usize],
+                        src_offset: op.local_offset + at.row * op.local_stride,
+                        src_stride: op.local_stride,
+                        dst: &remote.region,
+                        dst_offset: op.remote_offset + at.row * op.remote_stride,
+                        dst_stride: op.remote_stride,
+                        len: op.len,
+                        count: rows,
+                    },
+                ));
+            }
+        }
+        let rows: Vec<map::GangRows<'_>> = copying.iter().map(|(_, m)| m.clone()).collect();
+        let copied = map::copy_together(&rows, true);
+        drop(fences);
+        let moved: Vec<(usize, u64)> = match copied {
+            Ok(()) => copying.iter().map(|(k, m)| (*k, m.count)).collect(),
+            Err((failed_at, e)) => {
+                let k = copying[failed_at].0;
+                steps[k] = Some(failed(
+                    members[k].job.id,
+                    members[k].job.conn.id,
+                    format!("a copy was refused by the region: {e}"),
+                ));
+                Vec::new()
+            }
+        };
+        for (k, count) in moved {
+            members[k].at.row += count;
+        }
+        steps
+            .into_iter()
+            .map(|outcome| outcome.map_or(Step::Continue, Step::Finish))
+            .collect()
+    })
 }
 
 /// Copies a job's bytes at once; returns the write of its notification when that is what
@@ -318,6 +472,36 @@ impl Copying {
             at: Cursor::default(),
             committed: None,
         }
+    }
+
+    /// The op the cursor is in, once past ops with nothing left to copy; `None` when every op
+    /// is done.
+    fn current_op(&self) -> Option<PlannedOp> {
+        self.job.ops.get(self.at.op).copied()
+    }
+
+    /// Where in its local region the cursor's next row starts (`op` is the current op).
+    fn source_at(&self, op: &PlannedOp) -> u64 {
+        // In range without overflow: every row was checked at `post`.
+        op.local_offset + self.at.row * op.local_stride + self.at.in_row
+    }
+
+    /// Moves the cursor past ops with nothing left to copy, and returns the op it is in when
+    /// a gang turn can copy it: a write, at a row's start, rows of at most [`TURN_BYTES`].
+    fn gang_op(&mut self) -> Option<PlannedOp> {
+        while let Some(op) = self.current_op() {
+            if self.at.row < op.count && op.len > 0 {
+                break;
+            }
+            self.at = Cursor {
+                op: self.at.op + 1,
+                ..Cursor::default()
+            };
+        }
+        let op = self.current_op()?;
+        let whole = self.at.in_row == 0 && op.len <= TURN_BYTES;
+        (matches!(self.job.direction, Direction::Write) && whole && self.committed.is_none())
+            .then_some(op)
     }
 
     /// Copies up to `budget` bytes in one step of the batch; false once the batch has ended or
@@ -430,10 +614,7 @@ fn copy_chunk(
         }
         let remote = &remotes[op.remote as usize];
         if remote.revoked.load(Ordering::Acquire) {
-            return Err(format!(
-                "the peer deregistered its region {} while the batch was running",
-                remote.id
-            ));
+            return Err(revoked(remote.id));
         }
         let local = &locals[op.local as usize];
         // In range without overflow: every row was checked at `post`.
@@ -468,6 +649,11 @@ fn copy_chunk(
         }
     }
     Ok(())
+}
+
+/// Why a batch fails when its peer deregistered a region it writes.
+fn revoked(region: RegionId) -> String {
+    format!("the peer deregistered its region {region} while the batch was running")
 }
 
 /// Sends a copied batch's notification and finishes the batch. The write is bounded by the
@@ -1601,6 +1787,9 @@ mod tests {
     use super::*;
     use kvbridge_transport::{KvTransportExt, TransferOp};
 
+    /// Gang turns taken by any copy worker of this test binary.
+    pub(super) static GANG_TURNS: AtomicU64 = AtomicU64::new(0);
+
     /// Concurrent first posts to a peer look its region up once. Each lookup maps (and
     /// populates) the whole region, so a first wave of N rooms used to map it N times, and
     /// every room of the wave waited for all of those mappings.
@@ -1819,7 +2008,7 @@ mod tests {
     }
 
     /// Batches to four peers through one transport, their rows interleaved in one source as a
-    /// DCP 1 -> 4 relayout posts them, are copied in turns: each lands byte for byte with its
+    /// DCP 1 -> 4 relayout posts them, are copied together (gang turns): each lands byte for byte with its
     /// notification, and cancelling the largest once its first rows landed leaves the others
     /// complete and the cancelled one fenced (nothing of it lands after `cancel` reports, and
     /// its notification never arrives).
@@ -1853,6 +2042,7 @@ mod tests {
             let batch = TransferBatch::write(ops).with_notification(Bytes::from(vec![rank as u8]));
             ranks.push((receiver, peer, dst, dst_region, batch, len));
         }
+        let gang_turns = GANG_TURNS.load(Ordering::Relaxed);
         let mut ids = Vec::new();
         for (_, peer, _, _, batch, _) in &ranks {
             ids.push(sender.post(*peer, batch.clone()).await.unwrap());
@@ -1945,5 +2135,10 @@ mod tests {
             &[CANCELLED as u8]
         };
         assert_eq!(&n.payload[..], expected);
+        // The interleaved rows went through gang turns (one pass over the source for all).
+        assert!(
+            GANG_TURNS.load(Ordering::Relaxed) > gang_turns,
+            "no gang turn was taken"
+        );
     }
 }

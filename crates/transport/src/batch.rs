@@ -597,6 +597,43 @@ impl Batches {
         }
     }
 
+    /// [`step`](Self::step) for several batches at once, for a mover that moves their bytes
+    /// together (e.g. one pass over a source that several batches read rows of): `f` runs
+    /// once under the table's lock with `pending[i]` telling whether `ids[i]` is pending at
+    /// `now`, and returns one step per id (the step of a batch that was not pending is
+    /// ignored: `f` must move no byte of it). Returns, per id, whether the batch is still
+    /// pending afterwards. `f` does not run when none is pending.
+    pub fn step_many(
+        &self,
+        ids: &[BatchId],
+        now: Instant,
+        f: impl FnOnce(&[bool]) -> Vec<Step>,
+    ) -> Vec<bool> {
+        let mut table = self.lock();
+        let pending: Vec<bool> = ids.iter().map(|&id| table.is_pending(id, now)).collect();
+        if !pending.contains(&true) {
+            return pending;
+        }
+        let steps = f(&pending);
+        let mut wakeups = Wakeups::default();
+        let mut still = vec![false; ids.len()];
+        for (i, step) in steps.into_iter().enumerate().take(ids.len()) {
+            if !pending[i] {
+                continue;
+            }
+            match step {
+                Step::Continue => still[i] = true,
+                Step::Finish(outcome) => wakeups.extend(table.finish(ids[i], outcome, now).1),
+                Step::Commit(fence) => {
+                    table.commit(ids[i], fence, now);
+                }
+            }
+        }
+        drop(table);
+        wakeups.wake();
+        still
+    }
+
     /// `wait`: resolves with the batch's final result exactly once (see
     /// [`BatchTable::collect`]), when it becomes final or when it times out, whichever is first.
     ///

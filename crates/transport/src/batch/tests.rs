@@ -101,6 +101,46 @@ fn step_never_runs_after_cancel_or_deadline() {
     ));
 }
 
+/// `step_many` tells the mover which batches it may move, records each step, and never runs
+/// when none is pending: a cancelled or expired batch is reported not pending (its bytes must
+/// not move) while the others go on, finish or fail.
+#[test]
+fn step_many_moves_only_pending_batches_and_records_each_step() {
+    let b = Batches::new(T);
+    let now = Instant::now();
+    let ids: Vec<BatchId> = (0..4)
+        .map(|k| b.insert(PeerId(k), secs(10 + k), now).unwrap())
+        .collect();
+    assert_eq!(b.cancel(ids[1], now).unwrap(), BatchState::Cancelled);
+    // At now + 10 s the first batch (timeout 10 s) has expired.
+    let later = now + secs(10);
+    let still = b.step_many(&ids, later, |pending| {
+        assert_eq!(pending, [false, false, true, true]);
+        vec![
+            Step::Finish(Outcome::Done),
+            Step::Finish(Outcome::Done),
+            Step::Continue,
+            Step::Finish(Outcome::Failed(lost(PeerId(3)))),
+        ]
+    });
+    assert_eq!(still, [false, false, true, false]);
+    assert_eq!(b.state(ids[0], later).unwrap(), BatchState::TimedOut);
+    assert_eq!(b.state(ids[1], later).unwrap(), BatchState::Cancelled);
+    assert_eq!(b.state(ids[2], later).unwrap(), BatchState::Pending);
+    assert!(matches!(
+        b.state(ids[3], later).unwrap(),
+        BatchState::Failed(_)
+    ));
+    let still = b.step_many(&ids, later, |_| Vec::new());
+    // A step left out is no step: the batch stays as it was.
+    assert_eq!(still, [false, false, false, false]);
+    assert_eq!(b.state(ids[2], later).unwrap(), BatchState::Pending);
+    assert!(b.step_many(&ids[2..3], later, |_| vec![Step::Finish(Outcome::Done)]) == [false]);
+    assert_eq!(b.state(ids[2], later).unwrap(), BatchState::Done);
+    let none = b.step_many(&ids, later, |_| panic!("ran with no batch pending"));
+    assert_eq!(none, [false; 4]);
+}
+
 #[test]
 fn fail_where_fails_one_peer_only_and_keeps_final_states() {
     let b = Batches::new(T);
