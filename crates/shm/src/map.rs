@@ -269,9 +269,11 @@ fn copy_rows_one_by_one(
 /// Copies `count` rows of `len` bytes, row `i` from `src[src_offset + i * src_stride..]` into
 /// `dst[dst_offset + i * dst_stride..]`: one strided op, or a run of its rows. Both spans (first
 /// row's start to last row's end) are checked and claimed once, before any byte moves, and the
-/// rows are copied in one tight loop inside the claims: no per-row checks or claims. Rows are
-/// streamed (see [`copy_out`]) when `streaming` is set (the destination is a peer's memory) and
-/// the rows together reach [`STREAM_MIN`]. Rows overlapping on
+/// rows are copied in one tight loop inside the claims: no per-row checks or claims. Rows of 64
+/// bytes or more are streamed (see [`copy_out`]) when `streaming` is set: the destination is a
+/// peer's memory and the caller copies a long batch ([`STREAM_MIN`] or more in all), however
+/// few rows this one call copies (a DCP 4 -> 1 relayout's ops are 16 rows each). Rows
+/// overlapping on
 /// the destination are the caller's to refuse (the transport does, at `post`); here they only
 /// make the result depend on row order.
 #[allow(clippy::too_many_arguments)]
@@ -305,10 +307,7 @@ pub(crate) fn copy_rows(
             .map_or(u64::MAX, |end| end - offset)
     };
     let (src_span, dst_span) = (span(src_offset, src_stride), span(dst_offset, dst_stride));
-    let stream = cfg!(target_arch = "x86_64")
-        && streaming
-        && len >= 64
-        && len.saturating_mul(count) >= STREAM_MIN;
+    let stream = cfg!(target_arch = "x86_64") && streaming && len >= 64;
     let copied = src.with_raw_range(src_offset, src_span, Access::Read, |s, _| {
         dst.with_raw_range(dst_offset, dst_span, Access::Write, |d, _| {
             // The spans fit in `usize` (they are inside mapped regions), so every row offset

@@ -255,6 +255,8 @@ struct Job {
     locals: Vec<MemoryRegion>,
     remotes: Vec<Arc<RemoteRegion>>,
     ops: Vec<PlannedOp>,
+    /// Writes with streaming stores: a write batch of [`map::STREAM_MIN`] bytes or more.
+    stream: bool,
     notification: Option<Bytes>,
     deadline: std::time::Instant,
     rt: tokio::runtime::Handle,
@@ -281,6 +283,14 @@ fn worker(mut jobs: mpsc::Receiver<Job>) {
                 Err(_) => break,
             }
         }
+        if waits_for_sibling(&mut turns) {
+            // Its siblings copy first until they reach its op; then they go together.
+            if let Some(mut first) = turns.pop_front() {
+                first.passed += 1;
+                turns.push_back(first);
+            }
+            continue;
+        }
         let gang = gang_of(&mut turns);
         if gang.len() > 1 {
             // Taken out in reverse, so the indices still point at the members.
@@ -288,7 +298,8 @@ fn worker(mut jobs: mpsc::Receiver<Job>) {
                 gang.iter().rev().filter_map(|&i| turns.remove(i)).collect();
             members.reverse();
             let pending = gang_turn(&mut members);
-            for (copying, pending) in members.into_iter().zip(pending) {
+            for (mut copying, pending) in members.into_iter().zip(pending) {
+                copying.passed = 0;
                 if pending {
                     turns.push_back(copying);
                 }
@@ -299,6 +310,7 @@ fn worker(mut jobs: mpsc::Receiver<Job>) {
         let Some(mut copying) = turns.pop_front() else {
             continue;
         };
+        copying.passed = 0;
         if copying.turn(TURN_BYTES) {
             turns.push_back(copying);
         } else {
@@ -313,15 +325,20 @@ fn worker(mut jobs: mpsc::Receiver<Job>) {
 /// Batches copied together in one gang turn, at most.
 const GANG_MAX: usize = 8;
 
-/// How far apart in their source two batches' next rows may be to be copied together.
-const GANG_NEAR: u64 = 16 << 20;
-/// How far past the lowest next source row of a gang one gang turn copies.
+/// Times in a row a batch may wait for its siblings to catch up ([`waits_for_sibling`]).
+const GANG_PASS: u32 = 4096;
+/// Held batches looked at for a sibling of the first.
+const GANG_SCAN: usize = 16;
+/// How far past the lowest next source row of a gang one gang turn copies; also how far apart
+/// two batches' next rows (or, for siblings, their ops' first rows) may be to go together: the
+/// rows of one relayout's batches are interleaved, those of different requests or chunks are
+/// not.
 const GANG_WINDOW: u64 = 4 * TURN_BYTES;
 
 /// The held batches the worker copies together next (indices into `turns`, in order): the
-/// first one and every other whose current op reads rows of the same local region, near the
-/// first's next row, and writes a different peer region, when the first can be copied in
-/// whole rows. Fewer than two: none.
+/// first one and every other whose current op reads rows of the same local region, within
+/// [`GANG_WINDOW`] of the first's next row, and writes a different peer region, when the first
+/// can be copied in whole rows. Fewer than two: none.
 fn gang_of(turns: &mut VecDeque<Copying>) -> Vec<usize> {
     let mut gang: Vec<usize> = Vec::new();
     let mut first: Option<(MemoryRegion, u64, Vec<*const RemoteRegion>)> = None;
@@ -343,7 +360,7 @@ fn gang_of(turns: &mut VecDeque<Copying>) -> Vec<usize> {
             Some((region, first_at, dsts)) => {
                 if !region.same_region(source)
                     || dsts.contains(&dst)
-                    || at.abs_diff(*first_at) > GANG_NEAR
+                    || at.abs_diff(*first_at) > GANG_WINDOW
                 {
                     continue;
                 }
@@ -356,6 +373,45 @@ fn gang_of(turns: &mut VecDeque<Copying>) -> Vec<usize> {
         gang.clear();
     }
     gang
+}
+
+/// Whether the first held batch should let a *sibling* copy first: another batch, at most
+/// [`GANG_SCAN`] back, with an op at the first's op index, that is behind it (at an earlier op, or more than
+/// [`GANG_WINDOW`] back in the same op), and whose op at the first's current op reads the same
+/// local region from a first row within [`GANG_WINDOW`] of the first's, and writes a different
+/// peer region. The batches of
+/// a DCP relayout (one per decode rank, posted one after the other) are siblings: the first
+/// posted starts alone and runs ahead into source regions (layers) the others have not
+/// reached, where no gang can form; waiting for them lets them copy together again. A batch
+/// waits at most [`GANG_PASS`] times in a row.
+fn waits_for_sibling(turns: &mut VecDeque<Copying>) -> bool {
+    let Some((first, rest)) = turns.make_contiguous().split_first_mut() else {
+        return false;
+    };
+    if first.passed >= GANG_PASS {
+        return false;
+    }
+    let Some(op) = first.gang_op() else {
+        return false;
+    };
+    let at = first.at.op;
+    let first_at = first.source_at(&op);
+    let region = &first.job.locals[op.local as usize];
+    let dst = Arc::as_ptr(&first.job.remotes[op.remote as usize]);
+    rest.iter_mut().take(GANG_SCAN - 1).any(|other| {
+        if other.job.ops.len() <= at || other.gang_op().is_none() {
+            return false;
+        }
+        let theirs = other.job.ops[at];
+        // Behind: at an earlier op, or in the same op too far back to be copied with it.
+        let behind = other.at.op < at
+            || (other.at.op == at
+                && other.source_at(&theirs).saturating_add(GANG_WINDOW) < first_at);
+        behind
+            && theirs.local_offset.abs_diff(op.local_offset) <= GANG_WINDOW
+            && other.job.locals[theirs.local as usize].same_region(region)
+            && Arc::as_ptr(&other.job.remotes[theirs.remote as usize]) != dst
+    })
 }
 
 /// One gang turn: the rows of each member's current op that start within [`GANG_WINDOW`] of
@@ -463,6 +519,8 @@ struct Copying {
     at: Cursor,
     /// The notification to write, once the batch was committed.
     committed: Option<Bytes>,
+    /// Times in a row this batch, first in line, was passed over for a gang.
+    passed: u32,
 }
 
 impl Copying {
@@ -471,6 +529,7 @@ impl Copying {
             job,
             at: Cursor::default(),
             committed: None,
+            passed: 0,
         }
     }
 
@@ -507,7 +566,9 @@ impl Copying {
     /// Copies up to `budget` bytes in one step of the batch; false once the batch has ended or
     /// only its commit (see [`Copying::finish`]) remains.
     fn turn(&mut self, budget: u64) -> bool {
-        let Self { job, at, committed } = self;
+        let Self {
+            job, at, committed, ..
+        } = self;
         let Job {
             batches,
             id,
@@ -517,6 +578,7 @@ impl Copying {
             remotes,
             ops,
             notification,
+            stream,
             ..
         } = job;
         let id = *id;
@@ -527,7 +589,7 @@ impl Copying {
             let copied = if conn.lost.load(Ordering::Acquire) {
                 Err(lost(conn.id, conn.lost_reason()))
             } else {
-                copy_chunk(*direction, locals, remotes, ops, at, budget)
+                copy_chunk(*direction, *stream, locals, remotes, ops, at, budget)
                     .map_err(|reason| failed(id, conn.id, reason))
             };
             drop(fence);
@@ -592,16 +654,18 @@ impl Drop for InlineCommit {
 
 /// Copies up to `budget` bytes of the batch from `at`, and moves `at` past what it copied; the
 /// error says why the batch fails. Whole rows of a strided op go in one `map::copy_rows` call
-/// (one pair of claims, one tight loop); only a row longer than what is left of the chunk is
-/// cut.
+/// (one pair of claims, one tight loop); a row longer than what is left of the chunk is left
+/// for the next step, unless it is longer than the whole chunk: only such rows are cut.
 fn copy_chunk(
     direction: Direction,
+    stream: bool,
     locals: &[MemoryRegion],
     remotes: &[Arc<RemoteRegion>],
     ops: &[PlannedOp],
     at: &mut Cursor,
     mut budget: u64,
 ) -> std::result::Result<(), String> {
+    let full = budget;
     while at.op < ops.len() && budget > 0 {
         let op = ops[at.op];
         if at.row >= op.count || op.len == 0 {
@@ -616,6 +680,11 @@ fn copy_chunk(
         if remote.revoked.load(Ordering::Acquire) {
             return Err(revoked(remote.id));
         }
+        if at.in_row == 0 && op.len > budget && budget < full {
+            // The step ends at a row's start, not inside a row that the next one can copy
+            // whole (and that a gang turn can then take).
+            break;
+        }
         let local = &locals[op.local as usize];
         // In range without overflow: every row was checked at `post`.
         let lo = op.local_offset + at.row * op.local_stride + at.in_row;
@@ -628,7 +697,7 @@ fn copy_chunk(
         let (rs, ls) = (op.remote_stride, op.local_stride);
         let copied = match direction {
             Direction::Write => {
-                map::copy_rows(local, lo, ls, &remote.region, ro, rs, n, rows, true)
+                map::copy_rows(local, lo, ls, &remote.region, ro, rs, n, rows, stream)
             }
             Direction::Read => {
                 map::copy_rows(&remote.region, ro, rs, local, lo, ls, n, rows, false)
@@ -1684,6 +1753,7 @@ impl KvTransport for ShmTransport {
             locals,
             remotes,
             ops,
+            stream: batch_bytes >= map::STREAM_MIN,
             notification: batch.notification,
             deadline: deadline.into_std(),
             rt: self.inner.rt.clone(),
