@@ -743,6 +743,9 @@ fn bench_e2e(transport: &str, extra: &[&str]) -> Value {
     assert_eq!(r["verified"], true, "{r}");
     assert!(r["memcpy_ratio"].as_f64().unwrap() > 0.0);
     assert!(r["transport_ratio"].as_f64().unwrap() > 0.0);
+    // The plain copy moves the request's bytes in ordinary memory: its own figure and ratio.
+    assert!(r["plain_gbps"].as_f64().unwrap() > 0.0, "{r}");
+    assert!(r["plain_ratio"].as_f64().unwrap() > 0.0, "{r}");
     // Strided ops cover every row of the request with fewer descriptors (pack ranges are
     // contiguous: one row each).
     let (ops, rows) = (

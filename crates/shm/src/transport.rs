@@ -326,7 +326,7 @@ fn worker(mut jobs: mpsc::Receiver<Job>) {
 const GANG_MAX: usize = 8;
 
 /// Times in a row a batch may wait for its siblings to catch up ([`waits_for_sibling`]).
-const GANG_PASS: u32 = 4096;
+const GANG_PASS: u32 = 512;
 /// Held batches looked at for a sibling of the first.
 const GANG_SCAN: usize = 16;
 /// How far past the lowest next source row of a gang one gang turn copies; also how far apart
