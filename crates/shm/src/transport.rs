@@ -2085,7 +2085,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_batches_take_turns_and_a_cancelled_one_is_fenced_alone() {
         const ROW: u64 = 1152;
-        const ROWS: u64 = 4096;
+        const ROWS: u64 = 8192;
         const LONG: u64 = 48 << 20;
         const CANCELLED: usize = 1;
         let wait = Duration::from_secs(60);
@@ -2111,6 +2111,18 @@ mod tests {
             }
             let batch = TransferBatch::write(ops).with_notification(Bytes::from(vec![rank as u8]));
             ranks.push((receiver, peer, dst, dst_region, batch, len));
+        }
+        // Each peer's region mapped first (a write of zeros), so the four posts below follow
+        // each other closely and their batches are copied together.
+        let (zeros, _) = sender.allocate_registered(64).await.unwrap();
+        for (_, peer, dst, _, _, _) in &ranks {
+            sender
+                .transfer(
+                    *peer,
+                    TransferBatch::write(vec![TransferOp::new(zeros, 0, *dst, 0, 64)]),
+                )
+                .await
+                .unwrap();
         }
         let gang_turns = GANG_TURNS.load(Ordering::Relaxed);
         let mut ids = Vec::new();
