@@ -156,6 +156,23 @@ struct Shape {
     page: u64,
 }
 
+impl Shape {
+    /// The arguments' pair, with the tokens (8192 times `--size-scale`) rounded to whole pages
+    /// of every rank on both sides.
+    fn of(args: &BenchArgs) -> Self {
+        let (a, b) = (args.prefill_dcp, args.dcp);
+        let (pp, dp) = (args.prefill_page_size, args.page_size);
+        let align = (pp * u64::from(a)).max(dp * u64::from(b));
+        Self {
+            tokens: ((8192.0 * args.size_scale) as u64 / align).max(1) * align,
+            prefill_dcp: a,
+            dcp: b,
+            prefill_page: pp,
+            page: dp,
+        }
+    }
+}
+
 pub(super) fn run(args: &BenchArgs) -> ExitCode {
     if !(args.size_scale > 0.0 && args.size_scale <= 1.0) {
         eprintln!(
@@ -362,17 +379,12 @@ async fn shutdown(prefills: &[Prefill], decodes: &[Decode]) {
 
 async fn bench(args: &BenchArgs) -> Result<Report, String> {
     let make = factory(args.transport)?;
-    let (a, b) = (args.prefill_dcp, args.dcp);
-    let (pp, dp) = (args.prefill_page_size, args.page_size);
-    let align = (pp * u64::from(a)).max(dp * u64::from(b));
-    let tokens = ((8192.0 * args.size_scale) as u64 / align).max(1) * align;
-    let shape = Shape {
-        tokens,
-        prefill_dcp: a,
-        dcp: b,
-        prefill_page: pp,
-        page: dp,
-    };
+    let shape = Shape::of(args);
+    let (tokens, (a, b), (pp, dp)) = (
+        shape.tokens,
+        (shape.prefill_dcp, shape.dcp),
+        (shape.prefill_page, shape.page),
+    );
 
     let boot = BootstrapServer::bind(BootstrapConfig::default())
         .await
