@@ -377,7 +377,6 @@ pub(crate) fn copy_rows(
 
 /// One member of [`copy_together`]: `count` rows of `len` bytes, row `i` from
 /// `src[src_offset + i * src_stride..]` into `dst[dst_offset + i * dst_stride..]`.
-#[derive(Clone)]
 pub(crate) struct GangRows<'a> {
     pub src: &'a MemoryRegion,
     pub src_offset: u64,

@@ -376,11 +376,10 @@ fn gang_of(turns: &mut VecDeque<Copying>) -> Vec<usize> {
 }
 
 /// Whether the first held batch should let a *sibling* copy first: another batch, at most
-/// [`GANG_SCAN`] back, with an op at the first's op index, that is behind it (at an earlier op, or more than
-/// [`GANG_WINDOW`] back in the same op), and whose op at the first's current op reads the same
-/// local region from a first row within [`GANG_WINDOW`] of the first's, and writes a different
-/// peer region. The batches of
-/// a DCP relayout (one per decode rank, posted one after the other) are siblings: the first
+/// [`GANG_SCAN`] back, behind it (at an earlier op, or more than [`GANG_WINDOW`] back in the
+/// same op), whose op at the first's op index reads the same local region from a first row
+/// within [`GANG_WINDOW`] of the first's, and writes a different peer region. The batches of a
+/// DCP relayout (one per decode rank, posted one after the other) are siblings: the first
 /// posted starts alone and runs ahead into source regions (layers) the others have not
 /// reached, where no gang can form; waiting for them lets them copy together again. A batch
 /// waits at most [`GANG_PASS`] times in a row.
@@ -440,7 +439,9 @@ fn gang_turn(members: &mut [Copying]) -> Vec<bool> {
         }
         let fences: Vec<_> = conns.iter().map(|c| read(&c.copy_lock)).collect();
         let mut steps: Vec<Option<Outcome>> = members.iter().map(|_| None).collect();
-        let mut copying = Vec::new();
+        // Members copied in this turn, and their rows.
+        let (mut copying, mut rows): (Vec<usize>, Vec<map::GangRows<'_>>) =
+            (Vec::new(), Vec::new());
         for (k, c) in members.iter().enumerate() {
             if !pending[k] {
                 continue;
@@ -459,34 +460,35 @@ fn gang_turn(members: &mut [Copying]) -> Vec<bool> {
                     0 => u64::MAX,
                     stride => (horizon - from).div_ceil(stride),
                 };
-                let rows = (op.count - at.row)
+                let count = (op.count - at.row)
                     .min((TURN_BYTES / op.len).max(1))
                     .min(below);
-                if rows == 0 {
+                if count == 0 {
                     continue;
                 }
-                copying.push((
-                    k,
-                    map::GangRows {
-                        src: &c.job.locals[op.local as usize],
-                        src_offset: op.local_offset + at.row * op.local_stride,
-                        src_stride: op.local_stride,
-                        dst: &remote.region,
-                        dst_offset: op.remote_offset + at.row * op.remote_stride,
-                        dst_stride: op.remote_stride,
-                        len: op.len,
-                        count: rows,
-                    },
-                ));
+                copying.push(k);
+                rows.push(map::GangRows {
+                    src: &c.job.locals[op.local as usize],
+                    src_offset: op.local_offset + at.row * op.local_stride,
+                    src_stride: op.local_stride,
+                    dst: &remote.region,
+                    dst_offset: op.remote_offset + at.row * op.remote_stride,
+                    dst_stride: op.remote_stride,
+                    len: op.len,
+                    count,
+                });
             }
         }
-        let rows: Vec<map::GangRows<'_>> = copying.iter().map(|(_, m)| m.clone()).collect();
         let copied = map::copy_together(&rows, true);
         drop(fences);
         let moved: Vec<(usize, u64)> = match copied {
-            Ok(()) => copying.iter().map(|(k, m)| (*k, m.count)).collect(),
+            Ok(()) => copying
+                .iter()
+                .zip(&rows)
+                .map(|(&k, m)| (k, m.count))
+                .collect(),
             Err((failed_at, e)) => {
-                let k = copying[failed_at].0;
+                let k = copying[failed_at];
                 steps[k] = Some(failed(
                     members[k].job.id,
                     members[k].job.conn.id,
@@ -519,7 +521,7 @@ struct Copying {
     at: Cursor,
     /// The notification to write, once the batch was committed.
     committed: Option<Bytes>,
-    /// Times in a row this batch, first in line, was passed over for a gang.
+    /// Times in a row this batch, first in line, waited for a sibling ([`waits_for_sibling`]).
     passed: u32,
 }
 
@@ -533,8 +535,7 @@ impl Copying {
         }
     }
 
-    /// The op the cursor is in, once past ops with nothing left to copy; `None` when every op
-    /// is done.
+    /// The op the cursor is in; `None` once past the last.
     fn current_op(&self) -> Option<PlannedOp> {
         self.job.ops.get(self.at.op).copied()
     }
