@@ -7,9 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvbridge_coordinator::testing::{
-    TokenLayout, chunk_plan, fill_rows, verify_rows, verify_untouched,
-};
+use kvbridge_coordinator::testing::{TokenLayout, fill_rows, verify_rows, verify_untouched};
 use kvbridge_coordinator::{
     Chunk, DecodeAgent, InProcessControlHub, KvMemory, PrefillAgent, ReceiveRequest,
     StaticDirectory,
@@ -124,7 +122,7 @@ async fn transfer(
             .expect("ready in time")
             .expect("ready");
         assert_eq!(start, 0, "the decode holds no prefix");
-        let plan = chunk_plan(0, tokens, layout.virtual_page(), chunk_pages);
+        let plan = kvbridge_geometry::chunk_plan(0, tokens, layout.virtual_page(), chunk_pages);
         let last = plan.len() - 1;
         for (k, (span, num_kv_tokens)) in plan.into_iter().enumerate() {
             let ids: Vec<u64> = span.map(|j| pages[j as usize]).collect();

@@ -49,10 +49,10 @@ fn fmt() -> Result<(), String> {
 /// Every feature of every package but the NIXL ones, for machines without libclang: building
 /// nixl-sys (features `kvbridge-nixl/nixl`, `kvbridge-cli/nixl`) runs bindgen, which needs it.
 /// `tidy::the_feature_list_without_nixl_names_every_other_feature` keeps the list complete.
-pub(crate) const FEATURES_WITHOUT_NIXL: &str = "kvbridge-geometry/serde,kvbridge-transport/mock,\
-kvbridge-transport/testing,kvbridge/full,kvbridge/auth,kvbridge/bootstrap,kvbridge/control,\
+pub(crate) const FEATURES_WITHOUT_NIXL: &str = "kvbridge-geometry/serde,kvbridge-memory/testing,\
+kvbridge-transport/mock,kvbridge/full,kvbridge/auth,kvbridge/bootstrap,kvbridge/control,\
 kvbridge/coordinator,kvbridge/handshake,kvbridge/mock,kvbridge/planner,kvbridge/shm,kvbridge/tcp,\
-kvbridge/testing,kvbridge/transport";
+kvbridge/transport";
 
 /// `--all-features` where nixl-sys can be built (libclang present, as `cargo xtask nixl-setup`
 /// makes it), otherwise every other feature, saying once why the NIXL tests do not run.
@@ -140,7 +140,7 @@ fn msrv() -> Result<(), String> {
 /// Seeds of the scheduler Miri tries for the concurrent tests; each runs the tests once.
 const MIRI_SEEDS: &str = "0..64";
 
-/// Runs the tests of `kvbridge-transport`'s memory module under Miri (concurrent overlapping
+/// Runs the tests of registered memory (`kvbridge-memory`) under Miri (concurrent overlapping
 /// accesses through every accessor included), once per seed in [`MIRI_SEEDS`], then the
 /// shared-memory transport's copies of rows together (`map::tests::together_*`). Succeeds with a
 /// printed reason when nightly Miri is not installed (`rustup toolchain install nightly
@@ -163,15 +163,7 @@ fn miri() -> Result<(), String> {
             return Ok(());
         }
     }
-    let args = [
-        "+nightly",
-        "miri",
-        "test",
-        "-p",
-        "kvbridge-transport",
-        "--lib",
-        "memory::",
-    ];
+    let args = ["+nightly", "miri", "test", "-p", "kvbridge-memory", "--lib"];
     let flags = format!("-Zmiri-many-seeds={MIRI_SEEDS}");
     eprintln!("xtask: MIRIFLAGS={flags} cargo {}", args.join(" "));
     let status = Command::new("cargo")

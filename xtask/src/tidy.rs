@@ -102,6 +102,8 @@ fn every_crate_has_a_codemap_section() {
 /// Every library crate: what the facade re-exports and the Python package builds on.
 const LIBRARY_CRATES: &[&str] = &[
     "kvbridge-auth",
+    "kvbridge-sync",
+    "kvbridge-memory",
     "kvbridge-control",
     "kvbridge-geometry",
     "kvbridge-handshake",
@@ -116,6 +118,8 @@ const LIBRARY_CRATES: &[&str] = &[
 /// What the Python package builds on: every library crate, and NIXL behind its `nixl` feature.
 const PYTHON_CRATES: &[&str] = &[
     "kvbridge-auth",
+    "kvbridge-sync",
+    "kvbridge-memory",
     "kvbridge-control",
     "kvbridge-geometry",
     "kvbridge-handshake",
@@ -136,7 +140,19 @@ fn crates_depend_only_on_what_the_codemap_allows() {
         ("kvbridge-auth", &[], false),
         ("kvbridge-geometry", &[], false),
         ("kvbridge-handshake", &["kvbridge-geometry"], false),
-        ("kvbridge-transport", &[], false),
+        ("kvbridge-sync", &[], false),
+        ("kvbridge-memory", &[], false),
+        (
+            "kvbridge-transport",
+            &["kvbridge-memory", "kvbridge-sync"],
+            false,
+        ),
+        // Test support: only dev-dependencies (and the CLI's bench) link it.
+        (
+            "kvbridge-conformance",
+            &["kvbridge-memory", "kvbridge-transport"],
+            false,
+        ),
         ("kvbridge-mock", &["kvbridge-transport"], true),
         (
             "kvbridge-shm",
@@ -157,13 +173,13 @@ fn crates_depend_only_on_what_the_codemap_allows() {
                 "kvbridge-control",
                 "kvbridge-geometry",
                 "kvbridge-handshake",
-                "kvbridge-transport",
+                "kvbridge-sync",
             ],
             true,
         ),
         (
             "kvbridge-control",
-            &["kvbridge-auth", "kvbridge-handshake", "kvbridge-transport"],
+            &["kvbridge-auth", "kvbridge-handshake", "kvbridge-sync"],
             true,
         ),
         (
@@ -220,7 +236,7 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 
 /// The files that may hold `unsafe` code (docs/ARCHITECTURE.md, "Cross-cutting", names each).
 const UNSAFE_FILES: [&str; 4] = [
-    "crates/transport/src/memory.rs",
+    "crates/memory/src/lib.rs",
     "crates/shm/src/map.rs",
     // Python memory (numpy buffers, caller pointers) wrapped as foreign regions.
     "crates/python/src/memory.rs",

@@ -13,7 +13,7 @@
 use std::sync::Mutex;
 
 use kvbridge_auth::{Challenges, Label, NONCE_LEN, Nonce, Secret, TAG_LEN, prove, verify};
-use kvbridge_transport::sync::lock;
+use kvbridge_sync::lock;
 
 use crate::http::{RequestHead, Response};
 

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use kvbridge_handshake::PeerDescriptor;
-use kvbridge_transport::sync::lock;
+use kvbridge_sync::lock;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{BootstrapError, Result};

@@ -10,7 +10,7 @@ use kvbridge_handshake::{PeerDescriptor, Role};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use kvbridge_transport::sync::lock;
+use kvbridge_sync::lock;
 
 use crate::directory::PrefillRankInfo;
 use crate::http::{RequestHead, Response};

@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 
 mod fuzzing;
 use fuzzing::mutate;
-use kvbridge_transport::testing::SplitMix64;
+use kvbridge_conformance::SplitMix64;
 
 fn example(path: &str) -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

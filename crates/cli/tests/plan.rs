@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 
 mod fuzzing;
 use fuzzing::mutate;
-use kvbridge_transport::testing::SplitMix64;
+use kvbridge_conformance::SplitMix64;
 
 fn plan_stdin(input: &str) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvbridge"))

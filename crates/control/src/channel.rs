@@ -1,7 +1,7 @@
 //! The control channel: how agents exchange small control messages (registration, per-room
 //! metadata, status, abort, abort-ack, heartbeat).
 //!
-//! KV bytes never travel here; they go through the [`KvTransport`](kvbridge_transport::KvTransport).
+//! KV bytes never travel here; they go through a transport (`kvbridge_transport::KvTransport`).
 //! The channel is a deliberately small trait so the same agents run in one process
 //! ([`InProcessControlHub`]) and across processes (a TCP implementation framing
 //! [`ControlMessage`]s as JSON).
@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use kvbridge_transport::sync::lock;
+use kvbridge_sync::lock;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 

@@ -66,7 +66,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvbridge_auth::{Label, Secret};
-use kvbridge_transport::sync::lock;
+use kvbridge_sync::lock;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc, watch};

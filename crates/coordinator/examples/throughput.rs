@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvbridge_coordinator::testing::{TokenLayout, chunk_plan, fill_rows, verify_rows};
+use kvbridge_coordinator::testing::{TokenLayout, fill_rows, verify_rows};
 use kvbridge_coordinator::{
     Chunk, DecodeAgent, InProcessControlHub, KvMemory, PrefillAgent, ReceiveRequest,
     StaticDirectory,
@@ -95,7 +95,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             )?;
         }
         prefill.wait_ready(room).await?;
-        let plan = chunk_plan(0, tokens, PAGE, 16);
+        let plan = kvbridge_geometry::chunk_plan(0, tokens, PAGE, 16);
         let n = plan.len();
         for (k, (range, t)) in plan.into_iter().enumerate() {
             let ids: Vec<u64> = range.map(|i| table[i as usize]).collect();

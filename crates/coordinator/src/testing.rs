@@ -526,39 +526,6 @@ impl fmt::Display for VerifyError {
 
 impl std::error::Error for VerifyError {}
 
-/// Splits the send range `[start, end)` into chunks the way a prefill scheduler does: at most
-/// `max_pages` pages of `page_tokens` tokens each, every chunk but the last ending on a page
-/// boundary (the first may start mid-page). Returns `(page indices into the request's page
-/// table, num_kv_tokens)` per chunk; an empty range gives one empty (last) chunk.
-///
-/// ```
-/// use kvbridge_coordinator::testing::chunk_plan;
-/// // Tokens 20..70 in pages of 16, two pages per chunk: pages 1-2 (tokens 20..48), 3-4 (48..70).
-/// assert_eq!(chunk_plan(20, 70, 16, 2), vec![(1..3, 28), (3..5, 22)]);
-/// ```
-pub fn chunk_plan(
-    start: u64,
-    end: u64,
-    page_tokens: u64,
-    max_pages: u64,
-) -> Vec<(Range<u64>, u64)> {
-    let v = page_tokens.max(1);
-    let first = start / v;
-    if end <= start {
-        return vec![(first..first, 0)];
-    }
-    let last = end.div_ceil(v);
-    let mut out = Vec::new();
-    let mut page = first;
-    while page < last {
-        let stop = page.saturating_add(max_pages.max(1)).min(last);
-        let tokens = end.min(stop * v) - start.max(page * v);
-        out.push((page..stop, tokens));
-        page = stop;
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -736,16 +703,5 @@ mod tests {
             Err(VerifyError::Mismatch(m)) => assert_eq!((m.entry, m.what), (0, "aux")),
             other => panic!("expected a mismatch, got {other:?}"),
         }
-    }
-
-    #[test]
-    fn chunk_plan_floors_non_last_chunks() {
-        assert_eq!(
-            chunk_plan(0, 100, 16, 2),
-            vec![(0..2, 32), (2..4, 32), (4..6, 32), (6..7, 4)]
-        );
-        assert_eq!(chunk_plan(64, 64, 16, 2), vec![(4..4, 0)]);
-        assert_eq!(chunk_plan(0, 32, 16, 4), vec![(0..2, 32)]);
-        assert_eq!(chunk_plan(48, 100, 64, 1), vec![(0..1, 16), (1..2, 36)]);
     }
 }

@@ -51,6 +51,7 @@
 
 mod align;
 mod bytes;
+mod chunks;
 mod dcp;
 mod error;
 mod heads;
@@ -65,6 +66,7 @@ mod runs;
 
 pub use align::{align_prefix_down, align_prefix_up, virtual_page_size};
 pub use bytes::{ByteRange, ByteRanges, EntryPair, RegionRange, identity_pairs, page_path_ranges};
+pub use chunks::chunk_plan;
 pub use dcp::{DcpPlan, DcpPlanInput, DcpTokenPlan, PlanRuns, build_dcp_token_transfer_plan};
 pub use error::{GeometryError, Result, Side};
 pub use heads::{

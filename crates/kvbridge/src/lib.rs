@@ -14,7 +14,6 @@
 //! | `planner` (default) | `planner` (`kvbridge-geometry`) | pool geometry, the DCP owner rule, token, page and any-to-any plans, byte ranges | sans-IO |
 //! | `handshake` (default) | `handshake` (`kvbridge-handshake`) | peer descriptors and their builders, every compatibility check with a code and a remedy, rank mapping | sans-IO |
 //! | `transport` | `transport` (`kvbridge-transport`) | the `KvTransport` trait, registered memory | none |
-//! | `testing` | `transport::testing`, `transport::conformance_tests!` | the transport conformance suite (implies `transport`) | tokio |
 //! | `mock` | `mock` (`kvbridge-mock`) | `LoopbackTransport`, `FaultInjector`, `MockKvTransport` | tokio |
 //! | `shm` | `shm` (`kvbridge-shm`) | the shared-memory transport | tokio |
 //! | `tcp` | `tcp` (`kvbridge-tcp`) | the TCP transport | tokio |
@@ -23,6 +22,9 @@
 //! | `bootstrap` | `bootstrap` (`kvbridge-bootstrap`) | the bootstrap registry server and client, prefill directories (implies `control`) | tokio |
 //! | `coordinator` | `coordinator` (`kvbridge-coordinator`) | prefill and decode agents, the request lifecycle (implies `planner`, `handshake`, `transport`, `control`, `bootstrap`) | tokio |
 //! | `full` | all of the above | | tokio |
+//!
+//! The conformance suite for a transport of your own is a dev-dependency of its own,
+//! `kvbridge-conformance` (`conformance_tests!`).
 //!
 //! The defaults are the sans-IO pieces: no async runtime, no I/O. `docs/embedding.md` in the
 //! repository walks through each way of embedding (planner alone, checks alone, a custom

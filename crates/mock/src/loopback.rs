@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{Batches, Outcome, Step, deadline_after};
-use kvbridge_transport::memory::CLAIM_WAIT;
+use kvbridge_transport::memory::{CLAIM_WAIT, MemoryError};
 use kvbridge_transport::sync::lock;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
@@ -287,7 +287,7 @@ async fn copy_all(job: &Job) -> bool {
                 };
                 match copied {
                     Ok(()) => held_since = None,
-                    Err(TransportError::AccessConflict { .. })
+                    Err(MemoryError::AccessConflict { .. })
                         if held_since
                             .get_or_insert_with(std::time::Instant::now)
                             .elapsed()

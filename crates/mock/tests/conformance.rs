@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
+use kvbridge_conformance::TransportPair;
 use kvbridge_mock::{FaultInjector, LoopbackConfig, LoopbackTransport};
-use kvbridge_transport::testing::TransportPair;
 
 async fn loopback_pair() -> TransportPair {
     TransportPair::new(
@@ -25,11 +25,11 @@ async fn restricted_pair() -> TransportPair {
 }
 
 mod loopback {
-    kvbridge_transport::conformance_tests!(super::loopback_pair);
+    kvbridge_conformance::conformance_tests!(super::loopback_pair);
 }
 
 mod loopback_push_only_small_batches {
-    kvbridge_transport::conformance_tests!(super::restricted_pair);
+    kvbridge_conformance::conformance_tests!(super::restricted_pair);
 }
 
 async fn fault_injector_pair() -> TransportPair {
@@ -40,5 +40,5 @@ async fn fault_injector_pair() -> TransportPair {
 }
 
 mod fault_injector_pass_through {
-    kvbridge_transport::conformance_tests!(super::fault_injector_pair);
+    kvbridge_conformance::conformance_tests!(super::fault_injector_pair);
 }

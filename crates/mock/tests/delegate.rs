@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use kvbridge_conformance::TransportPair;
 use kvbridge_mock::LoopbackTransport;
-use kvbridge_transport::testing::TransportPair;
 use kvbridge_transport::{
     BatchId, KvTransport, KvTransportExt, PeerId, Result, TransferBatch, TransferOp,
 };
@@ -48,7 +48,7 @@ async fn counting_pair() -> TransportPair {
 }
 
 mod counting_loopback {
-    kvbridge_transport::conformance_tests!(super::counting_pair);
+    kvbridge_conformance::conformance_tests!(super::counting_pair);
 }
 
 #[tokio::test]

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use kvbridge_conformance::TransportPair;
 use kvbridge_mock::{LoopbackConfig, LoopbackTransport};
-use kvbridge_transport::testing::{self, TransportPair};
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, KvTransport, MemoryRegion, Notification, PeerId, RegionId,
     Result, TransferBatch,
@@ -167,50 +167,53 @@ fn pair(flaw: Flaw) -> TransportPair {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[should_panic(expected = "contract 6")]
 async fn dropped_descriptors_fail_random_batches() {
-    testing::random_batches(pair(Flaw::DropsDescriptors)).await;
+    kvbridge_conformance::random_batches(pair(Flaw::DropsDescriptors)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[should_panic(expected = "contract 4")]
 async fn early_notifications_fail_notification_after_data() {
-    testing::notification_after_data(pair(Flaw::NotifiesEarly)).await;
+    kvbridge_conformance::notification_after_data(pair(Flaw::NotifiesEarly)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[should_panic(expected = "contract 4")]
 async fn early_notifications_fail_notifications_only_for_completed_batches() {
     // Deterministic: the early notification arrives although the batch is then cancelled.
-    testing::notifications_only_for_completed_batches(pair(Flaw::NotifiesEarly)).await;
+    kvbridge_conformance::notifications_only_for_completed_batches(pair(Flaw::NotifiesEarly)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[should_panic(expected = "contract 4")]
 async fn notifying_failed_batches_fails_notifications_only_for_completed_batches() {
-    testing::notifications_only_for_completed_batches(pair(Flaw::NotifiesFailedBatches)).await;
+    kvbridge_conformance::notifications_only_for_completed_batches(pair(
+        Flaw::NotifiesFailedBatches,
+    ))
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[should_panic(expected = "contract 7")]
 async fn accepting_unknown_batches_fails_unknown_ids() {
-    testing::unknown_ids_refused(pair(Flaw::AcceptsUnknownBatches)).await;
+    kvbridge_conformance::unknown_ids_refused(pair(Flaw::AcceptsUnknownBatches)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[should_panic(expected = "contract 8")]
 async fn undeclared_reads_fail_reads_or_unsupported() {
-    testing::reads_or_unsupported(pair(Flaw::UndeclaredReads)).await;
+    kvbridge_conformance::reads_or_unsupported(pair(Flaw::UndeclaredReads)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[should_panic(expected = "[broken-loopback]")]
 async fn unfenced_cancel_fails_cancel_fences() {
-    testing::cancel_fences(pair(Flaw::CancelDoesNotFence)).await;
+    kvbridge_conformance::cancel_fences(pair(Flaw::CancelDoesNotFence)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[should_panic(expected = "did not return within")]
 async fn hanging_wait_fails_by_a_bound_instead_of_hanging() {
-    testing::deadline_expiry(pair(Flaw::HangingWait)).await;
+    kvbridge_conformance::deadline_expiry(pair(Flaw::HangingWait)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -219,17 +222,19 @@ async fn hanging_wait_fails_by_a_bound_instead_of_hanging() {
                            device_memory"
 )]
 async fn undeclared_device_memory_fails_device_memory_refused_unless_declared() {
-    testing::device_memory_refused_unless_declared(pair(Flaw::UndeclaredDeviceMemory)).await;
+    kvbridge_conformance::device_memory_refused_unless_declared(pair(Flaw::UndeclaredDeviceMemory))
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_wrapper_passes_cases_its_flaw_does_not_touch() {
     // Control: the decorator itself (small copy steps included) is not what the cases catch.
-    testing::random_batches(pair(Flaw::UndeclaredReads)).await;
-    testing::cancel_fences(pair(Flaw::UndeclaredReads)).await;
-    testing::notification_after_data(pair(Flaw::UndeclaredReads)).await;
-    testing::device_memory_refused_unless_declared(pair(Flaw::UndeclaredReads)).await;
-    testing::notifications_only_for_completed_batches(pair(Flaw::UndeclaredReads)).await;
+    kvbridge_conformance::random_batches(pair(Flaw::UndeclaredReads)).await;
+    kvbridge_conformance::cancel_fences(pair(Flaw::UndeclaredReads)).await;
+    kvbridge_conformance::notification_after_data(pair(Flaw::UndeclaredReads)).await;
+    kvbridge_conformance::device_memory_refused_unless_declared(pair(Flaw::UndeclaredReads)).await;
+    kvbridge_conformance::notifications_only_for_completed_batches(pair(Flaw::UndeclaredReads))
+        .await;
 }
 
 /// How long after `cancel` returned [`LateWriter`] lands the cancelled batch's bytes: far past
@@ -301,7 +306,7 @@ fn late_writer_pair() -> TransportPair {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[should_panic(expected = "contract 3 (fencing): after batch")]
 async fn a_write_landing_after_cancel_fails_cancel_fences() {
-    testing::cancel_fences(late_writer_pair()).await;
+    kvbridge_conformance::cancel_fences(late_writer_pair()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -309,15 +314,16 @@ async fn a_write_landing_after_cancel_fails_cancel_fences() {
 async fn the_pair_s_limits_bound_the_cases() {
     // The first batch of `deadline_expiry` has a 1 µs deadline, so its `wait` is bounded by that
     // plus the pair's deadline grace; `boxed` keeps the limits.
-    let limits = testing::Limits::default().with_deadline_grace(Duration::from_millis(250));
+    let limits =
+        kvbridge_conformance::Limits::default().with_deadline_grace(Duration::from_millis(250));
     let pair = pair(Flaw::HangingWait).with_limits(limits).boxed();
     assert_eq!(pair.limits(), limits);
-    testing::deadline_expiry(pair).await;
+    kvbridge_conformance::deadline_expiry(pair).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_late_writer_passes_cases_that_do_not_cancel() {
     // Control: what fails `cancel_fences` is the late write, not the decorator.
-    testing::random_batches(late_writer_pair()).await;
-    testing::notification_after_data(late_writer_pair()).await;
+    kvbridge_conformance::random_batches(late_writer_pair()).await;
+    kvbridge_conformance::notification_after_data(late_writer_pair()).await;
 }

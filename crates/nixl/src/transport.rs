@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{BatchTable, Batches, Fence, Outcome};
-use kvbridge_transport::memory::CLAIM_WAIT;
+use kvbridge_transport::memory::{CLAIM_WAIT, MemoryError};
 use kvbridge_transport::sync::lock;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
@@ -1620,10 +1620,10 @@ async fn gather_run(
     let since = Instant::now();
     loop {
         match src.try_gather_to(rows, staging, at) {
-            Err(TransportError::AccessConflict { .. }) if since.elapsed() < CLAIM_WAIT => {
+            Err(MemoryError::AccessConflict { .. }) if since.elapsed() < CLAIM_WAIT => {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
-            done => return done,
+            done => return Ok(done?),
         }
     }
 }

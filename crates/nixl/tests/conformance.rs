@@ -13,8 +13,8 @@ mod common;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use kvbridge_conformance::TransportPair;
 use kvbridge_nixl::{NixlOptions, NixlTransport};
-use kvbridge_transport::testing::TransportPair;
 use kvbridge_transport::{KvTransport, KvTransportExt, TransferBatch};
 
 async fn nixl_pair() -> Option<TransportPair> {
@@ -48,7 +48,7 @@ macro_rules! emit_direct {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $case() {
                 let Some(pair) = nixl_pair().await else { return };
-                kvbridge_transport::testing::$case(pair).await
+                kvbridge_conformance::$case(pair).await
             }
         )*
     };
@@ -60,7 +60,7 @@ macro_rules! emit_boxed {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $case() {
                 let Some(pair) = super::nixl_pair().await else { return };
-                kvbridge_transport::testing::$case(pair.boxed()).await
+                kvbridge_conformance::$case(pair.boxed()).await
             }
         )*
     };
@@ -72,7 +72,7 @@ macro_rules! emit_progress_thread {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $case() {
                 let Some(pair) = super::nixl_pair_with_progress_thread().await else { return };
-                kvbridge_transport::testing::$case(pair).await
+                kvbridge_conformance::$case(pair).await
             }
         )*
     };
@@ -80,16 +80,16 @@ macro_rules! emit_progress_thread {
 
 mod conformance {
     use super::nixl_pair;
-    kvbridge_transport::__conformance_cases!(emit_direct);
+    kvbridge_conformance::__conformance_cases!(emit_direct);
 
     mod dyn_transport {
-        kvbridge_transport::__conformance_cases!(emit_boxed);
+        kvbridge_conformance::__conformance_cases!(emit_boxed);
     }
 }
 
 /// The suite with NIXL's progress thread driving UCX beside the polling thread.
 mod progress_thread {
-    kvbridge_transport::__conformance_cases!(emit_progress_thread);
+    kvbridge_conformance::__conformance_cases!(emit_progress_thread);
 }
 
 /// Runs the whole suite again in a child test process with `UCX_TLS=tcp`, so every case also
@@ -97,18 +97,18 @@ mod progress_thread {
 #[test]
 fn whole_suite_over_ucx_tcp() {
     const LANES_ENV: &str = "KVBRIDGE_NIXL_LANES";
-    if kvbridge_transport::testing::child::is_peer(LANES_ENV) {
+    if kvbridge_conformance::child::is_peer(LANES_ENV) {
         return;
     }
     if !common::runtime_ready() {
         return;
     }
-    let out = kvbridge_transport::testing::child::rerun_self(
+    let out = kvbridge_conformance::child::rerun_self(
         &["--test-threads=2", "conformance::"],
         [("UCX_TLS", "tcp"), (LANES_ENV, "tcp")],
     );
     let text = String::from_utf8_lossy(&out.stdout);
-    let want = format!("{} passed", 2 * kvbridge_transport::testing::CASES.len());
+    let want = format!("{} passed", 2 * kvbridge_conformance::CASES.len());
     assert!(
         out.status.success() && text.contains(&want),
         "the conformance suite failed with UCX_TLS=tcp (wanted {want}):\n{text}\n{}",

@@ -1,6 +1,6 @@
 //! The whole conformance suite over NIXL's UCX backend with the two peers in separate processes:
 //! the sender is a `NixlTransport` in the test process, the receiver one in a child process (the
-//! test binary re-run through `kvbridge_transport::testing::child`). Over the lanes UCX picks by
+//! test binary re-run through `kvbridge_conformance::child`). Over the lanes UCX picks by
 //! default here (directly and with the sender as `Arc<dyn KvTransport>`), and again with
 //! `UCX_TLS=tcp` (the binary re-runs itself with that variable).
 //!
@@ -28,10 +28,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use kvbridge_conformance::child::{PeerProcess, is_peer};
+use kvbridge_conformance::{CASES, Limits, SplitMix64, TransportPair};
 use kvbridge_nixl::{NixlOptions, NixlTransport};
 use kvbridge_transport::sync::lock;
-use kvbridge_transport::testing::child::{PeerProcess, is_peer};
-use kvbridge_transport::testing::{CASES, Limits, SplitMix64, TransportPair};
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, KvTransport, MemoryRegion, Notification, PeerId, RegionId,
     Result, TransferBatch, TransferOp, TransportError,
@@ -386,7 +386,7 @@ macro_rules! emit_cross_process {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $case() {
                 let Some((pair, _receiver)) = super::cross_process_pair().await else { return };
-                kvbridge_transport::testing::$case(pair).await
+                kvbridge_conformance::$case(pair).await
             }
         )*
     };
@@ -398,7 +398,7 @@ macro_rules! emit_cross_process_boxed {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $case() {
                 let Some((pair, _receiver)) = super::cross_process_pair().await else { return };
-                kvbridge_transport::testing::$case(pair.boxed()).await
+                kvbridge_conformance::$case(pair.boxed()).await
             }
         )*
     };
@@ -406,12 +406,12 @@ macro_rules! emit_cross_process_boxed {
 
 /// Every case of the suite, the receiver in another process.
 mod suite {
-    kvbridge_transport::__conformance_cases!(emit_cross_process);
+    kvbridge_conformance::__conformance_cases!(emit_cross_process);
 }
 
 /// The same, with the sender used as `Arc<dyn KvTransport>` (default lanes only).
 mod as_dyn {
-    kvbridge_transport::__conformance_cases!(emit_cross_process_boxed);
+    kvbridge_conformance::__conformance_cases!(emit_cross_process_boxed);
 }
 
 /// The receiver process is killed while 32 MiB batches flow into it (each writes the other of
@@ -432,12 +432,8 @@ async fn killed_mid_batch_receiver_process() {
     let remote_id = dst.register(remote.clone()).await.unwrap();
     let peer = sender.connect(&dst.local_descriptor()).await.unwrap();
     sender.probe(peer, Duration::from_secs(5)).await.unwrap();
-    let ops: Vec<TransferOp> = kvbridge_transport::testing::child::scattered_blocks(
-        local_id,
-        remote_id,
-        LEN as u64,
-        16 * 1024,
-    );
+    let ops: Vec<TransferOp> =
+        kvbridge_conformance::child::scattered_blocks(local_id, remote_id, LEN as u64, 16 * 1024);
     let patterns = [
         SplitMix64::new(0x4B11).bytes(LEN),
         SplitMix64::new(0x4B12).bytes(LEN),

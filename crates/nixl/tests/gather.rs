@@ -15,8 +15,8 @@ mod peer;
 
 use std::sync::Arc;
 
+use kvbridge_conformance::SplitMix64;
 use kvbridge_nixl::{NixlOptions, NixlTransport};
-use kvbridge_transport::testing::SplitMix64;
 use kvbridge_transport::{KvTransport, KvTransportExt, TransferBatch, TransferOp};
 
 const SRC: usize = 1 << 20;
@@ -182,7 +182,7 @@ async fn staging_regions_reused_by_later_batches_are_never_overwritten_in_flight
 /// thread).
 #[test]
 fn staging_regions_reused_in_flight_over_ucx_tcp() {
-    if kvbridge_transport::testing::child::is_peer(peer::LANES_ENV) {
+    if kvbridge_conformance::child::is_peer(peer::LANES_ENV) {
         return;
     }
     if !common::runtime_ready() {

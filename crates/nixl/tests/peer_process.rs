@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::runtime_ready;
+use kvbridge_conformance::SplitMix64;
+use kvbridge_conformance::child::{PeerProcess, is_peer, scattered_blocks, send_command};
 use kvbridge_nixl::NixlTransport;
-use kvbridge_transport::testing::SplitMix64;
-use kvbridge_transport::testing::child::{PeerProcess, is_peer, scattered_blocks, send_command};
 use kvbridge_transport::{KvTransport, KvTransportExt, RegionId, TransferBatch, TransferOp};
 use peer::{
     LANES_ENV, assert_failed_in_time, hex, later_batches_and_probes_fail, rerun_over_ucx_tcp, unhex,

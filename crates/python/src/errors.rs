@@ -266,10 +266,7 @@ fn transport_kind(e: &TransportError) -> Kind {
         TransportError::Protocol { .. } => Kind::Protocol,
         TransportError::Closed { .. } => Kind::Closed,
         TransportError::Io { .. } => Kind::Io,
-        TransportError::AccessOutOfRange { .. }
-        | TransportError::AccessConflict { .. }
-        | TransportError::NotHostMemory { .. }
-        | TransportError::ForeignBorrow { .. } => Kind::MemoryAccess,
+        TransportError::Memory(_) => Kind::MemoryAccess,
         _ => Kind::Base,
     }
 }

@@ -18,7 +18,9 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU32;
 
-use kvbridge_transport::{Access, ForeignMemory, MemoryRegion, Operand, TransportError};
+use kvbridge_transport::{
+    Access, ForeignMemory, MemoryError, MemoryRegion, Operand, TransportError,
+};
 use memmap2::{Advice, MmapOptions, MmapRaw};
 use rustix::fs::{FallocateFlags, FileType, MemfdFlags, SealFlags};
 
@@ -224,15 +226,17 @@ pub(crate) fn copy_out(
 ) -> kvbridge_transport::Result<()> {
     #[cfg(target_arch = "x86_64")]
     if len >= STREAM_MIN && !src.same_region(dst) {
-        return src.with_raw_copy(src_offset, dst, dst_offset, len, |s, d, n| {
-            // SAFETY: `with_raw_copy` hands out `n` valid bytes at `s`, claimed for reading,
-            // and `n` valid bytes at `d` in another region, claimed for writing, for as long
-            // as this closure runs; like the region's own copies, this one creates no
-            // references to the bytes.
-            unsafe { stream_copy(s, d, n) }
-        });
+        return src
+            .with_raw_copy(src_offset, dst, dst_offset, len, |s, d, n| {
+                // SAFETY: `with_raw_copy` hands out `n` valid bytes at `s`, claimed for reading,
+                // and `n` valid bytes at `d` in another region, claimed for writing, for as long
+                // as this closure runs; like the region's own copies, this one creates no
+                // references to the bytes.
+                unsafe { stream_copy(s, d, n) }
+            })
+            .map_err(Into::into);
     }
-    src.copy_to(src_offset, dst, dst_offset, len)
+    Ok(src.copy_to(src_offset, dst, dst_offset, len)?)
 }
 
 /// The rows of a strided copy (see [`copy_rows`]).
@@ -530,14 +534,8 @@ fn prefetch(at: *const u8, len: usize) {
 }
 
 /// A refusal of one region's access, naming which end of a copy it was (as `copy_to` does).
-fn naming(mut e: TransportError, end: Operand) -> TransportError {
-    if let TransportError::AccessOutOfRange { operand, .. }
-    | TransportError::AccessConflict { operand, .. }
-    | TransportError::NotHostMemory { operand, .. } = &mut e
-    {
-        *operand = end;
-    }
-    e
+fn naming(e: MemoryError, end: Operand) -> TransportError {
+    e.for_operand(end).into()
 }
 
 /// `memcpy` with non-temporal stores (SSE2, part of every x86-64 CPU), ending with `sfence` so
@@ -814,17 +812,17 @@ mod tests {
         let dst = allocate(len).unwrap();
         assert!(matches!(
             copy_out(&src, 1, &dst, 0, len as u64),
-            Err(TransportError::AccessOutOfRange {
+            Err(TransportError::Memory(MemoryError::AccessOutOfRange {
                 operand: Operand::Source,
                 ..
-            })
+            }))
         ));
         assert!(matches!(
             copy_out(&src, 0, &dst, 1, len as u64),
-            Err(TransportError::AccessOutOfRange {
+            Err(TransportError::Memory(MemoryError::AccessOutOfRange {
                 operand: Operand::Destination,
                 ..
-            })
+            }))
         ));
     }
 
@@ -861,10 +859,10 @@ mod tests {
         assert!(
             matches!(
                 r,
-                Err(TransportError::AccessConflict {
+                Err(TransportError::Memory(MemoryError::AccessConflict {
                     operand: Operand::Destination,
                     ..
-                })
+                }))
             ),
             "{r:?}"
         );
@@ -876,10 +874,10 @@ mod tests {
         assert!(
             matches!(
                 r,
-                Ok(Err(TransportError::AccessConflict {
+                Ok(Err(TransportError::Memory(MemoryError::AccessConflict {
                     operand: Operand::Source,
                     ..
-                }))
+                })))
             ),
             "{r:?}"
         );
@@ -1005,10 +1003,10 @@ mod tests {
         assert!(
             matches!(
                 r,
-                Err(TransportError::AccessOutOfRange {
+                Err(TransportError::Memory(MemoryError::AccessOutOfRange {
                     operand: Operand::Source,
                     ..
-                })
+                }))
             ),
             "{r:?}"
         );
@@ -1016,10 +1014,10 @@ mod tests {
         assert!(
             matches!(
                 r,
-                Err(TransportError::AccessOutOfRange {
+                Err(TransportError::Memory(MemoryError::AccessOutOfRange {
                     operand: Operand::Destination,
                     ..
-                })
+                }))
             ),
             "{r:?}"
         );
@@ -1157,7 +1155,7 @@ mod tests {
         ];
         for (gang, bad, end) in cases {
             match copy_together(&gang, true) {
-                Err((k, TransportError::AccessOutOfRange { operand, .. })) => {
+                Err((k, TransportError::Memory(MemoryError::AccessOutOfRange { operand, .. }))) => {
                     assert_eq!((k, operand), (bad, end));
                 }
                 other => panic!("member {bad} should have been refused: {other:?}"),

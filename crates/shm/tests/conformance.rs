@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
+use kvbridge_conformance::TransportPair;
 use kvbridge_shm::ShmTransport;
-use kvbridge_transport::testing::TransportPair;
 
 async fn shm_pair() -> TransportPair {
     TransportPair::new(
@@ -14,5 +14,5 @@ async fn shm_pair() -> TransportPair {
 }
 
 mod conformance {
-    kvbridge_transport::conformance_tests!(super::shm_pair);
+    kvbridge_conformance::conformance_tests!(super::shm_pair);
 }

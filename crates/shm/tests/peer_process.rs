@@ -1,7 +1,7 @@
 //! Tests in which the peer is a separate OS process.
 //!
 //! The test binary re-executes itself (`--exact child_process_entry`, through
-//! `kvbridge_transport::testing::child`) with `KVBRIDGE_SHM_CHILD` set; that child runs a
+//! `kvbridge_conformance::child`) with `KVBRIDGE_SHM_CHILD` set; that child runs a
 //! receiving `ShmTransport`, reports on stdout (lines starting with an upper-case tag) and obeys
 //! commands that arrive as notifications, so every command also proves that notifications cross
 //! the process boundary after their data.
@@ -11,9 +11,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use kvbridge_conformance::SplitMix64;
+use kvbridge_conformance::child::{PeerProcess, is_peer, scattered_blocks, send_command};
 use kvbridge_shm::{ShmOptions, ShmTransport};
-use kvbridge_transport::testing::SplitMix64;
-use kvbridge_transport::testing::child::{PeerProcess, is_peer, scattered_blocks, send_command};
 use kvbridge_transport::{
     KvTransport, KvTransportExt, RegionId, Side, TransferBatch, TransferOp, TransportError,
 };

@@ -10,7 +10,7 @@ use kvbridge_transport::batch::LocalIds;
 use kvbridge_transport::memory::CLAIM_WAIT;
 use kvbridge_transport::memory::checked_rows;
 use kvbridge_transport::sync::{lock, read};
-use kvbridge_transport::{MemoryRegion, Notification, PeerId, Result, TransportError};
+use kvbridge_transport::{MemoryError, MemoryRegion, Notification, PeerId, Result, TransportError};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
@@ -1251,7 +1251,7 @@ fn read_raw(
         Ok(0) => Err(LinkError::Eof),
         Ok(n) => Ok(Moved::Bytes(n as u64)),
         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(Moved::Bytes(0)),
-        Err(e) => match e.downcast::<TransportError>() {
+        Err(e) => match e.downcast::<MemoryError>() {
             Ok(t) => Ok(Moved::Held(t)),
             Err(e) => Err(LinkError::Io(e)),
         },
@@ -1284,13 +1284,13 @@ enum Moved {
     /// Payload bytes placed (0: the socket had none yet).
     Bytes(u64),
     /// None: another access holds the next destination bytes (the refusal says which).
-    Held(TransportError),
+    Held(MemoryError),
 }
 
 /// How often a read whose destination is held looks again (within [`CLAIM_WAIT`]).
 const CLAIM_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
 
-fn busy(batch: u64, region: u64, e: TransportError) -> LinkError {
+fn busy(batch: u64, region: u64, e: MemoryError) -> LinkError {
     protocol(format!("batch {batch} cannot write region #{region}: {e}"))
 }
 

@@ -11,8 +11,8 @@
 
 use std::sync::Arc;
 
+use kvbridge_conformance::TransportPair;
 use kvbridge_tcp::{TcpConfig, TcpTransport};
-use kvbridge_transport::testing::TransportPair;
 
 async fn pair_with(config: TcpConfig) -> TransportPair {
     let sender = TcpTransport::bind(config.clone())
@@ -38,9 +38,9 @@ async fn striped_copy_pair() -> TransportPair {
 }
 
 mod copy_receive_secret_two_connections {
-    kvbridge_transport::conformance_tests!(super::striped_copy_pair);
+    kvbridge_conformance::conformance_tests!(super::striped_copy_pair);
 }
 
 mod in_place_defaults {
-    kvbridge_transport::conformance_tests!(super::default_pair);
+    kvbridge_conformance::conformance_tests!(super::default_pair);
 }

@@ -1,7 +1,7 @@
 //! Tests in which the receiving peer is a separate OS process.
 //!
 //! The test binary re-executes itself (`--exact child_process_entry`, through
-//! `kvbridge_transport::testing::child`) with `KVBRIDGE_TCP_CHILD` set; the child runs a
+//! `kvbridge_conformance::child`) with `KVBRIDGE_TCP_CHILD` set; the child runs a
 //! receiving `TcpTransport` (same secret, same settings), prints `READY <region> <descriptor>`
 //! and then checks its memory each time a notification `check:<seed>:<offset>:<len>` arrives,
 //! answering `OK <offset>` or `BAD ...` on stdout — so every check also proves that a
@@ -10,9 +10,9 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+use kvbridge_conformance::SplitMix64;
+use kvbridge_conformance::child::{PeerProcess, is_peer};
 use kvbridge_tcp::{TcpConfig, TcpTransport};
-use kvbridge_transport::testing::SplitMix64;
-use kvbridge_transport::testing::child::{PeerProcess, is_peer};
 use kvbridge_transport::{
     KvTransport, KvTransportExt, PeerId, RegionId, Side, TransferBatch, TransferOp, TransportError,
 };

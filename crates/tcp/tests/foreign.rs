@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
+use kvbridge_memory::foreign_host_region;
 use kvbridge_tcp::TcpTransport;
-use kvbridge_transport::memory::foreign_host_region;
 use kvbridge_transport::{KvTransport, KvTransportExt, TransferBatch, TransferOp};
 
 const LIMIT: Duration = Duration::from_secs(60);

@@ -14,12 +14,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use bytes::Bytes;
+use kvbridge_conformance::SplitMix64;
 use kvbridge_tcp::wire::{
     self, BeginStatus, CancelStatus, Decoded, Frame, HEADER_LEN, Preface, RegionLen, RegionNeed,
     WireOp, WireRows,
 };
 use kvbridge_tcp::{TcpConfig, TcpTransport};
-use kvbridge_transport::testing::SplitMix64;
 use kvbridge_transport::{KvTransport, KvTransportExt, TransferBatch, TransferOp};
 use proptest::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

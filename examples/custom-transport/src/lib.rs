@@ -17,7 +17,7 @@
 //! - **Notifications after data**: pushed to the peer's bounded inbox in the last step, the
 //!   one that declares the batch done.
 //!
-//! Its tests run `kvbridge_transport::conformance_tests!` (see `tests/conformance.rs`).
+//! Its tests run `kvbridge_conformance::conformance_tests!` (see `tests/conformance.rs`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
+use kvbridge_conformance::TransportPair;
 use kvbridge_example_custom_transport::NicTransport;
-use kvbridge_transport::testing::TransportPair;
 
 /// Two fresh, unconnected transports.
 async fn make_pair() -> TransportPair {
@@ -12,5 +12,5 @@ async fn make_pair() -> TransportPair {
 }
 
 mod conformance {
-    kvbridge_transport::conformance_tests!(super::make_pair);
+    kvbridge_conformance::conformance_tests!(super::make_pair);
 }

@@ -38,7 +38,7 @@ use kvbridge_coordinator::bootstrap::{
     BootstrapClient, BootstrapConfig, BootstrapServer, HttpDirectory, RankRegistration,
 };
 use kvbridge_coordinator::net_channel::{NetChannel, NetChannelConfig};
-use kvbridge_coordinator::testing::{TokenLayout, chunk_plan, fill_rows, verify_rows};
+use kvbridge_coordinator::testing::{TokenLayout, fill_rows, verify_rows};
 use kvbridge_coordinator::{
     AllocatedMemory, Chunk, DecodeAgent, EntryRegion, KvMemory, MetricsSnapshot, PackBuffers,
     PrefillAgent, PrefillConfig, ReceiveRequest,
@@ -730,7 +730,7 @@ async fn coordinator_run(
         let v = p.desc.page_size * u64::from(p.desc.dcp_size);
         senders.spawn(async move {
             let prefix = agent.wait_ready(room).await?;
-            let plan = chunk_plan(prefix, tokens, v, (CHUNK_TOKENS / v).max(1));
+            let plan = kvbridge_geometry::chunk_plan(prefix, tokens, v, (CHUNK_TOKENS / v).max(1));
             let n = plan.len();
             for (k, (pages, ntok)) in plan.into_iter().enumerate() {
                 let ids: Vec<u64> = pages.map(|j| table[j as usize]).collect();

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use kvbridge_transport::testing::{SplitMix64, mix64};
+use kvbridge_conformance::{SplitMix64, mix64};
 use kvbridge_transport::{
     KvTransport, KvTransportExt, MemoryRegion, PeerId, RegionId, TransferBatch, TransferOp,
 };

@@ -19,9 +19,7 @@ use kvbridge_coordinator::bootstrap::{
     RankRegistration,
 };
 use kvbridge_coordinator::net_channel::{NetChannel, NetChannelConfig};
-use kvbridge_coordinator::testing::{
-    TokenLayout, chunk_plan, fill_aux, fill_rows, verify_aux, verify_rows,
-};
+use kvbridge_coordinator::testing::{TokenLayout, fill_aux, fill_rows, verify_aux, verify_rows};
 use kvbridge_coordinator::{
     AllocatedMemory, Chunk, CoordinatorError, DecodeAgent, DecodeConfig, FailureCause, KvMemory,
     MetricsSnapshot, PackBuffers, PrefillAgent, PrefillConfig, ReceiveRequest, prometheus,
@@ -896,7 +894,7 @@ async fn send_room(
     // decode's prefix on (the first chunk may start mid-page).
     let v = layout.virtual_page();
     let max_pages = (setup.chunk_tokens / v).max(1);
-    let plan = chunk_plan(prefix, setup.tokens, v, max_pages);
+    let plan = kvbridge_geometry::chunk_plan(prefix, setup.tokens, v, max_pages);
     let n = plan.len();
     for (c, (pages, tokens)) in plan.into_iter().enumerate() {
         let ids = pages

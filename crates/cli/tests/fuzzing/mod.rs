@@ -1,6 +1,6 @@
 //! The seeded JSON mutator of the CLI fuzz tests (`plan.rs`, `check.rs`).
 
-use kvbridge_transport::testing::SplitMix64;
+use kvbridge_conformance::SplitMix64;
 use serde_json::{Value, json};
 
 /// One mutation of a JSON object: one of `fields` set to an extreme (integer edges, negative,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbridge_coordinator::testing::{
-    TokenLayout, chunk_plan, fill_aux, fill_rows, verify_aux, verify_rows, verify_untouched,
+    TokenLayout, fill_aux, fill_rows, verify_aux, verify_rows, verify_untouched,
 };
 use kvbridge_coordinator::{
     AllocatedMemory, Chunk, DecodeAgent, DecodeConfig, InProcessControlHub, KvMemory, PrefillAgent,
@@ -315,7 +315,8 @@ impl Rig {
         let prefix = agent.wait_ready(req.room).await?;
         let layout = self.prefill_layout(i, req);
         let page_tokens = rank.desc.page_size * rank.desc.dcp_size as u64;
-        let plan = chunk_plan(prefix, req.input_len, page_tokens, req.chunk_pages);
+        let plan =
+            kvbridge_geometry::chunk_plan(prefix, req.input_len, page_tokens, req.chunk_pages);
         let n = plan.len();
         for (k, (pages, tokens)) in plan.into_iter().enumerate() {
             let ids: Vec<u64> = pages.map(|j| layout.page_table[j as usize]).collect();

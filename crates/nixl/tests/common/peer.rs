@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use kvbridge_transport::testing::child::rerun_self;
+use kvbridge_conformance::child::rerun_self;
 use kvbridge_transport::{KvTransport, PeerId, RegionId, TransferBatch, TransferOp};
 
 /// Set in the re-run with `UCX_TLS=tcp`, so it does not re-run itself again.

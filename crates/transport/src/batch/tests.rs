@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 use proptest::prelude::*;
 
 use super::*;
-use crate::testing::rt::{block_on, sleep_until};
 
 const T: &str = "t";
 
@@ -474,4 +473,18 @@ fn insert_committed_is_insert_then_commit() {
     assert_eq!(batches.cancel(id, t0).unwrap(), BatchState::Pending);
     assert!(batches.finish(id, Outcome::Done, t0));
     assert!(matches!(batches.collect(id, t0), Poll::Ready(Ok(()))));
+}
+
+/// Runs `fut` to completion on a fresh current-thread runtime with timers.
+fn block_on<F: std::future::Future>(fut: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("a current-thread tokio runtime")
+        .block_on(fut)
+}
+
+/// The batch table's sleep, on tokio's timers.
+fn sleep_until(deadline: std::time::Instant) -> tokio::time::Sleep {
+    tokio::time::sleep_until(deadline.into())
 }

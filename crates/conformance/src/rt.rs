@@ -1,5 +1,5 @@
 //! The few runtime pieces the suite needs (sleep, timeout, join), built on `std` so that the
-//! `testing` feature adds no dependency and the suite runs on whatever executor the caller uses.
+//! suite needs no runtime dependency and runs on whatever executor the caller uses.
 
 use std::future::Future;
 use std::pin::Pin;

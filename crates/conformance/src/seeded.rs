@@ -1,7 +1,6 @@
 //! The one seeded generator of the workspace's tests, benches and fuzz drivers.
 //!
-//! Hand-written (SplitMix64) rather than taken from `rand`: the `testing` feature adds no
-//! dependency, and a fixed, documented algorithm keeps every seeded run (suite batches, bench
+//! Hand-written (SplitMix64) rather than taken from `rand`: no dependency, and a fixed, documented algorithm keeps every seeded run (suite batches, bench
 //! layouts, fuzz mutations) the same across releases of any third-party crate. Predictable by
 //! design: never for secrets, nonces or session ids.
 

@@ -1,4 +1,4 @@
-//! Registered memory: the one place in this crate that touches raw memory.
+//! Registered memory: the one place in kvbridge's transports that touches raw memory.
 //!
 //! A [`MemoryRegion`] is a fixed-size byte range that transports read from and write into
 //! concurrently, like an RDMA-registered buffer. It is either owned (allocated here:
@@ -13,7 +13,7 @@
 //! - Every CPU access to a region's bytes first claims its byte range in the region's **claim
 //!   table**: reads claim it shared, writes exclusively. A claim that overlaps a claim of
 //!   another access, where either of them writes, waits for that access to end, at most
-//!   [`CLAIM_WAIT`], and is then refused with [`TransportError::AccessConflict`] (so nothing
+//!   [`CLAIM_WAIT`], and is then refused with [`MemoryError::AccessConflict`] (so nothing
 //!   deadlocks on it: a thread that conflicts with its own borrow is refused after the bound).
 //!   Code on an async runtime's worker thread must never wait: it uses the `try_` accessors
 //!   ([`try_borrow_mut`](MemoryRegion::try_borrow_mut) and the like) and the vectored socket
@@ -27,14 +27,16 @@
 //!   Foreign memory may be written by other processes or devices at any time, so it is only
 //!   ever copied with raw copies and never borrowed as a slice.
 //! - **Device** memory is not CPU-addressable: every CPU accessor refuses it with
-//!   [`TransportError::NotHostMemory`] before touching it. Transports that declare device support
+//!   [`MemoryError::NotHostMemory`] before touching it. Transports that declare device support
 //!   hand its address to the device's own APIs.
 //! - The owner of foreign memory is kept alive and never handed back; transports recognise
 //!   their own memory by a typed [tag](MemoryRegion::tag) instead.
 //!
 //! Bounds and offset arithmetic live in safe functions ([`checked_range`]); only the copies
-//! themselves are `unsafe`. Refusals are [`TransportError`]s (the crate's one error type), with
+//! themselves are `unsafe`. Refusals are [`MemoryError`]s (the crate's one error type; transports carry them as
+//! `kvbridge_transport::TransportError::Memory`), with
 //! an [`Operand`] saying which region of the access was refused.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![allow(unsafe_code)]
 
 use std::alloc::Layout;
@@ -45,7 +47,9 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::{Operand, Result, TransportError};
+mod error;
+
+pub use error::{MemoryError, Operand, Result};
 
 /// How long an access waits for a conflicting access to the same bytes to end before it is
 /// refused. Copies hold their claims for microseconds; only a borrow held across other work
@@ -86,20 +90,6 @@ impl fmt::Display for RangeError {
 }
 
 impl std::error::Error for RangeError {}
-
-impl RangeError {
-    /// The contract's refusal of a descriptor outside `region` on `side`
-    /// ([`TransportError::OutOfBounds`]), carrying these values.
-    pub fn out_of_bounds(self, side: crate::Side, region: crate::RegionId) -> TransportError {
-        TransportError::OutOfBounds {
-            side,
-            region,
-            offset: self.offset,
-            len: self.len,
-            region_len: self.region_len,
-        }
-    }
-}
 
 /// Checks that `[offset, offset + len)` lies inside a region of `region_len` bytes, without
 /// overflow, and returns it as a `usize` range.
@@ -161,7 +151,7 @@ pub enum MemoryKind {
     Host,
     /// Memory of an accelerator (CUDA or ROCm VRAM), not CPU-addressable. The region's address
     /// is the device address; only a transport that declares
-    /// [`Capabilities::device_memory`](crate::Capabilities::device_memory) moves it.
+    /// `kvbridge_transport::Capabilities::device_memory` moves it.
     Device {
         /// The device ordinal, as the device runtime numbers it (`cuda:<id>`).
         id: u32,
@@ -204,8 +194,8 @@ impl fmt::Display for Access {
 
 impl RangeError {
     /// The refusal of a CPU access to `operand` whose range this is.
-    fn refused(self, operand: Operand) -> TransportError {
-        TransportError::AccessOutOfRange {
+    fn refused(self, operand: Operand) -> MemoryError {
+        MemoryError::AccessOutOfRange {
             operand,
             offset: self.offset,
             len: self.len,
@@ -420,8 +410,8 @@ impl Inner {
         }
     }
 
-    fn conflict(&self, operand: Operand, want: &Claim, held: &Claim) -> TransportError {
-        TransportError::AccessConflict {
+    fn conflict(&self, operand: Operand, want: &Claim, held: &Claim) -> MemoryError {
+        MemoryError::AccessConflict {
             operand,
             access: want.access,
             offset: want.range.start as u64,
@@ -463,7 +453,7 @@ impl Drop for Claimed<'_> {
 /// transports.
 ///
 /// Concurrent accesses at disjoint byte ranges run in parallel; overlapping ones where either
-/// writes are refused with [`TransportError::AccessConflict`] (see the [module docs](self)). The
+/// writes are refused with [`MemoryError::AccessConflict`] (see the [module docs](self)). The
 /// transfer plan keeps writers apart, so in a correct program no access is ever refused.
 #[derive(Clone)]
 pub struct MemoryRegion {
@@ -700,7 +690,7 @@ impl MemoryRegion {
         if self.inner.kind.is_host() {
             Ok(())
         } else {
-            Err(TransportError::NotHostMemory {
+            Err(MemoryError::NotHostMemory {
                 operand,
                 kind: self.inner.kind,
                 len: self.inner.len as u64,
@@ -1039,7 +1029,7 @@ impl MemoryRegion {
     fn borrow_mut_waiting(&self, offset: u64, len: u64, wait: Wait) -> Result<RegionSliceMut> {
         self.host_only(Operand::Region)?;
         if !self.can_borrow() {
-            return Err(TransportError::ForeignBorrow { offset, len });
+            return Err(MemoryError::ForeignBorrow { offset, len });
         }
         let claimed = self.claim_waiting(offset, len, Access::Write, Operand::Region, wait)?;
         let range = claimed.claim.range.clone();
@@ -1068,7 +1058,7 @@ impl MemoryRegion {
     fn borrow_waiting(&self, offset: u64, len: u64, wait: Wait) -> Result<RegionSlice> {
         self.host_only(Operand::Region)?;
         if !self.can_borrow() {
-            return Err(TransportError::ForeignBorrow { offset, len });
+            return Err(MemoryError::ForeignBorrow { offset, len });
         }
         let claimed = self.claim_waiting(offset, len, Access::Read, Operand::Region, wait)?;
         let range = claimed.claim.range.clone();
@@ -1314,7 +1304,7 @@ fn claim_ranges<'a>(
 /// checked and claimed for writing for the length of the call; at most [`MAX_IOVECS`] ranges,
 /// and only the leading ones that can be claimed together are read into. It never waits for
 /// another access: refusals of the first range (a conflict included) come back at once as an
-/// [`std::io::Error`] wrapping the [`TransportError`]; a non-blocking `fd` with nothing to
+/// [`std::io::Error`] wrapping the [`MemoryError`]; a non-blocking `fd` with nothing to
 /// read gives [`std::io::ErrorKind::WouldBlock`].
 pub fn recv_vectored(
     fd: std::os::fd::BorrowedFd<'_>,
@@ -1371,6 +1361,7 @@ pub fn send_vectored(
 /// Foreign host memory over a zeroed heap buffer (its owner), for tests of the paths transports
 /// take for memory they cannot borrow.
 #[cfg(any(test, feature = "testing"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub fn foreign_host_region(len: usize) -> MemoryRegion {
     let mut buf = vec![0u8; len];
     let ptr = NonNull::new(buf.as_mut_ptr()).unwrap_or(NonNull::dangling());
@@ -1382,7 +1373,8 @@ pub fn foreign_host_region(len: usize) -> MemoryRegion {
 /// A device region whose address is a placeholder, for the conformance suite's check that
 /// transports without device support refuse device memory at `register`.
 #[cfg(any(test, feature = "testing"))]
-pub(crate) fn placeholder_device_region(device: u32, len: usize) -> MemoryRegion {
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub fn placeholder_device_region(device: u32, len: usize) -> MemoryRegion {
     // SAFETY: nothing in kvbridge dereferences device memory (every CPU accessor refuses it),
     // and the suite only registers this region with transports that do not declare device
     // memory, which refuse it; the address is never handed to a device.
@@ -1507,21 +1499,16 @@ mod tests {
         use std::os::unix::net::UnixStream;
         let (_a, b) = UnixStream::pair().unwrap();
         b.set_nonblocking(true).unwrap();
-        let inner = |e: std::io::Error| {
-            *e.into_inner()
-                .unwrap()
-                .downcast::<TransportError>()
-                .unwrap()
-        };
+        let inner = |e: std::io::Error| *e.into_inner().unwrap().downcast::<MemoryError>().unwrap();
         let o = MemoryRegion::allocate(16).unwrap();
         let e = recv_vectored(b.as_fd(), &[(&o, 10, 7)]).unwrap_err();
-        assert!(matches!(inner(e), TransportError::AccessOutOfRange { .. }));
+        assert!(matches!(inner(e), MemoryError::AccessOutOfRange { .. }));
         let d = placeholder_device_region(0, 16);
         let e = send_vectored(b.as_fd(), b"", &[(&d, 0, 4)]).unwrap_err();
-        assert!(matches!(inner(e), TransportError::NotHostMemory { .. }));
+        assert!(matches!(inner(e), MemoryError::NotHostMemory { .. }));
         let held = o.borrow_mut(4, 4).unwrap();
         let e = recv_vectored(b.as_fd(), &[(&o, 0, 8)]).unwrap_err();
-        assert!(matches!(inner(e), TransportError::AccessConflict { .. }));
+        assert!(matches!(inner(e), MemoryError::AccessConflict { .. }));
         drop(held);
         let e = recv_vectored(b.as_fd(), &[(&o, 0, 8)]).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock);
@@ -1586,7 +1573,7 @@ mod tests {
         assert_eq!(r.to_vec(0, 4).unwrap(), [9, 9, 9, 0]);
         assert!(matches!(
             r.write_at(r.len() as u64 - 2, b"abc"),
-            Err(TransportError::AccessOutOfRange {
+            Err(MemoryError::AccessOutOfRange {
                 operand: Operand::Region,
                 len: 3,
                 ..
@@ -1617,7 +1604,7 @@ mod tests {
         assert!(
             matches!(
                 err,
-                TransportError::AccessOutOfRange {
+                MemoryError::AccessOutOfRange {
                     operand: Operand::Source,
                     offset: 12,
                     len: 5,
@@ -1633,7 +1620,7 @@ mod tests {
         );
         assert!(matches!(
             a.copy_to(0, &b, 4, 5),
-            Err(TransportError::AccessOutOfRange {
+            Err(MemoryError::AccessOutOfRange {
                 operand: Operand::Destination,
                 ..
             })
@@ -1672,7 +1659,7 @@ mod tests {
         assert!(
             matches!(
                 err,
-                TransportError::AccessConflict {
+                MemoryError::AccessConflict {
                     operand: Operand::Region,
                     access: Access::Write,
                     offset: 0,
@@ -1698,14 +1685,14 @@ mod tests {
             r.copy_to(8, &r, 32, 8).unwrap();
             assert!(matches!(
                 r.copy_to(40, &r, 24, 8),
-                Err(TransportError::AccessConflict {
+                Err(MemoryError::AccessConflict {
                     operand: Operand::Destination,
                     ..
                 })
             ));
             assert!(matches!(
                 r.fill(31, 2, 0),
-                Err(TransportError::AccessConflict {
+                Err(MemoryError::AccessConflict {
                     held: Access::Read,
                     ..
                 })
@@ -1716,7 +1703,7 @@ mod tests {
         let _busy = other.borrow_mut(0, 1).unwrap();
         assert!(matches!(
             r.copy_to(0, &other, 0, 8),
-            Err(TransportError::AccessConflict {
+            Err(MemoryError::AccessConflict {
                 operand: Operand::Destination,
                 ..
             })
@@ -1749,7 +1736,7 @@ mod tests {
         assert!(
             matches!(
                 r,
-                Err(TransportError::AccessConflict {
+                Err(MemoryError::AccessConflict {
                     operand: Operand::Destination,
                     held_start: 30,
                     held_end: 32,
@@ -1762,7 +1749,7 @@ mod tests {
         assert!(
             matches!(
                 r,
-                Err(TransportError::AccessOutOfRange {
+                Err(MemoryError::AccessOutOfRange {
                     operand: Operand::Source,
                     ..
                 })
@@ -1793,7 +1780,7 @@ mod tests {
         assert_eq!(r.to_vec(0, 2).unwrap(), b"xy");
         let err = r.borrow_mut(0, 2).unwrap_err();
         assert!(
-            matches!(err, TransportError::ForeignBorrow { offset: 0, len: 2 }),
+            matches!(err, MemoryError::ForeignBorrow { offset: 0, len: 2 }),
             "{err:?}"
         );
         assert!(
@@ -1835,8 +1822,8 @@ mod tests {
         let host = MemoryRegion::allocate(4096).unwrap();
         assert_eq!(d.kind(), MemoryKind::Device { id: 3 });
         assert_eq!(d.len(), 4096);
-        let refused = |r: Result<(), TransportError>, want: Operand| match r {
-            Err(TransportError::NotHostMemory {
+        let refused = |r: Result<(), MemoryError>, want: Operand| match r {
+            Err(MemoryError::NotHostMemory {
                 operand,
                 kind: MemoryKind::Device { id: 3 },
                 len: 4096,
@@ -1882,7 +1869,7 @@ mod tests {
         assert!(first.is_ok() || second.is_ok(), "{first:?} {second:?}");
         for r in [first, second] {
             assert!(
-                matches!(r, Ok(()) | Err(TransportError::AccessConflict { .. })),
+                matches!(r, Ok(()) | Err(MemoryError::AccessConflict { .. })),
                 "{r:?}"
             );
         }
@@ -1937,7 +1924,7 @@ mod tests {
         };
         // The end an out-of-range refusal names.
         let out_of_range = |rows: &[(u64, u64)]| match refused(rows, 0) {
-            TransportError::AccessOutOfRange { operand, .. } => Ok(operand),
+            MemoryError::AccessOutOfRange { operand, .. } => Ok(operand),
             e => Err(e.to_string()),
         };
         assert_eq!(out_of_range(&[(0, 8), (4090, 7)]), Ok(Operand::Source));
@@ -1951,7 +1938,7 @@ mod tests {
         assert!(
             matches!(
                 e,
-                TransportError::AccessConflict {
+                MemoryError::AccessConflict {
                     operand: Operand::Destination,
                     ..
                 }
@@ -1969,7 +1956,7 @@ mod tests {
         // Device memory is refused.
         let device = placeholder_device_region(0, 64);
         let e = device.gather_to(&[(0, 8)], &dst, 0).unwrap_err();
-        assert!(matches!(e, TransportError::NotHostMemory { .. }), "{e}");
+        assert!(matches!(e, MemoryError::NotHostMemory { .. }), "{e}");
     }
 
     #[test]

@@ -46,8 +46,10 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::rt::timeout;
-use crate::sync::lock;
-use crate::{KvTransport, KvTransportExt, PeerId, RegionId, TransferBatch, TransferOp};
+use kvbridge_transport::sync::lock;
+use kvbridge_transport::{
+    KvTransport, KvTransportExt, PeerId, RegionId, TransferBatch, TransferOp,
+};
 
 /// How long [`PeerProcess::line`] waits by default: generous, for a loaded machine.
 pub const LINE_LIMIT: Duration = Duration::from_secs(30);
