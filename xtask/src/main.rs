@@ -49,7 +49,7 @@ fn fmt() -> Result<(), String> {
 /// Every feature of every package but the NIXL ones, for machines without libclang: building
 /// nixl-sys (features `kvbridge-nixl/nixl`, `kvbridge-cli/nixl`) runs bindgen, which needs it.
 /// `tidy::the_feature_list_without_nixl_names_every_other_feature` keeps the list complete.
-pub(crate) const FEATURES_WITHOUT_NIXL: &str = "kvbridge-geometry/serde,kvbridge-memory/testing,\
+pub(crate) const FEATURES_WITHOUT_NIXL: &str = "kvbridge-coordinator/testing,kvbridge-geometry/serde,kvbridge-memory/testing,\
 kvbridge-transport/mock,kvbridge/full,kvbridge/auth,kvbridge/bootstrap,kvbridge/control,\
 kvbridge/coordinator,kvbridge/handshake,kvbridge/mock,kvbridge/planner,kvbridge/shm,kvbridge/tcp,\
 kvbridge/transport";

@@ -61,6 +61,39 @@ fn section_keys(manifest: &str, section: &str) -> BTreeSet<String> {
     keys
 }
 
+/// The lines of one `[section]` of a manifest, comments and blank lines left out.
+fn section_lines<'a>(manifest: &'a str, section: &str) -> Vec<&'a str> {
+    let mut inside = false;
+    let mut out = Vec::new();
+    for line in manifest.lines().map(str::trim) {
+        if line.starts_with('[') {
+            inside = line == section;
+        } else if inside && !line.is_empty() && !line.starts_with('#') {
+            out.push(line);
+        }
+    }
+    out
+}
+
+#[test]
+fn no_library_links_a_testing_module() {
+    // The lab (the CLI's demo and bench) and test support may; a library never does.
+    const MAY: [&str; 3] = ["kvbridge-cli", "kvbridge-netns", "kvbridge-conformance"];
+    for (dir, name) in crates() {
+        if MAY.contains(&name.as_str()) {
+            continue;
+        }
+        let manifest = read(&dir.join("Cargo.toml"));
+        for line in section_lines(&manifest, "[dependencies]") {
+            assert!(
+                !line.contains("\"testing\"") && !line.starts_with("kvbridge-conformance"),
+                "{name}'s normal dependency `{line}` links a testing module; make it a \
+                 dev-dependency (only the CLI's demo and bench may)"
+            );
+        }
+    }
+}
+
 /// The `[features]` of a manifest, but `default`.
 fn features(manifest: &str) -> BTreeSet<String> {
     let mut names = section_keys(manifest, "[features]");

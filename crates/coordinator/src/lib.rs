@@ -11,8 +11,8 @@
 //!   ([`StaticDirectory`] in one process).
 //! * [`RoomState`] / [`RoomStatus`] — SGLang's `KVPoll` state machine with its update rule;
 //!   [`RankAgreement`] — the pluggable cross-rank MIN.
-//! * [`testing`] — fill prefill memory with bytes derived from (entry, position) and verify
-//!   every byte a decode rank holds.
+//! * `testing` (feature `testing`, for tests, demos and benches) — fill prefill memory with
+//!   bytes derived from (entry, position) and verify every byte a decode rank holds.
 //!
 //! # Across processes
 //!
@@ -108,6 +108,8 @@ mod prefill;
 mod room;
 mod start;
 mod state;
+#[cfg(any(test, feature = "testing"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 mod timer;
 

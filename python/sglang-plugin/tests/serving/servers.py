@@ -102,6 +102,7 @@ class Server:
         self.bootstrap_port = free_port() if mode == "prefill" else None
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.url = f"http://127.0.0.1:{self.port}"
+        self.shm_files: set = set()
         self.cmd = [
             sys.executable, "-m", "sglang.launch_server",
             "--model-path", model,
@@ -181,10 +182,26 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def note_shm(self) -> None:
+        """Records which files under /dev/shm the server's processes have open or mapped now,
+        to remove those SGLang leaves behind once the server is gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.shm_files |= _shm_files_of_group(self.proc.pid)
+
     def stop(self) -> None:
-        """SIGTERM to the server's process group, a bounded wait, then SIGKILL."""
+        """SIGTERM to the server's process group, a bounded wait, then SIGKILL; then removes the
+        files SGLang left under /dev/shm (its `sglang_*` load tables and multiprocessing's
+        `sem.mp-*` semaphores) that the group had open."""
         if self.proc is None:
             return
+        self.note_shm()
+        try:
+            self._stop_group()
+        finally:
+            if not _group_alive(self.proc.pid):
+                _remove_left_shm(self.shm_files)
+
+    def _stop_group(self) -> None:
         pgid = self.proc.pid  # start_new_session: the group's id is the leader's pid
         for sig, wait_s in ((signal.SIGTERM, STOP_S), (signal.SIGKILL, STOP_S)):
             try:
@@ -215,6 +232,55 @@ class Server:
 
     def log_tail(self, lines: int = 40) -> str:
         return _tail(self.log_path, lines)
+
+
+# What SGLang's processes leave under /dev/shm when they are ended by a signal.
+LEFT_SHM_PREFIXES = ("sglang_", "sem.mp-")
+
+
+def _shm_files_of_group(pgid: int) -> set:
+    """The inodes of the /dev/shm files that the processes of group `pgid` have open or
+    mapped. Inodes, not names: glibc's `sem_open` maps a temporary file and then links it
+    under the semaphore's name, so a process's maps show the temporary name."""
+    found = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                # Field 5 is the process group; the command (field 2) may hold spaces.
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    fields = line.split(None, 5)  # address perms offset dev inode path
+                    if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                        found.add(int(fields[4]))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                    found.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except (OSError, ValueError, IndexError):
+            continue  # the process ended meanwhile, or is not ours to read
+    return found
+
+
+def left_shm() -> set:
+    """The names under /dev/shm that look like SGLang's leftovers."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(LEFT_SHM_PREFIXES)}
+
+
+def _remove_left_shm(inodes: set) -> None:
+    """Removes the files under /dev/shm named as SGLang's leftovers whose inode is one of
+    `inodes` (files the server's processes had open)."""
+    for name in os.listdir("/dev/shm"):
+        if not name.startswith(LEFT_SHM_PREFIXES):
+            continue
+        path = os.path.join("/dev/shm", name)
+        try:
+            if os.stat(path).st_ino in inodes:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _group_alive(pgid: int) -> bool:
@@ -251,6 +317,7 @@ def stop_all(servers: list) -> None:
     # waited for (and killed if need be) by stop().
     for s in servers:
         if s.proc is not None and s.proc.poll() is None:
+            s.note_shm()
             try:
                 os.killpg(s.proc.pid, signal.SIGTERM)
             except ProcessLookupError:

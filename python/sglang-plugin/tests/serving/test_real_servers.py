@@ -89,12 +89,16 @@ def stack(request, model_dir, tmp_path_factory):
     model = request.param
     log_dir = os.environ.get("KVBRIDGE_SERVING_LOG_DIR") or str(tmp_path_factory.mktemp("server-logs"))
     st = Stack(model, tiny_models.make(model, model_dir), log_dir, second_decode=(model == "llama"))
+    shm_before = servers.left_shm()
     servers.start_all(st.all())
     try:
         yield st
     finally:
         st.router.close()
         servers.stop_all(st.all() + st.extra)
+    # Ending a server by its process group must not leave SGLang's files in /dev/shm.
+    left = servers.left_shm() - shm_before
+    assert not left, f"{model}'s servers left {sorted(left)} in /dev/shm after they were stopped"
 
 
 # The tests that need the second decode, or that one model's servers suffice for.
