@@ -2,9 +2,12 @@
 
 import contextlib
 import os
+import queue
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -51,6 +54,121 @@ def test_one_request_across_a_real_link(transport):
             decode_in=["ip", "netns", "exec", ns_b],
             bootstrap_host=ip_a,
         )
+
+
+LINK_PEER = os.path.join(os.path.dirname(__file__), "link_peer.py")
+
+
+class _Peer:
+    """A `link_peer.py` process: commands on its stdin, its answers read with a bound."""
+
+    def __init__(self, argv, env):
+        self.proc = subprocess.Popen(
+            argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, bufsize=1,
+        )
+        self.lines: queue.Queue = queue.Queue()
+        self.log: list = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.log.append(line)
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def send(self, command: str) -> None:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def expect(self, prefix: str, timeout: float = 60.0) -> str:
+        """The next line that starts with `prefix` (SGLang's log lines in between skipped)."""
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                raise AssertionError(f"exited before answering {prefix!r}:\n{''.join(self.log[-40:])}")
+            if line.startswith(prefix):
+                return line
+        raise AssertionError(f"no {prefix!r} after {timeout} s:\n{''.join(self.log[-40:])}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # by its pid (`ip netns exec` execs the program)
+        self.proc.wait(timeout=30)
+
+
+def _seconds(line: str) -> float:
+    return float(line.split(" after ")[1].split(" s")[0])
+
+
+def test_a_silent_partition_fails_the_room_in_flight_by_its_deadline_and_the_link_heals():
+    """Prefill and decode managers in two namespaces; the link goes silent (blackhole routes
+    both ways) after the decode asked for a room and before the prefill sends it: both sides
+    fail that room within their deadlines (the prefill's write by KVBRIDGE_SGLANG_TIMEOUT, the
+    decode by SGLang's heartbeat), with causes that name the other side; no byte lands in the
+    failed room's pages after the link heals; the next room over the healed link succeeds with
+    no process restarted."""
+    env = dict(
+        os.environ, KVBRIDGE_SGLANG_TRANSPORT="tcp", KVBRIDGE_SGLANG_TIMEOUT="5",
+        SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL="2", SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="1",
+    )
+    with _veth_pair() as ((ns_a, ip_a), (ns_b, ip_b)):
+        port = harness.free_port()
+        common = ["--port", str(port), "--bootstrap-host", ip_a, "--timeout", "60"]
+        peers = []
+        try:
+            prefill = _Peer(["ip", "netns", "exec", ns_a, sys.executable, LINK_PEER, "prefill", *common],
+                            dict(env, SGLANG_HOST_IP=ip_a))
+            peers.append(prefill)
+            prefill.expect("ready")
+            decode = _Peer(["ip", "netns", "exec", ns_b, sys.executable, LINK_PEER, "decode", *common],
+                           dict(env, SGLANG_HOST_IP=ip_b))
+            peers.append(decode)
+            decode.expect("ready")
+
+            def room(r):
+                prefill.send(f"serve {r}")
+                decode.send(f"receive {r}")
+                decode.expect(f"asked {r}")
+                prefill.expect(f"waiting {r}")
+                prefill.send(f"send {r}")
+                return prefill.expect(f"room {r}:"), decode.expect(f"room {r}:")
+
+            assert room(1) == ("room 1: success", "room 1: verified")
+
+            def blackhole(op):
+                for ns, peer in ((ns_a, ip_b), (ns_b, ip_a)):
+                    subprocess.run(["ip", "-n", ns, "route", op, "blackhole", f"{peer}/32"],
+                                   check=True, capture_output=True, timeout=10)
+
+            prefill.send("serve 2")
+            decode.send("receive 2")
+            decode.expect("asked 2")
+            prefill.expect("waiting 2")
+            blackhole("add")
+            try:
+                prefill.send("send 2")
+                sent, got = prefill.expect("room 2:"), decode.expect("room 2:")
+            finally:
+                blackhole("del")
+            assert sent.startswith("room 2: failed"), sent
+            assert ip_b in sent, f"the prefill's cause names no decode address: {sent}"
+            assert _seconds(sent) < 5 + 10, sent  # the write's deadline, and its grace
+            assert got.startswith("room 2: failed"), got
+            assert f"Lost connection with prefill instance (bootstrap_addr: {ip_a}:{port})" in got, got
+            assert _seconds(got) < 20, got  # a heartbeat every 2 s, one miss, each 2 + 3 s at most
+            time.sleep(2.0)  # whatever was still in flight would land now
+            decode.send("check 2")
+            assert decode.expect("canary 2:") == "canary 2: intact"
+
+            assert room(3) == ("room 3: success", "room 3: verified")
+        finally:
+            for p in peers:
+                p.stop()
 
 
 @contextlib.contextmanager
