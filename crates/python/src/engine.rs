@@ -125,10 +125,12 @@ pub(crate) fn seconds(what: &str, secs: Option<f64>) -> PyResult<Option<Duration
 }
 
 /// A registered range, for refusing a second registration of the same bytes.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Registered {
     /// `None` while the registration is in progress (the range is reserved meanwhile).
     id: Option<RegionId>,
+    /// The region, once registered: [`Engine::alias`] registers it again.
+    memory: Option<MemoryRegion>,
     /// Tells apart reservations of the same range.
     ticket: u64,
     kind: MemoryKind,
@@ -204,6 +206,7 @@ impl EngineCore {
             }
             regions.push(Registered {
                 id: None,
+                memory: None,
                 ticket,
                 kind,
                 start,
@@ -218,10 +221,10 @@ impl EngineCore {
         });
         let mut regions = lock(&self.regions);
         match &registered {
-            Ok((id, _)) => regions
+            Ok((id, region)) => regions
                 .iter_mut()
                 .filter(|r| r.ticket == ticket)
-                .for_each(|r| r.id = Some(*id)),
+                .for_each(|r| (r.id, r.memory) = (Some(*id), Some(region.clone()))),
             Err(_) => regions.retain(|r| r.ticket != ticket),
         }
         registered
@@ -769,6 +772,39 @@ impl Engine {
             .register_with(py, MemoryKind::Host, addr, nbytes, make)?
             .0
             .0)
+    }
+
+    /// Registers the memory of `region` (a region of this engine) once more, under a new id,
+    /// and returns that id: the same bytes (the same claims), reachable by peers under either
+    /// id until each is deregistered. Deregistering an alias fences the peers that were given
+    /// it (their writes to it are refused, before a byte moves) and leaves the other ids as
+    /// they are; the bytes stay registered while any id of them does.
+    fn alias(&self, py: Python<'_>, region: u64) -> PyResult<u64> {
+        self.core.check_open()?;
+        let of = RegionId(region);
+        let found = lock(&self.core.regions)
+            .iter()
+            .find(|r| r.id == Some(of))
+            .and_then(|r| r.memory.clone().map(|m| (m, r.kind, r.start, r.len)));
+        let Some((memory, kind, start, len)) = found else {
+            return Err(invalid(format!(
+                "region {region} is not registered with this engine; alias a region this \
+                 engine's register, register_buffer or allocate returned"
+            )));
+        };
+        let (transport, m) = (self.core.transport.clone(), memory.clone());
+        let id =
+            block_on(py, async move { transport.register(m).await })?.map_err(errors::transport)?;
+        let ticket = self.core.tickets.fetch_add(1, Ordering::Relaxed);
+        lock(&self.core.regions).push(Registered {
+            id: Some(id),
+            memory: Some(memory),
+            ticket,
+            kind,
+            start,
+            len,
+        });
+        Ok(id.0)
     }
 
     /// Deregisters a region; once this returns, no peer writes into it.

@@ -386,3 +386,32 @@ def test_probe_and_disconnect(pair):
         a.write(peer, np.zeros((0, 5), dtype=np.uint64))
     with pytest.raises(kvbridge.InvalidArgumentError, match="seconds"):
         a.probe(peer, timeout=-1.0)
+
+
+@pytest.mark.parametrize("transport", ["loopback", "tcp"])
+def test_an_alias_is_the_same_memory_and_deregistering_it_fences_only_its_holders(transport):
+    a, b = kvbridge.Engine(transport), kvbridge.Engine(transport)
+    peer = a.connect(b.local_descriptor())
+    src = a.allocate(4096)
+    np.asarray(src)[:] = 9
+    dst = b.allocate(4096)
+    alias = b.alias(dst.region)
+    assert alias != dst.region
+    # A write through the alias lands in the same bytes.
+    assert a.write(peer, ops((src.region, 0, alias, 0, 2048))).wait(timeout=60.0)
+    assert (np.asarray(dst)[:2048] == 9).all() and (np.asarray(dst)[2048:] == 0).all()
+    b.deregister(alias)
+    # Refused before a byte moves, at post or at completion; the original id still works.
+    np.asarray(src)[:] = 5
+    with pytest.raises(kvbridge.KvbridgeError):
+        a.write(peer, ops((src.region, 0, alias, 2048, 2048))).wait(timeout=60.0)
+    assert (np.asarray(dst)[2048:] == 0).all()
+    assert a.write(peer, ops((src.region, 0, dst.region, 2048, 2048))).wait(timeout=60.0)
+    assert (np.asarray(dst)[2048:] == 5).all()
+    with pytest.raises(kvbridge.InvalidArgumentError, match="not registered"):
+        b.alias(alias)
+    # The bytes stay registered while any id of them does: a new registration over them is refused.
+    with pytest.raises(kvbridge.InvalidArgumentError, match="overlap"):
+        b.register(np.asarray(dst).ctypes.data, 64)
+    a.close()
+    b.close()

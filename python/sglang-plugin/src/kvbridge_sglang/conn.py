@@ -16,6 +16,7 @@ kvbridge's planner assigns to the pair (docs/sglang.md, "DCP a -> b").
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -178,6 +179,8 @@ def _with_planner(fn: types.FunctionType, globals_: dict = _PLANNER_GLOBALS) -> 
 # the writes stay in flight, under the room of the chunk this worker thread is on, until the
 # room concludes or the worker takes its next chunk (docs/sglang.md, "Moving a chunk").
 _CHUNK = threading.local()
+# The prefill (bootstrap address) a decode's receiver is talking to, for get_session_id.
+_GROUP = threading.local()
 
 
 class _SettlingQueue:
@@ -229,6 +232,27 @@ class KvbridgeKVManager(MooncakeKVManager):
         # SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES bounds Mooncake's batches; kvbridge's
         # engine takes a chunk in one write (split only at the transport's own limit).
         self.max_transfer_batch_indices = 0
+
+    @contextlib.contextmanager
+    def session_group(self, bootstrap_addr: str):
+        """Within it, this thread's `get_session_id` is that of the prefill at
+        `bootstrap_addr`: the ids it carries are that prefill's alone."""
+        before = getattr(_GROUP, "addr", None)
+        _GROUP.addr = bootstrap_addr
+        try:
+            yield
+        finally:
+            _GROUP.addr = before
+
+    def get_session_id(self):
+        return self.engine.get_session_id(getattr(_GROUP, "addr", None))
+
+    def _handle_node_failure(self, failed_bootstrap_addr: str):
+        # SGLang fails the prefill's rooms and forgets it; before that, its region ids go, so
+        # a prefill that only stalled (and sends when it resumes) lands no byte in the pages
+        # of rooms the decode gave up. Its next registration carries fresh ids.
+        self.engine.fence(failed_bootstrap_addr)
+        return super()._handle_node_failure(failed_bootstrap_addr)
 
     def transfer_worker(self, queue, executor, *args, **kwargs):
         # SGLang's worker (started by its __init__), on a queue that settles writes in flight.
@@ -542,7 +566,17 @@ class KvbridgeKVSender(MooncakeKVSender):
 
 
 class KvbridgeKVReceiver(MooncakeKVReceiver):
-    pass
+    """SGLang's receiver; what it sends a prefill carries that prefill's own session id, whose
+    region ids the decode deregisters when it fails the prefill's rooms (see
+    :meth:`KvbridgeKVManager._handle_node_failure`)."""
+
+    def _register_kv_args(self) -> bool:
+        with self.kv_mgr.session_group(self.bootstrap_addr):
+            return super()._register_kv_args()
+
+    def send_metadata(self, *args, **kwargs):
+        with self.kv_mgr.session_group(self.bootstrap_addr):
+            return super().send_metadata(*args, **kwargs)
 
 
 def _is_parallel_info_query(request: web.Request) -> bool:

@@ -93,6 +93,10 @@ class KvbridgeTransferEngine:
         self._regions: dict[int, tuple[int, int]] = {}  # base -> (len, region)
         self._local: Optional[_RegionTable] = None
         self._session_id: Optional[str] = None
+        # Per prefill (a decode's fence group, by bootstrap address): its own region ids for
+        # every buffer (aliases of the same memory) and the session id that carries them.
+        self._groups: dict[str, dict[int, int]] = {}
+        self._group_sessions: dict[str, str] = {}
         self._peers: dict[str, tuple[kvbridge.Peer, _RegionTable]] = {}
         self._last_error: Optional[str] = None
 
@@ -120,6 +124,10 @@ class KvbridgeTransferEngine:
     def batch_deregister(self, ptrs: Sequence[int]) -> int:
         with self._lock:
             for ptr in ptrs:
+                for aliases in self._groups.values():
+                    alias = aliases.pop(int(ptr), None)
+                    if alias is not None:
+                        self.engine.deregister(alias)
                 entry = self._regions.pop(int(ptr), None)
                 if entry is not None:
                     self.engine.deregister(entry[1])
@@ -129,17 +137,49 @@ class KvbridgeTransferEngine:
     def _changed(self) -> None:
         self._local = _RegionTable([(b, n, r) for b, (n, r) in self._regions.items()])
         self._session_id = None
+        self._group_sessions.clear()
 
-    def get_session_id(self) -> str:
+    def _encode_session(self, rows) -> str:
+        body = {"d": self.engine.local_descriptor().hex(), "r": rows}
+        encoded = json.dumps(body).encode()
+        return f"{SESSION_PREFIX}{encoded.hex()}:{zlib.crc32(encoded) & 0xFFFF}"
+
+    def get_session_id(self, group: Optional[str] = None) -> str:
+        """The session id a peer writes with. With `group` (a decode names the prefill's
+        bootstrap address), the ids in it are that group's own aliases of every buffer, so
+        :meth:`fence` can cut that group off alone."""
         with self._lock:
-            if self._session_id is None:
-                body = {
-                    "d": self.engine.local_descriptor().hex(),
-                    "r": [[b, n, r] for b, (n, r) in sorted(self._regions.items())],
-                }
-                encoded = json.dumps(body).encode()
-                self._session_id = f"{SESSION_PREFIX}{encoded.hex()}:{zlib.crc32(encoded) & 0xFFFF}"
-            return self._session_id
+            if group is None:
+                if self._session_id is None:
+                    self._session_id = self._encode_session(
+                        [[b, n, r] for b, (n, r) in sorted(self._regions.items())]
+                    )
+                return self._session_id
+            session = self._group_sessions.get(group)
+            if session is None:
+                aliases = self._groups.setdefault(group, {})
+                for base, (_, region) in self._regions.items():
+                    if base not in aliases:
+                        aliases[base] = self.engine.alias(region)
+                session = self._group_sessions[group] = self._encode_session(
+                    [[b, n, aliases[b]] for b, (n, _) in sorted(self._regions.items())]
+                )
+            return session
+
+    def fence(self, group: str) -> None:
+        """Deregisters `group`'s aliases: once this returns, no write of a peer that was given
+        that group's session id lands (refused before a byte moves); its next session id
+        (:meth:`get_session_id`) carries fresh ids."""
+        with self._lock:
+            aliases = self._groups.pop(group, {})
+            self._group_sessions.pop(group, None)
+            for alias in aliases.values():
+                try:
+                    self.engine.deregister(alias)
+                except kvbridge.ClosedError:
+                    return  # a closed engine takes no write at all
+                except kvbridge.KvbridgeError as e:
+                    logger.warning("kvbridge: could not fence region %d of %s: %s", alias, group, e)
 
     # Transfers (prefill side).
     def _peer(self, session_id: str) -> tuple[kvbridge.Peer, _RegionTable]:
