@@ -94,7 +94,10 @@ class KvbridgeTransferEngine:
         self._local: Optional[_RegionTable] = None
         self._session_id: Optional[str] = None
         # Per prefill (a decode's fence group, by bootstrap address): its own region ids for
-        # every buffer (aliases of the same memory) and the session id that carries them.
+        # every buffer (aliases of the same memory) and the session id that carries them. Only
+        # where this engine's transport refuses a write to a deregistered id before a byte
+        # moves (tcp, loopback); NIXL's peers write registered memory through UCX directly.
+        self._fences = transport in ("tcp", "loopback")
         self._groups: dict[str, dict[int, int]] = {}
         self._group_sessions: dict[str, str] = {}
         self._peers: dict[str, tuple[kvbridge.Peer, _RegionTable]] = {}
@@ -149,7 +152,7 @@ class KvbridgeTransferEngine:
         bootstrap address), the ids in it are that group's own aliases of every buffer, so
         :meth:`fence` can cut that group off alone."""
         with self._lock:
-            if group is None:
+            if group is None or not self._fences:
                 if self._session_id is None:
                     self._session_id = self._encode_session(
                         [[b, n, r] for b, (n, r) in sorted(self._regions.items())]
