@@ -106,17 +106,7 @@ pub enum MemoryError {
 }
 
 impl MemoryError {
-    /// The region the refused access concerns, where the error names one.
-    pub fn operand(&self) -> Option<Operand> {
-        match self {
-            MemoryError::AccessOutOfRange { operand, .. }
-            | MemoryError::AccessConflict { operand, .. }
-            | MemoryError::NotHostMemory { operand, .. } => Some(*operand),
-            MemoryError::ForeignBorrow { .. } => None,
-        }
-    }
-
-    /// This refusal, naming `operand` as the region it concerns (as a copy names its source or
+    /// This refusal, naming `end` as the region it concerns (as a copy names its source or
     /// destination); an error that names no region is returned as it is.
     #[must_use]
     pub fn for_operand(mut self, end: Operand) -> Self {
