@@ -105,6 +105,41 @@ def _seconds(line: str) -> float:
     return float(line.split(" after ")[1].split(" s")[0])
 
 
+# Fault tests: a 5 s write deadline and a heartbeat every 2 s that fails at its first miss.
+FAULT_ENV = dict(
+    KVBRIDGE_SGLANG_TRANSPORT="tcp", KVBRIDGE_SGLANG_TIMEOUT="5",
+    SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL="2", SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="1",
+)
+
+
+def _start_pair(peers: list, port: int, host: str, prefill_in=(), decode_in=(), prefill_env=None, decode_env=None):
+    """Starts the prefill, then the decode (`link_peer.py`), each appended to `peers` as it
+    starts (the caller stops them); returns both once each says it is ready."""
+    common = ["--port", str(port), "--bootstrap-host", host, "--timeout", "60"]
+    sides = []
+    for role, prefix, env in (("prefill", prefill_in, prefill_env), ("decode", decode_in, decode_env)):
+        peer = _Peer([*prefix, sys.executable, LINK_PEER, role, *common], env)
+        peers.append(peer)
+        peer.expect("ready")
+        sides.append(peer)
+    return sides
+
+
+def _ask(prefill: _Peer, decode: _Peer, r: int) -> None:
+    """The decode asks for room `r` and the prefill has its request."""
+    prefill.send(f"serve {r}")
+    decode.send(f"receive {r}")
+    decode.expect(f"asked {r}")
+    prefill.expect(f"waiting {r}")
+
+
+def _room(prefill: _Peer, decode: _Peer, r: int) -> tuple:
+    """Room `r` from request to both sides' answers."""
+    _ask(prefill, decode, r)
+    prefill.send(f"send {r}")
+    return prefill.expect(f"room {r}:"), decode.expect(f"room {r}:")
+
+
 def test_a_silent_partition_fails_the_room_in_flight_by_its_deadline_and_the_link_heals():
     """Prefill and decode managers in two namespaces; the link goes silent (blackhole routes
     both ways) after the decode asked for a room and before the prefill sends it: both sides
@@ -112,43 +147,24 @@ def test_a_silent_partition_fails_the_room_in_flight_by_its_deadline_and_the_lin
     decode by SGLang's heartbeat), with causes that name the other side; no byte lands in the
     failed room's pages after the link heals; the next room over the healed link succeeds with
     no process restarted."""
-    env = dict(
-        os.environ, KVBRIDGE_SGLANG_TRANSPORT="tcp", KVBRIDGE_SGLANG_TIMEOUT="5",
-        SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL="2", SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="1",
-    )
+    env = dict(os.environ, **FAULT_ENV)
     with _veth_pair() as ((ns_a, ip_a), (ns_b, ip_b)):
         port = harness.free_port()
-        common = ["--port", str(port), "--bootstrap-host", ip_a, "--timeout", "60"]
         peers = []
         try:
-            prefill = _Peer(["ip", "netns", "exec", ns_a, sys.executable, LINK_PEER, "prefill", *common],
-                            dict(env, SGLANG_HOST_IP=ip_a))
-            peers.append(prefill)
-            prefill.expect("ready")
-            decode = _Peer(["ip", "netns", "exec", ns_b, sys.executable, LINK_PEER, "decode", *common],
-                           dict(env, SGLANG_HOST_IP=ip_b))
-            peers.append(decode)
-            decode.expect("ready")
-
-            def room(r):
-                prefill.send(f"serve {r}")
-                decode.send(f"receive {r}")
-                decode.expect(f"asked {r}")
-                prefill.expect(f"waiting {r}")
-                prefill.send(f"send {r}")
-                return prefill.expect(f"room {r}:"), decode.expect(f"room {r}:")
-
-            assert room(1) == ("room 1: success", "room 1: verified")
+            prefill, decode = _start_pair(
+                peers, port, ip_a,
+                prefill_in=["ip", "netns", "exec", ns_a], decode_in=["ip", "netns", "exec", ns_b],
+                prefill_env=dict(env, SGLANG_HOST_IP=ip_a), decode_env=dict(env, SGLANG_HOST_IP=ip_b),
+            )
+            assert _room(prefill, decode, 1) == ("room 1: success", "room 1: verified")
 
             def blackhole(op):
                 for ns, peer in ((ns_a, ip_b), (ns_b, ip_a)):
                     subprocess.run(["ip", "-n", ns, "route", op, "blackhole", f"{peer}/32"],
                                    check=True, capture_output=True, timeout=10)
 
-            prefill.send("serve 2")
-            decode.send("receive 2")
-            decode.expect("asked 2")
-            prefill.expect("waiting 2")
+            _ask(prefill, decode, 2)
             blackhole("add")
             try:
                 prefill.send("send 2")
@@ -165,7 +181,7 @@ def test_a_silent_partition_fails_the_room_in_flight_by_its_deadline_and_the_lin
             decode.send("check 2")
             assert decode.expect("canary 2:") == "canary 2: intact"
 
-            assert room(3) == ("room 3: success", "room 3: verified")
+            assert _room(prefill, decode, 3) == ("room 3: success", "room 3: verified")
         finally:
             for p in peers:
                 p.stop()
@@ -178,24 +194,11 @@ def test_a_frozen_prefill_lands_no_byte_in_a_room_the_decode_failed():
     prefill's room must fail. Then room 3 goes through with no restart."""
     import signal
 
-    env = dict(
-        os.environ, KVBRIDGE_SGLANG_TRANSPORT="tcp", KVBRIDGE_SGLANG_TIMEOUT="5", SGLANG_HOST_IP="127.0.0.1",
-        SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL="2", SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="1",
-    )
-    port = harness.free_port()
-    common = ["--port", str(port), "--bootstrap-host", "127.0.0.1", "--timeout", "60"]
+    env = dict(os.environ, SGLANG_HOST_IP="127.0.0.1", **FAULT_ENV)
     peers = []
     try:
-        prefill = _Peer([sys.executable, LINK_PEER, "prefill", *common], env)
-        peers.append(prefill)
-        prefill.expect("ready")
-        decode = _Peer([sys.executable, LINK_PEER, "decode", *common], env)
-        peers.append(decode)
-        decode.expect("ready")
-        prefill.send("serve 2")
-        decode.send("receive 2")
-        decode.expect("asked 2")
-        prefill.expect("waiting 2")
+        prefill, decode = _start_pair(peers, harness.free_port(), "127.0.0.1", prefill_env=env, decode_env=env)
+        _ask(prefill, decode, 2)
         os.kill(prefill.proc.pid, signal.SIGSTOP)
         try:
             got = decode.expect("room 2:")
@@ -209,12 +212,7 @@ def test_a_frozen_prefill_lands_no_byte_in_a_room_the_decode_failed():
         assert decode.expect("canary 2:") == "canary 2: intact", f"the resumed prefill wrote the failed room: {sent}"
         assert sent.startswith("room 2: failed"), sent
         # The decode registers with the prefill again, under fresh ids: the next room works.
-        prefill.send("serve 3")
-        decode.send("receive 3")
-        decode.expect("asked 3")
-        prefill.expect("waiting 3")
-        prefill.send("send 3")
-        assert (prefill.expect("room 3:"), decode.expect("room 3:")) == ("room 3: success", "room 3: verified")
+        assert _room(prefill, decode, 3) == ("room 3: success", "room 3: verified")
     finally:
         for p in peers:
             p.stop()
