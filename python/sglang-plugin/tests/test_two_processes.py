@@ -46,7 +46,7 @@ def test_one_request_across_a_real_link(transport):
     if transport == "nixl":
         _skip_without_nixl()
     env = dict(os.environ, KVBRIDGE_SGLANG_TRANSPORT=transport, UCX_TLS="tcp")
-    with _veth_pair() as ((ns_a, ip_a), (ns_b, ip_b)):
+    with _veth_pair() as ((ns_a, ip_a, _), (ns_b, ip_b, _)):
         _two_processes(
             dict(env, SGLANG_HOST_IP=ip_a),
             dict(env, SGLANG_HOST_IP=ip_b),
@@ -83,6 +83,13 @@ class _Peer:
 
     def expect(self, prefix: str, timeout: float = 60.0) -> str:
         """The next line that starts with `prefix` (SGLang's log lines in between skipped)."""
+        return self._next(lambda line: line.startswith(prefix), repr(prefix), timeout)
+
+    def expect_text(self, text: str, timeout: float = 60.0) -> str:
+        """The next line that contains `text` (a log line of SGLang's, say)."""
+        return self._next(lambda line: text in line, repr(text), timeout)
+
+    def _next(self, match, what: str, timeout: float) -> str:
         end = time.monotonic() + timeout
         while (left := end - time.monotonic()) > 0:
             try:
@@ -90,10 +97,10 @@ class _Peer:
             except queue.Empty:
                 break
             if line is None:
-                raise AssertionError(f"exited before answering {prefix!r}:\n{''.join(self.log[-40:])}")
-            if line.startswith(prefix):
+                raise AssertionError(f"exited before saying {what}:\n{''.join(self.log[-40:])}")
+            if match(line):
                 return line
-        raise AssertionError(f"no {prefix!r} after {timeout} s:\n{''.join(self.log[-40:])}")
+        raise AssertionError(f"no {what} after {timeout} s:\n{''.join(self.log[-40:])}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -112,17 +119,22 @@ FAULT_ENV = dict(
 )
 
 
-def _start_pair(peers: list, port: int, host: str, prefill_in=(), decode_in=(), prefill_env=None, decode_env=None):
-    """Starts the prefill, then the decode (`link_peer.py`), each appended to `peers` as it
-    starts (the caller stops them); returns both once each says it is ready."""
+def _start(peers: list, role: str, port: int, host: str, prefix=(), env=None) -> _Peer:
+    """Starts one `link_peer.py` side, appended to `peers` as it starts (the caller stops
+    them); returns it once it says it is ready."""
     common = ["--port", str(port), "--bootstrap-host", host, "--timeout", "60"]
-    sides = []
-    for role, prefix, env in (("prefill", prefill_in, prefill_env), ("decode", decode_in, decode_env)):
-        peer = _Peer([*prefix, sys.executable, LINK_PEER, role, *common], env)
-        peers.append(peer)
-        peer.expect("ready")
-        sides.append(peer)
-    return sides
+    peer = _Peer([*prefix, sys.executable, LINK_PEER, role, *common], env)
+    peers.append(peer)
+    peer.expect("ready")
+    return peer
+
+
+def _start_pair(peers: list, port: int, host: str, prefill_in=(), decode_in=(), prefill_env=None, decode_env=None):
+    """Starts the prefill, then the decode (`_start`)."""
+    return (
+        _start(peers, "prefill", port, host, prefill_in, prefill_env),
+        _start(peers, "decode", port, host, decode_in, decode_env),
+    )
 
 
 def _ask(prefill: _Peer, decode: _Peer, r: int) -> None:
@@ -140,15 +152,17 @@ def _room(prefill: _Peer, decode: _Peer, r: int) -> tuple:
     return prefill.expect(f"room {r}:"), decode.expect(f"room {r}:")
 
 
-def test_a_silent_partition_fails_the_room_in_flight_by_its_deadline_and_the_link_heals():
-    """Prefill and decode managers in two namespaces; the link goes silent (blackhole routes
-    both ways) after the decode asked for a room and before the prefill sends it: both sides
-    fail that room within their deadlines (the prefill's write by KVBRIDGE_SGLANG_TIMEOUT, the
+@pytest.mark.parametrize("fault", ["blackhole", "carrier"])
+def test_a_silent_link_fails_the_room_in_flight_by_its_deadline_and_the_link_heals(fault):
+    """Prefill and decode managers in two namespaces; the link goes silent after the decode
+    asked for a room and before the prefill sends it (`blackhole`: blackhole routes both ways;
+    `carrier`: the prefill's veth end down, so the decode's loses its carrier): both sides fail
+    that room within their deadlines (the prefill's write by KVBRIDGE_SGLANG_TIMEOUT, the
     decode by SGLang's heartbeat), with causes that name the other side; no byte lands in the
     failed room's pages after the link heals; the next room over the healed link succeeds with
     no process restarted."""
     env = dict(os.environ, **FAULT_ENV)
-    with _veth_pair() as ((ns_a, ip_a), (ns_b, ip_b)):
+    with _veth_pair() as ((ns_a, ip_a, veth_a), (ns_b, ip_b, _)):
         port = harness.free_port()
         peers = []
         try:
@@ -159,18 +173,24 @@ def test_a_silent_partition_fails_the_room_in_flight_by_its_deadline_and_the_lin
             )
             assert _room(prefill, decode, 1) == ("room 1: success", "room 1: verified")
 
-            def blackhole(op):
-                for ns, peer in ((ns_a, ip_b), (ns_b, ip_a)):
-                    subprocess.run(["ip", "-n", ns, "route", op, "blackhole", f"{peer}/32"],
-                                   check=True, capture_output=True, timeout=10)
+            def silence(on: bool):
+                if fault == "carrier":
+                    commands = [["-n", ns_a, "link", "set", veth_a, "down" if on else "up"]]
+                else:
+                    op = "add" if on else "del"
+                    commands = [["-n", ns, "route", op, "blackhole", f"{peer}/32"]
+                                for ns, peer in ((ns_a, ip_b), (ns_b, ip_a))]
+                for c in commands:
+                    subprocess.run(["ip", *c], check=True, capture_output=True, timeout=10)
 
             _ask(prefill, decode, 2)
-            blackhole("add")
+            silence(True)
             try:
                 prefill.send("send 2")
                 sent, got = prefill.expect("room 2:"), decode.expect("room 2:")
             finally:
-                blackhole("del")
+                silence(False)
+            print(f"{fault}: prefill {sent!r}; decode {got!r}")  # the fault table's row (-s)
             assert sent.startswith("room 2: failed"), sent
             assert ip_b in sent, f"the prefill's cause names no decode address: {sent}"
             assert _seconds(sent) < 5 + 10, sent  # the write's deadline, and its grace
@@ -218,10 +238,37 @@ def test_a_frozen_prefill_lands_no_byte_in_a_room_the_decode_failed():
             p.stop()
 
 
+def test_a_prefill_restarted_at_the_same_address_serves_the_decode_that_saw_it_die():
+    """Prefill and decode managers in two namespaces; after room 1 the prefill process is
+    killed, the decode's heartbeat notices, and a new prefill starts at the same address and
+    port: room 2 goes through, every byte verified, with the decode never restarted (it asks
+    the new bootstrap server and registers with the new prefill by itself)."""
+    env = dict(os.environ, **FAULT_ENV)
+    with _veth_pair() as ((ns_a, ip_a, _), (ns_b, ip_b, _)):
+        port = harness.free_port()
+        peers = []
+        prefill_in = ["ip", "netns", "exec", ns_a]
+        prefill_env = dict(env, SGLANG_HOST_IP=ip_a)
+        try:
+            prefill, decode = _start_pair(
+                peers, port, ip_a, prefill_in=prefill_in, decode_in=["ip", "netns", "exec", ns_b],
+                prefill_env=prefill_env, decode_env=dict(env, SGLANG_HOST_IP=ip_b),
+            )
+            assert _room(prefill, decode, 1) == ("room 1: success", "room 1: verified")
+            prefill.stop()
+            # SGLang's heartbeat: one miss (2 s apart, each at most 2 + 3 s) marks it down.
+            decode.expect_text(f"Lost connection with prefill instance (bootstrap_addr: {ip_a}:{port})", 20)
+            prefill = _start(peers, "prefill", port, ip_a, prefill_in, prefill_env)
+            assert _room(prefill, decode, 2) == ("room 2: success", "room 2: verified")
+        finally:
+            for p in peers:
+                p.stop()
+
+
 @contextlib.contextmanager
 def _veth_pair():
-    """Two network namespaces joined by a veth pair on 10.213.2.0/24, both removed on exit;
-    skips, saying why, where namespaces cannot be made (not root, no iproute2)."""
+    """Two network namespaces joined by a veth pair on 10.213.2.0/24, as (namespace, address,
+    veth end) per side, both removed on exit; skips, saying why, where namespaces cannot be made (not root, no iproute2)."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and iproute2's `ip`")
     tag = f"kvs{os.getpid() % 100000}"
@@ -244,7 +291,7 @@ def _veth_pair():
                 ip("-n", ns, "link", "set", "lo", "up")
         except subprocess.CalledProcessError as e:
             pytest.skip(f"cannot make network namespaces here: {' '.join(e.cmd)}: {e.stderr.strip()}")
-        yield [(ns, addr) for ns, _, addr in sides]
+        yield [(ns, addr, dev) for ns, dev, addr in sides]
     finally:
         for ns in made:  # the veth pair goes with its namespaces
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
