@@ -7,12 +7,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvbridge_coordinator::testing::{TokenLayout, fill_rows, verify_rows, verify_untouched};
 use kvbridge_coordinator::{
     Chunk, DecodeAgent, InProcessControlHub, KvMemory, PrefillAgent, ReceiveRequest,
     StaticDirectory,
 };
 use kvbridge_handshake::{PeerDescriptor, Role};
+use kvbridge_lab::fill::{EntryViews, TokenLayout, fill_rows, verify_rows, verify_untouched};
 use kvbridge_transport::KvTransport;
 
 const ADDR: &str = "prefill.transports-test:8998";

@@ -47,9 +47,9 @@ fn fmt() -> Result<(), String> {
 }
 
 /// Every feature of every package but the NIXL ones, for machines without libclang: building
-/// nixl-sys (features `kvbridge-nixl/nixl`, `kvbridge-cli/nixl`) runs bindgen, which needs it.
+/// nixl-sys (features `kvbridge-nixl/nixl`, `kvbridge-lab/nixl`) runs bindgen, which needs it.
 /// `tidy::the_feature_list_without_nixl_names_every_other_feature` keeps the list complete.
-pub(crate) const FEATURES_WITHOUT_NIXL: &str = "kvbridge-coordinator/testing,kvbridge-geometry/serde,kvbridge-memory/testing,\
+pub(crate) const FEATURES_WITHOUT_NIXL: &str = "kvbridge-geometry/serde,kvbridge-memory/testing,\
 kvbridge-transport/mock,kvbridge/full,kvbridge/auth,kvbridge/bootstrap,kvbridge/control,\
 kvbridge/coordinator,kvbridge/handshake,kvbridge/mock,kvbridge/planner,kvbridge/shm,kvbridge/tcp,\
 kvbridge/transport";
@@ -211,7 +211,7 @@ fn bench(name: Option<&str>) -> Result<(), String> {
             "run",
             "--release",
             "-p",
-            "kvbridge-cli",
+            "kvbridge-lab",
             "--",
             "bench",
             "--transport",
@@ -221,7 +221,7 @@ fn bench(name: Option<&str>) -> Result<(), String> {
             "run",
             "--release",
             "-p",
-            "kvbridge-cli",
+            "kvbridge-lab",
             "--",
             "bench",
             "--e2e",
@@ -231,7 +231,7 @@ fn bench(name: Option<&str>) -> Result<(), String> {
             "run",
             "--release",
             "-p",
-            "kvbridge-cli",
+            "kvbridge-lab",
             "--features",
             "nixl",
             "--",
@@ -248,8 +248,8 @@ fn bench(name: Option<&str>) -> Result<(), String> {
 /// The suites `cargo xtask stress` repeats: the tests that run real processes and sockets.
 const STRESS_SUITES: [(&str, &[&str]); 2] = [
     (
-        "cli-e2e",
-        &["-p", "kvbridge-cli", "--all-features", "--test", "e2e"],
+        "lab-e2e",
+        &["-p", "kvbridge-lab", "--all-features", "--test", "e2e"],
     ),
     (
         "coordinator",

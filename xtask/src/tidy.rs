@@ -77,18 +77,26 @@ fn section_lines<'a>(manifest: &'a str, section: &str) -> Vec<&'a str> {
 
 #[test]
 fn no_library_links_a_testing_module() {
-    // The lab (the CLI's demo and bench) and test support may; a library never does.
-    const MAY: [&str; 3] = ["kvbridge-cli", "kvbridge-netns", "kvbridge-conformance"];
+    // The lab (demo, bench, fill and verify) and test support may; a product crate never does.
+    const MAY: [&str; 3] = ["kvbridge-lab", "kvbridge-netns", "kvbridge-conformance"];
     for (dir, name) in crates() {
+        if name == "kvbridge-lab" {
+            assert!(
+                read(&dir.join("Cargo.toml")).contains("\npublish = false\n"),
+                "kvbridge-lab must say `publish = false`: the lab is never published"
+            );
+        }
         if MAY.contains(&name.as_str()) {
             continue;
         }
         let manifest = read(&dir.join("Cargo.toml"));
         for line in section_lines(&manifest, "[dependencies]") {
             assert!(
-                !line.contains("\"testing\"") && !line.starts_with("kvbridge-conformance"),
-                "{name}'s normal dependency `{line}` links a testing module; make it a \
-                 dev-dependency (only the CLI's demo and bench may)"
+                !line.contains("\"testing\"")
+                    && !line.starts_with("kvbridge-conformance")
+                    && !line.starts_with("kvbridge-lab"),
+                "{name}'s normal dependency `{line}` links a testing module or the lab; make it \
+                 a dev-dependency (only the lab may)"
             );
         }
     }
@@ -180,7 +188,7 @@ fn crates_depend_only_on_what_the_codemap_allows() {
             &["kvbridge-memory", "kvbridge-sync"],
             false,
         ),
-        // Test support: only dev-dependencies (and the CLI's bench) link it.
+        // Test support: only dev-dependencies (and the lab's bench) link it.
         (
             "kvbridge-conformance",
             &["kvbridge-memory", "kvbridge-transport"],
@@ -229,14 +237,20 @@ fn crates_depend_only_on_what_the_codemap_allows() {
         ),
         ("kvbridge", LIBRARY_CRATES, false),
         ("kvbridge-python", PYTHON_CRATES, true),
-        // Test support: it drives the `kvbridge` binary, it links no kvbridge crate.
+        // The command line for people: plan, check, explain.
+        (
+            "kvbridge-cli",
+            &["kvbridge-geometry", "kvbridge-handshake"],
+            false,
+        ),
+        // Test support: it drives the `kvbridge-lab` binary, it links no kvbridge crate.
         ("kvbridge-netns", &[], false),
     ];
     for (dir, name) in crates() {
         let deps = normal_dependencies(&read(&dir.join("Cargo.toml")));
         let Some((_, allowed, tokio)) = rules.iter().find(|(n, ..)| *n == name) else {
             assert_eq!(
-                name, "kvbridge-cli",
+                name, "kvbridge-lab",
                 "{name} has no dependency rule; add it here and to the code map"
             );
             continue;

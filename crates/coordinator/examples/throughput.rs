@@ -8,12 +8,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvbridge_coordinator::testing::{TokenLayout, fill_rows, verify_rows};
 use kvbridge_coordinator::{
     Chunk, DecodeAgent, InProcessControlHub, KvMemory, PrefillAgent, ReceiveRequest,
     StaticDirectory,
 };
 use kvbridge_handshake::{PeerDescriptor, Role};
+use kvbridge_lab::fill::{EntryViews, TokenLayout, fill_rows, verify_rows};
 use kvbridge_mock::LoopbackTransport;
 use kvbridge_transport::{KvTransport, TransferBatch, TransferOp};
 

@@ -11,8 +11,6 @@
 //!   ([`StaticDirectory`] in one process).
 //! * [`RoomState`] / [`RoomStatus`] — SGLang's `KVPoll` state machine with its update rule;
 //!   [`RankAgreement`] — the pluggable cross-rank MIN.
-//! * `testing` (feature `testing`, for tests, demos and benches) — fill prefill memory with
-//!   bytes derived from (entry, position) and verify every byte a decode rank holds.
 //!
 //! # Across processes
 //!
@@ -34,7 +32,6 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use kvbridge_coordinator::testing::{TokenLayout, fill_rows, verify_rows};
 //! use kvbridge_coordinator::{
 //!     Chunk, DecodeAgent, InProcessControlHub, KvMemory, PrefillAgent, ReceiveRequest,
 //!     StaticDirectory,
@@ -67,9 +64,15 @@
 //! .start()?;
 //!
 //! // Room 1: 40 tokens in prefill pages [3, 5, 6], wanted in decode pages [7, 1, 2].
-//! // The prefill "computes" room 1's KV: rows derived from (room, entry, position).
-//! let p_layout = TokenLayout::for_rank(prefill.descriptor(), vec![3, 5, 6])?;
-//! fill_rows(&p_mem.kv_views(), &p_layout, 1, 0..40)?;
+//! // The prefill "computes" room 1's KV: token p's row in layer l is 576 bytes of p + l, in
+//! // slot p % 16 of page pages[p / 16].
+//! let slot = |pages: &[u64], p: u64| pages[(p / 16) as usize] * 16 + p % 16;
+//! let byte = |layer: usize, p: u64| (p as u8).wrapping_add(layer as u8);
+//! for (layer, (region, entry)) in p_mem.kv_regions.iter().zip(&p_mem.memory.kv).enumerate() {
+//!     for p in 0..40 {
+//!         region.fill(entry.offset + slot(&[3, 5, 6], p) * 576, 576, byte(layer, p))?;
+//!     }
+//! }
 //! prefill.create_room(1)?;
 //! decode.receive(1, ReceiveRequest {
 //!     bootstrap_addr: "prefill:8998".into(),
@@ -83,8 +86,12 @@
 //! decode.wait(1).await?;
 //! prefill.wait(1).await?;
 //!
-//! let layout = TokenLayout::for_rank(decode.descriptor(), vec![7, 1, 2])?;
-//! assert_eq!(verify_rows(&d_mem.kv_views(), &layout, 1, 0..40)?, 2 * 40 * 576);
+//! for (layer, (region, entry)) in d_mem.kv_regions.iter().zip(&d_mem.memory.kv).enumerate() {
+//!     for p in 0..40 {
+//!         let row = region.to_vec(entry.offset + slot(&[7, 1, 2], p) * 576, 576)?;
+//!         assert!(row.iter().all(|&b| b == byte(layer, p)), "layer {layer}, token {p}");
+//!     }
+//! }
 //! # Ok(())
 //! # }
 //! ```
@@ -108,9 +115,6 @@ mod prefill;
 mod room;
 mod start;
 mod state;
-#[cfg(any(test, feature = "testing"))]
-#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
-pub mod testing;
 mod timer;
 
 // The control channel, its messages and ids are kvbridge-control's; these keep the paths

@@ -8,12 +8,12 @@ use kvbridge_coordinator::bootstrap::{
     BootstrapClient, BootstrapConfig, BootstrapServer, HttpDirectory, RankRegistration,
 };
 use kvbridge_coordinator::net_channel::{NET_PROTOCOL_VERSION, NetChannel, NetChannelConfig};
-use kvbridge_coordinator::testing::{TokenLayout, fill_aux, fill_rows, verify_aux, verify_rows};
 use kvbridge_coordinator::{
     Chunk, ControlChannel, ControlMessage, DecodeAgent, DecodeConfig, Endpoint, Heartbeat,
     KvMemory, PrefillAgent, ReceiveRequest,
 };
 use kvbridge_handshake::PeerDescriptor;
+use kvbridge_lab::fill::{EntryViews, TokenLayout, fill_aux, fill_rows, verify_aux, verify_rows};
 use kvbridge_mock::LoopbackTransport;
 use kvbridge_transport::KvTransport;
 use tokio::io::AsyncWriteExt;

@@ -538,7 +538,7 @@ fn descriptors(
 #[test]
 fn descriptor_counts_for_documented_geometries() {
     let ascending: Allocator = |_| Alloc::Ascending(0);
-    // `kvbridge demo`'s page tables: a slot's pages in reverse order.
+    // `kvbridge-lab demo`'s page tables: a slot's pages in reverse order.
     let reversed: Allocator = |_| Alloc::Descending(0);
     let scattered: Allocator = Alloc::Shuffled;
     let layouts = [

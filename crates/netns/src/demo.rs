@@ -35,7 +35,7 @@ pub struct Canary {
 /// What a [`Deployment`] runs.
 #[derive(Debug, Clone)]
 pub struct DemoSpec {
-    /// The `kvbridge` binary.
+    /// The `kvbridge-lab` binary.
     pub exe: PathBuf,
     /// `demo` and its arguments shared by every process (without `--role`, `--rank`,
     /// `--bind-addr`, `--bootstrap`, `--bootstrap-port` and `--serve`, which are added).
@@ -51,7 +51,7 @@ pub struct DemoSpec {
 }
 
 /// The demo's prefill (with the bootstrap server) in side A's namespace and its decode ranks
-/// in side B's, every one the `kvbridge` binary's own role in `--serve` mode: requests run
+/// in side B's, every one the `kvbridge-lab` binary's own role in `--serve` mode: requests run
 /// when [`run`](Self::run) names them, and a failed one does not stop a process.
 #[derive(Debug)]
 pub struct Deployment {

@@ -2,15 +2,15 @@
 //! network namespaces, MTU 1500 and 9000) against `iperf3` over the same link in the same run.
 //!
 //! Per MTU: `iperf3` (best of 1 and 2 streams, the large block's byte count, median of
-//! `--runs`); `kvbridge bench --transport tcp --pattern large` with its receiver in the other
+//! `--runs`); `kvbridge-lab bench --transport tcp --pattern large` with its receiver in the other
 //! namespace (256 MiB blocks; its own same-run baseline is one raw TCP stream); and the demo's
 //! DCP 1 -> 4 end to end (prefill in one namespace, four decode ranks in the other, every
-//! byte verified). With `--nixl`, also `kvbridge bench --transport nixl --pattern large` across
+//! byte verified). With `--nixl`, also `kvbridge-lab bench --transport nixl --pattern large` across
 //! the link with `UCX_TLS=tcp` (its same-run baseline: the same descriptors through nixl-sys
-//! directly; needs a `kvbridge` built with `--features nixl` and `cargo xtask nixl-setup`).
+//! directly; needs a `kvbridge-lab` built with `--features nixl` and `cargo xtask nixl-setup`).
 //! Prints one table, with the load average next to each figure (other work on the machine
-//! moves them). Needs root; `--kvbridge` defaults to the `kvbridge` binary next to this one
-//! (`cargo build --release -p kvbridge-cli -p kvbridge-netns`).
+//! moves them). Needs root; `--lab` defaults to the `kvbridge-lab` binary next to this one
+//! (`cargo build --release -p kvbridge-lab -p kvbridge-netns`).
 
 use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
@@ -19,11 +19,12 @@ use std::time::{Duration, Instant};
 use kvbridge_netns::demo::{DemoSpec, Deployment};
 use kvbridge_netns::{Link, LinkOptions, Proc};
 
-const USAGE: &str = "usage: kvbridge-netns bench [--kvbridge PATH] [--mtu 1500,9000] [--runs N] \
+const USAGE: &str = "usage: kvbridge-netns bench [--lab PATH] [--mtu 1500,9000] [--runs N] \
                      [--tcp-connections N] [--requests N] [--skip-e2e] [--nixl]";
 
 struct Opts {
-    kvbridge: PathBuf,
+    /// The `kvbridge-lab` binary.
+    lab: PathBuf,
     mtus: Vec<u32>,
     runs: u32,
     tcp_connections: Option<u32>,
@@ -39,7 +40,7 @@ fn parse() -> Result<Opts, String> {
     }
     let here = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut o = Opts {
-        kvbridge: here.with_file_name("kvbridge"),
+        lab: here.with_file_name("kvbridge-lab"),
         mtus: vec![1500, 9000],
         runs: 3,
         tcp_connections: None,
@@ -50,7 +51,7 @@ fn parse() -> Result<Opts, String> {
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or(format!("{a} needs a value; {USAGE}"));
         match a.as_str() {
-            "--kvbridge" => o.kvbridge = PathBuf::from(value()?),
+            "--lab" => o.lab = PathBuf::from(value()?),
             "--mtu" => {
                 o.mtus = value()?
                     .split(',')
@@ -69,11 +70,11 @@ fn parse() -> Result<Opts, String> {
             _ => return Err(format!("unknown argument {a:?}; {USAGE}")),
         }
     }
-    if !o.kvbridge.exists() {
+    if !o.lab.exists() {
         return Err(format!(
-            "no kvbridge binary at {}; build it (cargo build --release -p kvbridge-cli) or pass \
-             --kvbridge",
-            o.kvbridge.display()
+            "no kvbridge-lab binary at {}; build it (cargo build --release -p kvbridge-lab) or \
+             pass --lab",
+            o.lab.display()
         ));
     }
     Ok(o)
@@ -91,7 +92,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
-/// Bytes of the large block (`kvbridge bench`'s `large` pattern).
+/// Bytes of the large block (`kvbridge-lab bench`'s `large` pattern).
 const LARGE: u64 = 256 << 20;
 
 /// iperf3 across the link: GB/s (received), median of `runs`, for `streams` parallel streams.
@@ -153,7 +154,7 @@ fn iperf3(link: &Link, streams: u32, runs: u32) -> Result<f64, String> {
     Ok(median(rates))
 }
 
-/// `kvbridge bench --transport tcp|nixl --pattern large` with the receiver in side B:
+/// `kvbridge-lab bench --transport tcp|nixl --pattern large` with the receiver in side B:
 /// (kvbridge GB/s, its same-run baseline's GB/s: one raw TCP stream, or nixl-sys directly).
 fn large(o: &Opts, link: &Link, transport: &str) -> Result<(f64, f64), String> {
     let mut c = Command::new("timeout");
@@ -165,7 +166,7 @@ fn large(o: &Opts, link: &Link, transport: &str) -> Result<(f64, f64), String> {
         );
     }
     c.args(["300", "ip", "netns", "exec", &link.a.netns])
-        .arg(&o.kvbridge)
+        .arg(&o.lab)
         .args(["bench", "--transport", transport])
         .args(["--pattern", "large", "--json", "--runs"])
         .arg(o.runs.to_string())
@@ -186,13 +187,13 @@ fn large(o: &Opts, link: &Link, transport: &str) -> Result<(f64, f64), String> {
         .find(|l| l.contains("\"pattern\":\"large\""))
         .ok_or_else(|| {
             format!(
-                "kvbridge bench printed no result: {}",
+                "kvbridge-lab bench printed no result: {}",
                 String::from_utf8_lossy(&out.stderr)
             )
         })?;
     let v: serde_json::Value = serde_json::from_str(line).map_err(|e| e.to_string())?;
     if v["verified"] != serde_json::Value::Bool(true) {
-        return Err(format!("kvbridge bench did not verify: {line}"));
+        return Err(format!("kvbridge-lab bench did not verify: {line}"));
     }
     Ok((
         v["gbps"].as_f64().unwrap_or(0.0),
@@ -226,7 +227,7 @@ fn e2e(o: &Opts, mtu: u32) -> Result<(f64, f64), String> {
     }
     args.extend(["--requests".to_owned(), o.requests.to_string()]);
     let spec = DemoSpec {
-        exe: o.kvbridge.clone(),
+        exe: o.lab.clone(),
         args,
         decode_ranks: 4,
         bootstrap_port: 18999,
@@ -293,7 +294,7 @@ fn large_rows(o: &Opts, link: &Link, mtu: u32, best: f64) -> bool {
                 ratio(g, best)
             );
             println!(
-                "| {mtu} | raw TCP stream (kvbridge bench's own baseline) | {raw:.2} | {} | {load} |",
+                "| {mtu} | raw TCP stream (kvbridge-lab bench's own baseline) | {raw:.2} | {} | {load} |",
                 ratio(raw, best)
             );
         }
@@ -312,7 +313,7 @@ fn large_rows(o: &Opts, link: &Link, mtu: u32, best: f64) -> bool {
                     ratio(g, best)
                 );
                 println!(
-                    "| {mtu} | nixl-sys directly, same descriptors (kvbridge bench's own baseline) | {raw:.2} | {} | {load} |",
+                    "| {mtu} | nixl-sys directly, same descriptors (kvbridge-lab bench's own baseline) | {raw:.2} | {} | {load} |",
                     ratio(raw, best)
                 );
             }

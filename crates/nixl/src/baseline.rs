@@ -1,4 +1,4 @@
-//! The same-run baseline of `kvbridge bench --transport nixl` (and of its `--e2e`): the same
+//! The same-run baseline of `kvbridge-lab bench --transport nixl` (and of its `--e2e`): the same
 //! descriptors posted through nixl-sys directly, on an agent of its own, with none of kvbridge
 //! (no batch table, no control messages, no polling thread: it polls NIXL itself, in a tight
 //! loop, as a program using NIXL alone would).

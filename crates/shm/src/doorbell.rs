@@ -245,7 +245,7 @@ impl Consumer {
 }
 
 /// Two doorbell rings, one each way, between two processes: the wake-up round trip the
-/// transport's notifications are built on, on its own. `kvbridge bench --transport shm` measures
+/// transport's notifications are built on, on its own. `kvbridge-lab bench --transport shm` measures
 /// it as the baseline of its `latency-4k` row.
 ///
 /// ```

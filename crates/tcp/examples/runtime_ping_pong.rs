@@ -1,6 +1,6 @@
 //! The floor under any tokio-driven TCP round trip: a 4 KiB ping-pong between two processes
 //! over loopback, each end on a tokio runtime (no kvbridge), beside the same ping-pong with
-//! blocking sockets. `kvbridge bench --transport tcp --pattern latency-4k` compares the TCP
+//! blocking sockets. `kvbridge-lab bench --transport tcp --pattern latency-4k` compares the TCP
 //! transport with the blocking one; this example shows how much of the gap is the runtime's
 //! wake-up path (epoll) rather than the transport (see `docs/benchmarks.md`, TCP latency).
 //!
@@ -52,7 +52,7 @@ fn main() {
     }
 }
 
-/// Runs `task` as a task on a two-worker runtime (as `kvbridge bench` runs its loop): a future
+/// Runs `task` as a task on a two-worker runtime (as `kvbridge-lab bench` runs its loop): a future
 /// that `block_on` drives would be woken across threads on every reply.
 fn on_a_worker<T: Send + 'static>(
     task: impl std::future::Future<Output = T> + Send + 'static,

@@ -59,8 +59,8 @@ def test_the_e2e_half_names_why_it_cannot_run_another_geometry():
     args = type("Args", (), {"kvbridge_cli": sys.executable, "layers": 2, "token_bytes": 64,
                              "tokens": 100, "page_size": 16, "dcp": 1})()
     assert "61 layers of 1152 B" in bench.unavailable("e2e", args)
-    args.kvbridge_cli = "/nonexistent/kvbridge"
-    assert "cargo build --release -p kvbridge-cli" in bench.unavailable("e2e", args)
+    args.kvbridge_lab = "/nonexistent/kvbridge-lab"
+    assert "cargo build --release -p kvbridge-lab" in bench.unavailable("e2e", args)
 
 
 def test_the_bench_moves_the_same_request_through_sglangs_mooncake_backend():

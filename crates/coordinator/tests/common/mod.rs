@@ -6,14 +6,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvbridge_coordinator::testing::{
-    TokenLayout, fill_aux, fill_rows, verify_aux, verify_rows, verify_untouched,
-};
 use kvbridge_coordinator::{
     AllocatedMemory, Chunk, DecodeAgent, DecodeConfig, InProcessControlHub, KvMemory, PrefillAgent,
     PrefillConfig, ReceiveRequest, StaticDirectory,
 };
 use kvbridge_handshake::PeerDescriptor;
+use kvbridge_lab::fill::{
+    EntryViews, TokenLayout, fill_aux, fill_rows, verify_aux, verify_rows, verify_untouched,
+};
 use kvbridge_mock::{FaultInjector, FaultScript, LoopbackTransport};
 use kvbridge_transport::KvTransport;
 

@@ -1,7 +1,7 @@
 """Benchmarks of the Python package, each against its baseline in the same run.
 
     python -m kvbridge.bench planner [--repeats 30] [--sglang DIR]
-    python -m kvbridge.bench engine [--repeats 30] [--rust target/release/kvbridge]
+    python -m kvbridge.bench engine [--repeats 30] [--rust target/release/kvbridge-lab]
 
 ``planner``: the SGLang drop-ins and kvbridge's fused ``build_dcp_transfer_runs`` against
 SGLang 0.5.23's own numpy planner (fetched with ``kvbridge.reference`` unless ``--sglang``
@@ -11,7 +11,7 @@ iteration. Prints the median and the fastest of the repeats per rank, and the sp
 medians. Results are checked equal before anything is timed.
 
 ``engine``: ``kvbridge.Engine`` write throughput from Python on one 256 MiB block over shm and
-TCP, every byte verified, and with ``--rust`` the Rust bench's large block (``kvbridge bench
+TCP, every byte verified, and with ``--rust`` the Rust bench's large block (``kvbridge-lab bench
 --pattern large``) in the same run (``kvbridge.bench_engine``). See docs/benchmarks.md.
 """
 
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--repeats", type=int, default=30, help="timed repeats per row (median reported)")
     parser.add_argument("--sglang", default=None, help="an unpacked SGLang 0.5.23 (default: fetch it)")
-    parser.add_argument("--rust", default=None, help="the kvbridge binary, to run its engine bench alongside")
+    parser.add_argument("--rust", default=None, help="the kvbridge-lab binary, to run its engine bench alongside")
     args = parser.parse_args(argv)
     unknown = [w for w in args.which if w not in BENCHES]
     if unknown:

@@ -4,9 +4,9 @@
 [--rust PATH]`` starts a receiver process (this module with ``--role receiver``), which
 allocates the destination pool through its ``kvbridge.Engine`` and prints its descriptor; this
 process registers a numpy array of random bytes and times ``write(...).wait()`` of the whole
-block, the way ``kvbridge bench --pattern large`` times one batch of its 256 MiB block. The
-receiver then checks every destination byte. With ``--rust`` (the ``kvbridge`` binary, e.g.
-``target/release/kvbridge``) the Rust bench runs in the same invocation, right after, and the
+block, the way ``kvbridge-lab bench --pattern large`` times one batch of its 256 MiB block. The
+receiver then checks every destination byte. With ``--rust`` (the ``kvbridge-lab`` binary, e.g.
+``target/release/kvbridge-lab``) the Rust bench runs in the same invocation, right after, and the
 ratio Python / Rust is printed. Figures go to docs/benchmarks.md; nothing here asserts speed.
 """
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", choices=["shm", "tcp", "all"], default="all")
     p.add_argument("--runs", type=int, default=15)
     p.add_argument("--mib", type=int, default=256, help="block size in MiB (the Rust bench's large block is 256)")
-    p.add_argument("--rust", help="path of the kvbridge binary, to run its bench in the same invocation")
+    p.add_argument("--rust", help="path of the kvbridge-lab binary, to run its bench in the same invocation")
     p.add_argument("--role", choices=["receiver"], help=argparse.SUPPRESS)
     p.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

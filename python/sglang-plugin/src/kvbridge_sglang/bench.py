@@ -17,11 +17,11 @@ aux row written, the decode told), the decode's from ``send_metadata`` to ``Succ
 whole request as the decode sees it), and the throughput of the first (KV bytes / time).
 The pools are numpy arrays: no GPU and no model.
 
-``e2e`` is kvbridge's own end to end for the same geometry (``kvbridge bench --e2e
+``e2e`` is kvbridge's own end to end for the same geometry (``kvbridge-lab bench --e2e
 --transport tcp --prefill-dcp 1 --dcp D``: kvbridge's agents, control channels, bootstrap,
-planner and TCP transport, no SGLang), run with the ``kvbridge`` CLI (``--kvbridge-cli``,
-default ``target/release/kvbridge`` under the current directory, then ``kvbridge`` on
-``PATH``; ``cargo build --release -p kvbridge-cli`` builds it). Its geometry is fixed at 61
+planner and TCP transport, no SGLang), run with kvbridge's lab binary (``--kvbridge-lab``,
+default ``target/release/kvbridge-lab`` under the current directory, then ``kvbridge-lab`` on
+``PATH``; ``cargo build --release -p kvbridge-lab`` builds it). Its geometry is fixed at 61
 layers of 1,152 bytes per token and up to 8,192 tokens; another geometry skips it with the
 reason.
 
@@ -46,7 +46,7 @@ import numpy as np
 from kvbridge_sglang.example import Pool, classes, publish
 
 BACKENDS = ("kvbridge", "mooncake", "e2e", "engine")
-# The geometry ``kvbridge bench --e2e`` moves (crates/cli/src/bench/e2e.rs).
+# The geometry ``kvbridge-lab bench --e2e`` moves (crates/lab/src/bench/e2e.rs).
 E2E_LAYERS, E2E_TOKEN_BYTES, E2E_MAX_TOKENS = 61, 1152, 8192
 MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 # Seconds each step may take (the machine may be loaded: nothing here is an assertion).
@@ -315,19 +315,19 @@ def _kv_bytes(args) -> int:
     return args.tokens * args.token_bytes * args.layers
 
 
-def _cli(args):
-    """The ``kvbridge`` CLI binary: ``--kvbridge-cli``, else ``target/release/kvbridge`` under
-    the current directory, else ``kvbridge`` on PATH; ``None`` where there is none."""
-    if args.kvbridge_cli:
-        return args.kvbridge_cli if os.access(args.kvbridge_cli, os.X_OK) else None
-    local = os.path.join("target", "release", "kvbridge")
+def _lab(args):
+    """The ``kvbridge-lab`` binary: ``--kvbridge-lab``, else ``target/release/kvbridge-lab``
+    under the current directory, else ``kvbridge-lab`` on PATH; ``None`` where there is none."""
+    if args.kvbridge_lab:
+        return args.kvbridge_lab if os.access(args.kvbridge_lab, os.X_OK) else None
+    local = os.path.join("target", "release", "kvbridge-lab")
     if os.access(local, os.X_OK):
         return local
-    return shutil.which("kvbridge")
+    return shutil.which("kvbridge-lab")
 
 
 def _e2e_scale(args):
-    """``--size-scale`` giving ``kvbridge bench --e2e`` this request's tokens, or ``None``."""
+    """``--size-scale`` giving ``kvbridge-lab bench --e2e`` this request's tokens, or ``None``."""
     align = args.page_size * args.dcp
     scale = args.tokens / E2E_MAX_TOKENS
     if not 0 < scale <= 1:
@@ -338,12 +338,12 @@ def _e2e_scale(args):
 def _e2e_unavailable(args):
     if args is None:
         return None
-    if _cli(args) is None:
-        where = args.kvbridge_cli or "target/release/kvbridge (or kvbridge on PATH)"
-        return f"no kvbridge CLI at {where}; cargo build --release -p kvbridge-cli, or pass --kvbridge-cli"
+    if _lab(args) is None:
+        where = args.kvbridge_lab or "target/release/kvbridge-lab (or kvbridge-lab on PATH)"
+        return f"no kvbridge-lab binary at {where}; cargo build --release -p kvbridge-lab, or pass --kvbridge-lab"
     if args.layers != E2E_LAYERS or args.token_bytes != E2E_TOKEN_BYTES or _e2e_scale(args) is None:
         return (
-            f"kvbridge bench --e2e moves {E2E_LAYERS} layers of {E2E_TOKEN_BYTES} B per token and at most "
+            f"kvbridge-lab bench --e2e moves {E2E_LAYERS} layers of {E2E_TOKEN_BYTES} B per token and at most "
             f"{E2E_MAX_TOKENS} tokens (a multiple of page size x DCP); this request is {args.tokens} tokens "
             f"x {args.layers} layers x {args.token_bytes} B"
         )
@@ -351,9 +351,9 @@ def _e2e_unavailable(args):
 
 
 def bench_e2e(args) -> dict:
-    """kvbridge's own end to end on this request's geometry (``kvbridge bench --e2e``, TCP)."""
+    """kvbridge's own end to end on this request's geometry (``kvbridge-lab bench --e2e``, TCP)."""
     cmd = [
-        _cli(args), "bench", "--e2e", "--transport", "tcp", "--prefill-dcp", "1",
+        _lab(args), "bench", "--e2e", "--transport", "tcp", "--prefill-dcp", "1",
         "--dcp", str(args.dcp), "--prefill-page-size", str(args.page_size),
         "--page-size", str(args.page_size), "--runs", str(args.requests), "--json",
     ]
@@ -526,7 +526,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-pages", type=int, default=32, help="SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES: pages per engine call of Mooncake's (default: %(default)s; 0: the whole request at once, which Mooncake's TCP transport refuses above a few thousand page x layer slices); kvbridge writes each chunk at once whatever it says")
     parser.add_argument("--requests", type=int, default=5, help="timed requests per backend (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests first (default: %(default)s)")
-    parser.add_argument("--kvbridge-cli", default=None, help="the kvbridge binary for e2e (default: target/release/kvbridge, then kvbridge on PATH)")
+    parser.add_argument("--kvbridge-lab", default=None, help="the kvbridge-lab binary for e2e (default: target/release/kvbridge-lab, then kvbridge-lab on PATH)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line too")
     args = parser.parse_args(argv)
     if args.dcp < 1:

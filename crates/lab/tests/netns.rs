@@ -10,7 +10,7 @@
 //!
 //! Needs root (`ip netns`); elsewhere each test prints why it skips and passes. The tests run
 //! one at a time (timings must not share the CPU). Each prints its row of the fault table
-//! (docs/TESTING.md, "Network faults"): `cargo test -p kvbridge-cli --test netns --
+//! (docs/TESTING.md, "Network faults"): `cargo test -p kvbridge-lab --test netns --
 //! --nocapture`.
 
 use std::path::PathBuf;
@@ -62,7 +62,7 @@ fn start(name: &str) -> Deployment {
 
 fn start_with(name: &str, timeout_s: f64) -> Deployment {
     let spec = DemoSpec {
-        exe: PathBuf::from(env!("CARGO_BIN_EXE_kvbridge")),
+        exe: PathBuf::from(env!("CARGO_BIN_EXE_kvbridge-lab")),
         args: demo_args(timeout_s),
         decode_ranks: DECODE_RANKS,
         bootstrap_port: BOOTSTRAP_PORT,

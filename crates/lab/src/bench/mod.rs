@@ -1,4 +1,4 @@
-//! `kvbridge bench`: transport throughput against a baseline measured in the same run.
+//! `kvbridge-lab bench`: transport throughput against a baseline measured in the same run.
 //!
 //! The command is transport-agnostic. For each pattern it starts a **receiver process** (this
 //! binary again, with the hidden `--role receiver`), which creates a transport, allocates and
@@ -22,10 +22,12 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kvbridge_conformance::{SplitMix64, mix64};
+use kvbridge_lab::process::{OnDrop, Output, Worker};
 use kvbridge_transport::{
     KvTransport, KvTransportExt, MemoryRegion, PeerId, RegionId, TransferBatch, TransferOp,
 };
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::sync::mpsc;
 
 use crate::progress::Progress;
 
@@ -56,7 +58,7 @@ fn control_dirs() -> Vec<String> {
     CONTROL_DIRS.lock().map(|d| d.clone()).unwrap_or_default()
 }
 
-/// Transports `kvbridge bench` can measure.
+/// Transports `kvbridge-lab bench` can measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum TransportKind {
     /// Shared memory between two processes on this host (kvbridge-shm).
@@ -173,7 +175,7 @@ impl Pattern {
 const STRIDED_ROWS: u64 = 64;
 const STRIDED_RANKS: u64 = 4;
 
-/// Arguments of `kvbridge bench`.
+/// Arguments of `kvbridge-lab bench`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct BenchArgs {
     /// Transport to measure.
@@ -260,16 +262,8 @@ pub(crate) fn net() -> Net {
 /// A command running this binary as a peer process (receiver, sink): inside `--peer-netns`
 /// and bound to `--peer-addr` when given.
 pub(crate) fn peer_command(args: &[&str]) -> Result<std::process::Command, String> {
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
     let net = net();
-    let mut c = match &net.peer_netns {
-        Some(ns) => {
-            let mut c = std::process::Command::new("ip");
-            c.args(["netns", "exec", ns]).arg(exe);
-            c
-        }
-        None => std::process::Command::new(exe),
-    };
+    let mut c = kvbridge_lab::process::this_binary(net.peer_netns.as_deref())?;
     c.args(args).arg("--bind-addr").arg(net.peer.to_string());
     if let Some(n) = net.tcp_connections {
         c.arg("--tcp-connections").arg(n.to_string());
@@ -337,7 +331,7 @@ const SEED: u64 = 0x6b76_6272_6964_6765;
 fn profile_line() -> &'static str {
     if cfg!(debug_assertions) {
         "profile: debug build (unoptimized, debug assertions on): these figures are NOT \
-         representative; measure a release build (`cargo run --release -p kvbridge-cli -- bench`)"
+         representative; measure a release build (`cargo run --release -p kvbridge-lab -- bench`)"
     } else {
         "profile: release build"
     }
@@ -353,7 +347,7 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
     if args.role.is_none() {
         // On stdout it would break the JSON lines.
         if args.json {
-            eprintln!("kvbridge bench: {}", profile_line());
+            eprintln!("kvbridge-lab bench: {}", profile_line());
         } else {
             println!("{}", profile_line());
         }
@@ -363,7 +357,7 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
     }
     if !(args.size_scale > 0.0 && args.size_scale <= 1.0) {
         eprintln!(
-            "kvbridge bench: --size-scale must be in (0, 1], got {}",
+            "kvbridge-lab bench: --size-scale must be in (0, 1], got {}",
             args.size_scale
         );
         return ExitCode::from(2);
@@ -371,7 +365,7 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
     let make = match factory(args.transport) {
         Ok(f) => f,
         Err(e) => {
-            eprintln!("kvbridge bench: {e}");
+            eprintln!("kvbridge-lab bench: {e}");
             return ExitCode::from(2);
         }
     };
@@ -387,7 +381,7 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("kvbridge bench: could not start the async runtime: {e}");
+            eprintln!("kvbridge-lab bench: could not start the async runtime: {e}");
             return ExitCode::from(1);
         }
     };
@@ -409,8 +403,8 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
     rt.block_on(async {
         tokio::select! {
             code = run => code,
-            why = crate::terminating_signal() => {
-                eprintln!("kvbridge bench: {why}; stopped");
+            why = kvbridge_lab::process::terminating_signal() => {
+                eprintln!("kvbridge-lab bench: {why}; stopped");
                 ExitCode::from(130)
             }
         }
@@ -659,7 +653,7 @@ async fn receiver(make: Factory, pool_bytes: u64) -> ExitCode {
         for _ in 0..50 {
             if std::os::unix::process::parent_id() != parent {
                 for dir in &sender_dirs {
-                    crate::remove_control_dir(Path::new(dir));
+                    kvbridge_lab::process::remove_control_dir(Path::new(dir));
                 }
                 break;
             }
@@ -675,52 +669,36 @@ async fn receiver(make: Factory, pool_bytes: u64) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// A receiver process and its pipes.
+/// The receiver process and what it says.
 struct ReceiverProcess {
-    child: tokio::process::Child,
-    stdin: tokio::process::ChildStdin,
-    lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
-    /// Its shared-memory control directories (from `Ready`).
-    control_dirs: Vec<PathBuf>,
+    worker: Worker,
+    output: mpsc::Receiver<Output>,
 }
 
 impl ReceiverProcess {
     async fn start(kind: TransportKind, pool_bytes: u64) -> Result<Self, String> {
-        let command = peer_command(&["bench", "--transport", kind.name(), "--role", "receiver"])?;
-        let mut child = tokio::process::Command::from(command)
-            .arg("--pool-bytes")
-            .arg(pool_bytes.to_string())
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            // Not killed on drop: its stdin closes, and it cleans up and exits.
-            .spawn()
-            .map_err(|e| format!("cannot start the receiver process: {e}"))?;
-        let stdin = child.stdin.take().ok_or("no stdin pipe")?;
-        let stdout = child.stdout.take().ok_or("no stdout pipe")?;
-        Ok(Self {
-            child,
-            stdin,
-            lines: BufReader::new(stdout).lines(),
-            control_dirs: Vec::new(),
-        })
+        let mut command =
+            peer_command(&["bench", "--transport", kind.name(), "--role", "receiver"])?;
+        command.arg("--pool-bytes").arg(pool_bytes.to_string());
+        let (tx, output) = mpsc::channel(16);
+        // Not killed on drop: its stdin closes, and it cleans up and exits.
+        let worker = Worker::start("receiver", command, 0, &tx, OnDrop::CloseStdin)?;
+        Ok(Self { worker, output })
     }
 
     /// After a failed run: stops the receiver and removes the control directories it may not
     /// have removed itself (it may have been killed, which is why the run failed).
     async fn reap(mut self) {
-        let _ = self.child.start_kill();
-        let _ = self.child.wait().await;
-        for dir in &self.control_dirs {
-            crate::remove_control_dir(dir);
-        }
+        self.worker.kill();
+        self.worker.reap(Duration::from_secs(10), false).await;
     }
 
     async fn next(&mut self) -> Result<FromReceiver, String> {
-        let line = tokio::time::timeout(Duration::from_secs(120), self.lines.next_line())
-            .await
-            .map_err(|_| "the receiver process stopped answering".to_owned())?
-            .map_err(|e| format!("reading the receiver process: {e}"))?
-            .ok_or("the receiver process exited early")?;
+        let line = match tokio::time::timeout(Duration::from_secs(120), self.output.recv()).await {
+            Err(_) => return Err("the receiver process stopped answering".to_owned()),
+            Ok(Some(Output::Line(_, line))) => line,
+            Ok(_) => return Err("the receiver process exited early".to_owned()),
+        };
         match serde_json::from_str(&line) {
             Ok(FromReceiver::Failed { error }) => Err(format!("the receiver failed: {error}")),
             Ok(msg) => Ok(msg),
@@ -729,10 +707,7 @@ impl ReceiverProcess {
     }
 
     async fn command(&mut self, line: &str) -> Result<(), String> {
-        self.stdin
-            .write_all(format!("{line}\n").as_bytes())
-            .await
-            .map_err(|e| format!("writing to the receiver process: {e}"))
+        self.worker.send(line).await
     }
 }
 
@@ -750,14 +725,14 @@ async fn sender(make: Factory, args: BenchArgs) -> ExitCode {
                 if args.json {
                     match serde_json::to_string(&report) {
                         Ok(line) => println!("{line}"),
-                        Err(e) => eprintln!("kvbridge bench: {e}"),
+                        Err(e) => eprintln!("kvbridge-lab bench: {e}"),
                     }
                 }
                 reports.push(report);
             }
             Err(e) => {
                 progress.clear();
-                eprintln!("kvbridge bench: {} failed: {e}", pattern.name());
+                eprintln!("kvbridge-lab bench: {} failed: {e}", pattern.name());
                 return ExitCode::from(1);
             }
         }
@@ -768,7 +743,7 @@ async fn sender(make: Factory, args: BenchArgs) -> ExitCode {
     if reports.iter().all(|r| r.verified) {
         ExitCode::SUCCESS
     } else {
-        eprintln!("kvbridge bench: the receiver found wrong bytes; the figures are not valid");
+        eprintln!("kvbridge-lab bench: the receiver found wrong bytes; the figures are not valid");
         ExitCode::from(1)
     }
 }
@@ -844,7 +819,7 @@ async fn receiver_ready(rx: &mut ReceiverProcess) -> Result<(Vec<u8>, RegionId),
             region,
             control_dirs,
         } => {
-            rx.control_dirs = control_dirs.into_iter().map(PathBuf::from).collect();
+            rx.worker.control_dirs = control_dirs.into_iter().map(PathBuf::from).collect();
             Ok((
                 unhex(&descriptor_hex).ok_or("the receiver sent a malformed descriptor")?,
                 RegionId(region),
@@ -920,7 +895,7 @@ async fn verify_and_finish(
         FromReceiver::Verified { ok, detail } => {
             report.verified = ok;
             if !ok {
-                eprintln!("kvbridge bench: {name}: {detail}");
+                eprintln!("kvbridge-lab bench: {name}: {detail}");
             }
         }
         other => return Err(format!("expected Verified, got {other:?}")),
@@ -1037,7 +1012,8 @@ async fn measure_with(
     progress.show(&format!("{name}: verifying"));
     verify_and_finish(rx, args, pattern, &mut report).await?;
     let _ = t.shutdown().await;
-    let _ = rx.child.wait().await;
+    // It finished (it removes its own control directories) and exits: bounded, as every wait.
+    rx.worker.reap(Duration::from_secs(10), true).await;
     Ok(report)
 }
 

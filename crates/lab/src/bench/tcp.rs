@@ -1,4 +1,4 @@
-//! The TCP transport for `kvbridge bench --transport tcp`, and its baseline: a raw TCP stream
+//! The TCP transport for `kvbridge-lab bench --transport tcp`, and its baseline: a raw TCP stream
 //! over loopback between two processes, moving the same number of bytes with no framing.
 //!
 //! The baseline's receiving end is a third process (this binary with `--role raw-tcp-sink`):
@@ -130,7 +130,7 @@ pub(super) fn raw_sink(bytes: u64) -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("kvbridge bench raw-tcp-sink: {e}");
+            eprintln!("kvbridge-lab bench raw-tcp-sink: {e}");
             ExitCode::from(1)
         }
     }

@@ -19,12 +19,12 @@ use kvbridge_coordinator::bootstrap::{
     RankRegistration,
 };
 use kvbridge_coordinator::net_channel::{NetChannel, NetChannelConfig};
-use kvbridge_coordinator::testing::{TokenLayout, fill_aux, fill_rows, verify_aux, verify_rows};
 use kvbridge_coordinator::{
     AllocatedMemory, Chunk, CoordinatorError, DecodeAgent, DecodeConfig, FailureCause, KvMemory,
     MetricsSnapshot, PackBuffers, PrefillAgent, PrefillConfig, ReceiveRequest, prometheus,
 };
 use kvbridge_handshake::PeerDescriptor;
+use kvbridge_lab::fill::{EntryViews, TokenLayout, fill_aux, fill_rows, verify_aux, verify_rows};
 use kvbridge_shm::ShmTransport;
 use kvbridge_tcp::{TcpConfig, TcpTransport};
 use kvbridge_transport::KvTransport;
@@ -33,7 +33,7 @@ use tokio::sync::{Notify, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 
 use super::{AUX_ITEM_LENS, DemoArgs, Event, GRACE, Setup, Summary, Transport, room_of};
-use crate::remove_control_dir;
+use kvbridge_lab::process::remove_control_dir;
 
 /// Writes one event line to stdout (the parent reads it).
 fn emit(ev: &Event) {
@@ -191,7 +191,7 @@ where
     let result = rt.block_on(async {
         // A signal (a Ctrl-C reaches every process of the demo) stops it like a dead parent.
         let c = commands.clone();
-        tokio::spawn(async move { c.stop(crate::terminating_signal().await) });
+        tokio::spawn(async move { c.stop(kvbridge_lab::process::terminating_signal().await) });
         let main = main(commands.clone(), dirs.clone(), runs);
         tokio::pin!(main);
         tokio::select! {
@@ -602,7 +602,7 @@ pub(crate) fn run_prefill(args: &DemoArgs, setup: Setup) -> ExitCode {
 /// Reports a process that could not run its requests (start-up failed, or it was stopped).
 fn report_error(role: &str, rank: u32, e: String) -> ExitCode {
     // Not eprintln!: with the terminal gone it would panic instead of exiting.
-    let _ = writeln!(std::io::stderr(), "kvbridge demo ({role} {rank}): {e}");
+    let _ = writeln!(std::io::stderr(), "kvbridge-lab demo ({role} {rank}): {e}");
     emit(&Event::Done(Summary {
         role: role.to_owned(),
         rank,

@@ -1,7 +1,7 @@
 //! Fill and verify KV memory with bytes derived from (request, entry, absolute token
 //! position), so a row that lands in the wrong place — wrong page, wrong DCP rank, wrong head
 //! slice, wrong layer — or is left over from an earlier request in the same pages is detected.
-//! Used by the coordinator's tests, `kvbridge demo` and `kvbridge bench --e2e`.
+//! Used by kvbridge's tests, `kvbridge-lab demo` and `kvbridge-lab bench --e2e`.
 //!
 //! Every byte of a token's *full* row (all KV heads of the model, for MHA/GQA) is a pure
 //! function of `(room, entry, position, byte offset in the full row)`: [`kv_byte`]. Word `w`
@@ -17,7 +17,7 @@
 //! bootstrap room): the same memory verified as another room fails at its first row.
 //!
 //! ```
-//! use kvbridge_coordinator::testing::{kv_byte, TokenLayout};
+//! use kvbridge_lab::fill::{kv_byte, TokenLayout};
 //! // One rank of a DCP-4 group, page size 2 (virtual page 8): position 13 is on rank 1.
 //! let layout = TokenLayout {
 //!     page_size: 2,
@@ -41,7 +41,7 @@ use kvbridge_geometry::{HeadSharding, PoolKind};
 use kvbridge_handshake::PeerDescriptor;
 use kvbridge_transport::MemoryRegion;
 
-use crate::memory::{AllocatedMemory, EntryRegion};
+use kvbridge_coordinator::{AllocatedMemory, EntryRegion};
 
 const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
 
@@ -200,14 +200,20 @@ pub struct EntryView {
     pub len: u64,
 }
 
-impl AllocatedMemory {
+/// The entry views of memory the coordinator allocated.
+pub trait EntryViews {
     /// Views of the KV entries (for [`fill_rows`] / [`verify_rows`]).
-    pub fn kv_views(&self) -> Vec<EntryView> {
+    fn kv_views(&self) -> Vec<EntryView>;
+    /// Views of the aux buffers (for [`fill_aux`] / [`verify_aux`]).
+    fn aux_views(&self) -> Vec<EntryView>;
+}
+
+impl EntryViews for AllocatedMemory {
+    fn kv_views(&self) -> Vec<EntryView> {
         views(&self.kv_regions, &self.memory.kv)
     }
 
-    /// Views of the aux buffers (for [`fill_aux`] / [`verify_aux`]).
-    pub fn aux_views(&self) -> Vec<EntryView> {
+    fn aux_views(&self) -> Vec<EntryView> {
         views(&self.aux_regions, &self.memory.aux)
     }
 }

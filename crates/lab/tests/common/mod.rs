@@ -1,4 +1,4 @@
-//! What the `kvbridge bench` smoke tests share.
+//! What the `kvbridge-lab bench` smoke tests share.
 
 #![allow(unreachable_pub)]
 
@@ -14,11 +14,11 @@ pub const PATTERNS: [&str; 6] = [
     "latency-4k",
 ];
 
-/// Runs `kvbridge bench --transport <transport> --json` at tiny sizes, once; asserts it
+/// Runs `kvbridge-lab bench --transport <transport> --json` at tiny sizes, once; asserts it
 /// succeeded and printed one JSON object per pattern of [`PATTERNS`], in order, and returns
 /// them.
 pub fn bench_json(transport: &str) -> Vec<serde_json::Value> {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+    let out = Command::new(env!("CARGO_BIN_EXE_kvbridge-lab"))
         .args([
             "bench",
             "--transport",
@@ -30,7 +30,7 @@ pub fn bench_json(transport: &str) -> Vec<serde_json::Value> {
             "0.001",
         ])
         .output()
-        .expect("run kvbridge bench");
+        .expect("run kvbridge-lab bench");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

@@ -1,7 +1,7 @@
-//! `kvbridge demo`: real prefill and decode processes moving a real-sized KV cache, with every
+//! `kvbridge-lab demo`: real prefill and decode processes moving a real-sized KV cache, with every
 //! byte checked.
 //!
-//! `kvbridge demo` (the *parent*) starts this binary again with hidden role flags: one
+//! `kvbridge-lab demo` (the *parent*) starts this binary again with hidden role flags: one
 //! **prefill process** (every prefill rank, each with its own transport and TCP control
 //! channel, plus the embedded bootstrap server on 127.0.0.1) and one **decode process per
 //! decode rank** (its transport, control channel, and an [`HttpDirectory`] pointing at the
@@ -10,7 +10,7 @@
 //! JSON lines on stdout ([`Event`]); the parent draws the progress bar and the summary.
 //!
 //! Per request, the prefill fills every token row it holds with bytes derived from (request,
-//! entry, absolute position) ([`kvbridge_coordinator::testing`]), creates the room, waits for
+//! entry, absolute position) ([`kvbridge_lab::fill`]), creates the room, waits for
 //! the decode ranks' metadata, sends the prompt in chunks and waits for Success; each decode
 //! rank receives into its own pages (optionally holding a cached prefix it filled itself),
 //! waits for Success and verifies every row the owner rule says it holds. Pages are reused
@@ -62,10 +62,10 @@ pub(crate) enum Role {
     Decode,
 }
 
-/// Arguments of `kvbridge demo`.
+/// Arguments of `kvbridge-lab demo`.
 #[derive(Debug, Clone, clap::Args)]
 #[command(
-    after_help = "Examples:\n  kvbridge demo                                  MLA, prefill DCP 1 -> decode DCP 4, shared memory\n  kvbridge demo --transport tcp                  the same over TCP\n  kvbridge demo --transport nixl                 the same over NIXL (build with --features nixl)\n  kvbridge demo --geometry gqa                   GQA, prefill TP 2 -> decode TP 4 (head slices)\n  kvbridge demo --prefix-tokens 2048             the decode already holds the first 2048 tokens\n  kvbridge demo --prefill-dcp 2 --dcp 4 --prefill-page-size 16\n                                                 any prefill DCP and page size to any decode's\n  kvbridge demo --tokens 1024 --requests 4       a quick run\n\nDeadlines: a request that misses --timeout fails; after the first failure (or a process\nthat dies) the run ends within --timeout plus a grace of 10 s, killing what is still running.\n\nLogging: every process logs to stderr, each line prefixed with the process. RUST_LOG picks\nwhat (e.g. RUST_LOG=kvbridge_tcp=debug); the default is errors only; --verbose logs warnings\nand kvbridge's debug messages (why a connection closed, which deadline fired). The summary\nnames each process's first failure.\n\nExit status: 0 when every request succeeded and every byte verified, 1 otherwise, 2 for\ninvalid arguments."
+    after_help = "Examples:\n  kvbridge-lab demo                                  MLA, prefill DCP 1 -> decode DCP 4, shared memory\n  kvbridge-lab demo --transport tcp                  the same over TCP\n  kvbridge-lab demo --transport nixl                 the same over NIXL (build with --features nixl)\n  kvbridge-lab demo --geometry gqa                   GQA, prefill TP 2 -> decode TP 4 (head slices)\n  kvbridge-lab demo --prefix-tokens 2048             the decode already holds the first 2048 tokens\n  kvbridge-lab demo --prefill-dcp 2 --dcp 4 --prefill-page-size 16\n                                                 any prefill DCP and page size to any decode's\n  kvbridge-lab demo --tokens 1024 --requests 4       a quick run\n\nDeadlines: a request that misses --timeout fails; after the first failure (or a process\nthat dies) the run ends within --timeout plus a grace of 10 s, killing what is still running.\n\nLogging: every process logs to stderr, each line prefixed with the process. RUST_LOG picks\nwhat (e.g. RUST_LOG=kvbridge_tcp=debug); the default is errors only; --verbose logs warnings\nand kvbridge's debug messages (why a connection closed, which deadline fired). The summary\nnames each process's first failure.\n\nExit status: 0 when every request succeeded and every byte verified, 1 otherwise, 2 for\ninvalid arguments."
 )]
 pub(crate) struct DemoArgs {
     /// Transport that moves the KV bytes between the processes.
@@ -558,7 +558,7 @@ pub(crate) fn run(args: DemoArgs) -> ExitCode {
     let setup = match Setup::from_args(&args) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("kvbridge demo: {e}");
+            eprintln!("kvbridge-lab demo: {e}");
             return ExitCode::from(2);
         }
     };

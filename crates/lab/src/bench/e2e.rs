@@ -1,4 +1,4 @@
-//! `kvbridge bench --e2e`: the whole prefill -> decode path (agents, TCP control channels,
+//! `kvbridge-lab bench --e2e`: the whole prefill -> decode path (agents, TCP control channels,
 //! HTTP bootstrap, planner, transport) against two baselines moving the same bytes as large
 //! blocks, in the same run.
 //!
@@ -38,12 +38,12 @@ use kvbridge_coordinator::bootstrap::{
     BootstrapClient, BootstrapConfig, BootstrapServer, HttpDirectory, RankRegistration,
 };
 use kvbridge_coordinator::net_channel::{NetChannel, NetChannelConfig};
-use kvbridge_coordinator::testing::{TokenLayout, fill_rows, verify_rows};
 use kvbridge_coordinator::{
     AllocatedMemory, Chunk, DecodeAgent, EntryRegion, KvMemory, MetricsSnapshot, PackBuffers,
     PrefillAgent, PrefillConfig, ReceiveRequest,
 };
 use kvbridge_handshake::{PeerDescriptor, Role};
+use kvbridge_lab::fill::{EntryViews, TokenLayout, fill_rows, verify_rows};
 use kvbridge_nixl::baseline::DirectOp;
 use kvbridge_transport::{KvTransport, PeerId, TransferBatch, TransferOp};
 
@@ -176,7 +176,7 @@ impl Shape {
 pub(super) fn run(args: &BenchArgs) -> ExitCode {
     if !(args.size_scale > 0.0 && args.size_scale <= 1.0) {
         eprintln!(
-            "kvbridge bench --e2e: --size-scale must be in (0, 1], got {}",
+            "kvbridge-lab bench --e2e: --size-scale must be in (0, 1], got {}",
             args.size_scale
         );
         return ExitCode::from(2);
@@ -188,7 +188,7 @@ pub(super) fn run(args: &BenchArgs) -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("kvbridge bench --e2e: could not start the async runtime: {e}");
+            eprintln!("kvbridge-lab bench --e2e: could not start the async runtime: {e}");
             return ExitCode::from(1);
         }
     };
@@ -202,7 +202,7 @@ pub(super) fn run(args: &BenchArgs) -> ExitCode {
             }
         }
         Err(e) => {
-            eprintln!("kvbridge bench --e2e: {e}");
+            eprintln!("kvbridge-lab bench --e2e: {e}");
             ExitCode::from(1)
         }
     }
@@ -244,7 +244,7 @@ async fn verified_run(
             Ok(n) => got += n,
             Err(err) => {
                 eprintln!(
-                    "kvbridge bench --e2e: the coordinator left a wrong byte on decode rank {}: \
+                    "kvbridge-lab bench --e2e: the coordinator left a wrong byte on decode rank {}: \
                      {err}",
                     d.desc.dcp_rank
                 );
@@ -772,7 +772,7 @@ fn print(args: &BenchArgs, r: &Report) {
         TransportKind::Nixl => "NIXL (UCX)",
     };
     println!(
-        "kvbridge bench --e2e: {}; {:.1} MB per request; {kind} transport; median of {} runs",
+        "kvbridge-lab bench --e2e: {}; {:.1} MB per request; {kind} transport; median of {} runs",
         r.geometry,
         r.bytes as f64 / 1e6,
         r.runs

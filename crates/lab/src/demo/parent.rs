@@ -2,18 +2,16 @@
 //! draws the progress bar, and prints the summary.
 
 use std::path::PathBuf;
-use std::process::{ExitCode, Stdio};
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use kvbridge_lab::process::{OnDrop, Output, Worker, this_binary};
 use serde::Serialize;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::mpsc;
 
 use super::worker::decode_bytes;
 use super::{DemoArgs, Event, GRACE, Setup, Summary, Transport};
 use crate::progress::Progress;
-use crate::remove_control_dir;
 
 /// Which process to kill or freeze, and when (test knobs `--kill`, `--freeze`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,10 +74,8 @@ struct Proc {
     label: String,
     role: &'static str,
     rank: u32,
-    child: Child,
-    /// Kept open: closing it tells the child its parent is gone.
-    stdin: Option<ChildStdin>,
-    pid: Option<u32>,
+    /// The process (its stdin kept open: closing it tells the child its parent is gone).
+    worker: Worker,
     eof: bool,
     exit_code: Option<i32>,
     /// How it ended, when not with an exit code (e.g. "killed by signal 9").
@@ -88,9 +84,6 @@ struct Proc {
     /// Its first root cause so far (from its `Failed` events), and whether that is only a
     /// consequence of another failure.
     failure: Option<(String, bool)>,
-    /// Shared-memory control directories it created: removed here if it dies without
-    /// reporting, since its destructors could not run.
-    control_dirs: Vec<PathBuf>,
 }
 
 impl Proc {
@@ -103,63 +96,33 @@ impl Proc {
     }
 }
 
-enum Msg {
-    Line(usize, String),
-    Eof(usize),
-}
-
 fn spawn(
     label: String,
     role: &'static str,
     rank: u32,
     extra: &[String],
     idx: usize,
-    tx: &mpsc::Sender<Msg>,
+    tx: &mpsc::Sender<Output>,
     secret: Option<&str>,
 ) -> Result<Proc, String> {
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
     let forwarded: Vec<String> = std::env::args().skip(1).collect();
-    let mut command = Command::new(exe);
+    let mut command = this_binary(None)?;
     // The run's one secret reaches the workers in their environment, not on a command line.
     if let Some(s) = secret {
         command.env(super::SECRET_ENV, s);
     }
-    let mut child = command
-        .args(&forwarded)
-        .args(extra)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| format!("cannot start the {label} process: {e}"))?;
-    let stdout = child
-        .stdout
-        .take()
-        .ok_or_else(|| format!("the {label} process has no stdout"))?;
-    let tx = tx.clone();
-    tokio::spawn(async move {
-        let mut lines = BufReader::new(stdout).lines();
-        while let Ok(Some(line)) = lines.next_line().await {
-            if tx.send(Msg::Line(idx, line)).await.is_err() {
-                return;
-            }
-        }
-        let _ = tx.send(Msg::Eof(idx)).await;
-    });
+    command.args(&forwarded).args(extra);
+    let worker = Worker::start(label.clone(), command, idx, tx, OnDrop::Kill)?;
     Ok(Proc {
         label,
         role,
         rank,
-        pid: child.id(),
-        stdin: child.stdin.take(),
-        child,
+        worker,
         eof: false,
         exit_code: None,
         exit_signal: None,
         summary: None,
         failure: None,
-        control_dirs: Vec::new(),
     })
 }
 
@@ -253,7 +216,7 @@ pub(crate) fn run(args: &DemoArgs, setup: Setup) -> ExitCode {
         Some((s, freeze)) => match parse_kill(s, setup.decode.len() as u32, setup.requests) {
             Ok(k) => Some(KillSpec { freeze, ..k }),
             Err(e) => {
-                eprintln!("kvbridge demo: {e}");
+                eprintln!("kvbridge-lab demo: {e}");
                 return ExitCode::from(2);
             }
         },
@@ -264,7 +227,7 @@ pub(crate) fn run(args: &DemoArgs, setup: Setup) -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("kvbridge demo: cannot start the async runtime: {e}");
+            eprintln!("kvbridge-lab demo: cannot start the async runtime: {e}");
             return ExitCode::from(1);
         }
     };
@@ -282,7 +245,7 @@ struct Run<'a> {
     setup: &'a Setup,
     n_decode: usize,
     kill: Option<KillSpec>,
-    tx: mpsc::Sender<Msg>,
+    tx: mpsc::Sender<Output>,
     procs: Vec<Proc>,
     failures: Vec<String>,
     bootstrap: Option<String>,
@@ -307,7 +270,7 @@ impl<'a> Run<'a> {
         args: &DemoArgs,
         setup: &'a Setup,
         kill: Option<KillSpec>,
-        tx: mpsc::Sender<Msg>,
+        tx: mpsc::Sender<Output>,
     ) -> Self {
         Run {
             setup,
@@ -369,11 +332,9 @@ impl<'a> Run<'a> {
                 if self.ready_decodes == self.n_decode {
                     self.started_at = Some(Instant::now());
                     self.bar_start = Instant::now();
-                    if let Some(stdin) = self.procs[0].stdin.as_mut() {
-                        if let Err(e) = stdin.write_all(b"start\n").await {
-                            self.failures
-                                .push(format!("cannot tell the prefill to start: {e}"));
-                        }
+                    if let Err(e) = self.procs[0].worker.send("start").await {
+                        self.failures
+                            .push(format!("cannot tell the prefill to start: {e}"));
                     }
                 }
             }
@@ -409,7 +370,10 @@ impl<'a> Run<'a> {
                 });
                 self.request_done(done);
             }
-            Event::ControlDir { path } => self.procs[idx].control_dirs.push(PathBuf::from(path)),
+            Event::ControlDir { path } => self.procs[idx]
+                .worker
+                .control_dirs
+                .push(PathBuf::from(path)),
             // Only `--serve` workers check canaries; the demo never starts them so.
             Event::Canary { .. } | Event::RoomFailed { .. } => {}
             Event::Failed {
@@ -448,11 +412,11 @@ fn run_deadline(setup: &Setup) -> Instant {
 }
 
 async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> Report {
-    let (tx, mut rx) = mpsc::channel::<Msg>(1024);
+    let (tx, mut rx) = mpsc::channel::<Output>(1024);
     let mut run = Run::new(args, setup, kill, tx);
     let begun = Instant::now();
     if !args.json {
-        println!("kvbridge demo: {}", setup.describe());
+        println!("kvbridge-lab demo: {}", setup.describe());
     }
     match spawn(
         "prefill".to_owned(),
@@ -470,7 +434,7 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
     // After a signal: the grace, for the children to stop.
     let mut stop_by: Option<Instant> = None;
     // The parent's SIGINT or SIGTERM stops the run cleanly (the children are told).
-    let signal = crate::terminating_signal();
+    let signal = kvbridge_lab::process::terminating_signal();
     tokio::pin!(signal);
 
     while !run.procs.is_empty() && run.procs.iter().any(|p| !p.eof) {
@@ -488,7 +452,7 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
             why = &mut signal, if stop_by.is_none() => {
                 // Closing their stdin stops the children, which clean up and report.
                 for p in &mut run.procs {
-                    p.stdin = None;
+                    p.worker.close_stdin();
                 }
                 run.failures.push(format!("{why}: every process was told to stop"));
                 stop_by.get_or_insert_with(|| Instant::now() + GRACE);
@@ -497,7 +461,7 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
             _ = tokio::time::sleep_until(end.into()) => {
                 run.timed_out = true;
                 for p in &mut run.procs {
-                    let _ = p.child.start_kill();
+                    p.worker.kill();
                 }
                 let after_signal = stop_by == Some(end);
                 let why = timeout_failure(setup, run.trouble, after_signal, end < deadline, (begun, deadline));
@@ -507,7 +471,7 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
         };
         let Some(msg) = msg else { break };
         let (idx, line) = match msg {
-            Msg::Eof(idx) => {
+            Output::Eof(idx) => {
                 run.procs[idx].eof = true;
                 if run.procs[idx].summary.is_none() {
                     run.trouble.get_or_insert_with(Instant::now);
@@ -520,7 +484,7 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
                 }
                 continue;
             }
-            Msg::Line(idx, line) => (idx, line),
+            Output::Line(idx, line) => (idx, line),
         };
         let Ok(ev) = serde_json::from_str::<Event>(&line) else {
             eprintln!("[{}] {line}", run.procs[idx].label);
@@ -654,7 +618,7 @@ fn report(
             .map(|p| ProcReport {
                 role: p.role,
                 rank: p.rank,
-                pid: p.pid,
+                pid: p.worker.pid(),
                 exit_code: p.exit_code,
                 summary: p.summary,
             })
@@ -677,12 +641,17 @@ fn apply_kill(
     if let Some(t) = target.filter(|&t| procs[t].exit_code.is_none() && !procs[t].eof) {
         if killed.is_empty() && frozen.is_empty() {
             if k.freeze {
-                match procs[t].pid.ok_or("no pid".to_owned()).and_then(freeze) {
+                match procs[t]
+                    .worker
+                    .pid()
+                    .ok_or("no pid".to_owned())
+                    .and_then(freeze)
+                {
                     Ok(()) => frozen.push(procs[t].label.clone()),
                     Err(e) => failures.push(e),
                 }
             } else {
-                let _ = procs[t].child.start_kill();
+                procs[t].worker.kill();
                 killed.push(procs[t].label.clone());
             }
         }
@@ -724,7 +693,7 @@ fn spawn_decodes(
     n_decode: usize,
     addr: &str,
     procs: &mut Vec<Proc>,
-    tx: &mpsc::Sender<Msg>,
+    tx: &mpsc::Sender<Output>,
     failures: &mut Vec<String>,
     secret: Option<&str>,
 ) {
@@ -749,21 +718,14 @@ fn spawn_decodes(
 /// directories of those that died before they could.
 async fn reap(procs: &mut [Proc]) {
     for p in procs.iter_mut() {
-        let status = match tokio::time::timeout(Duration::from_secs(10), p.child.wait()).await {
-            Ok(Ok(s)) => Some(s),
-            _ => {
-                let _ = p.child.start_kill();
-                p.child.wait().await.ok()
-            }
-        };
-        p.exit_code = status.and_then(|s| s.code());
-        p.exit_signal = status.and_then(|s| std::os::unix::process::ExitStatusExt::signal(&s));
-        if p.summary.is_none() {
-            // It died before it could clean up (killed, crashed): remove what it created.
-            for dir in &p.control_dirs {
-                remove_control_dir(dir);
-            }
-        }
+        // One that died before it could clean up (killed, crashed) has its control directories
+        // removed here.
+        let ended = p
+            .worker
+            .reap(Duration::from_secs(10), p.summary.is_some())
+            .await;
+        p.exit_code = ended.code;
+        p.exit_signal = ended.signal;
     }
 }
 
@@ -807,9 +769,7 @@ async fn maybe_finish(procs: &mut [Proc], sent: &mut bool) {
         return;
     }
     *sent = true;
-    if let Some(stdin) = procs[0].stdin.as_mut() {
-        let _ = stdin.write_all(b"finish\n").await;
-    }
+    let _ = procs[0].worker.send("finish").await;
 }
 
 /// Bytes in GB, MB or KB, whichever reads best.

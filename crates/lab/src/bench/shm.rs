@@ -1,4 +1,4 @@
-//! The shared-memory transport for `kvbridge bench --transport shm`, and the baseline of its
+//! The shared-memory transport for `kvbridge-lab bench --transport shm`, and the baseline of its
 //! `latency-4k` row: a raw cross-process wake-up round trip.
 //!
 //! The baseline copies the same 4 KiB with `memcpy`, then wakes a second process (this binary
@@ -43,10 +43,9 @@ impl RawWakeBaseline {
     /// Starts the peer process (the pair's shared memory is its stdin) and waits until it
     /// answers once.
     pub(super) fn start() -> Result<Self, String> {
-        let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
         let (bell, fd) =
             DoorbellPair::create().map_err(|e| format!("creating the doorbell pair: {e}"))?;
-        let peer = std::process::Command::new(exe)
+        let peer = kvbridge_lab::process::this_binary(None)?
             .args(["bench", "--transport", "shm", "--role", "raw-wake-peer"])
             .stdin(Stdio::from(fd))
             .stdout(Stdio::null())
@@ -110,7 +109,7 @@ pub(super) fn raw_wake_peer() -> ExitCode {
     let mut bell = match opened {
         Ok(bell) => bell,
         Err(e) => {
-            eprintln!("kvbridge bench raw-wake-peer: {e}");
+            eprintln!("kvbridge-lab bench raw-wake-peer: {e}");
             return ExitCode::from(1);
         }
     };
@@ -119,7 +118,7 @@ pub(super) fn raw_wake_peer() -> ExitCode {
             Ok(Some(frame)) if frame.is_empty() => return ExitCode::SUCCESS,
             Ok(Some(frame)) => {
                 if let Err(e) = bell.ring(&frame) {
-                    eprintln!("kvbridge bench raw-wake-peer: {e}");
+                    eprintln!("kvbridge-lab bench raw-wake-peer: {e}");
                     return ExitCode::from(1);
                 }
             }
@@ -128,7 +127,7 @@ pub(super) fn raw_wake_peer() -> ExitCode {
             }
             Ok(None) => {}
             Err(e) => {
-                eprintln!("kvbridge bench raw-wake-peer: {e}");
+                eprintln!("kvbridge-lab bench raw-wake-peer: {e}");
                 return ExitCode::from(1);
             }
         }

@@ -1,4 +1,4 @@
-//! The NIXL transport for `kvbridge bench --transport nixl` (feature `nixl`), and its baseline:
+//! The NIXL transport for `kvbridge-lab bench --transport nixl` (feature `nixl`), and its baseline:
 //! the same descriptors posted through nixl-sys directly, on a raw NIXL agent in the sending
 //! process writing into the receiver's pool (`kvbridge_nixl::baseline::DirectWriter`).
 

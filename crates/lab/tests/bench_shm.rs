@@ -1,4 +1,4 @@
-//! A quick smoke run of `kvbridge bench --transport shm`: tiny sizes, one run, JSON output.
+//! A quick smoke run of `kvbridge-lab bench --transport shm`: tiny sizes, one run, JSON output.
 
 mod common;
 

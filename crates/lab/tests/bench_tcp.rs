@@ -1,4 +1,4 @@
-//! A quick smoke run of `kvbridge bench --transport tcp`: tiny sizes, one run, JSON output, the
+//! A quick smoke run of `kvbridge-lab bench --transport tcp`: tiny sizes, one run, JSON output, the
 //! raw-TCP baseline (for strided ops, the transport's own large block) measured in the same
 //! run.
 

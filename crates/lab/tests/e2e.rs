@@ -1,4 +1,4 @@
-//! End to end across real processes: `kvbridge demo` starts a prefill process (with the
+//! End to end across real processes: `kvbridge-lab demo` starts a prefill process (with the
 //! bootstrap server) and one process per decode rank, over shared memory, over TCP and (feature
 //! `nixl`) over NIXL, and every decode rank checks every byte it holds. Small geometries and short deadlines keep
 //! each case to a second or a few. Every run gets a private temporary directory, which must be
@@ -29,7 +29,7 @@ impl Scratch {
 
     /// `kvbridge ARGS` with this directory as its only temporary directory.
     fn command(&self) -> Command {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_kvbridge"));
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvbridge-lab"));
         c.env("TMPDIR", &self.0).env_remove("XDG_RUNTIME_DIR");
         c
     }
@@ -99,7 +99,7 @@ fn exited(pid: u32) -> bool {
     }
 }
 
-/// Runs `kvbridge demo --json ARGS` and returns (exit code, report, stderr). Fails the test if
+/// Runs `kvbridge-lab demo --json ARGS` and returns (exit code, report, stderr). Fails the test if
 /// the demo does not finish within `limit` (no hang, whatever happens inside), or if it left
 /// anything in its temporary directory.
 fn demo(args: &[&str], limit: Duration) -> (i32, Value, String) {
@@ -114,7 +114,7 @@ fn demo(args: &[&str], limit: Duration) -> (i32, Value, String) {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("start kvbridge demo");
+        .expect("start kvbridge-lab demo");
     let start = Instant::now();
     loop {
         if child.try_wait().expect("wait").is_some() {
@@ -124,7 +124,7 @@ fn demo(args: &[&str], limit: Duration) -> (i32, Value, String) {
             let _ = child.kill();
             let out = child.wait_with_output().expect("output");
             panic!(
-                "kvbridge demo {args:?} did not finish within {limit:?}; stderr:\n{}",
+                "kvbridge-lab demo {args:?} did not finish within {limit:?}; stderr:\n{}",
                 String::from_utf8_lossy(&out.stderr)
             );
         }
@@ -136,7 +136,7 @@ fn demo(args: &[&str], limit: Duration) -> (i32, Value, String) {
     let last = stdout.lines().last().unwrap_or_default();
     let report: Value = serde_json::from_str(last)
         .unwrap_or_else(|e| panic!("no JSON report ({e}); stdout:\n{stdout}\nstderr:\n{stderr}"));
-    scratch.assert_empty(&format!("kvbridge demo {args:?} (report {report})"));
+    scratch.assert_empty(&format!("kvbridge-lab demo {args:?} (report {report})"));
     (out.status.code().unwrap_or(-1), report, stderr)
 }
 
@@ -508,7 +508,7 @@ fn killing_the_parent_stops_every_child_and_they_leave_nothing_behind() {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .expect("start kvbridge demo");
+        .expect("start kvbridge-lab demo");
     // The prefill's and both decodes' control directories: every child is up.
     let children = scratch.wait_for_owners(3);
     std::thread::sleep(Duration::from_millis(500));
@@ -649,7 +649,7 @@ fn a_misconfigured_pair_is_refused_at_connect_with_every_problem_tcp() {
 
 #[test]
 fn help_explains_every_flag_and_bad_arguments_exit_2() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+    let out = Command::new(env!("CARGO_BIN_EXE_kvbridge-lab"))
         .args(["demo", "--help"])
         .output()
         .unwrap();
@@ -695,7 +695,7 @@ fn help_explains_every_flag_and_bad_arguments_exit_2() {
         &["--timeout", "-1"],
         &["--kill", "nobody@1"],
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+        let out = Command::new(env!("CARGO_BIN_EXE_kvbridge-lab"))
             .arg("demo")
             .args(bad)
             .output()
@@ -718,7 +718,7 @@ fn a_shared_secret_protects_the_control_channels() {
 }
 
 fn bench_e2e(transport: &str, extra: &[&str]) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+    let out = Command::new(env!("CARGO_BIN_EXE_kvbridge-lab"))
         .args([
             "bench",
             "--e2e",
@@ -801,7 +801,7 @@ fn bench_e2e_pack_path_and_other_dcp_pairs() {
 #[test]
 fn bench_names_the_build_profile_on_its_first_line_and_warns_on_a_debug_build() {
     let run = |json: bool| {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_kvbridge"));
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvbridge-lab"));
         c.args([
             "bench",
             "--pattern",
@@ -837,12 +837,12 @@ fn bench_names_the_build_profile_on_its_first_line_and_warns_on_a_debug_build() 
         "JSON lines only on stdout: {stdout}"
     );
     assert!(
-        stderr.contains(&format!("kvbridge bench: {want}")),
+        stderr.contains(&format!("kvbridge-lab bench: {want}")),
         "{stderr}"
     );
 }
 
-/// Starts a long `kvbridge bench` in `scratch`, waits until the sender and its receiver
+/// Starts a long `kvbridge-lab bench` in `scratch`, waits until the sender and its receiver
 /// process created their control directories, and returns it with (sender, receiver) pids.
 fn long_bench(scratch: &Scratch) -> (std::process::Child, u32, u32) {
     let bench = scratch
@@ -853,7 +853,7 @@ fn long_bench(scratch: &Scratch) -> (std::process::Child, u32, u32) {
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("start kvbridge bench");
+        .expect("start kvbridge-lab bench");
     let sender = bench.id();
     let receiver = *scratch
         .wait_for_owners(2)

@@ -1,0 +1,58 @@
+//! `kvbridge-lab`: kvbridge's lab, the demo and the benchmarks.
+//!
+//! `demo` runs real prefill and decode processes moving a real-sized KV cache, verifying every
+//! byte; `bench` measures each transport and the end to end against a baseline measured in the
+//! same run. Exit codes: 0 success, 1 a failed request or verification, 2 invalid arguments.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod bench;
+mod demo;
+mod progress;
+
+/// kvbridge's lab: the demo and the benchmarks.
+#[derive(Debug, Parser)]
+#[command(name = "kvbridge-lab", version, about = "kvbridge's lab: the demo and the benchmarks", long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+// Parsed once per process: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run real prefill and decode processes moving a real-sized KV cache, verifying every byte.
+    Demo(demo::DemoArgs),
+    /// Measure transport throughput against a baseline measured in the same run.
+    Bench(bench::BenchArgs),
+}
+
+/// A NIXL transport for `--transport nixl`, or why this build cannot make one.
+#[cfg(feature = "nixl")]
+pub(crate) fn nixl_transport() -> Result<std::sync::Arc<dyn kvbridge_transport::KvTransport>, String>
+{
+    kvbridge_nixl::NixlTransport::new()
+        .map(|t| std::sync::Arc::new(t) as _)
+        .map_err(|e| format!("NIXL transport: {e}"))
+}
+
+/// A NIXL transport for `--transport nixl`, or why this build cannot make one.
+#[cfg(not(feature = "nixl"))]
+pub(crate) fn nixl_transport() -> Result<std::sync::Arc<dyn kvbridge_transport::KvTransport>, String>
+{
+    Err(format!(
+        "NIXL transport: {}",
+        kvbridge_nixl::NixlError::NotBuilt
+    ))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Demo(args) => demo::run(args),
+        Command::Bench(args) => bench::run(args),
+    }
+}
