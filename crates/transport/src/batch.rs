@@ -325,6 +325,11 @@ impl BatchTable {
         self.entries.get(&id).map(|e| e.deadline)
     }
 
+    /// The timeout a batch was posted with: what [`TransportError::TimedOut`] reports.
+    pub fn timeout(&self, id: BatchId) -> Option<Duration> {
+        self.entries.get(&id).map(|e| e.timeout)
+    }
+
     /// When a batch that is not final by then times out: its deadline, plus the commit grace
     /// once committing.
     pub fn end(&self, id: BatchId) -> Option<Instant> {
@@ -514,6 +519,11 @@ impl Batches {
     /// See [`BatchTable::deadline`].
     pub fn deadline(&self, id: BatchId) -> Option<Instant> {
         self.lock().deadline(id)
+    }
+
+    /// See [`BatchTable::timeout`].
+    pub fn timeout(&self, id: BatchId) -> Option<Duration> {
+        self.lock().timeout(id)
     }
 
     /// See [`BatchTable::end`].

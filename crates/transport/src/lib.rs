@@ -35,6 +35,7 @@ use std::time::Duration;
 pub mod batch;
 pub mod delegate;
 mod error;
+pub mod inbox;
 
 /// The byte buffer of descriptors and notifications, re-exported so an implementer needs no
 /// `bytes` dependency of its own.

@@ -14,25 +14,26 @@
 //!   runs nothing once the batch is final (cancelled, timed out, failed), and re-checks the
 //!   peer and its registrations there; `deregister` and `shutdown` take the memory lock that
 //!   copies into the NIC hold.
-//! - **Notifications after data**: pushed to the peer's bounded inbox in the last step, the
-//!   one that declares the batch done.
+//! - **Notifications after data**: pushed to the peer's bounded inbox
+//!   ([`kvbridge_transport::inbox::NotificationInbox`]) in the last step, the one that declares
+//!   the batch done.
 //!
 //! Its tests run `kvbridge_conformance::conformance_tests!` (see `tests/conformance.rs`).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
-use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvbridge_transport::batch::{Batches, Outcome, Step};
+use kvbridge_transport::inbox::NotificationInbox;
 use kvbridge_transport::sync::lock;
 use kvbridge_transport::{
     BatchId, BatchState, Capabilities, Direction, KvTransport, MemoryRegion, Notification, PeerId,
     RegionId, Result, Side, TransferBatch, TransportError,
 };
-use tokio::sync::Notify;
 
 const NAME: &str = "example-nic";
 const PREFIX: &str = "example-nic:";
@@ -69,9 +70,8 @@ struct Nic {
     batches: Arc<Batches>,
     counter: AtomicU64,
     queue: SyncSender<WorkRequest>,
-    inbox: Mutex<VecDeque<Notification>>,
-    inbox_room: Condvar,
-    inbox_ready: Notify,
+    /// Notifications for `recv_notification` (the contract crate's bounded inbox).
+    inbox: NotificationInbox,
 }
 
 struct Memory {
@@ -190,23 +190,19 @@ fn execute(wr: WorkRequest) {
         if lock(&target.memory).closed {
             return failed(lost(peer, "the peer shut down"));
         }
-        let mut inbox = lock(&target.inbox);
-        if let Some(payload) = &notification {
-            if inbox.len() >= NOTIFICATIONS {
-                return Step::Continue;
-            }
-            inbox.push_back(Notification::new(link.inbound, payload.clone()));
-            target.inbox_ready.notify_waiters();
+        match &notification {
+            Some(payload) => match target
+                .inbox
+                .try_push(Notification::new(link.inbound, payload.clone()))
+            {
+                Ok(()) => Step::Finish(Outcome::Done),
+                Err(_) => Step::Continue,
+            },
+            None => Step::Finish(Outcome::Done),
         }
-        Step::Finish(Outcome::Done)
     }) {
-        let left = batches.deadline(id).map_or(Duration::ZERO, |d| {
-            d.saturating_duration_since(Instant::now())
-        });
-        let inbox = lock(&target.inbox);
-        if inbox.len() >= NOTIFICATIONS {
-            drop(target.inbox_room.wait_timeout(inbox, left));
-        }
+        let deadline = batches.deadline(id).unwrap_or_else(Instant::now);
+        target.inbox.wait_for_room(deadline);
     }
 }
 
@@ -236,9 +232,7 @@ impl NicTransport {
             batches: Arc::new(Batches::new(NAME)),
             counter: AtomicU64::new(1),
             queue,
-            inbox: Mutex::default(),
-            inbox_room: Condvar::new(),
-            inbox_ready: Notify::new(),
+            inbox: NotificationInbox::new(NAME, NOTIFICATIONS),
         });
         lock(fabric()).insert(id, Arc::downgrade(&nic));
         Self { nic }
@@ -468,17 +462,8 @@ impl KvTransport for NicTransport {
     }
 
     async fn recv_notification(&self) -> Result<Notification> {
-        loop {
-            let ready = self.nic.inbox_ready.notified();
-            tokio::pin!(ready);
-            ready.as_mut().enable();
-            self.closed()?;
-            if let Some(n) = lock(&self.nic.inbox).pop_front() {
-                self.nic.inbox_room.notify_one();
-                return Ok(n);
-            }
-            ready.await;
-        }
+        self.closed()?;
+        self.nic.inbox.recv().await
     }
 
     async fn probe(&self, peer: PeerId, _timeout: Duration) -> Result<()> {
@@ -503,8 +488,7 @@ impl KvTransport for NicTransport {
         self.nic
             .batches
             .fail_where(|_| true, |_, _| TransportError::Closed { transport: NAME });
-        self.nic.inbox_ready.notify_waiters();
-        self.nic.inbox_room.notify_all();
+        self.nic.inbox.close();
         Ok(())
     }
 }

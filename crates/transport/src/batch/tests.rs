@@ -488,3 +488,19 @@ fn block_on<F: std::future::Future>(fut: F) -> F::Output {
 fn sleep_until(deadline: std::time::Instant) -> tokio::time::Sleep {
     tokio::time::sleep_until(deadline.into())
 }
+
+#[test]
+fn a_batch_s_timeout_is_what_it_was_posted_with_until_collected() {
+    let b = Batches::new(T);
+    let now = Instant::now();
+    let id = b.insert(PeerId(1), secs(7), now).unwrap();
+    assert_eq!(b.timeout(id), Some(secs(7)));
+    assert_eq!(b.deadline(id), Some(now + secs(7)));
+    // Timed out, the error names the same timeout.
+    let later = now + secs(8);
+    match b.collect(id, later) {
+        Poll::Ready(Err(TransportError::TimedOut { timeout, .. })) => assert_eq!(timeout, secs(7)),
+        other => panic!("expected TimedOut, got {other:?}"),
+    }
+    assert_eq!(b.timeout(id), None);
+}
