@@ -454,6 +454,24 @@ impl Rig {
         }
     }
 
+    /// Deregisters `region` on the sender (`local`) or the receiver, within the call limit.
+    async fn deregister(&self, local: bool, region: RegionId) {
+        let (side, transport) = if local {
+            ("sender", &self.sender)
+        } else {
+            ("receiver", &self.receiver)
+        };
+        bounded(
+            self.name,
+            IDS,
+            "deregister",
+            self.limits.call,
+            transport.deregister(region),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("[{}] {IDS}: {side}.deregister failed: {e}", self.name));
+    }
+
     fn op(&self, l: usize, lo: u64, r: usize, ro: u64, len: u64) -> TransferOp {
         TransferOp::new(self.local[l].id, lo, self.remote[r].id, ro, len)
     }
@@ -962,15 +980,7 @@ pub async fn deregistered_region_refused(pair: TransportPair) {
     rig.assert_remote(&model, DATA, "a batch before deregistration");
 
     let local = rig.local[1].id;
-    bounded(
-        rig.name,
-        IDS,
-        "deregister",
-        rig.limits.call,
-        rig.sender.deregister(local),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("[{}] {IDS}: sender.deregister failed: {e}", rig.name));
+    rig.deregister(true, local).await;
     expect_local_refusal(
         &rig,
         TransferBatch::write(vec![rig.op(1, 0, 0, 0, 64)]),
@@ -993,15 +1003,7 @@ pub async fn deregistered_region_refused(pair: TransportPair) {
     );
 
     let remote = rig.remote[1].id;
-    bounded(
-        rig.name,
-        IDS,
-        "deregister",
-        rig.limits.call,
-        rig.receiver.deregister(remote),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("[{}] {IDS}: receiver.deregister failed: {e}", rig.name));
+    rig.deregister(false, remote).await;
     expect_remote_refusal(
         &rig,
         TransferBatch::write(vec![rig.op(0, 0, 1, 0, 64)]).with_timeout(rig.limits.batch_timeout),
@@ -1619,6 +1621,41 @@ pub async fn reads_or_unsupported(pair: TransportPair) {
     );
 }
 
+/// A read stops writing into a local region once `deregister` of that region returned
+/// (contract 3): read batches of many small ops are posted and their local region deregistered
+/// while they run (three rounds: at once, after 1 ms, after 5 ms); whatever the batch then
+/// reports, the region's bytes as they were when `deregister` returned never change again.
+/// Transports without `reads` pass at once.
+pub async fn local_deregister_fences_reads(pair: TransportPair) {
+    const SIZE: usize = 16 << 20;
+    let rig = Rig::new(pair, &[SIZE, SIZE, SIZE], &[SIZE]).await;
+    if !rig.caps.reads {
+        return;
+    }
+    for (round, delay) in [0u64, 1, 5].into_iter().enumerate() {
+        let ops: Vec<_> = (0..SIZE as u64 / 1024)
+            .map(|i| rig.op(round, i * 1024, 0, i * 1024, 1000))
+            .collect();
+        let id = rig
+            .post(TransferBatch::read(ops).with_timeout(rig.limits.batch_timeout))
+            .await
+            .unwrap_or_else(|e| panic!("[{}] {DATA}: a read batch was refused: {e}", rig.name));
+        sleep(Duration::from_millis(delay)).await;
+        let region = rig.local[round].id;
+        rig.deregister(true, region).await;
+        let at_deregister = rig.local[round].snapshot();
+        // Done (it finished first) or failed: either is allowed; bytes after the fence are not.
+        let _ = rig.wait(id, rig.limits.batch_timeout).await;
+        sleep(rig.limits.fence_grace).await;
+        assert!(
+            rig.local[round].snapshot() == at_deregister,
+            "[{}] {FENCING}: a read batch wrote into local region {region} after \
+             deregister({region}) returned (round {round}, deregistered {delay} ms after post)",
+            rig.name
+        );
+    }
+}
+
 /// Ids that were never handed out are refused: `wait`, `cancel` and `batch_state` of an unknown
 /// batch fail with [`TransportError::UnknownBatch`]; `post`, `probe` and `disconnect` to an
 /// unknown peer with [`TransportError::UnknownPeer`].
@@ -1922,15 +1959,7 @@ pub async fn stale_or_unknown_remote_regions_refused(pair: TransportPair) {
     const LARGE: u64 = 256 * 1024;
     let rig = Rig::new(pair, &[LARGE as usize], &[LARGE as usize, LARGE as usize]).await;
     let gone = rig.remote[1].id;
-    bounded(
-        rig.name,
-        IDS,
-        "deregister",
-        rig.limits.call,
-        rig.receiver.deregister(gone),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("[{}] {IDS}: receiver.deregister failed: {e}", rig.name));
+    rig.deregister(false, gone).await;
     let bogus = RegionId(u64::MAX - 11);
     for (region, what) in [
         (gone, "deregistered after connect"),
@@ -2236,6 +2265,7 @@ macro_rules! __conformance_cases {
             cancel_fences,
             peer_disconnect_mid_batch,
             reads_or_unsupported,
+            local_deregister_fences_reads,
             unknown_ids_refused,
             wait_returns_final_state_once,
             bad_descriptor_refused,
@@ -2293,6 +2323,7 @@ pub const CASES: &[&str] = &[
     "cancel_fences",
     "peer_disconnect_mid_batch",
     "reads_or_unsupported",
+    "local_deregister_fences_reads",
     "unknown_ids_refused",
     "wait_returns_final_state_once",
     "bad_descriptor_refused",

@@ -169,6 +169,7 @@ struct Link {
 }
 
 struct ResolvedOp {
+    local_id: RegionId,
     local: MemoryRegion,
     local_offset: usize,
     remote_id: RegionId,
@@ -188,6 +189,8 @@ struct Job {
     peer: PeerId,
     deadline: std::time::Instant,
     target: Arc<Endpoint>,
+    /// The posting side: a read stops once its local region is deregistered here.
+    own: Arc<Endpoint>,
     link: Arc<Link>,
     direction: Direction,
     ops: Vec<ResolvedOp>,
@@ -218,6 +221,48 @@ fn failed(e: TransportError) -> Step {
     Step::Finish(Outcome::Failed(e))
 }
 
+/// A read batch's destinations: its distinct local regions (none for a write).
+fn read_destinations(direction: Direction, ops: &[ResolvedOp]) -> Vec<(RegionId, &MemoryRegion)> {
+    let mut into: Vec<(RegionId, &MemoryRegion)> = Vec::new();
+    if direction == Direction::Read {
+        for op in ops {
+            if !into.iter().any(|(id, _)| *id == op.local_id) {
+                into.push((op.local_id, &op.local));
+            }
+        }
+    }
+    into
+}
+
+/// Why a batch stops before its next step, from what this side knows: the link is down, or a
+/// read's destination (`into`) was deregistered here. Takes and releases this side's lock
+/// before the step takes the peer's (lock order); `deregister` waits for the running step
+/// after removing the region.
+fn stopped_here(
+    link: &Link,
+    peer: PeerId,
+    own: &Endpoint,
+    into: &[(RegionId, &MemoryRegion)],
+) -> Option<TransportError> {
+    if !link.alive.load(Ordering::Acquire) {
+        return Some(peer_lost(
+            peer,
+            "disconnected while the batch was in flight",
+        ));
+    }
+    if into.is_empty() {
+        return None;
+    }
+    let own = lock(&own.state);
+    into.iter()
+        .find(|(id, r)| !own.regions.get(id).is_some_and(|m| m.same_region(r)))
+        .map(|(id, _)| TransportError::UnknownRegion {
+            side: Side::Local,
+            region: *id,
+            transport: NAME,
+        })
+}
+
 /// Copies one batch in chunks, each a step under the batch table's fence, checking peer and
 /// registrations before each; then notifies and finishes it.
 async fn run(job: Job) {
@@ -231,6 +276,7 @@ async fn run(job: Job) {
 async fn copy_all(job: &Job) -> bool {
     let (batches, target, link, ops) = (&job.batches, &job.target, &job.link, &job.ops);
     let (id, peer, direction, chunk_bytes) = (job.id, job.peer, job.direction, job.chunk_bytes);
+    let read_into = read_destinations(direction, ops);
     // Position: op `i`, row `row` of it, `done_in_row` bytes of that row copied.
     let mut i = 0;
     let mut row = 0u64;
@@ -242,11 +288,8 @@ async fn copy_all(job: &Job) -> bool {
     while i < ops.len() {
         let mut held = false;
         let more = batches.step(id, now(), || {
-            if !link.alive.load(Ordering::Acquire) {
-                return failed(peer_lost(
-                    peer,
-                    "disconnected while the batch was in flight",
-                ));
+            if let Some(e) = stopped_here(link, peer, &job.own, &read_into) {
+                return failed(e);
             }
             let target = lock(&target.state);
             if target.closed {
@@ -489,21 +532,26 @@ impl KvTransport for LoopbackTransport {
     }
 
     async fn deregister(&self, region: RegionId) -> Result<()> {
-        // Taking the state lock fences in-flight copies into the region: they check its
+        // Taking the state lock fences a peer's copies into the region: they check its
         // registration under this lock before every chunk.
-        let mut state = lock(&self.ep.state);
-        if state.closed {
-            return Err(TransportError::Closed { transport: NAME });
-        }
-        state
-            .regions
-            .remove(&region)
-            .map(|_| ())
-            .ok_or(TransportError::UnknownRegion {
+        let removed = {
+            let mut state = lock(&self.ep.state);
+            if state.closed {
+                return Err(TransportError::Closed { transport: NAME });
+            }
+            state.regions.remove(&region)
+        };
+        if removed.is_none() {
+            return Err(TransportError::UnknownRegion {
                 side: Side::Local,
                 region,
                 transport: NAME,
-            })
+            });
+        }
+        // This side's reads into the region check its registration in every step: once no
+        // step runs, none writes into it again.
+        self.ep.batches.wait_for_steps();
+        Ok(())
     }
 
     fn local_descriptor(&self) -> Bytes {
@@ -604,6 +652,7 @@ impl KvTransport for LoopbackTransport {
                         })?;
                 let range = op.local_rows_in(region.len())?;
                 ops.push(ResolvedOp {
+                    local_id: op.local_region,
                     local: region.clone(),
                     local_offset: range.start,
                     remote_id: op.remote_region,
@@ -647,6 +696,7 @@ impl KvTransport for LoopbackTransport {
             peer,
             deadline: deadline_after(posted, batch.timeout),
             target,
+            own: Arc::clone(&self.ep),
             link,
             direction: batch.direction,
             ops,

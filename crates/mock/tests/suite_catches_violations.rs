@@ -33,6 +33,8 @@ enum Flaw {
     UndeclaredDeviceMemory,
     /// Delivers the notification of a batch that was cancelled or timed out.
     NotifiesFailedBatches,
+    /// `deregister` returns at once and leaves the region to the batches in flight.
+    DeregisterDoesNotFence,
 }
 
 struct Broken {
@@ -78,6 +80,9 @@ impl KvTransport for Broken {
         self.inner.register(region).await
     }
     async fn deregister(&self, region: RegionId) -> Result<()> {
+        if self.flaw == Flaw::DeregisterDoesNotFence {
+            return Ok(());
+        }
         self.inner.deregister(region).await
     }
     fn local_descriptor(&self) -> Bytes {
@@ -202,6 +207,12 @@ async fn accepting_unknown_batches_fails_unknown_ids() {
 #[should_panic(expected = "contract 8")]
 async fn undeclared_reads_fail_reads_or_unsupported() {
     kvbridge_conformance::reads_or_unsupported(pair(Flaw::UndeclaredReads)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "contract 3")]
+async fn a_deregister_that_does_not_fence_reads_fails_local_deregister_fences_reads() {
+    kvbridge_conformance::local_deregister_fences_reads(pair(Flaw::DeregisterDoesNotFence)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -61,6 +61,8 @@ fn answer<T>(waiters: &Mutex<HashMap<u64, oneshot::Sender<T>>>, key: u64, value:
 struct LocalRegion {
     region: MemoryRegion,
     shared: Option<Arc<SharedMapping>>,
+    /// Set by `deregister`: read batches in flight into the region stop at their next step.
+    gone: Arc<AtomicBool>,
 }
 
 /// A peer's region mapped into this process.
@@ -253,6 +255,9 @@ struct Job {
     conn: Arc<Conn>,
     direction: Direction,
     locals: Vec<MemoryRegion>,
+    /// Each of `locals`' id and `deregister` flag: a read stops writing into a region once it is
+    /// deregistered.
+    local_gone: Vec<(RegionId, Arc<AtomicBool>)>,
     remotes: Vec<Arc<RemoteRegion>>,
     ops: Vec<PlannedOp>,
     /// Writes with streaming stores: a write batch of [`map::STREAM_MIN`] bytes or more.
@@ -576,6 +581,7 @@ impl Copying {
             conn,
             direction,
             locals,
+            local_gone,
             remotes,
             ops,
             notification,
@@ -587,8 +593,20 @@ impl Copying {
         // it to fence the batch, so once they report, no further step starts.
         batches.step(id, now(), || {
             let fence = read(&conn.copy_lock);
+            let gone = (*direction == Direction::Read)
+                .then(|| local_gone.iter().find(|(_, g)| g.load(Ordering::Acquire)))
+                .flatten();
             let copied = if conn.lost.load(Ordering::Acquire) {
                 Err(lost(conn.id, conn.lost_reason()))
+            } else if let Some((region, _)) = gone {
+                Err(failed(
+                    id,
+                    conn.id,
+                    format!(
+                        "this side deregistered its region {region} while the batch was reading \
+                         into it"
+                    ),
+                ))
             } else {
                 copy_chunk(*direction, *stream, locals, remotes, ops, at, budget)
                     .map_err(|reason| failed(id, conn.id, reason))
@@ -651,6 +669,15 @@ impl Drop for InlineCommit {
             self.rt.spawn(commit);
         }
     }
+}
+
+/// What `validate` resolved of a batch: its local regions (with their `deregister` flags), the
+/// peer's, and the ops against both.
+struct Validated {
+    locals: Vec<MemoryRegion>,
+    local_gone: Vec<(RegionId, Arc<AtomicBool>)>,
+    remotes: Vec<Arc<RemoteRegion>>,
+    ops: Vec<PlannedOp>,
 }
 
 /// Copies up to `budget` bytes of the batch from `at`, and moves `at` past what it copied; the
@@ -1416,8 +1443,9 @@ impl ShmTransport {
         conn: &Arc<Conn>,
         batch: &TransferBatch,
         deadline: Instant,
-    ) -> Result<(Vec<MemoryRegion>, Vec<Arc<RemoteRegion>>, Vec<PlannedOp>)> {
+    ) -> Result<Validated> {
         let mut locals: Vec<MemoryRegion> = Vec::new();
+        let mut local_gone = Vec::new();
         let mut local_idx: HashMap<RegionId, u32> = HashMap::new();
         let mut planned = Vec::with_capacity(batch.ops.len());
         {
@@ -1438,6 +1466,7 @@ impl ShmTransport {
                                     },
                                 )?;
                                 locals.push(r.region.clone());
+                                local_gone.push((op.local_region, Arc::clone(&r.gone)));
                                 let i = (locals.len() - 1) as u32;
                                 local_idx.insert(op.local_region, i);
                                 i
@@ -1484,7 +1513,12 @@ impl ShmTransport {
             op.remote_rows_in(remotes[idx as usize].region.len())?;
             plan.remote = idx;
         }
-        Ok((locals, remotes, planned))
+        Ok(Validated {
+            locals,
+            local_gone,
+            remotes,
+            ops: planned,
+        })
     }
 }
 
@@ -1628,19 +1662,30 @@ impl KvTransport for ShmTransport {
         self.capabilities().check_region(NAME, &region)?;
         let id = RegionId(self.inner.next_id());
         let shared = map::shared_of(&region);
-        lock(&self.inner.regions).insert(id, LocalRegion { region, shared });
+        lock(&self.inner.regions).insert(
+            id,
+            LocalRegion {
+                region,
+                shared,
+                gone: Arc::default(),
+            },
+        );
         Ok(id)
     }
 
     async fn deregister(&self, region: RegionId) -> Result<()> {
         self.inner.check_open()?;
-        if lock(&self.inner.regions).remove(&region).is_none() {
+        let Some(removed) = lock(&self.inner.regions).remove(&region) else {
             return Err(TransportError::UnknownRegion {
                 side: Side::Local,
                 region,
                 transport: NAME,
             });
-        }
+        };
+        // Reads of this side into the region stop: the flag is checked in every copy step, and
+        // once no step runs, every later one sees it.
+        removed.gone.store(true, Ordering::Release);
+        self.inner.batches.wait_for_steps();
         // Peers that mapped the region must stop writing into it before this returns.
         let conns = self.inner.inbound_conns();
         for conn in conns {
@@ -1735,7 +1780,12 @@ impl KvTransport for ShmTransport {
         // Looking up the peer's regions is part of validation: bounded by the handshake timeout,
         // not by the batch deadline (a batch past its deadline still validates, then times out).
         let lookup_deadline = deadline.max(now + self.inner.options.handshake_timeout);
-        let (locals, remotes, ops) = self.validate(&conn, &batch, lookup_deadline).await?;
+        let Validated {
+            locals,
+            local_gone,
+            remotes,
+            ops,
+        } = self.validate(&conn, &batch, lookup_deadline).await?;
         let batch_bytes = batch.total_bytes();
         let id = self
             .inner
@@ -1752,6 +1802,7 @@ impl KvTransport for ShmTransport {
             conn,
             direction: batch.direction,
             locals,
+            local_gone,
             remotes,
             ops,
             stream: batch_bytes >= map::STREAM_MIN,

@@ -582,6 +582,14 @@ impl Batches {
         self.lock().collect(id, now)
     }
 
+    /// Returns once no [`step`](Self::step) is running: a condition the mover checks inside its
+    /// steps, set before this call, holds for every step that runs afterwards. `deregister`
+    /// uses it: mark the region gone, then `wait_for_steps`, and no byte of any batch touches
+    /// the region once `deregister` returns.
+    pub fn wait_for_steps(&self) {
+        drop(self.lock());
+    }
+
     /// The fence: runs `f` (one chunk of the mover's work) under the table's lock if the batch
     /// is pending at `now`, and records the outcome `f` returns with [`Step::Finish`]. Returns
     /// whether the batch is still pending afterwards, i.e. whether to run the next step; once

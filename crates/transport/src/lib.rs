@@ -523,7 +523,10 @@ impl Notification {
 /// 3. **Fencing.** Once `wait`, `batch_state` or `cancel` has reported a batch failed,
 ///    cancelled or timed out, no byte of that batch lands in the destination memory later.
 ///    Bytes that landed before may stay (each destination byte holds its old or its new value).
-///    The same holds for a region once `deregister` or `shutdown` has returned.
+///    The same holds for a region once `deregister` or `shutdown` has returned: no byte of any
+///    batch lands in it afterwards — a peer's writes into it, and this side's own reads into
+///    it (a read batch in flight into a region deregistered here fails, or has already
+///    completed). A write batch already posted may still read its local source until it ends.
 /// 4. **Notifications follow data.** A batch's notification is delivered to the peer only after
 ///    every byte of that batch is visible in the peer's memory, exactly once, and never for a
 ///    batch that did not complete (refused, failed, cancelled, timed out).

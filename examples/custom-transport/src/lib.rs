@@ -87,6 +87,7 @@ struct Link {
 
 /// One descriptor, resolved to region handles and checked.
 struct Copy {
+    local_id: RegionId,
     local: MemoryRegion,
     local_offset: u64,
     remote_id: RegionId,
@@ -101,6 +102,8 @@ struct WorkRequest {
     peer: PeerId,
     link: Arc<Link>,
     target: Arc<Nic>,
+    /// The posting NIC: a read stops once its local region is deregistered there.
+    own: Arc<Nic>,
     direction: Direction,
     copies: Vec<Copy>,
     notification: Option<Bytes>,
@@ -121,6 +124,21 @@ fn progress(queue: Receiver<WorkRequest>) {
     }
 }
 
+fn unknown_region(side: Side, region: RegionId) -> TransportError {
+    TransportError::UnknownRegion {
+        side,
+        region,
+        transport: NAME,
+    }
+}
+
+impl Memory {
+    /// Whether `id` is still registered as `region` (not deregistered, nor its id reused).
+    fn holds(&self, id: RegionId, region: &MemoryRegion) -> bool {
+        self.regions.get(&id).is_some_and(|r| r.same_region(region))
+    }
+}
+
 fn failed(e: TransportError) -> Step {
     Step::Finish(Outcome::Failed(e))
 }
@@ -132,6 +150,7 @@ fn execute(wr: WorkRequest) {
         peer,
         link,
         target,
+        own,
         direction,
         copies,
         notification,
@@ -142,20 +161,18 @@ fn execute(wr: WorkRequest) {
             if !link.alive.load(Ordering::Acquire) {
                 return failed(lost(peer, "disconnected"));
             }
+            // A read writes this side's region: still registered? (This NIC's lock is released
+            // before the peer's is taken; `deregister` waits for the running step.)
+            if direction == Direction::Read && !lock(&own.memory).holds(copy.local_id, &copy.local)
+            {
+                return failed(unknown_region(Side::Local, copy.local_id));
+            }
             let memory = lock(&target.memory);
             if memory.closed {
                 return failed(lost(peer, "the peer shut down"));
             }
-            if !memory
-                .regions
-                .get(&copy.remote_id)
-                .is_some_and(|r| r.same_region(&copy.remote))
-            {
-                return failed(TransportError::UnknownRegion {
-                    side: Side::Remote,
-                    region: copy.remote_id,
-                    transport: NAME,
-                });
+            if !memory.holds(copy.remote_id, &copy.remote) {
+                return failed(unknown_region(Side::Remote, copy.remote_id));
             }
             let moved = match direction {
                 Direction::Write => copy.local.copy_to(
@@ -307,15 +324,17 @@ impl KvTransport for NicTransport {
 
     async fn deregister(&self, region: RegionId) -> Result<()> {
         self.closed()?;
-        lock(&self.nic.memory)
-            .regions
-            .remove(&region)
-            .map(drop)
-            .ok_or(TransportError::UnknownRegion {
+        let removed = lock(&self.nic.memory).regions.remove(&region);
+        if removed.is_none() {
+            return Err(TransportError::UnknownRegion {
                 side: Side::Local,
                 region,
                 transport: NAME,
-            })
+            });
+        }
+        // Reads into the region check it in every step: once no step runs, none writes it.
+        self.nic.batches.wait_for_steps();
+        Ok(())
     }
 
     fn local_descriptor(&self) -> Bytes {
@@ -395,6 +414,7 @@ impl KvTransport for NicTransport {
                 )?;
                 copies.push(Copy {
                     remote: local.clone(),
+                    local_id: op.local_region,
                     local,
                     local_offset: op.local_offset,
                     remote_id: op.remote_region,
@@ -428,6 +448,7 @@ impl KvTransport for NicTransport {
             peer,
             link,
             target,
+            own: Arc::clone(&self.nic),
             direction: batch.direction,
             copies,
             notification: batch.notification,
