@@ -40,7 +40,7 @@ def test_the_bench_moves_a_tiny_request_to_four_decode_dcp_ranks():
 def test_the_bench_runs_kvbridges_own_end_to_end_beside_the_backend():
     from kvbridge_sglang import bench
 
-    args = type("Args", (), {"kvbridge_cli": None, "layers": 61, "token_bytes": 1152, "tokens": 256,
+    args = type("Args", (), {"kvbridge_lab": None, "layers": 61, "token_bytes": 1152, "tokens": 256,
                              "page_size": 64, "dcp": 1})()
     why = bench.unavailable("e2e", args)
     if why is not None:
@@ -56,7 +56,7 @@ def test_the_bench_runs_kvbridges_own_end_to_end_beside_the_backend():
 def test_the_e2e_half_names_why_it_cannot_run_another_geometry():
     from kvbridge_sglang import bench
 
-    args = type("Args", (), {"kvbridge_cli": sys.executable, "layers": 2, "token_bytes": 64,
+    args = type("Args", (), {"kvbridge_lab": sys.executable, "layers": 2, "token_bytes": 64,
                              "tokens": 100, "page_size": 16, "dcp": 1})()
     assert "61 layers of 1152 B" in bench.unavailable("e2e", args)
     args.kvbridge_lab = "/nonexistent/kvbridge-lab"
