@@ -71,7 +71,6 @@ fn freeze(pid: u32) -> Result<(), String> {
 }
 
 struct Proc {
-    label: String,
     role: &'static str,
     rank: u32,
     /// The process (its stdin kept open: closing it tells the child its parent is gone).
@@ -112,9 +111,8 @@ fn spawn(
         command.env(super::SECRET_ENV, s);
     }
     command.args(&forwarded).args(extra);
-    let worker = Worker::start(label.clone(), command, idx, tx, OnDrop::Kill)?;
+    let worker = Worker::start(label, command, idx, tx, OnDrop::Kill)?;
     Ok(Proc {
-        label,
         role,
         rank,
         worker,
@@ -487,7 +485,7 @@ async fn orchestrate(args: &DemoArgs, setup: &Setup, kill: Option<KillSpec>) -> 
             Output::Line(idx, line) => (idx, line),
         };
         let Ok(ev) = serde_json::from_str::<Event>(&line) else {
-            eprintln!("[{}] {line}", run.procs[idx].label);
+            eprintln!("[{}] {line}", run.procs[idx].worker.label());
             continue;
         };
         run.on_event(idx, ev).await;
@@ -647,12 +645,12 @@ fn apply_kill(
                     .ok_or("no pid".to_owned())
                     .and_then(freeze)
                 {
-                    Ok(()) => frozen.push(procs[t].label.clone()),
+                    Ok(()) => frozen.push(procs[t].worker.label().to_owned()),
                     Err(e) => failures.push(e),
                 }
             } else {
                 procs[t].worker.kill();
-                killed.push(procs[t].label.clone());
+                killed.push(procs[t].worker.label().to_owned());
             }
         }
     }
@@ -737,7 +735,9 @@ fn root_causes(procs: &[Proc], killed: &[String], failures: &mut Vec<String>) {
             continue;
         }
         let how = match (p.exit_code, p.exit_signal) {
-            (_, Some(9)) if killed.contains(&p.label) => "was killed (test knob --kill)".to_owned(),
+            (_, Some(9)) if killed.iter().any(|k| k == p.worker.label()) => {
+                "was killed (test knob --kill)".to_owned()
+            }
             (_, Some(sig)) => format!("was killed by signal {sig} before it reported"),
             (Some(code), _) => {
                 format!("exited with status {code} before it reported (its stderr says why)")
