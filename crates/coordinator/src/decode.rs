@@ -31,6 +31,7 @@ use crate::outbox::{Outbox, send_failed_to};
 use crate::room::decode::{Action, DecodeMachine, Event, RoomRequest};
 use crate::start::{check_role, current_runtime};
 use crate::state::{KvTransferError, RoomState, wait_terminal};
+use crate::timer::{Ticks, timer_loop};
 
 const SIDE: Side = Side::Decode;
 
@@ -273,28 +274,16 @@ async fn control_loop(channel: Arc<dyn ControlChannel>, weak: Weak<DecodeInner>)
     }
 }
 
-/// Sleeps until the machine's next deadline and ticks it; woken early when a step armed an
-/// earlier one. Holds no strong reference while it sleeps.
-async fn timer_loop(weak: Weak<DecodeInner>, wake: Arc<Notify>) {
-    loop {
-        let next = {
-            let Some(inner) = weak.upgrade() else { return };
-            inner.with_core(|c| {
-                c.timer_at = c.machine.poll_timeout();
-                c.timer_at
-            })
-        };
-        let Some(next) = next else {
-            wake.notified().await;
-            continue;
-        };
-        tokio::select! {
-            _ = wake.notified() => {}
-            _ = tokio::time::sleep_until(Instant::from_std(next)) => {
-                let Some(inner) = weak.upgrade() else { return };
-                inner.step(Event::Timer);
-            }
-        }
+impl Ticks for DecodeInner {
+    fn next_tick(&self) -> Option<std::time::Instant> {
+        self.with_core(|c| {
+            c.timer_at = c.machine.poll_timeout();
+            c.timer_at
+        })
+    }
+
+    fn tick(&self) {
+        self.step(Event::Timer);
     }
 }
 

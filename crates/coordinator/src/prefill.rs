@@ -1,10 +1,10 @@
-//! The prefill (sending) agent: the async driver of the prefill room machines
-//! ([`crate::room::prefill`]). It feeds each room's machine the events it sees (control
-//! messages, calls, batch outcomes, timers) and executes the actions it answers: sends control
-//! messages, posts and fences batches, arms the room's timer, publishes its state.
+//! The prefill (sending) agent: the async driver of the prefill rank's machine
+//! ([`crate::room::prefill::PrefillMachine`]). It feeds the machine the events it sees
+//! (control messages, calls, batch outcomes, timer ticks of one timer task) and carries out
+//! the actions it answers: sends control messages, connects and disconnects the transport,
+//! runs each room's send task (plan, post, wait, fence), publishes room states.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -13,7 +13,7 @@ use kvbridge_transport::sync::{get_mut, lock};
 use kvbridge_transport::{
     BatchId, KvTransport, MemoryRegion, PeerId, TransferBatch, TransferOp, TransportError,
 };
-use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::sync::{Notify, Semaphore, mpsc, watch};
 use tokio::task::{AbortHandle, JoinSet};
 use tokio::time::Instant;
 use tracing::{Span, field};
@@ -26,23 +26,22 @@ use crate::error::{CoordinatorError, Result, Side};
 use crate::ids::{Incarnation, RoomId, SessionId};
 use crate::memory::{KvHandles, KvMemory, PackLease, PackPool, pack_buffer_bytes};
 use crate::messages::{
-    AbortAck, AbortRequest, CONTROL_PROTOCOL_VERSION, ControlMessage, Registration,
-    RegistrationOutcome, RegistrationReply, TransferInfo, WireProblem, render_problems,
+    CONTROL_PROTOCOL_VERSION, ControlMessage, Registration, RegistrationOutcome, RegistrationReply,
+    TransferInfo, WireProblem, render_problems,
 };
 use crate::metrics::{Metrics, MetricsSnapshot, add, inc};
 use crate::outbox::{Outbox, send_failed_to};
 use crate::plan::{Chunk, PeerPlan, is_strided_source, pack_ops};
-use crate::room::admit_room;
 use crate::room::prefill::{
-    Action, BatchAction, BatchEvent, ChunkShape, EarlyRooms, Event, MetaPeer, PrefillRoom,
-    RoomConfig, SendProgress, status_message,
+    AcceptedDecode, Action, BatchAction, BatchEvent, ChunkShape, Event, Known, MetaPeer,
+    PrefillMachine, PrefillRoom, RankAction, RankEvent, RoomConfig, SendProgress, status_message,
 };
 use crate::start::{check_role, current_runtime};
 use crate::state::{
     FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, wait_at_least,
     wait_terminal,
 };
-use crate::timer::{TimerGuard, spawn_timer_at};
+use crate::timer::{Ticks, timer_loop};
 
 const SIDE: Side = Side::Prefill;
 
@@ -142,7 +141,6 @@ impl PrefillAgentBuilder {
                 metrics.clone(),
                 send_failed_to(weak.clone(), PrefillInner::on_send_failed),
             );
-            let max_rooms = self.config.max_rooms;
             let room_config = RoomConfig {
                 rank: unique_rank,
                 endpoint: self.channel.local_endpoint(),
@@ -151,32 +149,33 @@ impl PrefillAgentBuilder {
             };
             PrefillInner {
                 endpoint: self.channel.local_endpoint(),
-                room_config: room_config.clone(),
+                core: Mutex::new(Core {
+                    machine: PrefillMachine::new(room_config, self.config.max_rooms),
+                    rooms: HashMap::new(),
+                    timer_at: None,
+                    control_task: None,
+                    tasks: Vec::new(),
+                }),
                 config: self.config,
                 descriptor: self.descriptor,
                 unique_rank,
                 memory: self.memory,
                 pack,
                 transport: self.transport,
-                channel: self.channel,
                 outbox,
                 metrics,
                 agreement: self.agreement,
-                state: Mutex::new(PrefillState {
-                    peers: HashMap::new(),
-                    rooms: HashMap::new(),
-                    early: EarlyRooms::new(room_config.clone(), max_rooms),
-                    early_timers: HashMap::new(),
-                    closed: false,
-                    control_task: None,
-                    lost_peers: HashSet::new(),
-                }),
-                incarnations: AtomicU64::new(0),
+                wake: Arc::new(Notify::new()),
                 registrations: Arc::new(Semaphore::new(REGISTRATION_CONCURRENCY)),
             }
         });
-        let task = runtime.spawn(control_loop(inner.channel.clone(), Arc::downgrade(&inner)));
-        inner.with_state(|st| st.control_task = Some(task.abort_handle()));
+        let control = runtime.spawn(control_loop(self.channel, Arc::downgrade(&inner)));
+        let timer = runtime.spawn(timer_loop(Arc::downgrade(&inner), inner.wake.clone()));
+        inner.with_core(|c| {
+            c.control_task = Some(control.abort_handle());
+            c.tasks
+                .extend([control.abort_handle(), timer.abort_handle()]);
+        });
         tracing::info!(
             endpoint = %inner.endpoint,
             rank = inner.unique_rank,
@@ -211,6 +210,7 @@ impl std::fmt::Debug for PrefillAgent {
     }
 }
 
+/// A decode rank this prefill accepted, as the room drivers use it.
 pub(crate) struct AcceptedPeer {
     endpoint: Endpoint,
     session: SessionId,
@@ -220,42 +220,41 @@ pub(crate) struct AcceptedPeer {
     descriptor: Vec<u8>,
 }
 
-enum DecodePeer {
-    Accepted(Arc<AcceptedPeer>),
-    Rejected {
-        session: SessionId,
-        problems: Vec<WireProblem>,
-    },
-}
+/// The driver's handle of an accepted decode rank, as the machine carries it.
+type Conn = Arc<AcceptedPeer>;
+type RoomPeer = MetaPeer<Conn>;
+type RoomEvent = Event<Conn>;
 
-type RoomPeer = MetaPeer<Arc<AcceptedPeer>>;
-type RoomEvent = Event<Arc<AcceptedPeer>>;
-
-/// A room of the agent: its machine, and what the driver keeps beside it.
-struct RoomEntry {
-    machine: PrefillRoom<Arc<AcceptedPeer>>,
+/// What the driver keeps beside the machine for one room.
+struct RoomSide {
     /// The machine's state, published for `poll` / `wait`.
     status: RoomStatus,
     /// Chunks to the room's driver task, while it takes them.
     driver: Option<mpsc::Sender<Job>>,
-    /// The timer armed for the machine's `poll_timeout`.
-    timer: Option<(std::time::Instant, TimerGuard)>,
     span: Span,
 }
 
-struct PrefillState {
-    peers: HashMap<Endpoint, DecodePeer>,
-    rooms: HashMap<RoomId, RoomEntry>,
-    /// Metadata and failures of rooms not created yet.
-    early: EarlyRooms<Arc<AcceptedPeer>>,
-    /// The timer armed for each room's `early.poll_timeout`.
-    early_timers: HashMap<RoomId, (std::time::Instant, TimerGuard)>,
-    closed: bool,
+/// The machine and what the driver keeps beside it, under one lock.
+struct Core {
+    machine: PrefillMachine<Conn>,
+    rooms: HashMap<RoomId, RoomSide>,
+    /// What the timer task sleeps until.
+    timer_at: Option<std::time::Instant>,
+    /// The control loop, for `shutdown`.
     control_task: Option<AbortHandle>,
-    /// Transport connections to accepted decode ranks that a batch found lost (the peer died
-    /// or the network went quiet past the keep-alive): the next room of that decode rank
-    /// connects again first, so a healed link or a resumed decode serves new rooms.
-    lost_peers: HashSet<PeerId>,
+    /// The control loop and the timer task, for drop.
+    tasks: Vec<AbortHandle>,
+}
+
+impl Core {
+    /// A room the caller has not cleared: its machine and what the driver keeps beside it.
+    fn visible(&self, room: RoomId) -> Result<(&PrefillRoom<Conn>, &RoomSide)> {
+        self.machine
+            .room(room)
+            .filter(|m| !m.is_cleared())
+            .zip(self.rooms.get(&room))
+            .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
+    }
 }
 
 /// The pack path of an agent ([`PrefillConfig::pack_buffers`]).
@@ -273,28 +272,26 @@ struct Job {
 
 pub(crate) struct PrefillInner {
     config: PrefillConfig,
-    room_config: RoomConfig,
     descriptor: PeerDescriptor,
     unique_rank: u32,
     memory: KvMemory,
     /// The pack-buffer pool and the handles its gather reads, when configured.
     pack: Option<Pack>,
     transport: Arc<dyn KvTransport>,
-    channel: Arc<dyn ControlChannel>,
     endpoint: Endpoint,
     outbox: Outbox,
     metrics: Arc<Metrics>,
     agreement: Arc<dyn RankAgreement>,
-    /// Only [`PrefillInner::with_state`] locks it.
-    state: Mutex<PrefillState>,
-    /// Room incarnations, drawn before the state is locked.
-    incarnations: AtomicU64,
+    /// Only [`PrefillInner::with_core`] locks it.
+    core: Mutex<Core>,
+    /// Wakes the timer task when the machine's next deadline moved earlier.
+    wake: Arc<Notify>,
     registrations: Arc<Semaphore>,
 }
 
 impl Drop for PrefillInner {
     fn drop(&mut self) {
-        if let Some(t) = get_mut(&mut self.state).control_task.take() {
+        for t in get_mut(&mut self.core).tasks.drain(..) {
             t.abort();
         }
     }
@@ -312,6 +309,19 @@ async fn control_loop(channel: Arc<dyn ControlChannel>, weak: Weak<PrefillInner>
         let Some(inner) = weak.upgrade() else { return };
         inc(&inner.metrics.control_received);
         inner.handle(env).await;
+    }
+}
+
+impl Ticks for PrefillInner {
+    fn next_tick(&self) -> Option<std::time::Instant> {
+        self.with_core(|c| {
+            c.timer_at = c.machine.poll_timeout();
+            c.timer_at
+        })
+    }
+
+    fn tick(&self) {
+        self.step(RankEvent::Timer);
     }
 }
 
@@ -376,7 +386,7 @@ impl PrefillAgent {
     pub fn poll(&self, room: impl Into<RoomId>) -> Result<RoomState> {
         let room = room.into();
         self.inner
-            .with_state(|st| st.visible(room).map(|r| r.status.state()))
+            .with_core(|c| c.visible(room).map(|(_, s)| s.status.state()))
     }
 
     /// The room's state agreed with the other ranks through the [`RankAgreement`] hook.
@@ -393,7 +403,7 @@ impl PrefillAgent {
     pub fn failure(&self, room: impl Into<RoomId>) -> Option<KvTransferError> {
         let room = room.into();
         self.inner
-            .with_state(|st| st.visible(room).ok().and_then(|r| r.status.error(room)))
+            .with_core(|c| c.visible(room).ok().and_then(|(_, s)| s.status.error(room)))
     }
 
     /// The decode prefix (tokens the decode already holds) once every decode rank sent its
@@ -401,7 +411,7 @@ impl PrefillAgent {
     pub fn decode_prefix_len(&self, room: impl Into<RoomId>) -> Option<u64> {
         let room = room.into();
         self.inner
-            .with_state(|st| st.visible(room).ok().and_then(|r| r.machine.prefix()))
+            .with_core(|c| c.visible(room).ok().and_then(|(m, _)| m.prefix()))
     }
 
     /// Waits until every decode rank of the room sent its metadata (WaitingForInput) and
@@ -413,13 +423,13 @@ impl PrefillAgent {
         let room = room.into();
         let rx = self
             .inner
-            .with_state(|st| st.visible(room).map(|r| r.status.subscribe()))?;
+            .with_core(|c| c.visible(room).map(|(_, s)| s.status.subscribe()))?;
         let state = wait_at_least(rx, RoomState::WaitingForInput).await;
-        self.inner.with_state(|st| {
-            let r = st.visible(room)?;
+        self.inner.with_core(|c| {
+            let (m, s) = c.visible(room)?;
             match state {
-                Some(RoomState::Failed) | None => Err(r.status.failure_or_unknown(room, SIDE)),
-                Some(_) => Ok(r.machine.prefix().unwrap_or(0)),
+                Some(RoomState::Failed) | None => Err(s.status.failure_or_unknown(room, SIDE)),
+                Some(_) => Ok(m.prefix().unwrap_or(0)),
             }
         })
     }
@@ -447,13 +457,13 @@ impl PrefillAgent {
         let room = room.into();
         let rx = self
             .inner
-            .with_state(|st| st.visible(room).map(|r| r.status.subscribe()))?;
+            .with_core(|c| c.visible(room).map(|(_, s)| s.status.subscribe()))?;
         let state = wait_terminal(rx).await;
-        self.inner.with_state(|st| {
-            let r = st.visible(room)?;
+        self.inner.with_core(|c| {
+            let (_, s) = c.visible(room)?;
             match state {
                 Some(RoomState::Success) => Ok(()),
-                _ => Err(r.status.failure_or_unknown(room, SIDE)),
+                _ => Err(s.status.failure_or_unknown(room, SIDE)),
             }
         })
     }
@@ -461,14 +471,8 @@ impl PrefillAgent {
     /// Aborts the room (`Aborted by AbortReq.`): no further chunk is posted, batches in flight
     /// are cancelled, and the decode ranks are told.
     pub fn abort(&self, room: impl Into<RoomId>) {
-        self.inner.step(
-            room.into(),
-            None,
-            Event::Fail(FailureReason::new(
-                FailureCause::Aborted,
-                "Aborted by AbortReq.",
-            )),
-        );
+        let reason = FailureReason::new(FailureCause::Aborted, "Aborted by AbortReq.");
+        self.inner.room_step(room.into(), None, Event::Fail(reason));
     }
 
     /// Forgets a room. A room that is not terminal is aborted first; a room whose batches are
@@ -479,83 +483,36 @@ impl PrefillAgent {
 
     /// A snapshot of this agent's metrics.
     pub fn metrics(&self) -> MetricsSnapshot {
-        let states: Vec<RoomState> = self.inner.with_state(|st| {
-            st.rooms
-                .values()
-                .filter(|r| !r.machine.is_cleared())
-                .map(|r| r.machine.state())
-                .collect()
-        });
+        let states: Vec<RoomState> = self
+            .inner
+            .with_core(|c| c.machine.visible_rooms().map(PrefillRoom::state).collect());
         let by_state = Metrics::count_states(states.into_iter());
         self.inner.metrics.snapshot(by_state)
     }
 
     /// Rooms currently held (not cleared).
     pub fn room_count(&self) -> usize {
-        self.inner.with_state(|st| {
-            st.rooms
-                .values()
-                .filter(|r| !r.machine.is_cleared())
-                .count()
-        })
+        self.inner.with_core(|c| c.machine.visible_rooms().count())
     }
 
     /// Stops the agent: every room that is not terminal fails (`the prefill agent shut down`),
     /// the control loop stops. Batches in flight are fenced by their rooms' drivers.
     pub fn shutdown(&self) {
-        let rooms: Vec<RoomId> = self.inner.with_state(|st| {
-            st.closed = true;
-            st.rooms.keys().copied().collect()
-        });
-        let endpoint = &self.inner.endpoint;
-        for room in rooms {
-            self.inner.step(
-                room,
-                None,
-                Event::Fail(FailureReason::with_peer(
-                    FailureCause::Shutdown,
-                    endpoint,
-                    format!("the prefill agent at {endpoint} shut down"),
-                )),
-            );
-        }
-        if let Some(t) = self.inner.with_state(|st| st.control_task.take()) {
-            t.abort();
+        self.inner.step(RankEvent::Shutdown);
+        // The timer task goes on: the rooms' drivers still end and clear.
+        if let Some(control) = self.inner.with_core(|c| c.control_task.take()) {
+            control.abort();
         }
     }
 }
 
-impl PrefillState {
-    /// The instant a new early timer of `room` must fire at (`None`: the one armed is right,
-    /// or none is needed and the armed one is dropped).
-    fn early_timer_due(&mut self, room: RoomId) -> Option<std::time::Instant> {
-        let want = self.early.poll_timeout(room);
-        match (want, self.early_timers.get(&room)) {
-            (None, _) => {
-                self.early_timers.remove(&room);
-                None
-            }
-            (Some(at), Some((armed, _))) if *armed == at => None,
-            (Some(at), _) => Some(at),
-        }
-    }
-
-    fn visible(&self, room: RoomId) -> Result<&RoomEntry> {
-        self.rooms
-            .get(&room)
-            .filter(|r| !r.machine.is_cleared())
-            .ok_or(CoordinatorError::UnknownRoom { room, side: SIDE })
-    }
-}
-
-/// What a machine step leaves to do once the state is unlocked.
+/// What a machine step leaves to the caller once the state is unlocked.
 #[derive(Default)]
 struct Stepped {
-    sends: Vec<(Endpoint, ControlMessage)>,
-    /// The machine wants its timer at this instant (incarnation, deadline).
-    rearm: Option<(Incarnation, std::time::Instant)>,
     /// What became of a chunk handed over.
     chunk: Option<ChunkStep>,
+    /// Transport connections to close (a decode rank registered again).
+    disconnect: Vec<PeerId>,
 }
 
 /// What [`PrefillInner::send_chunk`] does once the state is unlocked.
@@ -579,13 +536,6 @@ struct DriverStart {
     span: Span,
 }
 
-/// What the prefill already knows of a registering decode session.
-enum Known {
-    Accepted,
-    Rejected(Vec<WireProblem>),
-    New,
-}
-
 fn problem(code: &str, message: String, remedy: &str) -> WireProblem {
     WireProblem {
         code: code.to_owned(),
@@ -600,105 +550,114 @@ fn now() -> std::time::Instant {
 }
 
 impl PrefillInner {
-    /// Runs `f` on the agent's state under its lock; the only place that takes it. `f` gets
-    /// the state, not the agent, and its result cannot borrow the guard, so the lock is
-    /// released before the caller does anything else (a std mutex is not re-entrant: calling
-    /// back into the agent under it would park the thread forever).
-    fn with_state<R>(&self, f: impl FnOnce(&mut PrefillState) -> R) -> R {
-        let mut st = lock(&self.state);
-        f(&mut st)
+    /// Runs `f` on the machine and its rooms' side records under the lock; the only place
+    /// that takes it. `f` gets the core, not the agent, and its result cannot borrow the
+    /// guard, so the lock is released before the caller does anything else (a std mutex is
+    /// not re-entrant: calling back into the agent under it would park the thread forever).
+    fn with_core<R>(&self, f: impl FnOnce(&mut Core) -> R) -> R {
+        f(&mut lock(&self.core))
     }
 
-    /// Remembers `peer`'s connection as lost when a batch to it failed with `e` saying so.
-    fn note_lost(&self, peer: PeerId, e: &TransportError) {
-        if matches!(e, TransportError::PeerLost { .. }) {
-            self.with_state(|st| st.lost_peers.insert(peer));
-        }
+    /// Feeds one event to the machine now and carries out its actions.
+    fn step(&self, event: RankEvent<Conn>) -> Stepped {
+        self.with_core(|c| self.step_locked(c, event))
     }
 
-    /// Feeds `event` to the room's machine (only to the life `incarnation`, when given) and
-    /// executes the actions it answers. `None` when there is no such room; otherwise what
-    /// became of a chunk handed over, if one was.
-    fn step(
-        self: &Arc<Self>,
+    /// Feeds `event` to one room (its life `incarnation` only, when given).
+    fn room_step(
+        &self,
         room: RoomId,
         incarnation: Option<Incarnation>,
         event: RoomEvent,
-    ) -> Option<Option<ChunkStep>> {
-        let now = now();
-        let stepped = self.with_state(|st| {
-            let entry = st
-                .rooms
-                .get_mut(&room)
-                .filter(|e| incarnation.is_none_or(|i| i == e.machine.incarnation()))?;
-            let actions = entry.machine.handle(event, now);
-            Some(self.apply_locked(st, room, actions))
-        })?;
-        Some(self.finish_step(room, stepped))
+    ) -> Stepped {
+        self.step(RankEvent::Room {
+            room,
+            incarnation,
+            event,
+        })
     }
 
-    /// Applies a machine's actions that touch the room's entry (under the lock); the rest is
-    /// returned for [`Self::finish_step`].
-    fn apply_locked(&self, st: &mut PrefillState, room: RoomId, actions: Vec<Action>) -> Stepped {
+    /// [`step`](Self::step) under a lock already held. The actions run under it too, so two
+    /// threads' reports and sends keep the machine's order; none of them waits or takes the
+    /// lock (the outbox only queues); what must wait is left to the caller in [`Stepped`].
+    fn step_locked(&self, c: &mut Core, event: RankEvent<Conn>) -> Stepped {
         let mut out = Stepped::default();
-        let mut remove = false;
-        let Some(entry) = st.rooms.get_mut(&room) else {
-            return out;
-        };
-        for action in actions {
+        for action in c.machine.handle(event, now()) {
             match action {
-                Action::Send { to, message } => out.sends.push((to, *message)),
-                Action::Report { state, reason } => self.report(entry, state, reason),
-                Action::Succeeded { bytes, elapsed } => {
-                    self.metrics.succeeded(elapsed);
-                    let ms = elapsed.as_millis() as u64;
-                    entry.span.record("bytes", bytes);
-                    entry.span.record("duration_ms", ms);
-                    tracing::info!(parent: &entry.span, bytes, duration_ms = ms, "room transferred");
+                RankAction::Send { to, message } => self.outbox.send(&to, *message),
+                RankAction::Room { room, action } => self.room_action(c, room, action, &mut out),
+                RankAction::Disconnect { peer } => out.disconnect.push(peer),
+                RankAction::EarlyExpired { room } => {
+                    tracing::warn!(%room, "dropping metadata of a room that was never created");
                 }
-                Action::PostChunk {
-                    page_offset,
-                    token_offset,
-                    start_driver,
-                } => {
-                    out.chunk =
-                        Some(self.queue_chunk(entry, page_offset, token_offset, start_driver))
-                }
-                Action::RefuseChunk(e) => out.chunk = Some(ChunkStep::Refused(e)),
-                Action::CancelBatches => entry.driver = None,
-                Action::AckWithheld { to } => {
-                    tracing::error!(parent: &entry.span, decode = %to, "room is poisoned (a batch could not be fenced): no ABORT_ACK");
-                }
-                Action::Remove => remove = true,
             }
         }
-        let want = entry.machine.poll_timeout();
-        match want {
-            None => entry.timer = None,
-            Some(at) if entry.timer.as_ref().is_none_or(|(t, _)| *t != at) => {
-                out.rearm = Some((entry.machine.incarnation(), at));
-            }
-            Some(_) => {}
-        }
-        if remove {
-            st.rooms.remove(&room);
+        let next = c.machine.poll_timeout();
+        if next.is_some_and(|n| c.timer_at.is_none_or(|t| n < t)) {
+            c.timer_at = next;
+            self.wake.notify_one();
         }
         out
     }
 
+    /// Carries out one room's action.
+    fn room_action(&self, c: &mut Core, room: RoomId, action: Action, out: &mut Stepped) {
+        let Core { machine, rooms, .. } = c;
+        let Some(side) = rooms.get_mut(&room) else {
+            return;
+        };
+        match action {
+            Action::Send { to, message } => self.outbox.send(&to, *message),
+            Action::Report { state, reason } => {
+                self.report(machine.room(room), side, state, reason)
+            }
+            Action::Succeeded { bytes, elapsed } => {
+                self.metrics.succeeded(elapsed);
+                let ms = elapsed.as_millis() as u64;
+                side.span.record("bytes", bytes);
+                side.span.record("duration_ms", ms);
+                tracing::info!(parent: &side.span, bytes, duration_ms = ms, "room transferred");
+            }
+            Action::PostChunk {
+                page_offset,
+                token_offset,
+                start_driver,
+            } => {
+                out.chunk = Some(match machine.room(room) {
+                    Some(m) => self.queue_chunk(m, side, page_offset, token_offset, start_driver),
+                    None => ChunkStep::Refused(CoordinatorError::UnknownRoom { room, side: SIDE }),
+                });
+            }
+            Action::RefuseChunk(e) => out.chunk = Some(ChunkStep::Refused(e)),
+            Action::CancelBatches => side.driver = None,
+            Action::AckWithheld { to } => {
+                tracing::error!(parent: &side.span, decode = %to, "room is poisoned (a batch could not be fenced): no ABORT_ACK");
+            }
+            Action::Remove => {
+                rooms.remove(&room);
+            }
+        }
+    }
+
     /// Publishes a state change of a room's machine.
-    fn report(&self, entry: &mut RoomEntry, state: RoomState, reason: Option<FailureReason>) {
+    fn report(
+        &self,
+        machine: Option<&PrefillRoom<Conn>>,
+        side: &mut RoomSide,
+        state: RoomState,
+        reason: Option<FailureReason>,
+    ) {
         match reason {
             Some(reason) if state == RoomState::Failed => {
                 self.metrics.failed(reason.cause);
-                tracing::warn!(parent: &entry.span, cause = %reason.cause, peer = reason.peer.as_deref(), reason = %reason.message, "room failed");
-                entry.status.fail(reason);
+                tracing::warn!(parent: &side.span, cause = %reason.cause, peer = reason.peer.as_deref(), reason = %reason.message, "room failed");
+                side.status.fail(reason);
             }
             _ => {
-                if state == RoomState::WaitingForInput {
-                    tracing::debug!(parent: &entry.span, decode_ranks = entry.machine.peers().len(), prefix = entry.machine.prefix(), "room ready");
+                if let Some(m) = machine.filter(|_| state == RoomState::WaitingForInput) {
+                    tracing::debug!(parent: &side.span, decode_ranks = m.peers().len(), prefix = m.prefix(), "room ready");
                 }
-                entry.status.update(state);
+                side.status.update(state);
             }
         }
     }
@@ -706,7 +665,8 @@ impl PrefillInner {
     /// A chunk the machine accepted: queued to the room's driver (started first if needed).
     fn queue_chunk(
         &self,
-        entry: &mut RoomEntry,
+        machine: &PrefillRoom<Conn>,
+        side: &mut RoomSide,
         page_offset: u64,
         token_offset: u64,
         start_driver: bool,
@@ -714,23 +674,22 @@ impl PrefillInner {
         let mut start = None;
         if start_driver {
             let (tx, rx) = mpsc::channel(self.config.max_inflight_batches.max(1));
-            entry.driver = Some(tx);
+            side.driver = Some(tx);
             start = Some(DriverStart {
-                incarnation: entry.machine.incarnation(),
-                senders: entry
-                    .machine
+                incarnation: machine.incarnation(),
+                senders: machine
                     .peers()
                     .iter()
                     .filter(|p| p.peer.is_some())
                     .cloned()
                     .collect(),
-                prefix: entry.machine.prefix().unwrap_or(0),
+                prefix: machine.prefix().unwrap_or(0),
                 rx,
-                status_rx: entry.status.subscribe(),
-                span: entry.span.clone(),
+                status_rx: side.status.subscribe(),
+                span: side.span.clone(),
             });
         }
-        match entry.driver.clone() {
+        match side.driver.clone() {
             Some(tx) => ChunkStep::Queue {
                 tx,
                 page_offset,
@@ -739,46 +698,18 @@ impl PrefillInner {
             },
             None => ChunkStep::Refused(CoordinatorError::InvalidRequest {
                 what: "chunk",
-                message: format!(
-                    "room {} is no longer accepting chunks",
-                    entry.machine.room()
-                ),
+                message: format!("room {} is no longer accepting chunks", machine.room()),
             }),
         }
     }
 
-    /// Sends what a step left to send and arms the room's timer.
-    fn finish_step(self: &Arc<Self>, room: RoomId, stepped: Stepped) -> Option<ChunkStep> {
-        for (to, msg) in stepped.sends {
-            self.outbox.send(&to, msg);
+    /// Tells the machine `peer`'s connection is lost when a batch to it failed with `e`
+    /// saying so.
+    fn note_lost(&self, peer: PeerId, e: &TransportError) {
+        if matches!(e, TransportError::PeerLost { .. }) {
+            self.step(RankEvent::PeerLost { peer });
         }
-        if let Some((incarnation, at)) = stepped.rearm {
-            let guard = spawn_timer_at(Arc::downgrade(self), Instant::from_std(at), move |inner| {
-                inner.step(room, Some(incarnation), Event::TimerFired { incarnation });
-            });
-            let unused = self.with_state(|st| {
-                match st.rooms.get_mut(&room).filter(|e| {
-                    e.machine.incarnation() == incarnation && e.machine.poll_timeout() == Some(at)
-                }) {
-                    Some(e) => e.timer.replace((at, guard)).map(|(_, g)| g),
-                    None => Some(guard),
-                }
-            });
-            drop(unused);
-        }
-        stepped.chunk
     }
-}
-
-/// What [`PrefillInner::on_transfer_info`] does once the state is unlocked.
-enum MetadataStep {
-    /// The room exists: fail it first when the metadata is invalid, then add the metadata.
-    Room(Option<FailureReason>, RoomPeer),
-    /// The room does not exist yet: tell the decode rank when refused; arm the early timer.
-    Early(
-        Option<Box<(FailureReason, RoomPeer)>>,
-        Option<std::time::Instant>,
-    ),
 }
 
 impl PrefillInner {
@@ -793,7 +724,9 @@ impl PrefillInner {
                 });
             }
             ControlMessage::TransferInfo(info) => self.on_transfer_info(info),
-            ControlMessage::Abort(a) => self.on_abort(a),
+            ControlMessage::Abort(a) => {
+                self.step(RankEvent::DecodeAbort(a));
+            }
             ControlMessage::Ping(h) => self.outbox.send(&env.from, ControlMessage::Pong(h)),
             other => tracing::debug!(
                 from = %env.from,
@@ -819,14 +752,10 @@ impl PrefillInner {
             problems = %render_problems(&problems),
             "refusing an incompatible decode rank; still serving the others"
         );
-        self.with_state(|st| {
-            st.peers.insert(
-                reg.decode_endpoint.clone(),
-                DecodePeer::Rejected {
-                    session: reg.session,
-                    problems: problems.clone(),
-                },
-            )
+        self.step(RankEvent::Rejected {
+            endpoint: reg.decode_endpoint.clone(),
+            session: reg.session,
+            problems: problems.clone(),
         });
         self.reply(reg, RegistrationOutcome::Rejected { problems });
     }
@@ -863,15 +792,7 @@ impl PrefillInner {
         }
         // Same session again (the decode retried, or registers again after a refusal):
         // answer as before.
-        let session = reg.session;
-        let known = self.with_state(|st| match st.peers.get(&reg.decode_endpoint) {
-            Some(DecodePeer::Accepted(p)) if p.session == session => Known::Accepted,
-            Some(DecodePeer::Rejected {
-                session: s,
-                problems,
-            }) if *s == session => Known::Rejected(problems.clone()),
-            _ => Known::New,
-        });
+        let known = self.with_core(|c| c.machine.known(&reg.decode_endpoint, reg.session));
         match known {
             Known::Accepted => return self.reply_accepted(&reg),
             Known::Rejected(problems) => return self.reply_rejected(&reg, problems),
@@ -885,7 +806,27 @@ impl PrefillInner {
             Ok(p) => p,
             Err(p) => return self.reply_rejected(&reg, vec![p]),
         };
-        self.install_peer(&reg, plan, peer).await;
+        let conn = Arc::new(AcceptedPeer {
+            endpoint: reg.decode_endpoint.clone(),
+            session: reg.session,
+            peer,
+            plan,
+            descriptor: reg.transport.descriptor.clone(),
+        });
+        // A concurrent twin of the same registration that won keeps its connection (ours is
+        // closed); an earlier session of the rank (it restarted) fails its rooms and is
+        // disconnected.
+        let stepped = self.step(RankEvent::Registered {
+            endpoint: reg.decode_endpoint.clone(),
+            decode: AcceptedDecode {
+                session: reg.session,
+                peer,
+                conn,
+            },
+        });
+        for peer in stepped.disconnect {
+            let _ = self.transport.disconnect(peer).await;
+        }
         tracing::info!(decode = %reg.decode_endpoint, path, "decode rank registered");
         self.reply_accepted(&reg);
     }
@@ -960,73 +901,6 @@ impl PrefillInner {
         ))
     }
 
-    /// Records an accepted decode rank. A concurrent twin of the same registration that won
-    /// keeps its connection (ours is closed); an earlier session of the rank (it restarted)
-    /// fails its rooms and is disconnected.
-    async fn install_peer(self: &Arc<Self>, reg: &Registration, plan: PeerPlan, peer: PeerId) {
-        let session = reg.session;
-        let accepted = Arc::new(AcceptedPeer {
-            endpoint: reg.decode_endpoint.clone(),
-            session,
-            peer,
-            plan,
-            descriptor: reg.transport.descriptor.clone(),
-        });
-        let old = self.with_state(|st| match st.peers.get(&reg.decode_endpoint) {
-            Some(DecodePeer::Accepted(p)) if p.session == session => Err(()),
-            _ => Ok(st
-                .peers
-                .insert(reg.decode_endpoint.clone(), DecodePeer::Accepted(accepted))),
-        });
-        let Ok(old) = old else {
-            let _ = self.transport.disconnect(peer).await;
-            return;
-        };
-        if let Some(DecodePeer::Accepted(old)) = old {
-            self.fail_rooms_of(
-                &old.endpoint,
-                Some(old.session),
-                FailureReason::with_peer(
-                    FailureCause::RemoteFailure,
-                    &old.endpoint,
-                    format!(
-                        "decode {} registered again with a new session (it restarted); its \
-                         earlier rooms are failed",
-                        old.endpoint
-                    ),
-                ),
-            );
-            self.with_state(|st| st.lost_peers.remove(&old.peer));
-            let _ = self.transport.disconnect(old.peer).await;
-        }
-    }
-
-    fn fail_rooms_of(
-        self: &Arc<Self>,
-        endpoint: &Endpoint,
-        session: Option<SessionId>,
-        reason: FailureReason,
-    ) {
-        let rooms: Vec<RoomId> = self.with_state(|st| {
-            st.rooms
-                .iter()
-                .filter(|(_, r)| r.machine.has_peer(endpoint, session))
-                .map(|(&k, _)| k)
-                .collect()
-        });
-        for room in rooms {
-            self.step(
-                room,
-                None,
-                Event::PeerGone {
-                    endpoint: endpoint.clone(),
-                    session,
-                    reason: reason.clone(),
-                },
-            );
-        }
-    }
-
     fn reply_failed(&self, info: &TransferInfo, reason: &FailureReason) {
         self.outbox.send(
             &info.decode_endpoint,
@@ -1038,41 +912,6 @@ impl PrefillInner {
                 Some(reason),
             ),
         );
-    }
-
-    /// The accepted decode rank a room's metadata comes from, or why it cannot be used.
-    fn info_peer(
-        &self,
-        info: &TransferInfo,
-    ) -> std::result::Result<Arc<AcceptedPeer>, FailureReason> {
-        let room = info.room;
-        self.with_state(|st| match st.peers.get(&info.decode_endpoint) {
-            None => Err(FailureReason::with_peer(
-                FailureCause::Unregistered,
-                &self.endpoint,
-                format!(
-                    "decode {} sent metadata for room {room} without registering with prefill \
-                     {} first",
-                    info.decode_endpoint, self.endpoint
-                ),
-            )),
-            Some(DecodePeer::Rejected { problems, .. }) => Err(FailureReason::with_peer(
-                FailureCause::PeerRejected,
-                &self.endpoint,
-                render_problems(problems),
-            )),
-            Some(DecodePeer::Accepted(p)) if p.session != info.session => {
-                Err(FailureReason::with_peer(
-                    FailureCause::RemoteFailure,
-                    &info.decode_endpoint,
-                    format!(
-                        "room {room}: metadata from an old session of decode {} (session {} != {})",
-                        info.decode_endpoint, info.session, p.session
-                    ),
-                ))
-            }
-            Some(DecodePeer::Accepted(p)) => Ok(p.clone()),
-        })
     }
 
     /// Why what a decode rank asks for cannot be sent (`None`: it can).
@@ -1099,54 +938,42 @@ impl PrefillInner {
         })
     }
 
+    /// A decode rank's metadata for a room: checked against the rank's registration and the
+    /// plan, then handed to the machine; a lost connection is connected again first.
     fn on_transfer_info(self: &Arc<Self>, info: TransferInfo) {
-        let room = info.room;
-        let peer = match self.info_peer(&info) {
-            Ok(p) => p,
-            Err(reason) => return self.reply_failed(&info, &reason),
-        };
-        if !info.is_dummy && self.with_state(|st| st.lost_peers.contains(&peer.peer)) {
-            let inner = self.clone();
-            tokio::spawn(async move { inner.reconnect_then(info, peer).await });
-            return;
-        }
-        let invalid = self.check_info(&info, &peer);
-        let rp = RoomPeer {
-            peer: (!info.is_dummy).then_some(peer),
-            info,
-        };
-        let now = now();
-        let step = self.with_state(|st| {
-            if st.rooms.get(&room).is_some_and(|r| !r.machine.is_cleared()) {
-                return MetadataStep::Room(invalid, rp);
+        let lost = self.with_core(|c| {
+            let conn = match c.machine.sender(&info) {
+                Ok(a) => a.conn.clone(),
+                Err(reason) => {
+                    self.reply_failed(&info, &reason);
+                    return None;
+                }
+            };
+            if !info.is_dummy && c.machine.is_lost(conn.peer) {
+                return Some((info, conn));
             }
-            let rooms = st.rooms.len();
-            let refused = st.early.metadata(room, rp, invalid, rooms, now).err();
-            MetadataStep::Early(refused, st.early_timer_due(room))
+            let invalid = self.check_info(&info, &conn);
+            let conn = (!info.is_dummy).then_some(conn);
+            self.step_locked(
+                c,
+                RankEvent::Metadata {
+                    info,
+                    conn,
+                    invalid,
+                },
+            );
+            None
         });
-        match step {
-            MetadataStep::Room(invalid, rp) => {
-                // The room fails first; adding the metadata then tells this peer (and every
-                // other).
-                if let Some(reason) = invalid {
-                    self.step(room, None, Event::Fail(reason));
-                }
-                self.step(room, None, Event::Metadata(rp));
-            }
-            MetadataStep::Early(refused, rearm) => {
-                self.arm_early(room, rearm);
-                if let Some(refused) = refused {
-                    let (reason, rp) = *refused;
-                    self.reply_failed(&rp.info, &reason);
-                }
-            }
+        if let Some((info, old)) = lost {
+            let inner = self.clone();
+            tokio::spawn(async move { inner.reconnect_then(info, old).await });
         }
     }
 
     /// Connects the transport to `old`'s decode rank again (its connection was lost), puts the
     /// new connection in its place, then handles `info`; a decode rank that cannot be reached
     /// fails the room, naming it.
-    async fn reconnect_then(self: Arc<Self>, info: TransferInfo, old: Arc<AcceptedPeer>) {
+    async fn reconnect_then(self: Arc<Self>, info: TransferInfo, old: Conn) {
         match self.reconnect(&old).await {
             Ok(_) => self.on_transfer_info(info),
             Err(why) => {
@@ -1164,18 +991,14 @@ impl PrefillInner {
     /// Connects the transport to `old`'s decode rank again (its connection was lost) and puts
     /// the new connection in its place (unless a concurrent reconnect or a new registration
     /// replaced it first: then that one). The connection to use now, or why there is none.
-    async fn reconnect(
-        &self,
-        old: &Arc<AcceptedPeer>,
-    ) -> std::result::Result<Arc<AcceptedPeer>, String> {
+    async fn reconnect(&self, old: &Conn) -> std::result::Result<Conn, String> {
         let name = self.transport.name();
         let endpoint = &old.endpoint;
         // Another room may have connected again already.
-        let replaced = self.with_state(|st| match st.peers.get(endpoint) {
-            Some(DecodePeer::Accepted(p)) if !Arc::ptr_eq(p, old) && p.session == old.session => {
-                Some(p.clone())
-            }
-            _ => None,
+        let replaced = self.with_core(|c| {
+            c.machine
+                .replacement(endpoint, old.peer, old.session)
+                .map(|a| a.conn.clone())
         });
         if let Some(current) = replaced {
             return Ok(current);
@@ -1203,25 +1026,21 @@ impl PrefillInner {
             plan: old.plan.clone(),
             descriptor: old.descriptor.clone(),
         });
-        let current = self.with_state(|st| match st.peers.get(endpoint) {
-            Some(DecodePeer::Accepted(p)) if Arc::ptr_eq(p, old) => {
-                st.peers
-                    .insert(endpoint.clone(), DecodePeer::Accepted(fresh.clone()));
-                st.lost_peers.remove(&old.peer);
-                Ok(fresh.clone())
-            }
-            Some(DecodePeer::Accepted(p)) if p.session == old.session => Err(Some(p.clone())),
-            _ => Err(None),
-        });
-        match current {
-            Ok(fresh) => {
+        let decode = AcceptedDecode {
+            session: old.session,
+            peer,
+            conn: fresh.clone(),
+        };
+        let replaced = self.with_core(|c| c.machine.replace_lost(endpoint, old.peer, decode));
+        match replaced {
+            Ok(()) => {
                 tracing::info!(decode = %endpoint, "connected the transport to the decode again after it was lost");
                 let _ = self.transport.disconnect(old.peer).await;
                 Ok(fresh)
             }
             Err(other) => {
                 let _ = self.transport.disconnect(peer).await;
-                other.ok_or_else(|| {
+                other.map(|a| a.conn).ok_or_else(|| {
                     format!(
                         "decode {endpoint} registered again while its lost connection was replaced"
                     )
@@ -1230,41 +1049,7 @@ impl PrefillInner {
         }
     }
 
-    /// Arms the early timer of `room` for `at` (kept only while still due then).
-    fn arm_early(self: &Arc<Self>, room: RoomId, at: Option<std::time::Instant>) {
-        let Some(at) = at else { return };
-        let guard = spawn_timer_at(Arc::downgrade(self), Instant::from_std(at), move |inner| {
-            inner.on_early_timer(room);
-        });
-        let unused = self.with_state(|st| {
-            if st.early.poll_timeout(room) == Some(at) {
-                st.early_timers.insert(room, (at, guard)).map(|(_, g)| g)
-            } else {
-                Some(guard)
-            }
-        });
-        drop(unused);
-    }
-
-    fn on_early_timer(self: &Arc<Self>, room: RoomId) {
-        let now = now();
-        let (actions, rearm) = self.with_state(|st| {
-            let actions = st.early.expire(room, now);
-            (actions, st.early_timer_due(room))
-        });
-        if !actions.is_empty() {
-            tracing::warn!(%room, "dropping metadata of a room that was never created");
-        }
-        for action in actions {
-            if let Action::Send { to, message } = action {
-                self.outbox.send(&to, *message);
-            }
-        }
-        self.arm_early(room, rearm);
-    }
-
-    fn create_room(self: &Arc<Self>, room: RoomId) -> Result<()> {
-        let incarnation = Incarnation::from(self.incarnations.fetch_add(1, Ordering::Relaxed) + 1);
+    fn create_room(&self, room: RoomId) -> Result<()> {
         let span = tracing::info_span!(
             parent: None,
             "kv_room",
@@ -1274,89 +1059,26 @@ impl PrefillInner {
             bytes = field::Empty,
             duration_ms = field::Empty
         );
-        let max_rooms = self.config.max_rooms;
-        let now = now();
-        let (infos, tomb, armed) = self.with_state(|st| {
-            admit_room(
-                SIDE,
-                room,
-                st.closed,
-                st.rooms.get(&room).map(|r| r.machine.state()),
-                st.rooms.len(),
-                max_rooms,
-                "clear finished rooms or raise PrefillConfig::max_rooms",
-            )?;
+        self.with_core(|c| {
+            c.machine.admit(room)?;
             inc(&self.metrics.rooms_created);
             tracing::debug!(parent: &span, "room created");
-            let entry = RoomEntry {
-                machine: PrefillRoom::new(room, incarnation, self.room_config.clone(), now),
+            let side = RoomSide {
                 status: RoomStatus::new(RoomState::Bootstrapping),
                 driver: None,
-                timer: None,
                 span,
             };
-            st.rooms.insert(room, entry);
-            let (infos, tomb) = st.early.take(room);
-            st.early_timers.remove(&room);
-            Ok::<_, CoordinatorError>((infos, tomb, self.apply_locked(st, room, Vec::new())))
-        })?;
-        self.finish_step(room, armed);
-        for rp in infos {
-            self.step(room, Some(incarnation), Event::Metadata(rp));
-        }
-        if let Some(reason) = tomb {
-            self.step(room, Some(incarnation), Event::Fail(reason));
-        }
-        Ok(())
+            c.rooms.insert(room, side);
+            self.step_locked(c, RankEvent::Create { room });
+            Ok(())
+        })
     }
 
-    fn on_abort(self: &Arc<Self>, a: AbortRequest) {
-        let room = a.room;
-        let known = self.with_state(|st| {
-            st.rooms.get(&room).is_some_and(|r| {
-                r.machine.has_peer(&a.decode_endpoint, None) || !r.machine.is_cleared()
-            })
-        });
-        let handled = known
-            && self
-                .step(
-                    room,
-                    None,
-                    Event::DecodeAbort {
-                        from: a.decode_endpoint.clone(),
-                        generation: a.generation,
-                        reason: a.reason.clone(),
-                    },
-                )
-                .is_some();
-        if handled {
+    fn clear(&self, room: RoomId) {
+        if self.with_core(|c| c.visible(room).is_err()) {
             return;
         }
-        // Not a room of ours (any more): nothing of it is in flight.
-        let now = now();
-        let rearm = self.with_state(|st| {
-            if st.early.abort(room, &a.decode_endpoint, now) {
-                tracing::debug!(%room, "abort before the room was created: tombstoned");
-            }
-            st.early_timer_due(room)
-        });
-        self.arm_early(room, rearm);
-        self.outbox.send(
-            &a.decode_endpoint,
-            ControlMessage::AbortAck(AbortAck {
-                room: a.room,
-                generation: a.generation,
-                prefill_rank: self.unique_rank,
-                prefill_endpoint: self.endpoint.clone(),
-            }),
-        );
-    }
-
-    fn clear(self: &Arc<Self>, room: RoomId) {
-        if self.with_state(|st| st.visible(room).is_err()) {
-            return;
-        }
-        self.step(room, None, Event::Clear);
+        self.room_step(room, None, Event::Clear);
         self.agreement.forget(room.into());
     }
 
@@ -1405,7 +1127,7 @@ impl PrefillInner {
 
     async fn send_chunk(self: Arc<Self>, room: RoomId, chunk: Chunk) -> Result<()> {
         self.check_chunk(&chunk)?;
-        self.with_state(|st| st.visible(room).map(|_| ()))?;
+        self.with_core(|c| c.visible(room).map(|_| ()))?;
         // One page id stands for page_size · dcp_size tokens (the prefill's virtual page).
         let page_tokens = self
             .descriptor
@@ -1417,7 +1139,16 @@ impl PrefillInner {
             is_last: chunk.is_last,
             page_tokens,
         };
-        let Some(step) = self.step(room, None, Event::Chunk(shape)) else {
+        let event = RankEvent::Room {
+            room,
+            incarnation: None,
+            event: Event::Chunk(shape),
+        };
+        let step = self.with_core(|c| {
+            c.machine.room(room)?;
+            Some(self.step_locked(c, event).chunk)
+        });
+        let Some(step) = step else {
             return Err(CoordinatorError::UnknownRoom { room, side: SIDE });
         };
         // Nothing to post: the room has only dummy peers.
@@ -1448,9 +1179,9 @@ impl PrefillInner {
             token_offset,
         };
         if tx.send(job).await.is_err() {
-            return self.with_state(|st| {
-                let r = st.visible(room)?;
-                Err(r.status.error(room).map(CoordinatorError::from).unwrap_or(
+            return self.with_core(|c| {
+                let (_, s) = c.visible(room)?;
+                Err(s.status.error(room).map(CoordinatorError::from).unwrap_or(
                     CoordinatorError::InvalidRequest {
                         what: "chunk",
                         message: format!("room {room} stopped accepting chunks"),
@@ -1609,13 +1340,13 @@ impl RoomDriver {
         let (room, incarnation) = (self.room, self.incarnation);
         if let Some(reason) = failure {
             self.inner
-                .step(room, Some(incarnation), Event::Fail(reason));
+                .room_step(room, Some(incarnation), Event::Fail(reason));
         }
         let poisoned = self.fence().await;
         if poisoned {
             tracing::error!(%room, "a batch of the room could not be fenced; the room is poisoned");
         }
-        self.inner.step(
+        self.inner.room_step(
             room,
             Some(incarnation),
             Event::DriverEnded {
@@ -1676,7 +1407,7 @@ impl RoomDriver {
                 }
                 BatchAction::Delivered { bytes } => {
                     let incarnation = self.incarnation;
-                    self.inner.step(
+                    self.inner.room_step(
                         self.room,
                         Some(incarnation),
                         Event::Delivered { incarnation, bytes },

@@ -1,34 +1,38 @@
-//! One-shot timers that are cancelled when their guard drops.
+//! The agents' one timer task: it sleeps until the machine's next deadline and ticks it.
 
 use std::sync::{Arc, Weak};
 
-use tokio::task::AbortHandle;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
-/// Cancels its timer when dropped.
-#[derive(Debug)]
-pub(crate) struct TimerGuard(Option<AbortHandle>);
-
-impl Drop for TimerGuard {
-    fn drop(&mut self) {
-        if let Some(h) = self.0.take() {
-            h.abort();
-        }
-    }
+/// What the timer task needs of an agent's driver.
+pub(crate) trait Ticks: Send + Sync + 'static {
+    /// The machine's next deadline, recorded (under the driver's lock) as what the timer task
+    /// sleeps until, so a step that arms an earlier one knows to wake it.
+    fn next_tick(&self) -> Option<std::time::Instant>;
+    /// Feeds the machine its timer event now.
+    fn tick(&self);
 }
 
-/// Runs `f` on the agent behind `weak` (if it still exists) at the instant `at` (a room
-/// machine's `poll_timeout`), unless the guard is dropped first.
-pub(crate) fn spawn_timer_at<T: Send + Sync + 'static>(
-    weak: Weak<T>,
-    at: Instant,
-    f: impl FnOnce(&Arc<T>) + Send + 'static,
-) -> TimerGuard {
-    let task = tokio::spawn(async move {
-        tokio::time::sleep_until(at).await;
-        if let Some(inner) = weak.upgrade() {
-            f(&inner);
+/// Sleeps until the machine's next deadline and ticks it; woken early through `wake` when a
+/// step armed an earlier one. Holds no strong reference while it sleeps, so it ends with the
+/// agent.
+pub(crate) async fn timer_loop<T: Ticks>(weak: Weak<T>, wake: Arc<Notify>) {
+    loop {
+        let next = {
+            let Some(inner) = weak.upgrade() else { return };
+            inner.next_tick()
+        };
+        let Some(next) = next else {
+            wake.notified().await;
+            continue;
+        };
+        tokio::select! {
+            _ = wake.notified() => {}
+            _ = tokio::time::sleep_until(Instant::from_std(next)) => {
+                let Some(inner) = weak.upgrade() else { return };
+                inner.tick();
+            }
         }
-    });
-    TimerGuard(Some(task.abort_handle()))
+    }
 }

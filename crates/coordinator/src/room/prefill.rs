@@ -850,5 +850,8 @@ impl SendProgress {
     }
 }
 
+mod machine;
+pub(crate) use machine::{AcceptedDecode, Known, PrefillMachine, RankAction, RankEvent};
+
 #[cfg(test)]
 mod tests;
