@@ -1,10 +1,11 @@
 //! Repository automation, std-only: `cargo xtask <task>`.
 //!
-//! Tasks: `ci` (fmt, clippy, test, deny), `fmt`, `clippy`, `test`, `deny`, `msrv` (build with
-//! the declared rust-version), `miri` (registered memory's tests under Miri, when nightly Miri
-//! is installed), `bench [NAME]`, `stress [--iterations N] [--time-limit SECS] [--burners K]`
-//! (the cross-process tests, again and again, on a loaded machine), `nixl-setup [DIR]` (libclang
-//! and the NIXL runtime for `kvbridge-nixl`, into `target/nixl/`).
+//! Tasks: `ci` (fmt, clippy, test, kvbridge-control without its default features, deny), `fmt`,
+//! `clippy`, `test`, `deny`, `msrv` (build with the declared rust-version), `miri` (registered
+//! memory's tests under Miri, when nightly Miri is installed), `bench [NAME]`, `stress
+//! [--iterations N] [--time-limit SECS] [--burners K]` (the cross-process tests, again and again,
+//! on a loaded machine), `nixl-setup [DIR]` (libclang and the NIXL runtime for `kvbridge-nixl`,
+//! into `target/nixl/`).
 
 use std::env;
 use std::fs;
@@ -49,10 +50,10 @@ fn fmt() -> Result<(), String> {
 /// Every feature of every package but the NIXL ones, for machines without libclang: building
 /// nixl-sys (features `kvbridge-nixl/nixl`, `kvbridge-lab/nixl`) runs bindgen, which needs it.
 /// `tidy::the_feature_list_without_nixl_names_every_other_feature` keeps the list complete.
-pub(crate) const FEATURES_WITHOUT_NIXL: &str = "kvbridge-geometry/serde,kvbridge-memory/testing,\
-kvbridge-transport/mock,kvbridge/full,kvbridge/auth,kvbridge/bootstrap,kvbridge/control,\
-kvbridge/coordinator,kvbridge/handshake,kvbridge/mock,kvbridge/planner,kvbridge/shm,kvbridge/tcp,\
-kvbridge/transport";
+pub(crate) const FEATURES_WITHOUT_NIXL: &str = "kvbridge-control/channel,kvbridge-geometry/serde,\
+kvbridge-memory/testing,kvbridge-transport/mock,kvbridge/full,kvbridge/auth,kvbridge/bootstrap,\
+kvbridge/control,kvbridge/coordinator,kvbridge/handshake,kvbridge/mock,kvbridge/planner,\
+kvbridge/shm,kvbridge/tcp,kvbridge/transport";
 
 /// `--all-features` where nixl-sys can be built (libclang present, as `cargo xtask nixl-setup`
 /// makes it), otherwise every other feature, saying once why the NIXL tests do not run.
@@ -93,6 +94,13 @@ fn test() -> Result<(), String> {
     let mut args = vec!["test", "--workspace", "--doc"];
     args.extend(&features);
     cargo(&args)
+}
+
+/// kvbridge-control without its default feature `channel`: the plain data sans-IO machines use,
+/// built and tested on its own so nothing there comes to need tokio.
+fn control_without_channel() -> Result<(), String> {
+    cargo(&["build", "-p", "kvbridge-control", "--no-default-features"])?;
+    cargo(&["test", "-p", "kvbridge-control", "--no-default-features"])
 }
 
 fn deny() -> Result<(), String> {
@@ -474,6 +482,7 @@ fn main() -> ExitCode {
         Some("ci") => fmt()
             .and_then(|()| clippy())
             .and_then(|()| test())
+            .and_then(|()| control_without_channel())
             .and_then(|()| deny()),
         Some("fmt") => fmt(),
         Some("clippy") => clippy(),

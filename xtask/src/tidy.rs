@@ -1115,3 +1115,226 @@ fn the_waiting_accessor_rule_catches_a_waiting_borrow() {
                #[cfg(test)]\nmod tests { fn t(r: &MemoryRegion) { r.write_at(0, b\"x\").unwrap(); } }\n";
     assert_eq!(waiting_calls(src), [(1, ".borrow_mut(")]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// kvbridge-control's data is usable without tokio: the runtime, async-trait and everything
+// built on them sit behind its default feature `channel`, so sans-IO machines (driven from
+// Python or a C ABI) can depend on the crate with `default-features = false`.
+
+/// The dependencies of kvbridge-control that only the `channel` feature may bring in.
+const CHANNEL_ONLY_DEPS: [&str; 2] = ["tokio", "async-trait"];
+
+/// What the code outside the `channel` feature never names (as a path's first segment).
+const CHANNEL_ONLY_NAMES: [&str; 2] = ["tokio", "async_trait"];
+
+/// Problems with a manifest of kvbridge-control: a dependency of [`CHANNEL_ONLY_DEPS`] among
+/// its normal dependencies that is not optional, or that the `channel` feature does not enable.
+fn channel_dependency_problems(manifest: &str) -> Vec<String> {
+    let channel = section_lines(manifest, "[features]")
+        .into_iter()
+        .find(|l| l.split(['=', ' ']).next() == Some("channel"))
+        .unwrap_or("");
+    let mut problems = Vec::new();
+    for line in section_lines(manifest, "[dependencies]") {
+        let key = line.split(['=', '.', ' ']).next().unwrap().trim();
+        if !CHANNEL_ONLY_DEPS.contains(&key) {
+            continue;
+        }
+        if !line.replace(' ', "").contains("optional=true") {
+            problems.push(format!(
+                "`{line}`: {key} must stay an optional dependency (`optional = true`)"
+            ));
+        }
+        if !channel.contains(&format!("\"dep:{key}\"")) {
+            problems.push(format!(
+                "the `channel` feature must enable {key} (`\"dep:{key}\"`)"
+            ));
+        }
+    }
+    problems
+}
+
+/// `code` (from [`code_only`] of `src`, same offsets) with every item under a `#[cfg(..)]` that
+/// needs the `channel` feature blanked, and the names of the modules so declared (`mod name;`).
+fn without_channel_items(src: &str, code: &[u8]) -> (Vec<u8>, Vec<String>) {
+    let mut out = code.to_vec();
+    let mut gated = Vec::new();
+    let mut from = 0;
+    while let Some(at) = find(code, b"#[cfg(", from) {
+        from = at + 1;
+        let attr_end = matching(code, at + 1);
+        let attr = &src[at..attr_end];
+        if !attr.contains("feature = \"channel\"") || attr.contains("not(") {
+            continue;
+        }
+        let Some(end) = code[attr_end..]
+            .iter()
+            .position(|&c| c == b'{' || c == b';')
+            .map(|p| attr_end + p)
+        else {
+            break;
+        };
+        let close = if code[end] == b'{' {
+            matching(code, end)
+        } else {
+            let decl = String::from_utf8_lossy(&code[attr_end..end]).into_owned();
+            if let Some(name) = decl.split_whitespace().skip_while(|w| *w != "mod").nth(1) {
+                gated.push(name.to_owned());
+            }
+            end + 1
+        };
+        for c in &mut out[at..close] {
+            if *c != b'\n' {
+                *c = b' ';
+            }
+        }
+    }
+    (out, gated)
+}
+
+/// Where `code` names one of [`CHANNEL_ONLY_NAMES`] (not as part of a longer identifier).
+fn channel_names(code: &[u8]) -> Vec<(usize, &'static str)> {
+    let mut found = Vec::new();
+    for name in CHANNEL_ONLY_NAMES {
+        let mut from = 0;
+        while let Some(at) = find(code, name.as_bytes(), from) {
+            from = at + 1;
+            let before = at > 0 && is_ident(code[at - 1]);
+            let after = code.get(at + name.len()).is_some_and(|&c| is_ident(c));
+            if !before && !after {
+                found.push((at, name));
+            }
+        }
+    }
+    found.sort_unstable();
+    found
+}
+
+/// Where kvbridge-control's code outside the `channel` feature names tokio or async-trait:
+/// `lib` is the crate root, `module` gives a file module's source by name (`None`: no such
+/// file). Returns `(file, line, name)`; comments, strings and gated items do not count, a
+/// module's `#[cfg(test)]` items do (the dev-dependency would hide them from the compiler).
+fn ungated_channel_names(
+    lib: &str,
+    module: impl Fn(&str) -> Option<String>,
+) -> Vec<(String, usize, &'static str)> {
+    let line = |text: &str, at: usize| text[..at].matches('\n').count() + 1;
+    let (code, _) = without_channel_items(lib, &code_only(lib));
+    let mut found: Vec<(String, usize, &'static str)> = channel_names(&code)
+        .into_iter()
+        .map(|(at, name)| ("lib.rs".to_owned(), line(lib, at), name))
+        .collect();
+    // The file modules the root declares outside the feature: `mod name;`.
+    let mut from = 0;
+    while let Some(at) = find(&code, b"mod ", from) {
+        from = at + 1;
+        if at > 0 && is_ident(code[at - 1]) {
+            continue;
+        }
+        let rest = String::from_utf8_lossy(&code[at + 4..]).into_owned();
+        let name: String = rest.chars().take_while(|&c| is_ident(c as u8)).collect();
+        if !rest[name.len()..].trim_start().starts_with(';') {
+            continue; // an inline module: its code is the root's, checked above
+        }
+        let file = format!("{name}.rs");
+        let text = module(&name)
+            .unwrap_or_else(|| panic!("kvbridge-control declares `mod {name};` but has no {file}"));
+        for (at, word) in channel_names(&code_only(&text)) {
+            found.push((file.clone(), line(&text, at), word));
+        }
+    }
+    found.sort();
+    found.dedup();
+    found
+}
+
+#[test]
+fn the_control_crate_keeps_tokio_behind_its_channel_feature() {
+    let dir = root().join("crates/control");
+    let problems = channel_dependency_problems(&read(&dir.join("Cargo.toml")));
+    assert!(
+        problems.is_empty(),
+        "crates/control/Cargo.toml: {}; sans-IO machines depend on kvbridge-control without \
+         its default features and must not get a runtime",
+        problems.join("; ")
+    );
+    let src = dir.join("src");
+    let module = |name: &str| {
+        [
+            src.join(format!("{name}.rs")),
+            src.join(name).join("mod.rs"),
+        ]
+        .into_iter()
+        .find(|p| p.exists())
+        .map(|p| read(&p))
+    };
+    let report: Vec<String> = ungated_channel_names(&read(&src.join("lib.rs")), module)
+        .into_iter()
+        .map(|(file, line, name)| {
+            format!(
+                "crates/control/src/{file}:{line}: `{name}` outside the `channel` feature; put \
+                 the code (or its module in lib.rs) under `#[cfg(feature = \"channel\")]`"
+            )
+        })
+        .collect();
+    assert!(report.is_empty(), "{}", report.join("\n"));
+}
+
+#[test]
+fn the_channel_feature_rule_catches_a_required_runtime_and_an_ungated_module() {
+    let good = "[features]\ndefault = [\"channel\"]\n\
+                channel = [\"dep:async-trait\", \"dep:tokio\"]\n\n[dependencies]\n\
+                async-trait = { workspace = true, optional = true }\nserde.workspace = true\n\
+                tokio = { workspace = true, optional = true, features = [\"rt\"] }\n\n\
+                [dev-dependencies]\ntokio = { workspace = true, features = [\"macros\"] }\n";
+    assert_eq!(channel_dependency_problems(good), Vec::<String>::new());
+    let required = good.replace(
+        "tokio = { workspace = true, optional = true, features",
+        "tokio = { workspace = true, features",
+    );
+    let found = channel_dependency_problems(&required);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0].contains("tokio must stay an optional"),
+        "{found:?}"
+    );
+    let dotted = good.replace(
+        "async-trait = { workspace = true, optional = true }",
+        "async-trait.workspace = true",
+    );
+    assert_eq!(channel_dependency_problems(&dotted).len(), 1);
+    let not_enabled = good.replace(", \"dep:tokio\"", "");
+    let found = channel_dependency_problems(&not_enabled);
+    assert!(
+        found.len() == 1 && found[0].contains("`channel` feature must enable tokio"),
+        "{found:?}"
+    );
+
+    let lib = "//! Uses tokio with the feature.\n\
+               #[cfg(feature = \"channel\")]\n#[cfg_attr(docsrs, doc(cfg(feature = \"channel\")))]\n\
+               pub mod channel;\n\
+               #[cfg(all(test, feature = \"channel\"))]\nmod fuzz;\n\
+               mod messages;\nmod state;\n\
+               #[cfg(feature = \"channel\")]\npub use channel::{A, B};\n\
+               #[cfg(not(feature = \"channel\"))]\nuse tokio::sync::Mutex;\n\
+               mod inline { fn f() {} }\n";
+    let module = |name: &str| match name {
+        "messages" => Some("// tokio in a comment\nfn f() { let s = \"tokio\"; }\n".to_owned()),
+        "state" => Some(
+            "fn f() {}\n#[cfg(test)]\nmod tests {\n    #[tokio::test]\n    async fn t() {}\n}\n\
+             #[async_trait::async_trait]\nimpl X for Y {}\nfn tokio_free() {}\n"
+                .to_owned(),
+        ),
+        _ => None, // the gated modules are never read
+    };
+    let found = ungated_channel_names(lib, module);
+    assert_eq!(
+        found,
+        [
+            ("lib.rs".to_owned(), 12, "tokio"),
+            ("state.rs".to_owned(), 4, "tokio"),
+            ("state.rs".to_owned(), 7, "async_trait"),
+        ],
+        "{found:?}"
+    );
+}

@@ -6,10 +6,11 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::directory::{PrefillDirectory, PrefillRankInfo};
 use kvbridge_auth::{NONCE_LEN, Nonce, Secret};
+use kvbridge_control::PrefillRankInfo;
 
 use crate::auth::{Challenge, authorization, needs_proof, unhex};
+use crate::directory::PrefillDirectory;
 use crate::error::{BootstrapError, Result};
 use crate::http::parse_response_head;
 use crate::registry::{

@@ -3,21 +3,10 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use kvbridge_handshake::PeerDescriptor;
+use kvbridge_control::PrefillRankInfo;
 use kvbridge_sync::lock;
-use serde::{Deserialize, Serialize};
 
 use crate::error::{BootstrapError, Result};
-use kvbridge_control::Endpoint;
-
-/// One prefill rank as published to a bootstrap registry: its descriptor and control endpoint.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PrefillRankInfo {
-    /// The rank's control endpoint.
-    pub endpoint: Endpoint,
-    /// The rank's descriptor (its TP/CP/PP/DCP coordinates identify it).
-    pub descriptor: PeerDescriptor,
-}
 
 /// Resolves a bootstrap address (`host:port` of a prefill deployment) to its prefill ranks.
 ///

@@ -47,11 +47,14 @@ mod registry;
 mod server;
 
 pub use client::{BootstrapClient, ClientConfig, HttpDirectory, HttpReply};
-pub use directory::{PrefillDirectory, PrefillRankInfo, StaticDirectory};
+pub use directory::{PrefillDirectory, StaticDirectory};
 pub use error::{BootstrapError, Result};
 pub use kvbridge_auth::Secret;
 /// The control endpoint a rank publishes (kvbridge-control's).
 pub use kvbridge_control::Endpoint;
+/// One prefill rank as published to the registry (kvbridge-control's, so tokio-free code can
+/// read it).
+pub use kvbridge_control::PrefillRankInfo;
 pub use registry::{
     DpRankEntry, DpRankQuery, MAX_DEPLOYMENT_RANKS, MISSING_INPUTS, PrefillServerInfo,
     RankEndpoint, RankList, RankRegistration, Readiness, Refusal, Registry,

@@ -12,9 +12,8 @@ use tokio::time::Instant;
 
 use kvbridge_sync::lock;
 
-use crate::directory::PrefillRankInfo;
 use crate::http::{RequestHead, Response};
-use kvbridge_control::Endpoint;
+use kvbridge_control::{Endpoint, PrefillRankInfo};
 
 /// Most prefill ranks one deployment may declare (`dp · cp · tp · pp`).
 pub const MAX_DEPLOYMENT_RANKS: u64 = 65_536;
