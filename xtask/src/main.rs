@@ -52,7 +52,7 @@ fn fmt() -> Result<(), String> {
 /// `tidy::the_feature_list_without_nixl_names_every_other_feature` keeps the list complete.
 pub(crate) const FEATURES_WITHOUT_NIXL: &str = "kvbridge-control/channel,kvbridge-geometry/serde,\
 kvbridge-memory/testing,kvbridge-transport/mock,kvbridge/full,kvbridge/auth,kvbridge/bootstrap,\
-kvbridge/control,kvbridge/coordinator,kvbridge/handshake,kvbridge/mock,kvbridge/planner,\
+kvbridge/control,kvbridge/coordinator,kvbridge/handshake,kvbridge/machines,kvbridge/mock,kvbridge/planner,\
 kvbridge/shm,kvbridge/tcp,kvbridge/transport";
 
 /// `--all-features` where nixl-sys can be built (libclang present, as `cargo xtask nixl-setup`

@@ -1,6 +1,6 @@
 //! Repository rules checked as tests (run by `cargo test -p xtask`, and so by `cargo xtask ci`).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -153,6 +153,7 @@ const LIBRARY_CRATES: &[&str] = &[
     "kvbridge-shm",
     "kvbridge-tcp",
     "kvbridge-bootstrap",
+    "kvbridge-machines",
     "kvbridge-coordinator",
 ];
 
@@ -169,6 +170,7 @@ const PYTHON_CRATES: &[&str] = &[
     "kvbridge-shm",
     "kvbridge-tcp",
     "kvbridge-bootstrap",
+    "kvbridge-machines",
     "kvbridge-coordinator",
     "kvbridge-nixl",
 ];
@@ -223,6 +225,17 @@ fn crates_depend_only_on_what_the_codemap_allows() {
             &["kvbridge-auth", "kvbridge-handshake", "kvbridge-sync"],
             true,
         ),
+        // The sans-IO machines: the control crate's messages (without its channel), no runtime.
+        (
+            "kvbridge-machines",
+            &[
+                "kvbridge-control",
+                "kvbridge-geometry",
+                "kvbridge-handshake",
+                "kvbridge-transport",
+            ],
+            false,
+        ),
         (
             "kvbridge-coordinator",
             &[
@@ -231,6 +244,7 @@ fn crates_depend_only_on_what_the_codemap_allows() {
                 "kvbridge-control",
                 "kvbridge-geometry",
                 "kvbridge-handshake",
+                "kvbridge-machines",
                 "kvbridge-transport",
             ],
             true,
@@ -980,7 +994,7 @@ fn the_function_length_rule_catches_long_functions_and_accepts_reasons() {
 // ---------------------------------------------------------------------------------------------
 // The room machines are sans-IO: events and explicit instants in, actions out.
 
-/// What the library files of `crates/coordinator/src/room/` never name: a runtime, a clock
+/// What the library files of `crates/machines/src/` never name: a runtime, a clock
 /// read, threads, sockets, files or tracing spans (the drivers own all of that; a machine may
 /// emit log events, which carry no state of their own).
 const ROOM_FORBIDDEN: &[&str] = &[
@@ -1014,11 +1028,8 @@ fn sans_io_violations(src: &str) -> Vec<(usize, &'static str)> {
 #[test]
 fn the_room_machines_do_no_io_and_read_no_clock() {
     let mut files = Vec::new();
-    rust_files(&root().join("crates/coordinator/src/room"), &mut files);
-    assert!(
-        !files.is_empty(),
-        "crates/coordinator/src/room has no files"
-    );
+    rust_files(&root().join("crates/machines/src"), &mut files);
+    assert!(!files.is_empty(), "crates/machines/src has no files");
     let mut report = Vec::new();
     for file in files {
         let name = file.file_name().unwrap().to_string_lossy();
@@ -1337,4 +1348,114 @@ fn the_channel_feature_rule_catches_a_required_runtime_and_an_ungated_module() {
         ],
         "{found:?}"
     );
+}
+
+/// The async runtimes a sans-IO crate must not reach.
+const RUNTIMES: [&str; 3] = ["tokio", "async-std", "smol"];
+
+/// The dependencies of `manifest` that a build reaches: every normal dependency that is not
+/// optional, and with `defaults` the optional ones its default features turn on. Each with
+/// whether its own default features stay on.
+fn reached_dependencies(manifest: &str, defaults: bool) -> Vec<(String, bool)> {
+    let mut on: BTreeSet<String> = BTreeSet::new();
+    if defaults {
+        let features: BTreeMap<String, Vec<String>> = section_lines(manifest, "[features]")
+            .into_iter()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| {
+                let items = v
+                    .trim()
+                    .trim_matches(['[', ']'])
+                    .split(',')
+                    .map(|i| i.trim().trim_matches('"').to_owned())
+                    .filter(|i| !i.is_empty())
+                    .collect();
+                (k.trim().to_owned(), items)
+            })
+            .collect();
+        let mut todo = vec!["default".to_owned()];
+        while let Some(f) = todo.pop() {
+            for item in features.get(&f).into_iter().flatten() {
+                let dep = item.strip_prefix("dep:").unwrap_or(item);
+                let dep = dep.split('/').next().unwrap_or(dep).to_owned();
+                if features.contains_key(item) && on.insert(format!("feature:{item}")) {
+                    todo.push(item.clone());
+                }
+                on.insert(dep);
+            }
+        }
+    }
+    section_lines(manifest, "[dependencies]")
+        .into_iter()
+        .filter_map(|line| {
+            let name = line.split(['=', '.', ' ']).next()?.trim().to_owned();
+            let optional = line.contains("optional = true");
+            let keeps_defaults = !line.contains("default-features = false");
+            (!optional || on.contains(&name)).then_some((name, keeps_defaults))
+        })
+        .collect()
+}
+
+/// The paths from `root` to an async runtime through the workspace's manifests (`manifests`:
+/// crate name to manifest text); empty when none is reached.
+fn runtime_paths(root: &str, manifests: &BTreeMap<String, String>) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut seen = BTreeSet::new();
+    let mut todo = vec![(root.to_owned(), true, root.to_owned())];
+    while let Some((name, defaults, path)) = todo.pop() {
+        if !seen.insert((name.clone(), defaults)) {
+            continue;
+        }
+        let Some(manifest) = manifests.get(&name) else {
+            continue;
+        };
+        for (dep, keeps_defaults) in reached_dependencies(manifest, defaults) {
+            let to = format!("{path} -> {dep}");
+            if RUNTIMES.contains(&dep.as_str()) {
+                found.push(to);
+            } else if manifests.contains_key(&dep) {
+                todo.push((dep, keeps_defaults, to));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn the_machines_reach_no_async_runtime() {
+    let manifests: BTreeMap<String, String> = crates()
+        .into_iter()
+        .map(|(dir, name)| (name, read(&dir.join("Cargo.toml"))))
+        .collect();
+    let paths = runtime_paths("kvbridge-machines", &manifests);
+    assert!(
+        paths.is_empty(),
+        "kvbridge-machines must build without an async runtime (Python and C engines drive \
+         the machines from their own loops), but reaches one: {}",
+        paths.join("; ")
+    );
+}
+
+#[test]
+fn the_runtime_rule_follows_default_features_and_sees_through_them() {
+    let manifests: BTreeMap<String, String> = [
+        ("m", "[dependencies]\nc = { path = \"../c\" }\n"),
+        (
+            "c",
+            "[features]\ndefault = [\"channel\"]\nchannel = [\"dep:tokio\"]\n\n\
+             [dependencies]\ntokio = { workspace = true, optional = true }\n",
+        ),
+        (
+            "m2",
+            "[dependencies]\nc = { path = \"../c\", default-features = false }\n",
+        ),
+        ("m3", "[dependencies]\nd.workspace = true\n"),
+        ("d", "[dependencies]\ntokio.workspace = true\n"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
+    assert_eq!(runtime_paths("m", &manifests), ["m -> c -> tokio"]);
+    assert!(runtime_paths("m2", &manifests).is_empty());
+    assert_eq!(runtime_paths("m3", &manifests), ["m3 -> d -> tokio"]);
 }

@@ -1,5 +1,5 @@
 //! The decode (receiving) agent: the async driver of the decode room machine
-//! ([`crate::room::decode`], docs/lifecycle.md "Decode side").
+//! ([`kvbridge_machines::decode`], docs/lifecycle.md "Decode side").
 //!
 //! The machine holds every rule; this file feeds it control messages, directory answers,
 //! failed sends and timer ticks (one timer task sleeping until
@@ -20,7 +20,6 @@ use tracing::{Span, field};
 
 use crate::agreement::{LocalOnly, RankAgreement};
 use crate::channel::{ControlChannel, Endpoint};
-use crate::config::DecodeConfig;
 use crate::directory::PrefillDirectory;
 use crate::error::{CoordinatorError, Result, Side};
 use crate::ids::{Incarnation, RoomId, SessionId};
@@ -28,10 +27,11 @@ use crate::memory::KvMemory;
 use crate::messages::{CONTROL_PROTOCOL_VERSION, Registration, TransportInfo};
 use crate::metrics::{Metrics, MetricsSnapshot, inc};
 use crate::outbox::{Outbox, send_failed_to};
-use crate::room::decode::{Action, DecodeMachine, Event, RoomRequest};
 use crate::start::{check_role, current_runtime};
 use crate::state::{KvTransferError, RoomState, wait_terminal};
 use crate::timer::{Ticks, timer_loop};
+use kvbridge_machines::DecodeConfig;
+use kvbridge_machines::decode::{Action, DecodeMachine, Event, RoomRequest};
 
 const SIDE: Side = Side::Decode;
 

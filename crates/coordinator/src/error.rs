@@ -2,38 +2,13 @@
 
 use std::time::Duration;
 
-use std::fmt;
-
 use kvbridge_control::ControlError;
+use kvbridge_machines::MachineError;
+pub use kvbridge_machines::Side;
 
 use crate::ids::RoomId;
-use crate::state::{KvTransferError, RoomState};
-
-/// Which agent reports an error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Side {
-    /// A [`PrefillAgent`](crate::PrefillAgent).
-    Prefill,
-    /// A [`DecodeAgent`](crate::DecodeAgent).
-    Decode,
-}
-
-impl Side {
-    /// `"prefill"` or `"decode"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Side::Prefill => "prefill",
-            Side::Decode => "decode",
-        }
-    }
-}
-
-impl fmt::Display for Side {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+use kvbridge_control::RoomState;
+use kvbridge_machines::KvTransferError;
 
 /// Everything a coordinator operation (agents, control channels, directories) can fail with.
 ///
@@ -169,5 +144,76 @@ pub enum CoordinatorError {
     },
 }
 
+impl From<MachineError> for CoordinatorError {
+    /// A machine's refusal as the agent reports it: the variant of the same name and text.
+    fn from(e: MachineError) -> Self {
+        match e {
+            MachineError::Transfer(e) => Self::Transfer(e),
+            MachineError::DuplicateRoom { room, side, state } => {
+                Self::DuplicateRoom { room, side, state }
+            }
+            MachineError::RoomNotReady {
+                room,
+                state,
+                operation,
+                needed,
+            } => Self::RoomNotReady {
+                room,
+                state,
+                operation,
+                needed,
+            },
+            MachineError::InvalidRequest { what, message } => {
+                Self::InvalidRequest { what, message }
+            }
+            MachineError::Shutdown { side } => Self::Shutdown { side },
+            other => Self::InvalidRequest {
+                what: "request",
+                message: other.to_string(),
+            },
+        }
+    }
+}
+
 /// `Result` with [`CoordinatorError`] as the default error.
 pub type Result<T, E = CoordinatorError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{FailureCause, FailureReason};
+
+    #[test]
+    fn a_machine_refusal_keeps_its_name_and_text() {
+        let refusals = [
+            MachineError::Transfer(KvTransferError::new(
+                7,
+                FailureReason::new(FailureCause::Aborted, "Aborted by AbortReq."),
+            )),
+            MachineError::DuplicateRoom {
+                room: 7.into(),
+                side: Side::Prefill,
+                state: RoomState::Transferring,
+            },
+            MachineError::RoomNotReady {
+                room: 7.into(),
+                state: RoomState::Bootstrapping,
+                operation: "send_chunk",
+                needed: RoomState::WaitingForInput,
+            },
+            MachineError::InvalidRequest {
+                what: "chunk",
+                message: "too many tokens".into(),
+            },
+            MachineError::Shutdown { side: Side::Decode },
+        ];
+        for m in refusals {
+            let text = m.to_string();
+            let name = format!("{m:?}");
+            let e = CoordinatorError::from(m);
+            assert_eq!(e.to_string(), text);
+            let variant = |d: &str| d.split([' ', '(', '{']).next().unwrap().to_owned();
+            assert_eq!(variant(&format!("{e:?}")), variant(&name));
+        }
+    }
+}

@@ -99,7 +99,9 @@
 mod agreement;
 /// The bootstrap registry, server and client: [`kvbridge_bootstrap`], re-exported.
 pub use kvbridge_bootstrap as bootstrap;
-mod config;
+/// The sans-IO machines the agents drive, and chunk planning: [`kvbridge_machines`],
+/// re-exported.
+pub use kvbridge_machines as machines;
 mod decode;
 /// The prefill directories ([`kvbridge_bootstrap`]), under the path the agents use.
 mod directory {
@@ -110,9 +112,7 @@ mod memory;
 mod metrics;
 pub mod net_channel;
 mod outbox;
-mod plan;
 mod prefill;
-mod room;
 mod start;
 mod state;
 mod timer;
@@ -123,7 +123,6 @@ pub use kvbridge_control::ids;
 use kvbridge_control::{channel, messages};
 
 pub use agreement::{LocalOnly, RankAgreement, SharedMin};
-pub use config::{DecodeConfig, PackBuffers, PrefillConfig};
 pub use decode::{DecodeAgent, DecodeAgentBuilder, FenceReport, ReceiveRequest};
 pub use directory::{PrefillDirectory, PrefillRankInfo, StaticDirectory};
 pub use error::{CoordinatorError, Result, Side};
@@ -137,9 +136,10 @@ pub use kvbridge_control::{
     InProcessChannel, InProcessControlHub, ProtocolVersion,
 };
 pub use kvbridge_control::{Generation, Incarnation, RoomId, SessionId};
+pub use kvbridge_machines::plan::Chunk;
+pub use kvbridge_machines::{DecodeConfig, PackBuffers, PrefillConfig};
 pub use memory::{AllocatedMemory, EntryRegion, KvMemory};
 pub use metrics::{LATENCY_BUCKETS_MS, LatencyHistogram, MetricsSnapshot, prometheus};
-pub use plan::Chunk;
 pub use prefill::{PrefillAgent, PrefillAgentBuilder};
 pub use state::{
     FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus,

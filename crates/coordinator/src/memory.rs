@@ -8,9 +8,9 @@ use kvbridge_transport::sync::lock;
 use kvbridge_transport::{KvTransport, KvTransportExt, MemoryRegion, RegionId, TransferOp};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::config::PackBuffers;
 use crate::error::{CoordinatorError, Result};
 use crate::messages::WireRegion;
+use kvbridge_machines::PackBuffers;
 
 /// Where one KV entry (or aux buffer) lives: `len` bytes at `offset` in a registered region.
 /// Several entries may share one region (e.g. all layers back to back).

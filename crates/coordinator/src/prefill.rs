@@ -1,5 +1,5 @@
 //! The prefill (sending) agent: the async driver of the prefill rank's machine
-//! ([`crate::room::prefill::PrefillMachine`]). It feeds the machine the events it sees
+//! ([`kvbridge_machines::prefill::PrefillMachine`]). It feeds the machine the events it sees
 //! (control messages, calls, batch outcomes, timer ticks of one timer task) and carries out
 //! the actions it answers: sends control messages, connects and disconnects the transport,
 //! runs each room's send task (plan, post, wait, fence), publishes room states.
@@ -20,28 +20,28 @@ use tracing::{Span, field};
 
 use crate::agreement::{LocalOnly, RankAgreement};
 use crate::channel::{ControlChannel, Endpoint, Envelope};
-use crate::config::PrefillConfig;
 use crate::directory::PrefillRankInfo;
 use crate::error::{CoordinatorError, Result, Side};
 use crate::ids::{Incarnation, RoomId, SessionId};
-use crate::memory::{KvHandles, KvMemory, PackLease, PackPool, pack_buffer_bytes};
+use crate::memory::{EntryRegion, KvHandles, KvMemory, PackLease, PackPool, pack_buffer_bytes};
 use crate::messages::{
     CONTROL_PROTOCOL_VERSION, ControlMessage, Registration, RegistrationOutcome, RegistrationReply,
-    TransferInfo, WireProblem, render_problems,
+    TransferInfo, WireProblem, WireRegion, render_problems,
 };
 use crate::metrics::{Metrics, MetricsSnapshot, add, inc};
 use crate::outbox::{Outbox, send_failed_to};
-use crate::plan::{Chunk, PeerPlan, is_strided_source, pack_ops};
-use crate::room::prefill::{
-    AcceptedDecode, Action, BatchAction, BatchEvent, ChunkShape, Event, Known, MetaPeer,
-    PrefillMachine, PrefillRoom, RankAction, RankEvent, RoomConfig, SendProgress, status_message,
-};
 use crate::start::{check_role, current_runtime};
 use crate::state::{
     FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, wait_at_least,
     wait_terminal,
 };
 use crate::timer::{Ticks, timer_loop};
+use kvbridge_machines::PrefillConfig;
+use kvbridge_machines::plan::{Chunk, PeerPlan, is_strided_source, pack_ops};
+use kvbridge_machines::prefill::{
+    AcceptedDecode, Action, BatchAction, BatchEvent, ChunkShape, Event, Known, MetaPeer,
+    PrefillMachine, PrefillRoom, RankAction, RankEvent, RoomConfig, SendProgress, status_message,
+};
 
 const SIDE: Side = Side::Prefill;
 
@@ -628,7 +628,7 @@ impl PrefillInner {
                     None => ChunkStep::Refused(CoordinatorError::UnknownRoom { room, side: SIDE }),
                 });
             }
-            Action::RefuseChunk(e) => out.chunk = Some(ChunkStep::Refused(e)),
+            Action::RefuseChunk(e) => out.chunk = Some(ChunkStep::Refused(e.into())),
             Action::CancelBatches => side.driver = None,
             Action::AckWithheld { to } => {
                 tracing::error!(parent: &side.span, decode = %to, "room is poisoned (a batch could not be fenced): no ABORT_ACK");
@@ -859,10 +859,14 @@ impl PrefillInner {
         let Some(m) = report.mapping.as_ref().filter(|_| problems.is_empty()) else {
             return Err(problems);
         };
+        let wire = |entries: &[EntryRegion]| -> Vec<WireRegion> {
+            entries.iter().map(|e| e.to_wire()).collect()
+        };
         PeerPlan::new(
             m.path,
             &self.descriptor,
-            &self.memory,
+            &wire(&self.memory.kv),
+            &wire(&self.memory.aux),
             &reg.descriptor,
             &reg.kv_regions,
             &reg.aux_regions,
@@ -1528,7 +1532,7 @@ impl RoomDriver {
     ) -> std::result::Result<
         (
             Job,
-            Vec<std::result::Result<Vec<TransferOp>, crate::plan::PlanError>>,
+            Vec<std::result::Result<Vec<TransferOp>, kvbridge_machines::plan::PlanError>>,
         ),
         FailureReason,
     > {

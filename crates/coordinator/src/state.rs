@@ -1,215 +1,15 @@
-//! Room states, the update rule and failure reasons (docs/lifecycle.md, "States and the
-//! update rule").
-//!
-//! A room's state and first failure reason live in a [`Lifecycle`] (what the room machines
-//! hold) and change only through [`Lifecycle::update`] / [`Lifecycle::fail`], which apply
-//! SGLang's `update_status` rule: Failed is sticky, everything else is monotonic
-//! (`max(current, new)`), and the first failure reason wins. [`RoomStatus`] is the same with
-//! a `watch` channel, so callers can await it. Rooms absent from an agent's table are never
-//! re-created by a late message: only explicit creation makes a room, so a cleared room is
-//! never resurrected.
+//! A room's status as the agents publish it: [`Lifecycle`] (the state under the update rule
+//! and the first failure reason, kept by the machines of `kvbridge-machines`) with a `watch`
+//! channel, so callers can poll and await it.
 
-use std::fmt;
-use std::sync::Arc;
-
-use kvbridge_transport::TransportError;
-use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+use crate::error::{CoordinatorError, Side};
 use crate::ids::RoomId;
 
-/// The wire types of a room's state and failure cause live with the control messages.
 pub use kvbridge_control::{FailureCause, RoomState};
-
-/// The first recorded reason of a room's failure: a cause, the peer involved (if any) and the
-/// text, which names both.
-///
-/// A reason recorded on this rank may keep the typed error behind it ([`Self::caused_by`]);
-/// that stays local (it is not serialized, and equality compares what the wire carries).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct FailureReason {
-    /// Classification for metrics.
-    pub cause: FailureCause,
-    /// The peer involved (control endpoint), if any.
-    pub peer: Option<String>,
-    /// The human text (SGLang's wording where it has one).
-    pub message: String,
-    #[serde(skip)]
-    source: Option<Arc<TransportError>>,
-}
-
-impl PartialEq for FailureReason {
-    fn eq(&self, other: &Self) -> bool {
-        (self.cause, &self.peer, &self.message) == (other.cause, &other.peer, &other.message)
-    }
-}
-
-impl Eq for FailureReason {}
-
-impl FailureReason {
-    /// A reason without a peer.
-    pub fn new(cause: FailureCause, message: impl Into<String>) -> Self {
-        Self {
-            cause,
-            peer: None,
-            message: message.into(),
-            source: None,
-        }
-    }
-
-    /// A reason naming a peer.
-    pub fn with_peer(
-        cause: FailureCause,
-        peer: impl fmt::Display,
-        message: impl Into<String>,
-    ) -> Self {
-        Self {
-            cause,
-            peer: Some(peer.to_string()),
-            message: message.into(),
-            source: None,
-        }
-    }
-
-    /// This reason, keeping the transport error that caused it (reported as the
-    /// [`source`](std::error::Error::source) of the room's [`KvTransferError`]).
-    #[must_use]
-    pub fn caused_by(mut self, error: TransportError) -> Self {
-        self.source = Some(Arc::new(error));
-        self
-    }
-
-    /// The transport error behind this reason, when it was recorded on this rank.
-    pub fn transport_error(&self) -> Option<&TransportError> {
-        self.source.as_deref()
-    }
-}
-
-impl fmt::Display for FailureReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-/// A failed room, reported like SGLang — `KVTransferError(bootstrap_room={room}): {reason}` —
-/// followed by the cause and the peer involved: ` [cause: {cause}; peer: {peer}]`. Its
-/// [`source`](std::error::Error::source) is the [`TransportError`] that failed the room, when a
-/// batch on this rank did.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KvTransferError {
-    /// The room.
-    pub room: RoomId,
-    /// The first recorded reason.
-    pub reason: FailureReason,
-    /// True when this rank recorded no reason of its own (the failure came from another rank
-    /// through cross-rank agreement).
-    pub is_from_another_rank: bool,
-}
-
-impl KvTransferError {
-    /// The error of `room` failed for `reason` (recorded on this rank).
-    pub fn new(room: impl Into<RoomId>, reason: FailureReason) -> Self {
-        Self {
-            room: room.into(),
-            reason,
-            is_from_another_rank: false,
-        }
-    }
-}
-
-impl fmt::Display for KvTransferError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let r = &self.reason;
-        write!(
-            f,
-            "KVTransferError(bootstrap_room={}): {r} [cause: {}",
-            self.room, r.cause
-        )?;
-        if let Some(p) = &r.peer {
-            write!(f, "; peer: {p}")?;
-        }
-        f.write_str("]")
-    }
-}
-
-impl std::error::Error for KvTransferError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.reason
-            .transport_error()
-            .map(|e| e as &(dyn std::error::Error + 'static))
-    }
-}
-
-/// Default reason when a room failed without one recorded on this rank (docs/lifecycle.md,
-/// "Failure reasons").
-pub const UNKNOWN_REASON_FROM_ANOTHER_RANK: &str =
-    "Failed due to an unknown reason from another rank";
-
-/// A room's state and first failure reason under the update rule, without any channel: what
-/// the room machines (`crate::room`) hold.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct Lifecycle {
-    state: RoomState,
-    reason: Option<FailureReason>,
-}
-
-impl Lifecycle {
-    /// A new room. Only Bootstrapping and WaitingForInput create rooms; anything else is
-    /// clamped to Bootstrapping.
-    pub(crate) fn new(initial: RoomState) -> Self {
-        let state = match initial {
-            RoomState::WaitingForInput => RoomState::WaitingForInput,
-            _ => RoomState::Bootstrapping,
-        };
-        Self {
-            state,
-            reason: None,
-        }
-    }
-
-    pub(crate) fn state(&self) -> RoomState {
-        self.state
-    }
-
-    pub(crate) fn reason(&self) -> Option<&FailureReason> {
-        self.reason.as_ref()
-    }
-
-    /// Applies the update rule; returns whether the state changed.
-    pub(crate) fn update(&mut self, new: RoomState) -> bool {
-        let next = RoomState::apply(self.state, new);
-        let changed = next != self.state;
-        self.state = next;
-        changed
-    }
-
-    /// Records `reason` if none is recorded yet (first wins) and sets Failed; returns whether
-    /// this call moved the room to Failed.
-    pub(crate) fn fail(&mut self, reason: FailureReason) -> bool {
-        if self.reason.is_none() {
-            self.reason = Some(reason);
-        }
-        self.update(RoomState::Failed)
-    }
-
-    /// The error to report for the room (`None` unless Failed).
-    pub(crate) fn error(&self, room: RoomId) -> Option<KvTransferError> {
-        if self.state != RoomState::Failed {
-            return None;
-        }
-        Some(match &self.reason {
-            Some(r) => KvTransferError::new(room, r.clone()),
-            None => KvTransferError {
-                room,
-                reason: FailureReason::new(
-                    FailureCause::OtherRank,
-                    UNKNOWN_REASON_FROM_ANOTHER_RANK,
-                ),
-                is_from_another_rank: true,
-            },
-        })
-    }
-}
+use kvbridge_machines::Lifecycle;
+pub use kvbridge_machines::{FailureReason, KvTransferError, UNKNOWN_REASON_FROM_ANOTHER_RANK};
 
 /// One room's status: the state (observable through a `watch` channel, so it can be polled and
 /// awaited) and the first failure reason.
@@ -304,6 +104,21 @@ pub(crate) async fn wait_at_least(
         if rx.changed().await.is_err() {
             return None;
         }
+    }
+}
+
+impl RoomStatus {
+    /// What a caller gets once the room ended badly: its [`KvTransferError`] when Failed,
+    /// otherwise [`CoordinatorError::UnknownRoom`] (the room was cleared meanwhile).
+    pub(crate) fn failure_or_unknown(
+        &self,
+        room: impl Into<RoomId>,
+        side: Side,
+    ) -> CoordinatorError {
+        let room = room.into();
+        self.error(room)
+            .map(CoordinatorError::from)
+            .unwrap_or(CoordinatorError::UnknownRoom { room, side })
     }
 }
 

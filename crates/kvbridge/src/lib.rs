@@ -20,7 +20,8 @@
 //! | `auth` | `auth` (`kvbridge-auth`) | the shared secret, its one challenge-response, the random source | none |
 //! | `control` | `control` (`kvbridge-control`) | the `ControlChannel` trait, control messages, typed ids, the in-process and TCP channels | tokio |
 //! | `bootstrap` | `bootstrap` (`kvbridge-bootstrap`) | the bootstrap registry server and client, prefill directories (implies `control`) | tokio |
-//! | `coordinator` | `coordinator` (`kvbridge-coordinator`) | prefill and decode agents, the request lifecycle (implies `planner`, `handshake`, `transport`, `control`, `bootstrap`) | tokio |
+//! | `machines` | `machines` (`kvbridge-machines`) | the sans-IO machines of a prefill and a decode rank, chunk planning (for an engine's own event loop) | none |
+//! | `coordinator` | `coordinator` (`kvbridge-coordinator`) | prefill and decode agents, the request lifecycle (implies `planner`, `handshake`, `transport`, `control`, `bootstrap`, `machines`) | tokio |
 //! | `full` | all of the above | | tokio |
 //!
 //! The conformance suite for a transport of your own is a dev-dependency of its own,
@@ -88,6 +89,11 @@ pub use kvbridge_control as control;
 #[cfg_attr(docsrs, doc(cfg(feature = "bootstrap")))]
 #[doc(inline)]
 pub use kvbridge_bootstrap as bootstrap;
+
+#[cfg(feature = "machines")]
+#[cfg_attr(docsrs, doc(cfg(feature = "machines")))]
+#[doc(inline)]
+pub use kvbridge_machines as machines;
 
 #[cfg(feature = "coordinator")]
 #[cfg_attr(docsrs, doc(cfg(feature = "coordinator")))]

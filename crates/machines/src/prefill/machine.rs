@@ -15,22 +15,25 @@ use std::time::Instant;
 use kvbridge_transport::PeerId;
 
 use super::{Action, EarlyRooms, Event, MetaPeer, PrefillRoom, RoomConfig, status_message};
-use crate::channel::Endpoint;
-use crate::error::{CoordinatorError, Side};
-use crate::ids::{Incarnation, RoomId, SessionId};
-use crate::messages::{AbortAck, AbortRequest, ControlMessage, TransferInfo, WireProblem};
-use crate::room::admit_room;
+use crate::admit_room;
+use crate::error::{MachineError, Side};
 use crate::state::{FailureCause, FailureReason, RoomState};
+use kvbridge_control::Endpoint;
+use kvbridge_control::{AbortAck, AbortRequest, ControlMessage, TransferInfo, WireProblem};
+use kvbridge_control::{Incarnation, RoomId, SessionId};
 
 const SIDE: Side = Side::Prefill;
 
 /// A decode rank this prefill accepted: the session it registered with, the transport
 /// connection to it, and the driver's handle of it (`conn`: its plan and descriptor).
 #[derive(Debug, Clone)]
-pub(crate) struct AcceptedDecode<P> {
-    pub(crate) session: SessionId,
-    pub(crate) peer: PeerId,
-    pub(crate) conn: P,
+pub struct AcceptedDecode<P> {
+    /// The session it registered with.
+    pub session: SessionId,
+    /// The transport connection to it.
+    pub peer: PeerId,
+    /// The driver's handle of it.
+    pub conn: P,
 }
 
 #[derive(Debug)]
@@ -44,7 +47,7 @@ enum DecodeRank<P> {
 
 /// What the rank already knows of a registering decode session.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Known {
+pub enum Known {
     /// Accepted before: answer as before.
     Accepted,
     /// Refused before, for these problems: answer as before.
@@ -55,25 +58,36 @@ pub(crate) enum Known {
 
 /// Something that happened to the prefill rank.
 #[derive(Debug)]
-pub(crate) enum RankEvent<P> {
+pub enum RankEvent<P> {
     /// Create a room (admitted by [`PrefillMachine::admit`] first).
-    Create { room: RoomId },
+    Create {
+        /// The room.
+        room: RoomId,
+    },
     /// A registering decode rank was checked, planned and connected.
     Registered {
+        /// The decode rank's control endpoint.
         endpoint: Endpoint,
+        /// Its session, connection and handle.
         decode: AcceptedDecode<P>,
     },
     /// A registering decode rank was refused.
     Rejected {
+        /// The decode rank's control endpoint.
         endpoint: Endpoint,
+        /// The session refused.
         session: SessionId,
+        /// Why, as told to it.
         problems: Vec<WireProblem>,
     },
     /// A decode rank's metadata for a room, from the rank [`PrefillMachine::sender`] accepted:
     /// `conn` its handle (`None` for a dummy), `invalid` why it cannot be served.
     Metadata {
+        /// The metadata.
         info: TransferInfo,
+        /// The sender's handle (`None` for a dummy).
         conn: Option<P>,
+        /// Why it cannot be served, if so.
         invalid: Option<FailureReason>,
     },
     /// A decode rank asks to abort a room.
@@ -81,13 +95,19 @@ pub(crate) enum RankEvent<P> {
     /// Something that happened to one room (to its life `incarnation` only, when given):
     /// a local failure or abort, a chunk handed over, its driver delivered or ended, a clear.
     Room {
+        /// The room.
         room: RoomId,
+        /// Its life the event is for (`None`: whichever is held).
         incarnation: Option<Incarnation>,
+        /// What happened.
         event: Event<P>,
     },
     /// A batch found the transport connection `peer` lost: the next room that needs it
     /// connects again first.
-    PeerLost { peer: PeerId },
+    PeerLost {
+        /// The connection.
+        peer: PeerId,
+    },
     /// The rank stops: every room fails, no room is admitted any more.
     Shutdown,
     /// [`PrefillMachine::poll_timeout`] passed.
@@ -96,19 +116,32 @@ pub(crate) enum RankEvent<P> {
 
 /// What the driver must do for the prefill rank.
 #[derive(Debug)]
-pub(crate) enum RankAction {
+pub enum RankAction {
     /// Queue a control message (boxed: a registration reply is large).
     Send {
+        /// The destination.
         to: Endpoint,
+        /// The message.
         message: Box<ControlMessage>,
     },
     /// Carry out a room's action (never [`Action::Send`]: those come as [`RankAction::Send`]).
     /// After [`Action::Remove`] the machine holds the room no more.
-    Room { room: RoomId, action: Action },
+    Room {
+        /// The room.
+        room: RoomId,
+        /// What to do for it.
+        action: Action,
+    },
     /// Close a transport connection nothing uses any more.
-    Disconnect { peer: PeerId },
+    Disconnect {
+        /// The connection.
+        peer: PeerId,
+    },
     /// Metadata held for a room that was never created was dropped (its decode ranks told).
-    EarlyExpired { room: RoomId },
+    EarlyExpired {
+        /// The room.
+        room: RoomId,
+    },
 }
 
 /// Whose deadline a timer entry is.
@@ -120,7 +153,7 @@ enum Due {
 
 /// Every room of one prefill rank and its decode peers; see the module docs.
 #[derive(Debug)]
-pub(crate) struct PrefillMachine<P> {
+pub struct PrefillMachine<P> {
     cfg: RoomConfig,
     max_rooms: usize,
     rooms: HashMap<RoomId, PrefillRoom<P>>,
@@ -139,7 +172,7 @@ pub(crate) struct PrefillMachine<P> {
 
 impl<P: Clone> PrefillMachine<P> {
     /// A machine for the rank described by `cfg`, holding at most `max_rooms` rooms.
-    pub(crate) fn new(cfg: RoomConfig, max_rooms: usize) -> Self {
+    pub fn new(cfg: RoomConfig, max_rooms: usize) -> Self {
         Self {
             early: EarlyRooms::new(cfg.clone(), max_rooms),
             cfg,
@@ -156,7 +189,7 @@ impl<P: Clone> PrefillMachine<P> {
     }
 
     /// Handles one event at `now`; returns what the driver must do, in order.
-    pub(crate) fn handle(&mut self, event: RankEvent<P>, now: Instant) -> Vec<RankAction> {
+    pub fn handle(&mut self, event: RankEvent<P>, now: Instant) -> Vec<RankAction> {
         match event {
             RankEvent::Create { room } => self.on_create(room, now),
             RankEvent::Registered { endpoint, decode } => self.on_registered(endpoint, decode, now),
@@ -206,16 +239,16 @@ impl<P: Clone> PrefillMachine<P> {
 
     /// When the next [`RankEvent::Timer`] is due (a room's deadline, or the end of what is
     /// held for a room not created yet).
-    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+    pub fn poll_timeout(&self) -> Option<Instant> {
         self.timers.peek().map(|Reverse((at, _))| *at)
     }
 
     /// Whether one more room may be created under `room`.
     ///
     /// # Errors
-    /// [`CoordinatorError::Shutdown`], [`CoordinatorError::DuplicateRoom`],
-    /// [`CoordinatorError::InvalidRequest`] (`max_rooms`).
-    pub(crate) fn admit(&self, room: RoomId) -> Result<(), CoordinatorError> {
+    /// [`MachineError::Shutdown`], [`MachineError::DuplicateRoom`],
+    /// [`MachineError::InvalidRequest`] (`max_rooms`).
+    pub fn admit(&self, room: RoomId) -> Result<(), MachineError> {
         admit_room(
             SIDE,
             room,
@@ -228,17 +261,17 @@ impl<P: Clone> PrefillMachine<P> {
     }
 
     /// The room's machine, cleared or not (`None`: not held).
-    pub(crate) fn room(&self, room: RoomId) -> Option<&PrefillRoom<P>> {
+    pub fn room(&self, room: RoomId) -> Option<&PrefillRoom<P>> {
         self.rooms.get(&room)
     }
 
     /// The rooms the caller has not cleared.
-    pub(crate) fn visible_rooms(&self) -> impl Iterator<Item = &PrefillRoom<P>> + '_ {
+    pub fn visible_rooms(&self) -> impl Iterator<Item = &PrefillRoom<P>> + '_ {
         self.rooms.values().filter(|r| !r.is_cleared())
     }
 
     /// What the rank knows of decode `endpoint`'s `session`.
-    pub(crate) fn known(&self, endpoint: &Endpoint, session: SessionId) -> Known {
+    pub fn known(&self, endpoint: &Endpoint, session: SessionId) -> Known {
         match self.decodes.get(endpoint) {
             Some(DecodeRank::Accepted(p)) if p.session == session => Known::Accepted,
             Some(DecodeRank::Rejected {
@@ -253,7 +286,7 @@ impl<P: Clone> PrefillMachine<P> {
     ///
     /// # Errors
     /// The rank never registered, was refused, or `info` comes from its earlier session.
-    pub(crate) fn sender(&self, info: &TransferInfo) -> Result<&AcceptedDecode<P>, FailureReason> {
+    pub fn sender(&self, info: &TransferInfo) -> Result<&AcceptedDecode<P>, FailureReason> {
         let (room, me) = (info.room, &self.cfg.endpoint);
         match self.decodes.get(&info.decode_endpoint) {
             None => Err(FailureReason::with_peer(
@@ -268,7 +301,7 @@ impl<P: Clone> PrefillMachine<P> {
             Some(DecodeRank::Rejected { problems, .. }) => Err(FailureReason::with_peer(
                 FailureCause::PeerRejected,
                 me,
-                crate::messages::render_problems(problems),
+                kvbridge_control::render_problems(problems),
             )),
             Some(DecodeRank::Accepted(p)) if p.session != info.session => {
                 Err(FailureReason::with_peer(
@@ -285,13 +318,13 @@ impl<P: Clone> PrefillMachine<P> {
     }
 
     /// Whether a batch found the connection `peer` lost (and nothing replaced it since).
-    pub(crate) fn is_lost(&self, peer: PeerId) -> bool {
+    pub fn is_lost(&self, peer: PeerId) -> bool {
         self.lost.contains(&peer)
     }
 
     /// The connection that already replaced the lost connection `old` of decode `endpoint`
     /// (of the same session), if another room connected again first.
-    pub(crate) fn replacement(
+    pub fn replacement(
         &self,
         endpoint: &Endpoint,
         old: PeerId,
@@ -309,7 +342,7 @@ impl<P: Clone> PrefillMachine<P> {
     /// # Errors
     /// `fresh` is not used (the driver closes it): `Some` connection of the same session
     /// replaced `old` first, or `None` when the decode registered again meanwhile.
-    pub(crate) fn replace_lost(
+    pub fn replace_lost(
         &mut self,
         endpoint: &Endpoint,
         old: PeerId,

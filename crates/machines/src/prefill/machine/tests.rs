@@ -351,7 +351,7 @@ fn shutdown_fails_every_room_and_admits_none() {
     );
     assert!(matches!(
         m.admit(3.into()),
-        Err(CoordinatorError::Shutdown { .. })
+        Err(MachineError::Shutdown { .. })
     ));
 }
 
@@ -367,7 +367,7 @@ fn max_rooms_bounds_the_rooms_held() {
     assert!(e.to_string().contains("max_rooms"), "{e}");
     assert!(matches!(
         m.admit(1.into()),
-        Err(CoordinatorError::DuplicateRoom { .. })
+        Err(MachineError::DuplicateRoom { .. })
     ));
     // A create the driver did not admit changes nothing.
     m.handle(RankEvent::Create { room: 3.into() }, t0);

@@ -6,49 +6,51 @@ use std::time::{Duration, Instant};
 
 use kvbridge_transport::BatchId;
 
-use crate::channel::Endpoint;
-use crate::error::CoordinatorError;
-use crate::ids::{Generation, Incarnation, RoomId, SessionId};
-use crate::messages::{AbortAck, ControlMessage, StatusUpdate, TransferInfo};
+use crate::error::MachineError;
 use crate::state::{FailureCause, FailureReason, Lifecycle, RoomState};
+use kvbridge_control::Endpoint;
+use kvbridge_control::{AbortAck, ControlMessage, StatusUpdate, TransferInfo};
+use kvbridge_control::{Generation, Incarnation, RoomId, SessionId};
 
 /// What every room of one prefill agent shares.
 #[derive(Debug, Clone)]
-pub(crate) struct RoomConfig {
+pub struct RoomConfig {
     /// The rank's unique rank, named in every status and ack.
-    pub(crate) rank: u32,
+    pub rank: u32,
     /// The rank's control endpoint.
-    pub(crate) endpoint: Endpoint,
+    pub endpoint: Endpoint,
     /// How long a room may stay Bootstrapping.
-    pub(crate) bootstrap_timeout: Duration,
+    pub bootstrap_timeout: Duration,
     /// How long a ready room may take to end.
-    pub(crate) waiting_timeout: Duration,
+    pub waiting_timeout: Duration,
 }
 
 /// One decode rank's metadata for the room. `peer` is the driver's handle of the accepted
 /// decode rank; `None` for a dummy peer (the room's metadata, nothing to send).
 #[derive(Debug, Clone)]
-pub(crate) struct MetaPeer<P> {
-    pub(crate) info: TransferInfo,
-    pub(crate) peer: Option<P>,
+pub struct MetaPeer<P> {
+    /// The metadata as the decode rank sent it.
+    pub info: TransferInfo,
+    /// The driver's handle of the decode rank (`None`: a dummy).
+    pub peer: Option<P>,
 }
 
 /// The sizes of a chunk the caller hands over (its pages are the driver's business).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct ChunkShape {
+pub struct ChunkShape {
     /// Source pages in the chunk.
-    pub(crate) pages: u64,
+    pub pages: u64,
     /// Tokens in the chunk.
-    pub(crate) tokens: u64,
+    pub tokens: u64,
     /// The last chunk of the room.
-    pub(crate) is_last: bool,
+    pub is_last: bool,
     /// Tokens one source page id stands for (`page_size · dcp_size`).
-    pub(crate) page_tokens: u64,
+    pub page_tokens: u64,
 }
 
 /// What happens to a prefill room.
 #[derive(Debug)]
-pub(crate) enum Event<P> {
+pub enum Event<P> {
     /// A decode rank's metadata (already validated by the driver).
     Metadata(MetaPeer<P>),
     /// Fail the room (local abort or clear, shutdown, invalid metadata, a failed batch, ...).
@@ -56,64 +58,92 @@ pub(crate) enum Event<P> {
     /// A decode rank is gone (it registered again with a new session): fails the room if the
     /// rank (of that session, when given) sent metadata for it.
     PeerGone {
+        /// The decode rank.
         endpoint: Endpoint,
+        /// Its session that is gone (`None`: any).
         session: Option<SessionId>,
+        /// Why the room fails.
         reason: FailureReason,
     },
     /// A decode rank asks to abort the room; it is acknowledged once nothing can land.
     DecodeAbort {
+        /// The decode rank, where the ack goes.
         from: Endpoint,
+        /// The abort's generation, echoed in the ack.
         generation: Generation,
+        /// Why, as the decode said.
         reason: String,
     },
     /// The caller hands over a chunk to send.
     Chunk(ChunkShape),
     /// The room's driver delivered every batch (KV and aux) to every decode rank.
     Delivered {
+        /// The room's life the driver was started for.
         incarnation: Incarnation,
+        /// Bytes delivered.
         bytes: u64,
     },
     /// The room's driver ended: every batch it posted is final, or `poisoned` (some batch
     /// could not be proven final).
     DriverEnded {
+        /// The room's life the driver was started for.
         incarnation: Incarnation,
+        /// Some batch could not be proven final.
         poisoned: bool,
     },
     /// A timer armed for [`PrefillRoom::poll_timeout`] fired.
-    TimerFired { incarnation: Incarnation },
+    TimerFired {
+        /// The room's life the timer was armed for.
+        incarnation: Incarnation,
+    },
     /// The caller forgets the room.
     Clear,
 }
 
 /// What the driver does for a prefill room.
 #[derive(Debug)]
-pub(crate) enum Action {
+pub enum Action {
     /// Send a control message (boxed: a registration reply is large).
     Send {
+        /// The destination.
         to: Endpoint,
+        /// The message.
         message: Box<ControlMessage>,
     },
     /// The state changed: publish it (`reason` when it became Failed).
     Report {
+        /// The new state.
         state: RoomState,
+        /// Why it failed (with Failed).
         reason: Option<FailureReason>,
     },
     /// The room succeeded: `bytes` delivered, `elapsed` since creation (metrics, logs).
-    Succeeded { bytes: u64, elapsed: Duration },
+    Succeeded {
+        /// Bytes delivered.
+        bytes: u64,
+        /// Time since the room was created.
+        elapsed: Duration,
+    },
     /// Post the chunk handed over, at these offsets into the send range; start the room's
     /// driver first when `start_driver`.
     PostChunk {
+        /// Source pages of the send range before this chunk.
         page_offset: u64,
+        /// Tokens of the send range before this chunk.
         token_offset: u64,
+        /// This is the room's first chunk: start its driver.
         start_driver: bool,
     },
     /// The chunk handed over is refused (nothing is posted).
-    RefuseChunk(CoordinatorError),
+    RefuseChunk(MachineError),
     /// Stop taking chunks and cancel every batch in flight (the fence); the driver ends with
     /// [`Event::DriverEnded`].
     CancelBatches,
     /// A decode rank's abort is not acknowledged: a batch of the room could not be fenced.
-    AckWithheld { to: Endpoint },
+    AckWithheld {
+        /// The decode rank that asked.
+        to: Endpoint,
+    },
     /// Forget the room: it is cleared and nothing of it is in flight.
     Remove,
 }
@@ -136,7 +166,7 @@ enum Driver {
 
 /// One room's lifecycle on a prefill rank; see the module docs.
 #[derive(Debug)]
-pub(crate) struct PrefillRoom<P> {
+pub struct PrefillRoom<P> {
     room: RoomId,
     incarnation: Incarnation,
     cfg: RoomConfig,
@@ -160,12 +190,7 @@ pub(crate) struct PrefillRoom<P> {
 
 impl<P: Clone> PrefillRoom<P> {
     /// A room created at `now` (Bootstrapping; its bootstrap deadline starts).
-    pub(crate) fn new(
-        room: RoomId,
-        incarnation: Incarnation,
-        cfg: RoomConfig,
-        now: Instant,
-    ) -> Self {
+    pub fn new(room: RoomId, incarnation: Incarnation, cfg: RoomConfig, now: Instant) -> Self {
         let deadline = Some((Deadline::Bootstrap, now + cfg.bootstrap_timeout));
         Self {
             room,
@@ -188,47 +213,50 @@ impl<P: Clone> PrefillRoom<P> {
         }
     }
 
-    pub(crate) fn room(&self) -> RoomId {
+    /// The room.
+    pub fn room(&self) -> RoomId {
         self.room
     }
 
-    pub(crate) fn incarnation(&self) -> Incarnation {
+    /// This life of the room id on the rank.
+    pub fn incarnation(&self) -> Incarnation {
         self.incarnation
     }
 
-    pub(crate) fn state(&self) -> RoomState {
+    /// The room's state.
+    pub fn state(&self) -> RoomState {
         self.life.state()
     }
 
     /// The decode prefix, once a decode rank sent metadata.
-    pub(crate) fn prefix(&self) -> Option<u64> {
+    pub fn prefix(&self) -> Option<u64> {
         self.prefix
     }
 
     /// Cleared by the caller (it may still be fenced).
-    pub(crate) fn is_cleared(&self) -> bool {
+    pub fn is_cleared(&self) -> bool {
         self.cleared
     }
 
     /// The decode ranks that sent metadata, in arrival order.
-    pub(crate) fn peers(&self) -> &[MetaPeer<P>] {
+    pub fn peers(&self) -> &[MetaPeer<P>] {
         &self.peers
     }
 
     /// Whether `endpoint` (of `session`, when given) sent metadata for the room.
-    pub(crate) fn has_peer(&self, endpoint: &Endpoint, session: Option<SessionId>) -> bool {
+    pub fn has_peer(&self, endpoint: &Endpoint, session: Option<SessionId>) -> bool {
         self.peers.iter().any(|p| {
             &p.info.decode_endpoint == endpoint && session.is_none_or(|s| p.info.session == s)
         })
     }
 
     /// When the driver must feed [`Event::TimerFired`] (none once the room is terminal).
-    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+    pub fn poll_timeout(&self) -> Option<Instant> {
         self.deadline.map(|(_, at)| at)
     }
 
     /// Applies `event` at `now`; returns what the driver must do, in order.
-    pub(crate) fn handle(&mut self, event: Event<P>, now: Instant) -> Vec<Action> {
+    pub fn handle(&mut self, event: Event<P>, now: Instant) -> Vec<Action> {
         let mut out = Vec::new();
         match event {
             Event::Metadata(mp) => self.on_metadata(mp, now, &mut out),
@@ -332,7 +360,7 @@ impl<P: Clone> PrefillRoom<P> {
     fn on_chunk(&mut self, c: ChunkShape, now: Instant, out: &mut Vec<Action>) {
         let room = self.room;
         let invalid = |message: String| {
-            Action::RefuseChunk(CoordinatorError::InvalidRequest {
+            Action::RefuseChunk(MachineError::InvalidRequest {
                 what: "chunk",
                 message,
             })
@@ -345,7 +373,7 @@ impl<P: Clone> PrefillRoom<P> {
                 return;
             }
             RoomState::Bootstrapping => {
-                out.push(Action::RefuseChunk(CoordinatorError::RoomNotReady {
+                out.push(Action::RefuseChunk(MachineError::RoomNotReady {
                     room,
                     state: RoomState::Bootstrapping,
                     operation: "send_chunk",
@@ -591,7 +619,7 @@ impl<P: Clone> PrefillRoom<P> {
 /// "Deadlines"): metadata is held, a failure is remembered (a *tombstone*), each for the
 /// bootstrap timeout; [`PrefillRoom`] takes both when the room is created.
 #[derive(Debug)]
-pub(crate) struct EarlyRooms<P> {
+pub struct EarlyRooms<P> {
     cfg: RoomConfig,
     max_rooms: usize,
     held: HashMap<RoomId, (Instant, Vec<MetaPeer<P>>)>,
@@ -599,7 +627,8 @@ pub(crate) struct EarlyRooms<P> {
 }
 
 impl<P> EarlyRooms<P> {
-    pub(crate) fn new(cfg: RoomConfig, max_rooms: usize) -> Self {
+    /// Nothing held yet; at most `max_rooms` rooms' metadata and as many tombstones.
+    pub fn new(cfg: RoomConfig, max_rooms: usize) -> Self {
         Self {
             cfg,
             max_rooms,
@@ -611,7 +640,7 @@ impl<P> EarlyRooms<P> {
     /// Metadata for a room not created yet (`invalid`: why it cannot be served), with
     /// `rooms` rooms held by the agent. Refused: the failure to tell its decode rank (and the
     /// metadata back).
-    pub(crate) fn metadata(
+    pub fn metadata(
         &mut self,
         room: RoomId,
         mp: MetaPeer<P>,
@@ -647,7 +676,7 @@ impl<P> EarlyRooms<P> {
 
     /// A decode rank aborts a room not created yet: its held metadata is dropped and the room
     /// remembered as cancelled. Returns whether metadata was held.
-    pub(crate) fn abort(&mut self, room: RoomId, from: &Endpoint, now: Instant) -> bool {
+    pub fn abort(&mut self, room: RoomId, from: &Endpoint, now: Instant) -> bool {
         if self.held.remove(&room).is_none() {
             return false;
         }
@@ -669,13 +698,13 @@ impl<P> EarlyRooms<P> {
     }
 
     /// What the room being created inherits: the metadata held and the failure remembered.
-    pub(crate) fn take(&mut self, room: RoomId) -> (Vec<MetaPeer<P>>, Option<FailureReason>) {
+    pub fn take(&mut self, room: RoomId) -> (Vec<MetaPeer<P>>, Option<FailureReason>) {
         let held = self.held.remove(&room).map(|(_, m)| m).unwrap_or_default();
         (held, self.tombstones.remove(&room).map(|(_, r)| r))
     }
 
     /// When the driver must call [`Self::expire`] for `room`.
-    pub(crate) fn poll_timeout(&self, room: RoomId) -> Option<Instant> {
+    pub fn poll_timeout(&self, room: RoomId) -> Option<Instant> {
         let held = self.held.get(&room).map(|(t, _)| *t);
         let tomb = self.tombstones.get(&room).map(|(t, _)| *t);
         held.into_iter().chain(tomb).min()
@@ -683,7 +712,7 @@ impl<P> EarlyRooms<P> {
 
     /// Drops what is due for `room` at `now`; held metadata is answered with a bootstrap
     /// timeout (to each non-dummy decode rank).
-    pub(crate) fn expire(&mut self, room: RoomId, now: Instant) -> Vec<Action> {
+    pub fn expire(&mut self, room: RoomId, now: Instant) -> Vec<Action> {
         if self.tombstones.get(&room).is_some_and(|(t, _)| *t <= now) {
             self.tombstones.remove(&room);
         }
@@ -720,7 +749,7 @@ impl<P> EarlyRooms<P> {
 }
 
 /// The status of `room` for the decode rank of `info` (Success, or Failed with `reason`).
-pub(crate) fn status_message(
+pub fn status_message(
     room: RoomId,
     info: &TransferInfo,
     rank: u32,
@@ -741,7 +770,7 @@ pub(crate) fn status_message(
 /// them): which batches are in flight, when a rank's aux rows are due (after every KV batch of
 /// the last chunk landed there), and when everything is delivered.
 #[derive(Debug)]
-pub(crate) struct SendProgress {
+pub struct SendProgress {
     peers: Vec<PeerProgress>,
     inflight: HashMap<BatchId, (usize, bool)>,
     last_posted: bool,
@@ -758,30 +787,55 @@ struct PeerProgress {
 
 /// What happens to a room's batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum BatchEvent {
+pub enum BatchEvent {
     /// A batch was posted to decode rank `peer` (`aux`: its aux rows).
-    Posted { peer: usize, id: BatchId, aux: bool },
+    Posted {
+        /// The decode rank's index.
+        peer: usize,
+        /// The batch.
+        id: BatchId,
+        /// It carries the aux rows.
+        aux: bool,
+    },
     /// Every KV batch of the last chunk is posted.
     LastChunkPosted,
     /// Decode rank `peer` needs no aux batch (nothing to copy).
-    NoAux { peer: usize },
+    NoAux {
+        /// The decode rank's index.
+        peer: usize,
+    },
     /// A batch is done: every byte landed.
-    Done { id: BatchId, bytes: u64 },
+    Done {
+        /// The batch.
+        id: BatchId,
+        /// Its bytes.
+        bytes: u64,
+    },
     /// A batch reached a final failed state (no byte of it lands any more).
-    Failed { id: BatchId },
+    Failed {
+        /// The batch.
+        id: BatchId,
+    },
 }
 
 /// What the driver does next for a room's batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum BatchAction {
+pub enum BatchAction {
     /// Post decode rank `peer`'s aux rows.
-    PostAux { peer: usize },
+    PostAux {
+        /// The decode rank's index.
+        peer: usize,
+    },
     /// Every batch of every decode rank is done: the room is delivered.
-    Delivered { bytes: u64 },
+    Delivered {
+        /// Bytes delivered over every decode rank.
+        bytes: u64,
+    },
 }
 
 impl SendProgress {
-    pub(crate) fn new(peers: usize) -> Self {
+    /// Nothing posted yet to `peers` decode ranks.
+    pub fn new(peers: usize) -> Self {
         Self {
             peers: vec![PeerProgress::default(); peers],
             inflight: HashMap::new(),
@@ -791,17 +845,17 @@ impl SendProgress {
     }
 
     /// Batches posted and not seen final: what a fence cancels.
-    pub(crate) fn in_flight(&self) -> Vec<BatchId> {
+    pub fn in_flight(&self) -> Vec<BatchId> {
         self.inflight.keys().copied().collect()
     }
 
     /// Bytes done so far, over every decode rank.
-    pub(crate) fn bytes(&self) -> u64 {
+    pub fn bytes(&self) -> u64 {
         self.peers.iter().map(|p| p.bytes).sum()
     }
 
     /// Applies `event`; returns the aux posts now due and, once, the delivery.
-    pub(crate) fn handle(&mut self, event: BatchEvent) -> Vec<BatchAction> {
+    pub fn handle(&mut self, event: BatchEvent) -> Vec<BatchAction> {
         match event {
             BatchEvent::Posted { peer, id, aux } => {
                 self.inflight.insert(id, (peer, aux));
@@ -851,7 +905,7 @@ impl SendProgress {
 }
 
 mod machine;
-pub(crate) use machine::{AcceptedDecode, Known, PrefillMachine, RankAction, RankEvent};
+pub use machine::{AcceptedDecode, Known, PrefillMachine, RankAction, RankEvent};
 
 #[cfg(test)]
 mod tests;

@@ -193,7 +193,7 @@ fn first_failure_reason_wins_and_failed_is_sticky() {
     // Nothing moves a Failed room: not a chunk, not a delivery.
     let a = r.handle(chunk(1, 16, true), t0);
     assert!(
-        matches!(&a[..], [Action::RefuseChunk(CoordinatorError::Transfer(e))] if e.reason.message == "first")
+        matches!(&a[..], [Action::RefuseChunk(MachineError::Transfer(e))] if e.reason.message == "first")
     );
     assert!(
         r.handle(
@@ -215,16 +215,16 @@ fn chunks_are_refused_before_ready_and_must_fill_their_pages() {
     let a = r.handle(chunk(1, 16, false), t0);
     assert!(matches!(
         &a[..],
-        [Action::RefuseChunk(CoordinatorError::RoomNotReady { .. })]
+        [Action::RefuseChunk(MachineError::RoomNotReady { .. })]
     ));
     r.handle(meta(0, 1, 1, false), t0);
     let a = r.handle(chunk(1, 17, true), t0);
     assert!(
-        matches!(&a[..], [Action::RefuseChunk(CoordinatorError::InvalidRequest { message, .. })] if message.contains("capacity=16"))
+        matches!(&a[..], [Action::RefuseChunk(MachineError::InvalidRequest { message, .. })] if message.contains("capacity=16"))
     );
     let a = r.handle(chunk(2, 20, false), t0);
     assert!(
-        matches!(&a[..], [Action::RefuseChunk(CoordinatorError::InvalidRequest { message, .. })] if message.contains("only the last chunk"))
+        matches!(&a[..], [Action::RefuseChunk(MachineError::InvalidRequest { message, .. })] if message.contains("only the last chunk"))
     );
     // Accepted chunks get consecutive offsets; the first starts the driver.
     let a = r.handle(chunk(2, 32, false), t0);
@@ -248,7 +248,7 @@ fn chunks_are_refused_before_ready_and_must_fill_their_pages() {
     ));
     let a = r.handle(chunk(1, 5, true), t0);
     assert!(
-        matches!(&a[..], [Action::RefuseChunk(CoordinatorError::InvalidRequest { message, .. })] if message.contains("already sent"))
+        matches!(&a[..], [Action::RefuseChunk(MachineError::InvalidRequest { message, .. })] if message.contains("already sent"))
     );
 }
 

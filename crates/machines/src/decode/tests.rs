@@ -4,7 +4,7 @@ use kvbridge_handshake::Role;
 use proptest::prelude::*;
 
 use super::*;
-use crate::messages::{CONTROL_PROTOCOL_VERSION, TransportInfo};
+use kvbridge_control::{CONTROL_PROTOCOL_VERSION, TransportInfo};
 
 const ADDR: &str = "prefill.test:8998";
 const SESSION: u64 = 7;
@@ -699,12 +699,12 @@ fn shutdown_fails_the_rooms_in_flight_and_admits_no_more() {
     assert_eq!(cause(&r, 2), FailureCause::Shutdown);
     assert!(matches!(
         r.m.admit(RoomId(3)),
-        Err(CoordinatorError::Shutdown { .. })
+        Err(MachineError::Shutdown { .. })
     ));
     assert!(matches!(Rig::one_to_one().m.admit(RoomId(1)), Ok(())));
     assert!(matches!(
         r.m.admit(RoomId(1)),
-        Err(CoordinatorError::Shutdown { .. })
+        Err(MachineError::Shutdown { .. })
     ));
 }
 
@@ -714,7 +714,7 @@ fn a_held_room_id_is_refused_and_forget_respects_the_incarnation() {
     r.at(0.0, receive(1));
     assert!(matches!(
         r.m.admit(RoomId(1)),
-        Err(CoordinatorError::DuplicateRoom { .. })
+        Err(MachineError::DuplicateRoom { .. })
     ));
     let first = r.m.incarnation(RoomId(1)).unwrap();
     r.m.forget(RoomId(1), None);

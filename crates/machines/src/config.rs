@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use kvbridge_handshake::CheckOptions;
 
-/// Configuration of a [`PrefillAgent`](crate::PrefillAgent). Start from [`Default`] and change
+/// Configuration of a `PrefillAgent`. Start from [`Default`] and change
 /// fields with the `with_*` builders:
 /// `PrefillConfig::default().with_bootstrap_timeout(Duration::from_secs(30))`.
 #[derive(Debug, Clone)]
@@ -37,7 +37,7 @@ pub struct PrefillConfig {
     /// Gather strided source rows into registered pack buffers and post contiguous ranges
     /// (default `None`: post the planner's strided ops as they are). Set with
     /// [`with_pack_buffers`](Self::with_pack_buffers); the agent then needs its KV regions'
-    /// handles ([`PrefillAgentBuilder::kv_regions`](crate::PrefillAgentBuilder::kv_regions)).
+    /// handles (`PrefillAgentBuilder::kv_regions`).
     pub pack_buffers: Option<PackBuffers>,
 }
 
@@ -163,7 +163,7 @@ impl Default for PrefillConfig {
     }
 }
 
-/// Configuration of a [`DecodeAgent`](crate::DecodeAgent). Start from [`Default`] and change
+/// Configuration of a `DecodeAgent`. Start from [`Default`] and change
 /// fields with the `with_*` builders:
 /// `DecodeConfig::default().with_fence_timeout(Duration::from_secs(10))`.
 #[derive(Debug, Clone)]
@@ -184,7 +184,7 @@ pub struct DecodeConfig {
     pub control_send_timeout: Duration,
     /// Messages queued per peer before sends to it fail (default 1024).
     pub control_queue: usize,
-    /// How long [`release_when_fenced`](crate::DecodeAgent::release_when_fenced) waits for every
+    /// How long `release_when_fenced` waits for every
     /// sender's abort-ack before giving up (the pages then stay quarantined; default 30 s).
     pub fence_timeout: Duration,
     /// Aborts not yet acknowledged are re-sent this often while a fence is awaited (default 1 s).

@@ -15,8 +15,7 @@ use kvbridge_handshake::{PeerDescriptor, TransferPath};
 use kvbridge_transport::memory::checked_rows;
 use kvbridge_transport::{RegionId, TransferOp};
 
-use crate::memory::KvMemory;
-use crate::messages::WireRegion;
+use kvbridge_control::WireRegion;
 
 /// One chunk of a room's send range, as the prefill scheduler hands it over (docs/lifecycle.md, "Chunks").
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,7 +55,7 @@ impl Chunk {
 
 /// A planning failure, with the text to record as the room's reason.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct PlanError(pub(crate) String);
+pub struct PlanError(pub String);
 
 impl From<kvbridge_geometry::GeometryError> for PlanError {
     fn from(e: kvbridge_geometry::GeometryError) -> Self {
@@ -76,7 +75,7 @@ fn format_of(d: &PeerDescriptor) -> PoolFormat {
 }
 
 /// The pool geometry of a side, given how many pages its registered entries hold.
-pub(crate) fn pool_geometry(d: &PeerDescriptor, num_pages: u64) -> Result<PoolGeometry, PlanError> {
+pub fn pool_geometry(d: &PeerDescriptor, num_pages: u64) -> Result<PoolGeometry, PlanError> {
     let n_target = d.num_target_entries();
     Ok(PoolGeometry::builder(d.page_size)
         .num_pages(num_pages)
@@ -131,7 +130,7 @@ fn head_source(
 /// Everything needed to turn chunks into descriptors for one decode peer; built once at
 /// registration.
 #[derive(Debug, Clone)]
-pub(crate) struct PeerPlan {
+pub struct PeerPlan {
     producer: Producer,
     src: PoolGeometry,
     dst: PoolGeometry,
@@ -147,10 +146,17 @@ pub(crate) struct PeerPlan {
 }
 
 impl PeerPlan {
-    pub(crate) fn new(
+    /// The plan of the pair (`path` from the handshake's check) from both sides' descriptors
+    /// and registered regions (one per KV entry and per aux buffer, in entry order).
+    ///
+    /// # Errors
+    /// The regions do not match the descriptors, or the path is not one this release plans.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
         path: TransferPath,
         me: &PeerDescriptor,
-        my_memory: &KvMemory,
+        my_kv: &[WireRegion],
+        my_aux: &[WireRegion],
         peer: &PeerDescriptor,
         peer_kv: &[WireRegion],
         peer_aux: &[WireRegion],
@@ -169,7 +175,7 @@ impl PeerPlan {
                 peer.aux_item_lens.len()
             )));
         }
-        let src = pool_geometry(me, my_memory.num_pages(me))?;
+        let src = pool_geometry(me, pages_of(my_kv, &me.kv_item_lens))?;
         let dst = pool_geometry(peer, pages_of(peer_kv, &peer.kv_item_lens))?;
         let (n_src, n_dst) = (me.kv_item_lens.len(), peer.kv_item_lens.len());
         if n_src != n_dst {
@@ -213,16 +219,14 @@ impl PeerPlan {
                 .map(|((id, off, len), &item)| (id, off, len, item))
                 .collect::<Vec<_>>()
         };
-        let src_aux_w: Vec<WireRegion> = my_memory.aux.iter().map(|e| e.to_wire()).collect();
-        let src_kv_w: Vec<WireRegion> = my_memory.kv.iter().map(|e| e.to_wire()).collect();
         Ok(PeerPlan {
             producer,
             src,
             dst,
             pairs,
-            src_kv: place(&src_kv_w),
+            src_kv: place(my_kv),
             dst_kv: place(peer_kv),
-            src_aux: rows(place(&src_aux_w), &me.aux_item_lens),
+            src_aux: rows(place(my_aux), &me.aux_item_lens),
             dst_aux: rows(place(peer_aux), &peer.aux_item_lens),
             dst_dcp_size: u64::from(peer.dcp_size.max(1)),
             dst_dcp_rank: u64::from(peer.dcp_rank),
@@ -232,12 +236,12 @@ impl PeerPlan {
     }
 
     /// Decode virtual page size (`P_dst · d_dst`); prefixes must be multiples of it.
-    pub(crate) fn virtual_page(&self) -> u64 {
+    pub fn virtual_page(&self) -> u64 {
         self.dst.page_size().saturating_mul(self.dst_dcp_size)
     }
 
     /// Checks a decode prefix against the virtual page, with the planner's error text.
-    pub(crate) fn check_prefix(&self, decode_prefix_len: u64) -> Result<(), PlanError> {
+    pub fn check_prefix(&self, decode_prefix_len: u64) -> Result<(), PlanError> {
         let v = self.virtual_page();
         if v == 0 || decode_prefix_len % v != 0 {
             return Err(PlanError(
@@ -254,7 +258,7 @@ impl PeerPlan {
     /// The descriptors of one chunk. `page_offset` / `token_offset` = pages / tokens of the
     /// send range sent before it; `dst_pages` = the decode's ids of the send range (entry 0
     /// at `decode_prefix_len`, as its metadata carries them).
-    pub(crate) fn chunk_ops(
+    pub fn chunk_ops(
         &self,
         chunk: &Chunk,
         page_offset: u64,
@@ -378,11 +382,7 @@ impl PeerPlan {
 
     /// The descriptors of the aux rows (docs/lifecycle.md, "Aux rows"): buffer `j < min(#src, #dst)`, the
     /// prefill's row length, each side's own row stride.
-    pub(crate) fn aux_ops(
-        &self,
-        src_index: u64,
-        dst_index: u64,
-    ) -> Result<Vec<TransferOp>, PlanError> {
+    pub fn aux_ops(&self, src_index: u64, dst_index: u64) -> Result<Vec<TransferOp>, PlanError> {
         let mut ops = Vec::new();
         for (j, (s, d)) in self.src_aux.iter().zip(&self.dst_aux).enumerate() {
             let (sr, so, sl, s_item) = *s;
@@ -452,25 +452,27 @@ fn place(
 
 /// Whether an op's source rows are strided (several rows, not back to back): what the pack
 /// path gathers.
-pub(crate) fn is_strided_source(op: &TransferOp) -> bool {
+pub fn is_strided_source(op: &TransferOp) -> bool {
     op.count > 1 && op.len > 0 && op.local_stride != op.len
 }
 
 /// A batch rewritten for a pack buffer: the ops to post, and the gathers that fill the buffer
 /// first (each a strided op from a KV region into the buffer).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct PackedOps {
-    pub(crate) ops: Vec<TransferOp>,
-    pub(crate) gathers: Vec<TransferOp>,
+pub struct PackedOps {
+    /// The ops to post, reading the pack buffer.
+    pub ops: Vec<TransferOp>,
+    /// The copies that fill the pack buffer first.
+    pub gathers: Vec<TransferOp>,
     /// Bytes gathered into the buffer.
-    pub(crate) bytes: u64,
+    pub bytes: u64,
 }
 
 /// Rewrites a batch for the pack buffer `pack` of `capacity` bytes: every op with strided
 /// source rows is gathered into the buffer, laid out in destination order, and posted from it;
 /// ops that land back to back in one destination region are merged, so a chunk whose
 /// destination pages are adjacent posts one range per layer. Other ops are kept as they are.
-pub(crate) fn pack_ops(
+pub fn pack_ops(
     ops: Vec<TransferOp>,
     pack: RegionId,
     capacity: u64,

@@ -5,7 +5,7 @@
 //! message, a failed send, an abort, a timer tick) and the time, and returns the [`Action`]s
 //! the driver carries out (send a control message, ask the directory, report a state, a fence
 //! proven or timed out). [`DecodeMachine::poll_timeout`] says when the next timer tick is due.
-//! No tokio, no clock, no I/O here: the [`DecodeAgent`](crate::DecodeAgent) is the driver, and
+//! No tokio, no clock, no I/O here: the `DecodeAgent` is the driver, and
 //! the tests drive the machine by hand with explicit instants.
 
 use std::cmp::Reverse;
@@ -14,31 +14,31 @@ use std::time::{Duration, Instant};
 
 use kvbridge_handshake::{PeerDescriptor, check_with};
 
-use crate::channel::Endpoint;
+use crate::admit_room;
 use crate::config::DecodeConfig;
-use crate::directory::PrefillRankInfo;
-use crate::error::{CoordinatorError, Side};
-use crate::ids::{Generation, Incarnation, RoomId, SessionId};
-use crate::messages::{
+use crate::error::{MachineError, Side};
+use crate::state::{FailureCause, FailureReason, KvTransferError, Lifecycle, RoomState};
+use kvbridge_control::Endpoint;
+use kvbridge_control::PrefillRankInfo;
+use kvbridge_control::{
     AbortAck, AbortRequest, ControlMessage, Heartbeat, Registration, RegistrationOutcome,
     RegistrationReply, StatusUpdate, TransferInfo, WireProblem, render_problems,
 };
-use crate::room::admit_room;
-use crate::state::{FailureCause, FailureReason, KvTransferError, Lifecycle, RoomState};
+use kvbridge_control::{Generation, Incarnation, RoomId, SessionId};
 
 const SIDE: Side = Side::Decode;
 
 /// What a room needs from its request, already checked and converted by the driver.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct RoomRequest {
+pub struct RoomRequest {
     /// The prefill deployment's bootstrap address.
-    pub(crate) addr: String,
+    pub addr: String,
     /// Destination pages of the send range (entry 0 at the advertised prefix).
-    pub(crate) dst_pages: Vec<u64>,
+    pub dst_pages: Vec<u64>,
     /// The advertised prefix, in tokens.
-    pub(crate) prefix: u64,
+    pub prefix: u64,
     /// The decode's aux row for the room.
-    pub(crate) aux_index: u64,
+    pub aux_index: u64,
 }
 
 /// Something that happened to the decode rank.
@@ -46,7 +46,7 @@ pub(crate) struct RoomRequest {
 // boxing the large control messages would only add an allocation per message.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
-pub(crate) enum Event {
+pub enum Event {
     /// Start receiving a room (admitted by [`DecodeMachine::admit`] first).
     Receive {
         /// The room.
@@ -106,7 +106,7 @@ pub(crate) enum Event {
 /// What the driver must do.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Action {
+pub enum Action {
     /// Queue a control message (per-peer order kept).
     Send {
         /// The destination.
@@ -154,11 +154,11 @@ pub(crate) enum Action {
 
 /// What [`DecodeMachine::forget`] returns about the room it removed.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Forgotten {
+pub struct Forgotten {
     /// The prefill endpoints that acknowledged the room's abort.
-    pub(crate) acked: Vec<Endpoint>,
+    pub acked: Vec<Endpoint>,
     /// The room had failed and was not fenced yet.
-    pub(crate) unfenced: bool,
+    pub unfenced: bool,
 }
 
 /// A bootstrap address resolved: who to register with and what each does for a room.
@@ -255,7 +255,7 @@ impl Room {
 
 /// Every room of one decode rank, its prefill peers and their health.
 #[derive(Debug)]
-pub(crate) struct DecodeMachine {
+pub struct DecodeMachine {
     config: DecodeConfig,
     descriptor: PeerDescriptor,
     /// Sent as is to every prefill rank this rank registers with.
@@ -281,7 +281,7 @@ pub(crate) struct DecodeMachine {
 impl DecodeMachine {
     /// A machine for the rank that sends `registration` (its endpoint, session, descriptor and
     /// memory), started at `now`.
-    pub(crate) fn new(
+    pub fn new(
         config: DecodeConfig,
         registration: Registration,
         has_aux: bool,
@@ -310,7 +310,7 @@ impl DecodeMachine {
     }
 
     /// Handles one event at `now`; returns what the driver must do, in order.
-    pub(crate) fn handle(&mut self, event: Event, now: Instant) -> Vec<Action> {
+    pub fn handle(&mut self, event: Event, now: Instant) -> Vec<Action> {
         match event {
             Event::Receive { room, request } => self.on_receive(room, request, now),
             Event::Resolved { addr, ranks } => self.on_resolved(addr, &ranks, now),
@@ -341,7 +341,7 @@ impl DecodeMachine {
 
     /// When the next [`Event::Timer`] is due (a room deadline, a registration expiry or the
     /// next heartbeat).
-    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+    pub fn poll_timeout(&self) -> Option<Instant> {
         let registrations = self.peers.values().filter_map(|p| match p {
             Peer::Registering { expires } => Some(*expires),
             _ => None,
@@ -358,9 +358,9 @@ impl DecodeMachine {
     /// Whether one more room may be received under `room`.
     ///
     /// # Errors
-    /// [`CoordinatorError::Shutdown`], [`CoordinatorError::DuplicateRoom`],
-    /// [`CoordinatorError::InvalidRequest`] (`max_rooms`).
-    pub(crate) fn admit(&self, room: RoomId) -> Result<(), CoordinatorError> {
+    /// [`MachineError::Shutdown`], [`MachineError::DuplicateRoom`],
+    /// [`MachineError::InvalidRequest`] (`max_rooms`).
+    pub fn admit(&self, room: RoomId) -> Result<(), MachineError> {
         admit_room(
             SIDE,
             room,
@@ -373,39 +373,39 @@ impl DecodeMachine {
     }
 
     /// The room's state (`None`: not held).
-    pub(crate) fn state(&self, room: RoomId) -> Option<RoomState> {
+    pub fn state(&self, room: RoomId) -> Option<RoomState> {
         self.rooms.get(&room).map(|r| r.life.state())
     }
 
     /// The states of every room held.
-    pub(crate) fn states(&self) -> impl Iterator<Item = RoomState> + '_ {
+    pub fn states(&self) -> impl Iterator<Item = RoomState> + '_ {
         self.rooms.values().map(|r| r.life.state())
     }
 
     /// The room's life on this rank.
-    pub(crate) fn incarnation(&self, room: RoomId) -> Option<Incarnation> {
+    pub fn incarnation(&self, room: RoomId) -> Option<Incarnation> {
         self.rooms.get(&room).map(|r| r.incarnation)
     }
 
     /// The failure of a Failed room, with its first reason.
-    pub(crate) fn failure(&self, room: RoomId) -> Option<KvTransferError> {
+    pub fn failure(&self, room: RoomId) -> Option<KvTransferError> {
         self.rooms.get(&room)?.life.error(room)
     }
 
     /// Whether the room failed and is fenced (`None`: not held).
-    pub(crate) fn is_fenced(&self, room: RoomId) -> Option<bool> {
+    pub fn is_fenced(&self, room: RoomId) -> Option<bool> {
         self.rooms
             .get(&room)
             .map(|r| r.life.state() == RoomState::Failed && r.fence.fenced)
     }
 
     /// Rooms held.
-    pub(crate) fn room_count(&self) -> usize {
+    pub fn room_count(&self) -> usize {
         self.rooms.len()
     }
 
     /// The prefill endpoints that accepted this rank, sorted.
-    pub(crate) fn registered_peers(&self) -> Vec<Endpoint> {
+    pub fn registered_peers(&self) -> Vec<Endpoint> {
         let mut v: Vec<Endpoint> = self
             .peers
             .iter()
@@ -417,11 +417,7 @@ impl DecodeMachine {
     }
 
     /// Removes the room (only the life `incarnation` when given).
-    pub(crate) fn forget(
-        &mut self,
-        room: RoomId,
-        incarnation: Option<Incarnation>,
-    ) -> Option<Forgotten> {
+    pub fn forget(&mut self, room: RoomId, incarnation: Option<Incarnation>) -> Option<Forgotten> {
         if incarnation.is_some_and(|i| self.incarnation(room) != Some(i)) {
             return None;
         }
