@@ -7,19 +7,19 @@
 //! ask the directory, wake the waiters of a room.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use kvbridge_handshake::PeerDescriptor;
 use kvbridge_transport::KvTransport;
-use kvbridge_transport::sync::{get_mut, lock};
+use kvbridge_transport::sync::lock;
 use tokio::sync::{Notify, watch};
-use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tracing::{Span, field};
 
 use crate::agreement::{LocalOnly, RankAgreement};
-use crate::channel::{ControlChannel, Endpoint};
+use crate::channel::{ControlChannel, Endpoint, Envelope};
 use crate::directory::PrefillDirectory;
 use crate::error::{CoordinatorError, Result, Side};
 use crate::ids::{Incarnation, RoomId, SessionId};
@@ -27,9 +27,9 @@ use crate::memory::KvMemory;
 use crate::messages::{CONTROL_PROTOCOL_VERSION, Registration, TransportInfo};
 use crate::metrics::{Metrics, MetricsSnapshot, inc};
 use crate::outbox::{Outbox, send_failed_to};
+use crate::shell::{Driver, Tasks};
 use crate::start::{check_role, current_runtime};
 use crate::state::{KvTransferError, RoomState, wait_terminal};
-use crate::timer::{Ticks, timer_loop};
 use kvbridge_machines::DecodeConfig;
 use kvbridge_machines::decode::{Action, DecodeMachine, Event, RoomRequest};
 
@@ -160,18 +160,14 @@ impl DecodeAgentBuilder {
                     machine,
                     rooms: HashMap::new(),
                     timer_at: None,
-                    tasks: Vec::new(),
+                    tasks: Tasks::default(),
                 }),
                 wake: Arc::new(Notify::new()),
                 me: weak.clone(),
             }
         });
-        let control = runtime.spawn(control_loop(self.channel, Arc::downgrade(&inner)));
-        let timer = runtime.spawn(timer_loop(Arc::downgrade(&inner), inner.wake.clone()));
-        inner.with_core(|c| {
-            c.tasks
-                .extend([control.abort_handle(), timer.abort_handle()])
-        });
+        let tasks = Tasks::start(&runtime, &inner, self.channel, inner.wake.clone());
+        inner.with_core(|c| c.tasks = tasks);
         tracing::info!(
             endpoint = %inner.endpoint,
             tp_rank = inner.descriptor.attn_tp_rank,
@@ -227,7 +223,7 @@ struct Core {
     rooms: HashMap<RoomId, RoomSignals>,
     /// What the timer task sleeps until.
     timer_at: Option<std::time::Instant>,
-    tasks: Vec<AbortHandle>,
+    tasks: Tasks,
 }
 
 pub(crate) struct DecodeInner {
@@ -248,33 +244,21 @@ pub(crate) struct DecodeInner {
     me: Weak<DecodeInner>,
 }
 
-impl Drop for DecodeInner {
-    fn drop(&mut self) {
-        for t in get_mut(&mut self.core).tasks.drain(..) {
-            t.abort();
-        }
-    }
-}
+impl Driver for DecodeInner {
+    const SIDE: Side = SIDE;
 
-async fn control_loop(channel: Arc<dyn ControlChannel>, weak: Weak<DecodeInner>) {
-    loop {
-        let env = match channel.recv().await {
-            Ok(env) => env,
-            Err(e) => {
-                tracing::info!(error = %e, "decode control loop stops");
-                return;
-            }
-        };
-        let Some(inner) = weak.upgrade() else { return };
-        inc(&inner.metrics.control_received);
-        inner.step(Event::Control {
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    fn hear(self: Arc<Self>, env: Envelope) -> impl Future<Output = ()> + Send {
+        self.step(Event::Control {
             from: env.from,
             message: env.message,
         });
+        std::future::ready(())
     }
-}
 
-impl Ticks for DecodeInner {
     fn next_tick(&self) -> Option<std::time::Instant> {
         self.with_core(|c| {
             c.timer_at = c.machine.poll_timeout();
@@ -490,10 +474,8 @@ impl DecodeAgent {
     /// control loop and the timer stop.
     pub fn shutdown(&self) {
         self.inner.step(Event::Shutdown);
-        let tasks = self.inner.with_core(|c| std::mem::take(&mut c.tasks));
-        for t in tasks {
-            t.abort();
-        }
+        let mut tasks = self.inner.with_core(|c| std::mem::take(&mut c.tasks));
+        tasks.stop();
     }
 }
 

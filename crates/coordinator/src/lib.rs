@@ -113,9 +113,9 @@ mod metrics;
 pub mod net_channel;
 mod outbox;
 mod prefill;
+mod shell;
 mod start;
 mod state;
-mod timer;
 
 // The control channel, its messages and ids are kvbridge-control's; these keep the paths
 // `crate::channel`, `crate::messages` and `kvbridge_coordinator::ids` of earlier releases.

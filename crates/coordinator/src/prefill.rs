@@ -9,12 +9,12 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use kvbridge_handshake::{PeerDescriptor, check_with, prefill_unique_rank};
-use kvbridge_transport::sync::{get_mut, lock};
+use kvbridge_transport::sync::lock;
 use kvbridge_transport::{
     BatchId, KvTransport, MemoryRegion, PeerId, TransferBatch, TransferOp, TransportError,
 };
 use tokio::sync::{Notify, Semaphore, mpsc, watch};
-use tokio::task::{AbortHandle, JoinSet};
+use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::{Span, field};
 
@@ -30,12 +30,12 @@ use crate::messages::{
 };
 use crate::metrics::{Metrics, MetricsSnapshot, add, inc};
 use crate::outbox::{Outbox, send_failed_to};
+use crate::shell::{Driver, Tasks};
 use crate::start::{check_role, current_runtime};
 use crate::state::{
     FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, wait_at_least,
     wait_terminal,
 };
-use crate::timer::{Ticks, timer_loop};
 use kvbridge_machines::PrefillConfig;
 use kvbridge_machines::plan::{Chunk, PeerPlan, is_strided_source, pack_ops};
 use kvbridge_machines::prefill::{
@@ -153,8 +153,7 @@ impl PrefillAgentBuilder {
                     machine: PrefillMachine::new(room_config, self.config.max_rooms),
                     rooms: HashMap::new(),
                     timer_at: None,
-                    control_task: None,
-                    tasks: Vec::new(),
+                    tasks: Tasks::default(),
                 }),
                 config: self.config,
                 descriptor: self.descriptor,
@@ -169,13 +168,8 @@ impl PrefillAgentBuilder {
                 registrations: Arc::new(Semaphore::new(REGISTRATION_CONCURRENCY)),
             }
         });
-        let control = runtime.spawn(control_loop(self.channel, Arc::downgrade(&inner)));
-        let timer = runtime.spawn(timer_loop(Arc::downgrade(&inner), inner.wake.clone()));
-        inner.with_core(|c| {
-            c.control_task = Some(control.abort_handle());
-            c.tasks
-                .extend([control.abort_handle(), timer.abort_handle()]);
-        });
+        let tasks = Tasks::start(&runtime, &inner, self.channel, inner.wake.clone());
+        inner.with_core(|c| c.tasks = tasks);
         tracing::info!(
             endpoint = %inner.endpoint,
             rank = inner.unique_rank,
@@ -240,10 +234,8 @@ struct Core {
     rooms: HashMap<RoomId, RoomSide>,
     /// What the timer task sleeps until.
     timer_at: Option<std::time::Instant>,
-    /// The control loop, for `shutdown`.
-    control_task: Option<AbortHandle>,
-    /// The control loop and the timer task, for drop.
-    tasks: Vec<AbortHandle>,
+    /// The control loop and the timer task: they end with the agent.
+    tasks: Tasks,
 }
 
 impl Core {
@@ -289,30 +281,17 @@ pub(crate) struct PrefillInner {
     registrations: Arc<Semaphore>,
 }
 
-impl Drop for PrefillInner {
-    fn drop(&mut self) {
-        for t in get_mut(&mut self.core).tasks.drain(..) {
-            t.abort();
-        }
-    }
-}
+impl Driver for PrefillInner {
+    const SIDE: Side = SIDE;
 
-async fn control_loop(channel: Arc<dyn ControlChannel>, weak: Weak<PrefillInner>) {
-    loop {
-        let env = match channel.recv().await {
-            Ok(env) => env,
-            Err(e) => {
-                tracing::info!(error = %e, "prefill control loop stops");
-                return;
-            }
-        };
-        let Some(inner) = weak.upgrade() else { return };
-        inc(&inner.metrics.control_received);
-        inner.handle(env).await;
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
     }
-}
 
-impl Ticks for PrefillInner {
+    async fn hear(self: Arc<Self>, env: Envelope) {
+        self.handle(env).await;
+    }
+
     fn next_tick(&self) -> Option<std::time::Instant> {
         self.with_core(|c| {
             c.timer_at = c.machine.poll_timeout();
@@ -499,10 +478,10 @@ impl PrefillAgent {
     /// the control loop stops. Batches in flight are fenced by their rooms' drivers.
     pub fn shutdown(&self) {
         self.inner.step(RankEvent::Shutdown);
-        // The timer task goes on: the rooms' drivers still end and clear.
-        if let Some(control) = self.inner.with_core(|c| c.control_task.take()) {
-            control.abort();
-        }
+        // Every room is terminal now (no deadline left); the rooms' send tasks still fence
+        // and end on their own.
+        let mut tasks = self.inner.with_core(|c| std::mem::take(&mut c.tasks));
+        tasks.stop();
     }
 }
 
