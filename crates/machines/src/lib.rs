@@ -27,6 +27,8 @@ pub mod decode;
 mod error;
 pub mod plan;
 pub mod prefill;
+#[cfg(test)]
+mod sim;
 mod state;
 
 pub use config::{DecodeConfig, PackBuffers, PrefillConfig};
