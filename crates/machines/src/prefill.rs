@@ -238,6 +238,12 @@ impl<P: Clone> PrefillRoom<P> {
         self.cleared
     }
 
+    /// A batch of the room could not be proven final: the room is kept (hidden once cleared)
+    /// and no abort of it is acknowledged.
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned
+    }
+
     /// The decode ranks that sent metadata, in arrival order.
     pub fn peers(&self) -> &[MetaPeer<P>] {
         &self.peers
@@ -458,7 +464,9 @@ impl<P: Clone> PrefillRoom<P> {
                 out.push(self.ack(to, generation));
             }
         }
-        if self.cleared {
+        // A poisoned room is never forgotten: its aborts stay unacknowledged (below) for as
+        // long as the rank lives, since a batch of it may still land.
+        if self.cleared && !self.poisoned {
             out.push(Action::Remove);
         }
     }
@@ -521,7 +529,7 @@ impl<P: Clone> PrefillRoom<P> {
         self.cleared = true;
         if self.driver == Driver::Running {
             out.push(Action::CancelBatches);
-        } else {
+        } else if !self.poisoned {
             out.push(Action::Remove);
         }
     }
@@ -674,19 +682,19 @@ impl<P> EarlyRooms<P> {
         Ok(())
     }
 
-    /// A decode rank aborts a room not created yet: its held metadata is dropped and the room
-    /// remembered as cancelled. Returns whether metadata was held.
+    /// A decode rank aborts a room not created yet: metadata held for it is dropped and the
+    /// room remembered as cancelled, held or not, so metadata that comes later (handled after
+    /// a reconnect, or overtaken on the wire) is refused and the room fails if it is created.
+    /// Returns whether metadata was held.
     pub fn abort(&mut self, room: RoomId, from: &Endpoint, now: Instant) -> bool {
-        if self.held.remove(&room).is_none() {
-            return false;
-        }
+        let held = self.held.remove(&room).is_some();
         let reason = FailureReason::with_peer(
             FailureCause::DuplicateRoom,
             from,
             "Duplicate or cancelled bootstrap room",
         );
         self.tombstone(room, reason, now);
-        true
+        held
     }
 
     fn tombstone(&mut self, room: RoomId, reason: FailureReason, now: Instant) {

@@ -249,6 +249,21 @@ impl<P: Clone> PrefillMachine<P> {
     /// [`MachineError::Shutdown`], [`MachineError::DuplicateRoom`],
     /// [`MachineError::InvalidRequest`] (`max_rooms`).
     pub fn admit(&self, room: RoomId) -> Result<(), MachineError> {
+        if self
+            .rooms
+            .get(&room)
+            .is_some_and(|r| r.is_cleared() && r.is_poisoned())
+        {
+            return Err(MachineError::InvalidRequest {
+                what: "room",
+                message: format!(
+                    "room {room} is poisoned on this prefill rank: a batch of it could not be \
+                     proven final, so its id stays taken while the rank runs (and its decode \
+                     keeps the pages quarantined); use another room id, and check the \
+                     transport's health"
+                ),
+            });
+        }
         admit_room(
             SIDE,
             room,

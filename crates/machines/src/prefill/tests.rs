@@ -561,7 +561,13 @@ fn an_abort_before_creation_cancels_the_room_and_the_table_is_bounded() {
     let t0 = Instant::now();
     let mut e = EarlyRooms::new(cfg(), 2);
     let from = Endpoint::new("decode-0");
-    assert!(!e.abort(RoomId(7), &from, t0), "nothing held");
+    assert!(!e.abort(RoomId(8), &from, t0), "nothing held");
+    // Remembered as cancelled all the same: metadata that comes after the abort (it waited
+    // for a reconnect) is refused.
+    let late = e
+        .metadata(RoomId(8), early_meta(0), None, 0, t0)
+        .unwrap_err();
+    assert_eq!(late.0.cause, FailureCause::DuplicateRoom);
     e.metadata(RoomId(7), early_meta(0), None, 0, t0).unwrap();
     assert!(e.abort(RoomId(7), &from, t0));
     let (held, tomb) = e.take(RoomId(7));

@@ -31,23 +31,11 @@ pub(super) enum Invariant {
     StatesMonotonic,
 }
 
-/// Bugs of the machines the simulation found, recognised when they break an invariant, so
-/// the sweep reports them apart (each replayed by an ignored test) and fails on anything new.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum KnownBug {
-    /// A poisoned prefill room, once removed, has a later decode abort acknowledged at once.
-    PoisonForgottenOnRemove,
-    /// Metadata handled after a reconnect is overtaken by the decode's abort, acknowledged
-    /// at once for a room not held; the late metadata is then served.
-    AbortOvertakesReconnect,
-}
-
 #[derive(Debug, Clone)]
 pub(super) struct Violation {
     pub(super) invariant: Invariant,
     pub(super) at: Duration,
     pub(super) what: String,
-    pub(super) known: Option<KnownBug>,
 }
 
 impl fmt::Display for Violation {
@@ -56,11 +44,7 @@ impl fmt::Display for Violation {
             f,
             "{:?} broken at {:?}: {}",
             self.invariant, self.at, self.what
-        )?;
-        if let Some(bug) = self.known {
-            write!(f, " (known machine bug: {bug:?})")?;
-        }
-        Ok(())
+        )
     }
 }
 

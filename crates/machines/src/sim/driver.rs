@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use kvbridge_transport::{BatchId, PeerId};
 
-use super::checks::{Invariant, KnownBug};
+use super::checks::Invariant;
 use super::prefill_node::SimConn;
 use super::schedule::FENCE_GRACE;
 use super::transport::Payload;
@@ -405,12 +405,7 @@ impl World {
                  already reported fenced",
                 id.p
             );
-            let late = self
-                .oracle
-                .late_metadata
-                .contains(&(id.p, id.epoch, target));
-            let known = late.then_some(KnownBug::AbortOvertakesReconnect);
-            self.violate_as(Invariant::FenceHolds, what, known);
+            self.violate(Invariant::FenceHolds, what);
         }
         if acked {
             let what = format!(

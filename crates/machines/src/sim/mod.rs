@@ -10,7 +10,7 @@
 //! Each schedule is checked against the promises of docs/lifecycle.md
 //! ([`Invariant`](checks::Invariant)). A schedule is a function of its seed alone (no clock
 //! read but the base instant, no hash map order), so a failure replays from its seed:
-//! `KVBRIDGE_SIM_SEED=<seed> cargo test -p kvbridge-coordinator --lib room::sim`.
+//! `KVBRIDGE_SIM_SEED=<seed> cargo test -p kvbridge-machines --lib sim`.
 
 mod checks;
 mod decode_node;

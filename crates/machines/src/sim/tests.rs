@@ -32,8 +32,8 @@ fn report(seed: u64, sabotage: Sabotage, v: &Violation) -> String {
     let traced = World::new(seed, sabotage, base(), TRACE_LINES).run();
     format!(
         "simulated schedule {seed} broke {v}\n\
-         replay: KVBRIDGE_SIM_SEED={seed} cargo test -p kvbridge-coordinator --lib \
-         room::sim::tests::every_schedule_keeps_every_promise -- --nocapture\n\
+         replay: KVBRIDGE_SIM_SEED={seed} cargo test -p kvbridge-machines --lib \
+         sim::tests::every_schedule_keeps_every_promise -- --nocapture\n\
          sabotage: {sabotage:?}\nlast events:\n{}",
         traced.trace.join("\n")
     )
@@ -97,20 +97,6 @@ fn every_schedule_keeps_every_promise() {
     let n = env_u64("KVBRIDGE_SIM_SEEDS").unwrap_or(SCHEDULES);
     let seeds: Vec<u64> = (0..n).collect();
     let (stats, broken) = sweep(&seeds);
-    // Schedules stopped by a machine bug already written up (each replayed by an ignored
-    // test below) are reported apart; anything else fails the sweep.
-    let (known, broken): (Vec<_>, Vec<_>) = broken.into_iter().partition(|b| b.1.known.is_some());
-    if !known.is_empty() {
-        let seeds: Vec<String> = known
-            .iter()
-            .map(|(s, v)| format!("{s} ({:?})", v.known))
-            .collect();
-        eprintln!(
-            "{} schedules stopped at a known machine bug: {}",
-            known.len(),
-            seeds.join(", ")
-        );
-    }
     if let Some((seed, v)) = broken.first() {
         let seeds: Vec<u64> = broken.iter().map(|b| b.0).collect();
         panic!(
@@ -177,7 +163,7 @@ fn a_seed_replays_the_same_schedule_on_any_thread() {
 /// replay to the same violation from the seed alone.
 fn caught(sabotage: Sabotage, invariant: Invariant) -> (u64, Violation) {
     for seed in 0..SABOTAGE_SEEDS {
-        let Some(v) = run(seed, sabotage).violation.filter(|v| v.known.is_none()) else {
+        let Some(v) = run(seed, sabotage).violation else {
             continue;
         };
         assert_eq!(v.invariant, invariant, "schedule {seed}: {v}");
@@ -241,20 +227,19 @@ fn a_cancel_that_returns_before_its_batch_is_final_is_caught() {
     assert!(v.what.contains("can still land"), "{v}");
 }
 
-// Real bugs the simulation found in the machines, one schedule each (the seeds replay these
-// schedules as the harness stands; the sweep reports every schedule they stop as known).
+// Machine bugs the simulation found, one schedule each (fixed; the seeds replay these
+// schedules as the harness stands).
 
+/// A poisoned prefill room, once cleared, was removed and a later decode abort acknowledged
+/// at once, while its hung batch could still land.
 #[test]
-#[ignore = "machine bug: a poisoned prefill room, once removed (cleared, its driver ended), \
-            acknowledges a later decode abort at once; replay with KVBRIDGE_SIM_SEED=46"]
-fn schedule_46_a_removed_poisoned_room_acknowledges_an_abort() {
+fn schedule_46_a_cleared_poisoned_room_keeps_its_abort_unacknowledged() {
     assert_holds(46, Sabotage::default());
 }
 
+/// A decode abort that overtook metadata waiting on a reconnect was acknowledged at once,
+/// and the late metadata then served: batches landed in a room the decode had fenced.
 #[test]
-#[ignore = "machine bug: a decode abort overtakes metadata the prefill handles after a \
-            reconnect, is acknowledged at once, and the late metadata is served; replay with \
-            KVBRIDGE_SIM_SEED=3266"]
-fn schedule_3266_an_abort_that_overtakes_reconnecting_metadata_is_acknowledged() {
+fn schedule_3266_an_abort_that_overtakes_reconnecting_metadata_cancels_it() {
     assert_holds(3266, Sabotage::default());
 }

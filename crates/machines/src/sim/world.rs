@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::checks::{Invariant, KnownBug, Oracle, Stats, Violation};
+use super::checks::{Invariant, Oracle, Stats, Violation};
 use super::decode_node::DecodeNode;
 use super::prefill_node::{PrefillNode, SimConn};
 use super::rng::Rng;
@@ -373,25 +373,14 @@ impl World {
         (0..plan).any(|q| self.plans[q].room == room && self.open[q] > 0)
     }
 
+    /// Records the first broken invariant; the run stops there.
     pub(super) fn violate(&mut self, invariant: Invariant, what: String) {
-        self.violate_as(invariant, what, None);
-    }
-
-    /// Records the first broken invariant (`known`: a machine bug already written up); the run
-    /// stops there.
-    pub(super) fn violate_as(
-        &mut self,
-        invariant: Invariant,
-        what: String,
-        known: Option<KnownBug>,
-    ) {
         if self.violation.is_none() {
             self.note(|| format!("VIOLATION {invariant:?}: {what}"));
             self.violation = Some(Violation {
                 invariant,
                 at: self.now,
                 what,
-                known,
             });
         }
     }

@@ -406,3 +406,115 @@ fn a_lost_connection_is_replaced_once() {
         .unwrap_err();
     assert!(late.is_none());
 }
+
+#[test]
+fn an_abort_before_any_metadata_cancels_metadata_that_comes_later() {
+    // Metadata may be handled after the abort that followed it on the wire (it waited for a
+    // reconnect): it must be refused, not served.
+    let t0 = Instant::now();
+    let mut m = machine();
+    m.handle(registered(0, 1, 10), t0);
+    let abort = AbortRequest {
+        room: 7.into(),
+        generation: 2.into(),
+        decode_endpoint: decode(0),
+        reason: "client went away".into(),
+    };
+    let a = m.handle(RankEvent::DecodeAbort(abort), t0);
+    assert!(
+        matches!(sends(&a).as_slice(), [(_, ControlMessage::AbortAck(_))]),
+        "{a:?}"
+    );
+    let a = m.handle(metadata(&m, info(7, 0, 1)), t0 + SECOND);
+    assert!(
+        matches!(sends(&a).as_slice(), [(to, ControlMessage::Status(u))]
+            if *to == decode(0) && u.cause == Some(FailureCause::DuplicateRoom)),
+        "the late metadata is refused: {a:?}"
+    );
+    let a = m.handle(RankEvent::Create { room: 7.into() }, t0 + SECOND);
+    assert_eq!(
+        reports(&a),
+        [(
+            7.into(),
+            RoomState::Failed,
+            Some(FailureCause::DuplicateRoom)
+        )]
+    );
+}
+
+#[test]
+fn a_poisoned_room_is_kept_after_clear_and_its_aborts_go_unacknowledged() {
+    let t0 = Instant::now();
+    let mut m = machine();
+    m.handle(registered(0, 1, 10), t0);
+    m.handle(RankEvent::Create { room: 7.into() }, t0);
+    m.handle(metadata(&m, info(7, 0, 1)), t0);
+    let room = |event| RankEvent::Room {
+        room: 7.into(),
+        incarnation: None,
+        event,
+    };
+    let chunk = super::super::ChunkShape {
+        pages: 2,
+        tokens: 128,
+        is_last: true,
+        page_tokens: 64,
+    };
+    let a = m.handle(room(Event::Chunk(chunk)), t0);
+    assert!(
+        a.iter().any(|a| matches!(
+            a,
+            RankAction::Room {
+                action: Action::PostChunk { .. },
+                ..
+            }
+        )),
+        "{a:?}"
+    );
+    let reason = FailureReason::new(FailureCause::TransferError, "a batch failed");
+    m.handle(room(Event::Fail(reason)), t0);
+    let incarnation = m.room(7.into()).unwrap().incarnation();
+    m.handle(
+        room(Event::DriverEnded {
+            incarnation,
+            poisoned: true,
+        }),
+        t0,
+    );
+    let a = m.handle(room(Event::Clear), t0);
+    assert!(
+        !a.iter().any(|a| matches!(
+            a,
+            RankAction::Room {
+                action: Action::Remove,
+                ..
+            }
+        )),
+        "a poisoned room is not forgotten: {a:?}"
+    );
+    assert!(
+        m.room(7.into())
+            .is_some_and(|r| r.is_cleared() && r.is_poisoned())
+    );
+    assert_eq!(m.visible_rooms().count(), 0, "hidden once cleared");
+    let abort = AbortRequest {
+        room: 7.into(),
+        generation: 3.into(),
+        decode_endpoint: decode(0),
+        reason: "resent".into(),
+    };
+    let a = m.handle(RankEvent::DecodeAbort(abort), t0 + 10 * SECOND);
+    assert!(sends(&a).is_empty(), "no ack: {a:?}");
+    assert!(
+        a.iter().any(|a| matches!(
+            a,
+            RankAction::Room {
+                action: Action::AckWithheld { .. },
+                ..
+            }
+        )),
+        "{a:?}"
+    );
+    let e = m.admit(7.into()).unwrap_err();
+    assert!(e.to_string().contains("poisoned"), "{e}");
+}
