@@ -1462,6 +1462,11 @@ impl RoomDriver {
         let (job, planned) = self.plan(job).await?;
         let mut due = Vec::new();
         for (pi, ops) in planned.into_iter().enumerate() {
+            // The room failed meanwhile (its fence is due): the rest of the chunk stays
+            // unposted.
+            if *status_rx.borrow() == RoomState::Failed {
+                return Ok(due);
+            }
             let endpoint = self.peers[pi].info.decode_endpoint.clone();
             let ops = ops.map_err(|e| {
                 FailureReason::with_peer(

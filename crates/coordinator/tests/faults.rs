@@ -5,7 +5,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{ADDR, AUX_LENS, Request, Spec, bounded, mla, rig};
+use common::{ADDR, AUX_LENS, Request, Spec, bounded, mha, mla, rig};
 use kvbridge_coordinator::{
     CONTROL_PROTOCOL_VERSION, ControlChannel, ControlMessage, CoordinatorError, DecodeAgent,
     DecodeConfig, Endpoint, FailureCause, KvMemory, PrefillConfig, ReceiveRequest, Registration,
@@ -922,4 +922,62 @@ async fn shutdown_fails_only_the_rooms_in_flight() {
         d.receive(3, common::request(vec![0])),
         Err(CoordinatorError::Shutdown { .. })
     ));
+}
+
+/// Posts through the prefill's transport while a slow post is under way: each post first
+/// sleeps a second (virtual time), so the room can fail between two decode ranks' batches.
+static SLOW_POSTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+struct SlowPosts(LoopbackTransport);
+
+#[async_trait::async_trait]
+impl kvbridge_transport::Delegate for SlowPosts {
+    fn inner(&self) -> &dyn KvTransport {
+        &self.0
+    }
+
+    async fn post(
+        &self,
+        peer: kvbridge_transport::PeerId,
+        batch: kvbridge_transport::TransferBatch,
+    ) -> kvbridge_transport::Result<kvbridge_transport::BatchId> {
+        SLOW_POSTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        self.0.post(peer, batch).await
+    }
+}
+
+fn slow_posts() -> Arc<dyn KvTransport> {
+    Arc::new(SlowPosts(LoopbackTransport::new()))
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_room_that_fails_while_its_chunk_is_posted_posts_no_more_of_it() {
+    // One prefill rank sends each chunk to two decode ranks (its heads split between them).
+    let mut spec = Spec::new(
+        vec![mha("prefill", 4, 2, 8, 16, 1, 0)],
+        (0..2).map(|i| mha("decode", 4, 2, 8, 16, 2, i)).collect(),
+    );
+    spec.prefill_transport = Some(slow_posts);
+    let r = rig(spec).await;
+    let req = Request::new(43, 16);
+    r.start(&req).await;
+    let prefill = &r.prefills[0].0;
+    let (sent, ()) = tokio::join!(r.send_all(0, &req), async {
+        // Half-way through the first decode rank's post.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(SLOW_POSTS.load(std::sync::atomic::Ordering::SeqCst), 1);
+        prefill.abort(43);
+    });
+    // The chunk was handed over before the abort; what matters is what was posted.
+    let _ = sent;
+    let e = bounded(prefill.wait(43)).await.unwrap_err();
+    assert!(e.to_string().contains("Aborted by AbortReq."), "{e}");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        SLOW_POSTS.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the second decode rank's batch of the chunk in hand must not be posted after the room \
+         failed"
+    );
 }

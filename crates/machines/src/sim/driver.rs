@@ -215,6 +215,7 @@ impl World {
     /// Posts the chunk in hand to the next decode rank; once every rank has it, the loop
     /// carries out what the accounting asks and goes on.
     pub(super) fn post_next(&mut self, id: PrefillLifeId) {
+        let keep_posting = self.sabotage.post_after_cancel;
         let Some(d) = self.driver(id) else {
             return;
         };
@@ -222,6 +223,12 @@ impl World {
             return;
         };
         let (job, pi) = (hand.job, hand.next);
+        // The room failed meanwhile: the rest of the chunk stays unposted, as the real
+        // driver checks the room's state before each decode rank.
+        if d.cancel_seen && !keep_posting {
+            d.in_hand = None;
+            return self.loop_top(id);
+        }
         if pi < d.senders.len() {
             let payload = Payload::Kv {
                 first: job.first_token,
@@ -388,10 +395,14 @@ impl World {
             }
             None => (false, false, false),
         };
-        // The real driver posts the rest of the chunk in hand after `CancelBatches` (the
-        // fence cancels those batches too): counted, not a violation.
-        self.stats.posts_after_cancel += u64::from(late);
         let to = format!("decode-{} (generation {})", conn.decode, info.generation);
+        if late {
+            let what = format!(
+                "prefill-{} posted batch {batch} of room {room} to {to} after its CancelBatches",
+                id.p
+            );
+            self.violate(Invariant::FenceHolds, what);
+        }
         if fencing {
             let what = format!(
                 "prefill-{} posted batch {batch} of room {room} to {to} after its fence began",

@@ -119,10 +119,6 @@ fn every_schedule_keeps_every_promise() {
         ("fence timeouts", stats.fence_timeouts),
         ("batches failed", stats.batches_failed),
         ("cancels", stats.cancels),
-        (
-            "posts of the chunk in hand after CancelBatches",
-            stats.posts_after_cancel,
-        ),
         ("poisoned rooms", stats.poisoned_rooms),
         ("metadata before the room", stats.early_metadata),
         ("reconnects", stats.reconnects),
