@@ -21,6 +21,38 @@
 //! * [`PrefillConfig`], [`DecodeConfig`] — the ranks' deadlines and bounds.
 //!
 //! docs/lifecycle.md states every rule the machines implement.
+//!
+//! Driving a prefill rank's machine from a loop of your own: create a room, let its bootstrap
+//! deadline pass, and carry out what the machine answers.
+//!
+//! ```
+//! use std::time::{Duration, Instant};
+//! use kvbridge_control::{Endpoint, RoomState};
+//! use kvbridge_machines::prefill::{Action, PrefillMachine, RankAction, RankEvent, RoomConfig};
+//!
+//! let config = RoomConfig {
+//!     rank: 0,
+//!     endpoint: Endpoint::new("prefill-0"),
+//!     bootstrap_timeout: Duration::from_secs(30),
+//!     waiting_timeout: Duration::from_secs(300),
+//! };
+//! // `()`: this driver keeps no handle per decode rank.
+//! let mut machine = PrefillMachine::<()>::new(config, 1024);
+//! let t0 = Instant::now();
+//! let room = 7.into();
+//! machine.admit(room)?;
+//! machine.handle(RankEvent::Create { room }, t0);
+//! // No decode rank sent its metadata: the deadline is due in 30 s.
+//! let due = machine.poll_timeout().unwrap();
+//! assert_eq!(due, t0 + Duration::from_secs(30));
+//! for action in machine.handle(RankEvent::Timer, due) {
+//!     if let RankAction::Room { action: Action::Report { state, reason }, .. } = action {
+//!         assert_eq!(state, RoomState::Failed);
+//!         assert!(reason.unwrap().message.contains("timed out"));
+//!     }
+//! }
+//! # Ok::<(), kvbridge_machines::MachineError>(())
+//! ```
 
 mod config;
 pub mod decode;
