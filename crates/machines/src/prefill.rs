@@ -741,19 +741,22 @@ impl<P> EarlyRooms<P> {
             ),
         );
         for mp in infos.iter().filter(|m| !m.info.is_dummy) {
-            out.push(Action::Send {
-                to: mp.info.decode_endpoint.clone(),
-                message: Box::new(status_message(
-                    room,
-                    &mp.info,
-                    self.cfg.rank,
-                    RoomState::Failed,
-                    Some(&reason),
-                )),
-            });
+            let (to, message) = failed_status(room, &mp.info, self.cfg.rank, &reason);
+            out.push(Action::Send { to, message });
         }
         out
     }
+}
+
+/// The Failed status of `room` for the decode rank of `info`, and where it goes.
+pub(crate) fn failed_status(
+    room: RoomId,
+    info: &TransferInfo,
+    rank: u32,
+    reason: &FailureReason,
+) -> (Endpoint, Box<ControlMessage>) {
+    let message = status_message(room, info, rank, RoomState::Failed, Some(reason));
+    (info.decode_endpoint.clone(), Box::new(message))
 }
 
 /// The status of `room` for the decode rank of `info` (Success, or Failed with `reason`).

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use kvbridge_transport::PeerId;
 
-use super::{Action, EarlyRooms, Event, MetaPeer, PrefillRoom, RoomConfig, status_message};
+use super::{Action, EarlyRooms, Event, MetaPeer, PrefillRoom, RoomConfig, failed_status};
 use crate::admit_room;
 use crate::error::{MachineError, Side};
 use crate::state::{FailureCause, FailureReason, RoomState};
@@ -454,16 +454,8 @@ impl<P: Clone> PrefillMachine<P> {
         let rooms = self.rooms.len();
         if let Err(refused) = self.early.metadata(room, mp, invalid, rooms, now) {
             let (reason, mp) = *refused;
-            self.out.push(RankAction::Send {
-                to: mp.info.decode_endpoint.clone(),
-                message: Box::new(status_message(
-                    room,
-                    &mp.info,
-                    self.cfg.rank,
-                    RoomState::Failed,
-                    Some(&reason),
-                )),
-            });
+            let (to, message) = failed_status(room, &mp.info, self.cfg.rank, &reason);
+            self.out.push(RankAction::Send { to, message });
         }
         self.rearm(Due::Early(room));
     }
