@@ -17,7 +17,7 @@ use kvbridge_transport::PeerId;
 use super::{Action, EarlyRooms, Event, MetaPeer, PrefillRoom, RoomConfig, failed_status};
 use crate::admit_room;
 use crate::error::{MachineError, Side};
-use crate::state::{FailureCause, FailureReason, RoomState};
+use crate::state::{FailureCause, FailureReason};
 use kvbridge_control::Endpoint;
 use kvbridge_control::{AbortAck, AbortRequest, ControlMessage, TransferInfo, WireProblem};
 use kvbridge_control::{Incarnation, RoomId, SessionId};

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use super::*;
+use kvbridge_control::RoomState;
 
 const SECOND: Duration = Duration::from_secs(1);
 
