@@ -86,6 +86,8 @@ pub(super) struct Oracle {
     pub(super) fenced: BTreeSet<LifeKey>,
     /// Prefill room lives whose driver ended poisoned (rank, process epoch, life).
     pub(super) poisoned: BTreeSet<(usize, u32, u64)>,
+    /// Room ids a prefill rank holds poisoned: taken for good, so callers use other ids.
+    pub(super) poisoned_ids: BTreeSet<RoomId>,
     /// Abort acks sent (prefill rank, process epoch, room, decode endpoint).
     pub(super) acked: BTreeSet<(usize, u32, RoomId, Endpoint)>,
     /// Decode room lives whose metadata a prefill process (rank, epoch) handled after a

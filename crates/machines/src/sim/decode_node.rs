@@ -426,6 +426,11 @@ impl World {
     }
 
     pub(super) fn receive(&mut self, d: usize, plan: usize, tries: u32) {
+        // A room id poisoned on a prefill rank is never used again (its aborts stay
+        // unacknowledged there): the request would take another id.
+        if self.oracle.poisoned_ids.contains(&self.plans[plan].room) {
+            return self.slot_ended(plan);
+        }
         if self.earlier_use_open(plan) {
             return self.schedule(Duration::from_secs(1), Ev::Receive { d, plan, tries });
         }

@@ -596,6 +596,7 @@ impl World {
         if poisoned {
             self.stats.poisoned_rooms += 1;
             self.oracle.poisoned.insert((id.p, id.epoch, id.life));
+            self.oracle.poisoned_ids.insert(id.room);
         }
         if drop_end {
             return;

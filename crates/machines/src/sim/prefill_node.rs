@@ -318,6 +318,10 @@ impl World {
 
     pub(super) fn create(&mut self, p: usize, plan: usize, tries: u32) {
         let room = self.plans[plan].room;
+        // As the decode callers do: a poisoned id is not used again.
+        if self.oracle.poisoned_ids.contains(&room) {
+            return self.slot_ended(plan);
+        }
         if self.earlier_use_open(plan) {
             return self.schedule(Duration::from_secs(1), Ev::Create { p, plan, tries });
         }
