@@ -264,6 +264,18 @@ impl<P: Clone> PrefillMachine<P> {
                 ),
             });
         }
+        // Counted only for the message of a full rank.
+        let full = self.rooms.len() >= self.max_rooms;
+        let poisoned = if full { self.poisoned_rooms() } else { 0 };
+        let how_to_free = if poisoned == 0 {
+            "clear finished rooms or raise PrefillConfig::max_rooms".to_owned()
+        } else {
+            format!(
+                "{poisoned} of them are poisoned rooms kept for good (a batch of each could not \
+                 be proven final: check the transport's health); clear finished rooms or raise \
+                 PrefillConfig::max_rooms"
+            )
+        };
         admit_room(
             SIDE,
             room,
@@ -271,8 +283,16 @@ impl<P: Clone> PrefillMachine<P> {
             self.rooms.get(&room).map(PrefillRoom::state),
             self.rooms.len(),
             self.max_rooms,
-            "clear finished rooms or raise PrefillConfig::max_rooms",
+            &how_to_free,
         )
+    }
+
+    /// Rooms kept, cleared, because a batch of each could not be proven final.
+    pub fn poisoned_rooms(&self) -> usize {
+        self.rooms
+            .values()
+            .filter(|r| r.is_cleared() && r.is_poisoned())
+            .count()
     }
 
     /// The room's machine, cleared or not (`None`: not held).

@@ -519,3 +519,39 @@ fn a_poisoned_room_is_kept_after_clear_and_its_aborts_go_unacknowledged() {
     let e = m.admit(7.into()).unwrap_err();
     assert!(e.to_string().contains("poisoned"), "{e}");
 }
+
+#[test]
+fn a_full_rank_names_the_poisoned_rooms_it_keeps() {
+    let t0 = Instant::now();
+    let mut m = PrefillMachine::<Conn>::new(cfg(), 1);
+    m.handle(registered(0, 1, 10), t0);
+    m.handle(RankEvent::Create { room: 7.into() }, t0);
+    m.handle(metadata(&m, info(7, 0, 1)), t0);
+    let room = |event| RankEvent::Room {
+        room: 7.into(),
+        incarnation: None,
+        event,
+    };
+    let chunk = super::super::ChunkShape {
+        pages: 2,
+        tokens: 128,
+        is_last: true,
+        page_tokens: 64,
+    };
+    m.handle(room(Event::Chunk(chunk)), t0);
+    let incarnation = m.room(7.into()).unwrap().incarnation();
+    m.handle(room(Event::Clear), t0);
+    m.handle(
+        room(Event::DriverEnded {
+            incarnation,
+            poisoned: true,
+        }),
+        t0,
+    );
+    assert_eq!(m.poisoned_rooms(), 1);
+    let e = m.admit(8.into()).unwrap_err().to_string();
+    assert!(
+        e.contains("max_rooms") && e.contains("1 of them are poisoned"),
+        "{e}"
+    );
+}
