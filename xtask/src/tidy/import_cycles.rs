@@ -181,7 +181,55 @@ fn edges(files: &[(String, String)]) -> Vec<Edge> {
 
 /// Every import cycle of one crate: each strongly connected set of files, described by one
 /// cycle through its first file, edge by edge (`a.rs:3 -> b.rs`).
+/// The files of modules declared `#[cfg(test)] mod name;` (the module's file and everything
+/// under its directory): test code, which may use any file, like an inline test module.
+fn test_only_files(files: &[(String, String)]) -> BTreeSet<String> {
+    let mut dirs = Vec::new();
+    for (rel, src) in files {
+        let code = code_only(src);
+        let marker = b"#[cfg(test)]";
+        let mut at = 0;
+        while let Some(p) = super::find(&code, marker, at) {
+            at = p + marker.len();
+            let rest = String::from_utf8_lossy(&code[at..]);
+            let rest = rest.trim_start();
+            let rest = rest.strip_prefix("pub(crate) ").unwrap_or(rest);
+            let Some(decl) = rest.strip_prefix("mod ") else {
+                continue;
+            };
+            let Some((name, _)) = decl
+                .split_once(';')
+                .filter(|(n, _)| !n.is_empty() && n.trim().bytes().all(is_ident))
+            else {
+                continue;
+            };
+            // `src/lib.rs`, `src/a/mod.rs`: children beside it; `src/a.rs`: in `src/a/`.
+            let parent = match rel.rsplit_once('/') {
+                Some((dir, "lib.rs" | "main.rs" | "mod.rs")) => dir.to_owned(),
+                _ => rel.trim_end_matches(".rs").to_owned(),
+            };
+            dirs.push(format!("{parent}/{}", name.trim()));
+        }
+    }
+    files
+        .iter()
+        .map(|(rel, _)| rel)
+        .filter(|rel| {
+            dirs.iter()
+                .any(|d| *rel == &format!("{d}.rs") || rel.starts_with(&format!("{d}/")))
+        })
+        .cloned()
+        .collect()
+}
+
 fn cycles(files: &[(String, String)]) -> Vec<(BTreeSet<String>, String)> {
+    let tests = test_only_files(files);
+    let files: Vec<(String, String)> = files
+        .iter()
+        .filter(|(rel, _)| !tests.contains(rel))
+        .cloned()
+        .collect();
+    let files = files.as_slice();
     let edges = edges(files);
     let mut next: BTreeMap<&str, Vec<&Edge>> = BTreeMap::new();
     for e in &edges {
@@ -352,6 +400,23 @@ fn the_import_cycle_rule_finds_cycles_through_every_kind_of_path() {
     assert_eq!(
         path,
         "src/a.rs:1 -> src/b.rs:1 -> src/c/mod.rs:3 -> src/a.rs"
+    );
+    // Files of a `#[cfg(test)] mod name;` (and below it) are test code: their cycles do not
+    // count.
+    let mut with_sim = fixture.to_vec();
+    with_sim.push(file("src/g.rs", "#[cfg(test)]\nmod sim;\npub struct G;"));
+    with_sim.push(file(
+        "src/g/sim/mod.rs",
+        "mod world;\nuse self::world::W;\npub struct S;",
+    ));
+    with_sim.push(file("src/g/sim/world.rs", "use super::S;\npub struct W;"));
+    assert_eq!(test_only_files(&with_sim).len(), 2);
+    assert_eq!(cycles(&with_sim).len(), 1, "only the a-b-c cycle");
+    with_sim[7] = file("src/g.rs", "mod sim;\npub struct G;");
+    assert_eq!(
+        cycles(&with_sim).len(),
+        2,
+        "without cfg(test) the sim's cycle counts"
     );
     // Breaking one edge breaks the cycle.
     let mut fixed = fixture.clone();
