@@ -1,5 +1,7 @@
-//! The prefill room machine: one room's lifecycle on a prefill rank (docs/lifecycle.md,
-//! "Prefill room"), and [`SendProgress`], the batch accounting of the room's sends.
+//! The prefill side's machines (docs/lifecycle.md, "Prefill rank" and "Prefill room"):
+//! [`PrefillMachine`], one per rank (its rooms, the rooms not created yet, the decode ranks
+//! per session, one deadline heap), and [`PrefillRoom`], one room's lifecycle, which the rank's
+//! machine drives; [`SendProgress`] is the batch accounting of a room's sends.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
