@@ -6,7 +6,7 @@ use super::*;
 
 const SECOND: Duration = Duration::from_secs(1);
 
-fn cfg() -> RoomConfig {
+pub(super) fn cfg() -> RoomConfig {
     RoomConfig {
         rank: 3,
         endpoint: Endpoint::new("prefill-0"),

@@ -90,9 +90,6 @@ pub(super) struct Oracle {
     pub(super) poisoned_ids: BTreeSet<RoomId>,
     /// Abort acks sent (prefill rank, process epoch, room, decode endpoint).
     pub(super) acked: BTreeSet<(usize, u32, RoomId, Endpoint)>,
-    /// Decode room lives whose metadata a prefill process (rank, epoch) handled after a
-    /// reconnect, once it had acknowledged an abort of that room to that decode.
-    pub(super) late_metadata: BTreeSet<(usize, u32, LifeKey)>,
 }
 
 impl Oracle {

@@ -185,11 +185,6 @@ impl World {
             return;
         }
         self.stats.reconnects += 1;
-        let acked = (p, epoch, info.room, info.decode_endpoint.clone());
-        if self.oracle.acked.contains(&acked) {
-            let life = (old.decode, old.decode_epoch, info.generation);
-            self.oracle.late_metadata.insert((p, epoch, life));
-        }
         match self.reconnect(p, old) {
             Ok(_) => self.on_transfer_info(p, info),
             Err(why) => {

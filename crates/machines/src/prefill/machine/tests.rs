@@ -3,21 +3,13 @@
 use std::time::Duration;
 
 use super::*;
+use crate::prefill::tests::cfg;
 use kvbridge_control::RoomState;
 
 const SECOND: Duration = Duration::from_secs(1);
 
 /// The driver's handle of a decode rank, in these tests its name.
 type Conn = &'static str;
-
-fn cfg() -> RoomConfig {
-    RoomConfig {
-        rank: 3,
-        endpoint: Endpoint::new("prefill-0"),
-        bootstrap_timeout: 30 * SECOND,
-        waiting_timeout: 300 * SECOND,
-    }
-}
 
 fn decode(i: usize) -> Endpoint {
     Endpoint::new(format!("decode-{i}"))
@@ -443,25 +435,27 @@ fn an_abort_before_any_metadata_cancels_metadata_that_comes_later() {
     );
 }
 
-#[test]
-fn a_poisoned_room_is_kept_after_clear_and_its_aborts_go_unacknowledged() {
-    let t0 = Instant::now();
-    let mut m = machine();
-    m.handle(registered(0, 1, 10), t0);
-    m.handle(RankEvent::Create { room: 7.into() }, t0);
-    m.handle(metadata(&m, info(7, 0, 1)), t0);
-    let room = |event| RankEvent::Room {
+/// An event of room 7.
+fn room_7(event: Event<Conn>) -> RankEvent<Conn> {
+    RankEvent::Room {
         room: 7.into(),
         incarnation: None,
         event,
-    };
+    }
+}
+
+/// `m` with room 7 ready at decode 0 and its driver started by a last chunk.
+fn sending_room_7(mut m: PrefillMachine<Conn>, t0: Instant) -> PrefillMachine<Conn> {
+    m.handle(registered(0, 1, 10), t0);
+    m.handle(RankEvent::Create { room: 7.into() }, t0);
+    m.handle(metadata(&m, info(7, 0, 1)), t0);
     let chunk = super::super::ChunkShape {
         pages: 2,
         tokens: 128,
         is_last: true,
         page_tokens: 64,
     };
-    let a = m.handle(room(Event::Chunk(chunk)), t0);
+    let a = m.handle(room_7(Event::Chunk(chunk)), t0);
     assert!(
         a.iter().any(|a| matches!(
             a,
@@ -472,17 +466,24 @@ fn a_poisoned_room_is_kept_after_clear_and_its_aborts_go_unacknowledged() {
         )),
         "{a:?}"
     );
+    m
+}
+
+#[test]
+fn a_poisoned_room_is_kept_after_clear_and_its_aborts_go_unacknowledged() {
+    let t0 = Instant::now();
+    let mut m = sending_room_7(machine(), t0);
     let reason = FailureReason::new(FailureCause::TransferError, "a batch failed");
-    m.handle(room(Event::Fail(reason)), t0);
+    m.handle(room_7(Event::Fail(reason)), t0);
     let incarnation = m.room(7.into()).unwrap().incarnation();
     m.handle(
-        room(Event::DriverEnded {
+        room_7(Event::DriverEnded {
             incarnation,
             poisoned: true,
         }),
         t0,
     );
-    let a = m.handle(room(Event::Clear), t0);
+    let a = m.handle(room_7(Event::Clear), t0);
     assert!(
         !a.iter().any(|a| matches!(
             a,
@@ -523,26 +524,11 @@ fn a_poisoned_room_is_kept_after_clear_and_its_aborts_go_unacknowledged() {
 #[test]
 fn a_full_rank_names_the_poisoned_rooms_it_keeps() {
     let t0 = Instant::now();
-    let mut m = PrefillMachine::<Conn>::new(cfg(), 1);
-    m.handle(registered(0, 1, 10), t0);
-    m.handle(RankEvent::Create { room: 7.into() }, t0);
-    m.handle(metadata(&m, info(7, 0, 1)), t0);
-    let room = |event| RankEvent::Room {
-        room: 7.into(),
-        incarnation: None,
-        event,
-    };
-    let chunk = super::super::ChunkShape {
-        pages: 2,
-        tokens: 128,
-        is_last: true,
-        page_tokens: 64,
-    };
-    m.handle(room(Event::Chunk(chunk)), t0);
+    let mut m = sending_room_7(PrefillMachine::<Conn>::new(cfg(), 1), t0);
     let incarnation = m.room(7.into()).unwrap().incarnation();
-    m.handle(room(Event::Clear), t0);
+    m.handle(room_7(Event::Clear), t0);
     m.handle(
-        room(Event::DriverEnded {
+        room_7(Event::DriverEnded {
             incarnation,
             poisoned: true,
         }),
