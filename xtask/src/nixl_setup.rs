@@ -140,25 +140,36 @@ fn fetch_runtime(dir: &Path) -> Result<(), String> {
         .map_err(|e| format!("cannot create {}: {e}", download.display()))?;
     let py = python()?;
     // The wheel is tagged for one CPython; its native libraries do not depend on it, so the tag
-    // is pinned and the host's Python version does not matter.
-    run(Command::new(py)
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--python-version",
-            "3.11",
-            "--implementation",
-            "cp",
-            "--platform",
-            "manylinux_2_28_x86_64",
-            "--disable-pip-version-check",
-            "-d",
-        ])
-        .arg(&download)
-        .arg(WHEEL))?;
+    // is pinned and the host's Python version does not matter. A download cut off half way is
+    // tried again, a bounded number of times, before the set-up gives up.
+    let pip_download = || {
+        run(Command::new(py)
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--python-version",
+                "3.11",
+                "--implementation",
+                "cp",
+                "--platform",
+                "manylinux_2_28_x86_64",
+                "--disable-pip-version-check",
+                "-d",
+            ])
+            .arg(&download)
+            .arg(WHEEL))
+    };
+    let mut outcome = pip_download();
+    for pause_s in [15, 45] {
+        let Err(e) = &outcome else { break };
+        eprintln!("xtask nixl-setup: {e}; trying again in {pause_s} s");
+        std::thread::sleep(std::time::Duration::from_secs(pause_s));
+        outcome = pip_download();
+    }
+    outcome?;
     let wheel = fs::read_dir(&download)
         .map_err(|e| format!("cannot read {}: {e}", download.display()))?
         .flatten()
