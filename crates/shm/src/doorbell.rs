@@ -5,9 +5,12 @@
 //! Each inbound connection has one ring, allocated by the receiving transport as a sealed memfd
 //! (like its regions) and handed to the connecting peer with its `Welcome` frame; the peer pushes
 //! notification payloads of at most [`SLOT_PAYLOAD`] bytes into it, and longer ones, or any while
-//! the ring is full, go over the control socket as before. A thread of the receiving transport
-//! reads the ring: it spins briefly (adaptively: longer while notifications keep arriving during
-//! the spin) and then sleeps on the futex.
+//! the ring is full, go over the control socket as before. One thread of the receiving transport
+//! reads every ring (the [`Hub`]): it spins briefly (adaptively: longer while notifications keep
+//! arriving during the spin) and then sleeps on one futex word, in a bell page of its own that
+//! every connecting peer maps too (sent with the `Bell` frame after `Welcome`), so a thousand
+//! idle connections cost no thread and no wake-up. A [`DoorbellPair`] keeps the futex word in
+//! its ring.
 //!
 //! Layout, in little-endian 32-bit words (all accessed atomically, through
 //! [`map::with_atomic_words`]):
@@ -16,7 +19,7 @@
 //! |---|---|---|
 //! | 0 | producer | `tail`: frames published (wrapping) |
 //! | 16 | consumer | `head`: frames consumed (wrapping) |
-//! | 32 | producer | `bell`: bumped before a futex wake |
+//! | 32 | producer | `bell`: bumped before a futex wake (without a bell page) |
 //! | 33 | consumer | `sleeping`: non-zero while the consumer may sleep on `bell` |
 //! | 48 + 64·i | producer | slot `i`: payload length, then up to 252 payload bytes |
 //!
@@ -24,12 +27,13 @@
 //! keeps its own `head`, refuses a `tail` more than [`SLOTS`] frames ahead of it and a length
 //! above [`SLOT_PAYLOAD`] (the connection is then dropped with that reason), and its waits are
 //! bounded by a timeout, so a peer that scribbles on the futex word costs it wake-ups, never a
-//! hang. The producer refuses nothing from the consumer's side either way: a `head` that makes
+//! hang; a peer that scribbles on the shared bell page costs the hub spurious wake-ups (a scan
+//! of every ring), never a lost frame. The producer refuses nothing from the consumer's side either way: a `head` that makes
 //! the ring look full sends the notification over the socket.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU32, Ordering, fence};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, fence};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -61,6 +65,17 @@ pub(crate) const RING_BYTES: usize = RING_WORDS * 4;
 const SPIN_MIN: Duration = Duration::from_micros(1);
 const SPIN_MAX: Duration = Duration::from_micros(5);
 
+/// Words of a bell page: the one futex word a [`Hub`] sleeps on.
+const BELL_PAGE_WORDS: usize = 1;
+/// Bytes of a bell page (one page, the mapping's unit).
+pub(crate) const BELL_PAGE_BYTES: usize = 4096;
+
+/// Bumps a futex word and wakes its one sleeper.
+fn wake(word: &AtomicU32) {
+    word.fetch_add(1, Ordering::Release);
+    let _ = futex::wake(word, futex::Flags::empty(), 1);
+}
+
 /// Checks that `ring` has room for a ring at `offset`.
 fn check_len(ring: &MemoryRegion, offset: u64) -> Result<(), String> {
     let end = offset.saturating_add(RING_BYTES as u64);
@@ -79,6 +94,9 @@ pub(crate) struct Producer {
     offset: u64,
     /// The next frame's number; held while pushing, which serialises the posting tasks.
     tail: Mutex<u32>,
+    /// The consumer's bell page, whose word 0 is bumped and woken instead of the ring's `bell`
+    /// (the transport's connections; a [`DoorbellPair`] has none).
+    bell_page: Option<MemoryRegion>,
 }
 
 impl Producer {
@@ -89,6 +107,26 @@ impl Producer {
             ring,
             offset,
             tail: Mutex::new(0),
+            bell_page: None,
+        })
+    }
+
+    /// The producer of a transport connection's ring, whose consumer sleeps on `bell_page`.
+    pub(crate) fn with_bell_page(
+        ring: MemoryRegion,
+        offset: u64,
+        bell_page: MemoryRegion,
+    ) -> Result<Self, String> {
+        if bell_page.len() < BELL_PAGE_WORDS * 4 {
+            return Err(format!(
+                "a bell page needs {} bytes, the mapping has {}",
+                BELL_PAGE_WORDS * 4,
+                bell_page.len()
+            ));
+        }
+        Ok(Self {
+            bell_page: Some(bell_page),
+            ..Self::new(ring, offset)?
         })
     }
 
@@ -118,8 +156,14 @@ impl Producer {
             // either it sees the new frame, or this sees it sleeping and wakes it.
             fence(Ordering::SeqCst);
             if w[SLEEPING].load(Ordering::Relaxed) != 0 {
-                w[BELL].fetch_add(1, Ordering::Release);
-                let _ = futex::wake(&w[BELL], futex::Flags::empty(), 1);
+                match &self.bell_page {
+                    None => wake(&w[BELL]),
+                    // A bell page that cannot be claimed (never: only this push touches this
+                    // mapping of it) leaves the frame to the hub's next timed look.
+                    Some(page) => {
+                        let _ = map::with_atomic_words(page, 0, BELL_PAGE_WORDS, |b| wake(&b[0]));
+                    }
+                }
             }
             true
         })
@@ -160,6 +204,26 @@ impl Consumer {
             head: 0,
             spin: SPIN_MIN,
         })
+    }
+
+    /// The next payload if one is published, without waiting. An error says how the other
+    /// process broke the ring.
+    pub(crate) fn try_next(&mut self) -> Result<Option<Bytes>, String> {
+        let (ring, offset) = (self.ring.clone(), self.offset);
+        map::with_atomic_words(&ring, offset, RING_WORDS, |w| self.take(w))
+            .map_err(|e| e.to_string())?
+    }
+
+    /// Tells the producer whether this side may sleep (so it wakes the bell after a push).
+    /// Returns, after setting it, whether a frame is already waiting: then do not sleep.
+    fn set_sleeping(&self, sleeping: bool) -> Result<bool, String> {
+        map::with_atomic_words(&self.ring, self.offset, RING_WORDS, |w| {
+            w[SLEEPING].store(u32::from(sleeping), Ordering::Relaxed);
+            // Pairs with the producer's fence between publishing `tail` and reading `sleeping`.
+            fence(Ordering::SeqCst);
+            w[TAIL].load(Ordering::Acquire) != self.head
+        })
+        .map_err(|e| e.to_string())
     }
 
     /// The next payload, waiting up to `timeout` for it (`None` if none came). An error says
@@ -241,6 +305,172 @@ impl Consumer {
         // The slot is copied out: the producer may reuse it.
         w[HEAD].store(self.head, Ordering::Release);
         Ok(Some(Bytes::from(out)))
+    }
+}
+
+/// How long the hub sleeps at most before it looks again (for a closed transport, lost
+/// connections and a wake-up the bell page missed).
+const HUB_CHECK: Duration = Duration::from_millis(100);
+
+/// The reading end of every ring of one transport: one thread ([`Hub::run`]) takes the frames
+/// of all of them and sleeps on the single futex word of the hub's bell page, which every
+/// producer wakes. Connections join with [`Hub::ring`] and [`Hub::join`] and leave when
+/// `alive` says so or their ring breaks.
+pub(crate) struct Hub<K> {
+    /// The bell page, mapped here; its file goes to every connecting peer.
+    page: MemoryRegion,
+    joining: Mutex<Vec<(K, Consumer)>>,
+    closed: AtomicBool,
+}
+
+/// What [`Hub::run`] does with a payload: go on, or stop (the transport is gone).
+pub(crate) enum Delivered {
+    Yes,
+    Stop,
+}
+
+impl<K> Hub<K> {
+    /// A hub with a fresh bell page.
+    pub(crate) fn new() -> Result<Self, ShmError> {
+        Ok(Self {
+            page: map::allocate(BELL_PAGE_BYTES)?,
+            joining: Mutex::new(Vec::new()),
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    /// The file of the bell page, to hand to a connecting peer.
+    pub(crate) fn page_fd(&self) -> Option<OwnedFd> {
+        ring_fd(&self.page)
+    }
+
+    /// A fresh ring for a new connection and its consumer, marked asleep so that the peer's
+    /// first push wakes the hub even before the ring joins.
+    pub(crate) fn ring(&self) -> Result<(MemoryRegion, Consumer), String> {
+        let ring = map::allocate(RING_BYTES).map_err(|e| e.to_string())?;
+        let consumer = Consumer::new(ring.clone(), 0)?;
+        consumer.set_sleeping(true)?;
+        Ok((ring, consumer))
+    }
+
+    /// Adds a connection's ring to the ones the hub reads. Join before the peer learns of the
+    /// ring: its first push (the ring is marked asleep) wakes the hub, which takes joining
+    /// rings in before it sleeps again. Only the hub thread touches the bell page here (it
+    /// holds the page's claim while it sleeps), so nothing else waits on it.
+    pub(crate) fn join(&self, key: K, consumer: Consumer) {
+        lock(&self.joining).push((key, consumer));
+    }
+
+    /// Stops [`run`](Self::run) within [`HUB_CHECK`].
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+
+    /// Reads every ring until [`close`](Self::close) or `deliver` says stop: each pass takes
+    /// the frames published on every ring (at most a ring's worth each, so one busy peer cannot
+    /// hold the others back), then spins briefly, then sleeps on the bell page. A ring whose
+    /// peer broke it leaves with `broken(key, reason)`; one whose connection is no longer
+    /// `alive` leaves quietly.
+    pub(crate) fn run(
+        &self,
+        mut deliver: impl FnMut(&K, Bytes) -> Delivered,
+        mut broken: impl FnMut(&K, String),
+        alive: impl Fn(&K) -> bool,
+    ) {
+        let mut members: Vec<(K, Consumer)> = Vec::new();
+        let mut spin = SPIN_MIN;
+        // Set when a frame came; the spin that follows it ends here. None after a sleep.
+        let mut spin_until: Option<Instant> = None;
+        let mut slept = false;
+        loop {
+            if self.closed.load(Ordering::Acquire) {
+                return;
+            }
+            members.append(&mut lock(&self.joining));
+            members.retain(|(key, _)| alive(key));
+            let mut got = false;
+            let mut i = 0;
+            while i < members.len() {
+                let mut gone = false;
+                for _ in 0..SLOTS {
+                    let (key, consumer) = &mut members[i];
+                    match consumer.try_next() {
+                        Ok(Some(payload)) => {
+                            got = true;
+                            if let Delivered::Stop = deliver(key, payload) {
+                                return;
+                            }
+                        }
+                        Ok(None) => break,
+                        Err(reason) => {
+                            broken(key, reason);
+                            gone = true;
+                            break;
+                        }
+                    }
+                }
+                if gone {
+                    members.swap_remove(i);
+                } else {
+                    i += 1;
+                }
+            }
+            let now = Instant::now();
+            if got {
+                // Adapt the spin: longer while frames arrive during it, shorter once they come
+                // only after a sleep.
+                spin = if slept {
+                    (spin / 2).max(SPIN_MIN)
+                } else {
+                    (spin * 2).min(SPIN_MAX)
+                };
+                slept = false;
+                spin_until = Some(now + spin);
+                continue;
+            }
+            if spin_until.is_some_and(|until| now < until) {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.sleep(&mut members, &mut broken);
+            spin_until = None;
+            slept = true;
+        }
+    }
+
+    /// Marks every ring asleep and waits on the bell page (up to [`HUB_CHECK`]) unless a frame
+    /// or a joining ring is already waiting.
+    fn sleep(&self, members: &mut Vec<(K, Consumer)>, broken: &mut impl FnMut(&K, String)) {
+        let Ok(seen) = map::with_atomic_words(&self.page, 0, BELL_PAGE_WORDS, |b| {
+            b[0].load(Ordering::Acquire)
+        }) else {
+            std::thread::sleep(HUB_CHECK);
+            return;
+        };
+        let mut waiting = false;
+        members.retain(|(key, consumer)| match consumer.set_sleeping(true) {
+            Ok(pending) => {
+                waiting |= pending;
+                true
+            }
+            Err(reason) => {
+                broken(key, reason);
+                false
+            }
+        });
+        if !waiting && lock(&self.joining).is_empty() && !self.closed.load(Ordering::Acquire) {
+            let ts = futex::Timespec {
+                tv_sec: HUB_CHECK.as_secs() as _,
+                tv_nsec: HUB_CHECK.subsec_nanos() as _,
+            };
+            // Any outcome (woken, the word changed, timed out, interrupted) looks again.
+            let _ = map::with_atomic_words(&self.page, 0, BELL_PAGE_WORDS, |b| {
+                futex::wait(&b[0], futex::Flags::empty(), seen, Some(&ts))
+            });
+        }
+        for (_, consumer) in members.iter() {
+            let _ = consumer.set_sleeping(false);
+        }
     }
 }
 
@@ -430,5 +660,79 @@ mod tests {
         );
         let err = a.ring(&[0; SLOT_PAYLOAD + 1]).unwrap_err().to_string();
         assert!(err.contains("253 bytes do not fit"), "{err}");
+    }
+
+    /// What a connecting peer maps: the hub's bell page, once per connection.
+    fn peer_page<K>(hub: &Hub<K>) -> MemoryRegion {
+        map::map_remote(0, hub.page_fd().unwrap(), BELL_PAGE_BYTES as u64).unwrap()
+    }
+
+    fn bell_word(page: &MemoryRegion) -> u32 {
+        map::with_atomic_words(page, 0, BELL_PAGE_WORDS, |b| b[0].load(Ordering::Acquire)).unwrap()
+    }
+
+    #[test]
+    fn one_hub_reads_every_ring_and_drops_only_a_broken_one() {
+        let hub = std::sync::Arc::new(Hub::<u32>::new().unwrap());
+        let mut producers = Vec::new();
+        for key in 0..3u32 {
+            let (ring, consumer) = hub.ring().unwrap();
+            let other = map::map_remote(0, ring_fd(&ring).unwrap(), RING_BYTES as u64).unwrap();
+            let page = peer_page(&hub);
+            let producer = Producer::with_bell_page(other, 0, page.clone()).unwrap();
+            if key == 0 {
+                // A ring starts asleep, so a push before the hub ever looked rings its bell
+                // page (not the ring's own word).
+                let before = bell_word(&page);
+                assert!(producer.push(b"early").unwrap());
+                assert_eq!(bell_word(&page), before.wrapping_add(1));
+            }
+            hub.join(key, consumer);
+            producers.push(producer);
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let broken = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let runner = {
+            let (hub, broken) = (hub.clone(), broken.clone());
+            std::thread::spawn(move || {
+                hub.run(
+                    |key, payload| {
+                        tx.send((*key, payload)).unwrap();
+                        Delivered::Yes
+                    },
+                    |key, reason| lock(&broken).push((*key, reason)),
+                    |_| true,
+                )
+            })
+        };
+        let recv = || rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!(recv(), (0, Bytes::from_static(b"early")));
+        for (i, p) in producers.iter().enumerate() {
+            assert!(p.push(format!("from {i}").as_bytes()).unwrap());
+        }
+        let mut got: Vec<(u32, Bytes)> = (0..3).map(|_| recv()).collect();
+        got.sort();
+        let want: Vec<(u32, Bytes)> = (0..3u32)
+            .map(|i| (i, Bytes::from(format!("from {i}"))))
+            .collect();
+        assert_eq!(got, want);
+        // Ring 1's peer scribbles on its tail: ring 1 leaves with the reason, the others go on.
+        producers[1].scribble(TAIL, 1 << 20);
+        assert!(producers[2].push(b"still here").unwrap());
+        assert_eq!(recv(), (2, Bytes::from_static(b"still here")));
+        let mut waited = 0;
+        while lock(&broken).is_empty() {
+            waited += 1;
+            assert!(waited < 1000, "the scribbled ring was not dropped");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let broken = lock(&broken).clone();
+        assert_eq!(broken.len(), 1, "{broken:?}");
+        assert_eq!(broken[0].0, 1);
+        assert!(broken[0].1.contains("unread frames"), "{}", broken[0].1);
+        assert!(producers[0].push(b"last").unwrap());
+        assert_eq!(recv(), (0, Bytes::from_static(b"last")));
+        hub.close();
+        runner.join().unwrap();
     }
 }

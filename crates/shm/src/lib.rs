@@ -33,9 +33,13 @@
 //! - **Short notifications ring a doorbell.** Each connection has a ring of small frames in
 //!   shared memory (allocated by the accepting side, handed over at connect); a notification of
 //!   at most 252 bytes is one push into it plus, only when the reader sleeps, one futex wake.
-//!   A thread of the receiving transport reads the ring (a short spin, then the futex) and
-//!   trusts none of it: a peer that writes garbage there loses its connection. Longer
-//!   notifications go over the socket.
+//!   One thread of the receiving transport reads the rings of all its connections (a short
+//!   spin, then one futex word every peer can wake) and trusts none of them: a peer that
+//!   writes garbage there loses its connection. Longer notifications go over the socket.
+//! - **Idle connections cost little and lock nobody out**: no thread per connection; a
+//!   connection without `Hello` by the handshake timeout is closed, and when every slot
+//!   ([`ShmOptions::max_inbound_connections`]) is taken, the connection idle longest (at least
+//!   [`ShmOptions::evict_idle_after`]) makes room for a new peer.
 //! - **Peer loss**: end of file or an error on the socket fails the peer's pending batches with
 //!   [`TransportError::PeerLost`](kvbridge_transport::TransportError::PeerLost) at once (and by
 //!   their deadline at the latest).

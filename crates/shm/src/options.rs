@@ -37,9 +37,16 @@ pub struct ShmOptions {
     /// mapped (default 5 s); a peer that does not confirm in time is disconnected.
     pub revoke_timeout: Duration,
     /// Inbound control connections served at once, handshakes included (default 256). Each
-    /// accepted peer costs a doorbell ring and a reader thread, so one more is refused with a
-    /// reason that names this limit until one closes.
+    /// accepted peer costs a doorbell ring (64 KiB of shared memory) and two file descriptors;
+    /// no thread (one thread reads every ring). A peer that finds every slot taken waits up to
+    /// [`handshake_timeout`](Self::handshake_timeout) for one, while the longest-idle
+    /// connection is evicted if it has been idle for
+    /// [`evict_idle_after`](Self::evict_idle_after); otherwise it is refused with a reason that
+    /// names this limit.
     pub max_inbound_connections: usize,
+    /// How long an inbound connection must have sent nothing before it may be evicted to make
+    /// room for a new peer when every slot is taken (default 1 s). The evicted peer is told why.
+    pub evict_idle_after: Duration,
 }
 
 impl Default for ShmOptions {
@@ -51,6 +58,7 @@ impl Default for ShmOptions {
             handshake_timeout: Duration::from_secs(5),
             revoke_timeout: Duration::from_secs(5),
             max_inbound_connections: 256,
+            evict_idle_after: Duration::from_secs(1),
         }
     }
 }
@@ -89,6 +97,12 @@ impl ShmOptions {
     /// Sets [`max_inbound_connections`](Self::max_inbound_connections).
     pub fn with_max_inbound_connections(mut self, n: usize) -> Self {
         self.max_inbound_connections = n;
+        self
+    }
+
+    /// Sets [`evict_idle_after`](Self::evict_idle_after).
+    pub fn with_evict_idle_after(mut self, idle: Duration) -> Self {
+        self.evict_idle_after = idle;
         self
     }
 

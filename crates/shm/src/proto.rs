@@ -8,7 +8,7 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 /// Protocol version carried in `Hello` / `Welcome`.
-pub(crate) const VERSION: u32 = 2;
+pub(crate) const VERSION: u32 = 3;
 /// Largest notification payload accepted (and sent).
 pub(crate) const MAX_NOTIFICATION: usize = 16 << 20;
 /// Largest frame body accepted: a notification plus headroom. A peer claiming more is cut off
@@ -36,6 +36,11 @@ pub(crate) enum Frame {
     /// Server → client: accepted. The file of the connection's doorbell ring (`ring` bytes of
     /// shared memory, see `crate::doorbell`) comes with the frame.
     Welcome { version: u32, ring: u64 },
+    /// Server → client, right after `Welcome`: the file of the server's bell page (`len`
+    /// bytes), whose futex word the client bumps and wakes after it publishes a frame while the
+    /// server's reader sleeps. One page serves every connection of the server, so one thread
+    /// reads all their rings (see `crate::doorbell::Hub`).
+    Bell { len: u64 },
     /// Either way: refused, with the reason; the connection closes after it.
     Reject { reason: String },
     /// Client → server: please send region `region` (answered by `Region` with the same `req`).
@@ -80,6 +85,7 @@ mod kind {
     pub(super) const PONG: u8 = 8;
     pub(super) const REVOKE: u8 = 9;
     pub(super) const REVOKE_ACK: u8 = 10;
+    pub(super) const BELL: u8 = 11;
 }
 
 impl Frame {
@@ -97,6 +103,10 @@ impl Frame {
                 body.put_u32_le(*version);
                 body.put_u64_le(*ring);
                 kind::WELCOME
+            }
+            Frame::Bell { len } => {
+                body.put_u64_le(*len);
+                kind::BELL
             }
             Frame::Reject { reason } => {
                 // Keep reasons short; they are for people.
@@ -160,6 +170,7 @@ impl Frame {
         match self {
             Frame::Hello { .. } => "Hello",
             Frame::Welcome { .. } => "Welcome",
+            Frame::Bell { .. } => "Bell",
             Frame::Reject { .. } => "Reject",
             Frame::GetRegion { .. } => "GetRegion",
             Frame::Region { .. } => "Region",
@@ -180,6 +191,7 @@ impl Frame {
                 ..
             } => *len > 0,
             Frame::Welcome { ring, .. } => *ring > 0,
+            Frame::Bell { len } => *len > 0,
             _ => false,
         }
     }
@@ -211,6 +223,12 @@ pub(crate) fn decode(k: u8, mut body: Bytes) -> Result<Frame, ProtoError> {
             Frame::Welcome {
                 version: body.get_u32_le(),
                 ring: body.get_u64_le(),
+            }
+        }
+        kind::BELL => {
+            exact("Bell", &body, 8)?;
+            Frame::Bell {
+                len: body.get_u64_le(),
             }
         }
         kind::REJECT => Frame::Reject {
@@ -340,6 +358,7 @@ mod tests {
                 version: VERSION,
                 ring: 4096,
             },
+            Frame::Bell { len: 4096 },
             Frame::Reject {
                 reason: "uid 5 not allowed".into(),
             },
@@ -439,5 +458,7 @@ mod tests {
             }
             .carries_fd()
         );
+        assert!(Frame::Bell { len: 4096 }.carries_fd());
+        assert!(!Frame::Bell { len: 0 }.carries_fd());
     }
 }

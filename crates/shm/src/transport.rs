@@ -21,7 +21,7 @@ use tokio::time::Instant;
 
 use crate::descriptor::Descriptor;
 use crate::dir::{PrivateDir, default_base, random_bytes, sweep_stale};
-use crate::doorbell::{self, Consumer, Producer};
+use crate::doorbell::{self, Delivered, Hub, Producer};
 use crate::map::{self, SharedMapping};
 use crate::proto::{self, Frame, RegionStatus};
 use crate::wire::{ReadError, Wire, WireReader};
@@ -49,6 +49,8 @@ const JOB_QUEUE: usize = 256;
 const NOTIFICATION_QUEUE: usize = 4096;
 /// Extra time past a deadline for a notification write to be fenced.
 const FENCE_GRACE: Duration = Duration::from_millis(250);
+/// How often a connection waiting for a slot looks for an evictable one again.
+const EVICT_LOOK: Duration = Duration::from_millis(50);
 
 /// Hands `value` to whoever waits for the answer `key`, if anyone still does.
 fn answer<T>(waiters: &Mutex<HashMap<u64, oneshot::Sender<T>>>, key: u64, value: T) {
@@ -99,6 +101,10 @@ struct Conn {
     next_req: AtomicU64,
     /// Outbound: the peer's doorbell ring, which carries short notifications.
     bell: Option<Producer>,
+    /// Inbound: when this peer last sent anything (a frame or a ring push), in milliseconds
+    /// since the transport started; the longest-idle connection is the one evicted when a new
+    /// peer finds every slot taken.
+    last_heard: AtomicU64,
 }
 
 impl Conn {
@@ -120,6 +126,7 @@ impl Conn {
             copy_lock: RwLock::new(()),
             task: Mutex::new(None),
             next_req: AtomicU64::new(1),
+            last_heard: AtomicU64::new(0),
         }
     }
 
@@ -778,48 +785,54 @@ async fn commit(
     batches.finish(id, outcome, now());
 }
 
-/// How long the doorbell reader sleeps at most before it checks whether its connection is
-/// still open.
-const BELL_CHECK: Duration = Duration::from_millis(100);
-
-/// Reads an inbound connection's doorbell ring on a thread of its own and delivers each
-/// notification straight to `recv_notification`'s queue, until the connection is lost. A ring
-/// the peer broke drops the connection with the reason.
-fn doorbell_reader(
+/// Starts the thread that reads every inbound connection's doorbell ring and delivers each
+/// notification straight to `recv_notification`'s queue; a ring the peer broke drops its
+/// connection with the reason.
+fn start_hub(
+    hub: Arc<Hub<Arc<Conn>>>,
     inner: std::sync::Weak<Inner>,
-    conn: Arc<Conn>,
-    mut ring: Consumer,
     notifications: mpsc::Sender<Notification>,
-) {
-    while !conn.lost.load(Ordering::Acquire) {
-        let payload = match ring.next(BELL_CHECK) {
-            Ok(Some(payload)) => payload,
-            Ok(None) => continue,
-            Err(reason) => {
-                let reason = format!("the peer broke its doorbell ring: {reason}");
-                tracing::warn!(peer = %conn.id, "shm: {reason}");
-                if let Some(inner) = inner.upgrade() {
-                    inner.lose(&conn, reason);
-                }
-                return;
+) -> Result<()> {
+    let deliver = {
+        let inner = inner.clone();
+        move |conn: &Arc<Conn>, payload: Bytes| {
+            if let Some(inner) = inner.upgrade() {
+                inner.heard(conn);
             }
-        };
-        let mut n = Notification::new(conn.id, payload);
-        // A full queue waits for `recv_notification`, as the socket reader does.
-        loop {
-            match notifications.try_send(n) {
-                Ok(()) => break,
-                Err(mpsc::error::TrySendError::Closed(_)) => return,
-                Err(mpsc::error::TrySendError::Full(back)) => {
-                    if conn.lost.load(Ordering::Acquire) {
-                        return;
+            let mut n = Notification::new(conn.id, payload);
+            // A full queue waits for `recv_notification`, as the socket reader does.
+            loop {
+                match notifications.try_send(n) {
+                    Ok(()) => return Delivered::Yes,
+                    Err(mpsc::error::TrySendError::Closed(_)) => return Delivered::Stop,
+                    Err(mpsc::error::TrySendError::Full(back)) => {
+                        if conn.lost.load(Ordering::Acquire) {
+                            return Delivered::Yes;
+                        }
+                        n = back;
+                        std::thread::sleep(Duration::from_millis(1));
                     }
-                    n = back;
-                    std::thread::sleep(Duration::from_millis(1));
                 }
             }
         }
-    }
+    };
+    let broken = move |conn: &Arc<Conn>, reason: String| {
+        let reason = format!("the peer broke its doorbell ring: {reason}");
+        tracing::warn!(peer = %conn.id, "shm: {reason}");
+        if let Some(inner) = inner.upgrade() {
+            inner.lose(conn, reason);
+        }
+    };
+    let alive = |conn: &Arc<Conn>| !conn.lost.load(Ordering::Acquire);
+    std::thread::Builder::new()
+        .name("kvbridge-shm-bell".into())
+        .spawn(move || hub.run(deliver, broken, alive))
+        .map(drop)
+        .map_err(|e| TransportError::Io {
+            transport: NAME,
+            context: "starting the doorbell thread".into(),
+            source: e,
+        })
 }
 
 struct Inner {
@@ -842,11 +855,28 @@ struct Inner {
     accept_task: Mutex<Option<AbortHandle>>,
     /// One permit per inbound connection served (`ShmOptions::max_inbound_connections`).
     inbound_slots: Arc<Semaphore>,
+    /// One permit per connection that found every slot taken and waits for one (as many as
+    /// there are slots); beyond that a new connection is refused at once.
+    waiting_room: Arc<Semaphore>,
+    /// Reads the doorbell rings of every inbound connection, on one thread.
+    hub: Arc<Hub<Arc<Conn>>>,
+    /// Zero of `Conn::last_heard`.
+    epoch: std::time::Instant,
 }
 
 impl Inner {
     fn next_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Milliseconds since the transport started (the clock of `Conn::last_heard`).
+    fn clock_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Records that `conn`'s peer sent something.
+    fn heard(&self, conn: &Conn) {
+        conn.last_heard.store(self.clock_ms(), Ordering::Relaxed);
     }
 
     fn check_open(&self) -> Result<()> {
@@ -860,12 +890,18 @@ impl Inner {
     /// Marks a connection lost: closes it, fences copies into the peer's regions and fails the
     /// peer's pending batches.
     fn lose(&self, conn: &Arc<Conn>, reason: String) {
+        self.lose_with(conn, reason, true);
+    }
+
+    fn lose_with(&self, conn: &Arc<Conn>, reason: String, shutdown: bool) {
         if conn.lost.swap(true, Ordering::AcqRel) {
             return;
         }
         tracing::debug!(peer = %conn.id, %reason, "shm: connection lost");
         *lock(&conn.lost_reason) = Some(reason.clone());
-        conn.wire.shutdown();
+        if shutdown {
+            conn.wire.shutdown();
+        }
         lock(&conn.region_waiters).clear();
         lock(&conn.pings).clear();
         lock(&conn.revokes).clear();
@@ -903,6 +939,7 @@ impl Inner {
         if let Some(task) = lock(&self.accept_task).take() {
             task.abort();
         }
+        self.hub.close();
         let conns: Vec<Arc<Conn>> = lock(&self.conns).drain().map(|(_, c)| c).collect();
         for conn in conns {
             self.lose(&conn, "the transport was shut down".to_owned());
@@ -993,7 +1030,10 @@ impl Inner {
                     let inner = Arc::clone(&self);
                     match Arc::clone(&self.inbound_slots).try_acquire_owned() {
                         Ok(slot) => tokio::spawn(inner.serve_inbound(stream, slot)),
-                        Err(_) => tokio::spawn(inner.refuse_over_limit(stream)),
+                        Err(_) => match Arc::clone(&self.waiting_room).try_acquire_owned() {
+                            Ok(seat) => tokio::spawn(inner.admit_when_full(stream, seat)),
+                            Err(_) => tokio::spawn(inner.refuse_over_limit(stream)),
+                        },
                     };
                 }
                 Err(e) => {
@@ -1002,6 +1042,80 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// A connection that found every slot taken: the longest-idle established connection is
+    /// evicted if it has been idle for `ShmOptions::evict_idle_after` (so idle connections, a
+    /// peer's leak or an attacker's, cannot lock legitimate peers out), and the new one takes
+    /// the first slot that frees within the handshake timeout (first come, first served), or
+    /// is refused with the reason.
+    async fn admit_when_full(self: Arc<Self>, stream: UnixStream, _seat: OwnedSemaphorePermit) {
+        let deadline = Instant::now() + self.options.handshake_timeout;
+        // Each waiting connection evicts one at most: the slot it freed may take a moment.
+        let mut evicted = false;
+        loop {
+            if !evicted {
+                evicted = self.evict_longest_idle();
+            }
+            let slot = Arc::clone(&self.inbound_slots).acquire_owned();
+            // Looks for an evictable connection again this often while it waits.
+            let look_again = (Instant::now() + EVICT_LOOK).min(deadline);
+            match tokio::time::timeout_at(look_again, slot).await {
+                Ok(Ok(slot)) => return self.serve_inbound(stream, slot).await,
+                Ok(Err(_)) => return,
+                Err(_) if Instant::now() >= deadline => {
+                    return self.refuse_over_limit(stream).await;
+                }
+                Err(_) => {}
+            }
+        }
+    }
+
+    /// Evicts the inbound connection that has been idle longest, if it has been idle for at
+    /// least `ShmOptions::evict_idle_after`; tells its peer why first. Whether one was.
+    fn evict_longest_idle(&self) -> bool {
+        let now = self.clock_ms();
+        let Some(victim) = self
+            .inbound_conns()
+            .into_iter()
+            .filter(|c| !c.lost.load(Ordering::Acquire))
+            .min_by_key(|c| c.last_heard.load(Ordering::Relaxed))
+        else {
+            return false;
+        };
+        let idle =
+            Duration::from_millis(now.saturating_sub(victim.last_heard.load(Ordering::Relaxed)));
+        let least = self.options.evict_idle_after;
+        if idle < least {
+            return false;
+        }
+        let limit = self.options.max_inbound_connections;
+        let reason = format!(
+            "evicted: the peer serves its limit of {limit} inbound connections \
+             (ShmOptions::max_inbound_connections) and a new one arrived; this connection had \
+             sent nothing for {idle:?}, the longest of all (evictable after \
+             ShmOptions::evict_idle_after = {least:?}); connect again, or raise the limit there"
+        );
+        tracing::warn!(peer = %victim.id, "shm: {reason}");
+        let wire_owner = Arc::clone(&victim);
+        let told = reason.clone();
+        let hs = self.options.handshake_timeout;
+        // The reason goes out first, bounded; the connection is lost either way.
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(
+                hs,
+                wire_owner.wire.send(&Frame::Reject { reason: told }, None),
+            )
+            .await;
+            wire_owner.wire.shutdown();
+        });
+        self.lose_quietly(&victim, reason);
+        true
+    }
+
+    /// Marks `conn` lost without shutting its socket (an evicted peer still gets its reason).
+    fn lose_quietly(&self, conn: &Arc<Conn>, reason: String) {
+        self.lose_with(conn, reason, false);
     }
 
     /// Tells a peer beyond `ShmOptions::max_inbound_connections` why it is refused, within
@@ -1084,7 +1198,7 @@ impl Inner {
             let _ = wire.send(&Frame::Reject { reason }, None).await;
             return;
         }
-        let ring = match map::allocate(doorbell::RING_BYTES) {
+        let (ring, consumer) = match self.hub.ring() {
             Ok(ring) => ring,
             Err(e) => {
                 let reason = format!("could not allocate the connection's doorbell ring: {e}");
@@ -1093,19 +1207,11 @@ impl Inner {
                 return;
             }
         };
-        let (Some(ring_fd), Ok(consumer)) = (doorbell::ring_fd(&ring), Consumer::new(ring, 0))
-        else {
+        let (Some(ring_fd), Some(page_fd)) = (doorbell::ring_fd(&ring), self.hub.page_fd()) else {
             return;
         };
-        let welcome = Frame::Welcome {
-            version: proto::VERSION,
-            ring: doorbell::RING_BYTES as u64,
-        };
-        if wire.send(&welcome, Some(ring_fd.as_fd())).await.is_err() {
-            return;
-        }
-        drop(ring_fd);
         let conn = Arc::new(Conn::new(PeerId(self.next_id()), false, wire, None));
+        self.heard(&conn);
         {
             let mut conns = lock(&self.conns);
             if self.closed.load(Ordering::Acquire) {
@@ -1113,22 +1219,25 @@ impl Inner {
             }
             conns.insert(conn.id, Arc::clone(&conn));
         }
-        let bell = (
-            Arc::downgrade(&self),
-            Arc::clone(&conn),
-            self.notif_tx.clone(),
-        );
-        let started = std::thread::Builder::new()
-            .name("kvbridge-shm-bell".into())
-            .spawn(move || doorbell_reader(bell.0, bell.1, consumer, bell.2));
-        if let Err(e) = started {
-            self.lose(
-                &conn,
-                format!("could not start the doorbell reader thread: {e}"),
-            );
+        // The ring joins the hub before the peer learns of it, so its first push is read.
+        self.hub.join(Arc::clone(&conn), consumer);
+        let welcome = Frame::Welcome {
+            version: proto::VERSION,
+            ring: doorbell::RING_BYTES as u64,
+        };
+        let bell = Frame::Bell {
+            len: doorbell::BELL_PAGE_BYTES as u64,
+        };
+        let opened = async {
+            conn.wire.send(&welcome, Some(ring_fd.as_fd())).await?;
+            conn.wire.send(&bell, Some(page_fd.as_fd())).await
+        };
+        if let Err(e) = opened.await {
+            self.lose(&conn, format!("could not finish the opening exchange: {e}"));
             lock(&self.conns).remove(&conn.id);
             return;
         }
+        drop((ring_fd, page_fd));
         tracing::debug!(peer = %conn.id, uid, pid, "shm: accepted a peer");
         let reason = self.inbound_frames(&conn, &mut reader).await;
         self.lose(&conn, reason);
@@ -1142,6 +1251,7 @@ impl Inner {
                 Ok(None) => return "the peer closed the connection".to_owned(),
                 Err(e) => return e.to_string(),
             };
+            self.heard(conn);
             let sent = match frame {
                 Frame::GetRegion { req, region } => self.answer_region(conn, req, region).await,
                 Frame::Notify { payload } => {
@@ -1229,6 +1339,9 @@ impl Inner {
                 Frame::Pong { nonce } => {
                     answer(&conn.pings, nonce, ());
                     Ok(())
+                }
+                Frame::Reject { reason } => {
+                    break format!("the peer closed the connection: {reason}");
                 }
                 Frame::Revoke { id, region } => {
                     {
@@ -1395,6 +1508,7 @@ impl ShmTransport {
                 source: e,
             })?;
         let (notif_tx, notif_rx) = mpsc::channel(NOTIFICATION_QUEUE);
+        let hub = Arc::new(Hub::new()?);
         let inner = Arc::new(Inner {
             options,
             own_uid: rustix::process::geteuid().as_raw(),
@@ -1417,7 +1531,12 @@ impl ShmTransport {
             notif_rx: tokio::sync::Mutex::new(notif_rx),
             accept_task: Mutex::new(None),
             inbound_slots: Arc::new(Semaphore::new(max_inbound)),
+            waiting_room: Arc::new(Semaphore::new(max_inbound)),
+            hub: Arc::clone(&hub),
+            epoch: std::time::Instant::now(),
         });
+        start_hub(hub, Arc::downgrade(&inner), inner.notif_tx.clone())
+            .inspect_err(|_| inner.close())?;
         let task = inner
             .rt
             .spawn(Arc::clone(&inner).accept_loop(listener))
@@ -1569,40 +1688,67 @@ async fn dial(inner: &Inner, d: &Descriptor, path: &str) -> Result<Wire> {
 }
 
 /// The opening exchange on a fresh connection (bounded by `hs`): `Hello` with the peer's
-/// token, answered by `Welcome` with its doorbell ring, which is mapped here.
+/// token, answered by `Welcome` with its doorbell ring and `Bell` with its bell page, both
+/// mapped here. Returns the ring's producer.
 async fn opening_exchange(
     wire: &Wire,
     token: [u8; crate::descriptor::TOKEN_LEN],
     peer: PeerId,
     hs: Duration,
-) -> Result<(MemoryRegion, WireReader)> {
+) -> Result<(Producer, WireReader)> {
+    let deadline = Instant::now() + hs;
     let hello = Frame::Hello {
         version: proto::VERSION,
         token,
     };
     let mut reader = WireReader::default();
-    let handshake = async {
-        wire.send(&hello, None).await.map_err(ReadError::Io)?;
-        reader.next(wire).await
-    };
-    let ring = match tokio::time::timeout(hs, handshake).await {
-        Ok(Ok(Some((Frame::Welcome { ring, .. }, Some(fd))))) => {
-            tokio::task::spawn_blocking(move || map::map_remote(0, fd, ring))
-                .await
-                .unwrap_or_else(|e| {
-                    Err(ShmError::Map {
-                        what: "mapping the peer's doorbell ring".into(),
-                        source: std::io::Error::other(e.to_string()),
-                    })
-                })?
-        }
-        Ok(Ok(Some((Frame::Welcome { .. }, None)))) => {
-            return Err(TransportError::Protocol {
+    match tokio::time::timeout_at(deadline, wire.send(&hello, None)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            return Err(lost_opening(
                 peer,
-                transport: NAME,
-                message: "the peer's Welcome came without a doorbell ring".into(),
-            });
+                format!("the opening exchange failed: {e}"),
+            ));
         }
+        Err(_) => {
+            return Err(lost_opening(
+                peer,
+                format!("no answer to the opening exchange within {hs:?}"),
+            ));
+        }
+    }
+    let ring = opening_file(wire, &mut reader, peer, deadline, hs, "Welcome").await?;
+    let page = opening_file(wire, &mut reader, peer, deadline, hs, "Bell").await?;
+    let bell =
+        Producer::with_bell_page(ring, 0, page).map_err(|message| TransportError::Protocol {
+            peer,
+            transport: NAME,
+            message: format!("the peer's doorbell ring is unusable: {message}"),
+        })?;
+    Ok((bell, reader))
+}
+
+fn lost_opening(peer: PeerId, reason: String) -> TransportError {
+    TransportError::PeerLost {
+        peer,
+        transport: NAME,
+        reason,
+    }
+}
+
+/// Reads the opening exchange's next frame, which must be `want` (`Welcome` or `Bell`) with
+/// its file, and maps the file.
+async fn opening_file(
+    wire: &Wire,
+    reader: &mut WireReader,
+    peer: PeerId,
+    deadline: Instant,
+    hs: Duration,
+    want: &'static str,
+) -> Result<MemoryRegion> {
+    let (len, fd) = match tokio::time::timeout_at(deadline, reader.next(wire)).await {
+        Ok(Ok(Some((Frame::Welcome { ring, .. }, fd)))) if want == "Welcome" => (ring, fd),
+        Ok(Ok(Some((Frame::Bell { len }, fd)))) if want == "Bell" => (len, fd),
         Ok(Ok(Some((Frame::Reject { reason }, _)))) => {
             return Err(ShmError::RefusedByPeer { reason }.into());
         }
@@ -1610,32 +1756,44 @@ async fn opening_exchange(
             return Err(TransportError::Protocol {
                 peer,
                 transport: NAME,
-                message: format!("expected Welcome, got {other:?}"),
+                message: format!("expected {want} in the opening exchange, got {other:?}"),
             });
         }
         Ok(Ok(None)) => {
-            return Err(TransportError::PeerLost {
+            return Err(lost_opening(
                 peer,
-                transport: NAME,
-                reason: "the peer closed the connection during the opening exchange".into(),
-            });
+                "the peer closed the connection during the opening exchange".into(),
+            ));
         }
         Ok(Err(e)) => {
-            return Err(TransportError::PeerLost {
+            return Err(lost_opening(
                 peer,
-                transport: NAME,
-                reason: format!("the opening exchange failed: {e}"),
-            });
+                format!("the opening exchange failed: {e}"),
+            ));
         }
         Err(_) => {
-            return Err(TransportError::PeerLost {
+            return Err(lost_opening(
                 peer,
-                transport: NAME,
-                reason: format!("no answer to the opening exchange within {hs:?}"),
-            });
+                format!("no answer to the opening exchange within {hs:?}"),
+            ));
         }
     };
-    Ok((ring, reader))
+    let Some(fd) = fd else {
+        return Err(TransportError::Protocol {
+            peer,
+            transport: NAME,
+            message: format!("the peer's {want} came without its file"),
+        });
+    };
+    tokio::task::spawn_blocking(move || map::map_remote(0, fd, len))
+        .await
+        .unwrap_or_else(|e| {
+            Err(ShmError::Map {
+                what: format!("mapping the file of the peer's {want}"),
+                source: std::io::Error::other(e.to_string()),
+            })
+        })
+        .map_err(Into::into)
 }
 
 #[async_trait::async_trait]
@@ -1709,12 +1867,7 @@ impl KvTransport for ShmTransport {
         let path = d.socket.display().to_string();
         let wire = dial(inner, &d, &path).await?;
         let peer = PeerId(inner.next_id());
-        let (ring, reader) = opening_exchange(&wire, d.token, peer, hs).await?;
-        let bell = Producer::new(ring, 0).map_err(|message| TransportError::Protocol {
-            peer,
-            transport: NAME,
-            message: format!("the peer's doorbell ring is unusable: {message}"),
-        })?;
+        let (bell, reader) = opening_exchange(&wire, d.token, peer, hs).await?;
         let conn = Arc::new(Conn::new(peer, true, wire, Some(bell)));
         {
             let mut conns = lock(&inner.conns);

@@ -242,8 +242,15 @@ async fn cancelling_a_large_batch_stops_it_and_nothing_lands_afterwards() {
 
 #[tokio::test]
 async fn connections_beyond_the_limit_are_refused_until_one_closes() {
-    let receiver =
-        ShmTransport::with_options(ShmOptions::default().with_max_inbound_connections(1)).unwrap();
+    // No connection is idle long enough to be evicted; a waiting peer is refused at the
+    // handshake deadline.
+    let receiver = ShmTransport::with_options(
+        ShmOptions::default()
+            .with_max_inbound_connections(1)
+            .with_evict_idle_after(Duration::from_secs(3600))
+            .with_handshake_timeout(Duration::from_millis(300)),
+    )
+    .unwrap();
     let first = ShmTransport::new().unwrap();
     first.connect(&receiver.local_descriptor()).await.unwrap();
     let second = ShmTransport::new().unwrap();
