@@ -298,19 +298,26 @@ def part_servers(args) -> bool:
         return True
     servers, tiny = _load("servers"), _load("tiny_models")
     ok = True
+    checksum = ["--disaggregation-enable-kv-checksum"]
+    # (model, what, prefill flags, decode flags)
     cases = [
-        ("deepseek_v2", "MLA prefill TP 1 -> decode TP 2 with DCP 2", ["--tp", "2", "--dcp-size", "2"]),
-        ("llama", "GQA prefill TP 1 -> decode TP 2", ["--tp", "2"]),
+        ("deepseek_v2", "MLA prefill TP 1 -> decode TP 2 with DCP 2", [], ["--tp", "2", "--dcp-size", "2"]),
+        ("llama", "GQA prefill TP 1 -> decode TP 2", [], ["--tp", "2"]),
+        # SGLang's KV checksum on both sides: the decode must not compare the prefill's digest
+        # where DCP 1 -> 2 moved other tokens to each rank (should_verify_kv_checksum); a
+        # reported mismatch aborts the request, which changes the tokens.
+        ("deepseek_v2", "MLA prefill TP 1 -> decode TP 2 with DCP 2, KV checksum on", checksum,
+         ["--tp", "2", "--dcp-size", "2", *checksum]),
     ]
     with tempfile.TemporaryDirectory(prefix="kvbridge-gpu-check-") as tmp:
-        for model_name, what, decode_flags in cases:
+        for n, (model_name, what, prefill_flags, decode_flags) in enumerate(cases):
             path = tiny.make(model_name, os.path.join(tmp, "models"))
-            logs = os.path.join(tmp, "logs", model_name)
+            logs = os.path.join(tmp, "logs", f"{n}-{model_name}")
             single = servers.Server(f"{model_name}-single", path, logs, mode="single")
             prefill = servers.Server(f"{model_name}-prefill", path, logs, mode="prefill")
             decode = servers.Server(f"{model_name}-decode", path, logs, mode="decode")
             _on_gpu(single, 0, [])
-            _on_gpu(prefill, 0, [])
+            _on_gpu(prefill, 0, prefill_flags)
             _on_gpu(decode, 0, decode_flags)
             started = []
             try:

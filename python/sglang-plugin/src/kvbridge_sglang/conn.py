@@ -408,6 +408,15 @@ class KvbridgeKVManager(MooncakeKVManager):
         ):
             setattr(info, name, mapping[name])
 
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        # SGLang's contract (BaseKVManager.should_verify_kv_checksum): "A backend returns False
+        # for a peer whose digest covers a different byte range". With kvbridge that is every
+        # DCP a -> b relayout, and a TP slice of an MHA pool.
+        info = self.prefill_info_table.get(bootstrap_addr)
+        if info is not None and not reshard.digest_covers_this_rank(info, self):
+            return False
+        return super().should_verify_kv_checksum(bootstrap_addr)
+
     def requires_dcp_relayout(self, dst_dcp_size: int, dst_dcp_rank: int) -> bool:
         # SGLang's manager relayouts prefill DCP 1 only; kvbridge's planner any a -> b (MLA).
         if self.dcp_size > 1 and dst_dcp_size != self.dcp_size and self.is_mla_backend:

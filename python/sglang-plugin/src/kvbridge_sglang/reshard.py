@@ -124,3 +124,21 @@ def owner_rule_mapping(prefill: Optional[Mapping], prefill_dcp: int, decode_mgr:
     mapping["target_tp_rank"] = real[0] if len(real) == 1 else None
     mapping["required_dst_info_num"] = counts.pop()
     return mapping
+
+
+def digest_covers_this_rank(info: Any, decode_mgr: Any) -> bool:
+    """Whether the KV checksum that the prefill of ``info`` (its ``PrefillServerInfo``) sends
+    digests the bytes this decode rank holds, as SGLang's ``--disaggregation-enable-kv-checksum``
+    compares it. Not where kvbridge relayouts rows between DCP sizes (prefill DCP a -> decode
+    DCP b, a != b, prefill DCP 1 included: each decode rank holds other tokens than the prefill
+    digested), nor where a decode rank receives a slice of the heads (an MHA/GQA pool under
+    another attention TP size). A field this version cannot read digests nothing comparable."""
+    try:
+        field = parse_field(getattr(info, FIELD, None))
+    except ValueError:
+        return False
+    prefill_dcp = 1 if field is None else field[0]
+    if prefill_dcp != decode_mgr.dcp_size:
+        return False
+    latent = decode_mgr.is_mla_backend or getattr(decode_mgr, "is_hybrid_mla_backend", False)
+    return latent or info.attn_tp_size == decode_mgr.attn_tp_size
