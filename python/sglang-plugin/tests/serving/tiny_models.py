@@ -53,7 +53,7 @@ def _tokenizer(vocab_size: int = 384):
     )
 
 
-def _config(name: str, vocab_size: int, tokenizer):
+def _config(name: str, vocab_size: int, tokenizer, head_dim: int = 16):
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -70,7 +70,7 @@ def _config(name: str, vocab_size: int, tokenizer):
     if name == "llama":
         from transformers import LlamaConfig
 
-        return LlamaConfig(**common, num_key_value_heads=2, head_dim=16)
+        return LlamaConfig(**common, num_key_value_heads=2, head_dim=head_dim)
     if name == "deepseek_v2":
         from transformers import DeepseekV2Config
 
@@ -105,15 +105,16 @@ def _config(name: str, vocab_size: int, tokenizer):
     raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(MODELS)}")
 
 
-def make(name: str, out_dir: str, seed: int = SEED) -> str:
+def make(name: str, out_dir: str, seed: int = SEED, head_dim: int = 16) -> str:
     """Writes model ``name`` (config, bf16 random weights from ``seed``, tokenizer) into
-    ``out_dir/name``; returns that path. The same seed gives the same files."""
+    ``out_dir/name``; returns that path. The same seed gives the same files. ``head_dim``
+    sets the Llama's attention head size (vLLM's CPU attention refuses 16; 32 works)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     path = os.path.join(out_dir, name)
     tokenizer = _tokenizer()
-    config = _config(name, len(tokenizer), tokenizer)
+    config = _config(name, len(tokenizer), tokenizer, head_dim)
     torch.manual_seed(seed)
     # Bigger than the default 0.02 so that the tiny models' greedy choices depend visibly on
     # every layer's KV (the damaged-KV control relies on that).

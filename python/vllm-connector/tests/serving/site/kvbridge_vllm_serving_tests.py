@@ -1,0 +1,64 @@
+"""Test infrastructure only: a ``vllm.general_plugins`` entry point that the real-server tests
+put on ``PYTHONPATH`` (with this directory's ``kvbridge_vllm_serving_tests-0.dist-info``, which
+is how ``importlib.metadata`` finds it without installing anything). vLLM runs it in each of
+its processes. The connector needs none of it.
+
+- **The damaged-KV control**: a request to the prefill whose ``kv_transfer_params`` carry
+  ``"kvbridge_test_damage": true`` gets a room from ``DAMAGE_ROOMS`` on (every other room is
+  drawn below it on these test servers); the prefill's worker
+  zeroes layer 0 of such a room's blocks just before it sends them. The prefill computed its
+  token from intact KV; the decode receives layer 0 damaged, so its tokens must differ if the
+  comparison means anything.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+DAMAGE_KEY = "kvbridge_test_damage"
+DAMAGE_ROOMS = 2**62
+
+_installed = False
+
+
+def register() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    from kvbridge_vllm import scheduler, worker
+
+    finished = scheduler.SchedulerState.finished
+    plain = lambda: secrets.randbits(62)  # noqa: E731 - below DAMAGE_ROOMS
+    scheduler.new_room = plain
+
+    def finished_marking_rooms(self, req_id, params, *args, **kwargs):
+        if not (params and params.get(DAMAGE_KEY)):
+            return finished(self, req_id, params, *args, **kwargs)
+        scheduler.new_room = lambda: DAMAGE_ROOMS + secrets.randbits(60)
+        try:
+            return finished(self, req_id, params, *args, **kwargs)
+        finally:
+            scheduler.new_room = plain
+
+    scheduler.SchedulerState.finished = finished_marking_rooms
+
+    register_caches = worker.Worker.register
+    poll_send = worker.Worker._poll_send
+
+    def register_keeping_layer0(self, kv_caches):
+        self._test_layer0 = next(iter(kv_caches.values()))
+        return register_caches(self, kv_caches)
+
+    def poll_send_damaging(self, req_id, room):
+        send = room.job
+        if send.room >= DAMAGE_ROOMS and not room.posted and not getattr(room, "damaged", False):
+            room.damaged = True
+            self._test_layer0[list(send.block_ids)] = 0
+            import logging
+
+            logging.getLogger("vllm.kvbridge").warning("test: zeroed layer 0 of room %d's blocks", send.room)
+        return poll_send(self, req_id, room)
+
+    worker.Worker.register = register_keeping_layer0
+    worker.Worker._poll_send = poll_send_damaging

