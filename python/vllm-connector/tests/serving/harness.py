@@ -119,10 +119,10 @@ def output_ids(body: dict) -> list:
 class Proxy:
     """``python -m kvbridge_vllm.proxy`` in a process group of its own."""
 
-    def __init__(self, prefill: VllmServer, decode: VllmServer, log_dir: str):
+    def __init__(self, prefill: VllmServer, decode: VllmServer, log_dir: str, name: str = "proxy"):
         self.port = procs.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = os.path.join(log_dir, "proxy.log")
+        self.log_path = os.path.join(log_dir, f"{name}.log")
         self.cmd = [sys.executable, "-m", "kvbridge_vllm.proxy", "--prefill", prefill.url, "--decode", decode.url,
                     "--port", str(self.port)]
         self.proc = None

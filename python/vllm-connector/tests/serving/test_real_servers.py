@@ -9,7 +9,10 @@ and the next request works. Every server is ended by its process group."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
+import time
+import urllib.error
 import random
 import tempfile
 
@@ -21,6 +24,7 @@ pytestmark = pytest.mark.vllm
 
 NEW_TOKENS = 12
 DAMAGE_KEY = "kvbridge_test_damage"
+SLOW_KEY = "kvbridge_test_slow"
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +38,29 @@ def stack():
         single = VllmServer("single", path, log_dir)
         prefill = VllmServer("prefill", path, log_dir, role="kv_producer")
         decode = VllmServer("decode", path, log_dir, role="kv_consumer")
-        servers = procs.start_all([single, prefill, decode])
-        proxy = None
+        # A second decode fed by the same prefill.
+        decode2 = VllmServer("decode2", path, log_dir, role="kv_consumer")
+        servers = procs.start_all([single, prefill, decode, decode2])
+        proxies = []
         try:
-            proxy = Proxy(prefill, decode, log_dir).start()
-            yield path, single, prefill, decode, proxy
+            proxies.append(Proxy(prefill, decode, log_dir, "proxy").start())
+            proxies.append(Proxy(prefill, decode2, log_dir, "proxy2").start())
+            yield Stack(path, single, prefill, decode, decode2, *proxies)
         finally:
-            if proxy is not None:
+            for proxy in proxies:
                 proxy.stop()
             procs.stop_all(servers)
+
+
+@dataclasses.dataclass
+class Stack:
+    path: str
+    single: VllmServer
+    prefill: VllmServer
+    decode: VllmServer
+    decode2: VllmServer
+    proxy: Proxy
+    proxy2: Proxy
 
 
 def _prompt(rng: random.Random, n: int) -> list:
@@ -57,7 +75,7 @@ def _transferred(decode) -> float:
 def test_the_decodes_tokens_are_the_single_servers(stack, length):
     """5: shorter than a block (128 tokens on CPU); 129, 300: several blocks; 300 and 450:
     longer than one step of chunked prefill (256 tokens)."""
-    path, single, _, decode, proxy = stack
+    path, single, decode, proxy = stack.path, stack.single, stack.decode, stack.proxy
     prompt = _prompt(random.Random(f"prompt-{length}"), length)
     before = _transferred(decode)
     pair = output_ids(proxy.complete(prompt, NEW_TOKENS))
@@ -69,7 +87,7 @@ def test_the_decodes_tokens_are_the_single_servers(stack, length):
 
 
 def test_requests_at_once(stack):
-    _, single, _, _, proxy = stack
+    single, proxy = stack.single, stack.proxy
     rng = random.Random("at-once")
     prompts = [_prompt(rng, n) for n in (40, 140, 260, 17)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
@@ -81,7 +99,7 @@ def test_requests_at_once(stack):
 def test_damaged_kv_gives_other_tokens(stack):
     """The control: the same kind of request with the prefill's layer-0 KV zeroed as it is
     sent. Its tokens differ, so the equalities above depend on the KV that kvbridge moved."""
-    _, single, prefill, _, proxy = stack
+    single, prefill, proxy = stack.single, stack.prefill, stack.proxy
     prompt = _prompt(random.Random("damaged"), 200)
     damaged = output_ids(proxy.complete(prompt, NEW_TOKENS, kv_transfer_params={DAMAGE_KEY: True}))
     assert "zeroed layer 0" in prefill.log_tail(400), f"the prefill did not damage the KV: see {prefill.log_path}"
@@ -93,7 +111,7 @@ def test_a_prefill_that_cannot_be_reached_ends_the_request_and_the_next_works(st
     """kv_transfer_params naming a bootstrap address where nothing listens: the decode's
     receive fails with kvbridge's cause (logged), vLLM's kv_load_failure_policy ("fail" by
     default) ends the request, within the connector's deadlines; the next request works."""
-    _, single, _, decode, proxy = stack
+    single, decode, proxy = stack.single, stack.decode, stack.proxy
     prompt = _prompt(random.Random("unreachable"), 60)
     params = {
         "do_remote_prefill": True,
@@ -105,3 +123,40 @@ def test_a_prefill_that_cannot_be_reached_ends_the_request_and_the_next_works(st
     assert "KV not loaded" in decode.log_tail(400) or "no KV loaded" in decode.log_tail(400), decode.log_path
     again = _prompt(random.Random("after"), 70)
     assert output_ids(proxy.complete(again, NEW_TOKENS)) == output_ids(single.complete(again, NEW_TOKENS))
+
+
+def test_one_prefill_feeds_two_decodes(stack):
+    rng = random.Random("two-decodes")
+    prompts = [_prompt(rng, n) for n in (90, 210, 33, 150)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        got = list(pool.map(
+            lambda ip: output_ids((stack.proxy, stack.proxy2)[ip[0] % 2].complete(ip[1], NEW_TOKENS)),
+            enumerate(prompts),
+        ))
+    assert got == [output_ids(stack.single.complete(p, NEW_TOKENS)) for p in prompts]
+
+
+def test_a_request_aborted_while_its_kv_is_on_its_way_ends_both_rooms(stack):
+    """The prefill holds the room for 30 s (the test plugin's slow sender); the client gives
+    up on the decode after 3 s, so vLLM aborts the request there. The decode aborts its room,
+    the prefill's room fails with the abort and frees its blocks, the decode's blocks are
+    released once the prefill acknowledged; nothing waits for the 30 s, and the next request
+    works."""
+    prefill, decode = stack.prefill, stack.decode
+    prompt = _prompt(random.Random("aborted"), 100)
+    answer = prefill.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True, SLOW_KEY: 30})
+    params = answer["kv_transfer_params"]
+    room = params["kvbridge"]["room"]
+    started = time.monotonic()
+    with pytest.raises((OSError, urllib.error.URLError)):  # the client's timeout
+        decode.complete(prompt, NEW_TOKENS, timeout=3, kv_transfer_params=params)
+    # Both sides end the room well before the prefill's hold would have.
+    end = started + 25
+    while time.monotonic() < end:
+        if f"room {room}): its KV was not sent" in prefill.log_tail(400) and f"room {room} aborted" in decode.log_tail(400):
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"the abort did not end both rooms within 25 s: see {prefill.log_path} and {decode.log_path}")
+    again = _prompt(random.Random("after-abort"), 80)
+    assert output_ids(stack.proxy.complete(again, NEW_TOKENS)) == output_ids(stack.single.complete(again, NEW_TOKENS))

@@ -9,6 +9,10 @@ its processes. The connector needs none of it.
   zeroes layer 0 of such a room's blocks just before it sends them. The prefill computed its
   token from intact KV; the decode receives layer 0 damaged, so its tokens must differ if the
   comparison means anything.
+- **A slow sender**: a request whose ``kv_transfer_params`` carry ``"kvbridge_test_slow":
+  SECONDS`` gets a room from ``SLOW_ROOMS`` on (its low 16 bits are the seconds); the prefill's
+  worker holds such a room that long before it sends (and says so in its log), so an abort
+  lands while the request waits for its KV.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import secrets
 
 DAMAGE_KEY = "kvbridge_test_damage"
 DAMAGE_ROOMS = 2**62
+SLOW_KEY = "kvbridge_test_slow"
+SLOW_ROOMS = 2**62 + 2**61
 
 _installed = False
 
@@ -26,6 +32,7 @@ def register() -> None:
     if _installed:
         return
     _installed = True
+    import kvbridge
     from kvbridge_vllm import scheduler, worker
 
     finished = scheduler.SchedulerState.finished
@@ -33,9 +40,13 @@ def register() -> None:
     scheduler.new_room = plain
 
     def finished_marking_rooms(self, req_id, params, *args, **kwargs):
-        if not (params and params.get(DAMAGE_KEY)):
+        if params and params.get(DAMAGE_KEY):
+            scheduler.new_room = lambda: DAMAGE_ROOMS + secrets.randbits(60)
+        elif params and params.get(SLOW_KEY):
+            seconds = int(params[SLOW_KEY]) & 0xFFFF
+            scheduler.new_room = lambda: SLOW_ROOMS + (secrets.randbits(44) << 16) + seconds
+        else:
             return finished(self, req_id, params, *args, **kwargs)
-        scheduler.new_room = lambda: DAMAGE_ROOMS + secrets.randbits(60)
         try:
             return finished(self, req_id, params, *args, **kwargs)
         finally:
@@ -52,7 +63,18 @@ def register() -> None:
 
     def poll_send_damaging(self, req_id, room):
         send = room.job
-        if send.room >= DAMAGE_ROOMS and not room.posted and not getattr(room, "damaged", False):
+        if send.room >= SLOW_ROOMS and not room.posted:
+            import logging
+            import time
+
+            now = time.monotonic()
+            if not hasattr(room, "held_since"):
+                room.held_since = now
+                logging.getLogger("vllm.kvbridge").warning("test: holding room %d for %d s", send.room, send.room & 0xFFFF)
+            if now - room.held_since < (send.room & 0xFFFF):
+                if self.agent.poll(send.room) != kvbridge.KVPoll.Failed:
+                    return False
+        elif send.room >= DAMAGE_ROOMS and not room.posted and not getattr(room, "damaged", False):
             room.damaged = True
             self._test_layer0[list(send.block_ids)] = 0
             import logging
