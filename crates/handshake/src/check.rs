@@ -450,6 +450,10 @@ impl Checker<'_> {
             self.push(
                 Problem::new(
                     ProblemCode::TpDiffersMha,
+                    //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._resolve_rank_mapping test: w001_mha_different_tp_is_a_warning
+                    //# if not self.is_mla_backend and not self.is_hybrid_mla_backend:
+                    //# logger.warning_once(
+                    //# "Performance is NOT guaranteed when using different TP sizes for non-MLA models. "
                     "Performance is NOT guaranteed when using different TP sizes for non-MLA models. ",
                     "expected with different attention TP sizes on an MHA/GQA model (each decode rank \
                      gathers head slices per token); use equal TP sizes for the fastest page path",
@@ -1341,6 +1345,12 @@ impl Checker<'_> {
         }
         for (side, s) in [("prefill", p), ("decode", d)] {
             let lens = &s.kv_item_lens;
+            //= sglang 0.5.23 sglang/srt/disaggregation/mooncake/conn.py MooncakeKVManager.send_kvcache_slice test: e018_head_slicing_needs_one_item_length
+            //# item_len != src_kv_item_len for item_len in self.kv_args.kv_item_lens
+            //# ):
+            //# logger.error(
+            //# f"[{mooncake_session_id}] head-sliced transfer assumes one item "
+            //# f"length for every KV entry, got {set(self.kv_args.kv_item_lens)}"
             if lens.iter().any(|&l| l != lens[0]) {
                 self.push(
                     Problem::new(
@@ -1400,6 +1410,12 @@ impl Checker<'_> {
                 Problem::new(
                     ProblemCode::AuxCount,
                     format!(
+                        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.check_peer_aux_buffer_count test: w002_extra_trailing_aux_buffer_is_a_warning
+                        //# "Decode %s registered %d metadata buffers but this prefill has %d; "
+                        //# "only the first %d are transferred, and misaligned if the extra "
+                        //# "buffer is not the last. An optional metadata buffer is enabled on "
+                        //# "one engine only: --disaggregation-enable-kv-checksum, "
+                        //# "SGLANG_ENABLE_DISAGG_SAMPLING_MASK, or the DSA top-k buffer.",
                         "Decode attn_tp_rank={} registered {n} metadata buffers but this prefill has {m}; only \
                          the first {common} are transferred, and misaligned if the extra buffer is not the last. \
                          An optional metadata buffer is enabled on one engine only: \

@@ -342,6 +342,10 @@ pub fn prefill_unique_rank(
     cp_size: u32,
     pp_size: u32,
 ) -> u32 {
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._prefill_unique_rank test: unique_rank_formula
+    //# self.attn_tp_rank * (self.pp_size * self.attn_cp_size)
+    //# + self.pp_rank * self.attn_cp_size
+    //# + self.attn_cp_rank
     tp_rank * (pp_size * cp_size) + pp_rank * cp_size + cp_rank
 }
 
@@ -366,7 +370,7 @@ pub fn bootstrap_order(targets: &TargetRanks) -> Vec<(u32, u32, u32)> {
 /// SGLang's dummy rule: an MLA pool and `tp != target_tp_rank` (never a dummy when
 /// `target_tp_rank` is `None` or the pool is not pure MLA).
 pub fn sglang_is_dummy(pool: PoolKind, target_tp_rank: Option<u32>, tp: u32) -> bool {
-    //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVReceiver._setup_bootstrap_infos
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVReceiver._setup_bootstrap_infos test: mapping_from_descriptors_lists_peers_with_dummies_and_ids
     //# bootstrap_info["is_dummy"] = not bool(
     //# target_tp_rank == self.target_tp_rank
     //# or self.target_tp_rank is None
