@@ -497,32 +497,65 @@ fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
-/// The files citations may live in: every `.rs` and `.py` file of the repository, the build
-/// output and this tool's own sources (whose tests hold sample citations) aside.
+/// The files citations may live in: every `.rs` and `.py` file git tracks or would track (so
+/// ignored build output and virtual environments never count), this tool's own sources
+/// (whose tests hold sample citations) aside. Without git, a walk of the tree that skips
+/// hidden directories, `target` and `build` folders.
 fn source_files(root: &Path) -> Vec<PathBuf> {
-    fn walk(dir: &Path, root: &Path, out: &mut Vec<PathBuf>) {
-        let Ok(entries) = fs::read_dir(dir) else {
-            return;
-        };
-        for e in entries.flatten() {
-            let p = e.path();
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name.starts_with('.') || name == "target" || name == "__pycache__" {
-                continue;
-            }
-            if p.is_dir() {
-                if p != root.join("xtask") && !p.join("CACHEDIR.TAG").exists() {
-                    walk(&p, root, out);
-                }
-            } else if name.ends_with(".rs") || name.ends_with(".py") {
-                out.push(p);
-            }
+    let listed = Command::new("git")
+        .args([
+            "ls-files",
+            "--cached",
+            "--others",
+            "--exclude-standard",
+            "-z",
+        ])
+        .current_dir(root)
+        .stderr(Stdio::null())
+        .output();
+    let mut out: Vec<PathBuf> = match listed {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout)
+            .split('\0')
+            .filter(|p| citable(p))
+            .map(|p| root.join(p))
+            .filter(|p| p.is_file())
+            .collect(),
+        _ => {
+            let mut out = Vec::new();
+            walk(root, root, &mut out);
+            out
         }
-    }
-    let mut out = Vec::new();
-    walk(root, root, &mut out);
+    };
     out.sort();
     out
+}
+
+/// Whether a repository-relative path may hold citations.
+fn citable(rel: &str) -> bool {
+    (rel.ends_with(".rs") || rel.ends_with(".py")) && !rel.starts_with("xtask/")
+}
+
+fn walk(dir: &Path, root: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let p = e.path();
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') || ["target", "build", "__pycache__"].contains(&name.as_str()) {
+            continue;
+        }
+        let rel = p
+            .strip_prefix(root)
+            .unwrap_or(&p)
+            .to_string_lossy()
+            .into_owned();
+        if p.is_dir() {
+            walk(&p, root, out);
+        } else if citable(&rel) {
+            out.push(p);
+        }
+    }
 }
 
 /// Every citation of the repository at `root`, and the malformed ones.
@@ -1282,6 +1315,28 @@ def unused():
         );
         assert_eq!(missing_tests(&[c], &BTreeMap::new()).len(), 1);
         let _ = fs::remove_dir_all(&src.root);
+    }
+
+    #[test]
+    fn without_git_the_walk_skips_build_output_and_this_tool() {
+        let dir = env::temp_dir().join(format!("kvbridge-sglang-cite-{}-walk", std::process::id()));
+        for f in [
+            "a/b.rs",
+            "a/c.py",
+            "a/d.md",
+            "target/e.rs",
+            "p/build/f.py",
+            ".venv/g.py",
+            "xtask/h.rs",
+        ] {
+            fs::create_dir_all(dir.join(f).parent().unwrap()).unwrap();
+            fs::write(dir.join(f), "").unwrap();
+        }
+        let mut out = Vec::new();
+        walk(&dir, &dir, &mut out);
+        out.sort();
+        assert_eq!(out, [dir.join("a/b.rs"), dir.join("a/c.py")]);
+        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]
