@@ -1,11 +1,12 @@
 //! Repository automation, std-only: `cargo xtask <task>`.
 //!
-//! Tasks: `ci` (fmt, clippy, test, kvbridge-control without its default features, deny), `fmt`,
+//! Tasks: `ci` (fmt, clippy, test, kvbridge-control without its default features, deny, sglang-cite --check), `fmt`,
 //! `clippy`, `test`, `deny`, `msrv` (build with the declared rust-version), `miri` (registered
 //! memory's tests under Miri, when nightly Miri is installed), `bench [NAME]`, `stress
 //! [--iterations N] [--time-limit SECS] [--burners K]` (the cross-process tests, again and again,
 //! on a loaded machine), `nixl-setup [DIR]` (libclang and the NIXL runtime for `kvbridge-nixl`,
-//! into `target/nixl/`).
+//! into `target/nixl/`), `sglang-cite [--check | --against <wheel, sdist or dir>]` (every SGLang
+//! citation's quote found in the pinned SGLang source; writes docs/sglang-citations.md).
 
 use std::env;
 use std::fs;
@@ -18,6 +19,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 mod nixl_setup;
+mod sglang_cite;
 #[cfg(test)]
 mod tidy;
 
@@ -483,7 +485,8 @@ fn main() -> ExitCode {
             .and_then(|()| clippy())
             .and_then(|()| test())
             .and_then(|()| control_without_channel())
-            .and_then(|()| deny()),
+            .and_then(|()| deny())
+            .and_then(|()| sglang_cite::sglang_cite(sglang_cite::Mode::Check)),
         Some("fmt") => fmt(),
         Some("clippy") => clippy(),
         Some("test") => test(),
@@ -493,9 +496,13 @@ fn main() -> ExitCode {
         Some("bench") => bench(args.get(1).map(String::as_str)),
         Some("stress") => parse_stress(&args[1..]).and_then(stress),
         Some("nixl-setup") => nixl_setup::nixl_setup(args.get(1).map(String::as_str)),
+        Some("sglang-cite") => {
+            sglang_cite::parse_args(&args[1..]).and_then(sglang_cite::sglang_cite)
+        }
         _ => Err(
             "usage: cargo xtask <ci|fmt|clippy|test|deny|msrv|miri|bench [planner|shm|tcp|e2e|nixl]|stress \
-             [--iterations N] [--time-limit SECS] [--burners K]|nixl-setup [DIR]>"
+             [--iterations N] [--time-limit SECS] [--burners K]|nixl-setup [DIR]|sglang-cite [--check|--against \
+             <wheel, sdist or dir>]>"
                 .to_owned(),
         ),
     };

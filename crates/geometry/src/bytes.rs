@@ -548,12 +548,19 @@ pub fn page_path_ranges(
     dst_pages: &[u64],
 ) -> Result<ByteRanges> {
     let src_pages = &src_pages[..src_pages.len().min(dst_pages.len())];
+    //= sglang 0.5.23 sglang/srt/disaggregation/mooncake/conn.py MooncakeKVManager._send_kvcache_generic test: page_path_mla_example, page_path_mha_example
+    //# prefill_kv_blocks, dst_kv_blocks = group_concurrent_contiguous(
+    //# prefill_data_indices, dst_data_indices
     let runs = group_concurrent_contiguous(src_pages, dst_pages)?;
     let copies = page_copies(src, dst, pairs)?;
     src.check_pages(Side::Prefill, src_pages)?;
     dst.check_pages(Side::Decode, dst_pages)?;
     let mut out = ByteRanges::new();
     for copy in &copies {
+        //= sglang 0.5.23 sglang/srt/disaggregation/mooncake/conn.py MooncakeKVManager._send_kvcache_generic test: page_path_mla_example, page_path_mha_example
+        //# src_addr = src_ptr + int(prefill_index[0]) * item_len
+        //# dst_addr = dst_ptr + int(decode_index[0]) * item_len
+        //# length = item_len * len(prefill_index)
         copy.push_runs(&mut out, runs.iter().copied());
     }
     Ok(out)

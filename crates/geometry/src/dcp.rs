@@ -72,6 +72,9 @@ impl<'a> DcpPlanInput<'a> {
             .ok_or(GeometryError::Overflow {
                 what: "|src_pages| x page_size",
             })?;
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py build_dcp_token_transfer_plan test: test_plan_matches_sglang_on_random_inputs
+        //# if num_kv_tokens is None:
+        //# num_kv_tokens = src_pages.size * physical_page_size
         let n = self.num_kv_tokens.unwrap_or(capacity);
         let empty = DcpPlan {
             input: *self,
@@ -79,6 +82,8 @@ impl<'a> DcpPlanInput<'a> {
             target: Progression::empty(),
             draft: Progression::empty(),
         };
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py build_dcp_token_transfer_plan test: every_case_matches_arrays_or_error_text
+        //# if num_kv_tokens == 0:
         if n == 0 {
             return Ok(empty);
         }
@@ -115,10 +120,14 @@ impl<'a> DcpPlanInput<'a> {
         }
         limits::page_size("page_size", p)?;
         limits::group_size("dcp_size", d)?;
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py build_dcp_token_transfer_plan test: worked_example_b_second_chunk_with_prefix
+        //# virtual_page_size = physical_page_size * dcp_size
         let v = p.checked_mul(d).ok_or(GeometryError::Overflow {
             what: "page_size x dcp_size",
         })?;
         let l = self.decode_prefix_len;
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py build_dcp_token_transfer_plan test: error_examples_d_and_up_front_rejections, every_case_matches_arrays_or_error_text
+        //# if decode_prefix_len % virtual_page_size != 0:
         if l % v != 0 {
             return Err(GeometryError::PrefixMisaligned {
                 virtual_page_size: v,
@@ -173,6 +182,10 @@ impl<'a> DcpPlanInput<'a> {
         let (l, sent) = (self.decode_prefix_len, self.chunk_start);
         let dst_pages = self.dst_pages.as_slice();
         let chunk_start = (l % d + sent % d) % d;
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py build_dcp_token_transfer_plan test: target_rows_of_all_ranks_partition_the_chunk, test_plan_matches_sglang_on_random_inputs
+        //# chunk_start = decode_prefix_len + src_page_offset * physical_page_size
+        //# target_offsets = np.arange(
+        //# (dcp_rank - chunk_start) % dcp_size,
         let first = (r + d - chunk_start) % d;
         let target_count = if first < n {
             (n - first - 1) / d + 1
@@ -186,6 +199,8 @@ impl<'a> DcpPlanInput<'a> {
             src_step: d,
             dst_pages,
             dst_page_size: p,
+            //= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py build_dcp_token_transfer_plan test: worked_example_b_second_chunk_with_prefix
+            //# target_local = (src_page_offset * physical_page_size + target_offsets) // dcp_size
             dst_row0: (sent + first) / d,
             dst_step: 1,
             count: target_count,
@@ -196,7 +211,11 @@ impl<'a> DcpPlanInput<'a> {
             src_row0: 0,
             src_step: 1,
             dst_pages,
+            //= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py build_dcp_token_transfer_plan test: worked_example_c_last_chunk_mid_page_and_chunk_invariance
+            //# draft_src, draft_dst = rows(draft_offsets, virtual_page_size, draft_local)
             dst_page_size: v,
+            //= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py build_dcp_token_transfer_plan test: worked_example_c_last_chunk_mid_page_and_chunk_invariance
+            //# draft_local = src_page_offset * physical_page_size + draft_offsets
             dst_row0: sent,
             dst_step: 1,
             count: n,

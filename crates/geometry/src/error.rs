@@ -54,6 +54,9 @@ pub enum GeometryError {
         /// The group size seen.
         dcp_size: u64,
     },
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py build_dcp_token_transfer_plan test: every_case_matches_arrays_or_error_text
+    //# "PD DCP transfer requires decode_prefix_len to align to the virtual "
+    //# f"DCP page size ({virtual_page_size}), got {decode_prefix_len}"
     /// `decode_prefix_len` is not a multiple of the virtual page (SGLang's text, verbatim).
     #[error(
         "PD DCP transfer requires decode_prefix_len to align to the virtual DCP page size \
@@ -93,6 +96,9 @@ pub enum GeometryError {
         /// Destination DCP rank.
         dcp_rank: u64,
     },
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py group_concurrent_contiguous test: group_concurrent_contiguous_example_and_edges
+    //# "group_concurrent_contiguous requires equal-length src/dst index arrays, "
+    //# f"got {src_indices.size} and {dst_indices.size}"
     /// Run coalescing got arrays of different lengths (SGLang's text, verbatim).
     #[error(
         "group_concurrent_contiguous requires equal-length src/dst index arrays, got {len_src} \
@@ -175,12 +181,18 @@ pub enum GeometryError {
         /// The quantity that overflowed.
         what: &'static str,
     },
+    //= sglang 0.5.23 sglang/srt/disaggregation/utils.py build_transfer_entry_pairs test: layer_id_pairing_and_its_errors
+    //# "Layer metadata must be provided by both PD peers or neither"
     /// Layer ids published by only one peer (SGLang's text, verbatim).
     #[error(
         "Layer metadata must be provided by both PD peers or neither; publish kv_layer_ids on \
          both sides or on none (KVB-E042)"
     )]
     LayerMetadataOneSided,
+    //= sglang 0.5.23 sglang/srt/disaggregation/utils.py build_transfer_entry_pairs test: layer_id_pairing_and_its_errors
+    //# "Layer metadata length must match transfer entries: "
+    //# f"src metadata={len(src_layer_ids)} entries={n_src}, "
+    //# f"dst metadata={len(dst_layer_ids)} entries={n_dst}"
     /// Layer id list lengths that do not match the entry counts (SGLang's text, verbatim).
     #[error(
         "Layer metadata length must match transfer entries: src metadata={src_ids} \
@@ -196,6 +208,8 @@ pub enum GeometryError {
         /// Destination entries.
         n_dst: usize,
     },
+    //= sglang 0.5.23 sglang/srt/disaggregation/utils.py build_transfer_entry_pairs test: layer_id_pairing_and_its_errors
+    //# f"Decode peer is missing a transfer entry for model layer {lid}"
     /// A source layer with no matching destination entry (SGLang's text, verbatim).
     #[error(
         "Decode peer is missing a transfer entry for model layer {layer_id}; the decode must \
@@ -205,6 +219,9 @@ pub enum GeometryError {
         /// The layer id.
         layer_id: u64,
     },
+    //= sglang 0.5.23 sglang/srt/disaggregation/utils.py build_transfer_entry_pairs test: pp_entry_pairing_examples
+    //# "PP-heterogeneous transfer requires layer ids on "
+    //# f"both peers; got src={n_src} dst={n_dst} entries"
     /// Different entry counts without layer ids (SGLang's text, verbatim).
     #[error(
         "PP-heterogeneous transfer requires layer ids on both peers; got src={n_src} \
@@ -216,6 +233,9 @@ pub enum GeometryError {
         /// Destination entries.
         n_dst: usize,
     },
+    //= sglang 0.5.23 sglang/srt/disaggregation/mooncake/conn.py MooncakeKVManager.send_kvcache_slice test: head_slice_wider_than_the_slot_is_refused
+    //# f"[{mooncake_session_id}] slice size ({heads_bytes_per_token_to_send}) exceeds "
+    //# f"target token slot size ({dst_kv_item_len // page_size})"
     /// A head slice wider than the destination token slot (SGLang's log text).
     #[error(
         "slice size ({slice_bytes}) exceeds target token slot size ({slot_bytes}); check \
@@ -250,6 +270,10 @@ pub enum GeometryError {
         /// Group size.
         size: u64,
     },
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.prepare_dcp_token_item_lens test: e015_dcp_entry_count
+    //# "PD DCP requires the decode to register one KV entry per "
+    //# f"prefill entry: src={num_entries} (draft={num_draft}), "
+    //# f"dst={len(dst_page_item_lens)}"
     /// Decode registered a different number of entries (SGLang's text, verbatim).
     #[error(
         "PD DCP requires the decode to register one KV entry per prefill entry: src={n_src} \
@@ -263,6 +287,11 @@ pub enum GeometryError {
         /// Decode entries.
         n_dst: usize,
     },
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.prepare_dcp_token_item_lens test: e016_dcp_geometry_sglang_example
+    //# "PD DCP source/destination KV geometry differs at entry "
+    //# f"{i}: src token bytes={src_token_lens[i]}, "
+    //# f"dst token bytes={dst_item_len // dst_page_scale} "
+    //# f"(dst item_len={dst_item_len}, page scale={dst_page_scale})"
     /// Per-entry token widths differ between peers (SGLang's text, verbatim).
     #[error(
         "PD DCP source/destination KV geometry differs at entry {entry}: src token \
@@ -281,6 +310,9 @@ pub enum GeometryError {
         /// `P` for target entries, `P · d` for draft entries.
         page_scale: u64,
     },
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/dcp_pack.py dcp_pack_buffer_bytes test: pack_buffer_sizing_examples
+    //# "PD DCP pack requires each kv_item_len to span at least one page, "
+    //# f"got {list(kv_item_lens)} with page_size={page_size}"
     /// Pack sizing with an item length below one page (SGLang's text, verbatim).
     #[error(
         "PD DCP pack requires each kv_item_len to span at least one page, got {item_lens:?} \
@@ -292,6 +324,8 @@ pub enum GeometryError {
         /// Page size.
         page_size: u64,
     },
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/dcp_pack.py dcp_pack_buffer_bytes test: pack_buffer_sizing_examples
+    //# "PD DCP pack requires page-aligned kv_item_lens, "
     /// Pack sizing with an item length that is not page aligned (SGLang's text, verbatim).
     #[error(
         "PD DCP pack requires page-aligned kv_item_lens, got {item_lens:?} with page_size={page_size} (KVB-E027)"

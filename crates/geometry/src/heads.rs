@@ -48,9 +48,16 @@ pub fn compute_head_slice_params(
             tp_dst,
         });
     }
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/staging_buffer.py compute_head_slice_params test: head_slice_params_examples
+    //# src_heads_per_rank = max(1, total_kv_heads // src_attn_tp_size)
+    //# dst_heads_per_rank = max(1, total_kv_heads // dst_attn_tp_size)
     let h_src = (h / tp_src).max(1);
     let h_dst = (h / tp_dst).max(1);
     Ok(if tp_src > tp_dst {
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/staging_buffer.py compute_head_slice_params test: head_slice_params_examples, agrees_with_sglang_without_prefill_replication
+        //# src_replication = max(1, src_attn_tp_size // total_kv_heads)
+        //# unique_head_idx = local_tp_rank // src_replication
+        //# dst_head_start = (unique_head_idx * src_heads_per_rank) % dst_heads_per_rank
         let uniq = (src_rank % tp_src) / (tp_src / h).max(1);
         HeadSlice {
             src_head_start: 0,
@@ -58,6 +65,10 @@ pub fn compute_head_slice_params(
             dst_head_start: (uniq * h_src) % h_dst,
         }
     } else {
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/staging_buffer.py compute_head_slice_params test: head_slice_params_examples, agrees_with_sglang_without_prefill_replication
+        //# dst_replication = max(1, dst_attn_tp_size // total_kv_heads)
+        //# unique_dst_head_idx = dst_tp_rank_in_group // dst_replication
+        //# src_head_start = (unique_dst_head_idx * dst_heads_per_rank) % src_heads_per_rank
         let uniq = (dst_rank % tp_dst) / (tp_dst / h).max(1);
         HeadSlice {
             src_head_start: (uniq * h_dst) % h_src,
@@ -134,6 +145,8 @@ pub(crate) fn head_copy(
         .dst_head_start
         .saturating_mul(hb)
         .saturating_add(width);
+    //= sglang 0.5.23 sglang/srt/disaggregation/mooncake/conn.py MooncakeKVManager.send_kvcache_slice test: head_slice_wider_than_the_slot_is_refused
+    //# if heads_bytes_per_token_to_send > (dst_kv_item_len // page_size):
     if width > dst_tok || dst_end > dst_tok {
         return Err(GeometryError::HeadSliceTooWide {
             slice_bytes: width,

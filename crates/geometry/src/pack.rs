@@ -27,6 +27,8 @@ pub fn prepare_dcp_token_item_lens(
         return Err(GeometryError::ZeroDcpSize { dcp_size });
     }
     let n = src_item_lens.len();
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.prepare_dcp_token_item_lens test: e015_dcp_entry_count
+    //# if len(dst_page_item_lens) != num_entries:
     if dst_item_lens.len() != n || num_draft > n {
         return Err(GeometryError::DcpEntryCount {
             n_src: n,
@@ -34,14 +36,24 @@ pub fn prepare_dcp_token_item_lens(
             n_dst: dst_item_lens.len(),
         });
     }
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.prepare_dcp_token_item_lens test: dcp_geometry_check_examples
+    //# item_len // page_size for item_len in self.kv_args.kv_item_lens
     let src_tok: Vec<u64> = src_item_lens.iter().map(|l| l / page_size).collect();
     for (i, dst) in dst_item_lens.iter().enumerate() {
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.prepare_dcp_token_item_lens test: dcp_geometry_check_examples
+        //# if dst_item_len is None:
+        //# continue
         let Some(dst_item_len) = *dst else { continue };
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.prepare_dcp_token_item_lens test: e016_dcp_geometry_sglang_example
+        //# dst_page_scale = page_size * (
+        //# dst_dcp_size if i >= num_entries - num_draft else 1
         let scale = if i >= n - num_draft {
             page_size.saturating_mul(dcp_size)
         } else {
             page_size
         };
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.prepare_dcp_token_item_lens test: e016_dcp_geometry_sglang_example, dcp_geometry_check_examples
+        //# if dst_item_len // dst_page_scale != src_token_lens[i]:
         if dst_item_len / scale != src_tok[i] {
             return Err(GeometryError::DcpGeometryDiffers {
                 entry: i,
@@ -92,18 +104,28 @@ pub fn dcp_pack_buffer_bytes(
     max_tokens: u64,
     dcp_size: u64,
 ) -> Result<u64> {
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/dcp_pack.py dcp_pack_buffer_bytes test: pack_buffer_sizing_examples
+    //# if page_size <= 0:
+    //# raise ValueError(f"page_size must be positive, got {page_size}")
     if page_size == 0 {
         return Err(GeometryError::ZeroPageSize { page_size });
     }
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/dcp_pack.py dcp_pack_buffer_bytes test: pack_buffer_sizing_examples
+    //# if dcp_size <= 0:
+    //# raise ValueError(f"dcp_size must be positive, got {dcp_size}")
     if dcp_size == 0 {
         return Err(GeometryError::ZeroDcpSize { dcp_size });
     }
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/dcp_pack.py dcp_pack_buffer_bytes test: pack_buffer_sizing_examples
+    //# if any(item_len < page_size for item_len in kv_item_lens):
     if item_lens.iter().any(|&l| l < page_size) {
         return Err(GeometryError::PackItemLenTooSmall {
             item_lens: item_lens.to_vec(),
             page_size,
         });
     }
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/dcp_pack.py dcp_pack_buffer_bytes test: pack_buffer_sizing_examples
+    //# if any(item_len % page_size != 0 for item_len in kv_item_lens):
     if item_lens.iter().any(|&l| l % page_size != 0) {
         return Err(GeometryError::PackItemLenUnaligned {
             item_lens: item_lens.to_vec(),
@@ -118,6 +140,9 @@ pub fn dcp_pack_buffer_bytes(
         .try_fold(0u64, |acc, l| acc.checked_add(l / page_size))
         .ok_or(overflow.clone())?;
     max_tokens
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/dcp_pack.py dcp_pack_buffer_bytes test: pack_buffer_sizing_examples
+        //# rank_tokens = (max_tokens + dcp_size - 1) // dcp_size
+        //# return dcp_size * rank_tokens * sum(token_item_lens)
         .div_ceil(dcp_size)
         .checked_mul(dcp_size)
         .and_then(|t| t.checked_mul(per_token))

@@ -29,11 +29,17 @@ pub fn pair_entries_by_layer_ids(
     n_dst: usize,
     positional_fallback: bool,
 ) -> Result<Vec<EntryPair>> {
+    //= sglang 0.5.23 sglang/srt/disaggregation/utils.py build_transfer_entry_pairs test: layer_id_pairing_and_its_errors
+    //# if n_src == 0:
+    //# return []
     if n_src == 0 {
         return Ok(Vec::new());
     }
     check_counts(n_src, n_dst, 0)?;
     let (mut src_ids, mut dst_ids) = (src_layer_ids, dst_layer_ids);
+    //= sglang 0.5.23 sglang/srt/disaggregation/utils.py build_transfer_entry_pairs test: layer_id_pairing_and_its_errors
+    //# if bool(src_layer_ids) != bool(dst_layer_ids):
+    //# if not allow_positional_fallback:
     if src_ids.is_empty() != dst_ids.is_empty() {
         if !positional_fallback {
             return Err(GeometryError::LayerMetadataOneSided);
@@ -42,6 +48,8 @@ pub fn pair_entries_by_layer_ids(
         dst_ids = &[];
     }
     if !src_ids.is_empty() {
+        //= sglang 0.5.23 sglang/srt/disaggregation/utils.py build_transfer_entry_pairs test: layer_id_pairing_and_its_errors
+        //# if len(src_layer_ids) != n_src or len(dst_layer_ids) != n_dst:
         if src_ids.len() != n_src || dst_ids.len() != n_dst {
             return Err(GeometryError::LayerMetadataLength {
                 src_ids: src_ids.len(),
@@ -50,6 +58,8 @@ pub fn pair_entries_by_layer_ids(
                 n_dst,
             });
         }
+        //= sglang 0.5.23 sglang/srt/disaggregation/utils.py build_transfer_entry_pairs test: layer_id_pairing_and_its_errors
+        //# dst_pos.setdefault(lid, deque()).append(j)
         let mut positions: HashMap<u64, VecDeque<usize>> = HashMap::new();
         for (j, &lid) in dst_ids.iter().enumerate() {
             positions.entry(lid).or_default().push_back(j);
@@ -66,6 +76,8 @@ pub fn pair_entries_by_layer_ids(
             })
             .collect();
     }
+    //= sglang 0.5.23 sglang/srt/disaggregation/utils.py build_transfer_entry_pairs test: pp_entry_pairing_examples
+    //# if n_dst < n_src or (n_src != n_dst and not allow_positional_fallback):
     if n_dst < n_src || (n_src != n_dst && !positional_fallback) {
         return Err(GeometryError::PpNeedsLayerIds { n_src, n_dst });
     }

@@ -54,15 +54,22 @@ impl Run {
 /// # Errors
 /// [`GeometryError::UnequalIndexArrays`] when both sides are non-empty and lengths differ.
 pub fn group_concurrent_contiguous(src: &[u64], dst: &[u64]) -> Result<Vec<Run>> {
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py group_concurrent_contiguous test: group_concurrent_contiguous_example_and_edges, test_group_odd_inputs_behave_as_in_sglang
+    //# if src_indices.size == 0 or dst_indices.size == 0:
+    //# return [], []
     if src.is_empty() || dst.is_empty() {
         return Ok(Vec::new());
     }
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py group_concurrent_contiguous test: group_concurrent_contiguous_example_and_edges
+    //# if src_indices.size != dst_indices.size:
     if src.len() != dst.len() {
         return Err(GeometryError::UnequalIndexArrays {
             len_src: src.len(),
             len_dst: dst.len(),
         });
     }
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py group_concurrent_contiguous test: test_group_matches_sglang_on_random_inputs, coalescing_is_lossless_and_maximal
+    //# brk = np.where((np.diff(src_indices) != 1) | (np.diff(dst_indices) != 1))[0] + 1
     Ok(coalesce_pairs(src.iter().copied().zip(dst.iter().copied())).collect())
 }
 

@@ -450,6 +450,10 @@ impl Checker<'_> {
             self.push(
                 Problem::new(
                     ProblemCode::TpDiffersMha,
+                    //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._resolve_rank_mapping test: w001_mha_different_tp_is_a_warning
+                    //# if not self.is_mla_backend and not self.is_hybrid_mla_backend:
+                    //# logger.warning_once(
+                    //# "Performance is NOT guaranteed when using different TP sizes for non-MLA models. "
                     "Performance is NOT guaranteed when using different TP sizes for non-MLA models. ",
                     "expected with different attention TP sizes on an MHA/GQA model (each decode rank \
                      gathers head slices per token); use equal TP sizes for the fastest page path",
@@ -857,6 +861,12 @@ impl Checker<'_> {
     /// `KVB-E001` page size (SGLang mode), `KVB-E002` KV cache dtype, `KVB-E004` KV layout.
     fn same_settings(&mut self) {
         let (p, d) = (self.p, self.d);
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.try_ensure_parallel_info test: e001_page_size_mismatch_sglang_text_and_kvbridge_accepts
+        //# if info.page_size is not None and info.page_size != self.kv_args.page_size:
+        //# raise RuntimeError(
+        //# f"Page size mismatch: prefill server has page_size={info.page_size}, "
+        //# f"but decode server has page_size={self.kv_args.page_size}. "
+        //# f"Both servers must use the same --page-size value."
         if p.page_size != d.page_size && self.sglang() {
             self.push(
                 Problem::new(
@@ -877,6 +887,13 @@ impl Checker<'_> {
                 .with("decode.page_size", d.page_size),
             );
         }
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.try_ensure_parallel_info test: e002_dtype_mismatch
+        //# and info.kv_cache_dtype != self.kv_cache_dtype_str
+        //# ):
+        //# raise RuntimeError(
+        //# f"KV cache dtype mismatch: prefill server has kv_cache_dtype={info.kv_cache_dtype}, "
+        //# f"but decode server has kv_cache_dtype={self.kv_cache_dtype_str}. "
+        //# f"Both servers must use the same --kv-cache-dtype value."
         if p.kv_cache_dtype != d.kv_cache_dtype {
             self.push(
                 Problem::new(
@@ -896,6 +913,15 @@ impl Checker<'_> {
                 .with("decode.kv_cache_dtype", &d.kv_cache_dtype),
             );
         }
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.try_ensure_parallel_info test: e004_layout_mismatch_only_when_both_set
+        //# info.kv_layout is not None
+        //# and self.kv_layout is not None
+        //# and info.kv_layout != self.kv_layout
+        //# ):
+        //# raise RuntimeError(
+        //# f"KV layout mismatch: prefill server has kv_layout={info.kv_layout}, "
+        //# f"but decode server has kv_layout={self.kv_layout}. Both servers "
+        //# f"must use the same --dsv4-attn-backend and SGLANG_DSV4_KV_LAYOUT."
         if let (Some(pl), Some(dl)) = (&p.kv_layout, &d.kv_layout) {
             if pl != dl {
                 self.push(
@@ -919,6 +945,11 @@ impl Checker<'_> {
     /// prefill KV-cache sharding (for a prefill with DCP too, in kvbridge mode).
     fn dcp_requirements(&mut self) {
         let (p, d) = (self.p, self.d);
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.try_ensure_parallel_info test: e007_decode_dcp_needs_mla_pool
+        //# if self.dcp_size > 1:
+        //# if not (self.is_mla_backend or self.is_hybrid_mla_backend):
+        //# raise RuntimeError(
+        //# "PD decode DCP requires an MLA or hybrid-MLA KV pool."
         if d.dcp_size > 1 && d.kv_pool == PoolKind::Mha {
             self.push(
                 Problem::new(
@@ -949,6 +980,11 @@ impl Checker<'_> {
                 .with("prefill.kv_pool", "mha"),
             );
         }
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.try_ensure_parallel_info test: e008_dcp_needs_prefill_cp1
+        //# if info.attn_cp_size != 1:
+        //# raise RuntimeError(
+        //# "PD decode DCP currently requires prefill attention CP=1, "
+        //# f"got {info.attn_cp_size}."
         if d.dcp_size > 1 && p.attn_cp_size != 1 {
             self.push(
                 Problem::new(
@@ -976,6 +1012,11 @@ impl Checker<'_> {
                 .with("prefill.dcp_size", p.dcp_size),
             );
         }
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.try_ensure_parallel_info test: e009_dcp_with_prefill_sharding
+        //# if info.enable_kv_cache_sharding:
+        //# raise RuntimeError(
+        //# "PD decode DCP does not support a prefill with "
+        //# "--enable-kv-cache-sharding."
         if p.kv_cache_sharding && (d.dcp_size > 1 || !self.sglang() && p.dcp_size > 1) {
             self.push(
                 Problem::new(
@@ -1096,6 +1137,12 @@ impl Checker<'_> {
         if !self.sglang() {
             return; // kvbridge: MLA any a -> b is supported; MHA with DCP is KVB-E007.
         }
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.requires_dcp_relayout test: topology_2_to_2_mismatched_ranks
+        //# if self.dcp_size == dst_dcp_size:
+        //# if self.dcp_rank != dst_dcp_rank:
+        //# raise RuntimeError(
+        //# "PD peers must connect matching DCP ranks, got "
+        //# f"prefill={self.dcp_rank}, decode={dst_dcp_rank}"
         if a == b {
             if a == 1 {
                 return;
@@ -1126,6 +1173,10 @@ impl Checker<'_> {
                 }
             }
         } else if !(a == 1 && p.is_mla_like()) {
+            //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.requires_dcp_relayout test: topology_1_to_4_mha_unsupported, topology_4_to_1_and_4_to_2_unsupported_in_sglang
+            //# self.dcp_size == 1
+            //# and dst_dcp_size > 1
+            //# and (self.is_mla_backend or self.is_hybrid_mla_backend)
             let remedy = if a == 1 {
                 "only MLA/hybrid-MLA pools can be relaid from a prefill without DCP; use --dcp-size 1 on \
                  the decode for MHA/GQA models"
@@ -1139,6 +1190,8 @@ impl Checker<'_> {
             self.push(
                 Problem::new(
                     ProblemCode::DcpTopology,
+                    //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.requires_dcp_relayout test: topology_4_to_1_and_4_to_2_unsupported_in_sglang
+                    //# f"Unsupported PD DCP topology: {self.dcp_size} -> {dst_dcp_size}"
                     format!("Unsupported PD DCP topology: {a} -> {b}"),
                     remedy,
                 )
@@ -1292,6 +1345,12 @@ impl Checker<'_> {
         }
         for (side, s) in [("prefill", p), ("decode", d)] {
             let lens = &s.kv_item_lens;
+            //= sglang 0.5.23 sglang/srt/disaggregation/mooncake/conn.py MooncakeKVManager.send_kvcache_slice test: e018_head_slicing_needs_one_item_length
+            //# item_len != src_kv_item_len for item_len in self.kv_args.kv_item_lens
+            //# ):
+            //# logger.error(
+            //# f"[{mooncake_session_id}] head-sliced transfer assumes one item "
+            //# f"length for every KV entry, got {set(self.kv_args.kv_item_lens)}"
             if lens.iter().any(|&l| l != lens[0]) {
                 self.push(
                     Problem::new(
@@ -1351,6 +1410,12 @@ impl Checker<'_> {
                 Problem::new(
                     ProblemCode::AuxCount,
                     format!(
+                        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.check_peer_aux_buffer_count test: w002_extra_trailing_aux_buffer_is_a_warning
+                        //# "Decode %s registered %d metadata buffers but this prefill has %d; "
+                        //# "only the first %d are transferred, and misaligned if the extra "
+                        //# "buffer is not the last. An optional metadata buffer is enabled on "
+                        //# "one engine only: --disaggregation-enable-kv-checksum, "
+                        //# "SGLANG_ENABLE_DISAGG_SAMPLING_MASK, or the DSA top-k buffer.",
                         "Decode attn_tp_rank={} registered {n} metadata buffers but this prefill has {m}; only \
                          the first {common} are transferred, and misaligned if the extra buffer is not the last. \
                          An optional metadata buffer is enabled on one engine only: \

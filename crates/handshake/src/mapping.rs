@@ -128,6 +128,9 @@ pub(crate) fn mla_sharding_failure(tp_p: u32, tp_d: u32) -> MappingFailure {
     MappingFailure {
         code: ProblemCode::MlaShardingTp,
         message: format!(
+            //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._resolve_rank_mapping test: e010_mla_sharding_needs_equal_tp
+            //# "MLA KV cache sharding requires equal prefill/decode attn TP "
+            //# f"sizes, got prefill={info.attn_tp_size} decode={self.attn_tp_size}"
             "MLA KV cache sharding requires equal prefill/decode attn TP sizes, got prefill={tp_p} decode={tp_d}"
         ),
         remedy: format!(
@@ -140,6 +143,8 @@ pub(crate) fn mla_sharding_failure(tp_p: u32, tp_d: u32) -> MappingFailure {
 pub(crate) fn decode_cp_failure(cp_d: u32) -> MappingFailure {
     MappingFailure {
         code: ProblemCode::DecodeCp,
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._resolve_rank_mapping test: e011_decode_cp_must_be_1
+        //# f"Decode cp size ({self.attn_cp_size}) should be equal to 1",
         message: format!("Decode cp size ({cp_d}) should be equal to 1"),
         remedy: "start the decode with attention CP 1; to split the decode KV by position use \
                  decode context parallelism (--dcp-size) instead"
@@ -151,6 +156,8 @@ pub(crate) fn pp_failure(pp_d: u32, pp_p: u32) -> MappingFailure {
     MappingFailure {
         code: ProblemCode::PpMismatch,
         message: format!(
+            //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._resolve_rank_mapping test: e012_pp_sizes
+            //# f"Decode pp size ({self.pp_size}) should be equal to prefill pp size ({info.pp_size}) or 1",
             "Decode pp size ({pp_d}) should be equal to prefill pp size ({pp_p}) or 1"
         ),
         remedy: format!(
@@ -187,6 +194,23 @@ pub fn sglang_rank_mapping(input: &MappingInput) -> Result<TargetRanks> {
 }
 
 pub(crate) fn sglang_targets(i: &MappingInput) -> std::result::Result<TargetRanks, MappingFailure> {
+    check_sizes(i)?;
+    let (target_tp_rank, target_tp_ranks, dst_info, responses) = tp_targets(i)?;
+    let (target_cp_ranks, cp_responses) = cp_targets(i)?;
+    let (target_pp_ranks, pp_responses) = pp_targets(i)?;
+    Ok(TargetRanks {
+        target_tp_rank,
+        target_tp_ranks,
+        target_cp_ranks,
+        target_pp_ranks,
+        required_dst_info_num: dst_info,
+        required_prefill_response_num: responses * cp_responses * pp_responses,
+    })
+}
+
+/// Zero sizes (SGLang would divide by them) and sizes above the maxima, before any rank list
+/// is allocated.
+fn check_sizes(i: &MappingInput) -> std::result::Result<(), MappingFailure> {
     for (name, v) in [
         ("decode attn_tp_size", i.decode_tp_size),
         ("prefill attn_tp_size", i.prefill_tp_size),
@@ -212,67 +236,100 @@ pub(crate) fn sglang_targets(i: &MappingInput) -> std::result::Result<TargetRank
         prefill_ranks,
         MAX_DEPLOYMENT_RANKS,
     )?;
+    Ok(())
+}
+
+/// SGLang's TP rank mapping: (target_tp_rank, target_tp_ranks, required_dst_info_num,
+/// required_prefill_response_num of the TP mapping).
+type TpTargets = (Option<u32>, Vec<u32>, u32, u32);
+
+fn tp_targets(i: &MappingInput) -> std::result::Result<TpTargets, MappingFailure> {
     let tp_d = i.decode_tp_size;
     let tp_p = i.prefill_tp_size;
     let e = i.engine_rank();
     let mla = i.decode_pool == PoolKind::Mla;
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._resolve_rank_mapping test: row_06_mla_prefill_sharding_all_real
+    //# self.is_mla_backend
+    //# and info.enable_kv_cache_sharding
+    //# and info.attn_cp_size == 1
+    let targets = if mla && i.prefill_kv_cache_sharding && i.prefill_cp_size == 1 {
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._resolve_rank_mapping test: row_07_mla_prefill_sharding_needs_equal_tp
+        //# assert self.attn_tp_size == info.attn_tp_size, (
+        if tp_d != tp_p {
+            return Err(mla_sharding_failure(tp_p, tp_d));
+        }
+        (None, (0..tp_p).collect::<Vec<_>>(), tp_d, tp_p)
+    } else if tp_d == tp_p {
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._resolve_rank_mapping test: row_01_equal_tp_any_pool
+        //# target_tp_rank = self.kv_args.engine_rank % self.attn_tp_size
+        //# required_dst_info_num = 1
+        //# required_prefill_response_num = 1
+        (Some(e), vec![e], 1, 1)
+    } else if tp_d > tp_p {
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._resolve_rank_mapping test: row_02_decode_tp_larger_mha_or_mla
+        //# target_tp_rank = (self.kv_args.engine_rank % self.attn_tp_size) // (
+        //# self.attn_tp_size // info.attn_tp_size
+        //# )
+        //# required_dst_info_num = self.attn_tp_size // info.attn_tp_size
+        let ratio = tp_d / tp_p;
+        let t = e / ratio;
+        (Some(t), vec![t], ratio, 1)
+    } else {
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._resolve_rank_mapping test: row_03_prefill_tp_larger_mha_waits_for_every_slice
+        //# (self.kv_args.engine_rank % self.attn_tp_size)
+        //# * (info.attn_tp_size // self.attn_tp_size),
+        let k = tp_p / tp_d;
+        let start = e * k;
+        (
+            Some(start),
+            (start..start + k).collect(),
+            1,
+            //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._resolve_rank_mapping test: row_04_prefill_tp_larger_mla_waits_for_one, row_05_prefill_tp_larger_hybrid_counts_as_non_mla
+            //# if self.is_mla_backend:
+            //# required_prefill_response_num = 1
+            //# else:
+            //# required_prefill_response_num = info.attn_tp_size // self.attn_tp_size
+            if mla { 1 } else { k },
+        )
+    };
+    Ok(targets)
+}
 
-    // TP
-    let (target_tp_rank, target_tp_ranks, dst_info, mut responses) =
-        if mla && i.prefill_kv_cache_sharding && i.prefill_cp_size == 1 {
-            if tp_d != tp_p {
-                return Err(mla_sharding_failure(tp_p, tp_d));
-            }
-            (None, (0..tp_p).collect::<Vec<_>>(), tp_d, tp_p)
-        } else if tp_d == tp_p {
-            (Some(e), vec![e], 1, 1)
-        } else if tp_d > tp_p {
-            let ratio = tp_d / tp_p;
-            let t = e / ratio;
-            (Some(t), vec![t], ratio, 1)
-        } else {
-            let k = tp_p / tp_d;
-            let start = e * k;
-            (
-                Some(start),
-                (start..start + k).collect(),
-                1,
-                if mla { 1 } else { k },
-            )
-        };
-
-    // CP
+/// SGLang's CP rank mapping: the target CP ranks and the factor they add to the responses.
+fn cp_targets(i: &MappingInput) -> std::result::Result<(Vec<u32>, u32), MappingFailure> {
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._resolve_rank_mapping test: e011_decode_cp_must_be_1
+    //# assert self.attn_cp_size == 1, (
     if i.decode_cp_size != 1 {
         return Err(decode_cp_failure(i.decode_cp_size));
     }
     let cp_p = i.prefill_cp_size;
-    let target_cp_ranks = if cp_p == 1 {
-        vec![0]
+    Ok(if cp_p == 1 {
+        (vec![0], 1)
     } else if i.all_cp() || i.prefill_dsa_layer_split || i.prefill_kv_cache_sharding {
-        responses *= cp_p;
-        (0..cp_p).collect()
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._resolve_rank_mapping test: row_09_prefill_cp_with_all_cp, row_10_prefill_cp_with_dsa_layer_split, row_08_prefill_cp_without_all_cp
+        //# self.enable_all_cp_ranks_for_transfer
+        //# or info.enable_dsa_cache_layer_split
+        //# or info.enable_kv_cache_sharding
+        ((0..cp_p).collect(), cp_p)
     } else {
-        vec![0]
-    };
+        (vec![0], 1)
+    })
+}
 
-    // PP
+/// SGLang's PP rank mapping: the target PP ranks and the factor they add to the responses.
+fn pp_targets(i: &MappingInput) -> std::result::Result<(Vec<u32>, u32), MappingFailure> {
     let (pp_d, pp_p) = (i.decode_pp_size, i.prefill_pp_size);
-    let target_pp_ranks = if pp_d == pp_p {
-        vec![i.decode_pp_rank]
+    Ok(if pp_d == pp_p {
+        (vec![i.decode_pp_rank], 1)
     } else if pp_d == 1 {
-        responses *= pp_p;
-        (0..pp_p).collect()
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._resolve_rank_mapping test: row_12_decode_pp1_pulls_every_prefill_stage
+        //# target_pp_ranks = list(range(info.pp_size))
+        //# required_prefill_response_num *= info.pp_size // self.pp_size
+        ((0..pp_p).collect(), pp_p)
     } else {
+        //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._resolve_rank_mapping test: e012_pp_sizes
+        //# assert self.pp_size == info.pp_size or self.pp_size == 1, (
         return Err(pp_failure(pp_d, pp_p));
-    };
-
-    Ok(TargetRanks {
-        target_tp_rank,
-        target_tp_ranks,
-        target_cp_ranks,
-        target_pp_ranks,
-        required_dst_info_num: dst_info,
-        required_prefill_response_num: responses,
     })
 }
 
@@ -285,6 +342,10 @@ pub fn prefill_unique_rank(
     cp_size: u32,
     pp_size: u32,
 ) -> u32 {
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._prefill_unique_rank test: unique_rank_formula
+    //# self.attn_tp_rank * (self.pp_size * self.attn_cp_size)
+    //# + self.pp_rank * self.attn_cp_size
+    //# + self.attn_cp_rank
     tp_rank * (pp_size * cp_size) + pp_rank * cp_size + cp_rank
 }
 
@@ -292,8 +353,12 @@ pub fn prefill_unique_rank(
 /// target PP rank in **descending** order. Returns `(tp, cp, pp)` triples.
 pub fn bootstrap_order(targets: &TargetRanks) -> Vec<(u32, u32, u32)> {
     let mut out = Vec::new();
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVReceiver._setup_bootstrap_infos test: bootstrap_order_is_cp_then_tp_then_pp_descending
+    //# for target_cp_rank in self.target_cp_ranks:
     for &cp in &targets.target_cp_ranks {
         for &tp in &targets.target_tp_ranks {
+            //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVReceiver._setup_bootstrap_infos test: bootstrap_order_is_cp_then_tp_then_pp_descending
+            //# for target_pp_rank in reversed(self.target_pp_ranks):
             for &pp in targets.target_pp_ranks.iter().rev() {
                 out.push((tp, cp, pp));
             }
@@ -305,6 +370,11 @@ pub fn bootstrap_order(targets: &TargetRanks) -> Vec<(u32, u32, u32)> {
 /// SGLang's dummy rule: an MLA pool and `tp != target_tp_rank` (never a dummy when
 /// `target_tp_rank` is `None` or the pool is not pure MLA).
 pub fn sglang_is_dummy(pool: PoolKind, target_tp_rank: Option<u32>, tp: u32) -> bool {
+    //= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVReceiver._setup_bootstrap_infos test: mapping_from_descriptors_lists_peers_with_dummies_and_ids
+    //# bootstrap_info["is_dummy"] = not bool(
+    //# target_tp_rank == self.target_tp_rank
+    //# or self.target_tp_rank is None
+    //# )
     pool == PoolKind::Mla && target_tp_rank.is_some_and(|t| t != tp)
 }
 

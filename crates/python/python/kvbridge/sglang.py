@@ -57,6 +57,11 @@ _PREFIX_MISALIGNED = (
 _U64_END = 1 << 64
 
 
+#= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py DCPTokenTransferPlan test: test_the_drop_ins_have_sglangs_signatures
+## target_src_token_indices: npt.NDArray[np.int64]
+## target_dst_token_indices: npt.NDArray[np.int64]
+## draft_src_token_indices: npt.NDArray[np.int64]
+## draft_dst_token_indices: npt.NDArray[np.int64]
 @dataclasses.dataclass(frozen=True)
 class DCPTokenTransferPlan:
     """The token rows of one chunk for one destination DCP rank (SGLang's fields)."""
@@ -66,6 +71,9 @@ class DCPTokenTransferPlan:
     draft_src_token_indices: npt.NDArray[np.int64]
     draft_dst_token_indices: npt.NDArray[np.int64]
 
+    #= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py DCPTokenTransferPlan.empty test: test_plan_matches_sglang_on_random_inputs
+    ## self.target_src_token_indices.size == 0
+    ## and self.draft_src_token_indices.size == 0
     def empty(self) -> bool:
         return (
             self.target_src_token_indices.size == 0
@@ -90,6 +98,14 @@ def _as_ints(values):
     return out
 
 
+#= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py build_dcp_token_transfer_plan test: test_the_drop_ins_have_sglangs_signatures
+## *,
+## physical_page_size: int,
+## dcp_size: int,
+## dcp_rank: int,
+## src_page_offset: int = 0,
+## decode_prefix_len: int = 0,
+## num_kv_tokens: Optional[int] = None,
 def build_dcp_token_transfer_plan(
     src_page_indices: IndexArray,
     dst_page_indices: IndexArray,
@@ -175,6 +191,11 @@ def _numpy_plan(
     owned = np.arange((rank - sent_before) % dcp, tokens, dcp, dtype=np.int64)
     owned_local = (page_offset * page + owned) // dcp
 
+    #= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py build_dcp_token_transfer_plan.rows test: test_plan_bad_page_arrays_behave_as_in_sglang
+    ## src_pages[offsets // physical_page_size] * physical_page_size
+    ## + offsets % physical_page_size,
+    ## dst_pages[dst_local // dst_page_size] * dst_page_size
+    ## + dst_local % dst_page_size,
     def to_rows(offsets, dst_page, local):
         src_rows = src_pages[offsets // page] * page + offsets % page
         dst_rows = dst_pages[local // dst_page] * dst_page + local % dst_page
@@ -318,6 +339,10 @@ def _numpy_groups(src, dst):
             "group_concurrent_contiguous requires equal-length src/dst index arrays, "
             f"got {src.size} and {dst.size}"
         )
+    #= sglang 0.5.23 sglang/srt/disaggregation/common/utils.py group_concurrent_contiguous test: test_group_odd_inputs_behave_as_in_sglang
+    ## brk = np.where((np.diff(src_indices) != 1) | (np.diff(dst_indices) != 1))[0] + 1
+    ## src_groups = np.split(src_indices, brk)
+    ## dst_groups = np.split(dst_indices, brk)
     cuts = np.nonzero((np.diff(src) != 1) | (np.diff(dst) != 1))[0] + 1
     return (
         [g.tolist() for g in np.split(src, cuts)],

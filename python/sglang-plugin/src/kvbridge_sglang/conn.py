@@ -398,6 +398,13 @@ class KvbridgeKVManager(MooncakeKVManager):
             super()._resolve_rank_mapping(info)
             return
         mapping = reshard.owner_rule_mapping(field[1], field[0], self)
+        #= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager._resolve_rank_mapping test: test_each_decode_rank_reads_the_prefill_ranks_owning_its_rows
+        ## info.target_tp_rank = target_tp_rank
+        ## info.target_tp_ranks = target_tp_ranks
+        ## info.target_cp_ranks = target_cp_ranks
+        ## info.target_pp_ranks = target_pp_ranks
+        ## info.required_dst_info_num = required_dst_info_num
+        ## info.required_prefill_response_num = required_prefill_response_num
         for name in (
             "target_tp_rank",
             "target_tp_ranks",
@@ -421,6 +428,10 @@ class KvbridgeKVManager(MooncakeKVManager):
         # SGLang's manager relayouts prefill DCP 1 only; kvbridge's planner any a -> b (MLA).
         if self.dcp_size > 1 and dst_dcp_size != self.dcp_size and self.is_mla_backend:
             return True
+        #= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.requires_dcp_relayout test: test_mla_prefill_dcp1_to_decode_dcp4_owner_rule, test_mla_prefill_dcp_a_to_decode_dcp_b_owner_rule
+        ## self.dcp_size == 1
+        ## and dst_dcp_size > 1
+        ## and (self.is_mla_backend or self.is_hybrid_mla_backend)
         return super().requires_dcp_relayout(dst_dcp_size, dst_dcp_rank)
 
     def send_kvcache_dcp(self, *args, **kwargs) -> int:
@@ -551,6 +562,10 @@ class KvbridgeKVManager(MooncakeKVManager):
 
     def _reshard_entries(self, dst_kv_ptrs: list, dst_layer_ids: list) -> tuple:
         """Source and destination buffer of each KV entry, paired as SGLang's DCP path does."""
+        #= sglang 0.5.23 sglang/srt/disaggregation/mooncake/conn.py MooncakeKVManager.send_kvcache_dcp test: test_mla_prefill_dcp_a_to_decode_dcp_b_owner_rule
+        ## src_layer_ids = self.kv_args.kv_layer_ids
+        ## if src_layer_ids or dst_layer_ids:
+        ## dst_indices = resolve_dcp_dst_entry_indices(
         src_layer_ids = self.kv_args.kv_layer_ids
         if src_layer_ids or dst_layer_ids:
             dst_indices = mooncake_conn.resolve_dcp_dst_entry_indices(
@@ -571,6 +586,8 @@ class KvbridgeKVSender(MooncakeKVSender):
         their indices on the host already, and pinned memory and CUDA events need a GPU (no
         NVIDIA driver: the scheduler dies on the first request), so they take SGLang's plain
         path. Mooncake's class declares it true whatever the device."""
+        #= sglang 0.5.23 sglang/srt/disaggregation/mooncake/conn.py MooncakeKVSender test: test_a_gpu_pool_sender_keeps_the_pinned_memory_path, test_mooncakes_own_sender_is_unchanged
+        ## supports_host_tensor_indices = True
         return not self.kv_mgr.pool_memory.on_host
 
 
@@ -590,6 +607,9 @@ class KvbridgeKVReceiver(MooncakeKVReceiver):
 
 def _is_parallel_info_query(request: web.Request) -> bool:
     """SGLang's query for the whole server's parallel info: every rank -1."""
+    #= sglang 0.5.23 sglang/srt/disaggregation/common/conn.py CommonKVManager.try_ensure_parallel_info test: test_the_bootstrap_server_publishes_the_field_and_refuses_two_dcp_sizes
+    ## f"prefill_dp_rank={-1}&prefill_cp_rank={-1}&"
+    ## f"target_tp_rank={-1}&target_pp_rank={-1}"
     keys = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
     return all(request.query.get(k) == "-1" for k in keys)
 

@@ -81,6 +81,10 @@ def kv_classes() -> dict[Any, type]:
 
 
 def _get_kv_class(original: Callable[..., Any], transfer_backend: Any, class_type: Any) -> Any:
+    #= sglang 0.5.23 sglang/srt/disaggregation/utils.py get_kv_class test: test_get_kv_class_returns_the_four_classes, test_every_other_backend_keeps_working
+    ## # Every backend shares the same KVArgs container.
+    ## if class_type == KVClassType.KVARGS:
+    ## return KVArgs
     # KVARGS is shared by every backend: SGLang's function answers it.
     if getattr(transfer_backend, "value", transfer_backend) == BACKEND:
         from sglang.srt.disaggregation.utils import KVClassType
@@ -103,6 +107,9 @@ def _pd_disaggregation(server_args: Any, previous: Callable[[Any], None]) -> Non
         # classes do (the relayout of SGLang's Mooncake manager, bytes moved by kvbridge's
         # engine), so SGLang's remaining checks run as for that backend, then the name is
         # restored.
+        #= sglang 0.5.23 sglang/srt/arg_groups/pd_disaggregation_hook.py handle_pd_disaggregation test: test_decode_dcp_is_lifted_for_kvbridge_only
+        ## if cfg.disaggregation_transfer_backend not in (
+        ## "mooncake",
         server_args.disaggregation_transfer_backend = "mooncake"
         try:
             previous(server_args)
