@@ -416,9 +416,13 @@ class KvbridgeKVManager(MooncakeKVManager):
             setattr(info, name, mapping[name])
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
-        # SGLang's contract (BaseKVManager.should_verify_kv_checksum): "A backend returns False
-        # for a peer whose digest covers a different byte range". With kvbridge that is every
-        # DCP a -> b relayout, and a TP slice of an MHA pool.
+        # With kvbridge a digest covers other bytes on every DCP a -> b relayout, and on a TP
+        # slice of an MHA pool.
+        #= sglang 0.5.23 sglang/srt/disaggregation/base/conn.py BaseKVManager.should_verify_kv_checksum test: test_the_checksum_is_verified_only_where_the_digest_covers_this_ranks_bytes, test_the_answer_is_per_prefill
+        ## """Whether the checksum sent by the prefill at bootstrap_addr is comparable
+        ## with one over this rank's local KV. A backend returns False for a peer
+        ## whose digest covers a different byte range, e.g. a TP width mismatch where
+        ## each decode rank receives only a slice of what the sender digested."""
         info = self.prefill_info_table.get(bootstrap_addr)
         if info is not None and not reshard.digest_covers_this_rank(info, self):
             return False
