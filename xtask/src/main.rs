@@ -255,12 +255,33 @@ fn bench(name: Option<&str>) -> Result<(), String> {
     }
 }
 
+/// Waits for `child` until `deadline`; past it the child is killed and reaped, and `None`
+/// says so.
+fn wait_until(
+    child: &mut std::process::Child,
+    deadline: Instant,
+) -> Result<Option<std::process::ExitStatus>, String> {
+    loop {
+        if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
+            return Ok(Some(status));
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Ok(None);
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// The suites `cargo xtask stress` repeats: the tests that run real processes and sockets.
-const STRESS_SUITES: [(&str, &[&str]); 2] = [
+const STRESS_SUITES: [(&str, &[&str]); 3] = [
     (
         "lab-e2e",
         &["-p", "kvbridge-lab", "--all-features", "--test", "e2e"],
     ),
+    // Shared memory between real sockets: connections under pressure, peers that come and go.
+    ("shm", &["-p", "kvbridge-shm", "--test", "*"]),
     (
         "coordinator",
         &[
@@ -380,16 +401,8 @@ fn run_suite(args: &[&str], log: &PathBuf, deadline: Instant) -> Result<SuiteRun
         .stderr(err)
         .spawn()
         .map_err(|e| format!("could not run `{cargo}`: {e}"))?;
-    let status = loop {
-        if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
-            break status;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Ok(SuiteRun::Cut);
-        }
-        thread::sleep(Duration::from_millis(100));
+    let Some(status) = wait_until(&mut child, deadline)? else {
+        return Ok(SuiteRun::Cut);
     };
     if status.success() {
         return Ok(SuiteRun::Passed);

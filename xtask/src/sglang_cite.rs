@@ -27,7 +27,6 @@ use std::fmt::Write as _;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::thread;
 use std::time::{Duration, Instant};
 
 /// The SGLang kvbridge mirrors (`VERSION` in `crates/python/python/kvbridge/reference.py`;
@@ -801,21 +800,12 @@ fn python(args: &[&str], limit: Duration) -> Result<String, String> {
         .stderr(Stdio::inherit())
         .spawn()
         .map_err(|e| format!("could not run {py}: {e}"))?;
-    let deadline = Instant::now() + limit;
-    let status = loop {
-        if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
-            break status;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(format!(
-                "`{py} {}` ran over {} s",
-                args.join(" "),
-                limit.as_secs()
-            ));
-        }
-        thread::sleep(Duration::from_millis(100));
+    let Some(status) = crate::wait_until(&mut child, Instant::now() + limit)? else {
+        return Err(format!(
+            "`{py} {}` ran over {} s",
+            args.join(" "),
+            limit.as_secs()
+        ));
     };
     let mut out = String::new();
     if let Some(mut stdout) = child.stdout.take() {
