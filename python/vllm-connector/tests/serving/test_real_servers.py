@@ -164,3 +164,13 @@ def test_a_request_aborted_while_its_kv_is_on_its_way_ends_both_rooms(stack):
         pytest.fail(f"the abort did not end both rooms within 25 s: see {prefill.log_path} and {decode.log_path}")
     again = _prompt(random.Random("after-abort"), 80)
     assert output_ids(stack.proxy.complete(again, NEW_TOKENS)) == output_ids(stack.single.complete(again, NEW_TOKENS))
+
+
+def test_a_restarted_prefill_serves_the_next_request(stack):
+    """The prefill is stopped (its process group ended) and started again on the same ports:
+    the decode's next request finds the new prefill through the same bootstrap address.
+    Last in this file: it restarts a server the others use."""
+    stack.prefill.stop()
+    stack.prefill.start().wait_ready()
+    prompt = _prompt(random.Random("restarted"), 150)
+    assert output_ids(stack.proxy.complete(prompt, NEW_TOKENS)) == output_ids(stack.single.complete(prompt, NEW_TOKENS))
