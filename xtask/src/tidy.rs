@@ -721,21 +721,118 @@ fn reentrant_locking(src: &str) -> Vec<(usize, String)> {
     problems
 }
 
+/// The files of `src` grouped into the units the locking rule reads as one: a module split into
+/// files (`src/a.rs` or `src/a/mod.rs`, and everything under `src/a/`) is one unit, since its
+/// `with_*` helper sits in one of its files and the code calling it in the others; any other
+/// file is a unit of its own.
+fn module_units(src: &Path) -> BTreeMap<PathBuf, Vec<PathBuf>> {
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    let mut units: BTreeMap<PathBuf, Vec<PathBuf>> = BTreeMap::new();
+    for file in files {
+        let rel = file.strip_prefix(src).unwrap();
+        let first = rel.components().next().unwrap().as_os_str();
+        let dir = src.join(first);
+        let key = if dir.is_dir() {
+            dir
+        } else {
+            let stem = dir.with_extension("");
+            if stem.is_dir() { stem } else { file.clone() }
+        };
+        units.entry(key).or_default().push(file);
+    }
+    for unit in units.values_mut() {
+        unit.sort_by_key(|p| p.display().to_string());
+    }
+    units
+}
+
+/// [`reentrant_locking`] over several files read as one unit: (file, line, message).
+fn reentrant_locking_in(files: &[(String, String)]) -> Vec<(String, usize, String)> {
+    let mut joined = String::new();
+    let mut starts = Vec::new();
+    for (name, text) in files {
+        starts.push((joined.len(), name.as_str(), text.as_str()));
+        joined.push_str(text);
+        joined.push('\n');
+    }
+    reentrant_locking(&joined)
+        .into_iter()
+        .map(|(at, message)| {
+            let &(start, name, text) = starts.iter().rev().find(|(s, ..)| *s <= at).unwrap();
+            let line = text[..at - start].matches('\n').count() + 1;
+            (name.to_owned(), line, message)
+        })
+        .collect()
+}
+
 #[test]
 fn coordinator_state_locks_are_never_taken_twice() {
-    let mut files = Vec::new();
-    rust_files(&root().join("crates/coordinator/src"), &mut files);
-    rust_files(&root().join("crates/bootstrap/src"), &mut files);
-    rust_files(&root().join("crates/control/src"), &mut files);
     let mut report = Vec::new();
-    for file in files {
-        let text = read(&file);
-        for (at, message) in reentrant_locking(&text) {
-            let line = text[..at].matches('\n').count() + 1;
-            report.push(format!("{}:{line}: {message}", file.display()));
+    for krate in ["coordinator", "bootstrap", "control"] {
+        let src = root().join("crates").join(krate).join("src");
+        for unit in module_units(&src).into_values() {
+            let files: Vec<(String, String)> = unit
+                .iter()
+                .map(|f| (f.display().to_string(), read(f)))
+                .collect();
+            for (file, line, message) in reentrant_locking_in(&files) {
+                report.push(format!("{file}:{line}: {message}"));
+            }
         }
     }
     assert!(report.is_empty(), "{}", report.join("\n"));
+}
+
+#[test]
+fn a_module_split_into_files_is_one_unit_of_the_locking_rule() {
+    // The helper in one file, the re-entrant call in another: only the unit sees both.
+    let helper = "impl Inner {\n    fn with_core<R>(&self, f: impl FnOnce(&mut Core) -> R) -> R {\n\
+                  \x20       f(&mut lock(&self.core))\n    }\n\n\
+                  \x20   fn step(&self) { self.with_core(|c| c.n += 1); }\n}\n";
+    let caller = "impl Inner {\n    fn fine(&self) { self.step(); }\n\n\
+                  \x20   fn twice(&self) {\n        self.with_core(|_| self.step());\n    }\n}\n";
+    let files = [
+        ("a/step.rs".to_owned(), helper.to_owned()),
+        ("a/rooms.rs".to_owned(), caller.to_owned()),
+    ];
+    assert!(
+        reentrant_locking(caller).is_empty(),
+        "alone, the caller's file shows nothing"
+    );
+    let found = reentrant_locking_in(&files);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!((found[0].0.as_str(), found[0].1), ("a/rooms.rs", 5));
+    assert!(found[0].2.contains("`step` takes a lock"), "{}", found[0].2);
+
+    // The units: `src/a.rs` with `src/a/*`, `src/a/mod.rs` with its siblings, the rest alone.
+    let dir = std::env::temp_dir().join(format!("kvbridge-tidy-units-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    for f in [
+        "lib.rs", "a.rs", "a/x.rs", "b/mod.rs", "b/y.rs", "b/z/w.rs", "c.rs",
+    ] {
+        let path = dir.join(f);
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(path, "").unwrap();
+    }
+    let units = module_units(&dir);
+    let names = |files: &[PathBuf]| -> Vec<String> {
+        files
+            .iter()
+            .map(|f| f.strip_prefix(&dir).unwrap().display().to_string())
+            .collect()
+    };
+    let got: Vec<Vec<String>> = units.values().map(|u| names(u)).collect();
+    fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(
+        got,
+        [
+            vec!["a.rs", "a/x.rs"],
+            vec!["b/mod.rs", "b/y.rs", "b/z/w.rs"],
+            vec!["c.rs"],
+            vec!["lib.rs"],
+        ]
+    );
 }
 
 #[test]
