@@ -8,11 +8,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbridge_coordinator::{
-    Chunk, DecodeAgent, InProcessControlHub, KvMemory, PrefillAgent, ReceiveRequest,
-    StaticDirectory,
+    AllocatedMemory, Chunk, DecodeAgent, InProcessControlHub, KvMemory, PrefillAgent,
+    ReceiveRequest, StaticDirectory,
 };
 use kvbridge_handshake::{PeerDescriptor, Role};
-use kvbridge_lab::fill::{EntryViews, TokenLayout, fill_rows, verify_rows, verify_untouched};
+use kvbridge_testkit::fill::{
+    EntryView, TokenLayout, entry_views, fill_rows, verify_rows, verify_untouched,
+};
 use kvbridge_transport::KvTransport;
 
 const ADDR: &str = "prefill.transports-test:8998";
@@ -37,6 +39,14 @@ async fn transport(kind: Kind) -> Arc<dyn KvTransport> {
                 .expect("tcp transport"),
         ),
     }
+}
+
+/// Views of the KV entries of memory the coordinator allocated, for the fill and verify helpers.
+fn kv_views(mem: &AllocatedMemory) -> Vec<EntryView> {
+    entry_views(
+        &mem.kv_regions,
+        mem.memory.kv.iter().map(|e| (e.offset, e.len)),
+    )
 }
 
 fn mla(role: Role, page_size: u64, tp: u32, rank: u32, dcp: u32) -> PeerDescriptor {
@@ -69,7 +79,7 @@ async fn transfer(
         // Pages in a scrambled order so a wrong page mapping cannot pass by accident.
         let pages: Vec<u64> = (0..POOL_PAGES).rev().collect();
         let layout = TokenLayout::for_rank(&desc, pages.clone()).expect("prefill layout");
-        fill_rows(&mem.kv_views(), &layout, room, 0..tokens).expect("fill");
+        fill_rows(&kv_views(&mem), &layout, room, 0..tokens).expect("fill");
         let agent = PrefillAgent::builder(
             desc,
             mem.memory.clone(),
@@ -142,7 +152,7 @@ async fn transfer(
             .await
             .expect("decode done in time")
             .expect("decode success");
-        let verified = verify_rows(&mem.kv_views(), layout, room, 0..tokens)
+        let verified = verify_rows(&kv_views(mem), layout, room, 0..tokens)
             .expect("every owned row holds its token");
         let owned = (0..tokens)
             .filter(|p| p % layout.dcp_size == layout.dcp_rank)
@@ -153,7 +163,7 @@ async fn transfer(
             "{kind:?}: rank {} rows",
             layout.dcp_rank
         );
-        verify_untouched(&mem.kv_views(), layout, 0..tokens)
+        verify_untouched(&kv_views(mem), layout, 0..tokens)
             .expect("nothing written outside owned rows");
     }
     for (agent, ..) in &prefills {

@@ -77,13 +77,18 @@ fn section_lines<'a>(manifest: &'a str, section: &str) -> Vec<&'a str> {
 
 #[test]
 fn no_library_links_a_testing_module() {
-    // The lab (demo, bench, fill and verify) and test support may; a product crate never does.
-    const MAY: [&str; 3] = ["kvbridge-lab", "kvbridge-netns", "kvbridge-conformance"];
+    // The lab (demo, bench) and test support may; a product crate never does.
+    const MAY: [&str; 4] = [
+        "kvbridge-lab",
+        "kvbridge-netns",
+        "kvbridge-conformance",
+        "kvbridge-testkit",
+    ];
     for (dir, name) in crates() {
-        if name == "kvbridge-lab" {
+        if name == "kvbridge-lab" || name == "kvbridge-testkit" {
             assert!(
                 read(&dir.join("Cargo.toml")).contains("\npublish = false\n"),
-                "kvbridge-lab must say `publish = false`: the lab is never published"
+                "{name} must say `publish = false`: it is never published"
             );
         }
         if MAY.contains(&name.as_str()) {
@@ -94,9 +99,10 @@ fn no_library_links_a_testing_module() {
             assert!(
                 !line.contains("\"testing\"")
                     && !line.starts_with("kvbridge-conformance")
+                    && !line.starts_with("kvbridge-testkit")
                     && !line.starts_with("kvbridge-lab"),
-                "{name}'s normal dependency `{line}` links a testing module or the lab; make it \
-                 a dev-dependency (only the lab may)"
+                "{name}'s normal dependency `{line}` links a testing module, the test kit or the \
+                 lab; make it a dev-dependency (only the lab may)"
             );
         }
     }
@@ -259,6 +265,16 @@ fn crates_depend_only_on_what_the_codemap_allows() {
         ),
         // Test support: it drives the `kvbridge-lab` binary, it links no kvbridge crate.
         ("kvbridge-netns", &[], false),
+        // Test support below the coordinator: fill and verify need descriptors and regions only.
+        (
+            "kvbridge-testkit",
+            &[
+                "kvbridge-geometry",
+                "kvbridge-handshake",
+                "kvbridge-transport",
+            ],
+            false,
+        ),
     ];
     for (dir, name) in crates() {
         let deps = normal_dependencies(&read(&dir.join("Cargo.toml")));
@@ -280,6 +296,170 @@ fn crates_depend_only_on_what_the_codemap_allows() {
             "{name} must stay free of an async runtime, but depends on tokio"
         );
     }
+}
+
+/// The workspace's packages (every member of the root manifest, `tests/` and `xtask/`
+/// included): package name -> manifest text.
+fn workspace_manifests() -> BTreeMap<String, String> {
+    let root_manifest = read(&root().join("Cargo.toml"));
+    let start = root_manifest
+        .find("members = [")
+        .expect("the workspace lists its members");
+    let list = &root_manifest[start..start + root_manifest[start..].find(']').unwrap()];
+    list.split('"')
+        .skip(1)
+        .step_by(2)
+        .map(|member| {
+            let manifest = read(&root().join(member).join("Cargo.toml"));
+            let name = manifest
+                .lines()
+                .find_map(|l| l.strip_prefix("name = \""))
+                .and_then(|l| l.strip_suffix('"'))
+                .unwrap_or_else(|| panic!("{member}: no package name"))
+                .to_owned();
+            (name, manifest)
+        })
+        .collect()
+}
+
+/// Every dependency a manifest names, with its section: normal, dev and build dependencies,
+/// target-specific ones, `[dependencies.name]` tables and renamed packages alike.
+fn dependency_names(manifest: &str) -> BTreeSet<(String, String)> {
+    let mut out = BTreeSet::new();
+    let mut section = String::new();
+    for line in manifest.lines().map(str::trim) {
+        if line.starts_with('[') {
+            section = line.trim_matches(['[', ']']).to_owned();
+            // `[dev-dependencies.kvbridge-lab]`
+            if let Some((kind, name)) = section.rsplit_once("dependencies.") {
+                out.insert((format!("{kind}dependencies"), name.to_owned()));
+            }
+            continue;
+        }
+        if !section.ends_with("dependencies") || line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let key = line.split(['=', '.', ' ']).next().unwrap().trim();
+        // `lab = { package = "kvbridge-lab", .. }`
+        let package = line
+            .split("package = \"")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next());
+        out.insert((section.clone(), package.unwrap_or(key).to_owned()));
+    }
+    out
+}
+
+/// The arrows that run up to `top`: a package `top` depends on (through normal and build
+/// dependencies, transitively) that itself names `top` in any dependency section, dev
+/// included. Each as `package: section`.
+fn upward_arrows(manifests: &BTreeMap<String, String>, top: &str) -> Vec<String> {
+    let below = |name: &str| -> Vec<String> {
+        dependency_names(&manifests[name])
+            .into_iter()
+            .filter(|(section, dep)| {
+                !section.contains("dev-dependencies") && manifests.contains_key(dep.as_str())
+            })
+            .map(|(_, dep)| dep)
+            .collect()
+    };
+    let mut reached = BTreeSet::new();
+    let mut queue = below(top);
+    while let Some(name) = queue.pop() {
+        if reached.insert(name.clone()) {
+            queue.extend(below(&name));
+        }
+    }
+    let mut out = Vec::new();
+    for name in reached.iter().filter(|n| n.as_str() != top) {
+        for (section, dep) in dependency_names(&manifests[name.as_str()]) {
+            if dep == top {
+                out.push(format!("{name}: [{section}]"));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn nothing_the_lab_depends_on_depends_on_the_lab() {
+    // The lab stands above every library crate: what it builds on tests itself with the test
+    // kit and the conformance crate, below it, never with the lab (not even as a
+    // dev-dependency). `tests/` and the lab's own test support are above or beside it.
+    let arrows = upward_arrows(&workspace_manifests(), "kvbridge-lab");
+    assert!(
+        arrows.is_empty(),
+        "these crates are below the lab but depend on it; use kvbridge-testkit (fill and \
+         verify) or move the code that needs the lab into the lab:\n{}",
+        arrows.join("\n")
+    );
+}
+
+#[test]
+fn the_upward_arrow_rule_catches_a_dev_dependency_on_the_lab() {
+    let manifests = |coordinator_dev: &str| -> BTreeMap<String, String> {
+        [
+            (
+                "lab",
+                "[package]\nname = \"lab\"\n\n[dependencies]\ncoordinator.workspace = true\n\
+                 testkit.workspace = true\n\n[dev-dependencies]\nnetns.workspace = true\n",
+            ),
+            (
+                "coordinator",
+                &format!(
+                    "[package]\nname = \"coordinator\"\n\n[dependencies]\n\
+                     machines = {{ workspace = true }}\n\n{coordinator_dev}"
+                ),
+            ),
+            ("machines", "[package]\nname = \"machines\"\n"),
+            ("testkit", "[package]\nname = \"testkit\"\n"),
+            // Above the lab: may use it.
+            (
+                "tests",
+                "[package]\nname = \"tests\"\n\n[dev-dependencies]\nlab.workspace = true\n",
+            ),
+            // Beside it (the lab's dev-dependency): not what the lab builds on.
+            (
+                "netns",
+                "[package]\nname = \"netns\"\n\n[dev-dependencies]\nlab.workspace = true\n",
+            ),
+        ]
+        .into_iter()
+        .map(|(n, m)| (n.to_owned(), m.to_owned()))
+        .collect()
+    };
+    let fine = manifests("[dev-dependencies]\ntestkit.workspace = true\n");
+    assert_eq!(upward_arrows(&fine, "lab"), Vec::<String>::new());
+    for (dev, section) in [
+        (
+            "[dev-dependencies]\nlab.workspace = true\n",
+            "dev-dependencies",
+        ),
+        (
+            "[dev-dependencies.lab]\nworkspace = true\n",
+            "dev-dependencies",
+        ),
+        (
+            "[target.'cfg(unix)'.dev-dependencies]\nfill = { package = \"lab\", path = \"../lab\" }\n",
+            "target.'cfg(unix)'.dev-dependencies",
+        ),
+    ] {
+        assert_eq!(
+            upward_arrows(&manifests(dev), "lab"),
+            [format!("coordinator: [{section}]")],
+            "{dev}"
+        );
+    }
+    // Transitively: machines is below the lab through the coordinator.
+    let mut deep = fine.clone();
+    deep.insert(
+        "machines".to_owned(),
+        "[package]\nname = \"machines\"\n\n[dev-dependencies]\nlab.workspace = true\n".to_owned(),
+    );
+    assert_eq!(
+        upward_arrows(&deep, "lab"),
+        ["machines: [dev-dependencies]"]
+    );
 }
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
@@ -721,21 +901,118 @@ fn reentrant_locking(src: &str) -> Vec<(usize, String)> {
     problems
 }
 
+/// The files of `src` grouped into the units the locking rule reads as one: a module split into
+/// files (`src/a.rs` or `src/a/mod.rs`, and everything under `src/a/`) is one unit, since its
+/// `with_*` helper sits in one of its files and the code calling it in the others; any other
+/// file is a unit of its own.
+fn module_units(src: &Path) -> BTreeMap<PathBuf, Vec<PathBuf>> {
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    let mut units: BTreeMap<PathBuf, Vec<PathBuf>> = BTreeMap::new();
+    for file in files {
+        let rel = file.strip_prefix(src).unwrap();
+        let first = rel.components().next().unwrap().as_os_str();
+        let dir = src.join(first);
+        let key = if dir.is_dir() {
+            dir
+        } else {
+            let stem = dir.with_extension("");
+            if stem.is_dir() { stem } else { file.clone() }
+        };
+        units.entry(key).or_default().push(file);
+    }
+    for unit in units.values_mut() {
+        unit.sort_by_key(|p| p.display().to_string());
+    }
+    units
+}
+
+/// [`reentrant_locking`] over several files read as one unit: (file, line, message).
+fn reentrant_locking_in(files: &[(String, String)]) -> Vec<(String, usize, String)> {
+    let mut joined = String::new();
+    let mut starts = Vec::new();
+    for (name, text) in files {
+        starts.push((joined.len(), name.as_str(), text.as_str()));
+        joined.push_str(text);
+        joined.push('\n');
+    }
+    reentrant_locking(&joined)
+        .into_iter()
+        .map(|(at, message)| {
+            let &(start, name, text) = starts.iter().rev().find(|(s, ..)| *s <= at).unwrap();
+            let line = text[..at - start].matches('\n').count() + 1;
+            (name.to_owned(), line, message)
+        })
+        .collect()
+}
+
 #[test]
 fn coordinator_state_locks_are_never_taken_twice() {
-    let mut files = Vec::new();
-    rust_files(&root().join("crates/coordinator/src"), &mut files);
-    rust_files(&root().join("crates/bootstrap/src"), &mut files);
-    rust_files(&root().join("crates/control/src"), &mut files);
     let mut report = Vec::new();
-    for file in files {
-        let text = read(&file);
-        for (at, message) in reentrant_locking(&text) {
-            let line = text[..at].matches('\n').count() + 1;
-            report.push(format!("{}:{line}: {message}", file.display()));
+    for krate in ["coordinator", "bootstrap", "control"] {
+        let src = root().join("crates").join(krate).join("src");
+        for unit in module_units(&src).into_values() {
+            let files: Vec<(String, String)> = unit
+                .iter()
+                .map(|f| (f.display().to_string(), read(f)))
+                .collect();
+            for (file, line, message) in reentrant_locking_in(&files) {
+                report.push(format!("{file}:{line}: {message}"));
+            }
         }
     }
     assert!(report.is_empty(), "{}", report.join("\n"));
+}
+
+#[test]
+fn a_module_split_into_files_is_one_unit_of_the_locking_rule() {
+    // The helper in one file, the re-entrant call in another: only the unit sees both.
+    let helper = "impl Inner {\n    fn with_core<R>(&self, f: impl FnOnce(&mut Core) -> R) -> R {\n\
+                  \x20       f(&mut lock(&self.core))\n    }\n\n\
+                  \x20   fn step(&self) { self.with_core(|c| c.n += 1); }\n}\n";
+    let caller = "impl Inner {\n    fn fine(&self) { self.step(); }\n\n\
+                  \x20   fn twice(&self) {\n        self.with_core(|_| self.step());\n    }\n}\n";
+    let files = [
+        ("a/step.rs".to_owned(), helper.to_owned()),
+        ("a/rooms.rs".to_owned(), caller.to_owned()),
+    ];
+    assert!(
+        reentrant_locking(caller).is_empty(),
+        "alone, the caller's file shows nothing"
+    );
+    let found = reentrant_locking_in(&files);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!((found[0].0.as_str(), found[0].1), ("a/rooms.rs", 5));
+    assert!(found[0].2.contains("`step` takes a lock"), "{}", found[0].2);
+
+    // The units: `src/a.rs` with `src/a/*`, `src/a/mod.rs` with its siblings, the rest alone.
+    let dir = std::env::temp_dir().join(format!("kvbridge-tidy-units-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    for f in [
+        "lib.rs", "a.rs", "a/x.rs", "b/mod.rs", "b/y.rs", "b/z/w.rs", "c.rs",
+    ] {
+        let path = dir.join(f);
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(path, "").unwrap();
+    }
+    let units = module_units(&dir);
+    let names = |files: &[PathBuf]| -> Vec<String> {
+        files
+            .iter()
+            .map(|f| f.strip_prefix(&dir).unwrap().display().to_string())
+            .collect()
+    };
+    let got: Vec<Vec<String>> = units.values().map(|u| names(u)).collect();
+    fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(
+        got,
+        [
+            vec!["a.rs", "a/x.rs"],
+            vec!["b/mod.rs", "b/y.rs", "b/z/w.rs"],
+            vec!["c.rs"],
+            vec!["lib.rs"],
+        ]
+    );
 }
 
 #[test]

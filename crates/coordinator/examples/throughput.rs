@@ -9,17 +9,25 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvbridge_coordinator::{
-    Chunk, DecodeAgent, InProcessControlHub, KvMemory, PrefillAgent, ReceiveRequest,
-    StaticDirectory,
+    AllocatedMemory, Chunk, DecodeAgent, InProcessControlHub, KvMemory, PrefillAgent,
+    ReceiveRequest, StaticDirectory,
 };
 use kvbridge_handshake::{PeerDescriptor, Role};
-use kvbridge_lab::fill::{EntryViews, TokenLayout, fill_rows, verify_rows};
 use kvbridge_mock::LoopbackTransport;
+use kvbridge_testkit::fill::{EntryView, TokenLayout, entry_views, fill_rows, verify_rows};
 use kvbridge_transport::{KvTransport, TransferBatch, TransferOp};
 
 const LAYERS: usize = 61;
 const TOK: u64 = 1152;
 const PAGE: u64 = 64;
+
+/// Views of the KV entries of memory the coordinator allocated, for the fill and verify helpers.
+fn kv_views(mem: &AllocatedMemory) -> Vec<EntryView> {
+    entry_views(
+        &mem.kv_regions,
+        mem.memory.kv.iter().map(|e| (e.offset, e.len)),
+    )
+}
 
 fn desc(role: Role, tp: u32, rank: u32, dcp: u32) -> PeerDescriptor {
     PeerDescriptor::mla(role, PAGE, LAYERS, TOK)
@@ -56,7 +64,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let table: Vec<u64> = (0..pages).collect();
     // Every room moves the same prompt, filled once: its rows are derived from pattern id 0.
     fill_rows(
-        &pmem.kv_views(),
+        &kv_views(&pmem),
         &TokenLayout::for_rank(&pd, table.clone())?,
         0,
         0..tokens,
@@ -118,7 +126,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let coord = started.elapsed();
     for (_, d, mem) in &decodes {
         verify_rows(
-            &mem.kv_views(),
+            &kv_views(mem),
             &TokenLayout::for_rank(d, dtable.clone())?,
             0,
             0..tokens,

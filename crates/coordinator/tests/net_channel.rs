@@ -1,9 +1,12 @@
 //! Agents over the TCP control channel: whole transfers with the HTTP bootstrap, and hostile
 //! peers claiming endpoints. The channel's own tests are in kvbridge-control.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::{aux_views, kv_views};
 use kvbridge_coordinator::bootstrap::{
     BootstrapClient, BootstrapConfig, BootstrapServer, HttpDirectory, RankRegistration,
 };
@@ -13,8 +16,8 @@ use kvbridge_coordinator::{
     KvMemory, PrefillAgent, ReceiveRequest,
 };
 use kvbridge_handshake::PeerDescriptor;
-use kvbridge_lab::fill::{EntryViews, TokenLayout, fill_aux, fill_rows, verify_aux, verify_rows};
 use kvbridge_mock::LoopbackTransport;
+use kvbridge_testkit::fill::{TokenLayout, fill_aux, fill_rows, verify_aux, verify_rows};
 use kvbridge_transport::KvTransport;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -125,8 +128,8 @@ async fn agents_transfer_over_tcp_control_and_http_bootstrap() {
         let tokens = 90 + room;
         let ptable: Vec<u64> = (0..tokens.div_ceil(8)).rev().collect();
         let playout = TokenLayout::for_rank(&pd, ptable.clone()).unwrap();
-        fill_rows(&pmem.kv_views(), &playout, room, 0..tokens).unwrap();
-        fill_aux(&pmem.aux_views(), &pd.aux_item_lens, 1, room).unwrap();
+        fill_rows(&kv_views(&pmem), &playout, room, 0..tokens).unwrap();
+        fill_aux(&aux_views(&pmem), &pd.aux_item_lens, 1, room).unwrap();
         prefill.create_room(room).unwrap();
         let mut layouts = Vec::new();
         for (agent, dd, _) in &decodes {
@@ -165,9 +168,9 @@ async fn agents_transfer_over_tcp_control_and_http_bootstrap() {
                 .await
                 .unwrap()
                 .unwrap();
-            verified += verify_rows(&dmem.kv_views(), layout, room, 0..tokens).unwrap();
+            verified += verify_rows(&kv_views(dmem), layout, room, 0..tokens).unwrap();
             verify_aux(
-                &dmem.aux_views(),
+                &aux_views(dmem),
                 &dd.aux_item_lens,
                 &pd.aux_item_lens,
                 0,

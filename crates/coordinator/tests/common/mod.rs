@@ -11,11 +11,28 @@ use kvbridge_coordinator::{
     PrefillConfig, ReceiveRequest, StaticDirectory,
 };
 use kvbridge_handshake::PeerDescriptor;
-use kvbridge_lab::fill::{
-    EntryViews, TokenLayout, fill_aux, fill_rows, verify_aux, verify_rows, verify_untouched,
-};
 use kvbridge_mock::{FaultInjector, FaultScript, LoopbackTransport};
+use kvbridge_testkit::fill::{
+    EntryView, TokenLayout, entry_views, fill_aux, fill_rows, verify_aux, verify_rows,
+    verify_untouched,
+};
 use kvbridge_transport::KvTransport;
+
+/// Views of the KV entries of memory the coordinator allocated, for the fill and verify helpers.
+pub fn kv_views(mem: &AllocatedMemory) -> Vec<EntryView> {
+    entry_views(
+        &mem.kv_regions,
+        mem.memory.kv.iter().map(|e| (e.offset, e.len)),
+    )
+}
+
+/// Views of the aux buffers of memory the coordinator allocated.
+pub fn aux_views(mem: &AllocatedMemory) -> Vec<EntryView> {
+    entry_views(
+        &mem.aux_regions,
+        mem.memory.aux.iter().map(|e| (e.offset, e.len)),
+    )
+}
 
 pub const ADDR: &str = "prefill.test:8998";
 
@@ -275,9 +292,9 @@ impl Rig {
     pub async fn start(&self, req: &Request) {
         for (i, (agent, rank)) in self.prefills.iter().enumerate() {
             let layout = self.prefill_layout(i, req);
-            fill_rows(&rank.mem.kv_views(), &layout, req.room, 0..req.input_len).unwrap();
+            fill_rows(&kv_views(&rank.mem), &layout, req.room, 0..req.input_len).unwrap();
             fill_aux(
-                &rank.mem.aux_views(),
+                &aux_views(&rank.mem),
                 &rank.desc.aux_item_lens,
                 req.prefill_aux_row,
                 req.room,
@@ -288,7 +305,7 @@ impl Rig {
         for (i, (agent, rank)) in self.decodes.iter().enumerate() {
             let layout = self.decode_layout(i, req);
             fill_rows(
-                &rank.mem.kv_views(),
+                &kv_views(&rank.mem),
                 &layout,
                 req.room,
                 0..req.cached_prefix,
@@ -360,7 +377,7 @@ impl Rig {
         let src_aux = &self.prefills[0].1.desc.aux_item_lens;
         for (i, (_, rank)) in self.decodes.iter().enumerate() {
             let layout = self.decode_layout(i, req);
-            let views = rank.mem.kv_views();
+            let views = kv_views(&rank.mem);
             total += verify_rows(&views, &layout, req.room, 0..req.input_len)
                 .unwrap_or_else(|e| panic!("decode rank {i}: {e}"));
             if untouched {
@@ -368,7 +385,7 @@ impl Rig {
                     .unwrap_or_else(|e| panic!("decode rank {i}: {e}"));
             }
             verify_aux(
-                &rank.mem.aux_views(),
+                &aux_views(&rank.mem),
                 &rank.desc.aux_item_lens,
                 src_aux,
                 req.decode_aux_row,

@@ -43,8 +43,9 @@ use kvbridge_coordinator::{
     PrefillAgent, PrefillConfig, ReceiveRequest,
 };
 use kvbridge_handshake::{PeerDescriptor, Role};
-use kvbridge_lab::fill::{EntryViews, TokenLayout, fill_rows, verify_rows};
+use kvbridge_lab::views::kv_views;
 use kvbridge_nixl::baseline::DirectOp;
+use kvbridge_testkit::fill::{TokenLayout, fill_rows, verify_rows};
 use kvbridge_transport::{KvTransport, PeerId, TransferBatch, TransferOp};
 
 use super::{BenchArgs, Factory, TransportKind, factory};
@@ -229,7 +230,7 @@ async fn verified_run(
     tokens: u64,
 ) -> Result<bool, String> {
     for d in decodes {
-        for v in d.mem.kv_views() {
+        for v in kv_views(&d.mem) {
             v.region
                 .fill(v.offset, v.len, 0)
                 .map_err(|x| x.to_string())?;
@@ -240,7 +241,7 @@ async fn verified_run(
     let mut got = 0;
     for d in decodes {
         let layout = TokenLayout::for_rank(&d.desc, d.table.clone())?;
-        match verify_rows(&d.mem.kv_views(), &layout, PATTERN_ROOM, 0..tokens) {
+        match verify_rows(&kv_views(&d.mem), &layout, PATTERN_ROOM, 0..tokens) {
             Ok(n) => got += n,
             Err(err) => {
                 eprintln!(
@@ -273,7 +274,7 @@ async fn start_prefills(
         let pmem = KvMemory::allocate(&*pt, &pd, ppages, 0).await.map_err(e)?;
         let table: Vec<u64> = (0..ppages).collect();
         let layout = TokenLayout::for_rank(&pd, table.clone())?;
-        fill_rows(&pmem.kv_views(), &layout, PATTERN_ROOM, 0..tokens)?;
+        fill_rows(&kv_views(&pmem), &layout, PATTERN_ROOM, 0..tokens)?;
         let mut config = PrefillConfig::default();
         if args.pack {
             config = config.with_pack_buffers(PackBuffers::new(
@@ -640,8 +641,8 @@ fn memcpy_run(
     decodes: &[Decode],
     blocks: &[Block],
 ) -> Result<Duration, String> {
-    let src: Vec<_> = prefills.iter().map(|p| p.mem.kv_views()).collect();
-    let dst: Vec<_> = decodes.iter().map(|d| d.mem.kv_views()).collect();
+    let src: Vec<_> = prefills.iter().map(|p| kv_views(&p.mem)).collect();
+    let dst: Vec<_> = decodes.iter().map(|d| kv_views(&d.mem)).collect();
     let t0 = Instant::now();
     for k in blocks {
         let (s, d) = (&src[k.p][k.layer], &dst[k.q][k.layer]);

@@ -10,7 +10,7 @@
 //! JSON lines on stdout ([`Event`]); the parent draws the progress bar and the summary.
 //!
 //! Per request, the prefill fills every token row it holds with bytes derived from (request,
-//! entry, absolute position) ([`kvbridge_lab::fill`]), creates the room, waits for
+//! entry, absolute position) ([`kvbridge_testkit::fill`]), creates the room, waits for
 //! the decode ranks' metadata, sends the prompt in chunks and waits for Success; each decode
 //! rank receives into its own pages (optionally holding a cached prefix it filled itself),
 //! waits for Success and verifies every row the owner rule says it holds. Pages are reused

@@ -24,9 +24,10 @@ use kvbridge_coordinator::{
     MetricsSnapshot, PackBuffers, PrefillAgent, PrefillConfig, ReceiveRequest, prometheus,
 };
 use kvbridge_handshake::PeerDescriptor;
-use kvbridge_lab::fill::{EntryViews, TokenLayout, fill_aux, fill_rows, verify_aux, verify_rows};
+use kvbridge_lab::views::{aux_views, kv_views};
 use kvbridge_shm::ShmTransport;
 use kvbridge_tcp::{TcpConfig, TcpTransport};
+use kvbridge_testkit::fill::{TokenLayout, fill_aux, fill_rows, verify_aux, verify_rows};
 use kvbridge_transport::KvTransport;
 use kvbridge_transport::sync::lock;
 use tokio::sync::{Notify, Semaphore, mpsc, watch};
@@ -816,8 +817,8 @@ async fn prefill_request(
             for r in ranks.iter() {
                 let table = slot_table(slot, setup.prefill_pages, PageOrder::Ascending);
                 let layout = TokenLayout::for_rank(&r.desc, table)?;
-                fill_rows(&r.mem.kv_views(), &layout, room, 0..setup.tokens)?;
-                fill_aux(&r.mem.aux_views(), &AUX_ITEM_LENS, u64::from(slot), room)?;
+                fill_rows(&kv_views(&r.mem), &layout, room, 0..setup.tokens)?;
+                fill_aux(&aux_views(&r.mem), &AUX_ITEM_LENS, u64::from(slot), room)?;
                 out.push(layout);
             }
             Ok(out)
@@ -1097,7 +1098,7 @@ async fn check_canary(side: &DecodeSide, slot: u32) {
     };
     let (mem, tokens) = (side.mem.clone(), side.setup.tokens);
     let checked = tokio::task::spawn_blocking(move || {
-        verify_rows(&mem.kv_views(), &layout, canary_room(room), 0..tokens)
+        verify_rows(&kv_views(&mem), &layout, canary_room(room), 0..tokens)
     })
     .await;
     let (bytes_checked, changed) = match checked {
@@ -1125,7 +1126,7 @@ async fn decode_request(side: &DecodeSide, i: u32, slot: u32) -> Result<u64, Fai
         // sharing the prompt's start).
         let (mem, layout, setup) = (mem.clone(), layout.clone(), setup.clone());
         tokio::task::spawn_blocking(move || {
-            fill_rows(&mem.kv_views(), &layout, room, 0..setup.prefix_tokens)
+            fill_rows(&kv_views(&mem), &layout, room, 0..setup.prefix_tokens)
         })
         .await
         .map_err(|e| e.to_string())??;
@@ -1152,10 +1153,10 @@ async fn decode_request(side: &DecodeSide, i: u32, slot: u32) -> Result<u64, Fai
         Ok(()) => {
             let (mem, layout, setup) = (mem.clone(), layout.clone(), setup.clone());
             tokio::task::spawn_blocking(move || -> Result<u64, Failure> {
-                let bytes = verify_rows(&mem.kv_views(), &layout, room, 0..setup.tokens)
+                let bytes = verify_rows(&kv_views(&mem), &layout, room, 0..setup.tokens)
                     .map_err(|e| format!("request {i}: verification failed: {e}"))?;
                 verify_aux(
-                    &mem.aux_views(),
+                    &aux_views(&mem),
                     &AUX_ITEM_LENS,
                     &AUX_ITEM_LENS,
                     u64::from(slot),
@@ -1189,7 +1190,7 @@ async fn decode_request(side: &DecodeSide, i: u32, slot: u32) -> Result<u64, Fai
                 let (mem, canary) = (mem.clone(), layout.clone());
                 let tokens = setup.tokens;
                 let filled = tokio::task::spawn_blocking(move || {
-                    fill_rows(&mem.kv_views(), &canary, canary_room(room), 0..tokens)
+                    fill_rows(&kv_views(&mem), &canary, canary_room(room), 0..tokens)
                 })
                 .await;
                 if matches!(filled, Ok(Ok(_))) {

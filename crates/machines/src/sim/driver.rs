@@ -1,11 +1,11 @@
-//! A prefill room's driver, as `RoomDriver` in `prefill.rs` runs: it takes one chunk at a
-//! time and posts it to every non-dummy decode rank (one post after the other, without
-//! looking at the room in between), follows the batches with [`SendProgress`] (their results
-//! wait while a chunk is being posted), posts the aux rows after the last chunk and reports
-//! `Delivered`. Once the room failed (its own batch, or the machine's `CancelBatches`) it
-//! finishes the chunk in hand, cancels every batch in flight at once, waits for the cancels
-//! within the grace and for the waiters, and reports `DriverEnded`, poisoned when some batch
-//! could not be proven final.
+//! A prefill room's driver, as the coordinator's `RoomDriver` (`prefill/send.rs`) runs: it takes
+//! one chunk at a time and posts it to every non-dummy decode rank (one post after the other,
+//! without looking at the room in between), follows the batches with [`SendProgress`] (their
+//! results wait while a chunk is being posted), posts the aux rows after the last chunk and reports
+//! `Delivered`. Once the room failed (its own batch, or the machine's `CancelBatches`) it finishes
+//! the chunk in hand, cancels every batch in flight at once, waits for the cancels within the grace
+//! and for the waiters, and reports `DriverEnded`, poisoned when some batch could not be proven
+//! final.
 
 use std::collections::{BTreeSet, VecDeque};
 use std::time::Duration;

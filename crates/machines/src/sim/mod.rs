@@ -2,7 +2,7 @@
 //! ([`PrefillMachine`](crate::prefill::PrefillMachine)) and decode ranks
 //! ([`DecodeMachine`](crate::decode::DecodeMachine)) with tens of rooms, and around them,
 //! in plain synchronous code on a virtual clock, what the agents and the world do: the
-//! drivers (`prefill.rs`, `decode.rs`), a transport, a control channel, a directory and the
+//! drivers (`prefill/`, `decode.rs`), a transport, a control channel, a directory and the
 //! callers. Faults come from the seed: delayed, dropped, duplicated messages, batches that
 //! fail, lose their peer or hang, cancels that hang or fail, processes that restart, callers
 //! that abort or clear at random, rooms created on one side long before the other, or never.

@@ -1,7 +1,8 @@
 //! What a prefill agent does with the control messages it gets (`PrefillInner::handle` in
-//! `prefill.rs`): registrations (the same session answered as before, a new one connected
-//! first), metadata (checked against the registration, a lost connection connected again
-//! first, each on a task of its own), aborts and pings.
+//! the coordinator's `prefill/mod.rs`, with `registration.rs` and `metadata.rs` beside it):
+//! registrations (the same session answered as before, a new one connected first), metadata
+//! (checked against the registration, a lost connection connected again first, each on a task
+//! of its own), aborts and pings.
 
 use kvbridge_transport::PeerId;
 

@@ -17,7 +17,7 @@
 //! bootstrap room): the same memory verified as another room fails at its first row.
 //!
 //! ```
-//! use kvbridge_lab::fill::{kv_byte, TokenLayout};
+//! use kvbridge_testkit::fill::{kv_byte, TokenLayout};
 //! // One rank of a DCP-4 group, page size 2 (virtual page 8): position 13 is on rank 1.
 //! let layout = TokenLayout {
 //!     page_size: 2,
@@ -40,8 +40,6 @@ use std::ops::Range;
 use kvbridge_geometry::{HeadSharding, PoolKind};
 use kvbridge_handshake::PeerDescriptor;
 use kvbridge_transport::MemoryRegion;
-
-use kvbridge_coordinator::{AllocatedMemory, EntryRegion};
 
 const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
 
@@ -200,32 +198,21 @@ pub struct EntryView {
     pub len: u64,
 }
 
-/// The entry views of memory the coordinator allocated.
-pub trait EntryViews {
-    /// Views of the KV entries (for [`fill_rows`] / [`verify_rows`]).
-    fn kv_views(&self) -> Vec<EntryView>;
-    /// Views of the aux buffers (for [`fill_aux`] / [`verify_aux`]).
-    fn aux_views(&self) -> Vec<EntryView>;
-}
-
-impl EntryViews for AllocatedMemory {
-    fn kv_views(&self) -> Vec<EntryView> {
-        views(&self.kv_regions, &self.memory.kv)
-    }
-
-    fn aux_views(&self) -> Vec<EntryView> {
-        views(&self.aux_regions, &self.memory.aux)
-    }
-}
-
-fn views(regions: &[MemoryRegion], entries: &[EntryRegion]) -> Vec<EntryView> {
+/// The views of entries laid out one per region: entry `i` is `spans[i] = (offset, len)` of
+/// `regions[i]`. The coordinator's `AllocatedMemory` holds its entries this way: the KV
+/// entries are `entry_views(&mem.kv_regions, mem.memory.kv.iter().map(|e| (e.offset, e.len)))`,
+/// the aux buffers the same of `aux_regions` and `memory.aux`.
+pub fn entry_views(
+    regions: &[MemoryRegion],
+    spans: impl IntoIterator<Item = (u64, u64)>,
+) -> Vec<EntryView> {
     regions
         .iter()
-        .zip(entries)
-        .map(|(r, e)| EntryView {
+        .zip(spans)
+        .map(|(r, (offset, len))| EntryView {
             region: r.clone(),
-            offset: e.offset,
-            len: e.len,
+            offset,
+            len,
         })
         .collect()
 }
@@ -698,6 +685,24 @@ mod tests {
             verify_rows(&v, &zero, 1, 0..4),
             Err(VerifyError::Layout(_))
         ));
+    }
+
+    #[test]
+    fn entry_views_pair_each_region_with_its_span() {
+        let regions: Vec<MemoryRegion> = (0..2)
+            .map(|_| MemoryRegion::allocate(64).unwrap())
+            .collect();
+        let v = entry_views(&regions, [(8, 32), (0, 64), (0, 1)]);
+        assert_eq!(v.len(), 2, "one view per region, extra spans ignored");
+        assert_eq!(
+            (v[0].offset, v[0].len, v[1].offset, v[1].len),
+            (8, 32, 0, 64)
+        );
+        // A view reads its own region at its offset.
+        v[0].region.write_at(8, &[7]).unwrap();
+        let mut b = [0u8; 1];
+        regions[0].read_at(8, &mut b).unwrap();
+        assert_eq!(b, [7]);
     }
 
     #[test]

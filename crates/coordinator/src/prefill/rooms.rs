@@ -1,0 +1,161 @@
+//! The caller's calls on a room: create it, clear it, and hand it a chunk (checked, accepted by
+//! the machine, queued to the room's send task, which the first chunk starts).
+
+use std::sync::Arc;
+
+use tracing::field;
+
+use super::send::RoomDriver;
+use super::step::ChunkStep;
+use super::{Job, PrefillInner, RoomSide, SIDE};
+use crate::error::{CoordinatorError, Result};
+use crate::ids::RoomId;
+use crate::metrics::inc;
+use crate::state::{RoomState, RoomStatus};
+use kvbridge_machines::plan::Chunk;
+use kvbridge_machines::prefill::{ChunkShape, Event, RankEvent};
+
+impl PrefillInner {
+    pub(super) fn create_room(&self, room: RoomId) -> Result<()> {
+        let span = tracing::info_span!(
+            parent: None,
+            "kv_room",
+            side = SIDE.as_str(),
+            room = room.get(),
+            peer = field::Empty,
+            bytes = field::Empty,
+            duration_ms = field::Empty
+        );
+        self.with_core(|c| {
+            c.machine.admit(room)?;
+            inc(&self.metrics.rooms_created);
+            tracing::debug!(parent: &span, "room created");
+            let side = RoomSide {
+                status: RoomStatus::new(RoomState::Bootstrapping),
+                driver: None,
+                span,
+            };
+            c.rooms.insert(room, side);
+            self.step_locked(c, RankEvent::Create { room });
+            Ok(())
+        })
+    }
+
+    pub(super) fn clear(&self, room: RoomId) {
+        if self.with_core(|c| c.visible(room).is_err()) {
+            return;
+        }
+        self.room_step(room, None, Event::Clear);
+        self.agreement.forget(room.into());
+    }
+
+    /// Refuses chunks that break what the agent's memory and pack buffers allow.
+    fn check_chunk(&self, chunk: &Chunk) -> Result<()> {
+        let invalid = |message: String| {
+            Err(CoordinatorError::InvalidRequest {
+                what: "chunk",
+                message,
+            })
+        };
+        if let Some(pack) = &self.pack {
+            if chunk.num_kv_tokens > pack.max_chunk_tokens {
+                return invalid(format!(
+                    "the chunk has {} tokens but the pack buffers hold chunks of at most {} \
+                     (PackBuffers::max_chunk_tokens); send smaller chunks or size the pack \
+                     buffers for them",
+                    chunk.num_kv_tokens, pack.max_chunk_tokens
+                ));
+            }
+        }
+        if chunk.is_last && !self.memory.aux.is_empty() && chunk.aux_index.is_none() {
+            return invalid(
+                "the last chunk needs the prefill's aux row (aux_index) because aux buffers are \
+                 registered"
+                    .to_owned(),
+            );
+        }
+        let Some(i) = chunk.aux_index else {
+            return Ok(());
+        };
+        let aux = self.memory.aux.iter().zip(&self.descriptor.aux_item_lens);
+        for (j, (e, &item)) in aux.enumerate() {
+            if i.checked_add(1)
+                .and_then(|n| n.checked_mul(item))
+                .is_none_or(|end| end > e.len)
+            {
+                return invalid(format!(
+                    "aux_index {i} is outside aux buffer {j} ({} rows of {item} bytes)",
+                    e.len / item.max(1)
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) async fn send_chunk(self: Arc<Self>, room: RoomId, chunk: Chunk) -> Result<()> {
+        self.check_chunk(&chunk)?;
+        self.with_core(|c| c.visible(room).map(|_| ()))?;
+        // One page id stands for page_size · dcp_size tokens (the prefill's virtual page).
+        let page_tokens = self
+            .descriptor
+            .page_size
+            .saturating_mul(u64::from(self.descriptor.dcp_size.max(1)));
+        let shape = ChunkShape {
+            pages: chunk.pages.len() as u64,
+            tokens: chunk.num_kv_tokens,
+            is_last: chunk.is_last,
+            page_tokens,
+        };
+        let event = RankEvent::Room {
+            room,
+            incarnation: None,
+            event: Event::Chunk(shape),
+        };
+        let step = self.with_core(|c| {
+            c.machine.room(room)?;
+            Some(self.step_locked(c, event).chunk)
+        });
+        let Some(step) = step else {
+            return Err(CoordinatorError::UnknownRoom { room, side: SIDE });
+        };
+        // Nothing to post: the room has only dummy peers.
+        let Some(step) = step else {
+            return Ok(());
+        };
+        let (tx, page_offset, token_offset) = match step {
+            ChunkStep::Refused(e) => return Err(e),
+            ChunkStep::Queue {
+                tx,
+                page_offset,
+                token_offset,
+                start,
+            } => {
+                if let Some(d) = start {
+                    let span = d.span.clone();
+                    tokio::spawn(tracing::Instrument::instrument(
+                        RoomDriver::new(self.clone(), room, &d).run(d.rx, d.status_rx),
+                        span,
+                    ));
+                }
+                (tx, page_offset, token_offset)
+            }
+        };
+        let job = Job {
+            chunk,
+            page_offset,
+            token_offset,
+        };
+        if tx.send(job).await.is_err() {
+            return self.with_core(|c| {
+                let (_, s) = c.visible(room)?;
+                Err(s.status.error(room).map(CoordinatorError::from).unwrap_or(
+                    CoordinatorError::InvalidRequest {
+                        what: "chunk",
+                        message: format!("room {room} stopped accepting chunks"),
+                    },
+                ))
+            });
+        }
+        Ok(())
+    }
+}
