@@ -15,7 +15,7 @@ def test_settings_default_and_refuse_with_the_key_and_what_it_takes():
     assert Settings.from_extra({"transport": "shm", "bootstrap_port": 9000}, env={}).bootstrap_addr.endswith(":9000")
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['trasnport'\].*it takes"):
         Settings.from_extra({"trasnport": "tcp"}, env={})
-    with pytest.raises(ValueError, match=r"\['transport'\] = 'udp'.*tcp or shm or nixl or loopback"):
+    with pytest.raises(ValueError, match=r"\['transport'\] = 'udp'.*tcp or shm or nixl"):
         Settings.from_extra({"transport": "udp"}, env={})
     with pytest.raises(ValueError, match="bootstrap_port.*1-65535"):
         Settings.from_extra({"bootstrap_port": 0}, env={})

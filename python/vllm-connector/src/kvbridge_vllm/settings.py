@@ -10,14 +10,14 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional
 
-TRANSPORTS = ("tcp", "shm", "nixl", "loopback")
+TRANSPORTS = ("tcp", "shm", "nixl")
 # The prefill's bootstrap server listens here unless `bootstrap_port` says otherwise.
 DEFAULT_BOOTSTRAP_PORT = 8998
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    #: kvbridge transport: tcp (any host), shm (one host), nixl (host and GPU pools), loopback.
+    #: kvbridge transport: tcp (any host), shm (both servers on one host), nixl (NIXL's UCX).
     transport: str = "tcp"
     #: The IP this server's kvbridge endpoints listen on and name to peers (default: vLLM's
     #: ``VLLM_HOST_IP``, else 127.0.0.1).
