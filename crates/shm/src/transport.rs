@@ -1053,14 +1053,16 @@ impl Inner {
         let deadline = Instant::now() + self.options.handshake_timeout;
         // Each waiting connection evicts one at most: the slot it freed may take a moment.
         let mut evicted = false;
+        // One place in the semaphore's queue for the whole wait.
+        let slot = Arc::clone(&self.inbound_slots).acquire_owned();
+        tokio::pin!(slot);
         loop {
             if !evicted {
                 evicted = self.evict_longest_idle();
             }
-            let slot = Arc::clone(&self.inbound_slots).acquire_owned();
             // Looks for an evictable connection again this often while it waits.
             let look_again = (Instant::now() + EVICT_LOOK).min(deadline);
-            match tokio::time::timeout_at(look_again, slot).await {
+            match tokio::time::timeout_at(look_again, slot.as_mut()).await {
                 Ok(Ok(slot)) => return self.serve_inbound(stream, slot).await,
                 Ok(Err(_)) => return,
                 Err(_) if Instant::now() >= deadline => {
