@@ -370,7 +370,7 @@ impl<K> Hub<K> {
     /// the frames published on every ring (at most a ring's worth each, so one busy peer cannot
     /// hold the others back), then spins briefly, then sleeps on the bell page. A ring whose
     /// peer broke it leaves with `broken(key, reason)`; one whose connection is no longer
-    /// `alive` leaves quietly.
+    /// `alive` leaves quietly once the frames published before are read.
     pub(crate) fn run(
         &self,
         mut deliver: impl FnMut(&K, Bytes) -> Delivered,
@@ -387,11 +387,13 @@ impl<K> Hub<K> {
                 return;
             }
             members.append(&mut lock(&self.joining));
-            members.retain(|(key, _)| alive(key));
             let mut got = false;
             let mut i = 0;
             while i < members.len() {
-                let mut gone = false;
+                // A connection found lost leaves after this pass, which reads what its peer
+                // published before it went (the socket path delivers what came before the end
+                // of file, too).
+                let mut gone = !alive(&members[i].0);
                 for _ in 0..SLOTS {
                     let (key, consumer) = &mut members[i];
                     match consumer.try_next() {
@@ -734,5 +736,35 @@ mod tests {
         assert_eq!(recv(), (0, Bytes::from_static(b"last")));
         hub.close();
         runner.join().unwrap();
+    }
+
+    /// A peer that published a frame and then went (its connection found lost before the hub
+    /// read the ring) still has the frame delivered; then its ring leaves.
+    #[test]
+    fn a_ring_whose_connection_is_lost_is_read_before_it_leaves() {
+        let hub = std::sync::Arc::new(Hub::<u32>::new().unwrap());
+        let (ring, consumer) = hub.ring().unwrap();
+        let other = map::map_remote(0, ring_fd(&ring).unwrap(), RING_BYTES as u64).unwrap();
+        let producer = Producer::with_bell_page(other, 0, peer_page(&hub)).unwrap();
+        hub.join(7, consumer);
+        assert!(producer.push(b"last words").unwrap());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let runner = {
+            let hub = hub.clone();
+            std::thread::spawn(move || {
+                hub.run(
+                    |key, payload| {
+                        tx.send((*key, payload)).unwrap();
+                        Delivered::Yes
+                    },
+                    |_, reason| panic!("broken: {reason}"),
+                    |_| false, // lost from the start
+                )
+            })
+        };
+        let got = rx.recv_timeout(Duration::from_secs(5));
+        hub.close();
+        runner.join().unwrap();
+        assert_eq!(got.ok(), Some((7, Bytes::from_static(b"last words"))));
     }
 }
