@@ -596,6 +596,8 @@ async fn receiver(make: Factory, pool_bytes: u64) -> ExitCode {
     let mut finished = false;
     // Notifications: "lat <unix nanos>" records a one-way latency; others are just drained.
     let listener = Arc::clone(&t);
+    let heard = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&heard);
     let latencies = tokio::spawn(async move {
         let mut lat = Vec::new();
         while let Ok(n) = listener.recv_notification().await {
@@ -608,6 +610,7 @@ async fn receiver(make: Factory, pool_bytes: u64) -> ExitCode {
                 if lat.len() < 1_000_000 {
                     lat.push(now.saturating_sub(sent));
                 }
+                counted.fetch_add(1, std::sync::atomic::Ordering::Release);
             }
         }
         lat
@@ -638,7 +641,14 @@ async fn receiver(make: Factory, pool_bytes: u64) -> ExitCode {
                     detail: checked.err().unwrap_or_default(),
                 });
             }
-            ["finish"] => {
+            ["finish", expected] => {
+                let expected: usize = expected.parse().unwrap_or(0);
+                let end = Instant::now() + Duration::from_secs(10);
+                while heard.load(std::sync::atomic::Ordering::Acquire) < expected
+                    && Instant::now() < end
+                {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
                 finished = true;
                 break;
             }
@@ -886,6 +896,7 @@ async fn verify_and_finish(
     rx: &mut ReceiverProcess,
     args: &BenchArgs,
     pattern: Pattern,
+    latency_notes: usize,
     report: &mut Report,
 ) -> Result<(), String> {
     let name = pattern.name();
@@ -900,7 +911,9 @@ async fn verify_and_finish(
         }
         other => return Err(format!("expected Verified, got {other:?}")),
     }
-    rx.command("finish").await?;
+    // A transport's `wait` may return before its notification is read on the other side: the
+    // receiver waits (bounded) for every one it is told of before it reports.
+    rx.command(&format!("finish {latency_notes}")).await?;
     let latencies = match rx.next().await? {
         FromReceiver::Finished {
             peak_rss_bytes,
@@ -979,8 +992,10 @@ async fn measure_with(
         (None, None) => BASELINE,
     };
     let mut report = Report::unmeasured(args, name, pool, transfer_ops.len() as u64, baseline);
+    // Notifications the receiver must have seen before it reports its latencies.
+    let mut latency_notes = 0;
     if pattern == Pattern::Latency4k {
-        latency(
+        latency_notes = latency(
             &t,
             peer,
             &ops,
@@ -1010,7 +1025,7 @@ async fn measure_with(
         report.ratio = report.gbps / report.baseline_gbps;
     }
     progress.show(&format!("{name}: verifying"));
-    verify_and_finish(rx, args, pattern, &mut report).await?;
+    verify_and_finish(rx, args, pattern, latency_notes, &mut report).await?;
     let _ = t.shutdown().await;
     // It finished (it removes its own control directories) and exits: bounded, as every wait.
     rx.worker.reap(Duration::from_secs(10), true).await;
@@ -1029,7 +1044,7 @@ async fn latency(
     progress: &Progress,
     report: &mut Report,
     baseline_run: impl Fn() -> Result<f64, String>,
-) -> Result<(), String> {
+) -> Result<usize, String> {
     let iterations = ((2000.0 * args.size_scale * f64::from(args.runs) / 7.0) as usize).max(20);
     let mut local = Vec::with_capacity(iterations);
     let mut base = Vec::with_capacity(iterations);
@@ -1063,7 +1078,7 @@ async fn latency(
     report.gbps = bytes as f64 / p50;
     report.baseline_gbps = bytes as f64 / base_p50;
     report.ratio = report.gbps / report.baseline_gbps;
-    Ok(())
+    Ok(iterations)
 }
 
 /// A baseline other than `memcpy` of the same blocks, measured in the same run as the
