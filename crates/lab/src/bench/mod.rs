@@ -594,27 +594,8 @@ async fn receiver(make: Factory, pool_bytes: u64) -> ExitCode {
     // The sender's control directories (`sender-dirs <JSON list>`), removed here if it dies.
     let mut sender_dirs: Vec<String> = Vec::new();
     let mut finished = false;
-    // Notifications: "lat <unix nanos>" records a one-way latency; others are just drained.
-    let listener = Arc::clone(&t);
     let heard = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counted = Arc::clone(&heard);
-    let latencies = tokio::spawn(async move {
-        let mut lat = Vec::new();
-        while let Ok(n) = listener.recv_notification().await {
-            let now = unix_nanos();
-            if let Some(sent) = std::str::from_utf8(&n.payload)
-                .ok()
-                .and_then(|s| s.strip_prefix("lat "))
-                .and_then(|s| s.parse::<u64>().ok())
-            {
-                if lat.len() < 1_000_000 {
-                    lat.push(now.saturating_sub(sent));
-                }
-                counted.fetch_add(1, std::sync::atomic::Ordering::Release);
-            }
-        }
-        lat
-    });
+    let latencies = tokio::spawn(listen_for_latencies(Arc::clone(&t), Arc::clone(&heard)));
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     while let Ok(Some(line)) = lines.next_line().await {
         if let Some(list) = line.strip_prefix("sender-dirs ") {
@@ -642,13 +623,7 @@ async fn receiver(make: Factory, pool_bytes: u64) -> ExitCode {
                 });
             }
             ["finish", expected] => {
-                let expected: usize = expected.parse().unwrap_or(0);
-                let end = Instant::now() + Duration::from_secs(10);
-                while heard.load(std::sync::atomic::Ordering::Acquire) < expected
-                    && Instant::now() < end
-                {
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
+                until_heard(&heard, expected.parse().unwrap_or(0)).await;
                 finished = true;
                 break;
             }
@@ -889,6 +864,37 @@ fn run_baseline(
         src.copy_to(s, dst, d, len).map_err(|e| e.to_string())?;
     }
     Ok(start.elapsed().as_secs_f64())
+}
+
+/// Drains the receiver's notifications until its transport closes: each "lat <unix nanos>"
+/// records a one-way latency (and counts in `heard`); others are just drained.
+async fn listen_for_latencies(
+    t: Arc<dyn KvTransport>,
+    heard: Arc<std::sync::atomic::AtomicUsize>,
+) -> Vec<u64> {
+    let mut lat = Vec::new();
+    while let Ok(n) = t.recv_notification().await {
+        let now = unix_nanos();
+        if let Some(sent) = std::str::from_utf8(&n.payload)
+            .ok()
+            .and_then(|s| s.strip_prefix("lat "))
+            .and_then(|s| s.parse::<u64>().ok())
+        {
+            if lat.len() < 1_000_000 {
+                lat.push(now.saturating_sub(sent));
+            }
+            heard.fetch_add(1, std::sync::atomic::Ordering::Release);
+        }
+    }
+    lat
+}
+
+/// Waits until `heard` counts `expected` notifications, for 10 s at most.
+async fn until_heard(heard: &std::sync::atomic::AtomicUsize, expected: usize) {
+    let end = Instant::now() + Duration::from_secs(10);
+    while heard.load(std::sync::atomic::Ordering::Acquire) < expected && Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
 }
 
 /// Has the receiver verify every byte and report its memory and latencies, into `report`.
