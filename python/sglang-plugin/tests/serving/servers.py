@@ -20,6 +20,7 @@ import importlib.util
 import itertools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -55,10 +56,36 @@ def unavailable() -> Optional[str]:
     return None
 
 
+def _ports():
+    """Ports below the kernel's ephemeral range, from a random start: a port picked by binding
+    port 0 comes from that range, which the servers' own sockets (and kvbridge's agents) draw
+    from too, so it could be taken before the server that was given it binds it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    first = max(1024, low - 12000)
+    span = low - first
+    start = random.Random(os.getpid() ^ time.time_ns()).randrange(span)
+    for i in itertools.count():
+        yield first + (start + i) % span
+
+
+_free_ports = _ports()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no socket holds now, below the ephemeral range; each call gives another."""
+    for _ in range(4096):
+        port = next(_free_ports)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port below the ephemeral range")
 
 
 def _tail(path: str, lines: int = 40) -> str:
