@@ -7,6 +7,8 @@
 //! descriptor against the entry it addresses (a decode's page ids never make the prefill
 //! write outside the decode's advertised entry).
 
+use std::borrow::Cow;
+
 use kvbridge_geometry::{
     ByteRanges, DcpPlanInput, EntryPair, HeadSharding, HeadSource, PoolFormat, PoolGeometry,
     ReshardInput, SendPages, identity_pairs, page_path_ranges,
@@ -29,6 +31,10 @@ pub struct Chunk {
     /// The prefill's aux (metadata) row for this room; required on the last chunk when the
     /// pool has aux buffers.
     pub aux_index: Option<u64>,
+    /// Only these KV entries (layers) of the chunk's pages, when the chunk is sent layer by
+    /// layer (`None`: every entry). The parts of a chunk are handed over in order with the
+    /// same pages and tokens (docs/lifecycle.md, "Layer by layer").
+    pub layers: Option<std::ops::Range<usize>>,
 }
 
 impl Chunk {
@@ -39,6 +45,7 @@ impl Chunk {
             num_kv_tokens,
             is_last: false,
             aux_index: None,
+            layers: None,
         }
     }
 
@@ -49,7 +56,15 @@ impl Chunk {
             num_kv_tokens,
             is_last: true,
             aux_index,
+            layers: None,
         }
+    }
+
+    /// The same chunk, for KV entries `layers` only (one part of it sent layer by layer).
+    #[must_use]
+    pub fn for_layers(mut self, layers: std::ops::Range<usize>) -> Self {
+        self.layers = Some(layers);
+        self
     }
 }
 
@@ -255,6 +270,19 @@ impl PeerPlan {
         Ok(())
     }
 
+    /// The entry pairs a chunk (or a part of it, `layers`) moves.
+    fn entry_pairs(&self, layers: Option<&std::ops::Range<usize>>) -> Cow<'_, [EntryPair]> {
+        match layers {
+            Some(layers) => self
+                .pairs
+                .iter()
+                .filter(|p| layers.contains(&p.src))
+                .copied()
+                .collect(),
+            None => Cow::Borrowed(&self.pairs),
+        }
+    }
+
     /// The descriptors of one chunk. `page_offset` / `token_offset` = pages / tokens of the
     /// send range sent before it; `dst_pages` = the decode's ids of the send range (entry 0
     /// at `decode_prefix_len`, as its metadata carries them).
@@ -281,15 +309,16 @@ impl PeerPlan {
                 ))
             })
         };
+        let pairs = &*self.entry_pairs(chunk.layers.as_ref());
         let ranges: ByteRanges = match &self.producer {
             Producer::Pages => {
-                page_path_ranges(&self.src, &self.dst, &self.pairs, &chunk.pages, slice()?)?
+                page_path_ranges(&self.src, &self.dst, pairs, &chunk.pages, slice()?)?
             }
             Producer::Heads(sharding, source) => sharding.page_ranges(
                 *source,
                 &self.src,
                 &self.dst,
-                &self.pairs,
+                pairs,
                 &chunk.pages,
                 slice()?,
             )?,
@@ -305,7 +334,7 @@ impl PeerPlan {
                 num_kv_tokens: Some(chunk.num_kv_tokens),
             }
             .plan()?
-            .byte_ranges(&self.src, &self.dst, &self.pairs)?,
+            .byte_ranges(&self.src, &self.dst, pairs)?,
             Producer::Reshard { heads } => {
                 let plan = ReshardInput {
                     src_pages: &chunk.pages,
@@ -322,9 +351,9 @@ impl PeerPlan {
                 }
                 .plan()?;
                 match heads {
-                    None => plan.byte_ranges(&self.src, &self.dst, &self.pairs)?,
+                    None => plan.byte_ranges(&self.src, &self.dst, pairs)?,
                     Some((sharding, source)) => {
-                        plan.head_byte_ranges(&self.src, &self.dst, &self.pairs, sharding, *source)?
+                        plan.head_byte_ranges(&self.src, &self.dst, pairs, sharding, *source)?
                     }
                 }
             }

@@ -48,6 +48,32 @@ pub struct ChunkShape {
     pub is_last: bool,
     /// Tokens one source page id stands for (`page_size · dcp_size`).
     pub page_tokens: u64,
+    /// The layers (KV entries) this hand-over carries when the chunk goes layer by layer
+    /// (`None`: all of them at once).
+    pub layers: Option<LayerPart>,
+}
+
+/// Part of a chunk sent layer by layer: KV entries `[start, end)` of `total`. A chunk's parts
+/// come in order, `0..a`, `a..b`, ... up to `total`, all with the same pages and tokens; the
+/// send range advances, and a last chunk concludes the room, with the part that reaches
+/// `total` (docs/lifecycle.md, "Layer by layer").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerPart {
+    /// First entry of the part.
+    pub start: u32,
+    /// One past its last entry.
+    pub end: u32,
+    /// The entries a whole chunk has.
+    pub total: u32,
+}
+
+/// A chunk whose first parts were handed over and whose other layers are due.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct OpenPart {
+    pages: u64,
+    tokens: u64,
+    is_last: bool,
+    next: u32,
 }
 
 /// What happens to a prefill room.
@@ -181,6 +207,7 @@ pub struct PrefillRoom<P> {
     pages_sent: u64,
     tokens_sent: u64,
     last_sent: bool,
+    open_part: Option<OpenPart>,
     driver: Driver,
     /// Decode aborts to acknowledge once the driver ended.
     pending_acks: Vec<(Endpoint, Generation)>,
@@ -207,6 +234,7 @@ impl<P: Clone> PrefillRoom<P> {
             pages_sent: 0,
             tokens_sent: 0,
             last_sent: false,
+            open_part: None,
             driver: Driver::Idle,
             pending_acks: Vec::new(),
             poisoned: false,
@@ -405,39 +433,36 @@ impl<P: Clone> PrefillRoom<P> {
             out.push(invalid(format!("room {room} stopped accepting chunks")));
             return;
         }
-        // The chunk starts at position prefix + tokens_sent, possibly mid-page.
-        let page_tokens = c.page_tokens.max(1);
-        let start = self.prefix.unwrap_or(0).saturating_add(self.tokens_sent) % page_tokens;
-        let capacity = c
-            .pages
-            .saturating_mul(page_tokens)
-            .saturating_sub(if c.pages == 0 { 0 } else { start });
-        if c.tokens > capacity {
-            out.push(invalid(format!(
-                "num_kv_tokens must fit in the provided source pages, got tokens={}, \
-                 capacity={capacity} ({} pages of {page_tokens} tokens, starting {start} \
-                 tokens into the first)",
-                c.tokens, c.pages
-            )));
+        if let Err(message) = self.check_part(&c) {
+            out.push(invalid(message));
             return;
         }
-        if !c.is_last && c.tokens != capacity {
-            out.push(invalid(format!(
-                "only the last chunk may end mid-page: this chunk has {} pages ({capacity} \
-                 token slots from where the send range stands) but {} tokens; floor \
-                 non-last chunks to whole pages",
-                c.pages, c.tokens
-            )));
-            return;
+        // A later part of a chunk was checked with its first part.
+        if self.open_part.is_none() {
+            if let Err(message) = self.check_capacity(&c) {
+                out.push(invalid(message));
+                return;
+            }
         }
         let (page_offset, token_offset) = (self.pages_sent, self.tokens_sent);
-        self.tokens_sent += c.tokens;
-        self.pages_sent += c.pages;
-        self.last_sent = c.is_last;
+        let concludes = c.layers.is_none_or(|p| p.end == p.total);
+        if concludes {
+            self.tokens_sent += c.tokens;
+            self.pages_sent += c.pages;
+            self.last_sent = c.is_last;
+            self.open_part = None;
+        } else {
+            self.open_part = Some(OpenPart {
+                pages: c.pages,
+                tokens: c.tokens,
+                is_last: c.is_last,
+                next: c.layers.map_or(0, |p| p.end),
+            });
+        }
         self.report(RoomState::Transferring, out);
         if self.peers.iter().all(|p| p.peer.is_none()) {
             // Only dummy peers: nothing to send; the last chunk concludes the room here.
-            if c.is_last {
+            if concludes && c.is_last {
                 self.succeed(0, now, out);
             }
             return;
@@ -451,6 +476,74 @@ impl<P: Clone> PrefillRoom<P> {
             token_offset,
             start_driver,
         });
+    }
+
+    /// A chunk's tokens fit its pages, which only the last chunk may leave part empty.
+    fn check_capacity(&self, c: &ChunkShape) -> Result<(), String> {
+        // The chunk starts at position prefix + tokens_sent, possibly mid-page.
+        let page_tokens = c.page_tokens.max(1);
+        let start = self.prefix.unwrap_or(0).saturating_add(self.tokens_sent) % page_tokens;
+        let capacity = c
+            .pages
+            .saturating_mul(page_tokens)
+            .saturating_sub(if c.pages == 0 { 0 } else { start });
+        if c.tokens > capacity {
+            return Err(format!(
+                "num_kv_tokens must fit in the provided source pages, got tokens={}, \
+                 capacity={capacity} ({} pages of {page_tokens} tokens, starting {start} \
+                 tokens into the first)",
+                c.tokens, c.pages
+            ));
+        }
+        if !c.is_last && c.tokens != capacity {
+            return Err(format!(
+                "only the last chunk may end mid-page: this chunk has {} pages ({capacity} \
+                 token slots from where the send range stands) but {} tokens; floor \
+                 non-last chunks to whole pages",
+                c.pages, c.tokens
+            ));
+        }
+        Ok(())
+    }
+
+    /// A part of a chunk sent layer by layer follows the part before it, of the same chunk.
+    fn check_part(&self, c: &ChunkShape) -> Result<(), String> {
+        let room = self.room;
+        if let Some(p) = c.layers {
+            if p.start >= p.end || p.end > p.total {
+                return Err(format!(
+                    "layers [{}, {}) of {} is not a part of a chunk: it takes 0 <= start < end \
+                     <= {}",
+                    p.start, p.end, p.total, p.total
+                ));
+            }
+        }
+        let next = self.open_part.map_or(0, |o| o.next);
+        let start = c.layers.map_or(0, |p| p.start);
+        if start != next {
+            return Err(match c.layers {
+                Some(p) => format!(
+                    "room {room} expects layers from {next}, got layers [{}, {}): a chunk's \
+                     layers are handed over in order, each once",
+                    p.start, p.end
+                ),
+                None => format!(
+                    "room {room} is sending a chunk layer by layer and expects its layers \
+                     from {next}: hand over the rest of that chunk before the next one"
+                ),
+            });
+        }
+        if let Some(o) = self.open_part {
+            if (o.pages, o.tokens, o.is_last) != (c.pages, c.tokens, c.is_last) {
+                return Err(format!(
+                    "room {room} is sending a chunk of {} pages and {} tokens (last: {}) layer \
+                     by layer, got a part of {} pages and {} tokens (last: {}): every part of \
+                     a chunk has the same pages and tokens",
+                    o.pages, o.tokens, o.is_last, c.pages, c.tokens, c.is_last
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn on_driver_ended(&mut self, poisoned: bool, out: &mut Vec<Action>) {

@@ -439,9 +439,12 @@ agent_methods! { PrefillAgent,
     }
 
     /// Sends one chunk: `pages` are prefill page ids, `num_kv_tokens` its tokens; the last
-    /// chunk (`last=True`) carries the prefill's aux row. Returns once the chunk's batches are
-    /// posted.
-    #[pyo3(signature = (room, pages, num_kv_tokens, *, last=false, aux_index=None))]
+    /// chunk (`last=True`) carries the prefill's aux row. `layers=(start, end)` sends KV
+    /// entries `start..end` of the chunk only: a chunk sent layer by layer is handed over
+    /// in order, every part with the same pages and tokens, and the part that reaches the
+    /// last entry completes it. Returns once the chunk's batches are queued.
+    #[pyo3(signature = (room, pages, num_kv_tokens, *, last=false, aux_index=None, layers=None))]
+    #[allow(clippy::too_many_arguments)]
     fn send_chunk(
         &self,
         py: Python<'_>,
@@ -450,13 +453,17 @@ agent_methods! { PrefillAgent,
         num_kv_tokens: u64,
         last: bool,
         aux_index: Option<u64>,
+        layers: Option<(usize, usize)>,
     ) -> PyResult<()> {
         let pages = self::pages(pages)?;
-        let chunk = if last {
+        let mut chunk = if last {
             Chunk::last(pages, num_kv_tokens, aux_index)
         } else {
             Chunk::new(pages, num_kv_tokens)
         };
+        if let Some((start, end)) = layers {
+            chunk = chunk.for_layers(start..end);
+        }
         let agent = self.agent.clone();
         block_on(py, async move { agent.send_chunk(room, chunk).await })?
             .map_err(errors::coordinator)

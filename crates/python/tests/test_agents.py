@@ -94,6 +94,25 @@ def test_a_request_while_another_thread_sends(setup):
         decode.poll(7)
 
 
+def test_a_chunk_sent_layer_by_layer_lands_whole_and_only_its_final_part_concludes(setup):
+    server, prefill, decode, p_kv, d_kv = setup
+    for layer, m in enumerate(p_kv):
+        np.asarray(m)[:] = (np.arange(m.nbytes, dtype=np.uint64) * 7).astype(np.uint8) + layer
+    prefill.create_room(9)
+    decode.receive(9, server.addr, [6, 1])
+    assert prefill.wait_ready(9, timeout=120.0) == 0
+    prefill.send_chunk(9, [3, 5], 2 * PAGE, last=True, layers=(0, 1))
+    assert prefill.wait(9, timeout=0.2) == kvbridge.KVPoll.Transferring
+    with pytest.raises(kvbridge.KvbridgeError, match="expects layers from 1"):
+        prefill.send_chunk(9, [3, 5], 2 * PAGE, last=True, layers=(0, 1))
+    prefill.send_chunk(9, [3, 5], 2 * PAGE, last=True, layers=(1, 2))
+    assert decode.wait(9, timeout=120.0) == kvbridge.KVPoll.Success
+    for src, dst in zip(p_kv, d_kv):
+        s = np.asarray(src).reshape(PAGES, ITEM)
+        d = np.asarray(dst).reshape(PAGES, ITEM)
+        assert (d[6] == s[3]).all() and (d[1] == s[5]).all()
+
+
 def test_wait_with_a_timeout_returns_the_current_state(setup):
     _, prefill, _, _, _ = setup
     prefill.create_room(1)

@@ -13,7 +13,12 @@ use crate::ids::RoomId;
 use crate::metrics::inc;
 use crate::state::{RoomState, RoomStatus};
 use kvbridge_machines::plan::Chunk;
-use kvbridge_machines::prefill::{ChunkShape, Event, RankEvent};
+use kvbridge_machines::prefill::{ChunkShape, Event, LayerPart, RankEvent};
+
+/// An entry index as the machine counts them (a rank has far fewer than 2^32 entries).
+fn entry_index(i: usize) -> u32 {
+    u32::try_from(i).unwrap_or(u32::MAX)
+}
 
 impl PrefillInner {
     pub(super) fn create_room(&self, room: RoomId) -> Result<()> {
@@ -57,6 +62,23 @@ impl PrefillInner {
                 message,
             })
         };
+        if let Some(layers) = &chunk.layers {
+            let entries = self.memory.kv.len();
+            if layers.start >= layers.end || layers.end > entries {
+                return invalid(format!(
+                    "layers {layers:?} is not a part of this rank's {entries} KV entries: send \
+                     layers start..end with start < end <= {entries}"
+                ));
+            }
+            if self.pack.is_some() {
+                return invalid(
+                    "this agent packs its chunks (pack buffers are set), which moves every \
+                     layer of a chunk at once: send whole chunks (no layers), or start the \
+                     agent without pack buffers to send layer by layer"
+                        .to_owned(),
+                );
+            }
+        }
         if let Some(pack) = &self.pack {
             if chunk.num_kv_tokens > pack.max_chunk_tokens {
                 return invalid(format!(
@@ -92,8 +114,17 @@ impl PrefillInner {
         Ok(())
     }
 
-    pub(super) async fn send_chunk(self: Arc<Self>, room: RoomId, chunk: Chunk) -> Result<()> {
+    pub(super) async fn send_chunk(self: Arc<Self>, room: RoomId, mut chunk: Chunk) -> Result<()> {
         self.check_chunk(&chunk)?;
+        let total = self.memory.kv.len();
+        if chunk.layers.as_ref().is_some_and(|l| *l == (0..total)) {
+            chunk.layers = None;
+        }
+        let layers = chunk.layers.as_ref().map(|l| LayerPart {
+            start: entry_index(l.start),
+            end: entry_index(l.end),
+            total: entry_index(total),
+        });
         self.with_core(|c| c.visible(room).map(|_| ()))?;
         // One page id stands for page_size · dcp_size tokens (the prefill's virtual page).
         let page_tokens = self
@@ -105,6 +136,7 @@ impl PrefillInner {
             tokens: chunk.num_kv_tokens,
             is_last: chunk.is_last,
             page_tokens,
+            layers,
         };
         let event = RankEvent::Room {
             room,
@@ -140,6 +172,11 @@ impl PrefillInner {
                 (tx, page_offset, token_offset)
             }
         };
+        // The room's last hand-over is the last chunk's final part: only that one posts aux
+        // rows and concludes the send (earlier parts of the last chunk are not last).
+        if chunk.layers.as_ref().is_some_and(|l| l.end < total) {
+            chunk.is_last = false;
+        }
         let job = Job {
             chunk,
             page_offset,

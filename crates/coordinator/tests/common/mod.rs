@@ -230,6 +230,8 @@ pub struct Request {
     pub cached_prefix: u64,
     /// Pages per chunk on the prefill (the last chunk takes the rest).
     pub chunk_pages: u64,
+    /// Send each chunk layer by layer, this many KV entries a part (`None`: whole chunks).
+    pub layers_per_part: Option<usize>,
     pub prefill_aux_row: u64,
     pub decode_aux_row: u64,
     /// Give the room its own block of pages (`(index, stride)`: pages
@@ -244,6 +246,7 @@ impl Request {
             input_len,
             cached_prefix: 0,
             chunk_pages: u64::MAX,
+            layers_per_part: None,
             prefill_aux_row: 3,
             decode_aux_row: 5,
             block: None,
@@ -342,7 +345,17 @@ impl Rig {
             } else {
                 Chunk::new(ids, tokens)
             };
-            agent.send_chunk(req.room, chunk).await?;
+            let Some(per_part) = req.layers_per_part else {
+                agent.send_chunk(req.room, chunk).await?;
+                continue;
+            };
+            let entries = rank.mem.memory.kv.len();
+            for start in (0..entries).step_by(per_part) {
+                let part = chunk
+                    .clone()
+                    .for_layers(start..(start + per_part).min(entries));
+                agent.send_chunk(req.room, part).await?;
+            }
         }
         Ok(())
     }

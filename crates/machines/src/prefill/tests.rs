@@ -49,6 +49,7 @@ fn chunk(pages: u64, tokens: u64, is_last: bool) -> Event<()> {
         tokens,
         is_last,
         page_tokens: 16,
+        layers: None,
     })
 }
 
@@ -249,6 +250,92 @@ fn chunks_are_refused_before_ready_and_must_fill_their_pages() {
     let a = r.handle(chunk(1, 5, true), t0);
     assert!(
         matches!(&a[..], [Action::RefuseChunk(MachineError::InvalidRequest { message, .. })] if message.contains("already sent"))
+    );
+}
+
+fn part(pages: u64, tokens: u64, is_last: bool, start: u32, end: u32) -> Event<()> {
+    Event::Chunk(ChunkShape {
+        pages,
+        tokens,
+        is_last,
+        page_tokens: 16,
+        layers: Some(LayerPart {
+            start,
+            end,
+            total: 3,
+        }),
+    })
+}
+
+fn refused_with(actions: &[Action], text: &str) -> bool {
+    matches!(actions, [Action::RefuseChunk(MachineError::InvalidRequest { message, .. })] if message.contains(text))
+}
+
+fn posted_at(actions: &[Action], pages: u64, tokens: u64) -> bool {
+    has(actions, |x| {
+        matches!(x, Action::PostChunk { page_offset, token_offset, .. }
+            if (*page_offset, *token_offset) == (pages, tokens))
+    })
+}
+
+#[test]
+fn a_chunk_sent_layer_by_layer_advances_the_send_range_with_its_final_part() {
+    let t0 = Instant::now();
+    let mut r = room(t0);
+    r.handle(meta(0, 1, 1, false), t0);
+    // The first part is checked as a whole chunk is.
+    assert!(refused_with(
+        &r.handle(part(1, 20, false, 0, 1), t0),
+        "capacity=16"
+    ));
+    assert!(refused_with(
+        &r.handle(part(1, 16, false, 1, 2), t0),
+        "expects layers from 0"
+    ));
+    assert!(refused_with(
+        &r.handle(part(1, 16, false, 2, 2), t0),
+        "start < end"
+    ));
+    assert!(refused_with(
+        &r.handle(part(1, 16, false, 0, 4), t0),
+        "<= 3"
+    ));
+    let a = r.handle(part(2, 32, false, 0, 1), t0);
+    assert!(posted_at(&a, 0, 0));
+    // Every part of the chunk is posted at the chunk's offsets, in order, with its shape.
+    assert!(refused_with(
+        &r.handle(part(2, 32, false, 2, 3), t0),
+        "expects layers from 1"
+    ));
+    assert!(refused_with(
+        &r.handle(part(1, 16, false, 1, 3), t0),
+        "same pages and tokens"
+    ));
+    assert!(refused_with(
+        &r.handle(chunk(1, 5, true), t0),
+        "the rest of that chunk"
+    ));
+    assert!(posted_at(&r.handle(part(2, 32, false, 1, 2), t0), 0, 0));
+    assert!(posted_at(&r.handle(part(2, 32, false, 2, 3), t0), 0, 0));
+    // The final part advanced the send range; a last chunk goes by parts as well.
+    assert!(posted_at(&r.handle(part(1, 5, true, 0, 2), t0), 2, 32));
+    assert!(posted_at(&r.handle(part(1, 5, true, 2, 3), t0), 2, 32));
+    assert!(refused_with(
+        &r.handle(part(1, 5, true, 0, 3), t0),
+        "already sent"
+    ));
+}
+
+#[test]
+fn a_room_of_dummies_succeeds_on_the_final_part_of_its_last_chunk_only() {
+    let t0 = Instant::now();
+    let mut r = room(t0);
+    r.handle(meta(0, 1, 1, true), t0);
+    assert!(reports(&r.handle(part(1, 3, true, 0, 2), t0)) != [RoomState::Success]);
+    assert_eq!(r.state(), RoomState::Transferring);
+    assert_eq!(
+        reports(&r.handle(part(1, 3, true, 2, 3), t0)),
+        [RoomState::Success]
     );
 }
 

@@ -398,6 +398,7 @@ impl World {
             tokens: chunk_tokens,
             is_last,
             page_tokens: PAGE_TOKENS,
+            layers: None,
         };
         let event = RankEvent::Room {
             room: id.room,

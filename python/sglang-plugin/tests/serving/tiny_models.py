@@ -53,12 +53,12 @@ def _tokenizer(vocab_size: int = 384):
     )
 
 
-def _config(name: str, vocab_size: int, tokenizer, head_dim: int = 16):
+def _config(name: str, vocab_size: int, tokenizer, head_dim: int = 16, layers: int = 2, kv_heads: int = 2):
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         max_position_embeddings=MAX_POSITIONS,
         bos_token_id=tokenizer.bos_token_id,
@@ -70,7 +70,7 @@ def _config(name: str, vocab_size: int, tokenizer, head_dim: int = 16):
     if name == "llama":
         from transformers import LlamaConfig
 
-        return LlamaConfig(**common, num_key_value_heads=2, head_dim=head_dim)
+        return LlamaConfig(**common, num_key_value_heads=kv_heads, head_dim=head_dim)
     if name == "deepseek_v2":
         from transformers import DeepseekV2Config
 
@@ -105,16 +105,17 @@ def _config(name: str, vocab_size: int, tokenizer, head_dim: int = 16):
     raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(MODELS)}")
 
 
-def make(name: str, out_dir: str, seed: int = SEED, head_dim: int = 16) -> str:
+def make(name: str, out_dir: str, seed: int = SEED, head_dim: int = 16, layers: int = 2, kv_heads: int = 2) -> str:
     """Writes model ``name`` (config, bf16 random weights from ``seed``, tokenizer) into
     ``out_dir/name``; returns that path. The same seed gives the same files. ``head_dim``
-    sets the Llama's attention head size (vLLM's CPU attention refuses 16; 32 works)."""
+    sets the Llama's attention head size (vLLM's CPU attention refuses 16; 32 works);
+    ``layers`` and the Llama's ``kv_heads`` size the KV (larger for benchmarks)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     path = os.path.join(out_dir, name)
     tokenizer = _tokenizer()
-    config = _config(name, len(tokenizer), tokenizer, head_dim)
+    config = _config(name, len(tokenizer), tokenizer, head_dim, layers, kv_heads)
     torch.manual_seed(seed)
     # Bigger than the default 0.02 so that the tiny models' greedy choices depend visibly on
     # every layer's KV (the damaged-KV control relies on that).

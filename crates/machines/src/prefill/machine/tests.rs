@@ -454,6 +454,7 @@ fn sending_room_7(mut m: PrefillMachine<Conn>, t0: Instant) -> PrefillMachine<Co
         tokens: 128,
         is_last: true,
         page_tokens: 64,
+        layers: None,
     };
     let a = m.handle(room_7(Event::Chunk(chunk)), t0);
     assert!(
