@@ -75,22 +75,22 @@ def test_other_finished_requests_free_their_blocks_at_once(req_params, completed
 def test_a_decode_request_loads_every_prompt_token_the_prefill_computed():
     s = _decode()
     p = params.RemoteKv("10.0.0.1:8998", 5, 300, 128, 1).to_params()
-    assert s.matched_tokens("d1", p, 0) == (300, True)
-    assert s.matched_tokens("d1", p, 128) == (172, True)  # a local prefix hit
-    assert s.matched_tokens("d1", p, 300) == (0, False)
-    s.after_alloc("d1", p, [7, 8, 9], 172)
+    assert s.matched_tokens("d1", p, 0, 301) == (300, True)
+    assert s.matched_tokens("d1", p, 128, 301) == (172, True)  # a local prefix hit
+    assert s.matched_tokens("d1", p, 300, 301) == (0, False)
+    s.after_alloc("d1", p, [7, 8, 9], 172, 301)
     (r,) = s.take_work().receives
     assert (r.req_id, r.block_ids, r.cached_tokens, r.kv.room) == ("d1", (7, 8, 9), 128, 5)
     # One transfer per request: vLLM calls again once the KV landed.
     assert p["do_remote_prefill"] is False
-    s.after_alloc("d1", p, [7, 8, 9], 0)
+    s.after_alloc("d1", p, [7, 8, 9], 0, 301)
     assert s.take_work().receives == []
 
 
 def test_a_decode_request_that_ends_while_loading_aborts_its_room():
     s = _decode()
     p = params.RemoteKv("10.0.0.1:8998", 5, 300, 128, 1).to_params()
-    s.after_alloc("d1", p, [7, 8, 9], 300)
+    s.after_alloc("d1", p, [7, 8, 9], 300, 300)
     s.take_work()
     assert s.finished("d1", p, False, [7, 8, 9], 0) == (False, None)
     assert s.take_work().aborts == ["d1"]
@@ -103,9 +103,96 @@ def test_a_pair_this_connector_cannot_serve_computes_its_prompt_with_one_error(c
     s = _decode()
     p = params.RemoteKv("10.0.0.1:8998", 5, 300, 16, 2).to_params()
     with caplog.at_level(logging.ERROR, logger="vllm.kvbridge"):
-        assert s.matched_tokens("d1", p, 0) == (0, False)
-        assert s.matched_tokens("d1", p, 0) == (0, False)
+        assert s.matched_tokens("d1", p, 0, 300) == (0, False)
+        assert s.matched_tokens("d1", p, 0, 300) == (0, False)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "block size 16 and TP 2 -> decode block size 128 and TP 1" in line and "same --block-size" in line
     bad = {"do_remote_prefill": True, "kvbridge": {"version": 2}}
-    assert s.matched_tokens("d2", bad, 0) == (0, False)
+    assert s.matched_tokens("d2", bad, 0, 300) == (0, False)
+
+
+# --- the concurrent flow ----------------------------------------------------------------------
+
+
+def test_concurrent_params_name_the_room_for_both_and_the_prompt_for_the_decode():
+    to_prefill, to_decode = params.concurrent_params(77, "10.0.0.1:8998")
+    assert params.requested_room(to_prefill) == 77
+    kv = params.remote_kv(to_decode)
+    assert (kv.room, kv.bootstrap_addr, kv.num_tokens) == (77, "10.0.0.1:8998", None)
+    assert kv.tokens(300) == 300
+    assert params.requested_room({"do_remote_decode": True}) is None  # sequential
+    assert params.requested_room(None) is None
+    with pytest.raises(ValueError, match=r"\['room'\] = 'x' is not a room"):
+        params.requested_room({"do_remote_decode": True, "kvbridge": {"version": 1, "room": "x"}})
+    with pytest.raises(ValueError, match="not version 1"):
+        params.requested_room({"do_remote_decode": True, "kvbridge": {"version": 3, "room": 1}})
+
+
+def _streamed(s, req_id="p1", room=77, prompt=300, **field):
+    to_prefill, _ = params.concurrent_params(room, "x:1")
+    to_prefill["kvbridge"].update(field)
+    s.after_alloc(req_id, to_prefill, [3], 0, prompt)
+    return to_prefill
+
+
+def test_a_streamed_prefill_request_gets_its_table_and_computed_tokens_each_step():
+    s = _prefill()
+    p = _streamed(s)
+    s.scheduled([scheduler.Scheduled("p1", (3, 4), True, 256), scheduler.Scheduled("other", (9,), True, 40)])
+    (first,) = s.take_work().streams
+    assert first == scheduler.Stream("p1", 77, (3, 4), 256, 300, True)
+    s.scheduled([scheduler.Scheduled("p1", (5,), False, 301)])  # the last step: capped at the prompt
+    (last,) = s.take_work().streams
+    assert (last.block_ids, last.computed) == ((3, 4, 5), 300)
+    hold, out = s.finished("p1", p, True, [3, 4, 5], 300)
+    work = s.take_work()
+    assert hold and work.released == ["p1"] and work.sends == [] and work.aborts == []
+    assert params.remote_kv(out).room == 77 and s.sends_pending()
+    s.transfers_ended(["p1"], [])
+    assert not s.sends_pending()
+
+
+def test_a_streamed_request_that_ends_early_aborts_and_one_never_scheduled_is_freed():
+    s = _prefill()
+    p = _streamed(s, "p1")
+    s.scheduled([scheduler.Scheduled("p1", (3,), True, 128)])
+    s.take_work()
+    assert s.finished("p1", p, False, [3], 128) == (True, None)
+    work = s.take_work()
+    assert work.aborts == ["p1"] and work.released == ["p1"]
+    q = _streamed(s, "p2", room=78)
+    assert s.finished("p2", q, False, [3], 0) == (False, None)
+    assert s.take_work().aborts == []
+
+
+def test_a_preempted_stream_is_aborted_and_never_streamed_again():
+    s = _prefill()
+    p = _streamed(s)
+    s.scheduled([scheduler.Scheduled("p1", (3,), True, 128)])
+    s.take_work()
+    s.scheduled([scheduler.Scheduled("p1", (8, 9), True, 256)], preempted={"p1"})
+    work = s.take_work()
+    assert work.aborts == ["p1"] and work.streams == []
+    assert s.finished("p1", p, True, [8, 9], 300) == (True, None)
+
+
+def test_layerwise_comes_from_the_request_or_the_setting(caplog):
+    s = _prefill()
+    _streamed(s, "a", layerwise=False)
+    _streamed(s, "b")
+    with caplog.at_level(logging.ERROR, logger="vllm.kvbridge"):
+        _streamed(s, "c", layerwise="no")
+    assert "['layerwise'] = 'no' is not true or false" in caplog.text
+    s.scheduled([scheduler.Scheduled(r, (1,), True, 10) for r in "abc"])
+    assert [w.layerwise for w in s.take_work().streams] == [False, True, True]
+    with pytest.raises(ValueError, match="layerwise.*true or false"):
+        Settings.from_extra({"layerwise": 1}, env={})
+
+
+def test_a_concurrent_decode_request_loads_the_whole_prompt_and_lets_kvbridge_check_sizes():
+    s = _decode()
+    _, p = params.concurrent_params(5, "10.0.0.1:8998")
+    assert s.matched_tokens("d1", p, 0, 260) == (260, True)
+    s.after_alloc("d1", p, [7, 8, 9], 132, 260)
+    (r,) = s.take_work().receives
+    assert (r.cached_tokens, r.kv.room) == (128, 5)

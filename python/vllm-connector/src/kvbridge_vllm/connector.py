@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from kvbridge_vllm.scheduler import SchedulerState, Work
+from kvbridge_vllm.scheduler import Scheduled, SchedulerState, Work
 from kvbridge_vllm.settings import Settings
 from kvbridge_vllm.worker import Geometry, Worker
 
@@ -40,6 +40,23 @@ class KvbridgeMetadata(KVConnectorMetadata):
     """One step's work, from the scheduler to the workers."""
 
     work: Work
+
+
+def _scheduled(out: "SchedulerOutput") -> list:
+    """This step's requests as :class:`~kvbridge_vllm.scheduler.Scheduled` (KV cache group 0)."""
+    counts = out.num_scheduled_tokens
+    steps = [
+        Scheduled(r.req_id, tuple(r.block_ids[0]) if r.block_ids else (), True, r.num_computed_tokens + counts.get(r.req_id, 0))
+        for r in out.scheduled_new_reqs
+    ]
+    cached = out.scheduled_cached_reqs
+    resumed = getattr(cached, "resumed_req_ids", None) or set()
+    for i, req_id in enumerate(cached.req_ids):
+        new = cached.new_block_ids[i]
+        steps.append(
+            Scheduled(req_id, tuple(new[0]) if new else None, req_id in resumed, cached.num_computed_tokens[i] + counts.get(req_id, 0))
+        )
+    return steps
 
 
 def _completed(request: "Request") -> bool:
@@ -70,6 +87,9 @@ class KvbridgeConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._scheduler: Optional[SchedulerState] = None
         self._worker: Optional[Worker] = None
+        #: The step whose work the worker has taken (vLLM 0.32 calls start_load_kv after the
+        #: forward pass has begun, so the first of the step's calls takes it).
+        self._started: Optional[KvbridgeMetadata] = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerState(self._settings, self._block_size, self._tp_size, producer)
 
@@ -92,21 +112,40 @@ class KvbridgeConnector(KVConnectorBase_V1):
         self._worker = Worker(self._settings, self._producer, geometry)
         self._worker.register(kv_caches)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def _start_step(self) -> None:
+        """Hands the worker this step's work, once, from whichever of the step's calls comes
+        first: ``start_load_kv`` runs after the forward pass began unless a load is
+        synchronous, and ``save_kv_layer`` of the first layer may come before it."""
+        if self._worker is None or not self.has_connector_metadata():
+            return
         meta = self._get_connector_metadata()
-        if self._worker is not None and isinstance(meta, KvbridgeMetadata):
+        if isinstance(meta, KvbridgeMetadata) and meta is not self._started:
+            self._started = meta
             self._worker.start(meta.work)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._start_step()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # The decode's KV lands before vLLM schedules the request (an asynchronous load).
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
-        # The prefill sends a request's KV once the request finished (request_finished).
-        return
+        # The concurrent flow's prefill posts this layer's rows of every streamed request.
+        if self._worker is not None:
+            self._start_step()
+            self._worker.layer_computed(layer_name)
 
     def wait_for_save(self):
-        return
+        # Whatever this step's streams still owe (every layer, with layerwise off) is posted.
+        if self._worker is not None:
+            self._start_step()
+            self._worker.forward_ended()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict) -> bool:
+        # save_kv_layer runs between the layers: a whole-model CUDA graph would skip it.
+        return True
 
     def get_transfer_results(self, finished_req_ids: set) -> KVConnectorTransferResults:
         if self._worker is None:
@@ -132,16 +171,24 @@ class KvbridgeConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple:
         assert self._scheduler is not None
-        return self._scheduler.matched_tokens(request.request_id, request.kv_transfer_params, num_computed_tokens)
+        return self._scheduler.matched_tokens(
+            request.request_id, request.kv_transfer_params, num_computed_tokens, request.num_prompt_tokens
+        )
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         assert self._scheduler is not None
         self._scheduler.after_alloc(
-            request.request_id, request.kv_transfer_params, blocks.get_block_ids()[0], num_external_tokens
+            request.request_id,
+            request.kv_transfer_params,
+            blocks.get_block_ids()[0],
+            num_external_tokens,
+            request.num_prompt_tokens,
         )
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self._scheduler is not None
+        if self._producer:
+            self._scheduler.scheduled(_scheduled(scheduler_output), scheduler_output.preempted_req_ids)
         return KvbridgeMetadata(self._scheduler.take_work())
 
     def update_connector_output(self, connector_output):

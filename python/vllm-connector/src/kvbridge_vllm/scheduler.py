@@ -15,7 +15,7 @@ import logging
 import secrets
 from typing import Any, Iterable, Mapping, Optional
 
-from kvbridge_vllm.params import RemoteKv, remote_kv, wants_remote_decode
+from kvbridge_vllm.params import FIELD, RemoteKv, remote_kv, requested_room, wants_remote_decode
 from kvbridge_vllm.settings import Settings
 
 logger = logging.getLogger("vllm.kvbridge")
@@ -42,14 +42,57 @@ class Receive:
     cached_tokens: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """A prefill request of the concurrent flow in this step: its room (the router's), its
+    block table so far, the tokens its KV cache holds once this step's forward pass ends, and
+    its prompt length (the KV its decode loads). The workers send its pages as they are
+    computed, layer by layer."""
+
+    req_id: str
+    room: int
+    block_ids: tuple
+    computed: int
+    num_tokens: int
+    #: Each layer as it is computed (else the step's rows once its forward pass ended).
+    layerwise: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+    """What vLLM's scheduler output says of one request this step: its new blocks (``None``:
+    none), whether they replace its table (a new or resumed request), and its computed tokens
+    before the step plus those scheduled in it."""
+
+    req_id: str
+    new_blocks: Optional[tuple]
+    replace: bool
+    computed_after: int
+
+
 @dataclasses.dataclass
 class Work:
     """One step's work for the workers."""
 
     sends: list = dataclasses.field(default_factory=list)
     receives: list = dataclasses.field(default_factory=list)
-    #: Decode requests that ended while their KV was on its way: their rooms are aborted.
+    streams: list = dataclasses.field(default_factory=list)
+    #: Requests that ended while their KV was on its way (a decode's load, or a prefill's
+    #: stream that did not complete): their rooms are aborted.
     aborts: list = dataclasses.field(default_factory=list)
+    #: Streamed prefill requests that finished: vLLM holds their blocks from now on, until the
+    #: workers report the transfer ended.
+    released: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Streaming:
+    room: int
+    num_tokens: int
+    layerwise: bool
+    blocks: list = dataclasses.field(default_factory=list)
+    scheduled: bool = False
+    aborted: bool = False
 
 
 def new_room() -> int:
@@ -72,17 +115,21 @@ class SchedulerState:
         self._loading: set = set()
         #: Decode requests already told why their KV is not loaded (logged once).
         self._refused: set = set()
+        #: Prefill requests of the concurrent flow, until they finish.
+        self._streaming: dict = {}
 
     # --- decode ---------------------------------------------------------------------------
 
-    def matched_tokens(self, req_id: str, params: Optional[Mapping[str, Any]], num_computed: int) -> tuple:
+    def matched_tokens(
+        self, req_id: str, params: Optional[Mapping[str, Any]], num_computed: int, num_prompt_tokens: int
+    ) -> tuple:
         """``(tokens to load, asynchronously)`` for a request: every prompt token the prefill
         computed beyond what this server holds. Side-effect free but for one log line per
         request that cannot be served."""
         kv = self._remote(req_id, params)
         if kv is None:
             return 0, False
-        count = kv.num_tokens - num_computed
+        count = kv.tokens(num_prompt_tokens) - num_computed
         return (count, True) if count > 0 else (0, False)
 
     def _remote(self, req_id: str, params: Optional[Mapping[str, Any]]) -> Optional[RemoteKv]:
@@ -93,6 +140,9 @@ class SchedulerState:
             return None
         if kv is None:
             return None
+        # The concurrent flow names no sizes: kvbridge's opening exchange checks the layouts.
+        if kv.block_size is None and kv.tp_size is None:
+            return kv
         if kv.block_size != self.block_size or kv.tp_size != self.tp_size:
             self._refuse(
                 req_id,
@@ -109,8 +159,18 @@ class SchedulerState:
             self._refused.add(req_id)
             logger.error("kvbridge: request %s computes its prompt here, no KV is loaded: %s", req_id, why)
 
-    def after_alloc(self, req_id: str, params: Optional[dict], block_ids: Iterable[int], num_external_tokens: int) -> None:
+    def after_alloc(
+        self,
+        req_id: str,
+        params: Optional[dict],
+        block_ids: Iterable[int],
+        num_external_tokens: int,
+        num_prompt_tokens: int,
+    ) -> None:
         """The blocks vLLM allocated for a request (its whole table from token 0)."""
+        if self.producer:
+            self._start_stream(req_id, params, num_prompt_tokens)
+            return
         kv = self._remote(req_id, params)
         if kv is None or params is None:
             return
@@ -120,8 +180,51 @@ class SchedulerState:
             return
         self._loading.add(req_id)
         self._work.receives.append(
-            Receive(req_id, kv, tuple(int(b) for b in block_ids), kv.num_tokens - num_external_tokens)
+            Receive(req_id, kv, tuple(int(b) for b in block_ids), kv.tokens(num_prompt_tokens) - num_external_tokens)
         )
+
+    # --- prefill, concurrent flow ---------------------------------------------------------
+
+    def _start_stream(self, req_id: str, params: Optional[dict], num_prompt_tokens: int) -> None:
+        if req_id in self._streaming:
+            return
+        try:
+            room = requested_room(params)
+        except ValueError as e:
+            logger.error("kvbridge: request %s: its KV is not kept for a decode: %s", req_id, e)
+            return
+        if room is None:
+            return
+        layerwise = params[FIELD].get("layerwise", self.settings.layerwise)
+        if not isinstance(layerwise, bool):
+            logger.error("kvbridge: request %s: kv_transfer_params[%r]['layerwise'] = %r is not true or false; "
+                         "the connector's setting (%s) applies", req_id, FIELD, layerwise, self.settings.layerwise)
+            layerwise = self.settings.layerwise
+        self._streaming[req_id] = _Streaming(room, num_prompt_tokens, layerwise)
+
+    def scheduled(self, steps: Iterable[Scheduled], preempted: Iterable[str] = ()) -> None:
+        """This step's scheduled requests: each streamed one gets its :class:`Stream`. A
+        streamed request that vLLM preempts loses its blocks, so its room is aborted (its
+        decode computes the prompt itself) rather than read from blocks given to another."""
+        for req_id in preempted or ():
+            stream = self._streaming.get(req_id)
+            if stream is not None and stream.scheduled:
+                logger.warning("kvbridge: request %s was preempted mid-prefill: room %d aborted", req_id, stream.room)
+                self._work.aborts.append(req_id)
+                stream.aborted = True
+        for step in steps:
+            stream = self._streaming.get(step.req_id)
+            if stream is None or stream.aborted:
+                continue
+            if step.new_blocks is not None:
+                if step.replace:
+                    stream.blocks = []
+                stream.blocks.extend(int(b) for b in step.new_blocks)
+            stream.scheduled = True
+            computed = min(step.computed_after, stream.num_tokens)
+            self._work.streams.append(
+                Stream(step.req_id, stream.room, tuple(stream.blocks), computed, stream.num_tokens, stream.layerwise)
+            )
 
     # --- prefill --------------------------------------------------------------------------
 
@@ -135,6 +238,9 @@ class SchedulerState:
     ) -> tuple:
         """``(hold the blocks, kv_transfer_params of the response)`` for a finished request.
         ``completed``: it stopped or reached its length (not aborted)."""
+        stream = self._streaming.pop(req_id, None)
+        if stream is not None:
+            return self._stream_finished(req_id, stream, completed)
         if req_id in self._loading:
             # A decode request that ended while its KV was coming (an abort): its room is
             # aborted, and vLLM keeps the blocks until the worker reports it received (fenced).
@@ -152,6 +258,26 @@ class SchedulerState:
             bootstrap_addr=self.settings.bootstrap_addr,
             room=room,
             num_tokens=num_computed_tokens,
+            block_size=self.block_size,
+            tp_size=self.tp_size,
+        )
+        return True, kv.to_params()
+
+    def _stream_finished(self, req_id: str, stream: _Streaming, completed: bool) -> tuple:
+        if not stream.scheduled:
+            return False, None  # no worker ever saw it: nothing reads its blocks
+        # The workers may be reading its blocks: vLLM holds them until the room ended.
+        self._sending.add(req_id)
+        self._work.released.append(req_id)
+        if stream.aborted:
+            return True, None  # aborted at preemption
+        if not completed:
+            self._work.aborts.append(req_id)
+            return True, None
+        kv = RemoteKv(
+            bootstrap_addr=self.settings.bootstrap_addr,
+            room=stream.room,
+            num_tokens=stream.num_tokens,
             block_size=self.block_size,
             tp_size=self.tp_size,
         )

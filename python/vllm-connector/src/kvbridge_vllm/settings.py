@@ -31,6 +31,9 @@ class Settings:
     transfer_timeout: float = 30.0
     #: Seconds a decode waits for the prefill to answer its request for a room.
     bootstrap_timeout: float = 30.0
+    #: Concurrent flow, prefill: send each layer's rows as the forward pass computes it
+    #: (``save_kv_layer``); ``false`` sends a step's rows once its forward pass ended.
+    layerwise: bool = True
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]], env: Mapping[str, str] = os.environ) -> "Settings":
@@ -63,6 +66,8 @@ class Settings:
         port = self.bootstrap_port
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise bad("bootstrap_port", port, "a TCP port number (1-65535)")
+        if not isinstance(self.layerwise, bool):
+            raise bad("layerwise", self.layerwise, "true or false")
         for key in ("waiting_timeout", "transfer_timeout", "bootstrap_timeout"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

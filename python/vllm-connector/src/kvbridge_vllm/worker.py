@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Optional
 
 import kvbridge
 
-from kvbridge_vllm.scheduler import Receive, Send, Work
+from kvbridge_vllm.scheduler import Receive, Send, Stream, Work
 from kvbridge_vllm.settings import Settings
 
 logger = logging.getLogger("vllm.kvbridge")
@@ -67,6 +68,39 @@ class _Room:
     posted: bool = False
 
 
+@dataclasses.dataclass
+class _Streamed:
+    """A prefill request of the concurrent flow on this worker."""
+
+    room: int
+    num_tokens: int
+    layerwise: bool
+    blocks: tuple = ()
+    computed: int = 0
+    #: Calls that handed kvbridge rows of it (a part's layers, or a whole part).
+    handovers: int = 0
+    #: Tokens handed to kvbridge, from the decode's prefix on (``None``: the decode's
+    #: metadata has not come yet).
+    sent: Optional[int] = None
+    last_sent: bool = False
+    #: The request finished and vLLM holds its blocks until this worker reports the room.
+    released: bool = False
+    ended: bool = False
+
+
+@dataclasses.dataclass
+class _Part:
+    """What one stream sends in this forward pass: ``pages`` and ``tokens`` of its send
+    range, layer by layer from ``next``."""
+
+    req_id: str
+    stream: _Streamed
+    pages: list
+    tokens: int
+    last: bool
+    next: int = 0
+
+
 class Worker:
     """One vLLM worker's transfers."""
 
@@ -78,6 +112,10 @@ class Worker:
         self.agent: Any = None
         self.server: Optional[kvbridge.BootstrapServer] = None
         self._rooms: dict = {}  # req_id -> _Room
+        self._streams: dict = {}  # req_id -> _Streamed
+        self._parts: list = []  # this forward pass's _Part of each ready stream
+        self._layers: dict = {}  # layer name -> KV entry index
+        self._cuda = False
         self._load_errors: set = set()
 
     # --- set-up ---------------------------------------------------------------------------
@@ -90,6 +128,7 @@ class Worker:
         bind = f"{s.host}:0"
         self.engine = kvbridge.Engine(s.transport, bind=bind if s.transport == "tcp" else None)
         entries, item_lens = [], []
+        self._layers = {name: i for i, name in enumerate(kv_caches)}
         for name, tensor in kv_caches.items():
             if not tensor.is_contiguous() or tensor.shape[0] != g.num_blocks:
                 raise ValueError(
@@ -101,6 +140,7 @@ class Worker:
             nbytes = tensor.numel() * tensor.element_size()
             device = tensor.device
             kind = "cuda" if device.type == "cuda" else "host"
+            self._cuda = kind == "cuda"
             region = self.engine.register(
                 tensor.data_ptr(), nbytes, kind=kind, device=device.index or 0, owner=tensor
             )
@@ -147,10 +187,147 @@ class Worker:
         for receive in work.receives:
             self._start_receive(receive)
         for req_id in work.aborts:
-            room = self._rooms.get(req_id)
-            if room is not None:
-                logger.info("kvbridge: request %s ended while its KV was on its way; room %d aborted", req_id, room.job.kv.room)
-                self.agent.abort(room.job.kv.room)
+            self._abort(req_id)
+        for req_id in work.released:
+            if req_id in self._streams:
+                self._streams[req_id].released = True
+        for stream in work.streams:
+            self._stream_step(stream)
+
+    def _abort(self, req_id: str) -> None:
+        room = self._rooms.get(req_id)
+        streamed = self._streams.get(req_id)
+        if room is not None:
+            number = room.job.kv.room
+        elif streamed is not None:
+            number = streamed.room
+            streamed.last_sent = True  # nothing more is posted
+        else:
+            return
+        logger.info("kvbridge: request %s ended while its KV was on its way; room %d aborted", req_id, number)
+        self.agent.abort(number)
+
+    # --- the concurrent flow's prefill: layer by layer ---------------------------------------
+
+    def _stream_step(self, step: Stream) -> None:
+        """A streamed request in this step: its room opens on first sight; once its decode's
+        metadata came, the pages this forward pass completes are this step's part."""
+        streamed = self._streams.get(step.req_id)
+        if streamed is None:
+            streamed = self._streams[step.req_id] = _Streamed(step.room, step.num_tokens, step.layerwise)
+            try:
+                self.agent.create_room(step.room)
+            except kvbridge.KvbridgeError as e:
+                logger.warning("kvbridge: request %s (room %d) will not be sent: %s", step.req_id, step.room, e)
+                streamed.ended = True
+        streamed.blocks, streamed.computed = step.block_ids, step.computed
+        part = self._next_part(step.req_id, streamed)
+        if part is not None:
+            self._parts.append(part)
+
+    def _next_part(self, req_id: str, s: _Streamed) -> Optional[_Part]:
+        """The stream's pages not sent yet that its KV cache holds in full once this forward
+        pass ends (all of them, the last page too, once the prompt is computed); ``None``
+        while its decode's metadata has not come, or when nothing is due."""
+        if s.ended or s.last_sent:
+            return None
+        if s.sent is None:
+            try:
+                if self.agent.poll(s.room) != kvbridge.KVPoll.WaitingForInput:
+                    return None
+                s.sent = self.agent.wait_ready(s.room, timeout=1.0)
+            except kvbridge.KvbridgeError:
+                return None  # failed: results() reports it
+        bs = self.geometry.block_size
+        first = s.sent // bs
+        last = s.computed >= s.num_tokens
+        end = -(-s.num_tokens // bs) if last else s.computed // bs
+        tokens = (s.num_tokens if last else end * bs) - s.sent
+        if tokens <= 0:
+            return None
+        part = _Part(req_id, s, list(s.blocks[first:end]), tokens, last)
+        s.sent += tokens
+        s.last_sent = last
+        return part
+
+    def layer_computed(self, layer_name: str) -> None:
+        """vLLM's ``save_kv_layer``: this layer's rows of the step's parts go out now."""
+        index = self._layers.get(layer_name)
+        if not self._parts or index is None:
+            return
+        if index == len(self._layers) - 1:
+            self._log_computed()
+        layerwise = [part for part in self._parts if part.stream.layerwise]
+        if not layerwise:
+            return
+        if self._cuda:
+            import torch
+
+            torch.cuda.current_stream().synchronize()  # the layer's KV is written
+        for part in layerwise:
+            self._post(part, index + 1)
+
+    def forward_ended(self) -> None:
+        """vLLM's ``wait_for_save``: every part's layers not posted yet go now, so no part
+        stays open past its forward pass."""
+        if self._parts and self._cuda:
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+        for part in self._parts:
+            self._post(part, len(self._layers))
+        self._parts = []
+
+    def _log_computed(self) -> None:
+        now = time.time()
+        for part in self._parts:
+            if part.last:
+                logger.info("kvbridge: room %d: prompt KV computed t=%.6f", part.stream.room, now)
+
+    def _post(self, part: _Part, end: int) -> None:
+        """Posts the part's layers ``[part.next, end)``."""
+        if part.next >= end or part.stream.ended:
+            return
+        try:
+            self.agent.send_chunk(
+                part.stream.room, part.pages, part.tokens, last=part.last, layers=(part.next, end)
+            )
+            part.next = end
+            part.stream.handovers += 1
+        except kvbridge.KvbridgeError as e:
+            logger.warning("kvbridge: request %s (room %d) not sent: %s", part.req_id, part.stream.room, e)
+            part.next = end
+            part.stream.last_sent = True
+            self.agent.abort(part.stream.room)
+
+    def _poll_stream(self, req_id: str, s: _Streamed) -> bool:
+        """Whether a streamed request's room ended and vLLM may free its blocks."""
+        if not s.ended:
+            try:
+                state = self.agent.poll(s.room)
+            except kvbridge.KvbridgeError:
+                state = kvbridge.KVPoll.Failed
+            if state == kvbridge.KVPoll.WaitingForInput and s.released and not s.last_sent:
+                # Its decode came after the prompt was computed: the rest goes at once.
+                part = self._next_part(req_id, s)
+                if part is not None:
+                    self._post(part, len(self._layers))
+            elif state == kvbridge.KVPoll.Failed:
+                logger.warning("kvbridge: request %s (room %d): its KV was not sent: %s", req_id, s.room, self.agent.failure(s.room))
+                s.ended = True
+            elif state == kvbridge.KVPoll.Success:
+                logger.info(
+                    "kvbridge: request %s (room %d): %d prompt tokens sent in %d hand-overs",
+                    req_id, s.room, s.num_tokens, s.handovers,
+                )
+                s.ended = True
+        if not (s.ended and s.released):
+            return False
+        try:
+            self.agent.clear(s.room)
+        except kvbridge.KvbridgeError:
+            pass
+        return True
 
     def _start_send(self, send: Send) -> None:
         try:
@@ -162,6 +339,10 @@ class Worker:
         self._rooms[send.req_id] = _Room(send)
 
     def _start_receive(self, receive: Receive) -> None:
+        logger.info(
+            "kvbridge: request %s: loading tokens %d.. of room %d from %s",
+            receive.req_id, receive.cached_tokens, receive.kv.room, receive.kv.bootstrap_addr,
+        )
         try:
             self.agent.receive(
                 receive.kv.room,
@@ -186,6 +367,10 @@ class Worker:
         any more (fenced), with its cause in the log; its blocks go to
         :meth:`take_load_errors`."""
         sent, received, failed = set(), set(), set()
+        for req_id, streamed in list(self._streams.items()):
+            if self._poll_stream(req_id, streamed):
+                del self._streams[req_id]
+                sent.add(req_id)
         for req_id, room in list(self._rooms.items()):
             done = self._poll_send(req_id, room) if self.producer else self._poll_receive(req_id, room, failed)
             if done:
@@ -229,6 +414,7 @@ class Worker:
             failed.add(req_id)  # refused at receive (logged there)
             return True
         if state == kvbridge.KVPoll.Success:
+            logger.info("kvbridge: room %d: KV complete t=%.6f", receive.kv.room, time.time())
             self.agent.clear(receive.kv.room)
             return True
         if state == kvbridge.KVPoll.Failed:

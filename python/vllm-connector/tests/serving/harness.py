@@ -11,6 +11,7 @@ infrastructure, the connector needs none of it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -116,15 +117,37 @@ def output_ids(body: dict) -> list:
     return list(body["choices"][0]["token_ids"])
 
 
+def concurrent_request(prefill: VllmServer, decode: VllmServer, prompt: list, room: int, max_tokens: int, **field) -> list:
+    """One request of the concurrent flow sent by hand: the decode first, the prefill once the
+    decode's log says it is loading the room (so its metadata is there before the prefill's
+    first layer is computed); ``field`` goes into the prefill's ``kvbridge`` field. Returns the
+    decode's token ids."""
+    from kvbridge_vllm.params import concurrent_params
+
+    to_prefill, to_decode = concurrent_params(room, f"127.0.0.1:{prefill.bootstrap_port}")
+    to_prefill["kvbridge"].update(field)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        decoded = pool.submit(decode.complete, prompt, max_tokens, kv_transfer_params=to_decode)
+        end = time.monotonic() + 30
+        while f"of room {room} from" not in decode.log_tail(200):
+            if time.monotonic() > end:
+                raise RuntimeError(f"the decode did not start loading room {room}: {decode.log_path}")
+            time.sleep(0.05)
+        prefill.complete(prompt, 1, kv_transfer_params=to_prefill)
+        return output_ids(decoded.result(timeout=procs.REQUEST_S))
+
+
 class Proxy:
     """``python -m kvbridge_vllm.proxy`` in a process group of its own."""
 
-    def __init__(self, prefill: VllmServer, decode: VllmServer, log_dir: str, name: str = "proxy"):
+    def __init__(self, prefill: VllmServer, decode: VllmServer, log_dir: str, name: str = "proxy", sequential: bool = False):
         self.port = procs.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.cmd = [sys.executable, "-m", "kvbridge_vllm.proxy", "--prefill", prefill.url, "--decode", decode.url,
-                    "--port", str(self.port)]
+                    "--prefill-bootstrap", f"127.0.0.1:{prefill.bootstrap_port}", "--port", str(self.port)]
+        if sequential:
+            self.cmd.append("--sequential")
         self.proc = None
 
     def start(self) -> "Proxy":

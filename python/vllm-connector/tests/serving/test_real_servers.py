@@ -16,14 +16,17 @@ import urllib.error
 import random
 import tempfile
 
+import re
+
 import pytest
 
-from harness import Proxy, VllmServer, output_ids, procs, tiny, unavailable
+from harness import Proxy, VllmServer, concurrent_request, output_ids, procs, tiny, unavailable
 
 pytestmark = pytest.mark.vllm
 
 NEW_TOKENS = 12
 DAMAGE_KEY = "kvbridge_test_damage"
+DAMAGE_ROOMS = 2**62  # site/kvbridge_vllm_serving_tests.py
 SLOW_KEY = "kvbridge_test_slow"
 
 
@@ -45,6 +48,7 @@ def stack():
         try:
             proxies.append(Proxy(prefill, decode, log_dir, "proxy").start())
             proxies.append(Proxy(prefill, decode2, log_dir, "proxy2").start())
+            proxies.append(Proxy(prefill, decode, log_dir, "proxy-sequential", sequential=True).start())
             yield Stack(path, single, prefill, decode, decode2, *proxies)
         finally:
             for proxy in proxies:
@@ -59,8 +63,11 @@ class Stack:
     prefill: VllmServer
     decode: VllmServer
     decode2: VllmServer
+    #: Concurrent (the proxy's default): to prefill and decode at once.
     proxy: Proxy
     proxy2: Proxy
+    #: vLLM's usual sequential flow: the prefill first.
+    sequential: Proxy
 
 
 def _prompt(rng: random.Random, n: int) -> list:
@@ -71,12 +78,14 @@ def _transferred(decode) -> float:
     return decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
 
 
+@pytest.mark.parametrize("flow", ["concurrent", "sequential"])
 @pytest.mark.parametrize("length", [5, 129, 300, 450])
-def test_the_decodes_tokens_are_the_single_servers(stack, length):
+def test_the_decodes_tokens_are_the_single_servers(stack, length, flow):
     """5: shorter than a block (128 tokens on CPU); 129, 300: several blocks; 300 and 450:
     longer than one step of chunked prefill (256 tokens)."""
-    path, single, decode, proxy = stack.path, stack.single, stack.decode, stack.proxy
-    prompt = _prompt(random.Random(f"prompt-{length}"), length)
+    path, single, decode = stack.path, stack.single, stack.decode
+    proxy = stack.proxy if flow == "concurrent" else stack.sequential
+    prompt = _prompt(random.Random(f"prompt-{length}-{flow}"), length)
     before = _transferred(decode)
     pair = output_ids(proxy.complete(prompt, NEW_TOKENS))
     alone = output_ids(single.complete(prompt, NEW_TOKENS))
@@ -103,12 +112,49 @@ def test_requests_at_once(stack):
 def test_damaged_kv_gives_other_tokens(stack):
     """The control: the same kind of request with the prefill's layer-0 KV zeroed as it is
     sent. Its tokens differ, so the equalities above depend on the KV that kvbridge moved."""
-    single, prefill, proxy = stack.single, stack.prefill, stack.proxy
+    single, prefill, proxy = stack.single, stack.prefill, stack.sequential
     prompt = _prompt(random.Random("damaged"), 200)
     damaged = output_ids(proxy.complete(prompt, NEW_TOKENS, kv_transfer_params={DAMAGE_KEY: True}))
     assert "zeroed layer 0" in prefill.log_tail(400), f"the prefill did not damage the KV: see {prefill.log_path}"
     alone = output_ids(single.complete(prompt, NEW_TOKENS))
     assert damaged != alone
+
+
+def _concurrent(stack, prompt, room, **field):
+    return concurrent_request(stack.prefill, stack.decode, prompt, room, NEW_TOKENS, **field)
+
+
+def _handovers(stack, room) -> int:
+    end = time.monotonic() + 10
+    pattern = re.compile(rf"room {room}\): \d+ prompt tokens sent in (\d+) hand-overs")
+    while time.monotonic() < end:
+        found = pattern.findall(stack.prefill.log_tail(400))
+        if found:
+            return int(found[-1])
+        time.sleep(0.2)
+    pytest.fail(f"the prefill did not report room {room}: {stack.prefill.log_path}")
+
+
+def test_the_concurrent_prefill_sends_layer_by_layer(stack):
+    """300 tokens are two forward passes (chunks of 256) of the tiny model's 2 layers: the
+    prefill hands kvbridge each layer's rows as that layer is computed, 2 x 2 hand-overs;
+    with ``layerwise`` off, one per forward pass. The tokens are the single server's both ways."""
+    rng = random.Random("layer-by-layer")
+    for layerwise, expected in ((True, 4), (False, 2)):
+        # A prompt of its own each time: a prefix either server holds would be sent no more.
+        prompt = _prompt(rng, 300)
+        room = rng.randrange(2**60)
+        assert _concurrent(stack, prompt, room, layerwise=layerwise) == output_ids(stack.single.complete(prompt, NEW_TOKENS))
+        assert _handovers(stack, room) == expected, f"layerwise={layerwise}: {stack.prefill.log_path}"
+
+
+def test_damaged_kv_in_the_concurrent_flow_gives_other_tokens(stack):
+    """The control for the concurrent flow: layer 0 zeroed as the prefill posts it."""
+    prompt = _prompt(random.Random("damaged-concurrent"), 200)
+    room = DAMAGE_ROOMS + random.Random("damage-room").randrange(2**40)
+    damaged = _concurrent(stack, prompt, room)
+    assert f"zeroed layer 0 of room {room}" in stack.prefill.log_tail(400), stack.prefill.log_path
+    assert damaged != output_ids(stack.single.complete(prompt, NEW_TOKENS))
 
 
 def test_a_prefill_that_cannot_be_reached_ends_the_request_and_the_next_works(stack):

@@ -4,13 +4,14 @@ is how ``importlib.metadata`` finds it without installing anything). vLLM runs i
 its processes. The connector needs none of it.
 
 - **The damaged-KV control**: a request to the prefill whose ``kv_transfer_params`` carry
-  ``"kvbridge_test_damage": true`` gets a room from ``DAMAGE_ROOMS`` on (every other room is
-  drawn below it on these test servers); the prefill's worker
+  ``"kvbridge_test_damage": true`` gets a room of the ``DAMAGE_ROOMS`` range (every other
+  room is drawn below it on these test servers); the prefill's worker
   zeroes layer 0 of such a room's blocks just before it sends them. The prefill computed its
   token from intact KV; the decode receives layer 0 damaged, so its tokens must differ if the
-  comparison means anything.
+  comparison means anything. In the concurrent flow the router names the room: one in the
+  ``DAMAGE_ROOMS`` range has its layer-0 rows zeroed just before the prefill posts them.
 - **A slow sender**: a request whose ``kv_transfer_params`` carry ``"kvbridge_test_slow":
-  SECONDS`` gets a room from ``SLOW_ROOMS`` on (its low 16 bits are the seconds); the prefill's
+  SECONDS`` gets a room of the ``SLOW_ROOMS`` range (its low 16 bits are the seconds); the prefill's
   worker holds such a room that long before it sends (and says so in its log), so an abort
   lands while the request waits for its KV.
 """
@@ -23,6 +24,17 @@ DAMAGE_KEY = "kvbridge_test_damage"
 DAMAGE_ROOMS = 2**62
 SLOW_KEY = "kvbridge_test_slow"
 SLOW_ROOMS = 2**62 + 2**61
+# Each range is 2^40 rooms wide: a room drawn at random from 63 bits (the proxy's) falls in
+# one about once in 8 million.
+WIDTH = 2**40
+
+
+def damaged(room: int) -> bool:
+    return DAMAGE_ROOMS <= room < DAMAGE_ROOMS + WIDTH
+
+
+def slow(room: int) -> bool:
+    return SLOW_ROOMS <= room < SLOW_ROOMS + WIDTH
 
 _installed = False
 
@@ -41,10 +53,10 @@ def register() -> None:
 
     def finished_marking_rooms(self, req_id, params, *args, **kwargs):
         if params and params.get(DAMAGE_KEY):
-            scheduler.new_room = lambda: DAMAGE_ROOMS + secrets.randbits(60)
+            scheduler.new_room = lambda: DAMAGE_ROOMS + secrets.randbits(40)
         elif params and params.get(SLOW_KEY):
             seconds = int(params[SLOW_KEY]) & 0xFFFF
-            scheduler.new_room = lambda: SLOW_ROOMS + (secrets.randbits(44) << 16) + seconds
+            scheduler.new_room = lambda: SLOW_ROOMS + (secrets.randbits(24) << 16) + seconds
         else:
             return finished(self, req_id, params, *args, **kwargs)
         try:
@@ -63,7 +75,7 @@ def register() -> None:
 
     def poll_send_damaging(self, req_id, room):
         send = room.job
-        if send.room >= SLOW_ROOMS and not room.posted:
+        if slow(send.room) and not room.posted:
             import logging
             import time
 
@@ -74,7 +86,7 @@ def register() -> None:
             if now - room.held_since < (send.room & 0xFFFF):
                 if self.agent.poll(send.room) != kvbridge.KVPoll.Failed:
                     return False
-        elif send.room >= DAMAGE_ROOMS and not room.posted and not getattr(room, "damaged", False):
+        elif damaged(send.room) and not room.posted and not getattr(room, "damaged", False):
             room.damaged = True
             self._test_layer0[list(send.block_ids)] = 0
             import logging
@@ -82,5 +94,16 @@ def register() -> None:
             logging.getLogger("vllm.kvbridge").warning("test: zeroed layer 0 of room %d's blocks", send.room)
         return poll_send(self, req_id, room)
 
+    post = worker.Worker._post
+
+    def post_damaging(self, part, end):
+        if damaged(part.stream.room) and part.next == 0:
+            self._test_layer0[list(part.pages)] = 0
+            import logging
+
+            logging.getLogger("vllm.kvbridge").warning("test: zeroed layer 0 of room %d's blocks", part.stream.room)
+        return post(self, part, end)
+
     worker.Worker.register = register_keeping_layer0
     worker.Worker._poll_send = poll_send_damaging
+    worker.Worker._post = post_damaging
