@@ -340,8 +340,8 @@ class Worker:
 
     def _start_receive(self, receive: Receive) -> None:
         logger.info(
-            "kvbridge: request %s: loading tokens %d.. of room %d from %s",
-            receive.req_id, receive.cached_tokens, receive.kv.room, receive.kv.bootstrap_addr,
+            "kvbridge: request %s: loading tokens %d.. of room %d from %s t=%.6f",
+            receive.req_id, receive.cached_tokens, receive.kv.room, receive.kv.bootstrap_addr, time.time(),
         )
         try:
             self.agent.receive(
