@@ -216,3 +216,23 @@ async fn a_layout_named_on_one_side_only_is_refused() {
         FailureCause::PeerRejected
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn head_major_pages_of_different_sizes_are_refused_at_registration() {
+    // The handshake lets different page sizes through (the resharding path), but that path
+    // moves token rows, which head-major pages do not have.
+    let r = rig(Spec::new(
+        vec![lbhnc("prefill", 4, 4, 4, 8, 1, 0)],
+        (0..2).map(|i| lbhnc("decode", 8, 4, 4, 8, 2, i)).collect(),
+    ))
+    .await;
+    let d = &r.decodes[1].0;
+    d.receive(1, request(vec![0, 1])).unwrap();
+    let err = bounded(d.wait(1)).await.unwrap_err().to_string();
+    assert!(
+        err.contains(
+            "head-major pages (kv_layout LBHNC) are planned with equal page sizes and no DCP only"
+        ),
+        "{err}"
+    );
+}
