@@ -207,7 +207,8 @@ async fn a_layout_named_on_one_side_only_is_refused() {
     let err = bounded(d.wait(1)).await.unwrap_err().to_string();
     assert!(
         err.contains(
-            "the prefill pages are head-major (kv_layout LBHNC) but the decode pages are not"
+            "the prefill pages are head-major (kv_layout LBHNC) but the decode pages are not \
+             (kv_layout not set)"
         ),
         "{err}"
     );

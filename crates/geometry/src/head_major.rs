@@ -119,13 +119,16 @@ impl HeadSharding {
             }
         }
         let run = p * hb;
-        let width = slice.num_heads.saturating_mul(run);
-        let fits = |start: u64, item: u64| start.saturating_mul(run).saturating_add(width) <= item;
-        if !fits(slice.dst_head_start, d_len) || !fits(slice.src_head_start, s_len) {
-            return Err(GeometryError::HeadSliceTooWide {
-                slice_bytes: slice.num_heads.saturating_mul(hb),
-                slot_bytes: hb.saturating_mul(hd.min(hs)),
-            });
+        // Checked per token, as the token-major path reports it: heads `[start, start + n)`
+        // of the slice against the heads of the rank's page.
+        for (start, heads) in [(slice.dst_head_start, hd), (slice.src_head_start, hs)] {
+            let end = start.saturating_add(slice.num_heads);
+            if end > heads {
+                return Err(GeometryError::HeadSliceTooWide {
+                    slice_bytes: end.saturating_mul(hb),
+                    slot_bytes: heads * hb,
+                });
+            }
         }
         Ok(PageCopy {
             pair,
@@ -152,7 +155,7 @@ fn last_page_tokens(n: u64, p: u64, num_tokens: u64) -> Result<u64> {
                 "{num_tokens} tokens do not fill {n} pages of {p} tokens: every page but the \
                  last must be full and the last must hold at least one token, so {n} pages \
                  hold {} to {full} tokens; pass the chunk's pages and its token count",
-                (full + 1).saturating_sub(p)
+                full.saturating_add(1).saturating_sub(p)
             ),
         });
     }
@@ -414,6 +417,27 @@ mod tests {
             .unwrap();
         let e = plan(&src, &wide, &[0], &[0], 4);
         assert!(e.contains("different widths"), "{e}");
+        // A slice past the decode rank's 2 heads (8 bytes a head and token).
+        let wide_slice = HeadSource {
+            slice: HeadSlice {
+                dst_head_start: 1,
+                ..source.slice
+            },
+            ..source
+        };
+        let pages = HeadMajorPages {
+            src_pages: &[0],
+            dst_pages: &[0],
+            num_tokens: 4,
+        };
+        let e = s
+            .head_major_page_ranges(wide_slice, &src, &dst, &pairs, pages)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("slice size (24) exceeds target token slot size (16)"),
+            "{e}"
+        );
         let e = plan(&src, &dst, &[], &[], 3);
         assert!(e.contains("3 tokens do not fill 0 pages"), "{e}");
         let none = HeadMajorPages {

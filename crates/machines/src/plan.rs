@@ -158,12 +158,16 @@ fn producer_of(
         // The handshake refuses two different layout names; a layout named on one side only
         // still lays bytes out differently, so it is refused here.
         (mine, _) => {
+            let (named, other) = if mine {
+                ("prefill", peer)
+            } else {
+                ("decode", me)
+            };
             return Err(PlanError(format!(
-                "the {} pages are head-major (kv_layout {HEAD_MAJOR_KV_LAYOUT}) but the {} pages \
-                 are not (kv_layout {:?}); both servers must use the same KV layout",
-                if mine { "prefill" } else { "decode" },
+                "the {named} pages are head-major (kv_layout {HEAD_MAJOR_KV_LAYOUT}) but the {} \
+                 pages are not (kv_layout {}); both servers must use the same KV layout",
                 if mine { "decode" } else { "prefill" },
-                if mine { &peer.kv_layout } else { &me.kv_layout },
+                other.kv_layout.as_deref().unwrap_or("not set"),
             )));
         }
     };
