@@ -17,7 +17,8 @@
 //!   end of the message) for `kvbridge explain`.
 //! * [`group_concurrent_contiguous`], [`coalesce_pairs`], [`coalesce_runs`] — run coalescing.
 //! * [`page_path_ranges`], [`head_slice_ranges`], [`HeadSharding`] — non-DCP byte ranges,
-//!   MHA head slicing.
+//!   MHA head slicing of token-major pages; [`HeadSharding::head_major_page_ranges`] with
+//!   [`HeadMajorPages`] — head slicing of head-major pages (vLLM's CPU layout).
 //! * [`ByteRange`], [`ByteRanges`] — what every byte-range builder returns: strided copies
 //!   (`count` rows of `len` bytes with a source and a destination stride), rows folded into
 //!   progressions as they are pushed; [`ByteRanges::len`] counts ranges,
@@ -54,6 +55,7 @@ mod bytes;
 mod chunks;
 mod dcp;
 mod error;
+mod head_major;
 mod heads;
 mod limits;
 mod pack;
@@ -69,6 +71,7 @@ pub use bytes::{ByteRange, ByteRanges, EntryPair, RegionRange, identity_pairs, p
 pub use chunks::chunk_plan;
 pub use dcp::{DcpPlan, DcpPlanInput, DcpTokenPlan, PlanRuns, build_dcp_token_transfer_plan};
 pub use error::{GeometryError, Result, Side};
+pub use head_major::HeadMajorPages;
 pub use heads::{
     HeadSharding, HeadSlice, HeadSource, compute_head_slice_params, head_slice_ranges,
 };

@@ -245,6 +245,22 @@ impl<'de> Deserialize<'de> for PeerDescriptor {
     }
 }
 
+/// The `kv_layout` of head-major MHA pages: a page of one entry holds, head by head, each
+/// token's row of that head (vLLM's CPU KV cache, `[num_blocks, kv_heads, block_size,
+/// 2·head_size]` per layer, described as one entry per layer with `head_dim = 2·head_size`).
+/// When both sides name it, the planner slices heads as whole runs of a page
+/// (`kvbridge_geometry::HeadSharding::head_major_page_ranges`; docs/planning.md, "Head-major
+/// pages"); any other layout name, or none, is token-major.
+pub const HEAD_MAJOR_KV_LAYOUT: &str = "LBHNC";
+
+impl PeerDescriptor {
+    /// Whether this rank's pages are head-major (`kv_layout` is [`HEAD_MAJOR_KV_LAYOUT`]).
+    #[must_use]
+    pub fn is_head_major(&self) -> bool {
+        self.kv_layout.as_deref() == Some(HEAD_MAJOR_KV_LAYOUT)
+    }
+}
+
 impl PeerDescriptor {
     /// Parse a descriptor from JSON.
     ///

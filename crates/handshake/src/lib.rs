@@ -54,7 +54,7 @@ pub use catalog::{catalog, catalog_markdown, explain};
 pub use check::{
     CheckOptions, Compat, RankReport, Report, check, check_all_ranks, check_with, rank_mapping,
 };
-pub use descriptor::{PeerDescriptor, Role, dtype_bytes};
+pub use descriptor::{HEAD_MAJOR_KV_LAYOUT, PeerDescriptor, Role, dtype_bytes};
 pub use error::{HandshakeError, Result};
 pub use fingerprint::{
     FieldDiff, Fingerprint, canonical_encoding, compat_fields, fingerprint, fingerprint_diff,

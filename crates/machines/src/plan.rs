@@ -10,10 +10,10 @@
 use std::borrow::Cow;
 
 use kvbridge_geometry::{
-    ByteRanges, DcpPlanInput, EntryPair, HeadSharding, HeadSource, PoolFormat, PoolGeometry,
-    ReshardInput, SendPages, identity_pairs, page_path_ranges,
+    ByteRanges, DcpPlanInput, EntryPair, HeadMajorPages, HeadSharding, HeadSource, PoolFormat,
+    PoolGeometry, ReshardInput, SendPages, identity_pairs, page_path_ranges,
 };
-use kvbridge_handshake::{PeerDescriptor, TransferPath};
+use kvbridge_handshake::{HEAD_MAJOR_KV_LAYOUT, PeerDescriptor, TransferPath};
 use kvbridge_transport::memory::checked_rows;
 use kvbridge_transport::{RegionId, TransferOp};
 
@@ -115,6 +115,8 @@ fn pages_of(regions: &[WireRegion], item_lens: &[u64]) -> u64 {
 enum Producer {
     Pages,
     Heads(HeadSharding, HeadSource),
+    /// Head slices of head-major pages (both sides `kv_layout` [`HEAD_MAJOR_KV_LAYOUT`]).
+    HeadMajor(HeadSharding, HeadSource),
     /// This prefill rank holds none of the peer's heads (GQA replication picked another
     /// replica): it sends aux rows only.
     NoHeads,
@@ -140,6 +142,64 @@ fn head_source(
         .into_iter()
         .find(|s| s.src_rank == mine)
         .map(|source| (sharding, source)))
+}
+
+/// Which producer a pair uses on `path`. Head-major pages (both sides
+/// [`HEAD_MAJOR_KV_LAYOUT`]) are sliced by their own planner; only the paths that keep pages
+/// whole or slice them by heads are planned for them.
+fn producer_of(
+    path: TransferPath,
+    me: &PeerDescriptor,
+    peer: &PeerDescriptor,
+) -> Result<Producer, PlanError> {
+    let head_major = match (me.is_head_major(), peer.is_head_major()) {
+        (false, false) => false,
+        (true, true) => true,
+        // The handshake refuses two different layout names; a layout named on one side only
+        // still lays bytes out differently, so it is refused here.
+        (mine, _) => {
+            let (named, other) = if mine {
+                ("prefill", peer)
+            } else {
+                ("decode", me)
+            };
+            return Err(PlanError(format!(
+                "the {named} pages are head-major (kv_layout {HEAD_MAJOR_KV_LAYOUT}) but the {} \
+                 pages are not (kv_layout {}); both servers must use the same KV layout",
+                if mine { "decode" } else { "prefill" },
+                other.kv_layout.as_deref().unwrap_or("not set"),
+            )));
+        }
+    };
+    Ok(match path {
+        TransferPath::Pages => Producer::Pages,
+        TransferPath::HeadSlices => match head_source(me, peer)? {
+            Some((sharding, source)) if head_major => Producer::HeadMajor(sharding, source),
+            Some((sharding, source)) => Producer::Heads(sharding, source),
+            None => Producer::NoHeads,
+        },
+        TransferPath::DcpTokenPlan | TransferPath::Rows { .. } if head_major => {
+            return Err(PlanError(format!(
+                "head-major pages (kv_layout {HEAD_MAJOR_KV_LAYOUT}) are planned with equal page \
+                 sizes and no DCP only, but this pair needs {}; run both servers with the same \
+                 block size and DCP size 1",
+                path.describe()
+            )));
+        }
+        TransferPath::DcpTokenPlan => Producer::Dcp,
+        TransferPath::Rows { head_slices: false } => Producer::Reshard { heads: None },
+        TransferPath::Rows { head_slices: true } => match head_source(me, peer)? {
+            Some(hs) => Producer::Reshard { heads: Some(hs) },
+            None => Producer::NoHeads,
+        },
+        other => {
+            return Err(PlanError(format!(
+                "the coordinator does not know the transfer path {other:?} ({}); upgrade \
+                 kvbridge on the prefill",
+                other.describe()
+            )));
+        }
+    })
 }
 
 /// Everything needed to turn chunks into descriptors for one decode peer; built once at
@@ -201,26 +261,7 @@ impl PeerPlan {
             )));
         }
         let pairs = identity_pairs(n_src);
-        let producer = match path {
-            TransferPath::Pages => Producer::Pages,
-            TransferPath::DcpTokenPlan => Producer::Dcp,
-            TransferPath::HeadSlices => match head_source(me, peer)? {
-                Some((sharding, source)) => Producer::Heads(sharding, source),
-                None => Producer::NoHeads,
-            },
-            TransferPath::Rows { head_slices: false } => Producer::Reshard { heads: None },
-            TransferPath::Rows { head_slices: true } => match head_source(me, peer)? {
-                Some(hs) => Producer::Reshard { heads: Some(hs) },
-                None => Producer::NoHeads,
-            },
-            other => {
-                return Err(PlanError(format!(
-                    "the coordinator does not know the transfer path {other:?} ({}); upgrade \
-                     kvbridge on the prefill",
-                    other.describe()
-                )));
-            }
-        };
+        let producer = producer_of(path, me, peer)?;
         let place = |regions: &[WireRegion]| {
             regions
                 .iter()
@@ -321,6 +362,17 @@ impl PeerPlan {
                 pairs,
                 &chunk.pages,
                 slice()?,
+            )?,
+            Producer::HeadMajor(sharding, source) => sharding.head_major_page_ranges(
+                *source,
+                &self.src,
+                &self.dst,
+                pairs,
+                HeadMajorPages {
+                    src_pages: &chunk.pages,
+                    dst_pages: slice()?,
+                    num_tokens: chunk.num_kv_tokens,
+                },
             )?,
             Producer::NoHeads => ByteRanges::new(),
             Producer::Dcp => DcpPlanInput {

@@ -26,6 +26,7 @@
 //!     page_table: vec![7, 3],
 //!     token_bytes: vec![16],
 //!     row_offset: vec![0],
+//!     head_major: None,
 //! };
 //! assert_eq!(layout.row_of(13), Some(3 * 2 + 1)); // page_table[13 / 8] = 3, local row 13 / 4 = 3 -> slot 1
 //! assert_eq!(layout.row_of(12), None);
@@ -128,6 +129,10 @@ pub struct TokenLayout {
     /// Where this rank's row starts inside the full token row, per entry (non-zero for MHA
     /// ranks holding a head slice other than the first).
     pub row_offset: Vec<u64>,
+    /// `Some(h)`: head-major pages (`kv_layout` `LBHNC`, vLLM's CPU layout): a page holds,
+    /// head by head, each token's `token_bytes / h` bytes of that head, so a token's row is
+    /// `h` pieces `page_size` pieces apart. `None`: token-major (a token's row is contiguous).
+    pub head_major: Option<u64>,
 }
 
 impl TokenLayout {
@@ -142,6 +147,7 @@ impl TokenLayout {
             return Err("page_size and dcp_size must be positive".to_owned());
         }
         let token_bytes: Vec<u64> = descriptor.kv_item_lens.iter().map(|l| l / p).collect();
+        let mut head_major = None;
         let row_offset = match descriptor.kv_pool {
             PoolKind::Mha => {
                 let h = u64::from(descriptor.total_kv_heads.unwrap_or(0));
@@ -151,6 +157,7 @@ impl TokenLayout {
                     .src_heads(u64::from(descriptor.attn_tp_rank))
                     .map_err(|e| e.to_string())?;
                 let per_rank = heads.end - heads.start;
+                head_major = descriptor.is_head_major().then_some(per_rank);
                 token_bytes
                     .iter()
                     .map(|&t| heads.start * (t / per_rank.max(1)))
@@ -165,7 +172,21 @@ impl TokenLayout {
             page_table,
             token_bytes,
             row_offset,
+            head_major,
         })
+    }
+
+    /// Heads of a page and bytes of one head of one token in entry `entry`: `(h, tb / h)` for
+    /// head-major pages, `(1, tb)` (one piece, the whole row) for token-major ones.
+    fn pieces(&self, entry: usize) -> Result<(u64, u64), String> {
+        let tb = self.token_bytes[entry];
+        match self.head_major {
+            None => Ok((1, tb)),
+            Some(h) if h > 0 && tb % h == 0 => Ok((h, tb / h)),
+            Some(h) => Err(format!(
+                "entry {entry}: {tb}-byte token rows do not split into {h} head-major heads"
+            )),
+        }
     }
 
     /// Tokens per page of the page table (`page_size · dcp_size`).
@@ -264,13 +285,14 @@ fn read(view: &EntryView, at: u64, buf: &mut [u8]) -> Result<(), String> {
 }
 
 /// Visits every row this rank owns among `positions`, a page at a time (one borrow of the
-/// region per page): calls `f(entry, position, physical row, row bytes)`. Returns the bytes
-/// visited.
+/// region per page): calls `f(entry, position, physical row, offset in the rank's row,
+/// bytes)` once per piece of the row (the whole row when token-major, each head's bytes when
+/// head-major). Returns the bytes visited.
 fn for_each_row(
     entries: &[EntryView],
     layout: &TokenLayout,
     positions: Range<u64>,
-    mut f: impl FnMut(usize, u64, u64, &mut [u8]) -> Result<(), Mismatch>,
+    mut f: impl FnMut(usize, u64, u64, u64, &mut [u8]) -> Result<(), Mismatch>,
 ) -> Result<u64, VerifyError> {
     let (p, d, rank) = (layout.page_size, layout.dcp_size, layout.dcp_rank);
     if p == 0 || d == 0 || rank >= d {
@@ -294,6 +316,7 @@ fn for_each_row(
             continue;
         }
         let item = tb * p;
+        let (heads, hb) = layout.pieces(e).map_err(VerifyError::Layout)?;
         for (j, &page) in layout.page_table.iter().enumerate() {
             let first_local = j as u64 * p;
             // Positions of this page: (first_local + k) · d + rank for k in 0..p.
@@ -330,15 +353,20 @@ fn for_each_row(
                     .map_err(layout_err)?;
                 &mut bounce
             };
-            for (k, row) in slice.chunks_exact_mut(tb as usize).enumerate() {
-                let pos = (first_local + k as u64) * d + rank;
+            for k in 0..p {
+                let pos = (first_local + k) * d + rank;
                 if pos >= positions.end {
                     break;
                 }
                 if pos < positions.start {
                     continue;
                 }
-                f(e, pos, page * p + k as u64, row).map_err(VerifyError::Mismatch)?;
+                // Head `h` of slot `k` sits at `(h·P + k)·hb` (token-major: one piece at `k·tb`).
+                for h in 0..heads {
+                    let at = ((h * p + k) * hb) as usize;
+                    let piece = &mut slice[at..at + hb as usize];
+                    f(e, pos, page * p + k, h * hb, piece).map_err(VerifyError::Mismatch)?;
+                }
                 bytes += tb;
             }
             if !view.region.can_borrow() {
@@ -362,8 +390,8 @@ pub fn fill_rows(
     room: u64,
     positions: Range<u64>,
 ) -> Result<u64, String> {
-    for_each_row(entries, layout, positions, |e, pos, _, row| {
-        fill_seeded(row, row_seed(room, e, pos), layout.row_offset[e]);
+    for_each_row(entries, layout, positions, |e, pos, _, at, piece| {
+        fill_seeded(piece, row_seed(room, e, pos), layout.row_offset[e] + at);
         Ok(())
     })
     .map_err(|err| err.to_string())
@@ -381,18 +409,18 @@ pub fn verify_rows(
     room: u64,
     positions: Range<u64>,
 ) -> Result<u64, VerifyError> {
-    for_each_row(entries, layout, positions, |e, pos, r, row| {
+    for_each_row(entries, layout, positions, |e, pos, r, at, piece| {
         let seed = row_seed(room, e, pos);
-        let from = layout.row_offset[e];
-        match first_difference(row, seed, from) {
+        let from = layout.row_offset[e] + at;
+        match first_difference(piece, seed, from) {
             None => Ok(()),
             Some(i) => Err(Mismatch {
                 entry: e,
                 position: pos,
                 row: r,
-                byte: i as u64,
+                byte: at + i as u64,
                 expected: seed_byte(seed, from + i as u64),
-                found: row[i],
+                found: piece[i],
                 what: "kv",
             }),
         }
@@ -401,7 +429,8 @@ pub fn verify_rows(
 
 /// Checks every byte of the entries that is **not** a row of `positions` owned by this rank
 /// is still zero (nothing was written where it does not belong). Call on freshly allocated
-/// (zeroed) memory. Returns the bytes checked.
+/// (zeroed) memory. Returns the bytes checked. For head-major pages a [`Mismatch`]'s `row`
+/// counts pieces of one head of one token (`(page·h + head)·P + slot`).
 ///
 /// # Errors
 /// The first non-zero byte as a [`Mismatch`] with `what = "untouched"`.
@@ -412,11 +441,15 @@ pub fn verify_untouched(
 ) -> Result<u64, VerifyError> {
     let mut checked = 0;
     for (e, view) in entries.iter().enumerate() {
-        let width = layout.token_bytes[e].max(1);
+        // Pieces of `width` bytes: token rows, or each head's row of a token when head-major
+        // (piece `(page·h + head)·P + slot`).
+        let (heads, hb) = layout.pieces(e).map_err(VerifyError::Layout)?;
+        let (width, p) = (hb.max(1), layout.page_size);
         let mut owned = std::collections::HashSet::new();
         for pos in positions.clone() {
             if let Some(row) = layout.row_of(pos) {
-                owned.insert(row);
+                let (page, slot) = (row / p, row % p);
+                owned.extend((0..heads).map(|h| (page * heads + h) * p + slot));
             }
         }
         let rows = view.len / width;
@@ -594,6 +627,7 @@ mod tests {
             page_table: vec![2, 0, 1],
             token_bytes: vec![16, 16],
             row_offset: vec![0, 0],
+            head_major: None,
         };
         let views = views(2, 3 * 64);
         // 21 tokens: rank 1 owns positions 1, 3, ..., 19 (10 rows per entry).
@@ -630,6 +664,7 @@ mod tests {
             page_table: vec![1, 0],
             token_bytes: vec![16],
             row_offset: vec![0],
+            head_major: None,
         };
         let hi = TokenLayout {
             row_offset: vec![16],
@@ -659,6 +694,66 @@ mod tests {
     }
 
     #[test]
+    fn head_major_pages_hold_each_head_of_a_token_page_size_rows_apart() {
+        // Rank 1 of a TP-2 group of 4 heads: heads 2 and 3 (8 bytes a token each), pages of
+        // 2 tokens, 2 pages: a page is [head 2: slot 0, slot 1][head 3: slot 0, slot 1].
+        let layout = TokenLayout {
+            page_size: 2,
+            dcp_size: 1,
+            dcp_rank: 0,
+            page_table: vec![1, 0],
+            token_bytes: vec![16],
+            row_offset: vec![16],
+            head_major: Some(2),
+        };
+        let v = views(1, 2 * 2 * 16);
+        assert_eq!(fill_rows(&v, &layout, 4, 0..3).unwrap(), 3 * 16);
+        let piece = |at: u64| {
+            let mut b = vec![0u8; 8];
+            v[0].region.read_at(at, &mut b).unwrap();
+            b
+        };
+        let want = |pos, from: u64| {
+            (from..from + 8)
+                .map(|i| kv_byte(4, 0, pos, i))
+                .collect::<Vec<_>>()
+        };
+        // Position 1: page 1 slot 1; head 3 (bytes 24..32 of the full row) at (1·2 + 1)·8.
+        assert_eq!(piece(32 + 3 * 8), want(1, 24));
+        assert_eq!(piece(32 + 8), want(1, 16));
+        // Position 2: page 0 slot 0, head 2 then (two slots on) head 3; slot 1 stays empty.
+        assert_eq!(piece(0), want(2, 16));
+        assert_eq!(piece(16), want(2, 24));
+        assert_eq!(piece(8), vec![0; 8]);
+        assert_eq!(verify_rows(&v, &layout, 4, 0..3).unwrap(), 3 * 16);
+        assert_eq!(verify_untouched(&v, &layout, 0..3).unwrap(), 2 * 8);
+        // The same bytes read token-major do not verify, and a stray byte is found.
+        let token_major = TokenLayout {
+            head_major: None,
+            ..layout.clone()
+        };
+        assert!(verify_rows(&v, &token_major, 4, 0..3).is_err());
+        v[0].region.write_at(8, &[1]).unwrap();
+        let m = match verify_untouched(&v, &layout, 0..3) {
+            Err(VerifyError::Mismatch(m)) => m,
+            other => panic!("expected a mismatch, got {other:?}"),
+        };
+        assert_eq!((m.row, m.what), (1, "untouched"));
+        v[0].region.write_at(16 + 3, &[0xAA]).unwrap();
+        let m = mismatch(verify_rows(&v, &layout, 4, 0..3));
+        assert_eq!((m.position, m.byte), (2, 8 + 3));
+        // Token rows that do not split into the heads are a layout error.
+        let odd = TokenLayout {
+            head_major: Some(3),
+            ..layout
+        };
+        assert!(matches!(
+            verify_rows(&v, &odd, 4, 0..3),
+            Err(VerifyError::Layout(_))
+        ));
+    }
+
+    #[test]
     fn layouts_that_do_not_fit_are_errors() {
         let layout = TokenLayout {
             page_size: 4,
@@ -667,6 +762,7 @@ mod tests {
             page_table: vec![0, 5],
             token_bytes: vec![8],
             row_offset: vec![0],
+            head_major: None,
         };
         let v = views(1, 2 * 32);
         let err = fill_rows(&v, &layout, 1, 0..8).unwrap_err();
