@@ -92,6 +92,38 @@ async fn tp_1_to_2_in_chunks_with_a_partial_last_page() {
     assert_eq!(run_and_verify(&r, &req).await, held(2, 4, 37));
 }
 
+/// One entry per layer, as vLLM registers them: `layers` of them, any count.
+fn lbhnc_layers(role: &str, layers: usize, tp: u32, rank: u32) -> PeerDescriptor {
+    let heads_here = u64::from(4 / tp.min(4));
+    PeerDescriptor::builder(role.parse().unwrap())
+        .page_size(4)
+        .kv_pool(kvbridge_handshake::PoolKind::Mha)
+        .heads(4, 2 * 8)
+        .element_bytes(2)
+        .kv_item_lens(vec![4 * heads_here * 2 * 8 * 2; layers])
+        .attn_tp(tp, rank)
+        .kv_layout(HEAD_MAJOR_KV_LAYOUT)
+        .aux_item_lens(AUX_LENS.to_vec())
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_odd_number_of_layers_moves_as_any_other() {
+    // Head-major pages hold K and V of a layer in one entry: nothing pairs entries, so a
+    // model of 3 layers is 3 entries (a K/V-paired MHA pool refuses an odd count).
+    let r = rig(Spec::new(
+        (0..2).map(|i| lbhnc_layers("prefill", 3, 2, i)).collect(),
+        vec![lbhnc_layers("decode", 3, 1, 0)],
+    ))
+    .await;
+    let req = Request {
+        chunk_pages: 2,
+        ..Request::new(9, 21)
+    };
+    assert_eq!(run_and_verify(&r, &req).await, 3 * 4 * 21 * 2 * 8 * 2);
+}
+
 #[tokio::test(start_paused = true)]
 async fn tp_2_to_1_gathers_whole_pages_of_each_prefill() {
     let r = tp(2, 1, 4).await;

@@ -1,8 +1,10 @@
 //! Head slicing of head-major pages (docs/planning.md, "Head-major pages"): a page of one
-//! entry holds, head by head, each token's row of that head (vLLM's CPU KV cache,
-//! `[num_blocks, kv_heads, block_size, 2·head_size]`, one entry per layer). Heads `[h0, h1)`
-//! of a page are then one contiguous run of `(h1 − h0)·P·hb` bytes, so a page pair needs one
-//! descriptor per head slice instead of one row per token.
+//! entry holds, head by head, the page's K rows of that head, then its V rows (vLLM's CPU KV
+//! cache, `[num_blocks, kv_heads, block_size, 2·head_size]` as its kernel reads it,
+//! `[num_blocks, kv_heads, 2, block_size, head_size]`; one entry per layer). Heads `[h0, h1)`
+//! of a page are then one contiguous run of `(h1 − h0)·P·hb` bytes (`hb` = a token's K and V
+//! of one head), so a page pair needs one descriptor per head slice instead of one row per
+//! token; a partial last page, two per head (its K and V rows of the tokens sent).
 
 use crate::bytes::{ByteRange, ByteRanges, EntryPair, pair_item_lens};
 use crate::error::{GeometryError, Result, Side};
@@ -104,6 +106,15 @@ impl HeadSharding {
             });
         }
         let hb = bd;
+        if hb % 2 != 0 {
+            return Err(GeometryError::InvalidGeometry {
+                reason: format!(
+                    "entry pair {}->{}: a head-major head row of {hb} bytes does not split into \
+                     a K and a V half; advertise head_dim = 2 x head_size",
+                    pair.src, pair.dst
+                ),
+            });
+        }
         for (side, entry, len, heads) in [
             (Side::Prefill, pair.src, s_len, hs),
             (Side::Decode, pair.dst, d_len, hd),
@@ -192,12 +203,11 @@ impl PageCopy {
             out.push(ByteRange::new(e_src, so, e_dst, doff, self.num_heads * run));
             return;
         }
-        let first = ByteRange::new(e_src, so, e_dst, doff, tokens * self.head_bytes);
-        out.push(if self.num_heads > 1 {
-            first.with_rows(self.num_heads, run, run)
-        } else {
-            first
-        });
+        // A head of a page is its P tokens' K rows, then their V rows: each half is cut to
+        // the first `tokens` rows, 2 · num_heads runs, P half-rows apart.
+        let half = self.head_bytes / 2;
+        let first = ByteRange::new(e_src, so, e_dst, doff, tokens * half);
+        out.push(first.with_rows(2 * self.num_heads, p * half, p * half));
     }
 }
 
@@ -256,12 +266,18 @@ mod tests {
                 let (ls, ld) = (g - src_heads.start, g - dst_heads.start);
                 for (i, (&ps, &pd)) in src_pages.iter().zip(dst_pages).enumerate() {
                     for t in (0..p).filter(|t| i as u64 * p + t < num_tokens) {
+                        // Byte b of a token's head row: its K half, then its V half, each
+                        // half a row of the head's P K (or V) rows.
+                        let at = |head: u64, b: u64| {
+                            let (half, within) = (b / (HB / 2), b % (HB / 2));
+                            head * p * HB + half * p * (HB / 2) + t * (HB / 2) + within
+                        };
                         for b in 0..HB {
                             out.push((
                                 e,
-                                ((ps * hs + ls) * p + t) * HB + b,
+                                ps * hs * p * HB + at(ls, b),
                                 e,
-                                ((pd * hd + ld) * p + t) * HB + b,
+                                pd * hd * p * HB + at(ld, b),
                             ));
                         }
                     }
@@ -352,7 +368,7 @@ mod tests {
             check(a, b, 4, 14);
         }
         // 1 -> 2, one decode rank: the 3 full pages fold into one strided range per entry,
-        // the last page is one range of 2 heads x 2 token rows.
+        // the last page is one range of 2 heads x (K, V) halves of 2 token rows each.
         let s = HeadSharding::new(4, 1, 2).unwrap();
         let src = pool(4, 4, 2, 10);
         let dst = pool(4, 2, 2, 10);
@@ -370,8 +386,11 @@ mod tests {
             r.as_slice(),
             [
                 ByteRange::new(0, 2 * run, 0, 4 * 2 * run, 2 * run).with_rows(3, 4 * run, 2 * run),
-                ByteRange::new(0, 3 * 4 * run + 2 * run, 0, 7 * 2 * run, 2 * HB)
-                    .with_rows(2, run, run),
+                ByteRange::new(0, 3 * 4 * run + 2 * run, 0, 7 * 2 * run, 2 * (HB / 2)).with_rows(
+                    4,
+                    run / 2,
+                    run / 2
+                ),
             ]
         );
     }

@@ -29,6 +29,15 @@ pub enum PoolFormat {
         /// Elements per head.
         head_dim: u32,
     },
+    /// MHA/GQA with head-major pages (`kv_layout` `LBHNC`, vLLM's CPU layout): one entry per
+    /// layer, pages are `[heads, P, dim]` where `dim` counts a token's K and V; any number of
+    /// layers. Planned by head-major slicing only (docs/planning.md, "Head-major pages").
+    MhaHeadMajor {
+        /// KV heads of the whole model (before TP sharding).
+        total_kv_heads: u32,
+        /// Elements per head and token (K and V).
+        head_dim: u32,
+    },
     /// MLA: one latent entry per layer.
     Mla,
     /// Hybrid MLA: MLA layers plus other per-layer entries.
@@ -40,7 +49,7 @@ impl PoolFormat {
     #[must_use]
     pub fn kind(&self) -> PoolKind {
         match self {
-            PoolFormat::Mha { .. } => PoolKind::Mha,
+            PoolFormat::Mha { .. } | PoolFormat::MhaHeadMajor { .. } => PoolKind::Mha,
             PoolFormat::Mla => PoolKind::Mla,
             PoolFormat::HybridMla => PoolKind::HybridMla,
         }
@@ -152,9 +161,14 @@ impl PoolGeometryBuilder {
         if let PoolFormat::Mha {
             total_kv_heads,
             head_dim,
+        }
+        | PoolFormat::MhaHeadMajor {
+            total_kv_heads,
+            head_dim,
         } = self.format
         {
-            if self.target.len() % 2 != 0 {
+            let kv_pairs = matches!(self.format, PoolFormat::Mha { .. });
+            if kv_pairs && self.target.len() % 2 != 0 {
                 return Err(GeometryError::InvalidGeometry {
                     reason: format!(
                         "an MHA pool registers K and V per layer ([K_0..K_L-1, V_0..V_L-1]), so its \

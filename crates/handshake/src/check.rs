@@ -1536,7 +1536,8 @@ fn mha_item_len_mismatches(s: &PeerDescriptor, targets: &[u64]) -> Vec<String> {
     let hpr = u64::from(s.heads_per_rank().unwrap_or(1));
     let per_elem = s.page_size * hpr * hd;
     let mut why = Vec::new();
-    if targets.len() % 2 != 0 {
+    // Head-major pages (vLLM's layout) hold a layer's K and V in one entry.
+    if targets.len() % 2 != 0 && !s.is_head_major() {
         why.push(format!(
             "an MHA pool registers K and V per layer, so the {} target entries must be even",
             targets.len()

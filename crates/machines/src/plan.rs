@@ -79,10 +79,15 @@ impl From<kvbridge_geometry::GeometryError> for PlanError {
 }
 
 fn format_of(d: &PeerDescriptor) -> PoolFormat {
+    let (total_kv_heads, head_dim) = (d.total_kv_heads.unwrap_or(0), d.head_dim.unwrap_or(0));
     match d.kv_pool {
+        kvbridge_geometry::PoolKind::Mha if d.is_head_major() => PoolFormat::MhaHeadMajor {
+            total_kv_heads,
+            head_dim,
+        },
         kvbridge_geometry::PoolKind::Mha => PoolFormat::Mha {
-            total_kv_heads: d.total_kv_heads.unwrap_or(0),
-            head_dim: d.head_dim.unwrap_or(0),
+            total_kv_heads,
+            head_dim,
         },
         kvbridge_geometry::PoolKind::Mla => PoolFormat::Mla,
         kvbridge_geometry::PoolKind::HybridMla => PoolFormat::HybridMla,

@@ -479,12 +479,14 @@ pub(crate) struct DecodeAgent {
 
 agent_methods! { DecodeAgent,
     /// Starts the agent for `engine`'s rank (`descriptor` of role decode, `kv`/`aux` as for
-    /// `PrefillAgent`). Timeouts and the heartbeat are seconds (defaults: SGLang's). `bind`
+    /// `PrefillAgent`). Timeouts and the heartbeat are seconds (defaults: SGLang's;
+    /// `control_send_timeout` bounds each control message to a prefill, SGLang's 1 s). `bind`
     /// and `advertise` as for `PrefillAgent`: prefill ranks send to this control channel.
     #[new]
     #[pyo3(signature = (engine, descriptor, kv, aux=None, *, secret=None,
                         bootstrap_timeout=None, waiting_timeout=None, heartbeat_interval=None,
-                        fence_timeout=None, bind=None, advertise=None))]
+                        fence_timeout=None, control_send_timeout=None, bind=None,
+                        advertise=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -497,6 +499,7 @@ agent_methods! { DecodeAgent,
         waiting_timeout: Option<f64>,
         heartbeat_interval: Option<f64>,
         fence_timeout: Option<f64>,
+        control_send_timeout: Option<f64>,
         bind: Option<&str>,
         advertise: Option<&str>,
     ) -> PyResult<Self> {
@@ -520,6 +523,10 @@ agent_methods! { DecodeAgent,
         set(
             &mut config.fence_timeout,
             seconds("fence_timeout", fence_timeout)?,
+        );
+        set(
+            &mut config.control_send_timeout,
+            seconds("control_send_timeout", control_send_timeout)?,
         );
         let transport = engine.core().transport.clone();
         let directory = HttpDirectory::new().with_client_config(client_config(secret.as_deref()));

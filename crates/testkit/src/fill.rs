@@ -130,8 +130,9 @@ pub struct TokenLayout {
     /// ranks holding a head slice other than the first).
     pub row_offset: Vec<u64>,
     /// `Some(h)`: head-major pages (`kv_layout` `LBHNC`, vLLM's CPU layout): a page holds,
-    /// head by head, each token's `token_bytes / h` bytes of that head, so a token's row is
-    /// `h` pieces `page_size` pieces apart. `None`: token-major (a token's row is contiguous).
+    /// head by head, the page's K rows of that head, then its V rows, so a token's row (per
+    /// head its K then its V half) is `2h` pieces of `token_bytes / 2h` bytes, `page_size`
+    /// pieces apart. `None`: token-major (a token's row is contiguous).
     pub head_major: Option<u64>,
 }
 
@@ -176,15 +177,17 @@ impl TokenLayout {
         })
     }
 
-    /// Heads of a page and bytes of one head of one token in entry `entry`: `(h, tb / h)` for
-    /// head-major pages, `(1, tb)` (one piece, the whole row) for token-major ones.
+    /// Pieces of a token row in a page and bytes of each in entry `entry`: `(2h, tb / 2h)`
+    /// for head-major pages (a K and a V half per head), `(1, tb)` (one piece, the whole
+    /// row) for token-major ones.
     fn pieces(&self, entry: usize) -> Result<(u64, u64), String> {
         let tb = self.token_bytes[entry];
         match self.head_major {
             None => Ok((1, tb)),
-            Some(h) if h > 0 && tb % h == 0 => Ok((h, tb / h)),
+            Some(h) if h > 0 && tb % (2 * h) == 0 => Ok((2 * h, tb / (2 * h))),
             Some(h) => Err(format!(
-                "entry {entry}: {tb}-byte token rows do not split into {h} head-major heads"
+                "entry {entry}: {tb}-byte token rows do not split into {h} head-major heads \
+                 of a K and a V half"
             )),
         }
     }
@@ -695,8 +698,9 @@ mod tests {
 
     #[test]
     fn head_major_pages_hold_each_head_of_a_token_page_size_rows_apart() {
-        // Rank 1 of a TP-2 group of 4 heads: heads 2 and 3 (8 bytes a token each), pages of
-        // 2 tokens, 2 pages: a page is [head 2: slot 0, slot 1][head 3: slot 0, slot 1].
+        // Rank 1 of a TP-2 group of 4 heads: heads 2 and 3 (8 bytes a token each: 4 of K, 4
+        // of V), pages of 2 tokens, 2 pages: a page is [head 2 K: slot 0, slot 1][head 2 V:
+        // slot 0, slot 1][head 3 K: ...][head 3 V: ...], 4 bytes a piece.
         let layout = TokenLayout {
             page_size: 2,
             dcp_size: 1,
@@ -709,22 +713,22 @@ mod tests {
         let v = views(1, 2 * 2 * 16);
         assert_eq!(fill_rows(&v, &layout, 4, 0..3).unwrap(), 3 * 16);
         let piece = |at: u64| {
-            let mut b = vec![0u8; 8];
+            let mut b = vec![0u8; 4];
             v[0].region.read_at(at, &mut b).unwrap();
             b
         };
         let want = |pos, from: u64| {
-            (from..from + 8)
+            (from..from + 4)
                 .map(|i| kv_byte(4, 0, pos, i))
                 .collect::<Vec<_>>()
         };
-        // Position 1: page 1 slot 1; head 3 (bytes 24..32 of the full row) at (1·2 + 1)·8.
-        assert_eq!(piece(32 + 3 * 8), want(1, 24));
-        assert_eq!(piece(32 + 8), want(1, 16));
-        // Position 2: page 0 slot 0, head 2 then (two slots on) head 3; slot 1 stays empty.
-        assert_eq!(piece(0), want(2, 16));
-        assert_eq!(piece(16), want(2, 24));
-        assert_eq!(piece(8), vec![0; 8]);
+        for j in 0..4 {
+            // Position 1: page 1, slot 1; piece j (bytes 16 + 4j of the full row).
+            assert_eq!(piece(32 + j * 8 + 4), want(1, 16 + 4 * j), "piece {j}");
+            // Position 2: page 0, slot 0; slot 1 stays empty.
+            assert_eq!(piece(j * 8), want(2, 16 + 4 * j), "piece {j}");
+            assert_eq!(piece(j * 8 + 4), vec![0; 4], "piece {j}");
+        }
         assert_eq!(verify_rows(&v, &layout, 4, 0..3).unwrap(), 3 * 16);
         assert_eq!(verify_untouched(&v, &layout, 0..3).unwrap(), 2 * 8);
         // The same bytes read token-major do not verify, and a stray byte is found.
@@ -733,7 +737,7 @@ mod tests {
             ..layout.clone()
         };
         assert!(verify_rows(&v, &token_major, 4, 0..3).is_err());
-        v[0].region.write_at(8, &[1]).unwrap();
+        v[0].region.write_at(4, &[1]).unwrap();
         let m = match verify_untouched(&v, &layout, 0..3) {
             Err(VerifyError::Mismatch(m)) => m,
             other => panic!("expected a mismatch, got {other:?}"),

@@ -101,12 +101,14 @@ def test_a_decode_request_that_ends_while_loading_aborts_its_room():
 
 def test_a_pair_this_connector_cannot_serve_computes_its_prompt_with_one_error(caplog):
     s = _decode()
-    p = params.RemoteKv("10.0.0.1:8998", 5, 300, 16, 2).to_params()
+    p = params.RemoteKv("10.0.0.1:8998", 5, 300, 16, 2).to_params()  # another block size
     with caplog.at_level(logging.ERROR, logger="vllm.kvbridge"):
         assert s.matched_tokens("d1", p, 0, 300) == (0, False)
         assert s.matched_tokens("d1", p, 0, 300) == (0, False)
     (line,) = [r.getMessage() for r in caplog.records]
-    assert "block size 16 and TP 2 -> decode block size 128 and TP 1" in line and "same --block-size" in line
+    assert "block size 16 -> decode block size 128" in line and "same --block-size" in line
+    # TP sizes may differ (kvbridge slices heads, or sends MLA's whole latent): blocks not.
+    assert s.matched_tokens("m1", params.RemoteKv("a:1", 5, 300, 128, 2).to_params(), 0, 300) == (300, True)
     bad = {"do_remote_prefill": True, "kvbridge": {"version": 2}}
     assert s.matched_tokens("d2", bad, 0, 300) == (0, False)
 

@@ -222,6 +222,7 @@ class DecodeAgent:
         waiting_timeout: float | None = None,
         heartbeat_interval: float | None = None,
         fence_timeout: float | None = None,
+        control_send_timeout: float | None = None,
         bind: str | None = None,
         advertise: str | None = None,
     ) -> None: ...

@@ -108,6 +108,7 @@ class KvbridgeConnector(KVConnectorBase_V1):
             tp_size=self._tp_size,
             tp_rank=get_tensor_model_parallel_rank(),
             dtype=str(tensor.dtype).removeprefix("torch."),
+            mla=bool(getattr(model, "use_mla", False)),
         )
         self._worker = Worker(self._settings, self._producer, geometry)
         self._worker.register(kv_caches)

@@ -101,7 +101,10 @@ def new_room() -> int:
 
 
 class SchedulerState:
-    """What the scheduler side knows. ``block_size`` and ``tp_size`` are this server's."""
+    """What the scheduler side knows. ``block_size`` and ``tp_size`` are this server's. The two
+    servers' TP sizes may differ: kvbridge slices a GQA model's heads between them, and sends
+    an MLA rank's whole latent cache from one prefill rank; which TP pairs a model allows,
+    kvbridge's handshake checks when the decode asks for the room."""
 
     def __init__(self, settings: Settings, block_size: int, tp_size: int, producer: bool):
         self.settings = settings
@@ -143,13 +146,12 @@ class SchedulerState:
         # The concurrent flow names no sizes: kvbridge's opening exchange checks the layouts.
         if kv.block_size is None and kv.tp_size is None:
             return kv
-        if kv.block_size != self.block_size or kv.tp_size != self.tp_size:
+        if kv.block_size != self.block_size:
             self._refuse(
                 req_id,
-                f"prefill block size {kv.block_size} and TP {kv.tp_size} -> decode block size "
-                f"{self.block_size} and TP {self.tp_size}: this connector moves KV between "
-                "servers of the same --block-size and --tensor-parallel-size; start both with "
-                "the same values",
+                f"prefill block size {kv.block_size} -> decode block size {self.block_size}: "
+                "this connector moves KV between servers of the same --block-size; start both "
+                "with the same value",
             )
             return None
         return kv

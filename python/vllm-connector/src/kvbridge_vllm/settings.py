@@ -31,6 +31,9 @@ class Settings:
     transfer_timeout: float = 30.0
     #: Seconds a decode waits for the prefill to answer its request for a room.
     bootstrap_timeout: float = 30.0
+    #: Seconds each control message from the decode to a prefill may take (SGLang's decode
+    #: allows 1 s; a loaded host can take longer to read its first one).
+    control_timeout: float = 5.0
     #: Concurrent flow, prefill: send each layer's rows as the forward pass computes it
     #: (``save_kv_layer``); ``false`` sends a step's rows once its forward pass ended.
     layerwise: bool = True
@@ -68,7 +71,7 @@ class Settings:
             raise bad("bootstrap_port", port, "a TCP port number (1-65535)")
         if not isinstance(self.layerwise, bool):
             raise bad("layerwise", self.layerwise, "true or false")
-        for key in ("waiting_timeout", "transfer_timeout", "bootstrap_timeout"):
+        for key in ("waiting_timeout", "transfer_timeout", "bootstrap_timeout", "control_timeout"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise bad(key, value, "a positive number of seconds")

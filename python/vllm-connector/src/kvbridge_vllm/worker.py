@@ -22,8 +22,10 @@ from kvbridge_vllm.settings import Settings
 
 logger = logging.getLogger("vllm.kvbridge")
 
-# vLLM's CPU attention keeps a layer as [num_blocks, num_kv_heads, block_size, 2 * head_size]
-# (a block holds, head by head, each token's K and V): one page of one KV entry per block.
+# vLLM's CPU attention keeps a layer as [num_blocks, num_kv_heads, block_size, 2 * head_size],
+# which its kernel reads as [num_blocks, num_kv_heads, 2, block_size, head_size] (a block holds,
+# head by head, the block's K rows, then its V rows): one page of one KV entry per block,
+# kvbridge's head-major pages (docs/planning.md, "Head-major pages").
 CPU_LAYOUT = "LBHNC"
 
 
@@ -38,12 +40,25 @@ class Geometry:
     tp_size: int
     tp_rank: int
     dtype: str
+    #: An MLA model: each layer is ``[num_blocks, block_size, latent]``, every TP rank holding
+    #: the whole latent cache (kvbridge's MLA pool, SGLang's layout).
+    mla: bool = False
 
 
 def descriptor(role: str, geometry: Geometry, item_lens: list) -> "kvbridge.PeerDescriptor":
-    """The rank's ``PeerDescriptor``: an MHA pool of one entry per layer whose page (one vLLM
-    block) holds, for each of this rank's heads, each token's K and V (``head_dim`` counts
-    both, so kvbridge's checks see the page's true size)."""
+    """The rank's ``PeerDescriptor``. MHA: one entry per layer whose page (one vLLM block)
+    holds, for each of this rank's heads, each token's K and V (``head_dim`` counts both, so
+    kvbridge's checks see the page's true size). MLA: one entry per layer of token rows."""
+    if geometry.mla:
+        return kvbridge.PeerDescriptor(
+            role=role,
+            page_size=geometry.block_size,
+            kv_cache_dtype=geometry.dtype,
+            kv_pool="mla",
+            attn_tp_size=geometry.tp_size,
+            attn_tp_rank=geometry.tp_rank,
+            kv_item_lens=item_lens,
+        )
     return kvbridge.PeerDescriptor(
         role=role,
         page_size=geometry.block_size,
@@ -135,7 +150,7 @@ class Worker:
                     f"KV cache tensor {name!r} has shape {tuple(tensor.shape)} (contiguous: "
                     f"{tensor.is_contiguous()}); KvbridgeConnector moves contiguous tensors of "
                     f"{g.num_blocks} blocks first ([num_blocks, kv_heads, block_size, 2 * "
-                    "head_size], vLLM's CPU layout)"
+                    "head_size], vLLM's CPU layout, or [num_blocks, block_size, latent] for MLA)"
                 )
             nbytes = tensor.numel() * tensor.element_size()
             device = tensor.device
@@ -152,7 +167,7 @@ class Worker:
             if g.tp_rank == 0:
                 host, port = s.bootstrap_addr.rsplit(":", 1)
                 self.server = kvbridge.BootstrapServer(host, int(port))
-            self.agent = kvbridge.PrefillAgent(
+            self.agent = self._registered(lambda: kvbridge.PrefillAgent(
                 self.engine,
                 desc,
                 entries,
@@ -161,7 +176,7 @@ class Worker:
                 batch_timeout=s.transfer_timeout,
                 bootstrap_timeout=s.bootstrap_timeout,
                 bind=bind,
-            )
+            ))
         else:
             self.agent = kvbridge.DecodeAgent(
                 self.engine,
@@ -169,12 +184,26 @@ class Worker:
                 entries,
                 bootstrap_timeout=s.bootstrap_timeout,
                 waiting_timeout=s.transfer_timeout,
+                control_send_timeout=s.control_timeout,
                 bind=bind,
             )
         logger.info(
             "kvbridge: %s worker TP %d/%d ready: %d layers of %d blocks (%d bytes each) over %s",
             role, g.tp_rank, g.tp_size, len(entries), g.num_blocks, item_lens[0], s.transport,
         )
+
+    def _registered(self, start: Any) -> Any:
+        """A prefill agent, registered with the bootstrap server. TP rank 0's worker starts
+        that server, and vLLM starts its workers side by side: another rank may come first,
+        so it tries again, every 0.2 s, until ``bootstrap_timeout``."""
+        end = time.monotonic() + self.settings.bootstrap_timeout
+        while True:
+            try:
+                return start()
+            except kvbridge.PeerLostError:
+                if self.geometry.tp_rank == 0 or time.monotonic() > end:
+                    raise
+                time.sleep(0.2)
 
     # --- every step -----------------------------------------------------------------------
 

@@ -62,7 +62,7 @@ class VllmServer(procs.Server):
     """One vLLM OpenAI server: ``role`` None (a single server), ``kv_producer`` (a prefill)
     or ``kv_consumer`` (a decode), with KvbridgeConnector over ``transport``."""
 
-    def __init__(self, name: str, model: str, log_dir: str, role=None, transport: str = "tcp", extra=None):
+    def __init__(self, name: str, model: str, log_dir: str, role=None, transport: str = "tcp", extra=None, cli=()):
         self.name, self.model, self.mode, self.backend = name, model, role or "single", "kvbridge"
         self.port = procs.free_port()
         self.bootstrap_port = procs.free_port() if role == "kv_producer" else None
@@ -74,7 +74,7 @@ class VllmServer(procs.Server):
             "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4",
-            "--max-num-batched-tokens", str(CHUNK),
+            "--max-num-batched-tokens", str(CHUNK), *cli,
         ]
         if role is not None:
             config = {"transport": transport, **(extra or {})}

