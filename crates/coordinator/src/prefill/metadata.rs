@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::{AcceptedPeer, Core, EARLY_TRACES, PrefillInner};
+use super::{AcceptedPeer, Core, EARLY_TRACES, EARLY_TRACES_PER_ROOM, PrefillInner};
 use crate::messages::TransferInfo;
 use crate::state::{FailureCause, FailureReason, RoomState};
 use crate::trace;
@@ -15,9 +15,15 @@ use kvbridge_machines::prefill::{RankEvent, status_message};
 /// of a room not created yet keeps its context for `create_room`.
 fn join_trace(c: &mut Core, info: &TransferInfo) {
     let Some(side) = c.rooms.get_mut(&info.room) else {
-        if let Some(tp) = info.traceparent {
-            if c.early_traces.len() < EARLY_TRACES {
-                c.early_traces.entry(info.room).or_insert(tp);
+        let Some(tp) = info.traceparent else { return };
+        let full = c.early_traces.len() >= EARLY_TRACES;
+        if let Some(early) = match c.early_traces.get_mut(&info.room) {
+            Some(v) => Some(v),
+            None if full => None,
+            None => Some(c.early_traces.entry(info.room).or_default()),
+        } {
+            if early.len() < EARLY_TRACES_PER_ROOM {
+                early.push(tp);
             }
         }
         return;

@@ -254,12 +254,14 @@ struct Core {
     /// The control loop and the timer task: they end with the agent.
     tasks: Tasks,
     /// Trace contexts of metadata that came before its room was created (the machine holds
-    /// the metadata itself), at most [`EARLY_TRACES`], taken by `create_room`.
-    early_traces: HashMap<RoomId, TraceParent>,
+    /// the metadata itself), in arrival order, taken by `create_room`.
+    early_traces: HashMap<RoomId, Vec<TraceParent>>,
 }
 
-/// At most this many early rooms' trace contexts are kept (beyond it they go untraced).
+/// At most this many early rooms' trace contexts are kept, and at most
+/// [`EARLY_TRACES_PER_ROOM`] per room (beyond that they go untraced): a peer cannot grow it.
 const EARLY_TRACES: usize = 4096;
+const EARLY_TRACES_PER_ROOM: usize = 64;
 
 impl Core {
     /// A room the caller has not cleared: its machine and what the driver keeps beside it.

@@ -42,15 +42,15 @@ impl PrefillInner {
             inc(&self.metrics.rooms_created);
             tracing::debug!(parent: &span, "room created");
             // Metadata that came first carried the decode's trace context.
-            let early = c.early_traces.remove(&room);
-            if let Some(tp) = &early {
-                trace::adopt(&span, tp, true);
+            let early = c.early_traces.remove(&room).unwrap_or_default();
+            for (i, tp) in early.iter().enumerate() {
+                trace::adopt(&span, tp, i == 0);
             }
             let side = RoomSide {
                 status: RoomStatus::new(RoomState::Bootstrapping),
                 driver: None,
                 span,
-                traced: early.is_some(),
+                traced: !early.is_empty(),
             };
             c.rooms.insert(room, side);
             self.step_locked(c, RankEvent::Create { room });
