@@ -490,8 +490,6 @@ impl RoomDriver {
         inc(&metrics.batches_posted);
         add(&metrics.descriptors_posted, n_ops);
         add(&metrics.rows_posted, rows);
-        let t = self.inner.transport.clone();
-        let wait_limit = self.wait_limit;
         let span = tracing::info_span!(
             "kv_batch",
             room = self.room.get(),
@@ -502,31 +500,35 @@ impl RoomDriver {
             ops = n_ops,
             rows,
             bytes,
-            transport = t.name(),
+            transport = self.inner.transport.name(),
             otel.status_code = field::Empty,
             error.type = field::Empty,
         );
+        self.wait_for(pi, id, aux, bytes, lease, span);
+        Ok(self
+            .progress
+            .handle(BatchEvent::Posted { peer: pi, id, aux }))
+    }
+
+    /// Follows a posted batch on a waiter task, within the wait limit; its `kv_batch` span
+    /// ends with it.
+    fn wait_for(
+        &mut self,
+        pi: usize,
+        id: BatchId,
+        aux: bool,
+        bytes: u64,
+        lease: Option<PackLease>,
+        span: Span,
+    ) {
+        let t = self.inner.transport.clone();
+        let wait_limit = self.wait_limit;
         self.waits.spawn(async move {
             let waited = match tokio::time::timeout(wait_limit, t.wait(id)).await {
                 Ok(r) => Waited::Final(r),
                 Err(_) => Waited::Hung,
             };
-            match &waited {
-                Waited::Final(Ok(())) => trace::ok(&span),
-                Waited::Final(Err(e)) => {
-                    let cause = match e {
-                        TransportError::TimedOut { .. } => FailureCause::BatchTimeout,
-                        _ => FailureCause::TransferError,
-                    };
-                    trace::fail(&span, cause, &e.to_string());
-                }
-                Waited::Hung => trace::fail(
-                    &span,
-                    FailureCause::BatchTimeout,
-                    "the transport did not finish the batch within its deadline plus grace",
-                ),
-            }
-            drop(span);
+            end_batch_span(span, &waited);
             // Final: no byte of the batch is read any more.
             let lease = match (&waited, lease) {
                 (Waited::Final(_), Some(l)) => {
@@ -544,9 +546,25 @@ impl RoomDriver {
                 lease,
             }
         });
-        Ok(self
-            .progress
-            .handle(BatchEvent::Posted { peer: pi, id, aux }))
+    }
+}
+
+/// Ends a `kv_batch` span with how its batch ended.
+fn end_batch_span(span: Span, waited: &Waited) {
+    match waited {
+        Waited::Final(Ok(())) => trace::ok(&span),
+        Waited::Final(Err(e)) => {
+            let cause = match e {
+                TransportError::TimedOut { .. } => FailureCause::BatchTimeout,
+                _ => FailureCause::TransferError,
+            };
+            trace::fail(&span, cause, &e.to_string());
+        }
+        Waited::Hung => trace::fail(
+            &span,
+            FailureCause::BatchTimeout,
+            "the transport did not finish the batch within its deadline plus grace",
+        ),
     }
 }
 
