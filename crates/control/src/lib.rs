@@ -8,6 +8,7 @@
 //!   [`Endpoint`] names an agent.
 //! * [`ids`] — typed room, incarnation, generation and session ids; [`RoomState`] and
 //!   [`FailureCause`], the state and cause a status carries.
+//! * [`TraceParent`] — the W3C trace context a room's `transfer_info` may carry.
 //! * [`PrefillRankInfo`] — a prefill rank (control endpoint and descriptor) as a bootstrap
 //!   registry publishes it.
 //! * [`ControlError`] — the one error type; a third-party channel depends on this crate
@@ -62,6 +63,7 @@ mod state;
 #[cfg(feature = "channel")]
 #[cfg_attr(docsrs, doc(cfg(feature = "channel")))]
 pub mod tcp;
+mod trace;
 mod version;
 
 #[cfg(feature = "channel")]
@@ -79,4 +81,5 @@ pub use messages::{
 };
 pub use rank::PrefillRankInfo;
 pub use state::{FailureCause, RoomState};
+pub use trace::TraceParent;
 pub use version::ProtocolVersion;

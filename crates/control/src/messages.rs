@@ -15,12 +15,14 @@ use kvbridge_handshake::PeerDescriptor;
 use crate::endpoint::Endpoint;
 use crate::ids::{Generation, RoomId, SessionId};
 use crate::state::{FailureCause, RoomState};
+use crate::trace::TraceParent;
 use crate::version::ProtocolVersion;
 
 /// Version of the control messages. Agents whose majors differ refuse each other's
 /// registration; otherwise they speak the lower minor. Minor 1 added `protocol_minor` and the
-/// rule that unknown message types are skipped.
-pub const CONTROL_PROTOCOL_VERSION: ProtocolVersion = ProtocolVersion::new(1, 1);
+/// rule that unknown message types are skipped; minor 2 the optional `traceparent` of
+/// [`TransferInfo`].
+pub const CONTROL_PROTOCOL_VERSION: ProtocolVersion = ProtocolVersion::new(1, 2);
 
 /// One control message. See each payload for its fields and when it is sent.
 ///
@@ -254,6 +256,16 @@ pub struct TransferInfo {
     pub required_dst_info_num: u32,
     /// Tokens the decode already holds; the prefill sends from here.
     pub decode_prefix_len: u64,
+    /// The decode room's W3C trace context (minor 2), so the prefill's spans of the room join
+    /// the decode's trace. Optional both ways: absent from the JSON when `None`, ignored by
+    /// a minor-1 receiver, and a value that is not a well-formed `traceparent` reads as
+    /// `None` (the room goes on untraced, the message is not refused).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::trace::lenient"
+    )]
+    pub traceparent: Option<TraceParent>,
 }
 
 /// Prefill rank → decode rank: a room's state.
@@ -380,6 +392,47 @@ mod tests {
         assert_eq!(serde_json::from_str::<ControlMessage>(&j).unwrap(), s);
         assert_eq!(s.room(), Some(RoomId(9)));
         assert_eq!(s.kind(), "status");
+    }
+
+    /// A minor-1 `transfer_info` (no `traceparent`), as an older decode sends it.
+    const OLD_INFO: &str = r#"{"type":"transfer_info","room":5,"generation":1,"decode_endpoint":"d:1","session":3,"dst_pages":[1,2],"dst_aux_index":0,"is_dummy":false,"required_dst_info_num":1,"decode_prefix_len":0}"#;
+
+    #[test]
+    fn transfer_info_without_traceparent_decodes_as_before_and_encodes_the_same() {
+        let m = ControlMessage::from_json(OLD_INFO.as_bytes())
+            .unwrap()
+            .unwrap();
+        let ControlMessage::TransferInfo(info) = &m else {
+            panic!("{m:?}")
+        };
+        assert_eq!(info.traceparent, None);
+        assert_eq!(info.dst_pages, vec![1, 2]);
+        // Without a trace context the message is byte for byte what minor 1 sent.
+        assert_eq!(serde_json::to_string(&m).unwrap(), OLD_INFO);
+    }
+
+    #[test]
+    fn transfer_info_carries_a_traceparent_and_drops_a_malformed_one() {
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let with = OLD_INFO.replace('}', &format!(r#","traceparent":"{tp}"}}"#));
+        let m = ControlMessage::from_json(with.as_bytes()).unwrap().unwrap();
+        let ControlMessage::TransferInfo(info) = &m else {
+            panic!("{m:?}")
+        };
+        assert_eq!(info.traceparent, TraceParent::parse(tp));
+        assert!(info.traceparent.is_some());
+        assert_eq!(serde_json::to_string(&m).unwrap(), with);
+        for bad in [r#""garbage""#, "17", "null", r#"{"x":1}"#, r#""00-zz""#] {
+            let j = OLD_INFO.replace('}', &format!(r#","traceparent":{bad}}}"#));
+            let m = ControlMessage::from_json(j.as_bytes())
+                .unwrap_or_else(|e| panic!("{bad}: {e}"))
+                .unwrap();
+            let ControlMessage::TransferInfo(info) = m else {
+                panic!("{bad}")
+            };
+            assert_eq!(info.traceparent, None, "{bad}");
+            assert_eq!(info.room, RoomId(5), "{bad}");
+        }
     }
 
     fn registration() -> Registration {

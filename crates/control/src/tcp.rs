@@ -1358,6 +1358,7 @@ mod tests {
             is_dummy: false,
             required_dst_info_num: 1,
             decode_prefix_len: 16,
+            traceparent: None,
         };
         let seeds: Vec<(&str, Vec<ControlMessage>)> = vec![
             (

@@ -24,12 +24,16 @@ use crate::directory::PrefillDirectory;
 use crate::error::{CoordinatorError, Result, Side};
 use crate::ids::{Incarnation, RoomId, SessionId};
 use crate::memory::KvMemory;
-use crate::messages::{CONTROL_PROTOCOL_VERSION, Registration, TransportInfo};
+use crate::messages::{
+    CONTROL_PROTOCOL_VERSION, ControlMessage, Registration, StatusUpdate, TransferInfo,
+    TransportInfo,
+};
 use crate::metrics::{Metrics, MetricsSnapshot, inc};
 use crate::outbox::{Outbox, send_failed_to};
 use crate::shell::{Driver, Tasks};
 use crate::start::{check_role, current_runtime};
-use crate::state::{KvTransferError, RoomState, wait_terminal};
+use crate::state::{FailureCause, FailureReason, KvTransferError, RoomState, wait_terminal};
+use crate::trace;
 use kvbridge_machines::DecodeConfig;
 use kvbridge_machines::decode::{Action, DecodeMachine, Event, RoomRequest};
 
@@ -205,6 +209,10 @@ struct RoomSignals {
     state: watch::Sender<RoomState>,
     fence: watch::Sender<FenceSignal>,
     span: Span,
+    /// `kv_bootstrap`: from `receive` until the metadata is sent (resolve, registration).
+    bootstrap: Span,
+    /// `kv_receive` per prefill rank sent the metadata, until its status or the room's end.
+    ranks: Vec<(Endpoint, Span)>,
 }
 
 /// The fence as `release_when_fenced` sees it.
@@ -252,9 +260,17 @@ impl Driver for DecodeInner {
     }
 
     fn hear(self: Arc<Self>, env: Envelope) -> impl Future<Output = ()> + Send {
-        self.step(Event::Control {
-            from: env.from,
-            message: env.message,
+        self.with_core(|c| {
+            if let ControlMessage::Status(s) = &env.message {
+                rank_status(c, &env.from, s);
+            }
+            self.run(
+                c,
+                Event::Control {
+                    from: env.from,
+                    message: env.message,
+                },
+            );
         });
         std::future::ready(())
     }
@@ -331,15 +347,23 @@ impl DecodeAgent {
     pub fn receive(&self, room: impl Into<RoomId>, request: ReceiveRequest) -> Result<()> {
         let room = room.into();
         let request = self.inner.room_request(room, request)?;
+        // The caller's current span (an engine's request span, if any) is the parent.
         let span = tracing::info_span!(
-            parent: None,
             "kv_room",
             side = SIDE.as_str(),
             room = room.get(),
+            tp_rank = self.inner.descriptor.attn_tp_rank,
+            dcp_rank = self.inner.descriptor.dcp_rank,
+            transport = self.inner.transport.name(),
             peer = %request.addr,
+            pages = request.dst_pages.len(),
+            prefix = request.prefix,
             bytes = field::Empty,
-            duration_ms = field::Empty
+            duration_ms = field::Empty,
+            otel.status_code = field::Empty,
+            error.type = field::Empty,
         );
+        let bootstrap = tracing::info_span!(parent: &span, "kv_bootstrap", room = room.get(), peer = %request.addr, otel.status_code = field::Empty, error.type = field::Empty);
         self.inner.with_core(|c| {
             c.machine.admit(room)?;
             c.rooms.insert(
@@ -348,6 +372,8 @@ impl DecodeAgent {
                     state: watch::Sender::new(RoomState::Bootstrapping),
                     fence: watch::Sender::new(FenceSignal::default()),
                     span,
+                    bootstrap,
+                    ranks: Vec::new(),
                 },
             );
             self.inner.run(c, Event::Receive { room, request });
@@ -514,7 +540,12 @@ impl DecodeInner {
 
     fn execute(&self, c: &mut Core, action: Action) {
         match action {
-            Action::Send { to, message } => self.outbox.send(&to, message),
+            Action::Send { to, mut message } => {
+                if let ControlMessage::TransferInfo(info) = &mut message {
+                    metadata_sent(c, &to, info);
+                }
+                self.outbox.send(&to, message);
+            }
             Action::Resolve { addr } => self.resolve(addr),
             Action::Report {
                 room,
@@ -547,8 +578,8 @@ impl DecodeInner {
         }
     }
 
-    fn report(&self, c: &Core, room: RoomId, state: RoomState, elapsed: Duration) {
-        let Some(s) = c.rooms.get(&room) else {
+    fn report(&self, c: &mut Core, room: RoomId, state: RoomState, elapsed: Duration) {
+        let Some(s) = c.rooms.get_mut(&room) else {
             return;
         };
         s.state.send_replace(state);
@@ -557,10 +588,12 @@ impl DecodeInner {
                 self.metrics.succeeded(elapsed);
                 let ms = elapsed.as_millis() as u64;
                 s.span.record("duration_ms", ms);
+                end_spans(s, None);
                 tracing::info!(parent: &s.span, duration_ms = ms, "room received");
             }
             RoomState::Failed => {
                 if let Some(e) = c.machine.failure(room) {
+                    end_spans(s, Some(&e.reason));
                     self.metrics.failed(e.reason.cause);
                     tracing::warn!(parent: &s.span, cause = %e.reason.cause, peer = e.reason.peer.as_deref(), reason = %e.reason.message, "room failed");
                 }
@@ -733,5 +766,75 @@ impl DecodeInner {
             error: err.to_string(),
         };
         self.step(event);
+    }
+}
+
+/// The metadata for one prefill rank is going out: it carries the room span's trace context,
+/// the bootstrap is over, and that rank's `kv_receive` span starts.
+fn metadata_sent(c: &mut Core, to: &Endpoint, info: &mut TransferInfo) {
+    let Some(s) = c.rooms.get_mut(&info.room) else {
+        return;
+    };
+    info.traceparent = trace::traceparent(&s.span);
+    if !s.bootstrap.is_none() {
+        trace::ok(&s.bootstrap);
+        s.bootstrap = Span::none();
+    }
+    let span = tracing::info_span!(
+        parent: &s.span,
+        "kv_receive",
+        room = info.room.get(),
+        prefill = %to,
+        prefill_rank = field::Empty,
+        pages = info.dst_pages.len(),
+        dummy = info.is_dummy,
+        otel.status_code = field::Empty,
+        error.type = field::Empty,
+    );
+    s.ranks.push((to.clone(), span));
+}
+
+/// A prefill rank's status for a room ends its `kv_receive` span: its data landed (Success)
+/// or it failed with its cause.
+fn rank_status(c: &mut Core, from: &Endpoint, status: &StatusUpdate) {
+    let Some(s) = c.rooms.get_mut(&status.room) else {
+        return;
+    };
+    let Some(i) = s.ranks.iter().position(|(e, _)| e == from) else {
+        return;
+    };
+    let (_, span) = s.ranks.swap_remove(i);
+    span.record("prefill_rank", status.prefill_rank);
+    match status.state {
+        RoomState::Success => trace::ok(&span),
+        RoomState::Failed => trace::fail(
+            &span,
+            status.cause.unwrap_or(FailureCause::RemoteFailure),
+            status
+                .reason
+                .as_deref()
+                .unwrap_or("the prefill rank failed the room"),
+        ),
+        _ => {
+            s.ranks.push((from.clone(), span));
+        }
+    }
+}
+
+/// The room reached its end: the room span and every span still open under it end with its
+/// outcome (`None`: success), so an aborted or timed-out room leaves no span open.
+fn end_spans(s: &mut RoomSignals, failure: Option<&FailureReason>) {
+    let open = std::mem::take(&mut s.ranks)
+        .into_iter()
+        .map(|(_, span)| span);
+    let bootstrap = std::mem::replace(&mut s.bootstrap, Span::none());
+    for span in open
+        .chain(std::iter::once(bootstrap))
+        .chain([s.span.clone()])
+    {
+        match failure {
+            Some(reason) => trace::fail_with(&span, reason),
+            None => trace::ok(&span),
+        }
     }
 }

@@ -116,6 +116,7 @@ mod prefill;
 mod shell;
 mod start;
 mod state;
+mod trace;
 
 // The control channel, its messages and ids are kvbridge-control's; these keep the paths
 // `crate::channel`, `crate::messages` and `kvbridge_coordinator::ids` of earlier releases.

@@ -521,6 +521,7 @@ async fn incompatible_decode_is_refused_with_every_problem_and_the_prefill_keeps
                 is_dummy: false,
                 required_dst_info_num: 1,
                 decode_prefix_len: 0,
+                traceparent: None,
             }),
         )
         .await

@@ -12,4 +12,5 @@
 //! The binary (`src/main.rs`) holds the two commands: `demo` and `bench`.
 
 pub mod process;
+pub mod telemetry;
 pub mod views;

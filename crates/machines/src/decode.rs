@@ -691,6 +691,8 @@ impl DecodeMachine {
                 is_dummy: dummy,
                 required_dst_info_num: t.info.required_dst_info_num,
                 decode_prefix_len: r.request.prefix,
+                // The driver adds the room span's trace context (the machine knows no spans).
+                traceparent: None,
             };
             sends.push((t.info.endpoint.clone(), ControlMessage::TransferInfo(info)));
         }

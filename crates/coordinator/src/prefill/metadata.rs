@@ -4,10 +4,45 @@
 
 use std::sync::Arc;
 
-use super::{AcceptedPeer, PrefillInner};
+use super::{AcceptedPeer, Core, EARLY_TRACES, EARLY_TRACES_PER_ROOM, PrefillInner};
 use crate::messages::TransferInfo;
 use crate::state::{FailureCause, FailureReason, RoomState};
+use crate::trace;
 use kvbridge_machines::prefill::{RankEvent, status_message};
+
+/// A decode rank's metadata as the room's trace sees it: its trace context joins the room's
+/// span (the first one as parent), and a `kv_metadata` span says who asked for what. Metadata
+/// of a room not created yet keeps its context for `create_room`.
+fn join_trace(c: &mut Core, info: &TransferInfo) {
+    let Some(side) = c.rooms.get_mut(&info.room) else {
+        let Some(tp) = info.traceparent else { return };
+        let full = c.early_traces.len() >= EARLY_TRACES;
+        if let Some(early) = match c.early_traces.get_mut(&info.room) {
+            Some(v) => Some(v),
+            None if full => None,
+            None => Some(c.early_traces.entry(info.room).or_default()),
+        } {
+            if early.len() < EARLY_TRACES_PER_ROOM {
+                early.push(tp);
+            }
+        }
+        return;
+    };
+    if let Some(tp) = &info.traceparent {
+        trace::adopt(&side.span, tp, !side.traced);
+        side.traced = true;
+    }
+    let _span = tracing::info_span!(
+        parent: &side.span,
+        "kv_metadata",
+        room = info.room.get(),
+        decode = %info.decode_endpoint,
+        pages = info.dst_pages.len(),
+        dummy = info.is_dummy,
+        prefix = info.decode_prefix_len,
+        required_dst_info_num = info.required_dst_info_num,
+    );
+}
 
 impl PrefillInner {
     pub(super) fn reply_failed(&self, info: &TransferInfo, reason: &FailureReason) {
@@ -58,6 +93,7 @@ impl PrefillInner {
                     return None;
                 }
             };
+            join_trace(c, &info);
             if !info.is_dummy && c.machine.is_lost(conn.peer) {
                 return Some((info, conn));
             }

@@ -32,7 +32,7 @@ use kvbridge_handshake::{PeerDescriptor, prefill_unique_rank};
 use kvbridge_transport::{KvTransport, MemoryRegion, PeerId};
 use tokio::sync::{Notify, Semaphore, mpsc};
 use tokio::time::Instant;
-use tracing::Span;
+use tracing::{Span, field};
 
 use crate::agreement::{LocalOnly, RankAgreement};
 use crate::channel::{ControlChannel, Endpoint, Envelope};
@@ -49,6 +49,7 @@ use crate::state::{
     FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus, wait_at_least,
     wait_terminal,
 };
+use kvbridge_control::TraceParent;
 use kvbridge_machines::PrefillConfig;
 use kvbridge_machines::plan::{Chunk, PeerPlan};
 use kvbridge_machines::prefill::{
@@ -166,6 +167,7 @@ impl PrefillAgentBuilder {
                     rooms: HashMap::new(),
                     timer_at: None,
                     tasks: Tasks::default(),
+                    early_traces: HashMap::new(),
                 }),
                 config: self.config,
                 descriptor: self.descriptor,
@@ -238,6 +240,9 @@ struct RoomSide {
     /// Chunks to the room's driver task, while it takes them.
     driver: Option<mpsc::Sender<Job>>,
     span: Span,
+    /// Whether the span has joined a decode rank's trace (the first `traceparent` heard is
+    /// its parent, later ones are links).
+    traced: bool,
 }
 
 /// The machine and what the driver keeps beside it, under one lock.
@@ -248,7 +253,15 @@ struct Core {
     timer_at: Option<std::time::Instant>,
     /// The control loop and the timer task: they end with the agent.
     tasks: Tasks,
+    /// Trace contexts of metadata that came before its room was created (the machine holds
+    /// the metadata itself), in arrival order, taken by `create_room`.
+    early_traces: HashMap<RoomId, Vec<TraceParent>>,
 }
+
+/// At most this many early rooms' trace contexts are kept, and at most
+/// [`EARLY_TRACES_PER_ROOM`] per room (beyond that they go untraced): a peer cannot grow it.
+const EARLY_TRACES: usize = 4096;
+const EARLY_TRACES_PER_ROOM: usize = 64;
 
 impl Core {
     /// A room the caller has not cleared: its machine and what the driver keeps beside it.
@@ -520,7 +533,19 @@ impl PrefillInner {
                 let me = self.clone();
                 tokio::spawn(async move {
                     let _permit = permit;
-                    me.on_register(reg).await;
+                    let span = tracing::info_span!(
+                        parent: None,
+                        "kv_register",
+                        side = SIDE.as_str(),
+                        rank = me.unique_rank,
+                        decode = %reg.decode_endpoint,
+                        transport = me.transport.name(),
+                        path = field::Empty,
+                        outcome = field::Empty,
+                        otel.status_code = field::Empty,
+                        error.type = field::Empty,
+                    );
+                    tracing::Instrument::instrument(me.on_register(reg), span).await;
                 });
             }
             ControlMessage::TransferInfo(info) => self.on_transfer_info(info),

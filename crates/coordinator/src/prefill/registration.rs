@@ -12,6 +12,8 @@ use crate::messages::{
     CONTROL_PROTOCOL_VERSION, ControlMessage, Registration, RegistrationOutcome, RegistrationReply,
     WireProblem, WireRegion, render_problems,
 };
+use crate::state::FailureCause;
+use crate::trace;
 use kvbridge_machines::plan::PeerPlan;
 use kvbridge_machines::prefill::{AcceptedDecode, Known, RankEvent};
 
@@ -22,6 +24,14 @@ impl PrefillInner {
             problems = %render_problems(&problems),
             "refusing an incompatible decode rank; still serving the others"
         );
+        // The registration's `kv_register` span (the caller's).
+        let span = tracing::Span::current();
+        span.record("outcome", "rejected");
+        trace::fail(
+            &span,
+            FailureCause::PeerRejected,
+            &render_problems(&problems),
+        );
         self.step(RankEvent::Rejected {
             endpoint: reg.decode_endpoint.clone(),
             session: reg.session,
@@ -31,6 +41,9 @@ impl PrefillInner {
     }
 
     fn reply_accepted(&self, reg: &Registration) {
+        let span = tracing::Span::current();
+        span.record("outcome", "accepted");
+        trace::ok(&span);
         let descriptor = self.descriptor.clone();
         self.reply(reg, RegistrationOutcome::Accepted { descriptor });
     }
@@ -97,6 +110,7 @@ impl PrefillInner {
         for peer in stepped.disconnect {
             let _ = self.transport.disconnect(peer).await;
         }
+        tracing::Span::current().record("path", path.as_str());
         tracing::info!(decode = %reg.decode_endpoint, path, "decode rank registered");
         self.reply_accepted(&reg);
     }

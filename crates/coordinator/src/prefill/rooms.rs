@@ -12,6 +12,7 @@ use crate::error::{CoordinatorError, Result};
 use crate::ids::RoomId;
 use crate::metrics::inc;
 use crate::state::{RoomState, RoomStatus};
+use crate::trace;
 use kvbridge_machines::plan::Chunk;
 use kvbridge_machines::prefill::{ChunkShape, Event, LayerPart, RankEvent};
 
@@ -27,18 +28,29 @@ impl PrefillInner {
             "kv_room",
             side = SIDE.as_str(),
             room = room.get(),
+            rank = self.unique_rank,
+            transport = self.transport.name(),
             peer = field::Empty,
+            decode_ranks = field::Empty,
             bytes = field::Empty,
-            duration_ms = field::Empty
+            duration_ms = field::Empty,
+            otel.status_code = field::Empty,
+            error.type = field::Empty,
         );
         self.with_core(|c| {
             c.machine.admit(room)?;
             inc(&self.metrics.rooms_created);
             tracing::debug!(parent: &span, "room created");
+            // Metadata that came first carried the decode's trace context.
+            let early = c.early_traces.remove(&room).unwrap_or_default();
+            for (i, tp) in early.iter().enumerate() {
+                trace::adopt(&span, tp, i == 0);
+            }
             let side = RoomSide {
                 status: RoomStatus::new(RoomState::Bootstrapping),
                 driver: None,
                 span,
+                traced: !early.is_empty(),
             };
             c.rooms.insert(room, side);
             self.step_locked(c, RankEvent::Create { room });

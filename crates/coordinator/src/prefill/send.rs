@@ -10,6 +10,7 @@ use std::time::Duration;
 use kvbridge_transport::{BatchId, KvTransport, TransferBatch, TransferOp, TransportError};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
+use tracing::{Instrument, Span, field};
 
 use super::pack::{has_strided_source, pack_batch};
 use super::step::DriverStart;
@@ -19,6 +20,7 @@ use crate::ids::{Incarnation, RoomId};
 use crate::memory::PackLease;
 use crate::metrics::{add, inc};
 use crate::state::{FailureCause, FailureReason, RoomState};
+use crate::trace;
 use kvbridge_machines::prefill::{BatchAction, BatchEvent, Event, SendProgress};
 
 pub(super) enum Waited {
@@ -87,11 +89,32 @@ impl RoomDriver {
         let failure = self.send(&mut rx, &mut status_rx).await.err();
         drop(rx);
         let (room, incarnation) = (self.room, self.incarnation);
+        let failed = failure.is_some();
         if let Some(reason) = failure {
             self.inner
                 .room_step(room, Some(incarnation), Event::Fail(reason));
         }
-        let poisoned = self.fence().await;
+        let fence_span = (failed || !self.progress.in_flight().is_empty()).then(|| {
+            tracing::info_span!(
+                "kv_fence",
+                room = room.get(),
+                batches = self.progress.in_flight().len(),
+                poisoned = field::Empty,
+                otel.status_code = field::Empty,
+                error.type = field::Empty,
+            )
+        });
+        let span = fence_span.clone().unwrap_or_else(Span::none);
+        let poisoned = self.fence().instrument(span.clone()).await;
+        span.record("poisoned", poisoned);
+        if poisoned {
+            trace::fail(
+                &span,
+                FailureCause::BatchTimeout,
+                "a batch of the room could not be fenced; the room is poisoned",
+            );
+        }
+        drop(fence_span);
         if poisoned {
             tracing::error!(%room, "a batch of the room could not be fenced; the room is poisoned");
         }
@@ -217,15 +240,45 @@ impl RoomDriver {
         }
     }
 
-    /// Plans a chunk for every decode rank and posts its batches (through a pack buffer when
-    /// the source rows are strided and the agent has pack buffers).
+    /// [`post_chunk`](Self::post_chunk) in a `kv_chunk` span, marked failed with the reason.
     async fn on_job(
         &mut self,
         job: Job,
         status_rx: &watch::Receiver<RoomState>,
     ) -> std::result::Result<Vec<BatchAction>, FailureReason> {
+        let span = tracing::info_span!(
+            "kv_chunk",
+            room = self.room.get(),
+            tokens = job.chunk.num_kv_tokens,
+            pages = job.chunk.pages.len(),
+            token_offset = job.token_offset,
+            last = job.chunk.is_last,
+            decode_ranks = self.peers.len(),
+            otel.status_code = field::Empty,
+            error.type = field::Empty,
+        );
+        let done = self
+            .post_chunk(job, status_rx)
+            .instrument(span.clone())
+            .await;
+        if let Err(reason) = &done {
+            trace::fail_with(&span, reason);
+        }
+        done
+    }
+
+    /// Plans a chunk for every decode rank and posts its batches (through a pack buffer when
+    /// the source rows are strided and the agent has pack buffers).
+    async fn post_chunk(
+        &mut self,
+        job: Job,
+        status_rx: &watch::Receiver<RoomState>,
+    ) -> std::result::Result<Vec<BatchAction>, FailureReason> {
         let room = self.room;
-        let (job, planned) = self.plan(job).await?;
+        let (job, planned) = self
+            .plan(job)
+            .instrument(tracing::info_span!("kv_plan"))
+            .await?;
         let mut due = Vec::new();
         for (pi, ops) in planned.into_iter().enumerate() {
             // The room failed meanwhile (its fence is due): the rest of the chunk stays
@@ -244,33 +297,66 @@ impl RoomDriver {
             if ops.is_empty() {
                 continue;
             }
-            let (ops, lease) = match &self.inner.pack {
-                Some(pack) if has_strided_source(&ops) => {
-                    let packed = pack_batch(
-                        &self.inner,
-                        pack,
-                        ops,
-                        room,
-                        &endpoint,
-                        self.wait_limit,
-                        status_rx.clone(),
-                    )
-                    .await?;
-                    // None: the room failed while waiting for a buffer.
-                    let Some((ops, lease)) = packed else {
-                        return Ok(due);
-                    };
-                    (ops, Some(lease))
+            let span = tracing::info_span!(
+                "kv_post",
+                decode_rank = pi,
+                decode = %endpoint,
+                ops = ops.len(),
+                packed = field::Empty,
+                otel.status_code = field::Empty,
+                error.type = field::Empty,
+            );
+            let posted = self
+                .post_rank(pi, ops, &endpoint, status_rx)
+                .instrument(span.clone());
+            match posted.await {
+                Ok(Some(more)) => due.extend(more),
+                Ok(None) => return Ok(due),
+                Err(reason) => {
+                    trace::fail_with(&span, &reason);
+                    return Err(reason);
                 }
-                _ => (ops, None),
-            };
-            due.extend(self.post(pi, ops, false, lease).await?);
+            }
         }
         if job.chunk.is_last {
             self.src_aux = job.chunk.aux_index;
             due.extend(self.progress.handle(BatchEvent::LastChunkPosted));
         }
         Ok(due)
+    }
+
+    /// Posts one decode rank's part of a chunk, packed where that applies; `None` when the
+    /// room failed while waiting for a pack buffer.
+    async fn post_rank(
+        &mut self,
+        pi: usize,
+        ops: Vec<TransferOp>,
+        endpoint: &Endpoint,
+        status_rx: &watch::Receiver<RoomState>,
+    ) -> std::result::Result<Option<Vec<BatchAction>>, FailureReason> {
+        let room = self.room;
+        let (ops, lease) = match &self.inner.pack {
+            Some(pack) if has_strided_source(&ops) => {
+                let packed = pack_batch(
+                    &self.inner,
+                    pack,
+                    ops,
+                    room,
+                    endpoint,
+                    self.wait_limit,
+                    status_rx.clone(),
+                )
+                .await?;
+                // None: the room failed while waiting for a buffer.
+                let Some((ops, lease)) = packed else {
+                    return Ok(None);
+                };
+                Span::current().record("packed", true);
+                (ops, Some(lease))
+            }
+            _ => (ops, None),
+        };
+        self.post(pi, ops, false, lease).await.map(Some)
     }
 
     /// Plans a chunk for every decode rank. Planning is linear in the chunk's descriptors
@@ -404,6 +490,37 @@ impl RoomDriver {
         inc(&metrics.batches_posted);
         add(&metrics.descriptors_posted, n_ops);
         add(&metrics.rows_posted, rows);
+        let span = tracing::info_span!(
+            "kv_batch",
+            room = self.room.get(),
+            decode_rank = pi,
+            decode = %self.peers[pi].info.decode_endpoint,
+            batch = %id,
+            aux,
+            ops = n_ops,
+            rows,
+            bytes,
+            transport = self.inner.transport.name(),
+            otel.status_code = field::Empty,
+            error.type = field::Empty,
+        );
+        self.wait_for(pi, id, aux, bytes, lease, span);
+        Ok(self
+            .progress
+            .handle(BatchEvent::Posted { peer: pi, id, aux }))
+    }
+
+    /// Follows a posted batch on a waiter task, within the wait limit; its `kv_batch` span
+    /// ends with it.
+    fn wait_for(
+        &mut self,
+        pi: usize,
+        id: BatchId,
+        aux: bool,
+        bytes: u64,
+        lease: Option<PackLease>,
+        span: Span,
+    ) {
         let t = self.inner.transport.clone();
         let wait_limit = self.wait_limit;
         self.waits.spawn(async move {
@@ -411,6 +528,7 @@ impl RoomDriver {
                 Ok(r) => Waited::Final(r),
                 Err(_) => Waited::Hung,
             };
+            end_batch_span(span, &waited);
             // Final: no byte of the batch is read any more.
             let lease = match (&waited, lease) {
                 (Waited::Final(_), Some(l)) => {
@@ -428,9 +546,25 @@ impl RoomDriver {
                 lease,
             }
         });
-        Ok(self
-            .progress
-            .handle(BatchEvent::Posted { peer: pi, id, aux }))
+    }
+}
+
+/// Ends a `kv_batch` span with how its batch ended.
+fn end_batch_span(span: Span, waited: &Waited) {
+    match waited {
+        Waited::Final(Ok(())) => trace::ok(&span),
+        Waited::Final(Err(e)) => {
+            let cause = match e {
+                TransportError::TimedOut { .. } => FailureCause::BatchTimeout,
+                _ => FailureCause::TransferError,
+            };
+            trace::fail(&span, cause, &e.to_string());
+        }
+        Waited::Hung => trace::fail(
+            &span,
+            FailureCause::BatchTimeout,
+            "the transport did not finish the batch within its deadline plus grace",
+        ),
     }
 }
 

@@ -11,6 +11,7 @@ use super::{Conn, Core, Job, PrefillInner, RoomEvent, RoomPeer, RoomSide, SIDE, 
 use crate::error::CoordinatorError;
 use crate::ids::{Incarnation, RoomId};
 use crate::state::{FailureReason, RoomState};
+use crate::trace;
 use kvbridge_machines::prefill::{Action, PrefillRoom, RankAction, RankEvent};
 
 /// What a machine step leaves to the caller once the state is unlocked.
@@ -82,6 +83,7 @@ impl PrefillInner {
                 RankAction::Room { room, action } => self.room_action(c, room, action, &mut out),
                 RankAction::Disconnect { peer } => out.disconnect.push(peer),
                 RankAction::EarlyExpired { room } => {
+                    c.early_traces.remove(&room);
                     tracing::warn!(%room, "dropping metadata of a room that was never created");
                 }
             }
@@ -110,6 +112,7 @@ impl PrefillInner {
                 let ms = elapsed.as_millis() as u64;
                 side.span.record("bytes", bytes);
                 side.span.record("duration_ms", ms);
+                trace::ok(&side.span);
                 tracing::info!(parent: &side.span, bytes, duration_ms = ms, "room transferred");
             }
             Action::PostChunk {
@@ -144,11 +147,13 @@ impl PrefillInner {
         match reason {
             Some(reason) if state == RoomState::Failed => {
                 self.metrics.failed(reason.cause);
+                trace::fail_with(&side.span, &reason);
                 tracing::warn!(parent: &side.span, cause = %reason.cause, peer = reason.peer.as_deref(), reason = %reason.message, "room failed");
                 side.status.fail(reason);
             }
             _ => {
                 if let Some(m) = machine.filter(|_| state == RoomState::WaitingForInput) {
+                    side.span.record("decode_ranks", m.peers().len());
                     tracing::debug!(parent: &side.span, decode_ranks = m.peers().len(), prefix = m.prefix(), "room ready");
                 }
                 side.status.update(state);

@@ -182,6 +182,16 @@ pub(super) fn run(args: &BenchArgs) -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    // Spans are exported only when OTEL_EXPORTER_OTLP_ENDPOINT is set (tracing on vs off is
+    // then the same bench); dropped after the runtime, so every span is flushed.
+    let _telemetry = kvbridge_lab::telemetry::init(
+        kvbridge_lab::telemetry::TelemetryOptions {
+            process: "bench".to_owned(),
+            default_log: "error".to_owned(),
+            ..Default::default()
+        },
+        std::io::stderr,
+    );
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

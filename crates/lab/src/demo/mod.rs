@@ -155,6 +155,11 @@ pub(crate) struct DemoArgs {
     /// set, decides instead).
     #[arg(long, short)]
     verbose: bool,
+    /// Write the run's spans to FILE as Chrome trace-event JSON (open it in Perfetto or
+    /// chrome://tracing): one process per demo process, one track per rank. Each process
+    /// writes FILE.<process>.part and the demo merges them into FILE at the end.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<std::path::PathBuf>,
 
     /// Internal: the role of a process started by the demo.
     #[arg(long, hide = true, value_enum)]
@@ -563,8 +568,55 @@ pub(crate) fn run(args: DemoArgs) -> ExitCode {
         }
     };
     match args.role {
-        None => parent::run(&args, setup),
+        None => match &args.trace {
+            None => parent::run(&args, setup),
+            Some(file) => traced(file, || parent::run(&args, setup)),
+        },
         Some(Role::Prefill) => worker::run_prefill(&args, setup),
         Some(Role::Decode) => worker::run_decode(&args, setup),
     }
+}
+
+/// The trace file part process `label` writes for `--trace FILE`: `FILE.<label>.part`.
+pub(crate) fn trace_part(file: &std::path::Path, label: &str) -> std::path::PathBuf {
+    let mut name = file.as_os_str().to_owned();
+    name.push(format!(".{}.part", label.replace(' ', "-")));
+    name.into()
+}
+
+/// Runs the demo, then merges the trace file parts its processes wrote into `file`.
+fn traced(file: &std::path::Path, run: impl FnOnce() -> ExitCode) -> ExitCode {
+    let parts = || -> Vec<std::path::PathBuf> {
+        let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
+        let dir = file.parent().filter(|d| !d.as_os_str().is_empty());
+        let dir = dir.unwrap_or(std::path::Path::new("."));
+        let Some(name) = name else { return Vec::new() };
+        let mut found: Vec<_> = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name().is_some_and(|n| {
+                    let n = n.to_string_lossy();
+                    n.starts_with(&format!("{name}.")) && n.ends_with(".part")
+                })
+            })
+            .collect();
+        found.sort();
+        found
+    };
+    // Parts of an earlier run would merge into this one.
+    for p in parts() {
+        let _ = std::fs::remove_file(p);
+    }
+    let code = run();
+    match kvbridge_lab::telemetry::chrome::merge(&parts(), file) {
+        Ok(_) => eprintln!("kvbridge-lab demo: spans written to {}", file.display()),
+        Err(e) => {
+            eprintln!("kvbridge-lab demo: {e}");
+            return ExitCode::from(1);
+        }
+    }
+    code
 }

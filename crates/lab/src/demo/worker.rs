@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::future::Future;
 use std::io::Write;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -24,6 +24,8 @@ use kvbridge_coordinator::{
     MetricsSnapshot, PackBuffers, PrefillAgent, PrefillConfig, ReceiveRequest, prometheus,
 };
 use kvbridge_handshake::PeerDescriptor;
+use kvbridge_lab::telemetry::chrome::ChromeOptions;
+use kvbridge_lab::telemetry::{Telemetry, TelemetryOptions};
 use kvbridge_lab::views::{aux_views, kv_views};
 use kvbridge_shm::ShmTransport;
 use kvbridge_tcp::{TcpConfig, TcpTransport};
@@ -61,23 +63,30 @@ impl Write for Labelled {
     }
 }
 
-/// `RUST_LOG` when set; otherwise errors only, or with `--verbose` warnings and kvbridge's
-/// debug messages.
-fn init_tracing(label: String, verbose: bool) {
+/// Logs: `RUST_LOG` when set; otherwise errors only, or with `--verbose` warnings and
+/// kvbridge's debug messages. Spans: exported over OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is
+/// set, written to this process's part of `--trace FILE` when given (pid 0 the prefill, 1 +
+/// rank a decode rank).
+fn init_tracing(label: String, verbose: bool, trace: Option<&Path>, pid: u32) -> Telemetry {
     let default = if verbose {
         // Targets match by prefix: every kvbridge crate.
         "warn,kvbridge=debug"
     } else {
         "error"
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let chrome = trace.map(|file| ChromeOptions {
+        path: super::trace_part(file, &label),
+        pid,
+        process: label.clone(),
+    });
+    let options = TelemetryOptions {
+        process: label.clone(),
+        default_log: default.to_owned(),
+        chrome,
+        otlp_endpoint: None,
+    };
     let label: &'static str = Box::leak(format!("[{label}] ").into_boxed_str());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(move || Labelled(label))
-        .with_ansi(false)
-        .try_init();
+    kvbridge_lab::telemetry::init(options, move || Labelled(label))
 }
 
 /// What the parent tells a child on its stdin, and whether the child must stop.
@@ -172,7 +181,9 @@ where
         "decode" => format!("decode {rank}"),
         _ => role.to_owned(),
     };
-    init_tracing(label, args.verbose);
+    let pid = if role == "decode" { rank + 1 } else { 0 };
+    // Dropped last, after the runtime and its agents: every span has ended by then.
+    let _telemetry = init_tracing(label, args.verbose, args.trace.as_deref(), pid);
     let (tx, runs) = mpsc::unbounded_channel();
     let commands = if args.serve {
         watch_parent(tx)

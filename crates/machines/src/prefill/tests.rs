@@ -26,6 +26,7 @@ fn info(decode: usize, generation: u64, required: u32) -> TransferInfo {
         is_dummy: false,
         required_dst_info_num: required,
         decode_prefix_len: 0,
+        traceparent: None,
     }
 }
 

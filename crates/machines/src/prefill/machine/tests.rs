@@ -26,6 +26,7 @@ fn info(room: u64, d: usize, session: u64) -> TransferInfo {
         is_dummy: false,
         required_dst_info_num: 1,
         decode_prefix_len: 0,
+        traceparent: None,
     }
 }
 
