@@ -1,13 +1,14 @@
 //! Head-major pages (`kv_layout` `LBHNC`, vLLM's CPU layout) between attention TP sizes:
-//! every decode byte verified against the (global head, token) it came from, and every byte
-//! past the tokens sent, poisoned on the prefill, checked to stay zero on the decode.
+//! every decode byte verified against the (global head, token) it came from; pages go whole,
+//! a partial last page's other slots (poisoned on the prefill) included, and nothing outside
+//! the request's pages is written.
 
 mod common;
 
 use common::{AUX_LENS, Request, Rig, Spec, bounded, join_all, kv_views, mha, request, rig};
 use kvbridge_coordinator::FailureCause;
 use kvbridge_handshake::{HEAD_MAJOR_KV_LAYOUT, PeerDescriptor, ProblemCode, check};
-use kvbridge_testkit::fill::fill_rows;
+use kvbridge_testkit::fill::{fill_rows, verify_rows, verify_untouched};
 
 /// A vLLM CPU rank: one entry per layer (`layers` even), each page `[heads of the rank,
 /// page, 2·head_size]` bf16, `head_dim = 2·head_size` as the connector advertises it.
@@ -51,8 +52,9 @@ async fn tp(a: u32, b: u32, heads: u32) -> Rig {
 }
 
 /// Runs `req` with the prefill's slots past `input_len` (the rest of the last page) filled
-/// with another room's bytes, so a planner that sends them leaves non-zero bytes the
-/// untouched check finds. Returns the bytes verified.
+/// with another room's bytes: head-major pages go whole, so the decode must hold those bytes
+/// in the same slots of its last page, and nothing outside the request's pages. Returns the
+/// bytes of the request's tokens verified.
 async fn run_and_verify(r: &Rig, req: &Request) -> u64 {
     r.start(req).await;
     for (i, (_, rank)) in r.prefills.iter().enumerate() {
@@ -73,7 +75,17 @@ async fn run_and_verify(r: &Rig, req: &Request) -> u64 {
     for (agent, _) in &r.decodes {
         bounded(agent.wait(req.room)).await.unwrap();
     }
-    r.verify(req)
+    let verified = r.verify_with(req, false);
+    for (i, (_, rank)) in r.decodes.iter().enumerate() {
+        let layout = r.decode_layout(i, req);
+        let end = req.input_len.next_multiple_of(layout.page_size);
+        let views = kv_views(&rank.mem);
+        verify_rows(&views, &layout, req.room + 1000, req.input_len..end)
+            .unwrap_or_else(|e| panic!("decode rank {i}, the last page's other slots: {e}"));
+        verify_untouched(&views, &layout, 0..end)
+            .unwrap_or_else(|e| panic!("decode rank {i}: {e}"));
+    }
+    verified
 }
 
 /// Bytes a decode group of `b` ranks holds for `tokens` tokens: 4 entries, every head once

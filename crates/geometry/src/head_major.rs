@@ -1,10 +1,10 @@
 //! Head slicing of head-major pages (docs/planning.md, "Head-major pages"): a page of one
-//! entry holds, head by head, the page's K rows of that head, then its V rows (vLLM's CPU KV
-//! cache, `[num_blocks, kv_heads, block_size, 2·head_size]` as its kernel reads it,
-//! `[num_blocks, kv_heads, 2, block_size, head_size]`; one entry per layer). Heads `[h0, h1)`
-//! of a page are then one contiguous run of `(h1 − h0)·P·hb` bytes (`hb` = a token's K and V
-//! of one head), so a page pair needs one descriptor per head slice instead of one row per
-//! token; a partial last page, two per head (its K and V rows of the tokens sent).
+//! entry holds, head by head, that head's K and V rows of the page's tokens (vLLM's CPU KV
+//! cache, `[num_blocks, kv_heads, block_size, 2·head_size]`; within one head of one block the
+//! rows are in an order of vLLM's kernel, one for each instruction set). Heads `[h0, h1)` of
+//! a page are then one contiguous run of `(h1 − h0)·P·hb` bytes (`hb` = a token's K and V of
+//! one head), so a page pair needs one descriptor per head slice instead of one row per
+//! token, and every page goes whole.
 
 use crate::bytes::{ByteRange, ByteRanges, EntryPair, pair_item_lens};
 use crate::error::{GeometryError, Result, Side};
@@ -20,8 +20,7 @@ pub struct HeadMajorPages<'a> {
     /// Decode page ids, one per prefill page.
     pub dst_pages: &'a [u64],
     /// Tokens the pages hold from the first slot of the first page: every page but the last
-    /// is full, and of a partial last page only its first `num_tokens − (n − 1)·P` token rows
-    /// of each head are sent.
+    /// is full (checked; a partial last page is sent whole all the same).
     pub num_tokens: u64,
 }
 
@@ -29,9 +28,8 @@ impl HeadSharding {
     /// Byte ranges of one exact head transfer between head-major pages of equal page size:
     /// for every entry pair and page pair `(ps, pd)`, the `slice.num_heads · P · hb` bytes
     /// from `ps·src_item_len + src_head_start·P·hb` to `pd·dst_item_len +
-    /// dst_head_start·P·hb` (`hb` = bytes of one head of one token), cut on a partial last
-    /// page to each head's first tokens (one range of `num_heads` rows). Pushed a page at a
-    /// time, so adjacent pages fold into one strided range.
+    /// dst_head_start·P·hb` (`hb` = bytes of one head of one token), a partial last page
+    /// whole. Pushed a page at a time, so adjacent pages fold into one strided range.
     ///
     /// # Errors
     /// [`GeometryError::InvalidGeometry`] (different page sizes, a token count the pages do
@@ -68,16 +66,15 @@ impl HeadSharding {
                 len_dst: dst_pages.len(),
             });
         }
-        let last_tokens = last_page_tokens(src_pages.len() as u64, p, num_tokens)?;
+        // Every page is sent whole (`PageCopy::push_page`); the count is checked all the same.
+        last_page_tokens(src_pages.len() as u64, p, num_tokens)?;
         src.check_pages(Side::Prefill, src_pages)?;
         dst.check_pages(Side::Decode, dst_pages)?;
         let mut out = ByteRanges::new();
         for &pair in pairs {
             let copy = self.page_copy(src, dst, pair, source.slice)?;
-            let n = src_pages.len();
-            for (i, (&ps, &pd)) in src_pages.iter().zip(dst_pages).enumerate() {
-                let tokens = if i + 1 == n { last_tokens } else { p };
-                copy.push_page(&mut out, ps, pd, tokens, p);
+            for (&ps, &pd) in src_pages.iter().zip(dst_pages) {
+                copy.push_page(&mut out, ps, pd, p);
             }
         }
         Ok(out)
@@ -106,15 +103,6 @@ impl HeadSharding {
             });
         }
         let hb = bd;
-        if hb % 2 != 0 {
-            return Err(GeometryError::InvalidGeometry {
-                reason: format!(
-                    "entry pair {}->{}: a head-major head row of {hb} bytes does not split into \
-                     a K and a V half; advertise head_dim = 2 x head_size",
-                    pair.src, pair.dst
-                ),
-            });
-        }
         for (side, entry, len, heads) in [
             (Side::Prefill, pair.src, s_len, hs),
             (Side::Decode, pair.dst, d_len, hd),
@@ -189,25 +177,24 @@ struct PageCopy {
 }
 
 impl PageCopy {
-    /// Pushes the slice of page `ps` → `pd` for the page's first `tokens` token slots: one
-    /// run when the page is full, else one `tokens`-row run per head (the rest of each head's
-    /// slots is not sent).
-    fn push_page(&self, out: &mut ByteRanges, ps: u64, pd: u64, tokens: u64, p: u64) {
+    /// Pushes the slice of page `ps` → `pd`: its heads' whole runs, a partial last page too.
+    /// vLLM lays out the K and V rows of one head of one block in an order of its kernel's
+    /// own (one for each instruction set), so only whole (block, head) runs have a layout
+    /// kvbridge can name; the slots past the tokens sent are the decode request's own, which
+    /// it writes before it reads them.
+    fn push_page(&self, out: &mut ByteRanges, ps: u64, pd: u64, p: u64) {
         let run = p * self.head_bytes;
         let (so, doff) = (
             ps * self.src_item + self.src_col,
             pd * self.dst_item + self.dst_col,
         );
-        let (e_src, e_dst) = (self.pair.src, self.pair.dst);
-        if tokens == p {
-            out.push(ByteRange::new(e_src, so, e_dst, doff, self.num_heads * run));
-            return;
-        }
-        // A head of a page is its P tokens' K rows, then their V rows: each half is cut to
-        // the first `tokens` rows, 2 · num_heads runs, P half-rows apart.
-        let half = self.head_bytes / 2;
-        let first = ByteRange::new(e_src, so, e_dst, doff, tokens * half);
-        out.push(first.with_rows(2 * self.num_heads, p * half, p * half));
+        out.push(ByteRange::new(
+            self.pair.src,
+            so,
+            self.pair.dst,
+            doff,
+            self.num_heads * run,
+        ));
     }
 }
 
@@ -252,7 +239,6 @@ mod tests {
         p: u64,
         src_pages: &[u64],
         dst_pages: &[u64],
-        num_tokens: u64,
         entries: usize,
     ) -> Vec<(usize, u64, usize, u64)> {
         let (hs, hd) = (s.heads_per_src_rank(), s.heads_per_dst_rank());
@@ -264,22 +250,16 @@ mod tests {
         for e in 0..entries {
             for g in dst_heads.clone().filter(|g| src_heads.contains(g)) {
                 let (ls, ld) = (g - src_heads.start, g - dst_heads.start);
-                for (i, (&ps, &pd)) in src_pages.iter().zip(dst_pages).enumerate() {
-                    for t in (0..p).filter(|t| i as u64 * p + t < num_tokens) {
-                        // Byte b of a token's head row: its K half, then its V half, each
-                        // half a row of the head's P K (or V) rows.
-                        let at = |head: u64, b: u64| {
-                            let (half, within) = (b / (HB / 2), b % (HB / 2));
-                            head * p * HB + half * p * (HB / 2) + t * (HB / 2) + within
-                        };
-                        for b in 0..HB {
-                            out.push((
-                                e,
-                                ps * hs * p * HB + at(ls, b),
-                                e,
-                                pd * hd * p * HB + at(ld, b),
-                            ));
-                        }
+                for (&ps, &pd) in src_pages.iter().zip(dst_pages) {
+                    // Every slot of every page, a partial last page's too: one head's
+                    // `P · HB` bytes of a page in whatever order the engine keeps them.
+                    for b in 0..p * HB {
+                        out.push((
+                            e,
+                            (ps * hs + ls) * p * HB + b,
+                            e,
+                            (pd * hd + ld) * p * HB + b,
+                        ));
                     }
                 }
             }
@@ -312,16 +292,7 @@ mod tests {
                     .unwrap();
                 let mut got = bytes(&r);
                 got.sort_unstable();
-                let want = expected(
-                    &s,
-                    source.src_rank,
-                    dst_rank,
-                    p,
-                    src_pages,
-                    dst_pages,
-                    num_tokens,
-                    2,
-                );
+                let want = expected(&s, source.src_rank, dst_rank, p, src_pages, dst_pages, 2);
                 assert_eq!(
                     got, want,
                     "tp {tp_src}->{tp_dst}, decode rank {dst_rank}, source {source:?}"
@@ -329,10 +300,10 @@ mod tests {
                 got_all.extend(got);
                 want_all.extend(want);
             }
-            // Every head of the decode rank, every token sent, exactly once.
+            // Every head of the decode rank, every slot of the pages sent, exactly once.
             let hd = s.heads_per_dst_rank();
-            let tokens_sent = num_tokens;
-            assert_eq!(got_all.len() as u64, 2 * hd * tokens_sent * HB);
+            let slots_sent = n as u64 * p;
+            assert_eq!(got_all.len() as u64, 2 * hd * slots_sent * HB);
             assert_eq!(got_all, want_all);
         }
     }
@@ -362,13 +333,13 @@ mod tests {
     }
 
     #[test]
-    fn a_partial_last_page_sends_only_the_tokens_of_the_chunk() {
-        // 14 tokens in 4 pages of 4: the last page holds 2, each head's run is cut to them.
+    fn a_partial_last_page_goes_whole() {
+        // 14 tokens in 4 pages of 4: the last page holds 2 and is sent whole (vLLM's kernels
+        // order a head's rows of a block their own way, one for each instruction set).
         for (a, b) in [(1, 2), (2, 1), (2, 4), (4, 2)] {
             check(a, b, 4, 14);
         }
-        // 1 -> 2, one decode rank: the 3 full pages fold into one strided range per entry,
-        // the last page is one range of 2 heads x (K, V) halves of 2 token rows each.
+        // 1 -> 2, one decode rank: the 4 pages fold into one strided range per entry.
         let s = HeadSharding::new(4, 1, 2).unwrap();
         let src = pool(4, 4, 2, 10);
         let dst = pool(4, 2, 2, 10);
@@ -384,14 +355,7 @@ mod tests {
         let run = 4 * HB;
         assert_eq!(
             r.as_slice(),
-            [
-                ByteRange::new(0, 2 * run, 0, 4 * 2 * run, 2 * run).with_rows(3, 4 * run, 2 * run),
-                ByteRange::new(0, 3 * 4 * run + 2 * run, 0, 7 * 2 * run, 2 * (HB / 2)).with_rows(
-                    4,
-                    run / 2,
-                    run / 2
-                ),
-            ]
+            [ByteRange::new(0, 2 * run, 0, 4 * 2 * run, 2 * run).with_rows(4, 4 * run, 2 * run),]
         );
     }
 

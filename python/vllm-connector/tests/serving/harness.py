@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -111,6 +112,29 @@ def post(url: str, prompt: list, max_tokens: int, timeout: float = procs.REQUEST
     if status != 200:
         raise procs.RequestError(url, status, body)
     return body
+
+
+def serving_log_dir(sub: str = "") -> str:
+    """Where the servers' logs go: ``KVBRIDGE_VLLM_SERVING_LOG_DIR`` (``.ci/run`` sets it) or a
+    new temporary folder, plus ``sub`` for a test module's own servers."""
+    root = os.environ.get("KVBRIDGE_VLLM_SERVING_LOG_DIR") or tempfile.mkdtemp(prefix="kvbridge-vllm-logs-")
+    path = os.path.join(root, sub)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def transferred(decode: VllmServer) -> float:
+    """vLLM's own count of the decode's prompt tokens that came from a KV transfer."""
+    return decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+def assert_loaded(decode: VllmServer, before: float, length: int) -> None:
+    """Every one of a request's ``length`` prompt tokens came over kvbridge (vLLM counts a
+    request's tokens as it processes its outputs, which may trail the response a little)."""
+    end = time.monotonic() + 10
+    while transferred(decode) - before < length and time.monotonic() < end:
+        time.sleep(0.2)
+    assert transferred(decode) - before == length
 
 
 def output_ids(body: dict) -> list:

@@ -9,14 +9,23 @@ server is ended by its process group. (DCP is not served by vLLM on CPU: docs/vl
 
 from __future__ import annotations
 
-import os
 import random
 import tempfile
-import time
 
 import pytest
 
-from harness import Proxy, VllmServer, concurrent_request, output_ids, procs, tiny, unavailable
+from harness import (
+    Proxy,
+    VllmServer,
+    assert_loaded,
+    concurrent_request,
+    output_ids,
+    procs,
+    serving_log_dir,
+    tiny,
+    transferred,
+    unavailable,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -35,9 +44,7 @@ def mla():
     why = unavailable()
     if why:
         pytest.skip(why)
-    log_dir = os.environ.get("KVBRIDGE_VLLM_SERVING_LOG_DIR") or tempfile.mkdtemp(prefix="kvbridge-vllm-logs-")
-    log_dir = os.path.join(log_dir, "mla")
-    os.makedirs(log_dir, exist_ok=True)
+    log_dir = serving_log_dir("mla")
     with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-mla-") as models:
         path = tiny.make("deepseek_v2", models, latent=(512, 64))
         tp2 = ("--tensor-parallel-size", "2")
@@ -61,9 +68,6 @@ def mla():
             procs.stop_all(servers)
 
 
-def _transferred(decode) -> float:
-    return decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-
 
 PAIRS = ["tp1 -> tp1, concurrent", "tp1 -> tp1, sequential", "tp1 -> tp2, concurrent"]
 
@@ -77,17 +81,13 @@ def test_an_mla_decodes_tokens_are_the_single_servers(mla, length, pair_name):
     proxy, decode = proxies[pair_name]
     rng = random.Random(f"mla-{length}-{pair_name}")
     prompt = [rng.randrange(5, 300) for _ in range(length)]
-    before = _transferred(decode)
+    before = transferred(decode)
     pair = output_ids(proxy.complete(prompt, NEW_TOKENS))
     alone = output_ids(single.complete(prompt, NEW_TOKENS))
     # Both are greedy within the kernels' rounding (past a near tie they may part).
     assert tiny.greedy_mismatches(path, prompt, pair, ULPS) == [], f"pair {pair}, single {alone}"
     assert tiny.greedy_mismatches(path, prompt, alone, ULPS) == []
-    # Every prompt token's KV came over kvbridge, none computed on the decode.
-    end = time.monotonic() + 10
-    while _transferred(decode) - before < length and time.monotonic() < end:
-        time.sleep(0.2)
-    assert _transferred(decode) - before == length
+    assert_loaded(decode, before, length)
 
 
 def test_damaged_mla_kv_gives_other_tokens(mla):

@@ -10,17 +10,26 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import os
+import random
+import re
+import tempfile
 import time
 import urllib.error
-import random
-import tempfile
-
-import re
 
 import pytest
 
-from harness import Proxy, VllmServer, concurrent_request, output_ids, procs, tiny, unavailable
+from harness import (
+    Proxy,
+    VllmServer,
+    assert_loaded,
+    concurrent_request,
+    output_ids,
+    procs,
+    serving_log_dir,
+    tiny,
+    transferred,
+    unavailable,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -35,7 +44,7 @@ def stack():
     why = unavailable()
     if why:
         pytest.skip(why)
-    log_dir = os.environ.get("KVBRIDGE_VLLM_SERVING_LOG_DIR") or tempfile.mkdtemp(prefix="kvbridge-vllm-logs-")
+    log_dir = serving_log_dir()
     with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-models-") as models:
         path = tiny.make("llama", models, head_dim=32)
         single = VllmServer("single", path, log_dir)
@@ -74,9 +83,6 @@ def _prompt(rng: random.Random, n: int) -> list:
     return [rng.randrange(5, 300) for _ in range(n)]
 
 
-def _transferred(decode) -> float:
-    return decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-
 
 @pytest.mark.parametrize("flow", ["concurrent", "sequential"])
 @pytest.mark.parametrize("length", [5, 129, 300, 450])
@@ -86,17 +92,12 @@ def test_the_decodes_tokens_are_the_single_servers(stack, length, flow):
     path, single, decode = stack.path, stack.single, stack.decode
     proxy = stack.proxy if flow == "concurrent" else stack.sequential
     prompt = _prompt(random.Random(f"prompt-{length}-{flow}"), length)
-    before = _transferred(decode)
+    before = transferred(decode)
     pair = output_ids(proxy.complete(prompt, NEW_TOKENS))
     alone = output_ids(single.complete(prompt, NEW_TOKENS))
     assert pair == alone, f"pair {pair} != single {alone}"
     assert tiny.greedy_mismatches(path, prompt, pair) == []
-    # Every prompt token's KV came over kvbridge, none computed on the decode. (vLLM counts
-    # a request's tokens as it processes its outputs, which may trail the response a little.)
-    end = time.monotonic() + 10
-    while _transferred(decode) - before < length and time.monotonic() < end:
-        time.sleep(0.2)
-    assert _transferred(decode) - before == length
+    assert_loaded(decode, before, length)
 
 
 def test_requests_at_once(stack):
