@@ -410,6 +410,13 @@ impl DecodeAgent {
         self.inner.with_core(|c| c.machine.failure(room))
     }
 
+    /// How long a room that succeeded took from its metadata sent to the prefill ranks to
+    /// their Success ([`DecodeMachine::transfer_time`]); `None` until it succeeded.
+    pub fn transfer_time(&self, room: impl Into<RoomId>) -> Option<Duration> {
+        let room = room.into();
+        self.inner.with_core(|c| c.machine.transfer_time(room))
+    }
+
     /// Waits until the room is terminal: `Ok` on Success, its [`KvTransferError`] on Failed.
     ///
     /// # Errors

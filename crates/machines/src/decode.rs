@@ -236,6 +236,9 @@ struct Room {
     successes: BTreeSet<u32>,
     bootstrap_deadline: Option<Instant>,
     waiting_deadline: Option<Instant>,
+    /// When the metadata last went to the prefill ranks, and when the room then succeeded.
+    metadata_sent: Option<Instant>,
+    succeeded: Option<Instant>,
     fence: Fence,
 }
 
@@ -392,6 +395,16 @@ impl DecodeMachine {
         self.rooms.get(&room)?.life.error(room)
     }
 
+    /// How long a room that succeeded took from its metadata sent to the prefill ranks to
+    /// their Success: one control message each way, the prefill's posts and writes, and
+    /// whatever the prefill waited for after the metadata came (its compute, where the decode
+    /// asked first). Not the registration before it. `None` for a room not held or that has
+    /// not succeeded.
+    pub fn transfer_time(&self, room: RoomId) -> Option<Duration> {
+        let r = self.rooms.get(&room)?;
+        Some(r.succeeded?.saturating_duration_since(r.metadata_sent?))
+    }
+
     /// Whether the room failed and is fenced (`None`: not held).
     pub fn is_fenced(&self, room: RoomId) -> Option<bool> {
         self.rooms
@@ -474,6 +487,8 @@ impl DecodeMachine {
                 successes: BTreeSet::new(),
                 bootstrap_deadline: Some(deadline),
                 waiting_deadline: None,
+                metadata_sent: None,
+                succeeded: None,
                 fence: Fence::default(),
             },
         );
@@ -673,6 +688,7 @@ impl DecodeMachine {
         r.phase = Phase::Sent;
         r.bootstrap_deadline = None;
         r.waiting_deadline = Some(deadline);
+        r.metadata_sent = Some(now);
         r.life.update(RoomState::WaitingForInput);
         let mut sends = Vec::with_capacity(r.targets.len());
         for t in &r.targets {
@@ -789,6 +805,7 @@ impl DecodeMachine {
                 if enough && !r.life.state().is_terminal() {
                     r.life.update(RoomState::Success);
                     r.waiting_deadline = None;
+                    r.succeeded = Some(now);
                     self.report(room, now);
                 }
             }

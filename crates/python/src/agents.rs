@@ -576,6 +576,13 @@ agent_methods! { DecodeAgent,
             .map_err(errors::coordinator)
     }
 
+    /// Seconds from the room's metadata sent to its prefill ranks to their Success (the
+    /// transfer as this rank sees it, and what the prefill waited for after the metadata
+    /// came; not the registration before it). None until it succeeded.
+    fn transfer_time(&self, room: u64) -> Option<f64> {
+        self.agent.transfer_time(room).map(|d| d.as_secs_f64())
+    }
+
     /// Whether every prefill peer confirmed it stopped writing a failed room's pages.
     fn is_fenced(&self, room: u64) -> PyResult<bool> {
         self.agent.is_fenced(room).map_err(errors::coordinator)

@@ -11,12 +11,14 @@ mod agents;
 mod checks;
 mod engine;
 mod errors;
+mod logs;
 mod memory;
 mod planner;
 
 /// The native module: one `register` call per submodule.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    logs::init_from_env();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     planner::register(m)?;
     checks::register(m)?;

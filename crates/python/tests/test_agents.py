@@ -2,6 +2,7 @@
 while another thread drives the prefill (the GIL is released in waits), and typed errors."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -90,6 +91,26 @@ def test_a_request_while_another_thread_sends(setup):
         assert (d[5] == s[4]).all() and (d[0] == s[2]).all()
     assert decode.metrics()["rooms_succeeded"] == 1
     decode.clear(7)
+    with pytest.raises(kvbridge.RoomError, match="not known"):
+        decode.poll(7)
+
+
+def test_transfer_time_counts_from_the_metadata_to_success(setup):
+    """What the prefill does after the decode's metadata came is in it (here a 0.3 s wait
+    before the send); it is only there once the room succeeded."""
+    server, prefill, decode, p_kv, d_kv = setup
+    prefill.create_room(8)
+    started = time.monotonic()
+    decode.receive(8, server.addr, [1])
+    assert prefill.wait_ready(8, timeout=120.0) == 0
+    assert decode.transfer_time(8) is None
+    time.sleep(0.3)
+    prefill.send_chunk(8, [3], PAGE, last=True)
+    assert decode.wait(8, timeout=120.0) == kvbridge.KVPoll.Success
+    took = decode.transfer_time(8)
+    assert 0.3 <= took <= time.monotonic() - started, took
+    decode.clear(8)
+    assert prefill.wait(8, timeout=120.0) == kvbridge.KVPoll.Success
     with pytest.raises(kvbridge.RoomError, match="not known"):
         decode.poll(7)
 

@@ -257,8 +257,12 @@ fn a_room_resolves_registers_sends_its_metadata_and_succeeds() {
     assert_eq!((info.session, info.is_dummy), (SESSION.into(), false));
     assert_eq!(reports(&a), vec![RoomState::WaitingForInput]);
     assert_eq!(r.m.registered_peers(), vec![prefill_ep(0)]);
+    assert_eq!(r.m.transfer_time(RoomId(1)), None, "not succeeded yet");
     let g = info.generation;
     let a = r.at(1.0, status(1, g, 0, RoomState::Success));
+    // From the metadata (0.2 s) to Success (1.0 s), not from the room's creation.
+    let took = r.m.transfer_time(RoomId(1)).unwrap();
+    assert!((took.as_secs_f64() - 0.8).abs() < 1e-6, "{took:?}");
     assert_eq!(
         a,
         vec![Action::Report {
