@@ -12,11 +12,14 @@ def test_settings_default_and_refuse_with_the_key_and_what_it_takes():
     s = Settings.from_extra(None, env={})
     assert (s.transport, s.host, s.bootstrap_addr) == ("tcp", "127.0.0.1", "127.0.0.1:8998")
     assert Settings.from_extra({}, env={"VLLM_HOST_IP": "10.0.0.7"}).host == "10.0.0.7"
-    assert Settings.from_extra({"transport": "shm", "bootstrap_port": 9000}, env={}).bootstrap_addr.endswith(":9000")
+    assert Settings.from_extra({"transport": "nixl", "bootstrap_port": 9000}, env={}).bootstrap_addr.endswith(":9000")
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['trasnport'\].*it takes"):
         Settings.from_extra({"trasnport": "tcp"}, env={})
-    with pytest.raises(ValueError, match=r"\['transport'\] = 'udp'.*tcp or shm or nixl"):
+    with pytest.raises(ValueError, match=r"\['transport'\] = 'udp'.*tcp or nixl"):
         Settings.from_extra({"transport": "udp"}, env={})
+    # A decode's KV cache is vLLM's memory, which the shared-memory transport cannot write.
+    with pytest.raises(ValueError, match=r"\['transport'\] = 'shm'.*vLLM allocates its KV cache"):
+        Settings.from_extra({"transport": "shm"}, env={})
     with pytest.raises(ValueError, match="bootstrap_port.*1-65535"):
         Settings.from_extra({"bootstrap_port": 0}, env={})
     with pytest.raises(ValueError, match="waiting_timeout.*positive number of seconds"):

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvbridge_vllm.scheduler import Scheduled, SchedulerState, Work
 from kvbridge_vllm.settings import Settings
-from kvbridge_vllm.worker import Geometry, Worker
+from kvbridge_vllm.worker import Geometry, Worker, check_context_parallel
 
 if TYPE_CHECKING:
     import torch
@@ -84,6 +84,14 @@ class KvbridgeConnector(KVConnectorBase_V1):
         self._producer = producer
         parallel = vllm_config.parallel_config
         self._tp_size = parallel.tensor_parallel_size
+        self._dcp_size = parallel.decode_context_parallel_size
+        check_context_parallel(
+            self._dcp_size,
+            getattr(parallel, "prefill_context_parallel_size", 1),
+            getattr(parallel, "cp_kv_cache_interleave_size", 1),
+            bool(getattr(vllm_config.model_config, "use_mla", False)),
+        )
+        # Each rank's physical block; vLLM's scheduler counts blocks of block_size * DCP.
         self._block_size = vllm_config.cache_config.block_size
         self._scheduler: Optional[SchedulerState] = None
         self._worker: Optional[Worker] = None
@@ -96,7 +104,7 @@ class KvbridgeConnector(KVConnectorBase_V1):
     # --- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]"):
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_dcp_group, get_tensor_model_parallel_rank
 
         model = self._vllm_config.model_config
         tensor = next(iter(kv_caches.values()))
@@ -109,6 +117,8 @@ class KvbridgeConnector(KVConnectorBase_V1):
             tp_rank=get_tensor_model_parallel_rank(),
             dtype=str(tensor.dtype).removeprefix("torch."),
             mla=bool(getattr(model, "use_mla", False)),
+            dcp_size=self._dcp_size,
+            dcp_rank=get_dcp_group().rank_in_group if self._dcp_size > 1 else 0,
         )
         self._worker = Worker(self._settings, self._producer, geometry)
         self._worker.register(kv_caches)

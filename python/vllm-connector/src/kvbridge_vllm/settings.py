@@ -10,24 +10,26 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional
 
-TRANSPORTS = ("tcp", "shm", "nixl")
+TRANSPORTS = ("tcp", "nixl")
 # The prefill's bootstrap server listens here unless `bootstrap_port` says otherwise.
 DEFAULT_BOOTSTRAP_PORT = 8998
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    #: kvbridge transport: tcp (any host), shm (both servers on one host), nixl (NIXL's UCX).
+    #: kvbridge transport: tcp (any host) or nixl (NIXL's UCX; a kvbridge wheel built with NIXL).
     transport: str = "tcp"
     #: The IP this server's kvbridge endpoints listen on and name to peers (default: vLLM's
     #: ``VLLM_HOST_IP``, else 127.0.0.1).
     host: str = "127.0.0.1"
     #: The prefill's bootstrap server port (the decode learns it from the request).
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
-    #: Seconds a prefill keeps a finished request's blocks for its decode: the room fails and
-    #: the blocks are freed if no decode asked for them by then.
+    #: Seconds each side waits for the other: a prefill keeps a finished request's blocks this
+    #: long for its decode to ask (then as long again for the transfer to end), and a decode
+    #: that asked waits this long for the KV (in the concurrent flow, the prefill's queue and
+    #: compute too). Then the room fails and the blocks are freed.
     waiting_timeout: float = 120.0
-    #: Seconds one transfer may take before its room fails.
+    #: Seconds one batch of the prefill's writes may take from its post to its completion.
     transfer_timeout: float = 30.0
     #: Seconds a decode waits for the prefill to answer its request for a room.
     bootstrap_timeout: float = 30.0
@@ -62,6 +64,13 @@ class Settings:
                 f"KvbridgeConnector: it takes {takes}"
             )
 
+        if self.transport == "shm":
+            raise bad(
+                "transport", self.transport,
+                " or ".join(TRANSPORTS) + " (kvbridge's shared-memory transport writes only into "
+                "memory it allocated itself, and vLLM allocates its KV cache; on one host, tcp "
+                "runs over loopback)",
+            )
         if self.transport not in TRANSPORTS:
             raise bad("transport", self.transport, " or ".join(TRANSPORTS))
         if not isinstance(self.host, str) or not self.host:

@@ -43,6 +43,40 @@ class Geometry:
     #: An MLA model: each layer is ``[num_blocks, block_size, latent]``, every TP rank holding
     #: the whole latent cache (kvbridge's MLA pool, SGLang's layout).
     mla: bool = False
+    #: Decode context parallelism (MLA): the DCP group of ``dcp_size`` consecutive TP ranks
+    #: shares one block table, and a token at position ``p`` lives on DCP rank ``p % dcp_size``
+    #: at offset ``p // dcp_size`` of its block (vLLM's slot mapping with
+    #: ``cp_kv_cache_interleave_size`` 1, kvbridge's and SGLang's DCP layout).
+    dcp_size: int = 1
+    dcp_rank: int = 0
+
+    @property
+    def virtual_block_size(self) -> int:
+        """Tokens one block id holds across the DCP group: what vLLM's scheduler counts."""
+        return self.block_size * self.dcp_size
+
+
+def check_context_parallel(dcp_size: int, pcp_size: int, interleave: int, mla: bool) -> None:
+    """Refuses, before anything starts, the context parallelism kvbridge cannot move: DCP of a
+    model that is not MLA (its heads are split by TP already; kvbridge's handshake refuses
+    it too), prefill context parallelism, and DCP interleaved in runs of more than one token."""
+    if dcp_size > 1 and not mla:
+        raise ValueError(
+            f"--decode-context-parallel-size {dcp_size} on a model without MLA: KvbridgeConnector "
+            "moves DCP KV only for MLA models (one latent per token, split by position); a GQA "
+            "model's KV is split by heads across TP ranks. Use --decode-context-parallel-size 1"
+        )
+    if pcp_size > 1:
+        raise ValueError(
+            f"--prefill-context-parallel-size {pcp_size}: KvbridgeConnector does not move KV "
+            "split by prefill context parallelism yet; use 1 (DCP on an MLA model is supported)"
+        )
+    if dcp_size > 1 and interleave != 1:
+        raise ValueError(
+            f"--cp-kv-cache-interleave-size {interleave} with DCP {dcp_size}: KvbridgeConnector "
+            "moves DCP KV placed one token per rank in turn (interleave size 1, vLLM's default); "
+            "use --cp-kv-cache-interleave-size 1"
+        )
 
 
 def descriptor(role: str, geometry: Geometry, item_lens: list) -> "kvbridge.PeerDescriptor":
@@ -57,6 +91,8 @@ def descriptor(role: str, geometry: Geometry, item_lens: list) -> "kvbridge.Peer
             kv_pool="mla",
             attn_tp_size=geometry.tp_size,
             attn_tp_rank=geometry.tp_rank,
+            dcp_size=geometry.dcp_size,
+            dcp_rank=geometry.dcp_rank,
             kv_item_lens=item_lens,
         )
     return kvbridge.PeerDescriptor(
@@ -172,9 +208,11 @@ class Worker:
                 desc,
                 entries,
                 bootstrap_addr=s.bootstrap_addr,
+                # A room waits this long for its decode to ask (kvbridge's Bootstrapping), then
+                # this long again to be sent: the blocks are vLLM's, held until it ends.
+                bootstrap_timeout=s.waiting_timeout,
                 waiting_timeout=s.waiting_timeout,
                 batch_timeout=s.transfer_timeout,
-                bootstrap_timeout=s.bootstrap_timeout,
                 bind=bind,
             ))
         else:
@@ -183,7 +221,9 @@ class Worker:
                 desc,
                 entries,
                 bootstrap_timeout=s.bootstrap_timeout,
-                waiting_timeout=s.transfer_timeout,
+                # Once it asked, the decode waits for the KV as long as the prefill holds it
+                # (in the concurrent flow that includes the prefill's queue and compute).
+                waiting_timeout=s.waiting_timeout,
                 control_send_timeout=s.control_timeout,
                 bind=bind,
             )
@@ -267,7 +307,7 @@ class Worker:
                 s.sent = self.agent.wait_ready(s.room, timeout=1.0)
             except kvbridge.KvbridgeError:
                 return None  # failed: results() reports it
-        bs = self.geometry.block_size
+        bs = self.geometry.virtual_block_size
         first = s.sent // bs
         last = s.computed >= s.num_tokens
         end = -(-s.num_tokens // bs) if last else s.computed // bs
@@ -387,7 +427,7 @@ class Worker:
         self._rooms[receive.req_id] = _Room(receive)
 
     def _unloaded_blocks(self, receive: Receive) -> list:
-        first = receive.cached_tokens // self.geometry.block_size
+        first = receive.cached_tokens // self.geometry.virtual_block_size
         return list(receive.block_ids[first:])
 
     def results(self) -> tuple:
@@ -417,7 +457,7 @@ class Worker:
             room.posted = True
             try:
                 held = self.agent.wait_ready(send.room, timeout=1.0)
-                first = held // self.geometry.block_size
+                first = held // self.geometry.virtual_block_size
                 self.agent.send_chunk(send.room, list(send.block_ids[first:]), send.num_tokens - held, last=True)
             except kvbridge.KvbridgeError as e:
                 logger.warning("kvbridge: request %s (room %d) not sent: %s", req_id, send.room, e)
@@ -443,14 +483,19 @@ class Worker:
             failed.add(req_id)  # refused at receive (logged there)
             return True
         if state == kvbridge.KVPoll.Success:
-            logger.info("kvbridge: room %d: KV complete t=%.6f", receive.kv.room, time.time())
+            took = self.agent.transfer_time(receive.kv.room)
+            logger.info(
+                "kvbridge: room %d: KV complete t=%.6f (%d blocks, %.3f ms from its metadata to the prefill's Success)",
+                receive.kv.room, time.time(), len(self._unloaded_blocks(receive)), 1e3 * (took or 0.0),
+            )
             self.agent.clear(receive.kv.room)
             return True
         if state == kvbridge.KVPoll.Failed:
             if not self.agent.is_fenced(receive.kv.room):
                 return False  # a prefill may still write: the blocks wait
             logger.error(
-                "kvbridge: request %s (room %d): KV not loaded, vLLM recomputes it: %s",
+                "kvbridge: request %s (room %d): KV not loaded (vLLM's kv_load_failure_policy "
+                "decides: recompute, or fail the request): %s",
                 req_id, receive.kv.room, self.agent.failure(receive.kv.room),
             )
             self._load_errors.update(self._unloaded_blocks(receive))

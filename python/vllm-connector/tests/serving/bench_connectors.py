@@ -14,11 +14,13 @@ plus kvbridge's concurrent flow. Per request:
   token, as a client sees it.
 - Transfer GB/s: KV bytes over transfer time. NixlConnector's by vLLM's own metrics on its
   decode (``vllm:nixl_bytes_transferred`` over ``vllm:nixl_xfer_time_seconds``: from the READ
-  posted to it done). kvbridge's from its decode's log, from the load asked (before the room
-  is even resolved on the prefill) to the KV complete, with the bytes the prompt's tokens hold:
-  a window wider than NIXL's and fewer bytes (NIXL counts whole blocks), so the comparison
-  leans towards NIXL. In the concurrent flow the decode asks before the prefill computes, so
-  only its TTFT is shown (its transfer tail: ``bench_layerwise.py``).
+  posted to it done). kvbridge's by its decode agent (``DecodeAgent.transfer_time``, in the
+  decode's log): from the room's metadata sent to the prefill to the prefill's Success, which
+  also holds a control message each way and the prefill's wait for its next step to post, with
+  the bytes the prompt's tokens hold (NIXL counts whole blocks): both lean towards NIXL. The
+  wider window, from the load asked (before the room is even resolved on the prefill) to the KV
+  complete, is printed beside it. In the concurrent flow the decode asks before the prefill
+  computes, so only its TTFT is shown (its transfer tail: ``bench_layerwise.py``).
 
 Every server is ended by its id; the first request of each pair only warms it up.
 """
@@ -60,6 +62,7 @@ def _servers(path: str, work: str) -> list:
         s.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
     servers = [kb_p, kb_d, nx_p, nx_d]
     for s in servers:
+        s.cmd.remove("--enable-log-requests")  # each prompt in the log: not what is measured
         _set(s.cmd, "--max-model-len", MODEL_LEN)
         _set(s.cmd, "--max-num-batched-tokens", MODEL_LEN)
     return servers
@@ -72,14 +75,15 @@ def _sequential(prefill: VllmServer, decode: VllmServer, prompt: list) -> float:
     return time.monotonic() - started
 
 
-def _kvbridge_transfer(decode: VllmServer, room: int) -> float:
+def _kvbridge_transfer(decode: VllmServer, room: int) -> tuple:
+    """(metadata to Success, load asked to KV complete) in seconds, from the decode's log."""
     with open(decode.log_path, errors="replace") as f:
         log = f.read()
     asked = re.findall(rf"of room {room} from \S+ t=(\S+)", log)
-    done = re.findall(rf"room {room}: KV complete t=(\S+)", log)
+    done = re.findall(rf"room {room}: KV complete t=(\S+) \(\d+ blocks, (\S+) ms from its metadata", log)
     if not asked or not done:
         raise RuntimeError(f"room {room} has no load and completion in {decode.log_path}")
-    return float(done[-1]) - float(asked[-1])
+    return float(done[-1][1]) / 1e3, float(done[-1][0]) - float(asked[-1])
 
 
 def _nixl_totals(decode: VllmServer) -> tuple:
@@ -107,6 +111,7 @@ def main(argv=None) -> int:
                         time.sleep(1.5)  # vLLM publishes connector stats with its periodic log
                         after = _nixl_totals(nx_d)
                         moved, took = after[0] - before[0], after[1] - before[1]
+                        wide = took
                     else:
                         started = time.monotonic()
                         if name == "kvbridge concurrent":
@@ -117,12 +122,16 @@ def main(argv=None) -> int:
                             room = answer["kv_transfer_params"]["kvbridge"]["room"]
                             kb_d.complete(prompt, 1, kv_transfer_params=answer["kv_transfer_params"])
                         ttft = time.monotonic() - started
-                        moved, took = len(prompt) * TOKEN_BYTES, _kvbridge_transfer(kb_d, room)
+                        moved = len(prompt) * TOKEN_BYTES
+                        took, wide = _kvbridge_transfer(kb_d, room)
                     if i == 0:
                         continue
                     gbps = moved / took / 1e9 if took > 0 else float("nan")
                     rows[name].append((ttft, gbps))
-                    transfer = "" if name == "kvbridge concurrent" else f"  transfer {moved / 1e6:6.1f} MB in {1e3 * took:7.1f} ms = {gbps:6.2f} GB/s"
+                    transfer = "" if name == "kvbridge concurrent" else (
+                        f"  transfer {moved / 1e6:6.1f} MB in {1e3 * took:7.1f} ms = {gbps:6.2f} GB/s"
+                        + (f" (asked to complete: {1e3 * wide:7.1f} ms)" if wide != took else "")
+                    )
                     print(f"{name:26} TTFT {1e3 * ttft:8.1f} ms{transfer}", flush=True)
         finally:
             procs.stop_all(servers)

@@ -51,6 +51,7 @@ def main(argv=None) -> int:
         path = tiny.make("llama", work, head_dim=HEAD_DIM, layers=LAYERS, kv_heads=KV_HEADS)
         servers = [VllmServer("prefill", path, work, role="kv_producer"), VllmServer("decode", path, work, role="kv_consumer")]
         for s in servers:
+            s.cmd.remove("--enable-log-requests")  # each prompt in the log: not what is measured
             _set(s.cmd, "--max-model-len", MODEL_LEN)
             _set(s.cmd, "--max-num-batched-tokens", MODEL_LEN)
         prefill, decode = procs.start_all(servers)

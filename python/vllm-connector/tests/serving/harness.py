@@ -49,6 +49,8 @@ CPU_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_NO_USAGE_STATS": "1",
     "HF_HUB_OFFLINE": "1",
+    # kvbridge's own warnings (a transport handshake refused, and why) in the server's log.
+    "KVBRIDGE_LOG": "warn",
 }
 
 
@@ -75,7 +77,9 @@ class VllmServer(procs.Server):
             "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4",
-            "--max-num-batched-tokens", str(CHUNK), *cli,
+            "--max-num-batched-tokens", str(CHUNK),
+            # When each request arrived and reached the engine, for a slow or failed one.
+            "--enable-log-requests", *cli,
         ]
         if role is not None:
             config = {"transport": transport, **(extra or {})}

