@@ -160,3 +160,111 @@ def test_mla_dcp_a_to_b_lands_each_token_where_vllms_slot_mapping_reads_it(a, b,
     finally:
         for w in decode + prefill:
             w.close()
+
+
+# --- vLLM's GPU layout (FlashAttention): [2, num_blocks, block_size, kv_heads, head_size] -----
+
+FLASH_BLOCKS, FLASH_HEADS, FLASH_HEAD = 8, 2, 32
+
+
+def flash_value(p: int, head: int, kv: int, layer: int) -> float:
+    return float((p * 5 + head * 37 + kv * 101 + layer * 13) % 241 + 1)
+
+
+def flash_workers(settings: Settings, producer: bool, tp: int) -> list:
+    workers = []
+    for rank in range(tp):
+        geometry = Geometry(
+            block_size=BLOCK, num_blocks=FLASH_BLOCKS, total_kv_heads=FLASH_HEADS, head_size=FLASH_HEAD,
+            tp_size=tp, tp_rank=rank, dtype="bfloat16",
+        )
+        worker = Worker(settings, producer=producer, geometry=geometry)
+        heads = FLASH_HEADS // tp
+        layers = {
+            f"layer.{i}": torch.zeros(2, FLASH_BLOCKS, BLOCK, heads, FLASH_HEAD, dtype=torch.bfloat16)
+            for i in range(LAYERS)
+        }
+        worker.register(layers)
+        worker.tensors = list(layers.values())
+        workers.append(worker)
+    return workers
+
+
+def flash_mismatches(workers: list, table: list, tokens: int) -> list:
+    """(position, head, K or V, layer) whose row is not the expected one, on the rank of a
+    server at TP ``len(workers)`` that holds the head."""
+    tp = len(workers)
+    heads = FLASH_HEADS // tp
+    wrong = []
+    for p in range(tokens):
+        block, at = table[p // BLOCK], p % BLOCK
+        for head in range(FLASH_HEADS):
+            cache = workers[head // heads].tensors
+            for layer in range(LAYERS):
+                for kv in range(2):
+                    row = cache[layer][kv, block, at, head % heads]
+                    if not torch.equal(row, torch.full_like(row, flash_value(p, head, kv, layer))):
+                        wrong.append((p, head, kv, layer))
+    return wrong
+
+
+def run_transfer(prefill: list, decode: list, settings: Settings, room: int, tables: tuple, tokens: int) -> None:
+    from kvbridge_vllm.params import RemoteKv
+    from kvbridge_vllm.scheduler import Receive
+
+    for w in prefill:
+        w.start(Work(sends=[Send("req", room=room, block_ids=tuple(tables[0]), num_tokens=tokens)]))
+    kv = RemoteKv(settings.bootstrap_addr, room, num_tokens=tokens, block_size=BLOCK, tp_size=len(prefill))
+    for w in decode:
+        w.start(Work(receives=[Receive("req", kv, tuple(tables[1]), cached_tokens=0)]))
+    pending = {id(w) for w in prefill + decode}
+    end = time.monotonic() + 60
+    while pending and time.monotonic() < end:
+        for w in prefill + decode:
+            sent, received, failed = w.results()
+            assert not failed, "a decode rank failed its load (see the log)"
+            if "req" in sent | received:
+                pending.discard(id(w))
+        time.sleep(0.02)
+    assert not pending, "the transfer did not end within 60 s"
+
+
+@pytest.mark.parametrize("a, b", [(1, 2), (2, 1), (1, 1)])
+def test_flash_attention_pages_move_head_by_head_between_tp_sizes(a, b):
+    """vLLM's GPU layout, K and V planes of token-major pages, registered as a K and a V entry
+    per layer (SGLang's MHA pool): each token's K and V of each head lands on the decode rank
+    that holds the head, at the same token of the decode's block; a wrong row fails the check."""
+    settings = Settings.from_extra({"bootstrap_port": free_port()}, env={})
+    tokens = 40  # two full blocks and a partial one
+    tables = ([1, 4, 6], [7, 2, 0])
+    prefill = flash_workers(settings, True, a)
+    decode = flash_workers(settings, False, b)
+    try:
+        heads = FLASH_HEADS // a
+        for p in range(tokens):
+            for head in range(FLASH_HEADS):
+                cache = prefill[head // heads].tensors
+                for layer in range(LAYERS):
+                    for kv in range(2):
+                        cache[layer][kv, tables[0][p // BLOCK], p % BLOCK, head % heads] = flash_value(p, head, kv, layer)
+        run_transfer(prefill, decode, settings, 900 + a * 10 + b, tables, tokens)
+        assert flash_mismatches(decode, tables[1], tokens) == []
+        decode[-1].tensors[1][1, tables[1][0], 3, 0, 5] += 1  # V of token 3, the last rank's first head
+        assert flash_mismatches(decode, tables[1], tokens) == [(3, FLASH_HEADS - FLASH_HEADS // b, 1, 1)]
+    finally:
+        for w in decode + prefill:
+            w.close()
+
+
+def test_a_cache_tensor_in_another_layout_is_refused_with_the_shapes_it_takes():
+    """VLLM_KV_CACHE_LAYOUT=HND gives vLLM a permuted view of the same memory: not contiguous
+    in its logical order, so not what the connector would describe."""
+    settings = Settings.from_extra({"bootstrap_port": free_port()}, env={})
+    geometry = Geometry(block_size=BLOCK, num_blocks=FLASH_BLOCKS, total_kv_heads=2, head_size=32, tp_size=1, tp_rank=0, dtype="bfloat16")
+    hnd = torch.zeros(2, FLASH_BLOCKS, 2, BLOCK, 32, dtype=torch.bfloat16).permute(0, 1, 3, 2, 4)
+    worker = Worker(settings, producer=False, geometry=geometry)
+    try:
+        with pytest.raises(ValueError, match=r"shape \(2, 8, 16, 2, 32\) \(contiguous: False\).*FlashAttention"):
+            worker.register({"layer.0": hnd})
+    finally:
+        worker.close()

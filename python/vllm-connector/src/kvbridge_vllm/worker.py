@@ -79,10 +79,52 @@ def check_context_parallel(dcp_size: int, pcp_size: int, interleave: int, mla: b
         )
 
 
-def descriptor(role: str, geometry: Geometry, item_lens: list) -> "kvbridge.PeerDescriptor":
-    """The rank's ``PeerDescriptor``. MHA: one entry per layer whose page (one vLLM block)
-    holds, for each of this rank's heads, each token's K and V (``head_dim`` counts both, so
-    kvbridge's checks see the page's true size). MLA: one entry per layer of token rows."""
+# How a layer's cache tensor is laid out, and the KV entries kvbridge moves of it.
+HEAD_MAJOR = "head-major"  # vLLM's CPU attention: one entry per layer
+TOKEN_MAJOR = "token-major"  # vLLM's GPU FlashAttention: a K entry and a V entry per layer
+MLA = "mla"  # [num_blocks, block_size, latent]: one entry per layer
+
+
+def cache_planes(name: str, tensor: Any, geometry: Geometry) -> tuple:
+    """``(layout, entries)`` of one layer's cache tensor: the views kvbridge registers, each
+    a contiguous run of ``num_blocks`` pages. Raises ``ValueError`` naming the shapes it takes
+    for any other tensor."""
+    nb = geometry.num_blocks
+    shape = tuple(tensor.shape)
+    if tensor.is_contiguous():
+        if geometry.mla and len(shape) == 3 and shape[0] == nb:
+            return MLA, [tensor]
+        if not geometry.mla and len(shape) == 4 and shape[0] == nb:
+            return HEAD_MAJOR, [tensor]
+        if not geometry.mla and len(shape) == 5 and shape[:2] == (2, nb):
+            return TOKEN_MAJOR, [tensor[0], tensor[1]]
+    raise ValueError(
+        f"KV cache tensor {name!r} has shape {shape} (contiguous: {tensor.is_contiguous()}); "
+        f"KvbridgeConnector moves contiguous tensors of {nb} blocks laid out as vLLM's CPU "
+        "attention keeps them ([num_blocks, kv_heads, block_size, 2 * head_size]), as its GPU "
+        "FlashAttention keeps them ([2, num_blocks, block_size, kv_heads, head_size]: K, then V; "
+        "not VLLM_KV_CACHE_LAYOUT=HND), or for MLA [num_blocks, block_size, latent]"
+    )
+
+
+def descriptor(role: str, geometry: Geometry, item_lens: list, layout: str = HEAD_MAJOR) -> "kvbridge.PeerDescriptor":
+    """The rank's ``PeerDescriptor``. Head-major MHA: one entry per layer whose page (one vLLM
+    block) holds, for each of this rank's heads, each token's K and V (``head_dim`` counts
+    both, so kvbridge's checks see the page's true size). Token-major MHA: a K and a V entry
+    per layer whose page holds each token's row of the rank's heads (SGLang's MHA pool). MLA:
+    one entry per layer of token rows."""
+    if layout == TOKEN_MAJOR:
+        return kvbridge.PeerDescriptor(
+            role=role,
+            page_size=geometry.block_size,
+            kv_cache_dtype=geometry.dtype,
+            kv_pool="mha",
+            attn_tp_size=geometry.tp_size,
+            attn_tp_rank=geometry.tp_rank,
+            total_kv_heads=geometry.total_kv_heads,
+            head_dim=geometry.head_size,
+            kv_item_lens=item_lens,
+        )
     if geometry.mla:
         return kvbridge.PeerDescriptor(
             role=role,
@@ -165,7 +207,8 @@ class Worker:
         self._rooms: dict = {}  # req_id -> _Room
         self._streams: dict = {}  # req_id -> _Streamed
         self._parts: list = []  # this forward pass's _Part of each ready stream
-        self._layers: dict = {}  # layer name -> KV entry index
+        self._layers: dict = {}  # layer name -> layer index
+        self._entries_per_layer = 1  # KV entries registered of each layer's tensor
         self._cuda = False
         self._load_errors: set = set()
 
@@ -178,27 +221,27 @@ class Worker:
             raise ValueError("vLLM registered no KV cache tensors with KvbridgeConnector")
         bind = f"{s.host}:0"
         self.engine = kvbridge.Engine(s.transport, bind=bind if s.transport == "tcp" else None)
-        entries, item_lens = [], []
+        entries, item_lens, layouts = [], [], set()
         self._layers = {name: i for i, name in enumerate(kv_caches)}
         for name, tensor in kv_caches.items():
-            if not tensor.is_contiguous() or tensor.shape[0] != g.num_blocks:
-                raise ValueError(
-                    f"KV cache tensor {name!r} has shape {tuple(tensor.shape)} (contiguous: "
-                    f"{tensor.is_contiguous()}); KvbridgeConnector moves contiguous tensors of "
-                    f"{g.num_blocks} blocks first ([num_blocks, kv_heads, block_size, 2 * "
-                    "head_size], vLLM's CPU layout, or [num_blocks, block_size, latent] for MLA)"
+            layout, planes = cache_planes(name, tensor, g)
+            layouts.add(layout)
+            # A layer's entries are consecutive, so layers [a, b) are entries [a*k, b*k).
+            self._entries_per_layer = len(planes)
+            for plane in planes:
+                nbytes = plane.numel() * plane.element_size()
+                device = plane.device
+                kind = "cuda" if device.type == "cuda" else "host"
+                self._cuda = kind == "cuda"
+                region = self.engine.register(
+                    plane.data_ptr(), nbytes, kind=kind, device=device.index or 0, owner=tensor
                 )
-            nbytes = tensor.numel() * tensor.element_size()
-            device = tensor.device
-            kind = "cuda" if device.type == "cuda" else "host"
-            self._cuda = kind == "cuda"
-            region = self.engine.register(
-                tensor.data_ptr(), nbytes, kind=kind, device=device.index or 0, owner=tensor
-            )
-            entries.append(region)
-            item_lens.append(nbytes // g.num_blocks)
+                entries.append(region)
+                item_lens.append(nbytes // g.num_blocks)
+        if len(layouts) != 1:
+            raise ValueError(f"vLLM's KV cache tensors have different layouts {sorted(layouts)}; KvbridgeConnector takes one")
         role = "prefill" if self.producer else "decode"
-        desc = descriptor(role, g, item_lens)
+        desc = descriptor(role, g, item_lens, layouts.pop())
         if self.producer:
             if g.tp_rank == 0:
                 host, port = s.bootstrap_addr.rsplit(":", 1)
@@ -358,8 +401,9 @@ class Worker:
         if part.next >= end or part.stream.ended:
             return
         try:
+            k = self._entries_per_layer
             self.agent.send_chunk(
-                part.stream.room, part.pages, part.tokens, last=part.last, layers=(part.next, end)
+                part.stream.room, part.pages, part.tokens, last=part.last, layers=(part.next * k, end * k)
             )
             part.next = end
             part.stream.handovers += 1
