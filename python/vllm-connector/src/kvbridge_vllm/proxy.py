@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -126,8 +127,14 @@ def app(
             onward = {**body, "kv_transfer_params": {**(body.get("kv_transfer_params") or {}), **to_d}}
             async with session.post(decode + request.path, json=onward) as r:
                 return await _relay(request, r)
+        except asyncio.CancelledError:
+            # The client went away: the prefill's request is dropped too (vLLM aborts a request
+            # whose client disconnected), so its room ends now, not at its waiting_timeout.
+            sent.cancel()
+            raise
         finally:
-            await sent
+            with contextlib.suppress(asyncio.CancelledError):
+                await sent
 
     async def health(_request):
         return web.Response(text="ok")
@@ -164,7 +171,8 @@ def main(argv: list | None = None) -> int:
         sequential=args.sequential,
         prefill_bootstrap=args.prefill_bootstrap,
     )
-    web.run_app(application, host=args.host, port=args.port, print=None)
+    # A client that disconnects cancels its request's handler, so both servers hear of it.
+    web.run_app(application, host=args.host, port=args.port, print=None, handler_cancellation=True)
     return 0
 
 
