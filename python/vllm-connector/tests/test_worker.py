@@ -268,3 +268,25 @@ def test_a_cache_tensor_in_another_layout_is_refused_with_the_shapes_it_takes():
             worker.register({"layer.0": hnd})
     finally:
         worker.close()
+
+
+class _OnDevice:
+    """Stands for a tensor on a device this machine lacks: only what the check reads."""
+
+    def __init__(self, kind: str):
+        import types
+
+        # torch names CUDA devices without a GPU; an NPU it may not know at all.
+        self.device = torch.device(kind, 0) if kind == "cuda" else types.SimpleNamespace(type=kind, index=0)
+
+
+@pytest.mark.parametrize("transport, kind, match", [
+    ("tcp", "cuda", r"is on cuda:0, and kvbridge's tcp transport moves host memory only: set \"transport\": \"nixl\""),
+    ("tcp", "npu", r"on NVIDIA GPUs \(cuda\)"),
+])
+def test_a_gpu_cache_on_a_host_only_transport_is_refused_before_anything_starts(transport, kind, match):
+    geometry = Geometry(block_size=BLOCK, num_blocks=FLASH_BLOCKS, total_kv_heads=2, head_size=32, tp_size=1, tp_rank=0, dtype="bfloat16")
+    worker = Worker(Settings.from_extra({"transport": transport, "bootstrap_port": free_port()}, env={}), producer=False, geometry=geometry)
+    with pytest.raises(ValueError, match=match):
+        worker.register({"layer.0": _OnDevice(kind)})
+    assert worker.engine is None and worker.agent is None  # nothing was started

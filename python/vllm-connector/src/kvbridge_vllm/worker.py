@@ -107,6 +107,31 @@ def cache_planes(name: str, tensor: Any, geometry: Geometry) -> tuple:
     )
 
 
+# Transports that read and write device (GPU) memory; tcp moves host memory only.
+DEVICE_TRANSPORTS = ("nixl",)
+
+
+def memory_kind(name: str, tensor: Any, transport: str) -> str:
+    """``"host"`` or ``"cuda"``: how a cache tensor is registered with kvbridge. A GPU cache
+    with a transport that cannot read it, or a device kvbridge does not know, is refused
+    before anything is registered."""
+    device = tensor.device
+    if device.type == "cpu":
+        return "host"
+    if device.type == "cuda":
+        if transport not in DEVICE_TRANSPORTS:
+            raise ValueError(
+                f"vLLM's KV cache tensor {name!r} is on {device}, and kvbridge's {transport} "
+                "transport moves host memory only: set \"transport\": \"nixl\" in "
+                "kv_connector_extra_config (a kvbridge wheel built with NIXL: docs/vllm.md, \"Install\")"
+            )
+        return "cuda"
+    raise ValueError(
+        f"vLLM's KV cache tensor {name!r} is on {device}: KvbridgeConnector moves caches in host "
+        "memory (cpu) or, over nixl, on NVIDIA GPUs (cuda)"
+    )
+
+
 def descriptor(role: str, geometry: Geometry, item_lens: list, layout: str = HEAD_MAJOR) -> "kvbridge.PeerDescriptor":
     """The rank's ``PeerDescriptor``. Head-major MHA: one entry per layer whose page (one vLLM
     block) holds, for each of this rank's heads, each token's K and V (``head_dim`` counts
@@ -219,6 +244,7 @@ class Worker:
         g, s = self.geometry, self.settings
         if not kv_caches:
             raise ValueError("vLLM registered no KV cache tensors with KvbridgeConnector")
+        kinds = {name: memory_kind(name, tensor, s.transport) for name, tensor in kv_caches.items()}
         bind = f"{s.host}:0"
         self.engine = kvbridge.Engine(s.transport, bind=bind if s.transport == "tcp" else None)
         entries, item_lens, layouts = [], [], set()
@@ -231,7 +257,7 @@ class Worker:
             for plane in planes:
                 nbytes = plane.numel() * plane.element_size()
                 device = plane.device
-                kind = "cuda" if device.type == "cuda" else "host"
+                kind = kinds[name]
                 self._cuda = kind == "cuda"
                 region = self.engine.register(
                     plane.data_ptr(), nbytes, kind=kind, device=device.index or 0, owner=tensor
