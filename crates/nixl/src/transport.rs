@@ -622,7 +622,9 @@ impl Inner {
         id: BatchId,
         req: &XferRequest,
     ) -> std::result::Result<(), (TransportError, String)> {
+        let started = Instant::now();
         let posted = self.agent.post_xfer_req(req, None);
+        stats::time(&stats::POST_NS, started);
         // UCX often finishes a write inside the post (its cma lane copies there, and a small
         // write may be acknowledged at once): such a batch ends here, without waiting for the
         // polling thread's next turn.
@@ -1412,6 +1414,7 @@ async fn post_rows(inner: &Arc<Inner>, peer: PeerId, batch: TransferBatch) -> Re
     // Like a driving `wait`, a small batch's request is made and posted with the polling
     // thread out of NIXL's agent lock (every NIXL call takes it).
     let driving = (bytes < POST_ASIDE_BYTES).then(|| Driving::new(inner));
+    let started = Instant::now();
     let req = match make_request(inner, &name, &local, &remote, batch.notification.as_deref()) {
         Ok(req) => req,
         Err(e) => {
@@ -1419,6 +1422,7 @@ async fn post_rows(inner: &Arc<Inner>, peer: PeerId, batch: TransferBatch) -> Re
             return Err(e);
         }
     };
+    stats::time(&stats::MAKE_NS, started);
     stats::ROW_BATCHES.fetch_add(1, Ordering::Relaxed);
     stats::ROW_DESCRIPTORS.fetch_add(local.len() as u64, Ordering::Relaxed);
     let prepared = Prepared {
@@ -1504,6 +1508,10 @@ struct StridePlan {
     bytes: u64,
     local_regions: Vec<u64>,
     remote_regions: Vec<u64>,
+    /// An op's rows are small host rows packed on the peer: the per-row path gathers them
+    /// into one descriptor per run, which moves them faster than stride runs do (one UCX
+    /// operation per block either way in NIXL 1.5; docs/benchmarks.md, NIXL).
+    gathers: bool,
 }
 
 /// Appends `run` of region `region` to `runs`, merged into the last one when it continues it
@@ -1554,6 +1562,7 @@ fn stride_plan(inner: &Inner, peer: PeerId, batch: &TransferBatch) -> Result<Str
         bytes: 0,
         local_regions: Vec::new(),
         remote_regions: Vec::new(),
+        gathers: false,
     };
     let (mut last_local, mut last_remote) = (None, None);
     let mut kinds: (Option<bool>, Option<bool>) = (None, None);
@@ -1581,6 +1590,12 @@ fn stride_plan(inner: &Inner, peer: PeerId, batch: &TransferBatch) -> Result<Str
                     .to_owned(),
             });
         }
+        plan.gathers |= !ldev
+            && !rdev
+            && op.count > 1
+            && op.len as usize <= GATHER_MAX_ROW
+            && op.remote_stride == op.len
+            && op.local_stride != op.len;
         let stride = |s: u64| if op.count == 1 { op.len } else { s };
         let local = Run {
             addr: lseg.addr as u64 + op.local_offset,
@@ -1629,14 +1644,18 @@ fn stride_plan(inner: &Inner, peer: PeerId, batch: &TransferBatch) -> Result<Str
     Ok(plan)
 }
 
-/// Posts a strided batch as NIXL stride descriptors. `Ok(None)` when it should go as per-row
-/// descriptors instead: nothing to move, or the stride form is unavailable or refused (then
-/// counted, and said once).
+/// Posts a strided batch as NIXL stride descriptors. `Ok(None)` when it should go the per-row
+/// path instead: nothing to move, rows that path gathers ([`StridePlan::gathers`]), or the
+/// stride form is unavailable or refused (then counted, and said once).
 fn post_strided(
     inner: &Arc<Inner>,
     peer: PeerId,
     batch: &TransferBatch,
 ) -> Result<Option<BatchId>> {
+    let plan = stride_plan(inner, peer, batch)?;
+    if plan.blocks == 0 || plan.gathers {
+        return Ok(None);
+    }
     let stride = match &inner.stride {
         Ok(s) => s,
         Err(why) => {
@@ -1644,13 +1663,10 @@ fn post_strided(
             return Ok(None);
         }
     };
-    let plan = stride_plan(inner, peer, batch)?;
-    if plan.blocks == 0 {
-        return Ok(None);
-    }
     let mem = |device: bool| Segment::mem_type(device.then_some(0));
     let bytes = usize::try_from(plan.bytes).unwrap_or(usize::MAX);
     let driving = (bytes < POST_ASIDE_BYTES).then(|| Driving::new(inner));
+    let started = Instant::now();
     let prepared = stride
         .prep(&inner.agent, None, mem(plan.local_device), &plan.local)
         .map_err(|e| format!("local list: {e}"))
@@ -1690,6 +1706,7 @@ fn post_strided(
             return Ok(None);
         }
     };
+    stats::time(&stats::MAKE_NS, started);
     stats::STRIDE_BATCHES.fetch_add(1, Ordering::Relaxed);
     stats::STRIDE_LOCAL.fetch_add(plan.local.len() as u64, Ordering::Relaxed);
     stats::STRIDE_REMOTE.fetch_add(plan.remote.len() as u64, Ordering::Relaxed);

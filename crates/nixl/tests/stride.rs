@@ -130,10 +130,20 @@ async fn strided_ops_go_as_stride_runs_and_land_like_row_by_row_copies() {
     }
     let d = stats().since(&before);
     // Every batch with a strided op went as stride runs (source rows that overlap, a stride of
-    // zero among them, as one run per row), none fell back.
+    // zero among them, as one run per row) or, with small rows packed on the peer, to the
+    // per-row path that gathers them; none fell back.
+    assert_eq!(d.stride_batches + d.row_batches, 24, "{d:?}");
+    assert!(d.stride_batches > 0 && d.stride_batches <= strided, "{d:?}");
+    assert_eq!(d.stride_fallbacks, 0, "{d:?}");
+
+    // Small rows packed on the peer are gathered, not sent as stride runs.
+    let ops = vec![TransferOp::new(src_id, 0, dst_id, 0, len).with_rows(64, 4 * len, len)];
+    let before = stats();
+    tx.transfer(peer, TransferBatch::write(ops)).await.unwrap();
+    let d = stats().since(&before);
     assert_eq!(
-        (d.stride_batches, d.stride_fallbacks),
-        (strided, 0),
+        (d.stride_batches, d.row_batches, d.row_descriptors),
+        (0, 1, 1),
         "{d:?}"
     );
 
