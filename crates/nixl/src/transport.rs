@@ -1533,23 +1533,7 @@ fn push_run(runs: &mut Vec<Run>, last_region: &mut Option<u64>, run: Run, region
 /// host and device memory mixed on one side.
 fn stride_plan(inner: &Inner, peer: PeerId, batch: &TransferBatch) -> Result<StridePlan> {
     batch.check_destination_rows(NAME)?;
-    let limit = inner
-        .caps
-        .max_ops_per_batch
-        .unwrap_or(kvbridge_transport::MAX_EXPANDED_ROWS)
-        .min(kvbridge_transport::MAX_EXPANDED_ROWS)
-        .min(i32::MAX as usize) as u64;
-    if batch.row_count() > limit {
-        // The per-row path words the refusal.
-        return Err(batch
-            .clone()
-            .expand_rows(NAME, Some(limit as usize))
-            .err()
-            .unwrap_or(TransportError::InvalidArgument {
-                transport: NAME,
-                message: format!("a batch of more than {limit} rows; post fewer rows per batch"),
-            }));
-    }
+    check_row_limit(inner, batch)?;
     let st = lock(&inner.state);
     let p = st.usable(peer)?;
     let mut plan = StridePlan {
@@ -1564,7 +1548,7 @@ fn stride_plan(inner: &Inner, peer: PeerId, batch: &TransferBatch) -> Result<Str
         remote_regions: Vec::new(),
         gathers: false,
     };
-    let (mut last_local, mut last_remote) = (None, None);
+    let mut last = (None, None);
     let mut kinds: (Option<bool>, Option<bool>) = (None, None);
     for op in &batch.ops {
         let l = st
@@ -1590,58 +1574,89 @@ fn stride_plan(inner: &Inner, peer: PeerId, batch: &TransferBatch) -> Result<Str
                     .to_owned(),
             });
         }
-        plan.gathers |= !ldev
-            && !rdev
-            && op.count > 1
-            && op.len as usize <= GATHER_MAX_ROW
-            && op.remote_stride == op.len
-            && op.local_stride != op.len;
-        let stride = |s: u64| if op.count == 1 { op.len } else { s };
-        let local = Run {
-            addr: lseg.addr as u64 + op.local_offset,
-            len: op.len,
-            device: u64::from(lseg.device.unwrap_or(0)),
-            stride: stride(op.local_stride),
-            count: op.count,
-        };
-        if local.stride < local.len {
-            // Source rows that overlap (a stride below the row, zero included): NIXL refuses
-            // such a run, so each row is a run of its own.
-            for row in 0..op.count {
-                let one = Run {
-                    addr: local.addr + row * op.local_stride,
-                    stride: op.len,
-                    count: 1,
-                    ..local
-                };
-                push_run(&mut plan.local, &mut last_local, one, op.local_region.0);
-            }
-        } else {
-            push_run(&mut plan.local, &mut last_local, local, op.local_region.0);
-        }
-        let remote = Run {
-            addr: r.addr + op.remote_offset,
-            len: op.len,
-            device: u64::from(r.device.unwrap_or(0)),
-            stride: stride(op.remote_stride),
-            count: op.count,
-        };
-        push_run(
-            &mut plan.remote,
-            &mut last_remote,
-            remote,
-            op.remote_region.0,
-        );
-        plan.local_regions.push(op.local_region.0);
-        plan.remote_regions.push(op.remote_region.0);
-        plan.blocks += op.count;
-        plan.bytes += op.total_bytes();
+        add_op(&mut plan, &mut last, op, lseg, r);
     }
     plan.local_device = kinds.0.unwrap_or(false);
     plan.remote_device = kinds.1.unwrap_or(false);
     plan.local_regions = region_ids(plan.local_regions.into_iter());
     plan.remote_regions = region_ids(plan.remote_regions.into_iter());
     Ok(plan)
+}
+
+/// Refuses a batch of more rows than the per-row path would take (the same limit, so the two
+/// forms accept the same batches; NIXL's indices are `i32`).
+fn check_row_limit(inner: &Inner, batch: &TransferBatch) -> Result<()> {
+    let limit = inner
+        .caps
+        .max_ops_per_batch
+        .unwrap_or(kvbridge_transport::MAX_EXPANDED_ROWS)
+        .min(kvbridge_transport::MAX_EXPANDED_ROWS)
+        .min(i32::MAX as usize) as u64;
+    if batch.row_count() > limit {
+        // The per-row path words the refusal.
+        return Err(batch
+            .clone()
+            .expand_rows(NAME, Some(limit as usize))
+            .err()
+            .unwrap_or(TransportError::InvalidArgument {
+                transport: NAME,
+                message: format!("a batch of more than {limit} rows; post fewer rows per batch"),
+            }));
+    }
+    Ok(())
+}
+
+/// Adds `op`'s rows to `plan` as runs (merged into the last run of each side where they
+/// continue it), a source with overlapping rows as one run per row.
+fn add_op(
+    plan: &mut StridePlan,
+    last: &mut (Option<u64>, Option<u64>),
+    op: &kvbridge_transport::TransferOp,
+    lseg: Segment,
+    r: &RemoteRegion,
+) {
+    let (ldev, rdev) = (lseg.device.is_some(), r.device.is_some());
+    plan.gathers |= !ldev
+        && !rdev
+        && op.count > 1
+        && op.len as usize <= GATHER_MAX_ROW
+        && op.remote_stride == op.len
+        && op.local_stride != op.len;
+    let stride = |s: u64| if op.count == 1 { op.len } else { s };
+    let local = Run {
+        addr: lseg.addr as u64 + op.local_offset,
+        len: op.len,
+        device: u64::from(lseg.device.unwrap_or(0)),
+        stride: stride(op.local_stride),
+        count: op.count,
+    };
+    if local.stride < local.len {
+        // Source rows that overlap (a stride below the row, zero included): NIXL refuses
+        // such a run, so each row is a run of its own.
+        for row in 0..op.count {
+            let one = Run {
+                addr: local.addr + row * op.local_stride,
+                stride: op.len,
+                count: 1,
+                ..local
+            };
+            push_run(&mut plan.local, &mut last.0, one, op.local_region.0);
+        }
+    } else {
+        push_run(&mut plan.local, &mut last.0, local, op.local_region.0);
+    }
+    let remote = Run {
+        addr: r.addr + op.remote_offset,
+        len: op.len,
+        device: u64::from(r.device.unwrap_or(0)),
+        stride: stride(op.remote_stride),
+        count: op.count,
+    };
+    push_run(&mut plan.remote, &mut last.1, remote, op.remote_region.0);
+    plan.local_regions.push(op.local_region.0);
+    plan.remote_regions.push(op.remote_region.0);
+    plan.blocks += op.count;
+    plan.bytes += op.total_bytes();
 }
 
 /// Posts a strided batch as NIXL stride descriptors. `Ok(None)` when it should go the per-row

@@ -1032,17 +1032,12 @@ async fn measure_with(
             // Side by side: the baseline and the transport alternate (the transport last, so
             // the receiver verifies its layout).
             base_times.push(base_run().await?);
-            let counted = kvbridge_nixl::stats();
             let start = Instant::now();
-            t.transfer(peer, batch(Bytes::from_static(b"run")))
-                .await
-                .map_err(e)?;
+            let done = t.transfer(peer, batch(Bytes::from_static(b"run")));
+            nixl::counted(&mut lists, done).await.map_err(e)?;
             times.push(start.elapsed().as_secs_f64());
-            lists = lists.plus(&kvbridge_nixl::stats().since(&counted));
         }
-        if args.transport == TransportKind::Nixl {
-            report.nixl_lists = Some(nixl::lists_line(&lists, u64::from(args.runs)));
-        }
+        report.nixl_lists = nixl::lists_for(args.transport, &lists, args.runs);
         report.gbps = pool as f64 / median(times) / 1e9;
         report.baseline_gbps = pool as f64 / median(base_times) / 1e9;
         report.ratio = report.gbps / report.baseline_gbps;

@@ -32,6 +32,26 @@ pub(super) fn factory() -> TransportFuture {
     })
 }
 
+/// Awaits `f`, adding what this process's NIXL transports handed to NIXL meanwhile to `into`.
+pub(super) async fn counted<T>(
+    into: &mut kvbridge_nixl::NixlStats,
+    f: impl std::future::Future<Output = T>,
+) -> T {
+    let before = kvbridge_nixl::stats();
+    let out = f.await;
+    *into = into.plus(&kvbridge_nixl::stats().since(&before));
+    out
+}
+
+/// [`lists_line`] of `runs` requests on NIXL; `None` on other transports.
+pub(super) fn lists_for(
+    kind: super::TransportKind,
+    d: &kvbridge_nixl::NixlStats,
+    runs: u32,
+) -> Option<String> {
+    (kind == super::TransportKind::Nixl).then(|| lists_line(d, u64::from(runs)))
+}
+
 /// What this process's NIXL transports handed to NIXL per request, from the counts of
 /// `requests` requests: the stride form's runs, the per-row form's descriptors (which the
 /// stride form's rows would each have been), and fallbacks.
