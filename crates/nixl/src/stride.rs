@@ -17,6 +17,8 @@
 //! list object's size, the descriptor's fields (a run one byte too long is refused, the bytes
 //! of a strided write land where the runs say).
 #![allow(unsafe_code)]
+// Without the shim (no C++ compiler at build time) the calls into it are left out.
+#![cfg_attr(kvbridge_nixl_no_shim, allow(dead_code, unused_imports))]
 
 use std::ffi::{CString, c_char, c_void};
 use std::ptr::NonNull;
@@ -365,6 +367,7 @@ mod tests {
 
     /// The runtime's list object fits the shim's reserved storage, holds one entry per run
     /// and reads each run's length from the second word.
+    #[cfg(not(kvbridge_nixl_no_shim))]
     #[test]
     fn the_runtime_list_takes_five_word_stride_runs() {
         let Some(_agent) = agent() else { return };
@@ -381,6 +384,7 @@ mod tests {
     /// NIXL checks every block of a run against the registration: a run ending inside the
     /// region is prepared, one block more (or the stride and count read the other way
     /// round) is refused. So the shim's runs are read as addr, len, devId, stride, count.
+    #[cfg(not(kvbridge_nixl_no_shim))]
     #[test]
     fn local_prep_checks_every_block_of_a_run() {
         let Some((agent, _backend)) = agent() else {
