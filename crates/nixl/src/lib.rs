@@ -24,6 +24,10 @@ mod error;
 #[cfg(feature = "nixl")]
 mod ffi;
 pub mod runtime;
+#[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+mod stats;
+#[cfg(feature = "nixl")]
+mod stride;
 #[cfg(feature = "nixl")]
 mod transport;
 
@@ -32,6 +36,7 @@ pub use error::NixlError;
 #[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
 pub use ffi::{allocate_shared, map_shared, shared_fd};
 pub use runtime::{LIB_DIR_ENV, Runtime};
+pub use stats::{NixlStats, stats};
 #[cfg(feature = "nixl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
 pub use transport::NixlTransport;
@@ -66,6 +71,11 @@ pub struct NixlOptions {
     /// does at its default delay of zero). Off, the polling thread sleeps 10 to 20 µs between
     /// polls. Idle transports always back off to 1 ms (after 20 ms without activity).
     pub poll_in_flight: bool,
+    /// Post strided ops as NIXL stride descriptors (NIXL 1.5; default true): one descriptor per
+    /// run of rows instead of one per row. Where the runtime lacks them or NIXL refuses a
+    /// batch's stride form, the batch goes as per-row descriptors, said once in a warning and
+    /// counted in [`NixlStats::stride_fallbacks`].
+    pub stride_descriptors: bool,
 }
 
 impl Default for NixlOptions {
@@ -78,6 +88,7 @@ impl Default for NixlOptions {
             commit_grace: Duration::from_secs(1),
             device_memory: true,
             poll_in_flight: false,
+            stride_descriptors: true,
         }
     }
 }
@@ -116,6 +127,12 @@ impl NixlOptions {
     /// Sets [`poll_in_flight`](Self::poll_in_flight).
     pub fn with_poll_in_flight(mut self, poll: bool) -> Self {
         self.poll_in_flight = poll;
+        self
+    }
+
+    /// Sets [`stride_descriptors`](Self::stride_descriptors).
+    pub fn with_stride_descriptors(mut self, on: bool) -> Self {
+        self.stride_descriptors = on;
         self
     }
 

@@ -38,7 +38,8 @@ use crate::control::Control;
 use crate::descriptor::{Descriptor, RemoteRegion};
 use crate::ffi::{self, Segment};
 use crate::runtime::Runtime;
-use crate::{NAME, NixlError, NixlOptions};
+use crate::stride::{Dlist, Run, StrideAgent};
+use crate::{NAME, NixlError, NixlOptions, stats};
 
 /// The polling thread's back-off: from `POLL_MIN` up to `POLL_IN_FLIGHT_MAX` while transfers
 /// are in flight (each poll also drives UCX's progress, which the batch's completion waits
@@ -109,6 +110,8 @@ struct Inflight {
     /// The staging region its gathered rows are sent from, if any: back to the pool once
     /// NIXL no longer reads it.
     staging: Option<Staging>,
+    /// The prepared stride lists its request was made from, released after the request.
+    dlists: Vec<Dlist>,
 }
 
 /// A registered region holding a batch's gathered rows; deregistered before it is unmapped.
@@ -227,8 +230,14 @@ impl State {
     /// A transfer NIXL let go of (done, failed or a zombie no longer in progress): its request
     /// is released first, then its staging region goes back to the pool.
     fn release(&mut self, f: Inflight) {
-        let Inflight { req, staging, .. } = f;
+        let Inflight {
+            req,
+            staging,
+            dlists,
+            ..
+        } = f;
         drop(req);
+        drop(dlists);
         self.recycle(staging);
     }
 
@@ -314,6 +323,9 @@ pub(crate) struct Inner {
     /// Waits driving their own batch right now ([`Driving`]): the polling thread leaves
     /// NIXL to them.
     drivers: AtomicUsize,
+    /// NIXL's stride descriptors for strided ops, or why they cannot be used here (it holds
+    /// only the agent's handle, used while `agent` lives).
+    stride: std::result::Result<StrideAgent, String>,
 }
 
 /// A [`KvTransport`] on a NIXL agent with the UCX backend (feature `nixl`).
@@ -395,6 +407,12 @@ impl NixlTransport {
         let caps = Capabilities::minimal()
             .with_cross_process(true)
             .with_device_memory(vram && gpu && options.device_memory);
+        // Read only when the option is on (off, strided ops go per row and nothing is said).
+        let stride = if options.stride_descriptors {
+            StrideAgent::new(&agent)
+        } else {
+            Err("NixlOptions::stride_descriptors is off".to_owned())
+        };
         let (tx, rx) = mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
             agent,
@@ -417,6 +435,7 @@ impl NixlTransport {
             kicked: AtomicBool::new(false),
             poller_sleep_us: AtomicU64::new(0),
             drivers: AtomicUsize::new(0),
+            stride,
         });
         let weak = Arc::downgrade(&inner);
         let poller = std::thread::Builder::new()
@@ -603,7 +622,9 @@ impl Inner {
         id: BatchId,
         req: &XferRequest,
     ) -> std::result::Result<(), (TransportError, String)> {
+        let started = Instant::now();
         let posted = self.agent.post_xfer_req(req, None);
+        stats::time(&stats::POST_NS, started);
         // UCX often finishes a write inside the post (its cma lane copies there, and a small
         // write may be acknowledged at once): such a batch ends here, without waiting for the
         // polling thread's next turn.
@@ -1188,90 +1209,14 @@ impl KvTransport for NixlTransport {
                 remedy: "post writes from the side that holds the data",
             });
         }
-        // Each row is one NIXL descriptor: strided ops expand into the descriptor lists.
-        let batch = batch.expand_rows(NAME, inner.caps.max_ops_per_batch)?;
-        // Bounds before bytes: every descriptor checked before anything is posted.
-        let (name, local, remote) = descriptors(inner, peer, &batch)?;
-        let now = Instant::now();
-        let id = insert_committed(inner, peer, batch.timeout, now)?;
-        if local.is_empty() {
-            // Nothing to move: the notification alone, then done.
-            if let Some(payload) = &batch.notification {
-                if let Err(e) = inner.send(&name, &Control::User(payload.to_vec())) {
-                    inner.batches.forget(id);
-                    return Err(e);
-                }
-            }
-            inner.batches.finish(id, Outcome::Done, now);
-            return Ok(id);
-        }
-        let local_regions = region_ids(local.iter().map(|l| l.3));
-        let (local, remote, staging) = match gather(inner, local, remote).await {
-            Ok(g) => g,
-            Err(e) => {
-                inner.batches.forget(id);
-                return Err(e);
-            }
-        };
-        let bytes: usize = local.iter().map(|l| l.1).sum();
-        // Like a driving `wait`, a small batch's request is made and posted with the polling
-        // thread out of NIXL's agent lock (every NIXL call takes it).
-        let driving = (bytes < POST_ASIDE_BYTES).then(|| Driving::new(inner));
-        let req = match make_request(inner, &name, &local, &remote, batch.notification.as_deref()) {
-            Ok(req) => req,
-            Err(e) => {
-                inner.batches.forget(id);
-                return Err(e);
-            }
-        };
-        let remote_regions = region_ids(remote.iter().map(|r| r.3));
-        let req = Arc::new(req);
-        {
-            // In `inflight` before it is posted, so a deregistration on either side waits for
-            // it; the regions are checked again under the same lock for one that finished
-            // since `descriptors` looked.
-            let mut st = lock(&inner.state);
-            if let Err(e) = st.still_usable(peer, &local_regions, &remote_regions) {
-                st.recycle(staging);
-                drop(st);
-                inner.batches.forget(id);
-                return Err(e);
-            }
-            st.inflight.insert(
-                id,
-                Inflight {
-                    req: Arc::clone(&req),
-                    posted: false,
-                    peer,
-                    local_regions,
-                    remote_regions,
-                    staging,
-                },
-            );
-        }
-        // UCX's cma lane copies a write's bytes inside `postXferReq`. A large batch is posted
-        // from a blocking thread, so `post` returns while UCX copies and the caller's next
-        // batch is gathered meanwhile (docs/benchmarks.md).
-        if bytes >= POST_ASIDE_BYTES {
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                let inner = Arc::clone(inner);
-                rt.spawn_blocking(move || {
-                    if let Err((e, reason)) = inner.post_now(id, &req) {
-                        inner.batches.finish(id, Outcome::Failed(e), Instant::now());
-                        inner.peer_lost(peer, reason);
-                    }
-                });
+        // Strided ops go as NIXL stride descriptors where the runtime takes them; otherwise
+        // (and for batches of contiguous ops) one descriptor per row.
+        if inner.options.stride_descriptors && batch.ops.iter().any(|op| !op.is_contiguous()) {
+            if let Some(id) = post_strided(inner, peer, &batch)? {
                 return Ok(id);
             }
         }
-        let posted = inner.post_now(id, &req);
-        drop(driving);
-        if let Err((e, reason)) = posted {
-            inner.batches.forget(id);
-            inner.peer_lost(peer, reason);
-            return Err(e);
-        }
-        Ok(id)
+        post_rows(inner, peer, batch).await
     }
 
     fn batch_state(&self, batch: BatchId) -> Result<BatchState> {
@@ -1426,6 +1371,423 @@ fn insert_committed(
     let (id, _) = inner.batches.insert_committed(peer, timeout, now, fence)?;
     let _ = fenced.set(id);
     Ok(id)
+}
+
+/// A request made and the batch's bookkeeping, ready to be handed to NIXL.
+struct Prepared {
+    req: XferRequest,
+    local_regions: Vec<u64>,
+    remote_regions: Vec<u64>,
+    staging: Option<Staging>,
+    dlists: Vec<Dlist>,
+    bytes: usize,
+}
+
+/// Posts `batch` with one NIXL descriptor per row (strided ops expanded), small rows packed on
+/// the peer gathered into a staging region first.
+async fn post_rows(inner: &Arc<Inner>, peer: PeerId, batch: TransferBatch) -> Result<BatchId> {
+    let batch = batch.expand_rows(NAME, inner.caps.max_ops_per_batch)?;
+    // Bounds before bytes: every descriptor checked before anything is posted.
+    let (name, local, remote) = descriptors(inner, peer, &batch)?;
+    let now = Instant::now();
+    let id = insert_committed(inner, peer, batch.timeout, now)?;
+    if local.is_empty() {
+        // Nothing to move: the notification alone, then done.
+        if let Some(payload) = &batch.notification {
+            if let Err(e) = inner.send(&name, &Control::User(payload.to_vec())) {
+                inner.batches.forget(id);
+                return Err(e);
+            }
+        }
+        inner.batches.finish(id, Outcome::Done, now);
+        return Ok(id);
+    }
+    let local_regions = region_ids(local.iter().map(|l| l.3));
+    let (local, remote, staging) = match gather(inner, local, remote).await {
+        Ok(g) => g,
+        Err(e) => {
+            inner.batches.forget(id);
+            return Err(e);
+        }
+    };
+    let bytes: usize = local.iter().map(|l| l.1).sum();
+    // Like a driving `wait`, a small batch's request is made and posted with the polling
+    // thread out of NIXL's agent lock (every NIXL call takes it).
+    let driving = (bytes < POST_ASIDE_BYTES).then(|| Driving::new(inner));
+    let started = Instant::now();
+    let req = match make_request(inner, &name, &local, &remote, batch.notification.as_deref()) {
+        Ok(req) => req,
+        Err(e) => {
+            inner.batches.forget(id);
+            return Err(e);
+        }
+    };
+    stats::time(&stats::MAKE_NS, started);
+    stats::ROW_BATCHES.fetch_add(1, Ordering::Relaxed);
+    stats::ROW_DESCRIPTORS.fetch_add(local.len() as u64, Ordering::Relaxed);
+    let prepared = Prepared {
+        req,
+        local_regions,
+        remote_regions: region_ids(remote.iter().map(|r| r.3)),
+        staging,
+        dlists: Vec::new(),
+        bytes,
+    };
+    submit(inner, id, peer, prepared, driving)
+}
+
+/// Hands a prepared batch `id` to NIXL: into `inflight` first (a deregistration on either side
+/// then waits for it), the regions checked again under the same lock, then posted, from a
+/// blocking thread when it is large.
+fn submit(
+    inner: &Arc<Inner>,
+    id: BatchId,
+    peer: PeerId,
+    p: Prepared,
+    driving: Option<Driving<'_>>,
+) -> Result<BatchId> {
+    let req = Arc::new(p.req);
+    {
+        // The regions are checked again under the lock for a deregistration that finished
+        // since the descriptors were looked up.
+        let mut st = lock(&inner.state);
+        if let Err(e) = st.still_usable(peer, &p.local_regions, &p.remote_regions) {
+            st.recycle(p.staging);
+            drop(st);
+            inner.batches.forget(id);
+            return Err(e);
+        }
+        st.inflight.insert(
+            id,
+            Inflight {
+                req: Arc::clone(&req),
+                posted: false,
+                peer,
+                local_regions: p.local_regions,
+                remote_regions: p.remote_regions,
+                staging: p.staging,
+                dlists: p.dlists,
+            },
+        );
+    }
+    // UCX's cma lane copies a write's bytes inside `postXferReq`. A large batch is posted
+    // from a blocking thread, so `post` returns while UCX copies and the caller's next
+    // batch is gathered meanwhile (docs/benchmarks.md).
+    if p.bytes >= POST_ASIDE_BYTES {
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let inner = Arc::clone(inner);
+            rt.spawn_blocking(move || {
+                if let Err((e, reason)) = inner.post_now(id, &req) {
+                    inner.batches.finish(id, Outcome::Failed(e), Instant::now());
+                    inner.peer_lost(peer, reason);
+                }
+            });
+            return Ok(id);
+        }
+    }
+    let posted = inner.post_now(id, &req);
+    drop(driving);
+    if let Err((e, reason)) = posted {
+        inner.batches.forget(id);
+        inner.peer_lost(peer, reason);
+        return Err(e);
+    }
+    Ok(id)
+}
+
+/// A strided batch in NIXL's stride terms: one run per run of rows on each side (runs that
+/// continue each other merged), every op checked against both sides' regions.
+struct StridePlan {
+    name: String,
+    local: Vec<Run>,
+    remote: Vec<Run>,
+    /// Host (`false`) or device memory, per side.
+    local_device: bool,
+    remote_device: bool,
+    blocks: u64,
+    bytes: u64,
+    local_regions: Vec<u64>,
+    remote_regions: Vec<u64>,
+    /// An op's rows are small host rows packed on the peer: the per-row path gathers them
+    /// into one descriptor per run, which moves them faster than stride runs do (one UCX
+    /// operation per block either way in NIXL 1.5; docs/benchmarks.md, NIXL).
+    gathers: bool,
+}
+
+/// Appends `run` of region `region` to `runs`, merged into the last one when it continues it
+/// in the same region.
+fn push_run(runs: &mut Vec<Run>, last_region: &mut Option<u64>, run: Run, region: u64) {
+    if *last_region == Some(region) {
+        if let Some(last) = runs.last_mut() {
+            if last.extend(&run) {
+                return;
+            }
+        }
+    }
+    *last_region = Some(region);
+    runs.push(run);
+}
+
+/// The stride runs of a write batch to `peer`, with the same checks as the per-row path:
+/// rows that overlap on the destination, rows outside either side's region, too many rows,
+/// host and device memory mixed on one side.
+fn stride_plan(inner: &Inner, peer: PeerId, batch: &TransferBatch) -> Result<StridePlan> {
+    batch.check_destination_rows(NAME)?;
+    check_row_limit(inner, batch)?;
+    let st = lock(&inner.state);
+    let p = st.usable(peer)?;
+    let mut plan = StridePlan {
+        name: p.name.clone(),
+        local: Vec::new(),
+        remote: Vec::new(),
+        local_device: false,
+        remote_device: false,
+        blocks: 0,
+        bytes: 0,
+        local_regions: Vec::new(),
+        remote_regions: Vec::new(),
+        gathers: false,
+    };
+    let mut last = (None, None);
+    let mut kinds: (Option<bool>, Option<bool>) = (None, None);
+    for op in &batch.ops {
+        let l = st
+            .regions
+            .get(&op.local_region.0)
+            .ok_or(unknown_region(Side::Local, op.local_region))?;
+        let r = p
+            .regions
+            .get(&op.remote_region.0)
+            .ok_or(unknown_region(Side::Remote, op.remote_region))?;
+        let lseg = Segment::of(&l.region);
+        op.local_rows_in(lseg.len)?;
+        op.remote_rows_in(usize::try_from(r.len).unwrap_or(usize::MAX))?;
+        if op.len == 0 || op.count == 0 {
+            continue;
+        }
+        let (ldev, rdev) = (lseg.device.is_some(), r.device.is_some());
+        if *kinds.0.get_or_insert(ldev) != ldev || *kinds.1.get_or_insert(rdev) != rdev {
+            return Err(TransportError::InvalidArgument {
+                transport: NAME,
+                message: "a batch mixes host and device memory on one side; NIXL moves one \
+                          memory type per side in a transfer: post them as separate batches"
+                    .to_owned(),
+            });
+        }
+        add_op(&mut plan, &mut last, op, lseg, r);
+    }
+    plan.local_device = kinds.0.unwrap_or(false);
+    plan.remote_device = kinds.1.unwrap_or(false);
+    plan.local_regions = region_ids(plan.local_regions.into_iter());
+    plan.remote_regions = region_ids(plan.remote_regions.into_iter());
+    Ok(plan)
+}
+
+/// Refuses a batch of more rows than the per-row path would take (the same limit, so the two
+/// forms accept the same batches; NIXL's indices are `i32`).
+fn check_row_limit(inner: &Inner, batch: &TransferBatch) -> Result<()> {
+    let limit = inner
+        .caps
+        .max_ops_per_batch
+        .unwrap_or(kvbridge_transport::MAX_EXPANDED_ROWS)
+        .min(kvbridge_transport::MAX_EXPANDED_ROWS)
+        .min(i32::MAX as usize) as u64;
+    if batch.row_count() > limit {
+        // The per-row path words the refusal.
+        return Err(batch
+            .clone()
+            .expand_rows(NAME, Some(limit as usize))
+            .err()
+            .unwrap_or(TransportError::InvalidArgument {
+                transport: NAME,
+                message: format!("a batch of more than {limit} rows; post fewer rows per batch"),
+            }));
+    }
+    Ok(())
+}
+
+/// Adds `op`'s rows to `plan` as runs (merged into the last run of each side where they
+/// continue it), a source with overlapping rows as one run per row.
+fn add_op(
+    plan: &mut StridePlan,
+    last: &mut (Option<u64>, Option<u64>),
+    op: &kvbridge_transport::TransferOp,
+    lseg: Segment,
+    r: &RemoteRegion,
+) {
+    let (ldev, rdev) = (lseg.device.is_some(), r.device.is_some());
+    plan.gathers |= !ldev
+        && !rdev
+        && op.count > 1
+        && op.len as usize <= GATHER_MAX_ROW
+        && op.remote_stride == op.len
+        && op.local_stride != op.len;
+    let stride = |s: u64| if op.count == 1 { op.len } else { s };
+    let local = Run {
+        addr: lseg.addr as u64 + op.local_offset,
+        len: op.len,
+        device: u64::from(lseg.device.unwrap_or(0)),
+        stride: stride(op.local_stride),
+        count: op.count,
+    };
+    if local.stride < local.len {
+        // Source rows that overlap (a stride below the row, zero included): NIXL refuses
+        // such a run, so each row is a run of its own.
+        for row in 0..op.count {
+            let one = Run {
+                addr: local.addr + row * op.local_stride,
+                stride: op.len,
+                count: 1,
+                ..local
+            };
+            push_run(&mut plan.local, &mut last.0, one, op.local_region.0);
+        }
+    } else {
+        push_run(&mut plan.local, &mut last.0, local, op.local_region.0);
+    }
+    let remote = Run {
+        addr: r.addr + op.remote_offset,
+        len: op.len,
+        device: u64::from(r.device.unwrap_or(0)),
+        stride: stride(op.remote_stride),
+        count: op.count,
+    };
+    push_run(&mut plan.remote, &mut last.1, remote, op.remote_region.0);
+    plan.local_regions.push(op.local_region.0);
+    plan.remote_regions.push(op.remote_region.0);
+    plan.blocks += op.count;
+    plan.bytes += op.total_bytes();
+}
+
+/// Posts a strided batch as NIXL stride descriptors. `Ok(None)` when it should go the per-row
+/// path instead: nothing to move, rows that path gathers ([`StridePlan::gathers`]), or the
+/// stride form is unavailable or refused (then counted, and said once).
+fn post_strided(
+    inner: &Arc<Inner>,
+    peer: PeerId,
+    batch: &TransferBatch,
+) -> Result<Option<BatchId>> {
+    let plan = stride_plan(inner, peer, batch)?;
+    if plan.blocks == 0 || plan.gathers {
+        return Ok(None);
+    }
+    let stride = match &inner.stride {
+        Ok(s) => s,
+        Err(why) => {
+            stride_fallback(why);
+            return Ok(None);
+        }
+    };
+    let mem = |device: bool| Segment::mem_type(device.then_some(0));
+    let bytes = usize::try_from(plan.bytes).unwrap_or(usize::MAX);
+    let driving = (bytes < POST_ASIDE_BYTES).then(|| Driving::new(inner));
+    let started = Instant::now();
+    let prepared = stride
+        .prep(&inner.agent, None, mem(plan.local_device), &plan.local)
+        .map_err(|e| format!("local list: {e}"))
+        .and_then(|l| {
+            let r = stride
+                .prep(
+                    &inner.agent,
+                    Some(&plan.name),
+                    mem(plan.remote_device),
+                    &plan.remote,
+                )
+                .map_err(|e| format!("remote list (agent {}): {e}", plan.name))?;
+            Ok((l, r))
+        });
+    let (local, remote) = match prepared {
+        Ok(lists) => lists,
+        Err(why) => {
+            stride_fallback(&format!(
+                "NIXL refused a stride list at prepXferDlist, {why}"
+            ));
+            return Ok(None);
+        }
+    };
+    let id = insert_committed(inner, peer, batch.timeout, Instant::now())?;
+    let blocks = plan.blocks as usize;
+    let req = match make_stride_request(
+        inner,
+        &local,
+        &remote,
+        blocks,
+        batch.notification.as_deref(),
+    ) {
+        Ok(req) => req,
+        Err(why) => {
+            inner.batches.forget(id);
+            stride_fallback(&why);
+            return Ok(None);
+        }
+    };
+    stats::time(&stats::MAKE_NS, started);
+    stats::STRIDE_BATCHES.fetch_add(1, Ordering::Relaxed);
+    stats::STRIDE_LOCAL.fetch_add(plan.local.len() as u64, Ordering::Relaxed);
+    stats::STRIDE_REMOTE.fetch_add(plan.remote.len() as u64, Ordering::Relaxed);
+    stats::STRIDE_BLOCKS.fetch_add(plan.blocks, Ordering::Relaxed);
+    let prepared = Prepared {
+        req,
+        local_regions: plan.local_regions,
+        remote_regions: plan.remote_regions,
+        staging: None,
+        dlists: vec![local, remote],
+        bytes,
+    };
+    submit(inner, id, peer, prepared, driving).map(Some)
+}
+
+/// Counts a strided batch that goes as per-row descriptors, and says why the first time.
+fn stride_fallback(why: &str) {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    stats::STRIDE_FALLBACKS.fetch_add(1, Ordering::Relaxed);
+    if !SAID.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            reason = %why,
+            "NIXL stride descriptors are not used: strided ops go to NIXL as one descriptor per \
+             row (slower for many small rows); counted in kvbridge_nixl::stats().stride_fallbacks"
+        );
+    }
+}
+
+/// The options every request carries: the UCX backend, and the batch's notification.
+fn request_args(
+    inner: &Inner,
+    notification: Option<&[u8]>,
+) -> std::result::Result<OptArgs, nixl_sys::NixlError> {
+    let mut args = OptArgs::new()?;
+    args.add_backend(&inner.backend)?;
+    if let Some(payload) = notification {
+        let msg = Control::User(payload.to_vec()).encode();
+        args.set_has_notification(true)?;
+        args.set_notification_message(&msg)?;
+    }
+    Ok(args)
+}
+
+/// A WRITE request over every block of two prepared stride lists (the indices count blocks,
+/// not runs); the error is why NIXL refused it, for the fallback's warning.
+fn make_stride_request(
+    inner: &Inner,
+    local: &Dlist,
+    remote: &Dlist,
+    blocks: usize,
+    notification: Option<&[u8]>,
+) -> std::result::Result<XferRequest, String> {
+    let args =
+        request_args(inner, notification).map_err(|e| format!("optional arguments: {e:?}"))?;
+    let indices: Vec<i32> = (0..blocks as i32).collect();
+    inner
+        .agent
+        .make_xfer_req(
+            XferOp::Write,
+            local.handle(),
+            &indices,
+            remote.handle(),
+            &indices,
+            Some(&args),
+        )
+        .map_err(|e| format!("NIXL refused the stride request at makeXferReq ({e:?})"))
 }
 
 /// NIXL's metadata of one newly registered region, for the peers that already loaded the rest.
@@ -1680,13 +2042,7 @@ fn make_request(
     for &(addr, len, dev, _) in remote {
         r.add_desc(addr, len, u64::from(dev.unwrap_or(0)));
     }
-    let mut args = OptArgs::new().map_err(unusable)?;
-    args.add_backend(&inner.backend).map_err(unusable)?;
-    if let Some(payload) = notification {
-        let msg = Control::User(payload.to_vec()).encode();
-        args.set_has_notification(true).map_err(unusable)?;
-        args.set_notification_message(&msg).map_err(unusable)?;
-    }
+    let args = request_args(inner, notification).map_err(unusable)?;
     inner
         .agent
         .create_xfer_req(XferOp::Write, &l, &r, to, Some(&args))

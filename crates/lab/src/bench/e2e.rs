@@ -99,6 +99,9 @@ struct Report {
     direct_gbps: Option<f64>,
     direct_ms: Option<f64>,
     direct_descriptors: Option<u64>,
+    /// `--transport nixl`: what the coordinator's batches handed to NIXL per request.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    nixl_lists: Option<String>,
     direct_ratio: Option<f64>,
     coordinator_ms: f64,
     plain_ms: f64,
@@ -388,6 +391,9 @@ async fn shutdown(prefills: &[Prefill], decodes: &[Decode]) {
     }
 }
 
+/// One pair's measurement: set-up, the untimed verified run, the alternating timed runs and
+/// the report. Long because: it is the bench's sequence in the order it runs, each step
+/// already a call of its own, and the figures it reports are only comparable taken together.
 async fn bench(args: &BenchArgs) -> Result<Report, String> {
     let make = factory(args.transport)?;
     let shape = Shape::of(args);
@@ -425,6 +431,7 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
     let before = metrics(&prefills);
     let (mut coord, mut mem, mut raw, mut direct_runs, mut plains) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut lists = kvbridge_nixl::NixlStats::default();
     for _ in 0..args.runs {
         plains.push(plain.run());
         mem.push(memcpy_run(&prefills, &decodes, &blocks)?);
@@ -433,7 +440,8 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
             direct_runs.push(d.run()?);
         }
         room += 1;
-        coord.push(coordinator_run(&prefills, &decodes, &addr, room, tokens).await?);
+        let run = coordinator_run(&prefills, &decodes, &addr, room, tokens);
+        coord.push(super::nixl::counted(&mut lists, run).await?);
     }
     let after = metrics(&prefills);
     let per_request = |f: fn(&MetricsSnapshot) -> u64| -> u64 {
@@ -475,6 +483,7 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
         direct_gbps: direct_time.map(gbps),
         direct_ms: direct_time.map(|d| d.as_secs_f64() * 1e3),
         direct_descriptors,
+        nixl_lists: super::nixl::lists_for(args.transport, &lists, args.runs),
         direct_ratio: direct_time.map(|d| d.as_secs_f64() / c.as_secs_f64().max(1e-9)),
         coordinator_ms: c.as_secs_f64() * 1e3,
         plain_ms: pl.as_secs_f64() * 1e3,
@@ -817,6 +826,7 @@ fn print(args: &BenchArgs, r: &Report) {
          {kind} transport",
         r.transport_gbps, r.transport_ms, r.baseline_blocks
     );
+    print_lists(r);
     if let (Some(gbps), Some(ms), Some(n)) = (r.direct_gbps, r.direct_ms, r.direct_descriptors) {
         println!(
             "  direct NIXL  {gbps:>6.2} GB/s  {ms:>8.1} ms per request  the same rows as {n} NIXL \
@@ -870,6 +880,13 @@ fn print(args: &BenchArgs, r: &Report) {
             "NO: the coordinator left a wrong byte (see above)"
         }
     );
+}
+
+/// `--transport nixl`: what the coordinator's batches handed to NIXL per request.
+fn print_lists(r: &Report) {
+    if let Some(lists) = &r.nixl_lists {
+        println!("  NIXL lists   {lists}");
+    }
 }
 
 #[cfg(test)]

@@ -209,6 +209,11 @@ pub(crate) struct BenchArgs {
     /// `--e2e`: page size of the decode pool, in tokens.
     #[arg(long, requires = "e2e", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=4096))]
     page_size: u64,
+    /// `--transport nixl`: post strided ops as one NIXL descriptor per row (the transport's
+    /// `NixlOptions::stride_descriptors` off) instead of NIXL stride descriptors, to compare
+    /// the two forms.
+    #[arg(long)]
+    nixl_per_row: bool,
     /// Scale every pattern's size by this factor (for quick smoke runs).
     #[arg(long, hide = true, default_value_t = 1.0)]
     size_scale: f64,
@@ -322,6 +327,9 @@ struct Report {
     baseline_p50_us: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     baseline_p99_us: Option<f64>,
+    /// `--transport nixl`: what the timed transfers handed to NIXL per request.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    nixl_lists: Option<String>,
 }
 
 const BASELINE: &str = "memcpy into pre-faulted memory";
@@ -344,6 +352,7 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
         peer: args.peer_addr.unwrap_or(args.bind_addr),
         tcp_connections: args.tcp_connections.map(|n| n as usize),
     });
+    nixl::PER_ROW.store(args.nixl_per_row, std::sync::atomic::Ordering::Relaxed);
     if args.role.is_none() {
         // On stdout it would break the JSON lines.
         if args.json {
@@ -792,6 +801,7 @@ impl Report {
             local_p99_us: None,
             baseline_p50_us: None,
             baseline_p99_us: None,
+            nixl_lists: None,
         }
     }
 }
@@ -828,6 +838,8 @@ fn raw_baseline(
         (TransportKind::Shm, Pattern::Strided1152) => Some(RawBaseline::LargeBlock),
         // NIXL against the same descriptors posted through nixl-sys directly (`bench/nixl.rs`),
         // for `strided-1152` one per row.
+        // `strided-1152` on NIXL: against the transport's own large block (`measure_with`).
+        (TransportKind::Nixl, Pattern::Strided1152) => None,
         (TransportKind::Nixl, _) => Some(RawBaseline::Nixl(nixl::DirectBaseline::start(
             src, descriptor, remote,
         )?)),
@@ -959,13 +971,12 @@ async fn measure_with(
     let transfer_ops = plan_ops(pattern, &ops, local, remote);
     // `strided-1152` is measured against the same transport moving the same bytes as one
     // large block (its own best case), alternating.
-    // On shm it is held to memcpy of one large block (`RawBaseline::LargeBlock`) instead, on
-    // NIXL to the same per-row descriptors posted through nixl-sys directly.
-    let large =
-        (pattern == Pattern::Strided1152 && args.transport == TransportKind::Tcp).then(|| {
-            TransferBatch::write(vec![TransferOp::new(local, 0, remote, 0, pool)])
-                .with_timeout(Duration::from_secs(60))
-        });
+    // On shm it is held to memcpy of one large block (`RawBaseline::LargeBlock`) instead.
+    let own_large = matches!(args.transport, TransportKind::Tcp | TransportKind::Nixl);
+    let large = (pattern == Pattern::Strided1152 && own_large).then(|| {
+        TransferBatch::write(vec![TransferOp::new(local, 0, remote, 0, pool)])
+            .with_timeout(Duration::from_secs(60))
+    });
     // The baseline's destination: pre-faulted heap memory in this process.
     let baseline_dst = MemoryRegion::allocate(pool as usize).map_err(|e| e.to_string())?;
     // TCP is measured against a raw TCP stream between two processes (`bench/tcp.rs`), shm's
@@ -1015,17 +1026,18 @@ async fn measure_with(
     } else {
         let mut base_times = Vec::new();
         let mut times = Vec::new();
+        let mut lists = kvbridge_nixl::NixlStats::default();
         for run in 0..args.runs {
             progress.show(&format!("{name}: run {}/{}", run + 1, args.runs));
             // Side by side: the baseline and the transport alternate (the transport last, so
             // the receiver verifies its layout).
             base_times.push(base_run().await?);
             let start = Instant::now();
-            t.transfer(peer, batch(Bytes::from_static(b"run")))
-                .await
-                .map_err(e)?;
+            let done = t.transfer(peer, batch(Bytes::from_static(b"run")));
+            nixl::counted(&mut lists, done).await.map_err(e)?;
             times.push(start.elapsed().as_secs_f64());
         }
+        report.nixl_lists = nixl::lists_for(args.transport, &lists, args.runs);
         report.gbps = pool as f64 / median(times) / 1e9;
         report.baseline_gbps = pool as f64 / median(base_times) / 1e9;
         report.ratio = report.gbps / report.baseline_gbps;
@@ -1176,6 +1188,11 @@ fn print_table(reports: &[Report], runs: u32) {
     );
     for r in reports.iter().filter(|r| r.baseline != baseline) {
         println!("{}: baseline: {}, in the same run", r.pattern, r.baseline);
+    }
+    for r in reports {
+        if let Some(lists) = &r.nixl_lists {
+            println!("{}: {lists}", r.pattern);
+        }
     }
 }
 

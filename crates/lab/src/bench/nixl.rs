@@ -9,9 +9,88 @@ use super::TransportFuture;
 /// How the baseline is described in the report.
 pub(super) const BASELINE: &str = "the same descriptors posted through nixl-sys directly (a raw NIXL agent without a progress thread, UCX backend, polled in a tight loop)";
 
-/// Creates a `NixlTransport` with the default options.
+/// `--nixl-per-row`: strided ops as one NIXL descriptor per row instead of stride runs.
+pub(super) static PER_ROW: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Creates a `NixlTransport` with the default options (stride descriptors off with
+/// `--nixl-per-row`).
 pub(super) fn factory() -> TransportFuture {
-    Box::pin(async { crate::nixl_transport() })
+    Box::pin(async {
+        #[cfg(feature = "nixl")]
+        {
+            let per_row = PER_ROW.load(std::sync::atomic::Ordering::Relaxed);
+            let options = kvbridge_nixl::NixlOptions::default().with_stride_descriptors(!per_row);
+            kvbridge_nixl::NixlTransport::with_options(options)
+                .map(|t| std::sync::Arc::new(t) as _)
+                .map_err(|e| format!("NIXL transport: {e}"))
+        }
+        #[cfg(not(feature = "nixl"))]
+        {
+            crate::nixl_transport()
+        }
+    })
+}
+
+/// Awaits `f`, adding what this process's NIXL transports handed to NIXL meanwhile to `into`.
+pub(super) async fn counted<T>(
+    into: &mut kvbridge_nixl::NixlStats,
+    f: impl std::future::Future<Output = T>,
+) -> T {
+    let before = kvbridge_nixl::stats();
+    let out = f.await;
+    *into = into.plus(&kvbridge_nixl::stats().since(&before));
+    out
+}
+
+/// [`lists_line`] of `runs` requests on NIXL; `None` on other transports.
+pub(super) fn lists_for(
+    kind: super::TransportKind,
+    d: &kvbridge_nixl::NixlStats,
+    runs: u32,
+) -> Option<String> {
+    (kind == super::TransportKind::Nixl).then(|| lists_line(d, u64::from(runs)))
+}
+
+/// What this process's NIXL transports handed to NIXL per request, from the counts of
+/// `requests` requests: the stride form's runs, the per-row form's descriptors (which the
+/// stride form's rows would each have been), and fallbacks.
+pub(super) fn lists_line(d: &kvbridge_nixl::NixlStats, requests: u64) -> String {
+    let n = requests.max(1);
+    let mut parts = Vec::new();
+    if d.stride_batches > 0 {
+        parts.push(format!(
+            "stride form: {} batches, {} local + {} remote stride descriptors covering {} rows \
+             (per-row form: {} descriptors)",
+            d.stride_batches / n,
+            d.stride_local_descriptors / n,
+            d.stride_remote_descriptors / n,
+            d.stride_blocks / n,
+            d.stride_blocks / n
+        ));
+    }
+    if d.row_batches > 0 {
+        parts.push(format!(
+            "per-row form: {} batches, {} descriptors",
+            d.row_batches / n,
+            d.row_descriptors / n
+        ));
+    }
+    if d.stride_fallbacks > 0 {
+        parts.push(format!(
+            "{} strided batches fell back to per-row descriptors",
+            d.stride_fallbacks / n
+        ));
+    }
+    if parts.is_empty() {
+        parts.push("nothing posted".to_owned());
+    }
+    parts.push(format!(
+        "making requests {:.1} ms, inside postXferReq {:.1} ms (summed over ranks)",
+        d.make_ns as f64 / 1e6 / n as f64,
+        d.post_ns as f64 / 1e6 / n as f64
+    ));
+    format!("NIXL descriptors per request: {}", parts.join("; "))
 }
 
 /// The direct-NIXL baseline: the same `(source, destination, len)` descriptors, one transfer.
