@@ -469,6 +469,51 @@ agent_methods! { PrefillAgent,
             .map_err(errors::coordinator)
     }
 
+    /// Sends the room's whole KV as its last chunk the moment every decode rank's metadata
+    /// has come, without waiting for the caller: `pages` are the request's prefill page ids
+    /// from token 0, each holding `page_tokens` tokens (the page size times the DCP size),
+    /// and `num_kv_tokens` its tokens; what the decode holds already (its prefix) is skipped.
+    /// Returns at once. A room that fails or is cleared first is left as it is; a send that
+    /// fails aborts the room, with the reason in kvbridge's log (`KVBRIDGE_LOG`).
+    #[pyo3(signature = (room, pages, num_kv_tokens, page_tokens, *, aux_index=None))]
+    fn send_when_ready(
+        &self,
+        room: u64,
+        pages: &Bound<'_, PyAny>,
+        num_kv_tokens: u64,
+        page_tokens: u64,
+        aux_index: Option<u64>,
+    ) -> PyResult<()> {
+        let pages = self::pages(pages)?;
+        if page_tokens == 0 {
+            return Err(invalid(
+                "page_tokens is 0; pass the tokens one prefill page id holds (page size x DCP size)",
+            ));
+        }
+        let held = (pages.len() as u64).saturating_mul(page_tokens);
+        if held < num_kv_tokens {
+            return Err(invalid(format!(
+                "{} pages of {page_tokens} tokens hold {held} tokens, fewer than num_kv_tokens \
+                 {num_kv_tokens}; pass the request's whole page table from token 0",
+                pages.len()
+            )));
+        }
+        let agent = self.agent.clone();
+        runtime()?.spawn(async move {
+            let Ok(prefix) = agent.wait_ready(room).await else {
+                return; // failed or cleared first: its poll says why
+            };
+            let first = usize::try_from(prefix / page_tokens).unwrap_or(usize::MAX);
+            let rest = pages.get(first..).map(<[u64]>::to_vec).unwrap_or_default();
+            let chunk = Chunk::last(rest, num_kv_tokens.saturating_sub(prefix), aux_index);
+            if let Err(e) = agent.send_chunk(room, chunk).await {
+                tracing::warn!(%room, error = %e, "send_when_ready: the room's KV was not sent; room aborted");
+                agent.abort(room);
+            }
+        });
+        Ok(())
+    }
+
 }
 
 /// A decode rank's agent: asks prefill ranks for a room's KV and reports SGLang's poll states.

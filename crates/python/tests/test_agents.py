@@ -264,3 +264,32 @@ def test_bad_addresses_say_what_is_expected():
     with pytest.raises(kvbridge.InvalidArgumentError, match="advertise"):
         kvbridge.Engine("loopback", advertise="127.0.0.1")
     e.close()
+
+
+def test_send_when_ready_sends_from_the_decodes_prefix_once_it_asks(setup):
+    """Handed over before the decode asks: the KV goes once its metadata comes, without the
+    caller waiting, from the page that holds the decode's prefix on."""
+    server, prefill, decode, p_kv, d_kv = setup
+    for layer, m in enumerate(p_kv):
+        np.asarray(m)[:] = (np.arange(m.nbytes, dtype=np.uint64) * 3 + layer).astype(np.uint8)
+    prefill.create_room(9)
+    prefill.send_when_ready(9, [6, 1, 3], 3 * PAGE, PAGE)
+    assert prefill.poll(9) == kvbridge.KVPoll.Bootstrapping
+    # The decode holds the first page already: pages 1 and 3 go to its pages 4 and 7.
+    decode.receive(9, server.addr, [2, 4, 7], cached_prefix_len=PAGE)
+    assert decode.wait(9, timeout=120.0) == kvbridge.KVPoll.Success
+    assert prefill.wait(9, timeout=120.0) == kvbridge.KVPoll.Success
+    for src, dst in zip(p_kv, d_kv):
+        s = np.asarray(src).reshape(PAGES, ITEM)
+        d = np.asarray(dst).reshape(PAGES, ITEM)
+        assert (d[4] == s[1]).all() and (d[7] == s[3]).all()
+        assert not d[2].any(), "the decode's prefix page was written"
+
+
+def test_send_when_ready_refuses_a_table_too_short_for_its_tokens(setup):
+    _, prefill, _, _, _ = setup
+    prefill.create_room(10)
+    with pytest.raises(kvbridge.InvalidArgumentError, match="2 pages of 16 tokens hold 32 tokens, fewer than num_kv_tokens 40"):
+        prefill.send_when_ready(10, [1, 2], 40, PAGE)
+    with pytest.raises(kvbridge.InvalidArgumentError, match="page_tokens is 0"):
+        prefill.send_when_ready(10, [1, 2], 20, 0)

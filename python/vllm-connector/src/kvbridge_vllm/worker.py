@@ -475,7 +475,19 @@ class Worker:
             logger.warning("kvbridge: request %s (room %d) will not be sent: %s", send.req_id, send.room, e)
             self._rooms[send.req_id] = _Room(send, posted=True)
             return
-        self._rooms[send.req_id] = _Room(send)
+        room = self._rooms[send.req_id] = _Room(send)
+        self._send_when_ready(room)
+
+    def _send_when_ready(self, room: _Room) -> None:
+        """Hands kvbridge the request's KV, sent the moment its decode's metadata comes (not at
+        this worker's next step): vLLM holds the blocks until the room ends."""
+        send: Send = room.job
+        room.posted = True
+        try:
+            self.agent.send_when_ready(send.room, list(send.block_ids), send.num_tokens, self.geometry.virtual_block_size)
+        except kvbridge.KvbridgeError as e:
+            logger.warning("kvbridge: request %s (room %d) not sent: %s", send.req_id, send.room, e)
+            self.agent.abort(send.room)
 
     def _start_receive(self, receive: Receive) -> None:
         logger.info(
@@ -523,16 +535,6 @@ class Worker:
             state = self.agent.poll(send.room)
         except kvbridge.KvbridgeError:
             return True  # never created: nothing holds the blocks
-        if state == kvbridge.KVPoll.WaitingForInput and not room.posted:
-            room.posted = True
-            try:
-                held = self.agent.wait_ready(send.room, timeout=1.0)
-                first = held // self.geometry.virtual_block_size
-                self.agent.send_chunk(send.room, list(send.block_ids[first:]), send.num_tokens - held, last=True)
-            except kvbridge.KvbridgeError as e:
-                logger.warning("kvbridge: request %s (room %d) not sent: %s", req_id, send.room, e)
-                self.agent.abort(send.room)
-            return False
         if state == kvbridge.KVPoll.Success:
             self.agent.clear(send.room)
             return True

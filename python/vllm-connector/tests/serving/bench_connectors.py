@@ -39,7 +39,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import VllmServer, concurrent_request, procs, tiny  # noqa: E402
+from harness import VllmServer, concurrent_request, procs, serving_log_dir, tiny  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 24, 4, 128
 TOKEN_BYTES = LAYERS * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
@@ -90,6 +90,28 @@ def _nixl_totals(decode: VllmServer) -> tuple:
     return decode.metric("vllm:nixl_bytes_transferred_sum"), decode.metric("vllm:nixl_xfer_time_seconds_sum")
 
 
+def _one(name: str, servers: list, prompt: list, rng: random.Random) -> tuple:
+    """(TTFT, bytes moved, transfer seconds, the wider window) of one request of a row."""
+    kb_p, kb_d, nx_p, nx_d = servers
+    if name == "NixlConnector sequential":
+        before = _nixl_totals(nx_d)
+        ttft = _sequential(nx_p, nx_d, prompt)
+        time.sleep(1.5)  # vLLM publishes connector stats with its periodic log
+        after = _nixl_totals(nx_d)
+        return ttft, after[0] - before[0], after[1] - before[1], None
+    started = time.monotonic()
+    if name == "kvbridge concurrent":
+        room = rng.randrange(2**60)
+        concurrent_request(kb_p, kb_d, prompt, room, 1)
+    else:
+        answer = kb_p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
+        room = answer["kv_transfer_params"]["kvbridge"]["room"]
+        kb_d.complete(prompt, 1, kv_transfer_params=answer["kv_transfer_params"])
+    ttft = time.monotonic() - started
+    took, wide = _kvbridge_transfer(kb_d, room)
+    return ttft, len(prompt) * TOKEN_BYTES, took, wide
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=5, help="requests per row (alternated)")
@@ -97,51 +119,45 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     rng = random.Random("bench-connectors")
     rows: dict = {"kvbridge sequential": [], "kvbridge concurrent": [], "NixlConnector sequential": []}
+    failed: dict = {name: 0 for name in rows}
+    logs = serving_log_dir("bench-connectors")
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-") as work:
         path = tiny.make("llama", work, head_dim=HEAD_DIM, layers=LAYERS, kv_heads=KV_HEADS)
-        servers = procs.start_all(_servers(path, work))
-        kb_p, kb_d, nx_p, nx_d = servers
+        servers = procs.start_all(_servers(path, logs))
         try:
             for i in range(args.prompts + 1):
                 for name in rows:
                     prompt = [rng.randrange(5, 300) for _ in range(args.tokens)]
-                    if name == "NixlConnector sequential":
-                        before = _nixl_totals(nx_d)
-                        ttft = _sequential(nx_p, nx_d, prompt)
-                        time.sleep(1.5)  # vLLM publishes connector stats with its periodic log
-                        after = _nixl_totals(nx_d)
-                        moved, took = after[0] - before[0], after[1] - before[1]
-                        wide = took
-                    else:
-                        started = time.monotonic()
-                        if name == "kvbridge concurrent":
-                            room = rng.randrange(2**60)
-                            concurrent_request(kb_p, kb_d, prompt, room, 1)
-                        else:
-                            answer = kb_p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
-                            room = answer["kv_transfer_params"]["kvbridge"]["room"]
-                            kb_d.complete(prompt, 1, kv_transfer_params=answer["kv_transfer_params"])
-                        ttft = time.monotonic() - started
-                        moved = len(prompt) * TOKEN_BYTES
-                        took, wide = _kvbridge_transfer(kb_d, room)
+                    try:
+                        ttft, moved, took, wide = _one(name, servers, prompt, rng)
+                    except procs.RequestError as e:  # counted and shown, the run goes on
+                        failed[name] += 1
+                        print(f"{name:26} FAILED: {e}", flush=True)
+                        continue
                     if i == 0:
                         continue
                     gbps = moved / took / 1e9 if took > 0 else float("nan")
                     rows[name].append((ttft, gbps))
                     transfer = "" if name == "kvbridge concurrent" else (
                         f"  transfer {moved / 1e6:6.1f} MB in {1e3 * took:7.1f} ms = {gbps:6.2f} GB/s"
-                        + (f" (asked to complete: {1e3 * wide:7.1f} ms)" if wide != took else "")
+                        + (f" (asked to complete: {1e3 * wide:7.1f} ms)" if wide is not None else "")
                     )
                     print(f"{name:26} TTFT {1e3 * ttft:8.1f} ms{transfer}", flush=True)
         finally:
             procs.stop_all(servers)
     print(f"{args.tokens} tokens ({args.tokens * TOKEN_BYTES / 1e6:.1f} MB of KV) a request, {args.prompts} requests a row, alternated; medians:")
     for name, values in rows.items():
+        if not values:
+            print(f"  {name:26} no request succeeded ({failed[name]} failed)")
+            continue
         transfer = "" if name == "kvbridge concurrent" else f"   transfer {statistics.median(v[1] for v in values):6.2f} GB/s"
-        print(f"  {name:26} TTFT {1e3 * statistics.median(v[0] for v in values):8.1f} ms{transfer}")
-    kb = statistics.median(v[1] for v in rows["kvbridge sequential"])
-    nx = statistics.median(v[1] for v in rows["NixlConnector sequential"])
-    print(f"  kvbridge / NixlConnector transfer GB/s: {kb / nx:.2f}x")
+        failures = f"   ({failed[name]} failed)" if failed[name] else ""
+        print(f"  {name:26} TTFT {1e3 * statistics.median(v[0] for v in values):8.1f} ms{transfer}{failures}")
+    if rows["kvbridge sequential"] and rows["NixlConnector sequential"]:
+        kb = statistics.median(v[1] for v in rows["kvbridge sequential"])
+        nx = statistics.median(v[1] for v in rows["NixlConnector sequential"])
+        print(f"  kvbridge / NixlConnector transfer GB/s: {kb / nx:.2f}x")
+    print(f"servers' logs: {logs}")
     return 0
 
 

@@ -67,31 +67,33 @@ def register() -> None:
     scheduler.SchedulerState.finished = finished_marking_rooms
 
     register_caches = worker.Worker.register
+    send_when_ready = worker.Worker._send_when_ready
     poll_send = worker.Worker._poll_send
 
     def register_keeping_layer0(self, kv_caches):
         self._test_layer0 = next(iter(kv_caches.values()))
         return register_caches(self, kv_caches)
 
-    def poll_send_damaging(self, req_id, room):
+    def send_when_ready_damaging_or_held(self, room):
+        import logging
+        import time
+
         send = room.job
-        if slow(send.room) and not room.posted:
-            import logging
-            import time
-
-            now = time.monotonic()
-            if not hasattr(room, "held_since"):
-                room.held_since = now
-                logging.getLogger("vllm.kvbridge").warning("test: holding room %d for %d s", send.room, send.room & 0xFFFF)
-            if now - room.held_since < (send.room & 0xFFFF):
-                if self.agent.poll(send.room) != kvbridge.KVPoll.Failed:
-                    return False
-        elif damaged(send.room) and not room.posted and not getattr(room, "damaged", False):
-            room.damaged = True
+        if slow(send.room):
+            room.held_since = time.monotonic()  # handed over by _poll_send once the hold ends
+            logging.getLogger("vllm.kvbridge").warning("test: holding room %d for %d s", send.room, send.room & 0xFFFF)
+            return
+        if damaged(send.room):
             self._test_layer0[list(send.block_ids)] = 0
-            import logging
-
             logging.getLogger("vllm.kvbridge").warning("test: zeroed layer 0 of room %d's blocks", send.room)
+        return send_when_ready(self, room)
+
+    def poll_send_holding(self, req_id, room):
+        import time
+
+        held = getattr(room, "held_since", None)
+        if held is not None and not room.posted and time.monotonic() - held >= (room.job.room & 0xFFFF):
+            send_when_ready(self, room)
         return poll_send(self, req_id, room)
 
     post = worker.Worker._post
@@ -105,5 +107,6 @@ def register() -> None:
         return post(self, part, end)
 
     worker.Worker.register = register_keeping_layer0
-    worker.Worker._poll_send = poll_send_damaging
+    worker.Worker._send_when_ready = send_when_ready_damaging_or_held
+    worker.Worker._poll_send = poll_send_holding
     worker.Worker._post = post_damaging
