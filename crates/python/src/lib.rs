@@ -13,6 +13,7 @@ mod engine;
 mod errors;
 mod memory;
 mod planner;
+mod telemetry;
 
 /// The native module: one `register` call per submodule.
 #[pymodule]
@@ -23,5 +24,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     engine::register(m)?;
     agents::register(m)?;
+    telemetry::register(m)?;
     Ok(())
 }
