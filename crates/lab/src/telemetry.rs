@@ -16,6 +16,7 @@ use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
 pub mod chrome;
+pub mod svg;
 
 /// Which spans are exported and written: kvbridge's lifecycle spans (info and above).
 const SPAN_FILTER: &str = "kvbridge=info";
