@@ -2,7 +2,9 @@
 //!
 //! `demo` runs real prefill and decode processes moving a real-sized KV cache, verifying every
 //! byte; `bench` measures each transport and the end to end against a baseline measured in the
-//! same run. Exit codes: 0 success, 1 a failed request or verification, 2 invalid arguments.
+//! same run; `trace-svg` draws a `demo --trace` file as an SVG timeline. Exit codes: 0
+//! success, 1 a failed request or verification, 2 invalid arguments (or, for `trace-svg`, a
+//! file it cannot read or draw).
 
 use std::process::ExitCode;
 
