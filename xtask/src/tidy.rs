@@ -163,7 +163,8 @@ const LIBRARY_CRATES: &[&str] = &[
     "kvbridge-coordinator",
 ];
 
-/// What the Python package builds on: every library crate, and NIXL behind its `nixl` feature.
+/// What the Python package builds on: every library crate, NIXL behind its `nixl` feature, and
+/// the OTLP export its agents' spans leave by.
 const PYTHON_CRATES: &[&str] = &[
     "kvbridge-auth",
     "kvbridge-sync",
@@ -179,6 +180,7 @@ const PYTHON_CRATES: &[&str] = &[
     "kvbridge-machines",
     "kvbridge-coordinator",
     "kvbridge-nixl",
+    "kvbridge-otlp",
 ];
 
 #[test]
@@ -265,6 +267,9 @@ fn crates_depend_only_on_what_the_codemap_allows() {
         ),
         // Test support: it drives the `kvbridge-lab` binary, it links no kvbridge crate.
         ("kvbridge-netns", &[], false),
+        // Span export for the lab and the Python package: OpenTelemetry only, and tokio for
+        // the gRPC exporter's runtime.
+        ("kvbridge-otlp", &[], true),
         // Test support below the coordinator: fill and verify need descriptors and regions only.
         (
             "kvbridge-testkit",

@@ -34,6 +34,7 @@ use crate::shell::{Driver, Tasks};
 use crate::start::{check_role, current_runtime};
 use crate::state::{FailureCause, FailureReason, KvTransferError, RoomState, wait_terminal};
 use crate::trace;
+use kvbridge_control::TraceParent;
 use kvbridge_machines::DecodeConfig;
 use kvbridge_machines::decode::{Action, DecodeMachine, Event, RoomRequest};
 
@@ -345,7 +346,31 @@ impl DecodeAgent {
     /// [`CoordinatorError::InvalidRequest`] (page table shorter than the prefix, aux index
     /// outside the aux buffers, `max_rooms`).
     pub fn receive(&self, room: impl Into<RoomId>, request: ReceiveRequest) -> Result<()> {
-        let room = room.into();
+        self.receive_traced(room.into(), request, None)
+    }
+
+    /// [`receive`](Self::receive) with the room span's parent given as a W3C `traceparent`
+    /// (an engine's request span when its tracing is not this process's `tracing`
+    /// subscriber, e.g. SGLang's or vLLM's from Python) instead of the caller's current span.
+    /// Without an OpenTelemetry layer it is `receive`.
+    ///
+    /// # Errors
+    /// As [`receive`](Self::receive).
+    pub fn receive_with_parent(
+        &self,
+        room: impl Into<RoomId>,
+        request: ReceiveRequest,
+        parent: &TraceParent,
+    ) -> Result<()> {
+        self.receive_traced(room.into(), request, Some(parent))
+    }
+
+    fn receive_traced(
+        &self,
+        room: RoomId,
+        request: ReceiveRequest,
+        parent: Option<&TraceParent>,
+    ) -> Result<()> {
         let request = self.inner.room_request(room, request)?;
         // The caller's current span (an engine's request span, if any) is the parent.
         let span = tracing::info_span!(
@@ -363,6 +388,9 @@ impl DecodeAgent {
             otel.status_code = field::Empty,
             error.type = field::Empty,
         );
+        if let Some(tp) = parent {
+            trace::adopt(&span, tp, true);
+        }
         let bootstrap = tracing::info_span!(parent: &span, "kv_bootstrap", room = room.get(), peer = %request.addr, otel.status_code = field::Empty, error.type = field::Empty);
         self.inner.with_core(|c| {
             c.machine.admit(room)?;

@@ -136,7 +136,7 @@ pub use kvbridge_control::{
     ControlChannel, ControlError, DEFAULT_HUB_QUEUE, DynControlChannel, Endpoint, Envelope,
     InProcessChannel, InProcessControlHub, ProtocolVersion,
 };
-pub use kvbridge_control::{Generation, Incarnation, RoomId, SessionId};
+pub use kvbridge_control::{Generation, Incarnation, RoomId, SessionId, TraceParent};
 pub use kvbridge_machines::plan::Chunk;
 pub use kvbridge_machines::{DecodeConfig, PackBuffers, PrefillConfig};
 pub use memory::{AllocatedMemory, EntryRegion, KvMemory};

@@ -6,8 +6,8 @@
 mod common;
 
 use common::{Request, Spec, bounded, rig};
-use kvbridge_coordinator::PrefillConfig;
-use opentelemetry::trace::{Status, TracerProvider as _};
+use kvbridge_coordinator::{PrefillConfig, TraceParent};
+use opentelemetry::trace::{SpanId, Status, TraceId, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use std::time::Duration;
 use tracing_subscriber::layer::SubscriberExt;
@@ -88,6 +88,62 @@ async fn a_rooms_decode_and_prefill_spans_are_one_trace() {
         assert_eq!(b.span_context.trace_id(), decode.span_context.trace_id());
         assert!(attr(b, "bytes").unwrap().parse::<u64>().unwrap() > 0);
         assert!(attr(b, "ops").unwrap().parse::<u64>().unwrap() > 0);
+    }
+}
+
+/// An engine's request spans given as W3C `traceparent`s (SGLang's and vLLM's come from
+/// Python): each side's room span takes its engine's as parent, and the prefill's room span
+/// links to the decode's instead of taking it as parent.
+#[tokio::test(start_paused = true)]
+async fn an_engines_traceparent_parents_each_sides_room_span() {
+    let (exporter, _provider, _guard) = otel();
+    let r = rig(Spec::mla_one_to_one()).await;
+    let prefill_req = "00-0000000000000000aaaaaaaaaaaaaaaa-1111111111111111-01";
+    let decode_req = "00-0000000000000000aaaaaaaaaaaaaaaa-2222222222222222-01";
+    let req = Request {
+        prefill_parent: TraceParent::parse(prefill_req),
+        decode_parent: TraceParent::parse(decode_req),
+        ..Request::new(8, 40)
+    };
+    for out in r.run(&req).await {
+        out.unwrap();
+    }
+    bounded(r.prefills[0].0.wait(8)).await.unwrap();
+    r.decodes[0].0.clear(8);
+    r.prefills[0].0.clear(8);
+    drop(r);
+    let spans = exporter.get_finished_spans().unwrap();
+    let decode = one(&spans, "kv_room", "decode");
+    let prefill = one(&spans, "kv_room", "prefill");
+    let trace = TraceId::from_hex("0000000000000000aaaaaaaaaaaaaaaa").unwrap();
+    for (s, parent) in [(decode, "2222222222222222"), (prefill, "1111111111111111")] {
+        assert_eq!(s.span_context.trace_id(), trace, "{s:#?}");
+        assert_eq!(
+            s.parent_span_id,
+            SpanId::from_hex(parent).unwrap(),
+            "{s:#?}"
+        );
+        assert!(s.parent_span_is_remote, "{s:#?}");
+        assert_eq!(s.status, Status::Ok, "{s:#?}");
+    }
+    let links: Vec<SpanId> = prefill
+        .links
+        .iter()
+        .map(|l| l.span_context.span_id())
+        .collect();
+    assert_eq!(
+        links,
+        vec![decode.span_context.span_id()],
+        "the decode's room span is a link"
+    );
+    // The rest of each side hangs under its room span, in the engine's trace.
+    for s in spans.iter().filter(|s| s.name != "kv_register") {
+        assert_eq!(
+            s.span_context.trace_id(),
+            trace,
+            "{} left the trace",
+            s.name
+        );
     }
 }
 

@@ -1,7 +1,8 @@
 //! Spans against a real OTLP receiver: the test starts an OTLP/HTTP endpoint (`POST
 //! /v1/traces`, the official `opentelemetry-proto` `ExportTraceServiceRequest` decoded with
-//! prost) and runs `kvbridge-lab demo` across real processes with
-//! `OTEL_EXPORTER_OTLP_ENDPOINT` pointing at it. A transfer's spans must form one trace per
+//! prost) or an OTLP/gRPC one (opentelemetry-proto's tonic `TraceService` served by tonic) and
+//! runs `kvbridge-lab demo` across real processes with `OTEL_EXPORTER_OTLP_ENDPOINT` (and for
+//! gRPC `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc`) pointing at it. A transfer's spans must form one trace per
 //! room across the prefill and decode processes; a failed one's must carry the cause; every
 //! span must end (an exported child whose parent never arrived means the parent never ended).
 
@@ -12,7 +13,12 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
 use opentelemetry_proto::tonic::common::v1::{KeyValue, any_value};
 use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
 use prost::Message;
@@ -44,14 +50,60 @@ fn text(kv: &KeyValue) -> String {
     }
 }
 
-/// The OTLP/HTTP endpoint: every request body on every connection (keep-alive included)
-/// decoded and kept; answered 200 with an empty protobuf body.
+/// An OTLP endpoint. HTTP: every request body on every connection (keep-alive included)
+/// decoded and kept; answered 200 with an empty protobuf body. gRPC: every `Export` call's
+/// spans kept.
 struct Receiver {
     port: u16,
     spans: Arc<Mutex<Vec<Got>>>,
+    /// What the demo is told to export with (`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`); `None`:
+    /// no protocol variable (the default, http/protobuf).
+    protocol: Option<&'static str>,
+}
+
+/// The gRPC receiver's service: keeps every exported span.
+struct GrpcSink(Arc<Mutex<Vec<Got>>>);
+
+#[tonic::async_trait]
+impl TraceService for GrpcSink {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        self.0.lock().unwrap().extend(flatten(request.into_inner()));
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
 }
 
 impl Receiver {
+    /// An OTLP/gRPC receiver on a runtime of its own thread (serving until the test exits).
+    fn start_grpc() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the OTLP/gRPC receiver");
+        listener.set_nonblocking(true).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let spans = Arc::new(Mutex::new(Vec::new()));
+        let sink = GrpcSink(spans.clone());
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("the receiver's runtime");
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+                tonic::transport::Server::builder()
+                    .add_service(TraceServiceServer::new(sink))
+                    .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                    .await
+                    .expect("the OTLP/gRPC receiver");
+            });
+        });
+        Self {
+            port,
+            spans,
+            protocol: Some("grpc"),
+        }
+    }
+
     fn start() -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind the OTLP receiver");
         let port = listener.local_addr().unwrap().port();
@@ -63,7 +115,11 @@ impl Receiver {
                 std::thread::spawn(move || serve(conn, &kept));
             }
         });
-        Self { port, spans }
+        Self {
+            port,
+            spans,
+            protocol: None,
+        }
     }
 
     fn spans(&self) -> Vec<Got> {
@@ -154,7 +210,17 @@ fn flatten(req: ExportTraceServiceRequest) -> Vec<Got> {
 fn demo(rx: &Receiver, args: &[&str]) -> (i32, Value) {
     let tmp = std::env::temp_dir().join(format!("kvb-otlp-{}-{}", std::process::id(), rx.port));
     std::fs::create_dir_all(&tmp).unwrap();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvbridge-lab"))
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kvbridge-lab"));
+    match rx.protocol {
+        // The signal's own variable wins over the general one.
+        Some(p) => cmd
+            .env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", p)
+            .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+        None => cmd
+            .env_remove("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+            .env_remove("OTEL_EXPORTER_OTLP_PROTOCOL"),
+    };
+    let mut child = cmd
         .arg("demo")
         .arg("--json")
         .args(args)
@@ -269,13 +335,33 @@ fn a_transfer_is_one_trace_per_room_across_the_prefill_and_decode_processes() {
     let rx = Receiver::start();
     let (code, report) = demo(&rx, OK_RUN);
     assert_eq!(code, 0, "{report:#}");
+    assert_one_trace_per_room(&spans_from(&rx, 5));
+}
+
+#[test]
+fn over_grpc_a_transfer_is_one_trace_per_room_too() {
+    let rx = Receiver::start_grpc();
+    let (code, report) = demo(&rx, OK_RUN);
+    assert_eq!(code, 0, "{report:#}");
     let spans = spans_from(&rx, 5);
-    assert_every_span_ended(&spans, &[]);
+    let processes: HashSet<&str> = spans.iter().map(|s| s.process.as_str()).collect();
+    assert_eq!(
+        processes.len(),
+        5,
+        "every process exported over gRPC: {processes:?}"
+    );
+    assert_one_trace_per_room(&spans);
+}
+
+/// OK_RUN's two rooms: each one trace from the decode ranks' room spans to the prefill's
+/// chunks and batches, every span ended well.
+fn assert_one_trace_per_room(spans: &[Got]) {
+    assert_every_span_ended(spans, &[]);
     // The rooms the demo used, as the spans name them.
-    let rooms = find_all_rooms(&spans);
+    let rooms = find_all_rooms(spans);
     assert_eq!(rooms.len(), 2, "two requests, two rooms: {rooms:?}");
     for room in &rooms {
-        let rooms = find(&spans, "kv_room", room);
+        let rooms = find(spans, "kv_room", room);
         let prefill: Vec<_> = rooms.iter().filter(|s| s.process == "prefill").collect();
         let decodes: Vec<_> = rooms.iter().filter(|s| s.process != "prefill").collect();
         assert_eq!(prefill.len(), 1, "one prefill room span for room {room}");
@@ -308,7 +394,7 @@ fn a_transfer_is_one_trace_per_room_across_the_prefill_and_decode_processes() {
         assert!(p.attrs["bytes"].parse::<u64>().unwrap() > 0, "{p:?}");
         // Chunks hang under the prefill's room span; batches per chunk and decode rank carry
         // their bytes and descriptors.
-        let chunks = find(&spans, "kv_chunk", room);
+        let chunks = find(spans, "kv_chunk", room);
         assert_eq!(chunks.len(), 4, "256 tokens in chunks of 64");
         for c in &chunks {
             assert_eq!(
@@ -316,7 +402,7 @@ fn a_transfer_is_one_trace_per_room_across_the_prefill_and_decode_processes() {
                 (&p.trace[..], &p.id[..])
             );
         }
-        let batches = find(&spans, "kv_batch", room);
+        let batches = find(spans, "kv_batch", room);
         assert!(
             batches.len() >= 16,
             "a batch per chunk and decode rank: {}",
@@ -330,7 +416,7 @@ fn a_transfer_is_one_trace_per_room_across_the_prefill_and_decode_processes() {
             assert_eq!(b.attrs["transport"], "shm");
         }
         // Each decode rank's receive from the prefill ends when its data landed.
-        let receives = find(&spans, "kv_receive", room);
+        let receives = find(spans, "kv_receive", room);
         assert_eq!(receives.len(), 4, "{receives:?}");
         for r in &receives {
             let d = decodes

@@ -378,6 +378,7 @@ agent_methods! { PrefillAgent,
         bind: Option<&str>,
         advertise: Option<&str>,
     ) -> PyResult<Self> {
+        crate::telemetry::ensure(py);
         let net = net_config(secret.clone(), bind, advertise)?;
         let desc = self::descriptor(descriptor)?;
         let empty = PyTuple::empty(py).into_any();
@@ -416,9 +417,17 @@ agent_methods! { PrefillAgent,
     }
 
     /// Creates a room (Bootstrapping) for a request; the decode's metadata completes it.
-    fn create_room(&self, room: u64) -> PyResult<()> {
+    /// `traceparent` (W3C text) parents the room's spans to the engine's request span (the
+    /// decode ranks' room spans become links); without it they join the first decode rank's.
+    #[pyo3(signature = (room, *, traceparent=None))]
+    fn create_room(&self, room: u64, traceparent: Option<&str>) -> PyResult<()> {
+        let parent = crate::telemetry::traceparent(traceparent)?;
         let _rt = runtime()?.enter();
-        self.agent.create_room(room).map_err(errors::coordinator)
+        match &parent {
+            Some(tp) => self.agent.create_room_with_parent(room, tp),
+            None => self.agent.create_room(room),
+        }
+        .map_err(errors::coordinator)
     }
 
     /// Waits until every decode rank of the room sent its metadata; returns the prefix (tokens)
@@ -548,6 +557,7 @@ agent_methods! { DecodeAgent,
         bind: Option<&str>,
         advertise: Option<&str>,
     ) -> PyResult<Self> {
+        crate::telemetry::ensure(py);
         let net = net_config(secret.clone(), bind, advertise)?;
         let desc = self::descriptor(descriptor)?;
         let empty = PyTuple::empty(py).into_any();
@@ -599,8 +609,11 @@ agent_methods! { DecodeAgent,
 
     /// Starts receiving a room from the prefill deployment at `bootstrap_addr`: `page_table`
     /// holds the request's decode page ids from token 0, `cached_prefix_len` the tokens already
-    /// held, `aux_index` the decode's aux row.
-    #[pyo3(signature = (room, bootstrap_addr, page_table, cached_prefix_len=0, aux_index=0))]
+    /// held, `aux_index` the decode's aux row. `traceparent` (W3C text) parents the room's
+    /// spans to the engine's request span.
+    #[pyo3(signature = (room, bootstrap_addr, page_table, cached_prefix_len=0, aux_index=0, *,
+                        traceparent=None))]
+    #[allow(clippy::too_many_arguments)]
     fn receive(
         &self,
         room: u64,
@@ -608,7 +621,9 @@ agent_methods! { DecodeAgent,
         page_table: &Bound<'_, PyAny>,
         cached_prefix_len: u64,
         aux_index: u64,
+        traceparent: Option<&str>,
     ) -> PyResult<()> {
+        let parent = crate::telemetry::traceparent(traceparent)?;
         let request = ReceiveRequest {
             bootstrap_addr,
             page_table: pages(page_table)?,
@@ -616,9 +631,11 @@ agent_methods! { DecodeAgent,
             aux_index,
         };
         let _rt = runtime()?.enter();
-        self.agent
-            .receive(room, request)
-            .map_err(errors::coordinator)
+        match &parent {
+            Some(tp) => self.agent.receive_with_parent(room, request, tp),
+            None => self.agent.receive(room, request),
+        }
+        .map_err(errors::coordinator)
     }
 
     /// Seconds from the room's metadata sent to its prefill ranks to their Success (the

@@ -14,6 +14,7 @@ mod errors;
 mod logs;
 mod memory;
 mod planner;
+mod telemetry;
 
 /// The native module: one `register` call per submodule.
 #[pymodule]
@@ -25,5 +26,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     engine::register(m)?;
     agents::register(m)?;
+    telemetry::register(m)?;
     Ok(())
 }

@@ -380,7 +380,23 @@ impl PrefillAgent {
     /// `clear`); [`CoordinatorError::Shutdown`]; [`CoordinatorError::InvalidRequest`] when
     /// the agent holds `max_rooms` rooms.
     pub fn create_room(&self, room: impl Into<RoomId>) -> Result<()> {
-        self.inner.create_room(room.into())
+        self.inner.create_room(room.into(), None)
+    }
+
+    /// [`create_room`](Self::create_room) with the room span's parent given: an engine's
+    /// request span as a W3C `traceparent` (an engine whose tracing is not this process's
+    /// `tracing` subscriber, e.g. SGLang's from Python). The decode ranks' room spans become
+    /// the span's links instead of its parent. Without an OpenTelemetry layer it is
+    /// `create_room`.
+    ///
+    /// # Errors
+    /// As [`create_room`](Self::create_room).
+    pub fn create_room_with_parent(
+        &self,
+        room: impl Into<RoomId>,
+        parent: &TraceParent,
+    ) -> Result<()> {
+        self.inner.create_room(room.into(), Some(parent))
     }
 
     /// The room's state on this rank.

@@ -13,6 +13,7 @@ use crate::ids::RoomId;
 use crate::metrics::inc;
 use crate::state::{RoomState, RoomStatus};
 use crate::trace;
+use kvbridge_control::TraceParent;
 use kvbridge_machines::plan::Chunk;
 use kvbridge_machines::prefill::{ChunkShape, Event, LayerPart, RankEvent};
 
@@ -22,7 +23,7 @@ fn entry_index(i: usize) -> u32 {
 }
 
 impl PrefillInner {
-    pub(super) fn create_room(&self, room: RoomId) -> Result<()> {
+    pub(super) fn create_room(&self, room: RoomId, parent: Option<&TraceParent>) -> Result<()> {
         let span = tracing::info_span!(
             parent: None,
             "kv_room",
@@ -41,16 +42,20 @@ impl PrefillInner {
             c.machine.admit(room)?;
             inc(&self.metrics.rooms_created);
             tracing::debug!(parent: &span, "room created");
-            // Metadata that came first carried the decode's trace context.
+            // The caller's parent first; then metadata that came first carried the decode's
+            // trace context (a link when the room already has its parent).
+            if let Some(tp) = parent {
+                trace::adopt(&span, tp, true);
+            }
             let early = c.early_traces.remove(&room).unwrap_or_default();
             for (i, tp) in early.iter().enumerate() {
-                trace::adopt(&span, tp, i == 0);
+                trace::adopt(&span, tp, i == 0 && parent.is_none());
             }
             let side = RoomSide {
                 status: RoomStatus::new(RoomState::Bootstrapping),
                 driver: None,
                 span,
-                traced: !early.is_empty(),
+                traced: parent.is_some() || !early.is_empty(),
             };
             c.rooms.insert(room, side);
             self.step_locked(c, RankEvent::Create { room });

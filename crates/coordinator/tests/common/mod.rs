@@ -237,6 +237,10 @@ pub struct Request {
     /// Give the room its own block of pages (`(index, stride)`: pages
     /// `index · stride ..`, reversed) so rooms can run concurrently without sharing pages.
     pub block: Option<(u64, u64)>,
+    /// The parent the engine gives each side's room span (`create_room_with_parent`,
+    /// `receive_with_parent`); `None`: `create_room` / `receive`.
+    pub prefill_parent: Option<kvbridge_coordinator::TraceParent>,
+    pub decode_parent: Option<kvbridge_coordinator::TraceParent>,
 }
 
 impl Request {
@@ -250,6 +254,8 @@ impl Request {
             prefill_aux_row: 3,
             decode_aux_row: 5,
             block: None,
+            prefill_parent: None,
+            decode_parent: None,
         }
     }
 }
@@ -303,7 +309,10 @@ impl Rig {
                 req.room,
             )
             .unwrap();
-            agent.create_room(req.room).unwrap();
+            match &req.prefill_parent {
+                Some(tp) => agent.create_room_with_parent(req.room, tp).unwrap(),
+                None => agent.create_room(req.room).unwrap(),
+            }
         }
         for (i, (agent, rank)) in self.decodes.iter().enumerate() {
             let layout = self.decode_layout(i, req);
@@ -314,17 +323,16 @@ impl Rig {
                 0..req.cached_prefix,
             )
             .unwrap();
-            agent
-                .receive(
-                    req.room,
-                    ReceiveRequest {
-                        bootstrap_addr: ADDR.to_owned(),
-                        page_table: layout.page_table.clone(),
-                        cached_prefix_len: req.cached_prefix,
-                        aux_index: req.decode_aux_row,
-                    },
-                )
-                .unwrap();
+            let request = ReceiveRequest {
+                bootstrap_addr: ADDR.to_owned(),
+                page_table: layout.page_table.clone(),
+                cached_prefix_len: req.cached_prefix,
+                aux_index: req.decode_aux_row,
+            };
+            match &req.decode_parent {
+                Some(tp) => agent.receive_with_parent(req.room, request, tp).unwrap(),
+                None => agent.receive(req.room, request).unwrap(),
+            }
         }
     }
 

@@ -84,6 +84,7 @@ fn init_tracing(label: String, verbose: bool, trace: Option<&Path>, pid: u32) ->
         default_log: default.to_owned(),
         chrome,
         otlp_endpoint: None,
+        otlp_protocol: None,
     };
     let label: &'static str = Box::leak(format!("[{label}] ").into_boxed_str());
     kvbridge_lab::telemetry::init(options, move || Labelled(label))

@@ -92,3 +92,8 @@ __all__ += [
     "UnknownRegionError",
     "UnsupportedError",
 ]
+
+# OTLP export of the agents' spans, on when OTEL_EXPORTER_OTLP_ENDPOINT is set (docs/tracing.md).
+from kvbridge._native import flush_traces, shutdown_traces, traces_exporter  # noqa: E402
+
+__all__ += ["flush_traces", "shutdown_traces", "traces_exporter"]
