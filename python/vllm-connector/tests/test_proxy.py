@@ -76,3 +76,37 @@ def test_a_client_that_goes_away_drops_the_prefills_request_too():
     assert seen["decode"]["kv_transfer_params"]["kvbridge"]["room"] == room
     assert seen["prefill"]["max_tokens"] == 1
     assert seen.get("prefill dropped"), seen
+
+
+def test_the_callers_trace_context_reaches_both_servers():
+    async def run() -> dict:
+        seen: dict = {}
+        ports = [free_port() for _ in range(3)]
+        runners = []
+        for name, port in zip(("prefill", "decode"), ports):
+
+            async def handler(request: web.Request, name: str = name) -> web.Response:
+                seen[name] = request.headers.get("traceparent")
+                return web.json_response({"choices": []})
+
+            app = web.Application()
+            app.router.add_post("/v1/completions", handler)
+            runners.append(await serve(app, port))
+        front = proxy.app(f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}")
+        runners.append(await serve(front, ports[2]))
+        try:
+            async with ClientSession(timeout=ClientTimeout(total=10)) as client:
+                async with client.post(
+                    f"http://127.0.0.1:{ports[2]}/v1/completions", json={"prompt": [1], "max_tokens": 2},
+                    headers={"traceparent": TRACE},
+                ) as r:
+                    assert r.status == 200
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+        return seen
+
+    assert asyncio.run(run()) == {"prefill": TRACE, "decode": TRACE}
+
+
+TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

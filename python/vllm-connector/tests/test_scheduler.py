@@ -201,3 +201,30 @@ def test_a_concurrent_decode_request_loads_the_whole_prompt_and_lets_kvbridge_ch
     s.after_alloc("d1", p, [7, 8, 9], 132, 260)
     (r,) = s.take_work().receives
     assert (r.cached_tokens, r.kv.room) == (128, 5)
+
+
+TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_the_requests_trace_context_goes_with_its_room_and_a_malformed_one_is_dropped():
+    """vLLM's Request.trace_headers reach the worker with the room (its spans take the caller's
+    span as parent); a header that is not W3C's form is the client's mistake and is dropped,
+    not a failed transfer."""
+    assert scheduler.traceparent({"traceparent": TRACE, "tracestate": "x=1"}) == TRACE
+    assert scheduler.traceparent({"traceparent": "00-nothex-01"}) is None
+    assert scheduler.traceparent(None) is None and scheduler.traceparent({}) is None
+    s = _prefill()
+    p = {"do_remote_decode": True}
+    s.finished("p1", p, True, [3, 4], 200, TRACE)
+    (send,) = s.take_work().sends
+    assert send.traceparent == TRACE
+    to_prefill, _ = params.concurrent_params(5, "x:1")
+    s.after_alloc("p2", to_prefill, [3], 0, 100, TRACE)
+    s.scheduled([scheduler.Scheduled("p2", (3,), True, 100)])
+    (stream,) = s.take_work().streams
+    assert stream.traceparent == TRACE
+    d = _decode()
+    kv = params.RemoteKv("127.0.0.1:1", room=9, num_tokens=100, block_size=128, tp_size=1).to_params()
+    d.after_alloc("d1", kv, [1], 100, 100, TRACE)
+    (receive,) = d.take_work().receives
+    assert receive.traceparent == TRACE

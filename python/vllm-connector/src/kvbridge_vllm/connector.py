@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from kvbridge_vllm.scheduler import Scheduled, SchedulerState, Work
+from kvbridge_vllm.scheduler import Scheduled, SchedulerState, Work, traceparent
 from kvbridge_vllm.settings import Settings
 from kvbridge_vllm.worker import Geometry, Worker, check_context_parallel
 
@@ -194,6 +194,7 @@ class KvbridgeConnector(KVConnectorBase_V1):
             blocks.get_block_ids()[0],
             num_external_tokens,
             request.num_prompt_tokens,
+            traceparent(getattr(request, "trace_headers", None)),
         )
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -214,6 +215,7 @@ class KvbridgeConnector(KVConnectorBase_V1):
             _completed(request),
             block_ids,
             request.num_computed_tokens,
+            traceparent(getattr(request, "trace_headers", None)),
         )
 
     def has_pending_push_work(self) -> bool:

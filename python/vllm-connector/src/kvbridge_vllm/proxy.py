@@ -36,6 +36,7 @@ from kvbridge_vllm.settings import DEFAULT_BOOTSTRAP_PORT
 logger = logging.getLogger("kvbridge_vllm.proxy")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+TRACE_HEADERS = ("traceparent", "tracestate")
 
 
 def prefill_request(body: dict, params: Optional[dict] = None) -> dict:
@@ -95,13 +96,15 @@ def app(
 
     async def route(request: web.Request) -> web.StreamResponse:
         session: ClientSession = session_box["s"]
+        # The caller's trace context goes on to both servers (vLLM keeps it for the connector).
+        headers = {k: request.headers[k] for k in TRACE_HEADERS if k in request.headers}
         try:
             body = await request.json()
         except json.JSONDecodeError as e:
             return web.json_response({"error": f"the request body is not JSON: {e}"}, status=400)
         if not sequential:
-            return await concurrent(request, session, body)
-        async with session.post(prefill + request.path, json=prefill_request(body)) as r:
+            return await concurrent(request, session, body, headers)
+        async with session.post(prefill + request.path, json=prefill_request(body), headers=headers) as r:
             answer = await r.json(content_type=None)
             if r.status != 200:
                 return web.json_response(answer, status=r.status)
@@ -109,23 +112,23 @@ def app(
             onward = decode_request(body, answer, prefill)
         except ValueError as e:
             return web.json_response({"error": str(e)}, status=502)
-        async with session.post(decode + request.path, json=onward) as r:
+        async with session.post(decode + request.path, json=onward, headers=headers) as r:
             return await _relay(request, r)
 
-    async def to_prefill(session: ClientSession, path: str, body: dict) -> None:
+    async def to_prefill(session: ClientSession, path: str, body: dict, headers: dict) -> None:
         try:
-            async with session.post(prefill + path, json=body) as r:
+            async with session.post(prefill + path, json=body, headers=headers) as r:
                 if r.status != 200:
                     logger.warning("the prefill at %s answered %d: %s", prefill, r.status, await r.text())
         except Exception as e:  # the decode computes the prompt itself once its load fails
             logger.warning("the prefill at %s failed: %s", prefill, e)
 
-    async def concurrent(request: web.Request, session: ClientSession, body: dict) -> web.StreamResponse:
+    async def concurrent(request: web.Request, session: ClientSession, body: dict, headers: dict) -> web.StreamResponse:
         to_p, to_d = concurrent_params(new_room(), bootstrap)
-        sent = asyncio.ensure_future(to_prefill(session, request.path, prefill_request(body, to_p)))
+        sent = asyncio.ensure_future(to_prefill(session, request.path, prefill_request(body, to_p), headers))
         try:
             onward = {**body, "kv_transfer_params": {**(body.get("kv_transfer_params") or {}), **to_d}}
-            async with session.post(decode + request.path, json=onward) as r:
+            async with session.post(decode + request.path, json=onward, headers=headers) as r:
                 return await _relay(request, r)
         except asyncio.CancelledError:
             # The client went away: the prefill's request is dropped too (vLLM aborts a request

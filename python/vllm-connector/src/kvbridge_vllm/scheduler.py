@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import secrets
 from typing import Any, Iterable, Mapping, Optional
 
@@ -19,6 +20,9 @@ from kvbridge_vllm.params import FIELD, RemoteKv, remote_kv, requested_room, wan
 from kvbridge_vllm.settings import Settings
 
 logger = logging.getLogger("vllm.kvbridge")
+
+# W3C trace context: version, trace id, parent span id, flags (lower-case hex).
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +33,8 @@ class Send:
     room: int
     block_ids: tuple
     num_tokens: int
+    #: The request's W3C trace context (vLLM's ``Request.trace_headers``), for the room's spans.
+    traceparent: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +46,7 @@ class Receive:
     kv: RemoteKv
     block_ids: tuple
     cached_tokens: int
+    traceparent: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +63,7 @@ class Stream:
     num_tokens: int
     #: Each layer as it is computed (else the step's rows once its forward pass ended).
     layerwise: bool = True
+    traceparent: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +101,17 @@ class _Streaming:
     blocks: list = dataclasses.field(default_factory=list)
     scheduled: bool = False
     aborted: bool = False
+    traceparent: Optional[str] = None
+
+
+def traceparent(trace_headers: Optional[Mapping[str, str]]) -> Optional[str]:
+    """The W3C ``traceparent`` of a request's headers (vLLM keeps them in
+    ``Request.trace_headers`` when it traces, ``--otlp-traces-endpoint``), or ``None``."""
+    if not trace_headers:
+        return None
+    value = trace_headers.get("traceparent")
+    # A malformed header is the client's: it is dropped rather than failing the transfer.
+    return value if isinstance(value, str) and _TRACEPARENT.fullmatch(value) else None
 
 
 def new_room() -> int:
@@ -168,10 +187,12 @@ class SchedulerState:
         block_ids: Iterable[int],
         num_external_tokens: int,
         num_prompt_tokens: int,
+        trace: Optional[str] = None,
     ) -> None:
-        """The blocks vLLM allocated for a request (its whole table from token 0)."""
+        """The blocks vLLM allocated for a request (its whole table from token 0); ``trace`` its
+        ``traceparent``, which the room's spans take as parent."""
         if self.producer:
-            self._start_stream(req_id, params, num_prompt_tokens)
+            self._start_stream(req_id, params, num_prompt_tokens, trace)
             return
         kv = self._remote(req_id, params)
         if kv is None or params is None:
@@ -182,12 +203,12 @@ class SchedulerState:
             return
         self._loading.add(req_id)
         self._work.receives.append(
-            Receive(req_id, kv, tuple(int(b) for b in block_ids), kv.tokens(num_prompt_tokens) - num_external_tokens)
+            Receive(req_id, kv, tuple(int(b) for b in block_ids), kv.tokens(num_prompt_tokens) - num_external_tokens, trace)
         )
 
     # --- prefill, concurrent flow ---------------------------------------------------------
 
-    def _start_stream(self, req_id: str, params: Optional[dict], num_prompt_tokens: int) -> None:
+    def _start_stream(self, req_id: str, params: Optional[dict], num_prompt_tokens: int, trace: Optional[str]) -> None:
         if req_id in self._streaming:
             return
         try:
@@ -202,7 +223,7 @@ class SchedulerState:
             logger.error("kvbridge: request %s: kv_transfer_params[%r]['layerwise'] = %r is not true or false; "
                          "the connector's setting (%s) applies", req_id, FIELD, layerwise, self.settings.layerwise)
             layerwise = self.settings.layerwise
-        self._streaming[req_id] = _Streaming(room, num_prompt_tokens, layerwise)
+        self._streaming[req_id] = _Streaming(room, num_prompt_tokens, layerwise, traceparent=trace)
 
     def scheduled(self, steps: Iterable[Scheduled], preempted: Iterable[str] = ()) -> None:
         """This step's scheduled requests: each streamed one gets its :class:`Stream`. A
@@ -225,7 +246,8 @@ class SchedulerState:
             stream.scheduled = True
             computed = min(step.computed_after, stream.num_tokens)
             self._work.streams.append(
-                Stream(step.req_id, stream.room, tuple(stream.blocks), computed, stream.num_tokens, stream.layerwise)
+                Stream(step.req_id, stream.room, tuple(stream.blocks), computed, stream.num_tokens, stream.layerwise,
+                       stream.traceparent)
             )
 
     # --- prefill --------------------------------------------------------------------------
@@ -237,9 +259,11 @@ class SchedulerState:
         completed: bool,
         block_ids: Iterable[int],
         num_computed_tokens: int,
+        trace: Optional[str] = None,
     ) -> tuple:
         """``(hold the blocks, kv_transfer_params of the response)`` for a finished request.
-        ``completed``: it stopped or reached its length (not aborted)."""
+        ``completed``: it stopped or reached its length (not aborted); ``trace`` its
+        ``traceparent``."""
         stream = self._streaming.pop(req_id, None)
         if stream is not None:
             return self._stream_finished(req_id, stream, completed)
@@ -255,7 +279,7 @@ class SchedulerState:
             return False, None
         room = new_room()
         self._sending.add(req_id)
-        self._work.sends.append(Send(req_id, room, blocks, num_computed_tokens))
+        self._work.sends.append(Send(req_id, room, blocks, num_computed_tokens, trace))
         kv = RemoteKv(
             bootstrap_addr=self.settings.bootstrap_addr,
             room=room,

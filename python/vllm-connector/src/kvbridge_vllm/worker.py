@@ -354,7 +354,7 @@ class Worker:
         if streamed is None:
             streamed = self._streams[step.req_id] = _Streamed(step.room, step.num_tokens, step.layerwise)
             try:
-                self.agent.create_room(step.room)
+                self.agent.create_room(step.room, traceparent=step.traceparent)
             except kvbridge.KvbridgeError as e:
                 logger.warning("kvbridge: request %s (room %d) will not be sent: %s", step.req_id, step.room, e)
                 streamed.ended = True
@@ -470,7 +470,7 @@ class Worker:
 
     def _start_send(self, send: Send) -> None:
         try:
-            self.agent.create_room(send.room)
+            self.agent.create_room(send.room, traceparent=send.traceparent)
         except kvbridge.KvbridgeError as e:
             logger.warning("kvbridge: request %s (room %d) will not be sent: %s", send.req_id, send.room, e)
             self._rooms[send.req_id] = _Room(send, posted=True)
@@ -500,6 +500,7 @@ class Worker:
                 receive.kv.bootstrap_addr,
                 list(receive.block_ids),
                 cached_prefix_len=receive.cached_tokens,
+                traceparent=receive.traceparent,
             )
         except kvbridge.KvbridgeError as e:
             logger.error("kvbridge: request %s: no KV loaded: %s", receive.req_id, e)
