@@ -757,6 +757,19 @@ fn bench_e2e(transport: &str, extra: &[&str]) -> Value {
     } else {
         assert!(ops < rows, "{r}");
     }
+    if transport == "shm" {
+        // The strided limit and the per-row memcpy copy the planner's ops for the request:
+        // exactly the ops and rows the coordinator posted (with --pack it posts pack ranges).
+        assert!(r["strided_gbps"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["strided_ratio"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["row_memcpy_gbps"].as_f64().unwrap() > 0.0, "{r}");
+        if r["pack"] != true {
+            assert_eq!(r["planned_descriptors"].as_u64(), Some(ops), "{r}");
+            assert_eq!(r["planned_rows"].as_u64(), Some(rows), "{r}");
+        }
+    } else {
+        assert!(r["strided_gbps"].is_null(), "{r}");
+    }
     r
 }
 
@@ -796,6 +809,7 @@ fn bench_e2e_pack_path_and_other_dcp_pairs() {
         ],
     );
     bench_e2e("tcp", &["--prefill-dcp", "4", "--dcp", "1"]);
+    bench_e2e("shm", &["--prefill-dcp", "4", "--dcp", "1"]);
 }
 
 #[test]

@@ -86,6 +86,7 @@
 //! stop a hostile process of an accepted user; the credential check and the private directory
 //! are what keep other users out.
 
+pub mod baseline;
 mod descriptor;
 mod dir;
 mod doorbell;

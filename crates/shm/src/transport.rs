@@ -278,9 +278,12 @@ struct Job {
 /// batches it holds in turn, one step of at most [`TURN_BYTES`] each, taking newly queued ones
 /// in between: a small batch does not wait behind a large one, and batches that read
 /// interleaved rows of the same source (one per decode rank in a DCP relayout) read them close
-/// together in time, which copies faster than one pass per batch.
+/// together in time, which copies faster than one pass per batch. Such a gang keeps the front
+/// of the line for up to [`GANG_STREAK`] turns in a row.
 fn worker(mut jobs: mpsc::Receiver<Job>) {
     let mut turns: VecDeque<Copying> = VecDeque::new();
+    // Gang turns in a row whose batches went back to the front (`requeue_gang`).
+    let mut streak = 0u32;
     loop {
         if turns.is_empty() {
             match jobs.blocking_recv() {
@@ -310,13 +313,16 @@ fn worker(mut jobs: mpsc::Receiver<Job>) {
                 gang.iter().rev().filter_map(|&i| turns.remove(i)).collect();
             members.reverse();
             let pending = gang_turn(&mut members);
-            for (mut copying, pending) in members.into_iter().zip(pending) {
-                copying.passed = 0;
-                if pending {
-                    turns.push_back(copying);
-                }
-                // A member ends in a gang turn only by failing: nothing is left to commit.
-            }
+            // A member ends in a gang turn only by failing: nothing is left to commit.
+            let still: Vec<Copying> = members
+                .into_iter()
+                .zip(pending)
+                .filter_map(|(mut copying, pending)| {
+                    copying.passed = 0;
+                    pending.then_some(copying)
+                })
+                .collect();
+            requeue_gang(&mut turns, still, &mut streak);
             continue;
         }
         let Some(mut copying) = turns.pop_front() else {
@@ -331,6 +337,34 @@ fn worker(mut jobs: mpsc::Receiver<Job>) {
                 rt.spawn(commit);
             }
         }
+    }
+}
+
+/// Gang turns in a row that keep their batches at the front of the line, at most. A gang
+/// copies on until its batches end or this many turns have passed; then they go to the back
+/// once, so the batches behind them get a turn (a later chunk's gang, a lone batch), and the
+/// count starts over. Sending a gang to the back after every turn, as a plain round robin
+/// does, makes two chunks' gangs alternate turn by turn: two source streams far apart and
+/// twice the destination streams, which copied about 10% slower end to end
+/// (docs/benchmarks.md, "Every pair against its baseline"). 64 turns are about 19 MB of a
+/// DCP 1 -> 4 relayout, 2 ms at 10 GB/s: what a batch behind a gang waits at most.
+const GANG_STREAK: u32 = 64;
+
+/// Puts the members of a gang turn that are still pending (`still`, in their order) back in
+/// line: at the front while the streak is below [`GANG_STREAK`], else at the back, and counts
+/// the streak (which starts over when a gang ends).
+fn requeue_gang<T>(turns: &mut VecDeque<T>, still: Vec<T>, streak: &mut u32) {
+    if still.is_empty() {
+        // The gang ended: the next one starts a streak of its own.
+        *streak = 0;
+    } else if *streak < GANG_STREAK {
+        *streak += 1;
+        for copying in still.into_iter().rev() {
+            turns.push_front(copying);
+        }
+    } else {
+        *streak = 0;
+        turns.extend(still);
     }
 }
 
@@ -2066,6 +2100,33 @@ mod tests {
 
     /// Gang turns taken by any copy worker of this test binary.
     pub(super) static GANG_TURNS: AtomicU64 = AtomicU64::new(0);
+
+    /// A gang's pending batches go back to the front, in order, for `GANG_STREAK` turns in a
+    /// row; the next turn sends them behind the others once, and the streak starts over.
+    #[test]
+    fn a_gang_keeps_the_front_for_a_bounded_streak() {
+        // Batches 1 and 2 are a gang; 7 and 8 wait behind it.
+        let mut turns: VecDeque<u32> = VecDeque::from([7, 8]);
+        let mut streak = 0;
+        for turn in 0..GANG_STREAK {
+            requeue_gang(&mut turns, vec![1, 2], &mut streak);
+            assert_eq!(turns, [1, 2, 7, 8], "turn {turn}");
+            assert_eq!(streak, turn + 1);
+            turns.drain(..2);
+        }
+        requeue_gang(&mut turns, vec![1, 2], &mut streak);
+        assert_eq!(turns, [7, 8, 1, 2]);
+        assert_eq!(streak, 0);
+        // The gang behind now gets the front; a member that ended is not put back.
+        turns.drain(..2);
+        requeue_gang(&mut turns, vec![8], &mut streak);
+        assert_eq!(turns, [8, 1, 2]);
+        assert_eq!(streak, 1);
+        // A gang that ended leaves the line as it was and the streak at zero.
+        turns.pop_front();
+        requeue_gang(&mut turns, Vec::new(), &mut streak);
+        assert_eq!((turns, streak), (VecDeque::from([1, 2]), 0));
+    }
 
     /// Concurrent first posts to a peer look its region up once. Each lookup maps (and
     /// populates) the whole region, so a first wave of N rooms used to map it N times, and

@@ -1,6 +1,6 @@
 //! `kvbridge-lab bench --e2e`: the whole prefill -> decode path (agents, TCP control channels,
-//! HTTP bootstrap, planner, transport) against two baselines moving the same bytes as large
-//! blocks, in the same run.
+//! HTTP bootstrap, planner, transport) against baselines moving the same bytes, in the same
+//! run: as large blocks, and on shared memory as the planner's own strided ops.
 //!
 //! Geometry: the demo's default, MLA with 61 layers of 1152 bytes per token, one request of
 //! 8192 tokens (575.7 MB; `--size-scale` shrinks the tokens), prefill DCP 1, page 64 -> decode
@@ -21,6 +21,9 @@
 //!   back, and so are each decode rank's): the memory's own speed.
 //! - **transport**: the same large blocks posted through the prefill transports to the decode
 //!   transports: the transport's own large-block throughput.
+//! - **strided limit** and **per-row memcpy** (`--transport shm` only, `strided.rs`): the
+//!   planner's own ops for the request copied in this process on one thread, with streaming
+//!   stores (the shared-memory target's baseline) or one `memcpy` per row.
 //! - **direct NIXL** (`--transport nixl` only): the request's rows posted through nixl-sys
 //!   directly, without kvbridge: per prefill rank a raw NIXL agent writes each decode rank its
 //!   rows as one transfer, one NIXL descriptor per run of rows contiguous on both sides (what
@@ -48,6 +51,7 @@ use kvbridge_nixl::baseline::DirectOp;
 use kvbridge_testkit::fill::{TokenLayout, fill_rows, verify_rows};
 use kvbridge_transport::{KvTransport, PeerId, TransferBatch, TransferOp};
 
+use super::strided::{PlannedRows, Rank};
 use super::{BenchArgs, Factory, TransportKind, factory};
 
 const LAYERS: usize = 61;
@@ -64,6 +68,8 @@ const PATTERN_ROOM: u64 = 1;
 const TARGET: f64 = 0.8;
 const TCP_TARGET: f64 = 0.9;
 const OTHER_PAIR_TARGET: f64 = 0.7;
+/// Target of shared memory against the strided limit on DCP 1 -> 4 and 4 -> 1 (page 64).
+const STRIDED_TARGET: f64 = 0.9;
 /// Target of the NIXL transport against the same rows posted through nixl-sys directly.
 const DIRECT_TARGET: f64 = 0.9;
 
@@ -94,6 +100,20 @@ struct Report {
     memcpy_ratio: f64,
     /// `coordinator_gbps / transport_gbps` (the TCP target).
     transport_ratio: f64,
+    /// The strided limit (`--transport shm`): the planner's ops copied in this process on one
+    /// thread with streaming stores; GB/s, ms and `coordinator_gbps / strided_gbps` (the shm
+    /// target).
+    strided_gbps: Option<f64>,
+    strided_ms: Option<f64>,
+    strided_ratio: Option<f64>,
+    /// The same rows, one `memcpy` each (`--transport shm`).
+    row_memcpy_gbps: Option<f64>,
+    row_memcpy_ms: Option<f64>,
+    row_memcpy_ratio: Option<f64>,
+    /// Ops and rows the strided baselines copy per request (the planner's, as the coordinator
+    /// posts them: equal to `descriptors` and `rows` without `--pack`).
+    planned_descriptors: Option<u64>,
+    planned_rows: Option<u64>,
     /// The direct-NIXL baseline (`--transport nixl`): GB/s, ms, NIXL descriptors per request,
     /// and `coordinator_gbps / direct_gbps` (the NIXL target).
     direct_gbps: Option<f64>,
@@ -391,9 +411,71 @@ async fn shutdown(prefills: &[Prefill], decodes: &[Decode]) {
     }
 }
 
-/// One pair's measurement: set-up, the untimed verified run, the alternating timed runs and
-/// the report. Long because: it is the bench's sequence in the order it runs, each step
-/// already a call of its own, and the figures it reports are only comparable taken together.
+/// The medians of the timed runs.
+struct Medians {
+    coordinator: Duration,
+    plain: Duration,
+    memcpy: Duration,
+    transport: Duration,
+    direct: Option<Duration>,
+    /// The strided limit and the per-row memcpy (`--transport shm`).
+    strided: Option<(Duration, Duration)>,
+    /// What the coordinator's batches handed to NIXL over the runs (`--transport nixl`).
+    lists: kvbridge_nixl::NixlStats,
+}
+
+/// The timed runs, alternated: plain copy, memcpy, transport, direct NIXL, strided limit,
+/// per-row memcpy, coordinator; `room` is the last room used.
+async fn timed_runs(
+    args: &BenchArgs,
+    e2e: &E2e<'_>,
+    plain: &mut PlainCopy,
+    direct: Option<&super::nixl::DirectE2e>,
+    rows: Option<&PlannedRows>,
+    room: &mut u64,
+) -> Result<Medians, String> {
+    let (prefills, decodes, blocks) = (e2e.prefills, e2e.decodes, e2e.blocks);
+    let (mut coord, mut mem, mut raw, mut direct_runs, mut plains) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut limit, mut per_row) = (Vec::new(), Vec::new());
+    let mut lists = kvbridge_nixl::NixlStats::default();
+    for _ in 0..args.runs {
+        plains.push(plain.run());
+        mem.push(memcpy_run(prefills, decodes, blocks)?);
+        raw.push(transport_run(prefills, decodes, blocks).await?);
+        if let Some(d) = direct {
+            direct_runs.push(d.run()?);
+        }
+        if let Some(r) = rows {
+            limit.push(r.limit_run()?);
+            per_row.push(r.memcpy_rows_run()?);
+        }
+        *room += 1;
+        let run = coordinator_run(prefills, decodes, e2e.addr, *room, e2e.tokens);
+        coord.push(super::nixl::counted(&mut lists, run).await?);
+    }
+    Ok(Medians {
+        coordinator: median(&mut coord),
+        plain: median(&mut plains),
+        memcpy: median(&mut mem),
+        transport: median(&mut raw),
+        direct: direct.map(|_| median(&mut direct_runs)),
+        strided: rows.map(|_| (median(&mut limit), median(&mut per_row))),
+        lists,
+    })
+}
+
+/// What the timed runs move, and where.
+struct E2e<'a> {
+    prefills: &'a [Prefill],
+    decodes: &'a [Decode],
+    blocks: &'a [Block],
+    addr: &'a str,
+    tokens: u64,
+}
+
+/// One pair's measurement: set-up, the untimed verified run, the alternating timed runs
+/// ([`timed_runs`]) and the report.
 async fn bench(args: &BenchArgs) -> Result<Report, String> {
     let make = factory(args.transport)?;
     let shape = Shape::of(args);
@@ -425,24 +507,27 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
     memcpy_run(&prefills, &decodes, &blocks)?;
     transport_run(&prefills, &decodes, &blocks).await?;
     let direct = direct_baseline(args, &prefills, &decodes, tokens)?;
+    let rows = strided_baseline(args, &prefills, &decodes, tokens)?;
 
     let metrics =
         |ps: &[Prefill]| -> Vec<MetricsSnapshot> { ps.iter().map(|p| p.agent.metrics()).collect() };
     let before = metrics(&prefills);
-    let (mut coord, mut mem, mut raw, mut direct_runs, mut plains) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut lists = kvbridge_nixl::NixlStats::default();
-    for _ in 0..args.runs {
-        plains.push(plain.run());
-        mem.push(memcpy_run(&prefills, &decodes, &blocks)?);
-        raw.push(transport_run(&prefills, &decodes, &blocks).await?);
-        if let Some(d) = &direct {
-            direct_runs.push(d.run()?);
-        }
-        room += 1;
-        let run = coordinator_run(&prefills, &decodes, &addr, room, tokens);
-        coord.push(super::nixl::counted(&mut lists, run).await?);
-    }
+    let e2e = E2e {
+        prefills: &prefills,
+        decodes: &decodes,
+        blocks: &blocks,
+        addr: &addr,
+        tokens,
+    };
+    let times = timed_runs(
+        args,
+        &e2e,
+        &mut plain,
+        direct.as_ref(),
+        rows.as_ref(),
+        &mut room,
+    )
+    .await?;
     let after = metrics(&prefills);
     let per_request = |f: fn(&MetricsSnapshot) -> u64| -> u64 {
         after
@@ -453,49 +538,137 @@ async fn bench(args: &BenchArgs) -> Result<Report, String> {
             / u64::from(args.runs)
     };
     drop(plain);
-    let (c, m, r) = (median(&mut coord), median(&mut mem), median(&mut raw));
-    let pl = median(&mut plains);
-    let gbps = |d: Duration| bytes as f64 / 1e9 / d.as_secs_f64().max(1e-9);
-    let direct_time = direct.as_ref().map(|_| median(&mut direct_runs));
     let direct_descriptors = direct.as_ref().map(super::nixl::DirectE2e::descriptors);
+    let planned = rows.as_ref().map(PlannedRows::counts);
     // The raw agents go before the transports whose peers they are.
     drop(direct);
+    drop(rows);
     shutdown(&prefills, &decodes).await;
     boot.shutdown();
-    Ok(Report {
-        bench: "e2e",
-        transport: args.transport.name(),
-        geometry: format!(
-            "MLA {LAYERS} layers x {TOKEN_BYTES} B, {tokens} tokens, prefill DCP {} page {} -> \
-             decode DCP {} page {}",
-            shape.prefill_dcp, shape.prefill_page, shape.dcp, shape.page
-        ),
-        pack: args.pack,
-        bytes,
-        runs: args.runs,
-        coordinator_gbps: gbps(c),
-        plain_gbps: gbps(pl),
-        memcpy_gbps: gbps(m),
-        transport_gbps: gbps(r),
-        plain_ratio: pl.as_secs_f64() / c.as_secs_f64().max(1e-9),
-        memcpy_ratio: m.as_secs_f64() / c.as_secs_f64().max(1e-9),
-        transport_ratio: r.as_secs_f64() / c.as_secs_f64().max(1e-9),
-        direct_gbps: direct_time.map(gbps),
-        direct_ms: direct_time.map(|d| d.as_secs_f64() * 1e3),
-        direct_descriptors,
-        nixl_lists: super::nixl::lists_for(args.transport, &lists, args.runs),
-        direct_ratio: direct_time.map(|d| d.as_secs_f64() / c.as_secs_f64().max(1e-9)),
-        coordinator_ms: c.as_secs_f64() * 1e3,
-        plain_ms: pl.as_secs_f64() * 1e3,
-        memcpy_ms: m.as_secs_f64() * 1e3,
-        transport_ms: r.as_secs_f64() * 1e3,
+    let posted = Posted {
         descriptors: per_request(|m| m.descriptors_posted),
         rows: per_request(|m| m.rows_posted),
         pack_batches: per_request(|m| m.pack_batches),
         pack_bytes: per_request(|m| m.pack_bytes),
-        baseline_blocks: blocks.len() as u64,
-        verified,
-    })
+    };
+    let geometry = format!(
+        "MLA {LAYERS} layers x {TOKEN_BYTES} B, {tokens} tokens, prefill DCP {} page {} -> \
+         decode DCP {} page {}",
+        shape.prefill_dcp, shape.prefill_page, shape.dcp, shape.page
+    );
+    Ok(Report::new(
+        args,
+        geometry,
+        bytes,
+        &times,
+        &posted,
+        planned,
+        direct_descriptors,
+    )
+    .blocks(blocks.len() as u64, verified))
+}
+
+/// What the coordinator posted per request (its metrics over the timed runs).
+struct Posted {
+    descriptors: u64,
+    rows: u64,
+    pack_batches: u64,
+    pack_bytes: u64,
+}
+
+impl Report {
+    fn new(
+        args: &BenchArgs,
+        geometry: String,
+        bytes: u64,
+        t: &Medians,
+        posted: &Posted,
+        planned: Option<(u64, u64)>,
+        direct_descriptors: Option<u64>,
+    ) -> Self {
+        let gbps = |d: Duration| bytes as f64 / 1e9 / d.as_secs_f64().max(1e-9);
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let c = t.coordinator.as_secs_f64().max(1e-9);
+        let ratio = |d: Duration| d.as_secs_f64() / c;
+        Self {
+            bench: "e2e",
+            transport: args.transport.name(),
+            geometry,
+            pack: args.pack,
+            bytes,
+            runs: args.runs,
+            coordinator_gbps: gbps(t.coordinator),
+            plain_gbps: gbps(t.plain),
+            memcpy_gbps: gbps(t.memcpy),
+            transport_gbps: gbps(t.transport),
+            plain_ratio: ratio(t.plain),
+            memcpy_ratio: ratio(t.memcpy),
+            transport_ratio: ratio(t.transport),
+            strided_gbps: t.strided.map(|(l, _)| gbps(l)),
+            strided_ms: t.strided.map(|(l, _)| ms(l)),
+            strided_ratio: t.strided.map(|(l, _)| ratio(l)),
+            row_memcpy_gbps: t.strided.map(|(_, r)| gbps(r)),
+            row_memcpy_ms: t.strided.map(|(_, r)| ms(r)),
+            row_memcpy_ratio: t.strided.map(|(_, r)| ratio(r)),
+            planned_descriptors: planned.map(|(d, _)| d),
+            planned_rows: planned.map(|(_, r)| r),
+            direct_gbps: t.direct.map(gbps),
+            direct_ms: t.direct.map(ms),
+            direct_descriptors,
+            nixl_lists: super::nixl::lists_for(args.transport, &t.lists, args.runs),
+            direct_ratio: t.direct.map(ratio),
+            coordinator_ms: ms(t.coordinator),
+            plain_ms: ms(t.plain),
+            memcpy_ms: ms(t.memcpy),
+            transport_ms: ms(t.transport),
+            descriptors: posted.descriptors,
+            rows: posted.rows,
+            pack_batches: posted.pack_batches,
+            pack_bytes: posted.pack_bytes,
+            baseline_blocks: 0,
+            verified: false,
+        }
+    }
+
+    /// With the baselines' block count and the verification's outcome.
+    fn blocks(mut self, baseline_blocks: u64, verified: bool) -> Self {
+        self.baseline_blocks = baseline_blocks;
+        self.verified = verified;
+        self
+    }
+}
+
+/// The strided baselines for `--transport shm` (the planner's ops, planned once, warmed up by
+/// one untimed run each); none for the other transports, whose copies are not this process's.
+fn strided_baseline(
+    args: &BenchArgs,
+    prefills: &[Prefill],
+    decodes: &[Decode],
+    tokens: u64,
+) -> Result<Option<PlannedRows>, String> {
+    if !matches!(args.transport, TransportKind::Shm) {
+        return Ok(None);
+    }
+    let src: Vec<Rank<'_>> = prefills
+        .iter()
+        .map(|p| Rank {
+            desc: &p.desc,
+            mem: &p.mem,
+            table: &p.table,
+        })
+        .collect();
+    let dst: Vec<Rank<'_>> = decodes
+        .iter()
+        .map(|d| Rank {
+            desc: &d.desc,
+            mem: &d.mem,
+            table: &d.table,
+        })
+        .collect();
+    let rows = PlannedRows::new(&src, &dst, tokens, CHUNK_TOKENS)?;
+    rows.limit_run()?;
+    rows.memcpy_rows_run()?;
+    Ok(Some(rows))
 }
 
 /// The direct-NIXL baseline for `--transport nixl`, warmed up by one untimed run; none for the
@@ -781,6 +954,72 @@ async fn coordinator_run(
     Ok(took)
 }
 
+/// The strided baselines' lines (`--transport shm`), and a warning if their rows are not the
+/// coordinator's.
+fn print_strided(r: &Report) {
+    if let (Some(gbps), Some(ms), Some(n)) = (r.strided_gbps, r.strided_ms, r.planned_descriptors) {
+        println!(
+            "  strided      {gbps:>6.2} GB/s  {ms:>8.1} ms per request  the limit: the planner's \
+             {n} ops copied in this process, one thread, streaming stores"
+        );
+    }
+    if let (Some(gbps), Some(ms), Some(n)) = (r.row_memcpy_gbps, r.row_memcpy_ms, r.planned_rows) {
+        println!(
+            "  row memcpy   {gbps:>6.2} GB/s  {ms:>8.1} ms per request  the same {n} rows, one \
+             memcpy each"
+        );
+    }
+    let planned = r.planned_descriptors.zip(r.planned_rows);
+    if let Some((d, n)) = planned.filter(|&p| !r.pack && p != (r.descriptors, r.rows)) {
+        println!(
+            "  WARNING      the strided baselines copy {d} ops of {n} rows, the coordinator \
+             posted {} of {}: not the same rows",
+            r.descriptors, r.rows
+        );
+    }
+}
+
+/// The ratio the run's target applies to, what it is against, and the target: shm against
+/// the strided limit (the plain copy where there is none), TCP and NIXL against their own
+/// large blocks (NIXL also against the same rows posted through nixl-sys directly, printed
+/// apart).
+fn target_of(args: &BenchArgs, r: &Report) -> (f64, &'static str, f64) {
+    let demo_pair = (
+        args.prefill_dcp,
+        args.prefill_page_size,
+        args.dcp,
+        args.page_size,
+    ) == (1, 64, 4, 64);
+    let limit_pair = demo_pair
+        || (
+            args.prefill_dcp,
+            args.prefill_page_size,
+            args.dcp,
+            args.page_size,
+        ) == (4, 64, 1, 64);
+    match (args.transport, r.strided_ratio) {
+        (TransportKind::Shm, Some(strided)) if limit_pair => {
+            (strided, "the strided limit", STRIDED_TARGET)
+        }
+        (TransportKind::Shm, Some(strided)) => (strided, "the strided limit", OTHER_PAIR_TARGET),
+        (TransportKind::Shm, None) => (r.plain_ratio, "the plain copy", TARGET),
+        (TransportKind::Tcp, _) => (
+            r.transport_ratio,
+            "the transport's large blocks",
+            if demo_pair {
+                TCP_TARGET
+            } else {
+                OTHER_PAIR_TARGET
+            },
+        ),
+        (TransportKind::Nixl, _) => (
+            r.transport_ratio,
+            "the transport's large blocks",
+            if demo_pair { TARGET } else { OTHER_PAIR_TARGET },
+        ),
+    }
+}
+
 fn print(args: &BenchArgs, r: &Report) {
     if args.json {
         println!("{}", serde_json::to_string(r).unwrap_or_default());
@@ -827,30 +1066,14 @@ fn print(args: &BenchArgs, r: &Report) {
         r.transport_gbps, r.transport_ms, r.baseline_blocks
     );
     print_lists(r);
+    print_strided(r);
     if let (Some(gbps), Some(ms), Some(n)) = (r.direct_gbps, r.direct_ms, r.direct_descriptors) {
         println!(
             "  direct NIXL  {gbps:>6.2} GB/s  {ms:>8.1} ms per request  the same rows as {n} NIXL \
              descriptors through nixl-sys, no kvbridge"
         );
     }
-    // Each transport's target: shm against the plain copy, TCP and NIXL against their own
-    // large blocks (NIXL also against the same rows posted through nixl-sys directly).
-    let demo_pair = (
-        args.prefill_dcp,
-        args.prefill_page_size,
-        args.dcp,
-        args.page_size,
-    ) == (1, 64, 4, 64);
-    let (ratio, against, target) = match args.transport {
-        TransportKind::Shm => (r.plain_ratio, "the plain copy", TARGET),
-        TransportKind::Tcp => (
-            r.transport_ratio,
-            "the transport's large blocks",
-            TCP_TARGET,
-        ),
-        TransportKind::Nixl => (r.transport_ratio, "the transport's large blocks", TARGET),
-    };
-    let target = if demo_pair { target } else { OTHER_PAIR_TARGET };
+    let (ratio, against, target) = target_of(args, r);
     let below = |ratio: f64, target: f64| {
         if ratio >= target {
             ""
@@ -860,11 +1083,14 @@ fn print(args: &BenchArgs, r: &Report) {
     };
     println!(
         "  ratio        {ratio:.2}x of {against} (target >= {target:.2}x){}; {:.2}x of the plain \
-         copy, {:.2}x of memcpy, {:.2}x of the transport",
+         copy, {:.2}x of memcpy, {:.2}x of the transport{}",
         below(ratio, target),
         r.plain_ratio,
         r.memcpy_ratio,
-        r.transport_ratio
+        r.transport_ratio,
+        r.row_memcpy_ratio
+            .map(|x| format!(", {x:.2}x of the per-row memcpy"))
+            .unwrap_or_default()
     );
     if let Some(direct) = r.direct_ratio {
         println!(

@@ -34,6 +34,7 @@ use crate::progress::Progress;
 mod e2e;
 mod nixl;
 mod shm;
+mod strided;
 mod tcp;
 
 /// What a [`Factory`] returns: a new transport, or why it could not be made.
