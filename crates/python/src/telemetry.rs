@@ -72,7 +72,10 @@ fn start() -> Option<Export> {
         .with_filter(EnvFilter::new("kvbridge=info"));
     // KVBRIDGE_LOG's lines, if asked for, share the subscriber (logs.rs).
     let layers: Vec<Box<dyn Layer<Registry> + Send + Sync>> =
-        [Some(layer.boxed()), crate::logs::layer()].into_iter().flatten().collect();
+        [Some(layer.boxed()), crate::logs::layer()]
+            .into_iter()
+            .flatten()
+            .collect();
     if tracing_subscriber::registry()
         .with(layers)
         .try_init()
