@@ -138,42 +138,22 @@ def descriptor(role: str, geometry: Geometry, item_lens: list, layout: str = HEA
     both, so kvbridge's checks see the page's true size). Token-major MHA: a K and a V entry
     per layer whose page holds each token's row of the rank's heads (SGLang's MHA pool). MLA:
     one entry per layer of token rows."""
-    if layout == TOKEN_MAJOR:
-        return kvbridge.PeerDescriptor(
-            role=role,
-            page_size=geometry.block_size,
-            kv_cache_dtype=geometry.dtype,
-            kv_pool="mha",
-            attn_tp_size=geometry.tp_size,
-            attn_tp_rank=geometry.tp_rank,
-            total_kv_heads=geometry.total_kv_heads,
-            head_dim=geometry.head_size,
-            kv_item_lens=item_lens,
-        )
-    if geometry.mla:
-        return kvbridge.PeerDescriptor(
-            role=role,
-            page_size=geometry.block_size,
-            kv_cache_dtype=geometry.dtype,
-            kv_pool="mla",
-            attn_tp_size=geometry.tp_size,
-            attn_tp_rank=geometry.tp_rank,
-            dcp_size=geometry.dcp_size,
-            dcp_rank=geometry.dcp_rank,
-            kv_item_lens=item_lens,
-        )
-    return kvbridge.PeerDescriptor(
+    common = dict(
         role=role,
         page_size=geometry.block_size,
         kv_cache_dtype=geometry.dtype,
-        kv_pool="mha",
-        kv_layout=CPU_LAYOUT,
         attn_tp_size=geometry.tp_size,
         attn_tp_rank=geometry.tp_rank,
-        total_kv_heads=geometry.total_kv_heads,
-        head_dim=2 * geometry.head_size,
         kv_item_lens=item_lens,
     )
+    if geometry.mla:
+        return kvbridge.PeerDescriptor(
+            kv_pool="mla", dcp_size=geometry.dcp_size, dcp_rank=geometry.dcp_rank, **common
+        )
+    heads = dict(kv_pool="mha", total_kv_heads=geometry.total_kv_heads)
+    if layout == TOKEN_MAJOR:
+        return kvbridge.PeerDescriptor(head_dim=geometry.head_size, **heads, **common)
+    return kvbridge.PeerDescriptor(kv_layout=CPU_LAYOUT, head_dim=2 * geometry.head_size, **heads, **common)
 
 
 def _torch_dtype_name(dtype: Any) -> str:
