@@ -266,6 +266,7 @@ def test_a_cache_tensor_in_another_layout_is_refused_with_the_shapes_it_takes():
     try:
         with pytest.raises(ValueError, match=r"shape \(2, 8, 16, 2, 32\) \(contiguous: False\).*FlashAttention"):
             worker.register({"layer.0": hnd})
+        assert worker.engine is None  # refused before anything was started
     finally:
         worker.close()
 

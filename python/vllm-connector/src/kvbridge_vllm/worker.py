@@ -224,30 +224,30 @@ class Worker:
         g, s = self.geometry, self.settings
         if not kv_caches:
             raise ValueError("vLLM registered no KV cache tensors with KvbridgeConnector")
+        # Every tensor is checked before anything is started or registered.
         kinds = {name: memory_kind(name, tensor, s.transport) for name, tensor in kv_caches.items()}
+        planned = {name: cache_planes(name, tensor, g) for name, tensor in kv_caches.items()}
+        layouts = {layout for layout, _ in planned.values()}
+        if len(layouts) != 1:
+            raise ValueError(f"vLLM's KV cache tensors have different layouts {sorted(layouts)}; KvbridgeConnector takes one")
+        layout = layouts.pop()
         bind = f"{s.host}:0"
         self.engine = kvbridge.Engine(s.transport, bind=bind if s.transport == "tcp" else None)
-        entries, item_lens, layouts = [], [], set()
+        entries, item_lens = [], []
         self._layers = {name: i for i, name in enumerate(kv_caches)}
-        for name, tensor in kv_caches.items():
-            layout, planes = cache_planes(name, tensor, g)
-            layouts.add(layout)
+        for name, (_, planes) in planned.items():
             # A layer's entries are consecutive, so layers [a, b) are entries [a*k, b*k).
             self._entries_per_layer = len(planes)
+            self._cuda = kinds[name] == "cuda"
             for plane in planes:
                 nbytes = plane.numel() * plane.element_size()
-                device = plane.device
-                kind = kinds[name]
-                self._cuda = kind == "cuda"
                 region = self.engine.register(
-                    plane.data_ptr(), nbytes, kind=kind, device=device.index or 0, owner=tensor
+                    plane.data_ptr(), nbytes, kind=kinds[name], device=plane.device.index or 0, owner=kv_caches[name]
                 )
                 entries.append(region)
                 item_lens.append(nbytes // g.num_blocks)
-        if len(layouts) != 1:
-            raise ValueError(f"vLLM's KV cache tensors have different layouts {sorted(layouts)}; KvbridgeConnector takes one")
         role = "prefill" if self.producer else "decode"
-        desc = descriptor(role, g, item_lens, layouts.pop())
+        desc = descriptor(role, g, item_lens, layout)
         if self.producer:
             if g.tp_rank == 0:
                 host, port = s.bootstrap_addr.rsplit(":", 1)
