@@ -92,7 +92,9 @@ def mla_workers(settings: Settings, producer: bool, dcp: int) -> list:
             tp_size=dcp, tp_rank=rank, dtype="bfloat16", mla=True, dcp_size=dcp, dcp_rank=rank,
         )
         worker = Worker(settings, producer=producer, geometry=geometry)
-        layers = {f"layer.{i}": torch.zeros(MLA_BLOCKS, BLOCK, LATENT, dtype=torch.bfloat16) for i in range(LAYERS)}
+        # vLLM's CPU MLA shape, [num_blocks, 1, block_size, latent] (a real server's, which a
+        # three-dimensional stand-in once hid).
+        layers = {f"layer.{i}": torch.zeros(MLA_BLOCKS, 1, BLOCK, LATENT, dtype=torch.bfloat16) for i in range(LAYERS)}
         worker.register(layers)
         worker.tensors = list(layers.values())  # the test's handle on the rank's KV cache
         workers.append(worker)

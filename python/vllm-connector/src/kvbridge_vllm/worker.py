@@ -82,7 +82,7 @@ def check_context_parallel(dcp_size: int, pcp_size: int, interleave: int, mla: b
 # How a layer's cache tensor is laid out, and the KV entries kvbridge moves of it.
 HEAD_MAJOR = "head-major"  # vLLM's CPU attention: one entry per layer
 TOKEN_MAJOR = "token-major"  # vLLM's GPU FlashAttention: a K entry and a V entry per layer
-MLA = "mla"  # [num_blocks, block_size, latent]: one entry per layer
+MLA = "mla"  # [num_blocks, (1,) block_size, latent]: one entry per layer
 
 
 def cache_planes(name: str, tensor: Any, geometry: Geometry) -> tuple:
@@ -92,7 +92,8 @@ def cache_planes(name: str, tensor: Any, geometry: Geometry) -> tuple:
     nb = geometry.num_blocks
     shape = tuple(tensor.shape)
     if tensor.is_contiguous():
-        if geometry.mla and len(shape) == 3 and shape[0] == nb:
+        # vLLM's CPU MLA cache is [num_blocks, 1, block_size, latent]: any rows of a block.
+        if geometry.mla and len(shape) >= 2 and shape[0] == nb:
             return MLA, [tensor]
         if not geometry.mla and len(shape) == 4 and shape[0] == nb:
             return HEAD_MAJOR, [tensor]
@@ -103,7 +104,7 @@ def cache_planes(name: str, tensor: Any, geometry: Geometry) -> tuple:
         f"KvbridgeConnector moves contiguous tensors of {nb} blocks laid out as vLLM's CPU "
         "attention keeps them ([num_blocks, kv_heads, block_size, 2 * head_size]), as its GPU "
         "FlashAttention keeps them ([2, num_blocks, block_size, kv_heads, head_size]: K, then V; "
-        "not VLLM_KV_CACHE_LAYOUT=HND), or for MLA [num_blocks, block_size, latent]"
+        "not VLLM_KV_CACHE_LAYOUT=HND), or for MLA [num_blocks, (1,) block_size, latent]"
     )
 
 
