@@ -40,7 +40,7 @@ class Geometry:
     tp_size: int
     tp_rank: int
     dtype: str
-    #: An MLA model: each layer is ``[num_blocks, block_size, latent]``, every TP rank holding
+    #: An MLA model: each layer is ``[num_blocks, 1, block_size, latent]``, every TP rank holding
     #: the whole latent cache (kvbridge's MLA pool, SGLang's layout).
     mla: bool = False
     #: Decode context parallelism (MLA): the DCP group of ``dcp_size`` consecutive TP ranks
