@@ -577,13 +577,14 @@ pub(crate) fn advertise_ip(advertise: Option<&str>) -> PyResult<Option<std::net:
 impl Engine {
     /// A transfer engine for one rank over `transport`: "tcp" (any hosts; `bind` is the
     /// listening `ip:port`, default 127.0.0.1:0; `advertise` the IP its descriptor names when
-    /// `bind` is 0.0.0.0; `secret` enables HMAC authentication),
+    /// `bind` is 0.0.0.0; `secret` enables HMAC authentication; `keepalive_timeout` the
+    /// seconds a silent peer is kept before it is dropped, default 10),
     /// "shm" (processes on one host; `runtime_dir` holds its control socket), "loopback"
     /// (engines of this process, for tests) or "nixl" (a package built with the `nixl`
     /// feature; its runtime from `cargo xtask nixl-setup` or `KVBRIDGE_NIXL_LIB_DIR`).
     #[new]
     #[pyo3(signature = (transport="tcp", *, bind=None, secret=None, runtime_dir=None,
-                        advertise=None))]
+                        advertise=None, keepalive_timeout=None))]
     fn new(
         py: Python<'_>,
         transport: &str,
@@ -591,14 +592,20 @@ impl Engine {
         secret: Option<Vec<u8>>,
         runtime_dir: Option<std::path::PathBuf>,
         advertise: Option<&str>,
+        keepalive_timeout: Option<f64>,
     ) -> PyResult<Self> {
         let only = |option: &str, name: &str| {
             invalid(format!(
                 "{option} applies to transport=\"{name}\" only; drop it for transport=\"{transport}\""
             ))
         };
-        if transport != "tcp" && (bind.is_some() || secret.is_some() || advertise.is_some()) {
-            return Err(only("bind/advertise/secret", "tcp"));
+        if transport != "tcp"
+            && (bind.is_some()
+                || secret.is_some()
+                || advertise.is_some()
+                || keepalive_timeout.is_some())
+        {
+            return Err(only("bind/advertise/secret/keepalive_timeout", "tcp"));
         }
         if transport != "shm" && runtime_dir.is_some() {
             return Err(only("runtime_dir", "shm"));
@@ -620,6 +627,17 @@ impl Engine {
                     }
                     if let Some(s) = secret {
                         config = config.with_secret(s);
+                    }
+                    if let Some(t) = seconds("keepalive_timeout", keepalive_timeout)? {
+                        // A peer pings every second: a timeout under two pings would drop
+                        // live peers.
+                        if t < Duration::from_secs(2) {
+                            return Err(invalid(format!(
+                                "keepalive_timeout must be at least 2 seconds (peers ping \
+                                 every second), got {t:?}; the default is 10"
+                            )));
+                        }
+                        config = config.with_keepalive_timeout(t);
                     }
                     let made = block_on(py, async move {
                         kvbridge_tcp::TcpTransport::bind(config)

@@ -108,6 +108,7 @@ class Engine:
         secret: bytes | None = None,
         runtime_dir: str | None = None,
         advertise: str | None = None,
+        keepalive_timeout: float | None = None,
     ) -> None: ...
     @property
     def transport(self) -> str: ...
