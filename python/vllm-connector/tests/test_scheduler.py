@@ -24,6 +24,9 @@ def test_settings_default_and_refuse_with_the_key_and_what_it_takes():
         Settings.from_extra({"bootstrap_port": 0}, env={})
     with pytest.raises(ValueError, match="waiting_timeout.*positive number of seconds"):
         Settings.from_extra({"waiting_timeout": -1}, env={})
+    assert s.peer_timeout == 10.0 and Settings.from_extra({"peer_timeout": 90}, env={}).peer_timeout == 90
+    with pytest.raises(ValueError, match=r"\['peer_timeout'\] = 1.*at least 2 seconds"):
+        Settings.from_extra({"peer_timeout": 1}, env={})
 
 
 def test_the_field_round_trips_and_a_bad_one_says_what_is_wrong():

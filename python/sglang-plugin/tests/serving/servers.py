@@ -321,8 +321,8 @@ def _group_alive(pgid: int) -> bool:
 
 
 class RequestError(Exception):
-    def __init__(self, server: str, status: int, body):
-        super().__init__(f"{server}: /generate answered HTTP {status}: {body}")
+    def __init__(self, server: str, status: int, body, endpoint: str = "/generate"):
+        super().__init__(f"{server}: {endpoint} answered HTTP {status}: {body}")
         self.status, self.body = status, body
 
 

@@ -36,6 +36,11 @@ class Settings:
     #: Seconds each control message from the decode to a prefill may take (SGLang's decode
     #: allows 1 s; a loaded host can take longer to read its first one).
     control_timeout: float = 5.0
+    #: Seconds a peer may stay silent before its rooms fail as lost: the TCP transport's
+    #: keep-alive timeout (tcp) and two of the decode's heartbeats to its prefills (SGLang's
+    #: 5 s apart). Raise it where other processes can hold every CPU for longer (a vLLM decode
+    #: at TP 2 on a two-CPU host stopped its prefill for up to 65 s: docs/vllm.md, "Liveness").
+    peer_timeout: float = 10.0
     #: Concurrent flow, prefill: send each layer's rows as the forward pass computes it
     #: (``save_kv_layer``); ``false`` sends a step's rows once its forward pass ended.
     layerwise: bool = True
@@ -80,10 +85,13 @@ class Settings:
             raise bad("bootstrap_port", port, "a TCP port number (1-65535)")
         if not isinstance(self.layerwise, bool):
             raise bad("layerwise", self.layerwise, "true or false")
-        for key in ("waiting_timeout", "transfer_timeout", "bootstrap_timeout", "control_timeout"):
+        for key in ("waiting_timeout", "transfer_timeout", "bootstrap_timeout", "control_timeout", "peer_timeout"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise bad(key, value, "a positive number of seconds")
+
+        if self.peer_timeout < 2:
+            raise bad("peer_timeout", self.peer_timeout, "at least 2 seconds (a TCP peer pings every second)")
 
     @property
     def bootstrap_addr(self) -> str:

@@ -233,7 +233,8 @@ class Worker:
             raise ValueError(f"vLLM's KV cache tensors have different layouts {sorted(layouts)}; KvbridgeConnector takes one")
         layout = layouts.pop()
         bind = f"{s.host}:0"
-        self.engine = kvbridge.Engine(s.transport, bind=bind if s.transport == "tcp" else None)
+        tcp = {"bind": bind, "keepalive_timeout": s.peer_timeout} if s.transport == "tcp" else {}
+        self.engine = kvbridge.Engine(s.transport, **tcp)
         entries, item_lens = [], []
         self._layers = {name: i for i, name in enumerate(kv_caches)}
         for name, (_, planes) in planned.items():
@@ -275,6 +276,8 @@ class Worker:
                 # (in the concurrent flow that includes the prefill's queue and compute).
                 waiting_timeout=s.waiting_timeout,
                 control_send_timeout=s.control_timeout,
+                # Two unanswered heartbeats declare a prefill lost: peer_timeout in all.
+                heartbeat_interval=s.peer_timeout / 2,
                 bind=bind,
             )
         logger.info(

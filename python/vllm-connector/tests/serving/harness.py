@@ -53,6 +53,14 @@ CPU_ENV = {
     "KVBRIDGE_LOG": "warn",
 }
 
+# A decode at TP 2 on a two-CPU host spins while a request waits for its KV (vLLM's engine steps
+# without pause, and its shared-memory readers call sched_yield for a second after each read):
+# other processes, its prefill's among them, then got no CPU for 13 to 65 s at a time, and a
+# room failed as its prefill "did not answer 2 consecutive heartbeats" (docs/vllm.md,
+# "Liveness"). The TP 2 tests' servers allow a pause that long wherever one side waits for the
+# other: a silent peer, a batch, a control message, the bootstrap answer.
+PAUSED_PEERS = {"peer_timeout": 120.0, "transfer_timeout": 120.0, "control_timeout": 60.0, "bootstrap_timeout": 120.0}
+
 
 def unavailable():
     missing = [m for m in ("vllm", "kvbridge", "kvbridge_vllm", "aiohttp", "transformers") if importlib.util.find_spec(m) is None]
@@ -114,7 +122,7 @@ def post(url: str, prompt: list, max_tokens: int, timeout: float = procs.REQUEST
                "return_token_ids": True, **extra}
     status, body = procs._http("POST", url + "/v1/completions", payload, timeout)
     if status != 200:
-        raise procs.RequestError(url, status, body)
+        raise procs.RequestError(url, status, body, "/v1/completions")
     return body
 
 
@@ -169,6 +177,7 @@ class Proxy:
     """``python -m kvbridge_vllm.proxy`` in a process group of its own."""
 
     def __init__(self, prefill: VllmServer, decode: VllmServer, log_dir: str, name: str = "proxy", sequential: bool = False):
+        self.servers = (prefill, decode)
         self.port = procs.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"{name}.log")
@@ -195,7 +204,21 @@ class Proxy:
         raise RuntimeError(f"the proxy did not come up within 60 s; log {self.log_path}:\n{procs._tail(self.log_path)}")
 
     def complete(self, prompt: list, max_tokens: int, timeout: float = procs.REQUEST_S, **extra) -> dict:
-        return post(self.url, prompt, max_tokens, timeout, **extra)
+        """The decode's answer; a failed request raises with the three logs' tails (what
+        kvbridge and vLLM said of it), for CI's output."""
+        try:
+            return post(self.url, prompt, max_tokens, timeout, **extra)
+        except procs.RequestError as e:
+            e.args = (f"{e}{self._tails()}",)
+            raise
+        except OSError as e:
+            raise RuntimeError(f"{self.url}/v1/completions: {e}{self._tails()}") from e
+
+    def _tails(self) -> str:
+        return "".join(
+            f"\n--- {log} (last lines) ---\n{procs._tail(log, 60)}"
+            for log in (self.log_path, *(s.log_path for s in self.servers))
+        )
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

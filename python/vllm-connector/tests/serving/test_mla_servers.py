@@ -15,6 +15,7 @@ import tempfile
 import pytest
 
 from harness import (
+    PAUSED_PEERS,
     Proxy,
     VllmServer,
     assert_loaded,
@@ -48,11 +49,11 @@ def mla():
     with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-mla-") as models:
         path = tiny.make("deepseek_v2", models, latent=(512, 64))
         single = VllmServer("mla-single", path, log_dir, cli=BLOCK)
-        prefill = VllmServer("mla-prefill", path, log_dir, role="kv_producer", cli=BLOCK)
-        decode = VllmServer("mla-decode", path, log_dir, role="kv_consumer", cli=BLOCK)
+        prefill = VllmServer("mla-prefill", path, log_dir, role="kv_producer", extra=PAUSED_PEERS, cli=BLOCK)
+        decode = VllmServer("mla-decode", path, log_dir, role="kv_consumer", extra=PAUSED_PEERS, cli=BLOCK)
         tp2 = BLOCK + ("--tensor-parallel-size", "2")
-        prefill_tp2 = VllmServer("mla-prefill-tp2", path, log_dir, role="kv_producer", cli=tp2)
-        decode_tp2 = VllmServer("mla-decode-tp2", path, log_dir, role="kv_consumer", cli=tp2)
+        prefill_tp2 = VllmServer("mla-prefill-tp2", path, log_dir, role="kv_producer", extra=PAUSED_PEERS, cli=tp2)
+        decode_tp2 = VllmServer("mla-decode-tp2", path, log_dir, role="kv_consumer", extra=PAUSED_PEERS, cli=tp2)
         servers = procs.start_all([single, prefill, decode, prefill_tp2, decode_tp2])
         proxies = {}
         try:

@@ -15,6 +15,7 @@ import tempfile
 import pytest
 
 from harness import (
+    PAUSED_PEERS,
     Proxy,
     VllmServer,
     assert_loaded,
@@ -46,10 +47,10 @@ def tp():
     with tempfile.TemporaryDirectory(prefix="kvbridge-vllm-tp-") as models:
         path = tiny.make("llama", models, head_dim=32)
         tp2 = ("--tensor-parallel-size", "2")
-        prefill = VllmServer("tp-prefill", path, log_dir, role="kv_producer")
-        decode = VllmServer("tp-decode", path, log_dir, role="kv_consumer")
-        prefill_tp2 = VllmServer("tp-prefill-tp2", path, log_dir, role="kv_producer", cli=tp2)
-        decode_tp2 = VllmServer("tp-decode-tp2", path, log_dir, role="kv_consumer", cli=tp2)
+        prefill = VllmServer("tp-prefill", path, log_dir, role="kv_producer", extra=PAUSED_PEERS)
+        decode = VllmServer("tp-decode", path, log_dir, role="kv_consumer", extra=PAUSED_PEERS)
+        prefill_tp2 = VllmServer("tp-prefill-tp2", path, log_dir, role="kv_producer", extra=PAUSED_PEERS, cli=tp2)
+        decode_tp2 = VllmServer("tp-decode-tp2", path, log_dir, role="kv_consumer", extra=PAUSED_PEERS, cli=tp2)
         servers = procs.start_all([prefill, decode, prefill_tp2, decode_tp2])
         proxies = {}
         try:
