@@ -573,6 +573,42 @@ pub(crate) fn advertise_ip(advertise: Option<&str>) -> PyResult<Option<std::net:
         .transpose()
 }
 
+/// The TCP transport's configuration from `Engine`'s keyword arguments.
+fn tcp_config(
+    bind: Option<&str>,
+    advertise: Option<&str>,
+    secret: Option<Vec<u8>>,
+    keepalive_timeout: Option<f64>,
+) -> PyResult<kvbridge_tcp::TcpConfig> {
+    let mut config = kvbridge_tcp::TcpConfig::default();
+    if let Some(addr) = bind {
+        let addr = addr.parse().map_err(|e| {
+            invalid(format!(
+                "bind must be an ip:port such as 127.0.0.1:0, got {addr:?}: {e}"
+            ))
+        })?;
+        config = config.with_bind_addr(addr);
+    }
+    if let Some(ip) = advertise_ip(advertise)? {
+        config = config.with_advertise_addr(ip);
+    }
+    if let Some(s) = secret {
+        config = config.with_secret(s);
+    }
+    if let Some(t) = seconds("keepalive_timeout", keepalive_timeout)? {
+        // A peer pings every second: a timeout under two pings would drop
+        // live peers.
+        if t < Duration::from_secs(2) {
+            return Err(invalid(format!(
+                "keepalive_timeout must be at least 2 seconds (peers ping \
+                 every second), got {t:?}; the default is 10"
+            )));
+        }
+        config = config.with_keepalive_timeout(t);
+    }
+    Ok(config)
+}
+
 #[pymethods]
 impl Engine {
     /// A transfer engine for one rank over `transport`: "tcp" (any hosts; `bind` is the
@@ -613,32 +649,7 @@ impl Engine {
         let (kind, made): (&'static str, Result<Arc<dyn KvTransport>, TransportError>) =
             match transport {
                 "tcp" => {
-                    let mut config = kvbridge_tcp::TcpConfig::default();
-                    if let Some(addr) = bind {
-                        let addr = addr.parse().map_err(|e| {
-                            invalid(format!(
-                                "bind must be an ip:port such as 127.0.0.1:0, got {addr:?}: {e}"
-                            ))
-                        })?;
-                        config = config.with_bind_addr(addr);
-                    }
-                    if let Some(ip) = advertise_ip(advertise)? {
-                        config = config.with_advertise_addr(ip);
-                    }
-                    if let Some(s) = secret {
-                        config = config.with_secret(s);
-                    }
-                    if let Some(t) = seconds("keepalive_timeout", keepalive_timeout)? {
-                        // A peer pings every second: a timeout under two pings would drop
-                        // live peers.
-                        if t < Duration::from_secs(2) {
-                            return Err(invalid(format!(
-                                "keepalive_timeout must be at least 2 seconds (peers ping \
-                                 every second), got {t:?}; the default is 10"
-                            )));
-                        }
-                        config = config.with_keepalive_timeout(t);
-                    }
+                    let config = tcp_config(bind, advertise, secret, keepalive_timeout)?;
                     let made = block_on(py, async move {
                         kvbridge_tcp::TcpTransport::bind(config)
                             .await
