@@ -22,6 +22,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def nixl_or_skip() -> None:
+    """Skips where this kvbridge has no NIXL or no runtime (docs/vllm.md, "Transports")."""
+    import kvbridge
+
+    try:
+        kvbridge.Engine("nixl").close()
+    except kvbridge.KvbridgeError as e:
+        pytest.skip(f"kvbridge.Engine('nixl') cannot start here: {e}")
+
+
+@pytest.fixture(params=["tcp", "nixl"])
+def transport(request) -> str:
+    """Each transport the connector takes; nixl over host memory (UCX on this host)."""
+    if request.param == "nixl":
+        nixl_or_skip()
+    return request.param
+
+
 def prefill_worker(settings: Settings) -> Worker:
     geometry = Geometry(
         block_size=BLOCK, num_blocks=BLOCKS, total_kv_heads=KV_HEADS, head_size=HEAD,
@@ -121,14 +139,16 @@ def mismatches(decode: list, table: list, positions: range, dcp: int) -> list:
 
 
 @pytest.mark.parametrize("a, b, tokens, prefix", [(1, 2, 70, 0), (2, 1, 70, 0), (1, 4, 100, 0), (2, 4, 150, 64), (4, 2, 129, 0)])
-def test_mla_dcp_a_to_b_lands_each_token_where_vllms_slot_mapping_reads_it(a, b, tokens, prefix):
+def test_mla_dcp_a_to_b_lands_each_token_where_vllms_slot_mapping_reads_it(a, b, tokens, prefix, transport):
     """Every prompt token's latent, every layer, lands in the decode slot vLLM's DCP slot
     mapping gives it, from whichever prefill DCP rank held it; no other row is written. With a
     prefix, only the tokens after it move. A flipped byte fails the same check."""
     from kvbridge_vllm.params import RemoteKv
     from kvbridge_vllm.scheduler import Receive
 
-    settings = Settings.from_extra({"bootstrap_port": free_port(), "waiting_timeout": 30.0}, env={})
+    settings = Settings.from_extra(
+        {"bootstrap_port": free_port(), "waiting_timeout": 30.0, "transport": transport}, env={}
+    )
     prefill_table = list(range(3, 3 + -(-tokens // (BLOCK * a))))
     decode_table = list(range(MLA_BLOCKS - 1, MLA_BLOCKS - 1 - -(-tokens // (BLOCK * b)), -1))
     prefill = mla_workers(settings, True, a)
@@ -232,11 +252,11 @@ def run_transfer(prefill: list, decode: list, settings: Settings, room: int, tab
 
 
 @pytest.mark.parametrize("a, b", [(1, 2), (2, 1), (1, 1)])
-def test_flash_attention_pages_move_head_by_head_between_tp_sizes(a, b):
+def test_flash_attention_pages_move_head_by_head_between_tp_sizes(a, b, transport):
     """vLLM's GPU layout, K and V planes of token-major pages, registered as a K and a V entry
     per layer (SGLang's MHA pool): each token's K and V of each head lands on the decode rank
     that holds the head, at the same token of the decode's block; a wrong row fails the check."""
-    settings = Settings.from_extra({"bootstrap_port": free_port()}, env={})
+    settings = Settings.from_extra({"bootstrap_port": free_port(), "transport": transport}, env={})
     tokens = 40  # two full blocks and a partial one
     tables = ([1, 4, 6], [7, 2, 0])
     prefill = flash_workers(settings, True, a)

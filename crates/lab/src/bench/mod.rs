@@ -94,8 +94,6 @@ fn factory(kind: TransportKind) -> Result<Factory, String> {
 pub(crate) enum Role {
     /// Owns the destination pool; started by the sender.
     Receiver,
-    /// The receiving end of the raw TCP baseline (`bench/tcp.rs`).
-    RawTcpSink,
     /// The other end of the shm `latency-4k` wake-up baseline (`bench/shm.rs`).
     RawWakePeer,
 }
@@ -295,6 +293,10 @@ enum FromReceiver {
         peak_rss_bytes: u64,
         latencies_ns: Vec<u64>,
     },
+    /// The raw TCP baseline's sink listens on this port (`raw-sink`).
+    RawSink {
+        port: u16,
+    },
     Failed {
         error: String,
     },
@@ -331,6 +333,9 @@ struct Report {
     /// `--transport nixl`: what the timed transfers handed to NIXL per request.
     #[serde(skip_serializing_if = "Option::is_none")]
     nixl_lists: Option<String>,
+    /// TCP: the raw baseline's median for each stream count it tried.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    raw_tcp_streams: Option<String>,
 }
 
 const BASELINE: &str = "memcpy into pre-faulted memory";
@@ -379,10 +384,8 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match args.role {
-        Some(Role::RawTcpSink) => return tcp::raw_sink(args.pool_bytes),
-        Some(Role::RawWakePeer) => return shm::raw_wake_peer(),
-        _ => {}
+    if args.role == Some(Role::RawWakePeer) {
+        return shm::raw_wake_peer();
     }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -398,7 +401,7 @@ pub(crate) fn run(args: BenchArgs) -> ExitCode {
     let run = async {
         match args.role {
             Some(Role::Receiver) => receiver(make, args.pool_bytes).await,
-            Some(Role::RawTcpSink | Role::RawWakePeer) => ExitCode::from(2),
+            Some(Role::RawWakePeer) => ExitCode::from(2),
             // On a worker, as an application's transfers run: a task that `block_on` drives is
             // woken from a worker by a cross-thread wake-up (a futex call and a thread switch)
             // each time its batch completes, which a task on a worker is not.
@@ -632,6 +635,15 @@ async fn receiver(make: Factory, pool_bytes: u64) -> ExitCode {
                     detail: checked.err().unwrap_or_default(),
                 });
             }
+            ["raw-sink", mode] => {
+                let started = tcp::SinkMode::parse(mode)
+                    .ok_or_else(|| format!("bad raw-sink command {line:?}"))
+                    .and_then(|m| tcp::start_raw_sink(region.clone(), pool_bytes, m));
+                match started {
+                    Ok(port) => say(&FromReceiver::RawSink { port }),
+                    Err(error) => say(&FromReceiver::Failed { error }),
+                }
+            }
             ["finish", expected] => {
                 until_heard(&heard, expected.parse().unwrap_or(0)).await;
                 finished = true;
@@ -803,6 +815,7 @@ impl Report {
             baseline_p50_us: None,
             baseline_p99_us: None,
             nixl_lists: None,
+            raw_tcp_streams: None,
         }
     }
 }
@@ -825,15 +838,24 @@ async fn receiver_ready(rx: &mut ReceiverProcess) -> Result<(Vec<u8>, RegionId),
     }
 }
 
+/// Has the receiver start the raw TCP baseline's sink on its pool: its port.
+async fn raw_sink(rx: &mut ReceiverProcess, mode: tcp::SinkMode) -> Result<u16, String> {
+    rx.command(mode.command()).await?;
+    match rx.next().await? {
+        FromReceiver::RawSink { port } => Ok(port),
+        other => Err(format!("expected RawSink from the receiver, got {other:?}")),
+    }
+}
+
 /// The raw baseline a pattern is held to on a transport, started; `None` for memcpy of the
 /// same blocks (or, for `strided-1152` on TCP, the transport's own large block).
-fn raw_baseline(
+async fn raw_baseline(
+    rx: &mut ReceiverProcess,
     transport: TransportKind,
     pattern: Pattern,
     pool: u64,
     src: &MemoryRegion,
-    descriptor: &[u8],
-    remote: RegionId,
+    (descriptor, remote): (&[u8], RegionId),
 ) -> Result<Option<RawBaseline>, String> {
     Ok(match (transport, pattern) {
         (TransportKind::Shm, Pattern::Strided1152) => Some(RawBaseline::LargeBlock),
@@ -845,7 +867,13 @@ fn raw_baseline(
             src, descriptor, remote,
         )?)),
         (_, Pattern::Strided1152) => None,
-        (TransportKind::Tcp, _) => Some(RawBaseline::Tcp(tcp::RawTcpBaseline::start(pool)?)),
+        (TransportKind::Tcp, _) => {
+            let mode = tcp::SinkMode::of(pattern == Pattern::Latency4k);
+            let port = raw_sink(rx, mode).await?;
+            Some(RawBaseline::Tcp(tcp::RawTcpBaseline::start(
+                pool, port, mode,
+            )?))
+        }
         (TransportKind::Shm, Pattern::Latency4k) => {
             Some(RawBaseline::Wake(shm::RawWakeBaseline::start()?))
         }
@@ -980,9 +1008,10 @@ async fn measure_with(
     });
     // The baseline's destination: pre-faulted heap memory in this process.
     let baseline_dst = MemoryRegion::allocate(pool as usize).map_err(|e| e.to_string())?;
-    // TCP is measured against a raw TCP stream between two processes (`bench/tcp.rs`), shm's
-    // `latency-4k` against a raw cross-process wake-up round trip (`bench/shm.rs`).
-    let raw = raw_baseline(args.transport, pattern, pool, &src, &descriptor, remote)?;
+    // TCP is measured against raw TCP streams into the receiver's own pool (`bench/tcp.rs`),
+    // shm's `latency-4k` against a raw cross-process wake-up round trip (`bench/shm.rs`).
+    let target = (&descriptor[..], remote);
+    let raw = raw_baseline(rx, args.transport, pattern, pool, &src, target).await?;
     let baseline_run = || run_baseline(raw.as_ref(), &src, &baseline_dst, pool, &ops);
     let batch = |note: Bytes| {
         TransferBatch::write(transfer_ops.clone())
@@ -1004,11 +1033,7 @@ async fn measure_with(
         .await
         .map_err(e)?;
 
-    let baseline = match (&raw, &large) {
-        (Some(raw), _) => raw.description(),
-        (None, Some(_)) => LARGE_BASELINE,
-        (None, None) => BASELINE,
-    };
+    let baseline = RawBaseline::describe(raw.as_ref(), large.is_some());
     let mut report = Report::unmeasured(args, name, pool, transfer_ops.len() as u64, baseline);
     // Notifications the receiver must have seen before it reports its latencies.
     let mut latency_notes = 0;
@@ -1039,6 +1064,9 @@ async fn measure_with(
             times.push(start.elapsed().as_secs_f64());
         }
         report.nixl_lists = nixl::lists_for(args.transport, &lists, args.runs);
+        if let Some(RawBaseline::Tcp(raw)) = &raw {
+            report.raw_tcp_streams = raw.per_count();
+        }
         report.gbps = pool as f64 / median(times) / 1e9;
         report.baseline_gbps = pool as f64 / median(base_times) / 1e9;
         report.ratio = report.gbps / report.baseline_gbps;
@@ -1111,6 +1139,16 @@ enum RawBaseline {
 }
 
 impl RawBaseline {
+    /// What a run is held to: `raw`, else the transport's own large block (`own_large`), else
+    /// memcpy of the same blocks.
+    fn describe(raw: Option<&RawBaseline>, own_large: bool) -> &'static str {
+        match (raw, own_large) {
+            (Some(raw), _) => raw.description(),
+            (None, true) => LARGE_BASELINE,
+            (None, false) => BASELINE,
+        }
+    }
+
     fn description(&self) -> &'static str {
         match self {
             RawBaseline::Tcp(_) => tcp::BASELINE,
@@ -1193,6 +1231,9 @@ fn print_table(reports: &[Report], runs: u32) {
     for r in reports {
         if let Some(lists) = &r.nixl_lists {
             println!("{}: {lists}", r.pattern);
+        }
+        if let Some(streams) = &r.raw_tcp_streams {
+            println!("{}: raw TCP: {streams}", r.pattern);
         }
     }
 }
