@@ -53,6 +53,34 @@ def test_the_bench_runs_kvbridges_own_end_to_end_beside_the_backend():
     assert "kvbridge / e2e:" in out
 
 
+def test_the_demo_row_runs_kvbridges_own_processes_on_the_same_geometry():
+    """DCP 1 -> 4: ``kvbridge-lab demo`` with one decode process per rank, as the backend's
+    row runs them, every byte verified; its time is the same span (metadata in -> Success)."""
+    from kvbridge_sglang import bench
+
+    args = type("Args", (), {"kvbridge_lab": None})()
+    why = bench.unavailable("demo", args)
+    if why is not None:
+        pytest.skip(why)
+    out, figures = _run("--backends", "kvbridge,demo", "--dcp", "4", "--tokens", "256", "--layers", "2",
+                        "--token-bytes", "64", "--page-size", "16")
+    assert figures["skipped"] == {}
+    demo = [r for r in figures["results"] if r["backend"] == "demo"][0]
+    assert demo["verified"] and demo["kv_bytes"] == 256 * 2 * 64
+    assert demo["demo"]["requests"] == 3 and demo["demo"]["succeeded"] == 3  # 1 warm-up + 2
+    assert "--dcp 4" in demo["command"] and "--tokens 256" in demo["command"]
+    assert demo["prefill_p50_ms"] == demo["demo"]["transfer_ms"]["p50"] > 0
+    assert figures["ratios"]["kvbridge_vs_demo"] > 0
+    assert "kvbridge / demo:" in out
+
+
+def test_the_demo_row_names_the_missing_binary():
+    from kvbridge_sglang import bench
+
+    args = type("Args", (), {"kvbridge_lab": "/nonexistent/kvbridge-lab"})()
+    assert "cargo build --release -p kvbridge-lab" in bench.unavailable("demo", args)
+
+
 def test_the_e2e_half_names_why_it_cannot_run_another_geometry():
     from kvbridge_sglang import bench
 

@@ -209,6 +209,9 @@ pub(crate) enum Event {
     Sent {
         request: u32,
         latency_us: u64,
+        /// Every prefill rank's decode metadata in -> Success on every prefill rank.
+        #[serde(default)]
+        transfer_us: u64,
         bytes: u64,
     },
     /// Decode: `request` succeeded and every byte this rank holds verified.

@@ -127,6 +127,7 @@ fn spawn(
 #[derive(Debug, Clone, Default)]
 struct Request {
     latency: Option<Duration>,
+    transfer: Option<Duration>,
     bytes: u64,
     verified: u32,
     failed: bool,
@@ -184,6 +185,9 @@ struct Report {
     bytes_moved: u64,
     gbps: f64,
     latency_ms: Option<Latency>,
+    /// Per request: every decode rank's metadata in -> Success on every prefill rank (what
+    /// SGLang's prefill times from `send`).
+    transfer_ms: Option<Latency>,
     verified_bytes: u64,
     expected_verified_bytes: u64,
     /// Per request that succeeded, over every prefill rank: transport descriptors posted (a
@@ -350,11 +354,13 @@ impl<'a> Run<'a> {
             Event::Sent {
                 request,
                 latency_us,
+                transfer_us,
                 bytes,
             } => {
                 let n_decode = self.n_decode;
                 let done = self.requests.get_mut(request as usize).and_then(|r| {
                     r.latency = Some(Duration::from_micros(latency_us));
+                    r.transfer = Some(Duration::from_micros(transfer_us));
                     r.bytes = bytes;
                     (r.verified as usize == n_decode).then_some(bytes)
                 });
@@ -547,12 +553,18 @@ fn report(
         timed_out,
         mut failures,
     } = outcome;
-    let mut latencies: Vec<f64> = requests
-        .iter()
-        .filter(|r| !r.failed && r.verified as usize == n_decode)
-        .filter_map(|r| r.latency.map(|l| l.as_secs_f64() * 1e3))
-        .collect();
-    latencies.sort_by(f64::total_cmp);
+    let ms = |pick: fn(&Request) -> Option<Duration>| {
+        let mut v: Vec<f64> = requests
+            .iter()
+            .filter(|r| !r.failed && r.verified as usize == n_decode)
+            .filter_map(|r| pick(r).map(|l| l.as_secs_f64() * 1e3))
+            .collect();
+        v.sort_by(f64::total_cmp);
+        (!v.is_empty()).then(|| Latency {
+            p50: percentile(&v, 50.0),
+            p99: percentile(&v, 99.0),
+        })
+    };
     let succeeded = requests
         .iter()
         .filter(|r| !r.failed && r.latency.is_some() && r.verified as usize == n_decode)
@@ -600,10 +612,8 @@ fn report(
         } else {
             0.0
         },
-        latency_ms: (!latencies.is_empty()).then(|| Latency {
-            p50: percentile(&latencies, 50.0),
-            p99: percentile(&latencies, 99.0),
-        }),
+        latency_ms: ms(|r| r.latency),
+        transfer_ms: ms(|r| r.transfer),
         verified_bytes,
         expected_verified_bytes,
         descriptors_per_request,
@@ -812,6 +822,13 @@ fn print_report(args: &DemoArgs, setup: &Setup, r: &Report) {
         println!(
             "  latency    p50 {:.1} ms, p99 {:.1} ms per request (room created -> Success on \
              every prefill rank)",
+            l.p50, l.p99
+        );
+    }
+    if let Some(l) = &r.transfer_ms {
+        println!(
+            "  transfer   p50 {:.1} ms, p99 {:.1} ms per request (every decode rank's metadata \
+             in -> Success on every prefill rank)",
             l.p50, l.p99
         );
     }

@@ -760,13 +760,9 @@ async fn prefill_main(
             async move { prefill_request(&ranks, &setup, i, slot, &in_flight, &stop).await }
         },
         |i, r| match r {
-            Ok((latency, bytes)) => {
+            Ok(sent) => {
                 summary.succeeded += 1;
-                emit(&Event::Sent {
-                    request: i,
-                    latency_us: latency.as_micros() as u64,
-                    bytes,
-                });
+                emit(&sent.event(i));
             }
             // Stop everything in flight: the decode ranks are told at once.
             Err(reason) => summary.fail(i, reason, setup.serve, (&stop, &in_flight), |room| {
@@ -811,6 +807,26 @@ async fn settle(count: impl Fn() -> usize) -> usize {
     count()
 }
 
+/// One request the prefill sent: room created to Success on every rank (`latency`), every
+/// rank's decode metadata in to that Success (`transfer`), and the bytes moved.
+struct Sent {
+    latency: Duration,
+    transfer: Duration,
+    bytes: u64,
+}
+
+impl Sent {
+    /// The parent's event for request `i`.
+    fn event(&self, i: u32) -> Event {
+        Event::Sent {
+            request: i,
+            latency_us: self.latency.as_micros() as u64,
+            transfer_us: self.transfer.as_micros() as u64,
+            bytes: self.bytes,
+        }
+    }
+}
+
 async fn prefill_request(
     ranks: &Arc<Vec<PRank>>,
     setup: &Arc<Setup>,
@@ -818,7 +834,7 @@ async fn prefill_request(
     slot: u32,
     in_flight: &InFlight,
     stop: &Arc<AtomicBool>,
-) -> Result<(Duration, u64), Failure> {
+) -> Result<Sent, Failure> {
     let room = room_of(i);
     // "Compute" the prompt's KV: every rank fills the rows it holds (CPU work, off the
     // async workers).
@@ -865,13 +881,19 @@ async fn prefill_request(
         });
     }
     let mut first_err = None;
+    // When the last rank had its decode ranks' metadata (SGLang's `send` comes then).
+    let mut ready = started;
     while let Some(res) = per_rank.join_next().await {
         let res = res.unwrap_or_else(|e| Err(format!("rank task panicked: {e}").into()));
-        if let Err(e) = res {
-            first_err.get_or_insert(e);
+        match res {
+            Ok(at) => ready = ready.max(at),
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
         }
     }
     let latency = started.elapsed();
+    let transfer = ready.elapsed();
     let prefix = ranks[0].agent.decode_prefix_len(room).unwrap_or(0);
     for r in ranks.iter() {
         r.agent.clear(room);
@@ -887,11 +909,16 @@ async fn prefill_request(
                 .iter()
                 .map(|d| decode_bytes(d, prefix, setup.tokens))
                 .sum();
-            Ok((latency, bytes))
+            Ok(Sent {
+                latency,
+                transfer,
+                bytes,
+            })
         }
     }
 }
 
+/// Sends one rank's share of the room; when its decode ranks' metadata was in.
 async fn send_room(
     r: &PRank,
     setup: &Setup,
@@ -900,9 +927,10 @@ async fn send_room(
     room: u64,
     slot: u32,
     layout: &TokenLayout,
-) -> Result<(), Failure> {
+) -> Result<Instant, Failure> {
     let agent = &r.agent;
     let prefix = agent.wait_ready(room).await?;
+    let ready = Instant::now();
     // Chunks of whole pages of this rank's pool (virtual pages under prefill DCP), from the
     // decode's prefix on (the first chunk may start mid-page).
     let v = layout.virtual_page();
@@ -937,7 +965,8 @@ async fn send_room(
             tokio::time::sleep(setup.chunk_delay).await;
         }
     }
-    Ok(agent.wait(room).await?)
+    agent.wait(room).await?;
+    Ok(ready)
 }
 
 // ---------------------------------------------------------------------------------------------
