@@ -20,7 +20,8 @@ wheel, ``pip install nixl-cu12``), in the same run; where it is missing, the lin
 Part ``vllm``: the vLLM connector's real-server harness (python/vllm-connector/tests/serving,
 loaded by path, its CPU environment dropped) on GPUs with KvbridgeConnector over NIXL
 (``"transport": "nixl"``) in the concurrent flow: GQA (Llama) prefill TP 1 -> decode TP 2, and
-MLA (DeepSeek-V2) prefill TP 1 -> decode TP 2 with ``--decode-context-parallel-size 2``; each
+MLA (DeepSeek-V2) prefill TP 1 -> decode TP 2 with ``--decode-context-parallel-size 2``, and
+GQA from a prefill of ``--block-size 16`` to a decode of ``--block-size 32``; each
 decode token must be transformers' greedy choice within 16 bf16 ulps (a decode at another TP
 size sums in another order), as on CPU. It needs vLLM's GPU wheel (``pip install vllm``) and 2
 GPUs; where either is missing, it says which and is skipped.
@@ -396,20 +397,24 @@ def part_vllm(args) -> bool:
     procs, tiny = harness.procs, harness.tiny
     ok = True
     tp2 = ["--tensor-parallel-size", "2"]
-    # (model, what, model options, decode flags)
+    # (model, what, model options, prefill flags, decode flags)
     cases = [
-        ("llama", "GQA prefill TP 1 -> decode TP 2", {"head_dim": 32}, tp2),
+        ("llama", "GQA prefill TP 1 -> decode TP 2", {"head_dim": 32}, [], tp2),
         ("deepseek_v2", "MLA prefill DCP 1 -> decode TP 2 with DCP 2", {"latent": (512, 64)},
-         tp2 + ["--decode-context-parallel-size", "2"]),
+         [], tp2 + ["--decode-context-parallel-size", "2"]),
+        # GPU caches keep token rows: blocks of 16 land in blocks of 32 (on CPU vLLM forces
+        # MLA to 16 and keeps GQA head-major, which kvbridge moves between equal sizes only).
+        ("llama", "GQA prefill block 16 -> decode block 32", {"head_dim": 32},
+         ["--block-size", "16"], ["--block-size", "32"]),
     ]
     with tempfile.TemporaryDirectory(prefix="kvbridge-gpu-check-vllm-") as tmp:
-        for n, (model_name, what, options, decode_flags) in enumerate(cases):
+        for n, (model_name, what, options, prefill_flags, decode_flags) in enumerate(cases):
             path = tiny.make(model_name, os.path.join(tmp, f"models-{n}"), **options)
             logs = os.path.join(tmp, "logs", f"{n}-{model_name}")
             os.makedirs(logs, exist_ok=True)
             prefill = harness.VllmServer(f"{model_name}-prefill", path, logs, role="kv_producer")
             decode = harness.VllmServer(f"{model_name}-decode", path, logs, role="kv_consumer")
-            vllm_on_gpu(prefill, "0", [])
+            vllm_on_gpu(prefill, "0", prefill_flags)
             vllm_on_gpu(decode, "0,1", decode_flags)
             started, proxy = [], None
             try:

@@ -105,6 +105,25 @@ def test_a_decode_request_that_ends_while_loading_aborts_its_room():
     assert s.take_work().aborts == []
 
 
+def test_token_row_caches_take_another_block_size():
+    """MLA or a GPU cache (``equal_blocks`` False): the prefill's blocks of 16 go to the
+    decode's of 128, planned by kvbridge (tests/test_block_sizes.py moves them)."""
+    s = scheduler.SchedulerState(Settings.from_extra(None, env={}), block_size=128, tp_size=1, producer=False, equal_blocks=False)
+    p = params.RemoteKv("10.0.0.1:8998", 5, 300, 16, 1).to_params()
+    assert s.matched_tokens("d1", p, 0, 300) == (300, True)
+
+
+def test_which_caches_need_equal_blocks():
+    from types import SimpleNamespace as NS
+
+    from kvbridge_vllm.worker import head_major_blocks
+
+    config = lambda mla, device: NS(model_config=NS(use_mla=mla), device_config=NS(device_type=device))  # noqa: E731
+    assert head_major_blocks(config(False, "cpu"))
+    assert not head_major_blocks(config(True, "cpu"))
+    assert not head_major_blocks(config(False, "cuda"))
+
+
 def test_a_pair_this_connector_cannot_serve_computes_its_prompt_with_one_error(caplog):
     s = _decode()
     p = params.RemoteKv("10.0.0.1:8998", 5, 300, 16, 2).to_params()  # another block size
@@ -113,6 +132,7 @@ def test_a_pair_this_connector_cannot_serve_computes_its_prompt_with_one_error(c
         assert s.matched_tokens("d1", p, 0, 300) == (0, False)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "block size 16 -> decode block size 128" in line and "same --block-size" in line
+    assert "head-major" in line
     # TP sizes may differ (kvbridge slices heads, or sends MLA's whole latent): blocks not.
     assert s.matched_tokens("m1", params.RemoteKv("a:1", 5, 300, 128, 2).to_params(), 0, 300) == (300, True)
     bad = {"do_remote_prefill": True, "kvbridge": {"version": 2}}

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvbridge_vllm.scheduler import Scheduled, SchedulerState, Work, traceparent
 from kvbridge_vllm.settings import Settings
-from kvbridge_vllm.worker import Geometry, Worker, check_context_parallel
+from kvbridge_vllm.worker import Geometry, Worker, check_context_parallel, head_major_blocks
 
 if TYPE_CHECKING:
     import torch
@@ -99,7 +99,9 @@ class KvbridgeConnector(KVConnectorBase_V1):
         #: forward pass has begun, so the first of the step's calls takes it).
         self._started: Optional[KvbridgeMetadata] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerState(self._settings, self._block_size, self._tp_size, producer)
+            self._scheduler = SchedulerState(
+                self._settings, self._block_size, self._tp_size, producer, equal_blocks=head_major_blocks(vllm_config)
+            )
 
     # --- worker side ----------------------------------------------------------------------
 

@@ -123,11 +123,14 @@ class SchedulerState:
     """What the scheduler side knows. ``block_size`` and ``tp_size`` are this server's. The two
     servers' TP sizes may differ: kvbridge slices a GQA model's heads between them, and sends
     an MLA rank's whole latent cache from one prefill rank; which TP pairs a model allows,
-    kvbridge's handshake checks when the decode asks for the room."""
+    kvbridge's handshake checks when the decode asks for the room. Block sizes may differ too
+    where the cache keeps token rows (MLA, vLLM's GPU layout); ``equal_blocks`` says this
+    server's cache does not (vLLM's CPU attention: head-major blocks)."""
 
-    def __init__(self, settings: Settings, block_size: int, tp_size: int, producer: bool):
+    def __init__(self, settings: Settings, block_size: int, tp_size: int, producer: bool, equal_blocks: bool = True):
         self.settings = settings
         self.block_size = block_size
+        self.equal_blocks = equal_blocks
         self.tp_size = tp_size
         self.producer = producer
         self._work = Work()
@@ -165,12 +168,13 @@ class SchedulerState:
         # The concurrent flow names no sizes: kvbridge's opening exchange checks the layouts.
         if kv.block_size is None and kv.tp_size is None:
             return kv
-        if kv.block_size != self.block_size:
+        if kv.block_size != self.block_size and self.equal_blocks:
             self._refuse(
                 req_id,
                 f"prefill block size {kv.block_size} -> decode block size {self.block_size}: "
-                "this connector moves KV between servers of the same --block-size; start both "
-                "with the same value",
+                "vLLM's CPU attention keeps head-major blocks, which kvbridge moves between "
+                "servers of the same --block-size only; start both with the same value (an MLA "
+                "model's blocks, or a GPU cache's, may differ)",
             )
             return None
         return kv

@@ -112,6 +112,16 @@ def cache_planes(name: str, tensor: Any, geometry: Geometry) -> tuple:
 DEVICE_TRANSPORTS = ("nixl",)
 
 
+def head_major_blocks(vllm_config: Any) -> bool:
+    """Whether this server's cache keeps head-major blocks (vLLM's CPU attention for a model
+    without MLA), which kvbridge's planner moves between equal block sizes only. MLA token
+    rows and vLLM's GPU layout (token-major K and V) move between any block sizes."""
+    if getattr(vllm_config.model_config, "use_mla", False):
+        return False
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+    return str(device) == "cpu"
+
+
 def memory_kind(name: str, tensor: Any, transport: str) -> str:
     """``"host"`` or ``"cuda"``: how a cache tensor is registered with kvbridge. A GPU cache
     with a transport that cannot read it, or a device kvbridge does not know, is refused
