@@ -79,6 +79,11 @@ impl SinkMode {
         }
     }
 
+    /// The streams the sender opens and the sink accepts: the most any run uses.
+    fn streams(self) -> usize {
+        self.counts().iter().copied().max().unwrap_or(1)
+    }
+
     /// The receiver's command (`raw-sink pool`).
     pub(super) fn command(self) -> &'static str {
         match self {
@@ -102,8 +107,7 @@ impl RawTcpBaseline {
     /// `mode` uses at most.
     pub(super) fn start(bytes: u64, port: u16, mode: SinkMode) -> Result<Self, String> {
         let counts = mode.counts();
-        let most = counts.iter().copied().max().unwrap_or(1);
-        let streams = (0..most)
+        let streams = (0..mode.streams())
             .map(|i| {
                 let mut s = TcpStream::connect((super::net().peer, port))
                     .map_err(|e| format!("connecting raw TCP stream {i} to the receiver: {e}"))?;
@@ -290,15 +294,13 @@ fn serve_raw_sink(
     bytes: u64,
     mode: SinkMode,
 ) -> Result<(), String> {
-    let counts = mode.counts();
-    let most = counts.iter().copied().max().unwrap_or(1);
-    let streams = accept_streams(listener, most)?;
+    let streams = accept_streams(listener, mode.streams())?;
     // One claim for the sink's own buffer, held throughout; the pool's are per run.
     let mut own = match mode {
         SinkMode::Ping => Some(dst.borrow_mut(0, bytes).map_err(|e| e.to_string())?),
         SinkMode::Pool => None,
     };
-    for &n in counts.iter().cycle() {
+    for &n in mode.counts().iter().cycle() {
         let read = match own.as_mut() {
             Some(buf) => read_share(&streams[0], buf),
             None => on_streams(&streams[..n], &shares(bytes, n), |stream, &(at, len)| {

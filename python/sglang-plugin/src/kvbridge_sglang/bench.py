@@ -348,9 +348,9 @@ def _e2e_scale(args):
 def _e2e_unavailable(args):
     if args is None:
         return None
-    if _lab(args) is None:
-        where = args.kvbridge_lab or "target/release/kvbridge-lab (or kvbridge-lab on PATH)"
-        return f"no kvbridge-lab binary at {where}; cargo build --release -p kvbridge-lab, or pass --kvbridge-lab"
+    missing = _lab_missing(args)
+    if missing:
+        return missing
     if args.layers != E2E_LAYERS or args.token_bytes != E2E_TOKEN_BYTES or _e2e_scale(args) is None:
         return (
             f"kvbridge-lab bench --e2e moves {E2E_LAYERS} layers of {E2E_TOKEN_BYTES} B per token and at most "
@@ -390,11 +390,16 @@ def bench_e2e(args) -> dict:
     }
 
 
-def _demo_unavailable(args):
-    if args is None or _lab(args) is not None:
+def _lab_missing(args):
+    """Why there is no ``kvbridge-lab`` binary to run, or ``None``."""
+    if _lab(args) is not None:
         return None
     where = args.kvbridge_lab or "target/release/kvbridge-lab (or kvbridge-lab on PATH)"
     return f"no kvbridge-lab binary at {where}; cargo build --release -p kvbridge-lab, or pass --kvbridge-lab"
+
+
+def _demo_unavailable(args):
+    return None if args is None else _lab_missing(args)
 
 
 def bench_demo(args) -> dict:
