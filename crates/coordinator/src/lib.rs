@@ -146,3 +146,4 @@ pub use state::{
     FailureCause, FailureReason, KvTransferError, RoomState, RoomStatus,
     UNKNOWN_REASON_FROM_ANOTHER_RANK,
 };
+pub use trace::{set_batch_span_status, set_span_parent};

@@ -78,3 +78,28 @@ pub(crate) fn ok(span: &Span) {
     span.record("otel.status_code", "OK");
     span.set_status(Status::Ok);
 }
+
+/// Parents `span`, not yet entered, to an engine's request span: for spans an embedder opens
+/// around its own transport calls (the Python engine's `kv_write`), as the agents do for rooms.
+pub fn set_span_parent(span: &Span, parent: &TraceParent) {
+    adopt(span, parent, true);
+}
+
+/// Sets `span`'s status from how a transport batch ended: `OK`, or `ERROR` with the cause as
+/// `error.type` (`batch_timeout` past its deadline, `aborted` when cancelled by its caller,
+/// `transfer_error` otherwise) and the transport's message. The span should declare the
+/// fields `otel.status_code` and `error.type`.
+pub fn set_batch_span_status(span: &Span, ended: Result<(), &kvbridge_transport::TransportError>) {
+    use kvbridge_transport::TransportError;
+    match ended {
+        Ok(()) => ok(span),
+        Err(e) => {
+            let cause = match e {
+                TransportError::TimedOut { .. } => FailureCause::BatchTimeout,
+                TransportError::Cancelled { .. } => FailureCause::Aborted,
+                _ => FailureCause::TransferError,
+            };
+            fail(span, cause, &e.to_string());
+        }
+    }
+}

@@ -378,7 +378,6 @@ agent_methods! { PrefillAgent,
         bind: Option<&str>,
         advertise: Option<&str>,
     ) -> PyResult<Self> {
-        crate::telemetry::ensure(py);
         let net = net_config(secret.clone(), bind, advertise)?;
         let desc = self::descriptor(descriptor)?;
         let empty = PyTuple::empty(py).into_any();
@@ -557,7 +556,6 @@ agent_methods! { DecodeAgent,
         bind: Option<&str>,
         advertise: Option<&str>,
     ) -> PyResult<Self> {
-        crate::telemetry::ensure(py);
         let net = net_config(secret.clone(), bind, advertise)?;
         let desc = self::descriptor(descriptor)?;
         let empty = PyTuple::empty(py).into_any();

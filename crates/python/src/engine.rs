@@ -375,19 +375,25 @@ pub(crate) struct Transfer {
     done: Arc<Mutex<Option<Final>>>,
     /// Serialises the transport's `wait` (it answers once; later callers read `done`).
     waiter: Arc<tokio::sync::Mutex<()>>,
+    /// The batch's `kv_write` span, ended when its final state is collected.
+    span: Arc<Mutex<Option<tracing::Span>>>,
 }
 
 impl Transfer {
     /// The transport's `wait`, at most once; every caller gets the final state.
     fn collect(&self) -> impl Future<Output = Final> + Send + 'static {
         let (transport, id) = (self.core.transport.clone(), self.id);
-        let (done, waiter) = (self.done.clone(), self.waiter.clone());
+        let (done, waiter, span) = (self.done.clone(), self.waiter.clone(), self.span.clone());
         async move {
             let _turn = waiter.lock().await;
             if let Some(f) = lock(&done).clone() {
                 return f;
             }
-            let f = Final::of(transport.wait(id).await);
+            let ended = transport.wait(id).await;
+            if let Some(span) = lock(&span).take() {
+                kvbridge_coordinator::set_batch_span_status(&span, ended.as_ref().map(|_| ()));
+            }
+            let f = Final::of(ended);
             *lock(&done) = Some(f.clone());
             f
         }
@@ -630,6 +636,8 @@ impl Engine {
         advertise: Option<&str>,
         keepalive_timeout: Option<f64>,
     ) -> PyResult<Self> {
+        // OTLP export, if the environment asks for it, before the first span (telemetry.rs).
+        crate::telemetry::ensure(py);
         let only = |option: &str, name: &str| {
             invalid(format!(
                 "{option} applies to transport=\"{name}\" only; drop it for transport=\"{transport}\""
@@ -880,8 +888,12 @@ impl Engine {
 
     /// Posts a write of `ops` to `peer` (see `parse_ops` for the layout); `notification` is
     /// delivered to the peer after every byte landed; `timeout` is the batch's deadline in
-    /// seconds. Bad ops are refused here, before any byte moves.
-    #[pyo3(signature = (peer, ops, notification=None, timeout=30.0))]
+    /// seconds. Bad ops are refused here, before any byte moves. `traceparent` (W3C text)
+    /// parents the write's `kv_write` span to the engine's request span, and `room` is
+    /// recorded on it (docs/tracing.md).
+    #[pyo3(signature = (peer, ops, notification=None, timeout=30.0, *, traceparent=None,
+                        room=None))]
+    #[allow(clippy::too_many_arguments)]
     fn write(
         &self,
         py: Python<'_>,
@@ -889,20 +901,34 @@ impl Engine {
         ops: &Bound<'_, PyAny>,
         notification: Option<&[u8]>,
         timeout: f64,
+        traceparent: Option<&str>,
+        room: Option<u64>,
     ) -> PyResult<Transfer> {
-        self.post(py, Direction::Write, peer, ops, notification, timeout)
+        let trace = Trace {
+            parent: crate::telemetry::traceparent(traceparent)?,
+            room,
+        };
+        let batch = batch(Direction::Write, ops, notification, timeout)?;
+        self.post(py, peer, batch, trace)
     }
 
-    /// Posts a read of `ops` from `peer` (transports whose capabilities declare reads).
-    #[pyo3(signature = (peer, ops, timeout=30.0))]
+    /// Posts a read of `ops` from `peer` (transports whose capabilities declare reads);
+    /// `traceparent` and `room` as for `write`.
+    #[pyo3(signature = (peer, ops, timeout=30.0, *, traceparent=None, room=None))]
     fn read(
         &self,
         py: Python<'_>,
         peer: &Peer,
         ops: &Bound<'_, PyAny>,
         timeout: f64,
+        traceparent: Option<&str>,
+        room: Option<u64>,
     ) -> PyResult<Transfer> {
-        self.post(py, Direction::Read, peer, ops, None, timeout)
+        let trace = Trace {
+            parent: crate::telemetry::traceparent(traceparent)?,
+            room,
+        };
+        self.post(py, peer, batch(Direction::Read, ops, None, timeout)?, trace)
     }
 
     /// Notifications received: a list of `(peer_id, payload)`, waiting up to `timeout` seconds
@@ -1000,31 +1026,97 @@ impl Engine {
     fn post(
         &self,
         py: Python<'_>,
-        direction: Direction,
         peer: &Peer,
-        ops: &Bound<'_, PyAny>,
-        notification: Option<&[u8]>,
-        timeout: f64,
+        batch: TransferBatch,
+        trace: Trace,
     ) -> PyResult<Transfer> {
         self.core.check_open()?;
         let peer = self.own(peer)?;
-        let timeout = seconds("timeout", Some(timeout))?.unwrap_or_default();
-        let ops = parse_ops(ops)?;
-        let mut batch = TransferBatch::new(direction, ops).with_timeout(timeout);
-        if let Some(n) = notification.filter(|n| !n.is_empty()) {
-            batch = batch.with_notification(Bytes::copy_from_slice(n));
-        }
+        let direction = batch.direction;
         let bytes = batch.total_bytes();
+        let span = trace.span(&self.core, direction, peer, &batch);
         let transport = self.core.transport.clone();
-        let id = block_on(py, async move { transport.post(peer, batch).await })?
-            .map_err(errors::transport)?;
+        let posted = block_on(py, async move { transport.post(peer, batch).await })?;
+        let id = match posted {
+            Ok(id) => id,
+            Err(e) => {
+                kvbridge_coordinator::set_batch_span_status(&span, Err(&e));
+                return Err(errors::transport(e));
+            }
+        };
+        span.record("batch", id.0);
         Ok(Transfer {
             core: self.core.clone(),
             id,
             bytes,
             done: Arc::new(Mutex::new(None)),
             waiter: Arc::new(tokio::sync::Mutex::new(())),
+            span: Arc::new(Mutex::new(Some(span))),
         })
+    }
+}
+
+/// A batch from `write`'s or `read`'s arguments; bad ops are refused here.
+fn batch(
+    direction: Direction,
+    ops: &Bound<'_, PyAny>,
+    notification: Option<&[u8]>,
+    timeout: f64,
+) -> PyResult<TransferBatch> {
+    let timeout = seconds("timeout", Some(timeout))?.unwrap_or_default();
+    let mut batch = TransferBatch::new(direction, parse_ops(ops)?).with_timeout(timeout);
+    if let Some(n) = notification.filter(|n| !n.is_empty()) {
+        batch = batch.with_notification(Bytes::copy_from_slice(n));
+    }
+    Ok(batch)
+}
+
+/// What a posted batch's span says beyond the batch itself.
+struct Trace {
+    /// The engine's request span, the span's parent.
+    parent: Option<kvbridge_coordinator::TraceParent>,
+    /// The engine's room (request) the batch belongs to.
+    room: Option<u64>,
+}
+
+impl Trace {
+    /// The batch's `kv_write` (or `kv_read`) span, one per batch, never per op: disabled,
+    /// costing nothing, when no OpenTelemetry layer is installed (docs/tracing.md).
+    fn span(
+        &self,
+        core: &EngineCore,
+        direction: Direction,
+        peer: PeerId,
+        batch: &TransferBatch,
+    ) -> tracing::Span {
+        macro_rules! batch_span {
+            ($name:literal) => {
+                tracing::info_span!(
+                    target: "kvbridge::engine",
+                    $name,
+                    room = tracing::field::Empty,
+                    peer = peer.0,
+                    batch = tracing::field::Empty,
+                    ops = batch.ops.len(),
+                    rows = batch.row_count(),
+                    bytes = batch.total_bytes(),
+                    transport = core.transport.name(),
+                    otel.status_code = tracing::field::Empty,
+                    error.type = tracing::field::Empty,
+                )
+            };
+        }
+        let span = match direction {
+            Direction::Write => batch_span!("kv_write"),
+            _ => batch_span!("kv_read"),
+        };
+        if let Some(room) = self.room {
+            span.record("room", room);
+        }
+        if let Some(parent) = &self.parent {
+            kvbridge_coordinator::set_span_parent(&span, parent);
+        }
+        span
     }
 }
 

@@ -4,7 +4,7 @@
 //! The variable takes `tracing-subscriber`'s filter directives: `warn`, `info`,
 //! `kvbridge_tcp=debug,warn`. Unset (the default), nothing is installed and the events cost
 //! only the check that no subscriber listens. A host process that installed a subscriber of its
-//! own keeps it. With OTLP export asked for too (`telemetry.rs`), the first agent installs one
+//! own keeps it. With OTLP export asked for too (`telemetry.rs`), the first engine installs one
 //! subscriber with both layers; until then no line is written.
 
 use std::sync::OnceLock;
@@ -51,7 +51,7 @@ fn directives() -> Option<&'static str> {
 }
 
 /// At import: installs the log lines' subscriber when [`VAR`] is set, unless OTLP export is
-/// asked for (then the first agent installs both together, `telemetry::ensure`).
+/// asked for (then the first engine installs both together, `telemetry::ensure`).
 pub(crate) fn init_from_env() {
     if kvbridge_otlp::requested() {
         return;

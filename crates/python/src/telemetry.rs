@@ -3,7 +3,7 @@
 //! on, `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL` choose `grpc` or
 //! `http/protobuf` (`kvbridge_otlp`).
 //!
-//! The first agent this process starts looks once: with no endpoint variable nothing is built
+//! The first `kvbridge.Engine` this process makes (every agent takes one) looks once: with no endpoint variable nothing is built
 //! (no exporter, no thread, no subscriber) and the spans' callsites stay disabled. With one,
 //! the process gets a `tracing` subscriber with the OpenTelemetry layer (kvbridge's spans, info
 //! and above) and, when `KVBRIDGE_LOG` is set, the log lines' layer (`logs.rs`), and an
@@ -20,10 +20,10 @@ use tracing_subscriber::{EnvFilter, Layer, Registry};
 
 use crate::errors::{Kind, invalid};
 
-/// The export, once the first agent looked (`None` inside: off).
+/// The export, once the first engine looked (`None` inside: off).
 static EXPORT: OnceLock<Mutex<Option<Export>>> = OnceLock::new();
 
-/// Starts the export if the environment asks for it; once per process, on the first agent.
+/// Starts the export if the environment asks for it; once per process, on the first engine.
 /// A failure to build it is a warning on stderr, never the agent's failure.
 pub(crate) fn ensure(py: Python<'_>) {
     let mut first = false;

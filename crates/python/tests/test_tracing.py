@@ -118,6 +118,9 @@ def decode_export(body):
                         "name": one[5].decode(),
                         "links": [dict(_fields(v))[2].hex() for k, v in f if k == 13],
                         "attrs": _attrs(f),
+                        # Span.status: code 1 OK, 2 ERROR (0: unset), and its message.
+                        "status": dict(_fields(one.get(15, b""))).get(3, 0),
+                        "status_message": dict(_fields(one.get(15, b""))).get(2, b"").decode(),
                     }
                 )
     return spans
@@ -149,7 +152,7 @@ def receiver():
     server.server_close()
 
 
-def run_child(extra_env):
+def run_child(extra_env, code=CHILD):
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(
         NO_PROXY="127.0.0.1",
@@ -161,7 +164,7 @@ def run_child(extra_env):
     env.pop("HTTP_PROXY", None)
     env.pop("http_proxy", None)
     out = subprocess.run(
-        [sys.executable, "-c", CHILD],
+        [sys.executable, "-c", code],
         env=env,
         capture_output=True,
         text=True,
@@ -191,6 +194,59 @@ def test_the_agents_spans_reach_an_otlp_receiver_under_the_engines_traceparent(r
     assert len(chunks) == 1 and by_id[chunks[0]["parent"]] is rooms["prefill"]
     receives = [s for s in spans if s["name"] == "kv_receive"]
     assert len(receives) == 1 and by_id[receives[0]["parent"]] is rooms["decode"]
+
+
+# Engine writes of an engine that opens no rooms (the SGLang plugin's): one that lands, one
+# refused at post, one cancelled before it could land, each under the caller's traceparent.
+WRITES = textwrap.dedent(
+    """
+    import os
+    import numpy as np
+    import kvbridge
+
+    parent = os.environ["PREFILL_PARENT"]
+    a, b = kvbridge.Engine("loopback"), kvbridge.Engine("loopback")
+    peer = a.connect(b.local_descriptor())
+    src, dst = a.allocate(1 << 20), b.allocate(1 << 20)
+    op = lambda n: np.array([(src.region, 0, dst.region, 0, n)], dtype=np.uint64)
+    assert a.write(peer, op(4096), traceparent=parent, room=7).wait(timeout=60.0)
+    try:
+        a.write(peer, op(2 << 20), traceparent=parent, room=8)
+        raise SystemExit("a write past the region's end was posted")
+    except kvbridge.KvbridgeError as e:
+        print("refused", type(e).__name__)
+    t = a.write(peer, op(1 << 20), traceparent=parent, room=9)
+    print("cancelled", t.cancel())
+    print("exporter", kvbridge.traces_exporter())
+    print("threads", "")  # run_child reads the line
+    for x in (a, b):
+        x.close()
+    """
+)
+
+
+def test_engine_writes_have_a_span_each_under_the_callers_traceparent(receiver):
+    """The span an engine's caller (the SGLang plugin) gets per write: parented to the
+    traceparent it passed, with the room, the bytes and the transport, and the failure's cause
+    as the status when the write was refused or cancelled."""
+    port, spans, _ = receiver
+    exporter, _, stderr = run_child({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"}, WRITES)
+    assert exporter == "http/protobuf"
+    # Integer attributes: u64 values, which OpenTelemetry carries as strings where i64 ends.
+    writes = {int(s["attrs"]["room"]): s for s in spans if s["name"] == "kv_write"}
+    assert set(writes) == {7, 8, 9}, (spans, stderr)
+    for w in writes.values():
+        assert (w["trace"], w["parent"]) == (TRACE, "1111111111111111"), w
+        assert w["attrs"]["transport"] == "loopback" and int(w["attrs"]["ops"]) == 1, w
+    landed, refused, cancelled = writes[7], writes[8], writes[9]
+    assert int(landed["attrs"]["bytes"]) == 4096 and landed["status"] == 1, landed
+    assert refused["status"] == 2 and refused["attrs"]["error.type"] == "transfer_error", refused
+    assert str(2 << 20) in refused["status_message"], refused
+    # A cancel may come after the bytes landed; the span says which.
+    if cancelled["status"] == 2:
+        assert cancelled["attrs"]["error.type"] == "aborted", cancelled
+    else:
+        assert cancelled["status"] == 1, cancelled
 
 
 def test_without_the_variable_there_is_no_exporter_and_no_export_thread(receiver):

@@ -138,8 +138,19 @@ class Engine:
         ops: npt.NDArray[np.uint64],
         notification: bytes | None = None,
         timeout: float = 30.0,
+        *,
+        traceparent: str | None = None,
+        room: int | None = None,
     ) -> Transfer: ...
-    def read(self, peer: Peer, ops: npt.NDArray[np.uint64], timeout: float = 30.0) -> Transfer: ...
+    def read(
+        self,
+        peer: Peer,
+        ops: npt.NDArray[np.uint64],
+        timeout: float = 30.0,
+        *,
+        traceparent: str | None = None,
+        room: int | None = None,
+    ) -> Transfer: ...
     def notifications(self, timeout: float | None = 0.0) -> list[tuple[int, bytes]]: ...
     def close(self) -> None: ...
     def __enter__(self) -> Engine: ...

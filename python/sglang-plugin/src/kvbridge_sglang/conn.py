@@ -183,6 +183,30 @@ _CHUNK = threading.local()
 _GROUP = threading.local()
 
 
+def sglang_traceparent(trace_ctx) -> Optional[str]:
+    """The W3C ``traceparent`` of the innermost span SGLang has open for a chunk on this
+    thread: its transfer worker's slice, else the thread's span, else the request's root span
+    (``TraceReqContext``, docs/tracing.md, "SGLang"). None where SGLang traces nothing: tracing
+    off, or ``kvbridge`` left out of ``--trace-modules``."""
+    if trace_ctx is None or getattr(trace_ctx, "tracing_enable", False) is not True:
+        return None
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    thread = getattr(trace_ctx, "thread_context", None)
+    if thread is not None and thread.cur_slice_stack:
+        context = trace.set_span_in_context(thread.cur_slice_stack[-1].span)
+    elif thread is not None and thread.thread_span is not None:
+        context = trace.set_span_in_context(thread.thread_span)
+    else:
+        context = getattr(trace_ctx, "root_span_context", None)
+    if context is None:
+        return None
+    carrier: dict = {}
+    TraceContextTextMapPropagator().inject(carrier, context=context)
+    return carrier.get("traceparent")
+
+
 class _SettlingQueue:
     """A transfer worker's queue: before the worker waits for its next chunk, the writes its
     last chunk left in flight are settled; the chunk it takes names the room of its writes."""
@@ -194,6 +218,7 @@ class _SettlingQueue:
         self._manager._settle_chunk()
         chunk = self._queue.get()
         _CHUNK.room = getattr(chunk, "room", None)
+        _CHUNK.trace_ctx = getattr(chunk, "trace_ctx", None)
         return chunk
 
     def __getattr__(self, name):
@@ -294,7 +319,7 @@ class KvbridgeKVManager(MooncakeKVManager):
         return cause
 
     def _settle_chunk(self) -> None:
-        room, _CHUNK.room = getattr(_CHUNK, "room", None), None
+        room, _CHUNK.room, _CHUNK.trace_ctx = getattr(_CHUNK, "room", None), None, None
         if room is None:
             return
         cause = self._settle(room, cancel=self.request_status.get(room) == KVPoll.Failed)
@@ -323,10 +348,17 @@ class KvbridgeKVManager(MooncakeKVManager):
         self.engine = KvbridgeTransferEngine(
             self.transport_name, host=self.local_ip, device_buffers=self.device_buffers()
         )
+        self.engine.write_context = self._write_context
         # The transport's own word, for transports the name table does not know.
         checks.refuse_device_pools_on(
             self.transport_name, self.pool_memory, self.engine.engine.capabilities
         )
+
+    @staticmethod
+    def _write_context() -> tuple:
+        """The room of the chunk this thread sends and SGLang's span for it, which each write's
+        ``kv_write`` span records and takes as parent (docs/tracing.md, "SGLang")."""
+        return getattr(_CHUNK, "room", None), sglang_traceparent(getattr(_CHUNK, "trace_ctx", None))
 
     def _send_kvcache_generic(self, *args, **kwargs) -> int:
         # HiSparse's second (device) page space and Mooncake's per-layer thread pool (custom

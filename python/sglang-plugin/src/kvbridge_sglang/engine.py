@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import zlib
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -102,6 +102,9 @@ class KvbridgeTransferEngine:
         self._group_sessions: dict[str, str] = {}
         self._peers: dict[str, tuple[kvbridge.Peer, _RegionTable]] = {}
         self._last_error: Optional[str] = None
+        # () -> (room, traceparent) of the calling thread's request, recorded on each write's
+        # span (set by the manager; docs/tracing.md).
+        self.write_context: Callable[[], tuple] = lambda: (None, None)
 
     # Registration (both sides).
     def register(self, ptr: int, length: int) -> int:
@@ -269,10 +272,13 @@ class KvbridgeTransferEngine:
                 axis=1,
             )
         ops = np.ascontiguousarray(ops)
+        room, traceparent = self.write_context()
         posted = []
         try:
             for part in self._parts(ops, counts):
-                posted.append(self.engine.write(peer, part, timeout=self.timeout))
+                posted.append(
+                    self.engine.write(peer, part, timeout=self.timeout, room=room, traceparent=traceparent)
+                )
         except kvbridge.KvbridgeError:
             for transfer in posted:  # no byte of a refused write lands
                 transfer.cancel()
