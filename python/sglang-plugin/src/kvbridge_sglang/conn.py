@@ -183,6 +183,10 @@ _CHUNK = threading.local()
 _GROUP = threading.local()
 
 
+# Whether _write_context has said once that SGLang's trace context could not be read.
+_TRACE_WARNED = False
+
+
 def sglang_traceparent(trace_ctx) -> Optional[str]:
     """The W3C ``traceparent`` of the innermost span SGLang has open for a chunk on this
     thread: its transfer worker's slice, else the thread's span, else the request's root span
@@ -357,8 +361,19 @@ class KvbridgeKVManager(MooncakeKVManager):
     @staticmethod
     def _write_context() -> tuple:
         """The room of the chunk this thread sends and SGLang's span for it, which each write's
-        ``kv_write`` span records and takes as parent (docs/tracing.md, "SGLang")."""
-        return getattr(_CHUNK, "room", None), sglang_traceparent(getattr(_CHUNK, "trace_ctx", None))
+        ``kv_write`` span records and takes as parent (docs/tracing.md, "SGLang"). Tracing never
+        fails a write: where SGLang's context cannot be read, the span has no parent."""
+        try:
+            traceparent = sglang_traceparent(getattr(_CHUNK, "trace_ctx", None))
+        except Exception as e:  # SGLang's or OpenTelemetry's internals changed
+            global _TRACE_WARNED
+            if not _TRACE_WARNED:
+                _TRACE_WARNED = True
+                logger.warning(
+                    "kvbridge: SGLang's trace context could not be read (%s); writes are traced without it", e
+                )
+            traceparent = None
+        return getattr(_CHUNK, "room", None), traceparent
 
     def _send_kvcache_generic(self, *args, **kwargs) -> int:
         # HiSparse's second (device) page space and Mooncake's per-layer thread pool (custom
