@@ -11,11 +11,21 @@ use std::time::Duration;
 use kvbridge_nixl::{NixlOptions, NixlTransport};
 use kvbridge_transport::{KvTransport, KvTransportExt, TransferBatch, TransferOp};
 
-/// Threads of this process.
-fn threads() -> usize {
+/// Threads of this process, by id, with their names.
+fn threads() -> std::collections::BTreeMap<String, String> {
     std::fs::read_dir("/proc/self/task")
-        .map(|d| d.count())
-        .unwrap_or(0)
+        .map(|d| {
+            d.flatten()
+                .map(|t| {
+                    let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+                    (
+                        t.file_name().to_string_lossy().into_owned(),
+                        comm.trim().to_owned(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -45,10 +55,15 @@ async fn dropping_a_transport_joins_its_polling_thread() {
             tx.post(peer, TransferBatch::write(vec![op])).await.unwrap();
         }
         drop(tx);
-        assert_eq!(
-            threads(),
-            before,
-            "round {round}: a thread of the transport outlived its drop"
+        let after = threads();
+        let new: Vec<_> = after
+            .iter()
+            .filter(|(id, _)| !before.contains_key(*id))
+            .collect();
+        assert!(
+            new.is_empty(),
+            "round {round}: threads started meanwhile outlived the transport's drop: {new:?} \
+             (before: {before:?})"
         );
     }
 }
