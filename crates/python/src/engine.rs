@@ -904,12 +904,8 @@ impl Engine {
         traceparent: Option<&str>,
         room: Option<u64>,
     ) -> PyResult<Transfer> {
-        let trace = Trace {
-            parent: crate::telemetry::traceparent(traceparent)?,
-            room,
-        };
         let batch = batch(Direction::Write, ops, notification, timeout)?;
-        self.post(py, peer, batch, trace)
+        self.post(py, peer, batch, Trace::new(traceparent, room)?)
     }
 
     /// Posts a read of `ops` from `peer` (transports whose capabilities declare reads);
@@ -924,11 +920,8 @@ impl Engine {
         traceparent: Option<&str>,
         room: Option<u64>,
     ) -> PyResult<Transfer> {
-        let trace = Trace {
-            parent: crate::telemetry::traceparent(traceparent)?,
-            room,
-        };
-        self.post(py, peer, batch(Direction::Read, ops, None, timeout)?, trace)
+        let batch = batch(Direction::Read, ops, None, timeout)?;
+        self.post(py, peer, batch, Trace::new(traceparent, room)?)
     }
 
     /// Notifications received: a list of `(peer_id, payload)`, waiting up to `timeout` seconds
@@ -1080,6 +1073,14 @@ struct Trace {
 }
 
 impl Trace {
+    /// From `write`'s or `read`'s `traceparent=` (refused if malformed) and `room=`.
+    fn new(traceparent: Option<&str>, room: Option<u64>) -> PyResult<Self> {
+        Ok(Trace {
+            parent: crate::telemetry::traceparent(traceparent)?,
+            room,
+        })
+    }
+
     /// The batch's `kv_write` (or `kv_read`) span, one per batch, never per op: disabled,
     /// costing nothing, when no OpenTelemetry layer is installed (docs/tracing.md).
     fn span(

@@ -1,10 +1,11 @@
-//! OTLP export of the agents' spans from Python (docs/tracing.md), on the same variables as
-//! the lab: `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) turns it
-//! on, `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL` choose `grpc` or
-//! `http/protobuf` (`kvbridge_otlp`).
+//! OTLP export of kvbridge's spans from Python (the agents' rooms, the engine's writes;
+//! docs/tracing.md), on the same variables as the lab: `OTEL_EXPORTER_OTLP_ENDPOINT` (or
+//! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) turns it on, `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` /
+//! `OTEL_EXPORTER_OTLP_PROTOCOL` choose `grpc` or `http/protobuf` (`kvbridge_otlp`).
 //!
-//! The first `kvbridge.Engine` this process makes (every agent takes one) looks once: with no endpoint variable nothing is built
-//! (no exporter, no thread, no subscriber) and the spans' callsites stay disabled. With one,
+//! The first `kvbridge.Engine` this process makes (every agent takes one) looks once: with no
+//! endpoint variable nothing is built (no exporter, no thread, no subscriber) and the spans'
+//! callsites stay disabled. With one,
 //! the process gets a `tracing` subscriber with the OpenTelemetry layer (kvbridge's spans, info
 //! and above) and, when `KVBRIDGE_LOG` is set, the log lines' layer (`logs.rs`), and an
 //! `atexit` hook that flushes it.
